@@ -1,0 +1,89 @@
+"""add_rms_norm: residual add feeding an RMSNorm -> torch.ops.npu.npu_add_rms_norm.
+
+    h = x + residual          # the decoder layer's residual stream, used again later
+    y = npu_rms_norm(h, w)    # produced by the rms_norm pass (or called by the model)
+ -> y, _, h = npu_add_rms_norm(x, residual, w)
+
+One kernel reads x and residual once and writes both h and y. It works on npu_rms_norm
+calls, so the rms_norm pass (which runs first) turns every RMSNorm form into one and this
+pass needs no form of its own per RMSNorm spelling.
+
+Numerics (op_semantics.md 2.2): in bf16 the kernel computes rstd from the fp32 sum before
+rounding it to h, where the unfused graph normalises the rounded h: at most one ulp of
+bf16 apart. fp16 and fp32 match the unfused order. npu_add_rms_norm has no backward in
+torch_npu; the pipeline only sees forward/inference graphs after autograd has been
+partitioned away, where no gradient flows through the op.
+"""
+import operator
+
+import torch
+
+from npu_fx_fusion.capabilities import unsupported
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+
+aten = torch.ops.aten
+
+
+def residual_add_then_norm(x, residual, weight, eps):
+    h = x + residual
+    return torch.ops.npu.npu_rms_norm(h, weight, eps)[0], h
+
+
+def residual_add_then_norm_default_eps(x, residual, weight):
+    # eps equal to the schema default (1e-6) is left out of the traced call
+    h = x + residual
+    return torch.ops.npu.npu_rms_norm(h, weight)[0], h
+
+
+def npu_add_rms_norm(x, residual, weight, eps):
+    y, _, h = torch.ops.npu.npu_add_rms_norm(x, residual, weight, eps)
+    return y, h
+
+
+def npu_add_rms_norm_default_eps(x, residual, weight):
+    y, _, h = torch.ops.npu.npu_add_rms_norm(x, residual, weight)
+    return y, h
+
+
+FORMS = [
+    Form(residual_add_then_norm, npu_add_rms_norm),
+    Form(residual_add_then_norm_default_eps, npu_add_rms_norm_default_eps),
+]
+
+
+def check(site):
+    return unsupported("npu.npu_add_rms_norm", site.soc, x=site["x"], gamma=site["weight"],
+                       x1=site["x"], x2=site["residual"])
+
+
+def anchor(node):
+    return is_call(node, torch.ops.npu.npu_rms_norm.default) and is_call(node.args[0], aten.add.Tensor)
+
+
+def explain(norm):
+    add = norm.args[0]
+    if add.kwargs.get("alpha", 1) != 1:
+        return f"the add scales its second operand (alpha={add.kwargs['alpha']})"
+    operands = [tensor_meta(a) for a in add.args[:2]]
+    if any(t is None for t in operands):
+        return "one operand of the add is a scalar, not a residual tensor"
+    rstd_users = [u for u in norm.users if u.target is operator.getitem and u.args[1] == 1 and u.users]
+    if rstd_users:
+        return f"the norm's rstd output is used by {rstd_users[0].name}"
+    return None
+
+
+PASS = FusionPass(
+    name="add_rms_norm",
+    fused_op="npu.npu_add_rms_norm",
+    forms=FORMS,
+    example={
+        "x": lambda dtype: torch.empty(2, 3, 8, dtype=dtype),
+        "residual": lambda dtype: torch.empty(2, 3, 8, dtype=dtype),
+        "weight": lambda dtype: torch.empty(8, dtype=dtype),
+        "eps": 2.0**-17,
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+)

@@ -1,0 +1,162 @@
+"""rms_norm: RMSNorm over the last dim -> torch.ops.npu.npu_rms_norm.
+
+    y = x / sqrt(mean(x^2, last dim) + eps) * weight
+
+npu_rms_norm normalises in fp32 and multiplies the weight in fp32 with one rounding at
+the end (op_semantics.md 2.1). HF code rounds to the input dtype before multiplying the
+weight, so in bf16/fp16 the two differ by at most one ulp of the output; in fp32 they
+agree to float rounding. eps is captured from the graph, never baked in.
+"""
+import torch
+import torch.nn.functional as F
+
+from npu_fx_fusion.capabilities import unsupported
+from npu_fx_fusion.matching import (Form, FusionPass, is_call, normalized_dims, tensor_meta,
+                                    users_outside)
+
+aten = torch.ops.aten
+
+
+# ---- the unfused forms, as model code writes them --------------------------------------
+def hf_llama(x, weight, eps):
+    # transformers LlamaRMSNorm (also Qwen2/Qwen3 incl. q_norm/k_norm, Mistral, DeepSeek-V3)
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+def weight_after_cast(x, weight, eps):
+    # the same with the operands of the weight multiply swapped
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(x.dtype) * weight
+
+
+def weight_before_cast(x, weight, eps):
+    # weight applied in fp32, one cast at the end (Megatron, torchtitan-style modules)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).type_as(x)
+
+
+def torch_functional(x, weight, eps):
+    # torch.nn.RMSNorm / F.rms_norm (torchtitan): positive dims, eps as an add.Scalar
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def divide_by_sqrt(x, weight, eps):
+    h = x.to(torch.float32)
+    h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def gemma(x, weight, eps):
+    # Gemma / Gemma2 / Gemma3: the weight is stored as an offset from 1, applied in fp32
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def no_weight(x, eps):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
+
+
+# ---- the fused calls --------------------------------------------------------------------
+def npu_rms_norm(x, weight, eps):
+    return torch.ops.npu.npu_rms_norm(x, weight, eps)[0]
+
+
+def npu_rms_norm_gemma(x, weight, eps):
+    # gamma = 1 + w in fp32, as Gemma computes it; an fp32 gamma with a half input is the
+    # op's mixed-precision mode (checked against the SoC in `check`).
+    return torch.ops.npu.npu_rms_norm(x, weight.float() + 1.0, eps)[0]
+
+
+def npu_rms_norm_unit_weight(x, eps):
+    ones = torch.ones(x.shape[-1:], dtype=x.dtype, device=x.device)
+    return torch.ops.npu.npu_rms_norm(x, ones, eps)[0]
+
+
+FORMS = [
+    Form(hf_llama, npu_rms_norm),
+    Form(weight_after_cast, npu_rms_norm),
+    Form(weight_before_cast, npu_rms_norm),
+    Form(torch_functional, npu_rms_norm),
+    Form(divide_by_sqrt, npu_rms_norm),
+    Form(gemma, npu_rms_norm_gemma),
+    Form(no_weight, npu_rms_norm_unit_weight),  # last: it is a sub-pattern of the others
+]
+
+
+# ---- checks -------------------------------------------------------------------------------
+def check(site):
+    x, weight = site["x"], site.args.get("weight")
+    if weight is not None:
+        if tuple(weight.shape) != tuple(x.shape[-1:]):
+            return (f"weight shape {list(weight.shape)} is not the normalised dim "
+                    f"{list(x.shape[-1:])}: npu_rms_norm would normalise over more dims")
+        if site.form.replace is npu_rms_norm_gemma:
+            weight = weight.float()
+    return unsupported("npu.npu_rms_norm", site.soc, x=x, gamma=weight)
+
+
+# ---- near misses: a root of a mean of squares that no form consumed ------------------
+def _mean_of_squares(node):
+    """The mean.dim node under an rsqrt/sqrt (through the eps add), or None."""
+    if is_call(node, aten.add.Tensor, aten.add.Scalar):
+        node = node.args[0]
+    if not is_call(node, aten.mean.dim):
+        return None
+    square = node.args[0]
+    if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
+        return node
+    if is_call(square, aten.mul.Tensor) and square.args[0] is square.args[1]:
+        return node
+    return None
+
+
+def anchor(node):
+    return is_call(node, aten.rsqrt.default, aten.sqrt.default) and _mean_of_squares(node.args[0]) is not None
+
+
+def explain(root):
+    mean = _mean_of_squares(root.args[0])
+    source = tensor_meta(mean.args[0])
+    rank = source.dim() if source is not None else None
+    dims, keepdim = mean.args[1], (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))
+    if rank is not None and normalized_dims(dims, rank) != [rank - 1]:
+        return (f"normalises over dim(s) {list(dims)} of a {rank}-d tensor; "
+                "npu_rms_norm normalises over the last dim only")
+    if not keepdim:
+        return "mean without keepdim=True: the normaliser does not broadcast over the last dim"
+    eps_add = root.args[0]
+    if not is_call(eps_add, aten.add.Tensor, aten.add.Scalar):
+        return "no eps is added before the square root"
+    if isinstance(eps_add.args[1], torch.fx.Node):
+        return f"eps is a tensor ({eps_add.args[1].name}), not a constant"
+    chain = [mean.args[0], mean, eps_add, root]
+    shared = users_outside(chain[:-1], allowed=chain)
+    if shared:
+        node, user = shared
+        return f"intermediate {node.name} ({node.target}) is also used by {user.name}"
+    return None
+
+
+PASS = FusionPass(
+    name="rms_norm",
+    fused_op="npu.npu_rms_norm",
+    forms=FORMS,
+    example={
+        "x": lambda dtype: torch.empty(2, 3, 8, dtype=dtype),
+        "weight": lambda dtype: torch.empty(8, dtype=dtype),
+        # exactly representable in fp32, so F.rms_norm's float32 eps keeps it intact
+        "eps": 2.0**-17,
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+)

@@ -1,0 +1,172 @@
+"""How the pipeline gets into a compile: torchair, npugraph_ex, or CPU emulation.
+
+torchair calls `post_grad_custom_pre_pass(gm, example_inputs, config)` on every graph it
+compiles (forward, backward, inference, joint), after aot_autograd and before its own
+pattern pass and lowering (shared/reference/torchair.md, 1.3 and 2.1). FusionPipeline is
+that callable. Without torchair, EmulationBackend reproduces the part of torchair's
+pipeline the passes depend on: aot_autograd with torchair's (empty, on one device)
+decomposition set and the same compiler arguments, the pipeline, then eager execution
+of the rewritten graph.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from .config import FusionConfig
+from .pipeline import run_passes
+from .report import FusionReport
+
+log = logging.getLogger("npu_fx_fusion")
+
+_last_report: Optional[FusionReport] = None
+
+
+def last_report() -> FusionReport:
+    """The report of the backend (or fuse() call) that processed a graph most recently.
+
+    It accumulates every graph that backend compiled: graph breaks, forward and backward
+    (the backward graph is compiled lazily, at the first .backward()).
+    """
+    if _last_report is None:
+        raise RuntimeError("no graph has been fused yet: compile and run a model with "
+                           "get_npu_backend(), or call fuse()")
+    return _last_report
+
+
+def _set_last_report(report: FusionReport) -> None:
+    global _last_report
+    _last_report = report
+
+
+class FusionPipeline:
+    """The callable installed as torchair's / npugraph_ex's post_grad_custom_pre_pass.
+
+    It runs the user's own pre-pass first when there was one (so their rewrites see the
+    graph they expect), then ours, and records every graph in `self.report`.
+    """
+
+    def __init__(self, fusion_config: Optional[FusionConfig] = None,
+                 chained: Optional[Callable] = None):
+        self.fusion_config = fusion_config or FusionConfig()
+        self.chained = chained
+        self.report = FusionReport()
+        self._graph_ids = itertools.count()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any = None, config: Any = None) -> None:
+        if self.chained is not None:
+            self.chained(gm, example_inputs, config)
+        name = _graph_kind(config) or f"graph{next(self._graph_ids)}"
+        _set_last_report(self.report)
+        run_passes(gm, self.fusion_config, self.report, graph_name=name)
+
+
+def _graph_kind(config: Any) -> Optional[str]:
+    # torchair names the phase in its observer, which the pass cannot see; the emulation
+    # backend passes the phase name as `config`.
+    return config if isinstance(config, str) else None
+
+
+def install(compiler_config: Any, fusion_config: Optional[FusionConfig] = None) -> FusionPipeline:
+    """Install the fusion pipeline as `post_grad_custom_pre_pass` of a compiler config.
+
+    compiler_config: a torchair.CompilerConfig, an npugraph_ex.CompilerConfig, or the
+    `options` dict of `torch.compile(..., backend="npugraph_ex", options=...)`. A pass the
+    user had set keeps running, before ours. Installing again replaces the fusion config
+    rather than chaining a second pipeline. Returns the installed FusionPipeline, whose
+    `report` collects what it did.
+    """
+    if isinstance(compiler_config, dict):
+        existing = compiler_config.get("post_grad_custom_pre_pass")
+    elif hasattr(compiler_config, "post_grad_custom_pre_pass"):
+        existing = compiler_config.post_grad_custom_pre_pass
+    else:
+        raise TypeError(
+            "install() needs a torchair.CompilerConfig, an npugraph_ex.CompilerConfig or an "
+            f"options dict; got {type(compiler_config).__name__}")
+    existing = getattr(existing, "value", existing)  # torchair wraps options in *Value objects
+    if isinstance(existing, FusionPipeline):
+        pipeline = FusionPipeline(fusion_config, chained=existing.chained)
+    else:
+        pipeline = FusionPipeline(fusion_config, chained=existing)
+    if isinstance(compiler_config, dict):
+        compiler_config["post_grad_custom_pre_pass"] = pipeline
+    else:
+        compiler_config.post_grad_custom_pre_pass = pipeline
+    return pipeline
+
+
+def import_torchair():
+    """torchair, or None. On an Ascend install it is importable once torch_npu is loaded."""
+    try:
+        import torchair  # noqa: F401
+
+        return torchair
+    except ImportError:
+        pass
+    try:
+        import torch_npu  # noqa: F401
+        import torchair  # noqa: F811
+
+        return torchair
+    except Exception:  # torch_npu absent, or present without CANN
+        return None
+
+
+class EmulationBackend:
+    """A torch.compile backend that runs torchair's pipeline shape on CPU, without torchair.
+
+    dynamo graph -> aot_autograd (torchair's decompositions: none that apply on one device;
+    inference input mutations kept, as torchair does) -> the fusion pipeline on each of
+    the forward/backward/inference graphs -> eager execution of the fused graph.
+    """
+
+    def __init__(self, fusion_config: Optional[FusionConfig] = None):
+        self.pipeline = FusionPipeline(fusion_config)
+
+    @property
+    def report(self) -> FusionReport:
+        return self.pipeline.report
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        return aot_module_simplified(
+            gm,
+            example_inputs,
+            fw_compiler=functools.partial(self._compile, "forward"),
+            bw_compiler=functools.partial(self._compile, "backward"),
+            inference_compiler=functools.partial(self._compile, "inference"),
+            decompositions={},
+            keep_inference_input_mutations=True,
+        )
+
+    def _compile(self, phase: str, gm: torch.fx.GraphModule, example_inputs: Any):
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        self.pipeline(gm, example_inputs, phase)
+        return make_boxed_func(gm.forward)
+
+
+def get_npu_backend(compiler_config: Any = None, fusion_config: Optional[FusionConfig] = None):
+    """A torch.compile backend: torchair's with the fusion pipeline installed, or emulation.
+
+    With torchair importable: `torchair.get_npu_backend(compiler_config=cfg)` where cfg is
+    `compiler_config` (or a default CompilerConfig) with the pipeline installed as its
+    post_grad_custom_pre_pass. Without torchair: an EmulationBackend on CPU;
+    `compiler_config` must then be None, since nothing could honour it.
+    """
+    torchair = import_torchair()
+    if torchair is None:
+        if compiler_config is not None:
+            raise ValueError("a compiler_config was given but torchair is not importable; "
+                             "without torch_npu only the CPU emulation backend is available")
+        log.info("torchair not found: using the CPU emulation backend")
+        return EmulationBackend(fusion_config)
+    config = compiler_config if compiler_config is not None else torchair.CompilerConfig()
+    install(config, fusion_config)
+    return torchair.get_npu_backend(compiler_config=config)

@@ -1,0 +1,94 @@
+"""FusionConfig: which passes run, for which SoC, and what gets dumped.
+
+Pass names are defined here and nowhere else: the config keys, the report keys, the CLI
+flags and the module names in `npu_fx_fusion.patterns` are all these strings.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import AbstractSet, Iterable, Optional
+
+# Pipeline order. rms_norm runs before add_rms_norm because add_rms_norm folds a residual
+# add into the npu_rms_norm calls that rms_norm produced (or that the model calls itself).
+PASS_NAMES: tuple[str, ...] = (
+    "rms_norm",
+    "add_rms_norm",
+    "rope",
+    "swiglu",
+    "moe_gating",
+    "moe_dispatch",
+    "grouped_matmul",
+    "lightning_indexer",
+    "sparse_attention",
+    "softmax_l1_norm",
+)
+
+ENV_SWITCH = "NPU_FX_FUSION"  # "0" turns every pass off
+ENV_DISABLE = "NPU_FX_FUSION_DISABLE"  # comma-separated pass names to turn off
+
+
+def check_pass_names(names: Iterable[str], where: str) -> frozenset[str]:
+    """Return `names` as a frozenset, or raise ValueError naming the unknown ones."""
+    if isinstance(names, str):  # a bare string would otherwise be read as letters
+        names = [names]
+    names = frozenset(names)
+    unknown = sorted(names - set(PASS_NAMES))
+    if unknown:
+        raise ValueError(
+            f"unknown pass name(s) {', '.join(map(repr, unknown))} in {where}; "
+            f"valid names: {', '.join(PASS_NAMES)}"
+        )
+    return names
+
+
+def _env_disabled() -> frozenset[str]:
+    raw = os.environ.get(ENV_DISABLE, "")
+    names = [part.strip() for part in raw.split(",") if part.strip()]
+    return check_pass_names(names, f"${ENV_DISABLE}")
+
+
+def fusion_switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in {"0", "false", "off", "no"}
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """What the fusion pipeline does.
+
+    enable:   run only these passes (None: all of them).
+    disable:  never run these passes (applied after `enable`).
+    soc:      the Ascend SoC to honour hardware limits for (see capabilities.SOCS). None:
+              detected from torch_npu when it is present, otherwise no SoC-specific limits
+              are applied and the report notes which limits a site would hit.
+    dump_dir: write each compiled graph before/after the passes and the report there.
+    strict:   re-raise a pass's exception instead of reverting that pass and reporting it.
+
+    The environment is read each time a pipeline runs, so it overrides code:
+    NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
+    """
+
+    enable: Optional[AbstractSet[str]] = None
+    disable: AbstractSet[str] = field(default_factory=frozenset)
+    soc: Optional[str] = None
+    dump_dir: Optional[str] = None
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.enable is not None:
+            object.__setattr__(self, "enable", check_pass_names(self.enable, "FusionConfig(enable=...)"))
+        object.__setattr__(self, "disable", check_pass_names(self.disable, "FusionConfig(disable=...)"))
+        if self.soc is not None:
+            from .capabilities import check_soc_name
+
+            check_soc_name(self.soc)
+        if self.dump_dir is not None:
+            object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
+
+    def enabled_passes(self) -> tuple[str, ...]:
+        """The passes to run now, in pipeline order, after the environment overrides."""
+        if fusion_switched_off():
+            return ()
+        wanted = set(PASS_NAMES) if self.enable is None else set(self.enable)
+        wanted -= set(self.disable) | _env_disabled()
+        return tuple(name for name in PASS_NAMES if name in wanted)

@@ -1,0 +1,321 @@
+"""A thin layer over torch._inductor.pattern_matcher for the pattern catalog.
+
+A fusion (one module in npu_fx_fusion.patterns) declares a FusionPass: its unfused
+forms as plain PyTorch functions, the fused replacement, a check that returns the first
+reason not to fuse (or None), and an anchor predicate that finds candidate sites so that
+the ones left unfused are reported as near misses. This module turns that into
+`register_replacement` calls on a private PatternMatcherPass, registered lazily on first
+use, and records what matched and what was turned down and why.
+
+Two decisions matter for correctness:
+- Search functions are traced without decompositions. `fwd_only` applies Inductor's
+  decomposition table by default (silu -> neg/exp/add/div ...), but torchair's graphs
+  are aot_autograd graphs with almost none (shared/reference/torchair.md, section 2.2).
+- Before accepting a match, the replacement is run on the match's fake values and must
+  produce outputs of the same shapes and dtypes as the subgraph it replaces. That catches
+  type promotion (an fp32 weight on a bf16 activation) and broadcasting, whatever a
+  pattern's own check forgot.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx
+from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .report import FusedSite, NearMiss, PassResult, SourceLocation, location_of
+
+log = logging.getLogger("npu_fx_fusion.matching")
+
+Node = torch.fx.Node
+Reason = Optional[str]  # None: fine; a string: why not
+
+
+def trace_without_decompositions(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
+    """Trace a search/replace function into the aten that torchair's graphs contain.
+
+    fwd_only minus Inductor's decompositions, functionalized as aot_autograd's graphs are
+    (F.rms_norm's in-place `add_` becomes `add`), with reduction dims canonicalised the
+    way the pipeline canonicalises the graphs it matches on.
+    """
+    kwargs["get_decomp_fn"] = dict  # -> {}; torch passes its own default explicitly otherwise
+    gm = pm.fwd_only(torch.func.functionalize(fn), args, **kwargs)
+    if canonicalize_reduction_dims(gm.graph):
+        gm.recompile()
+    return gm
+
+
+_REDUCTIONS_WITH_DIM_LIST = {
+    torch.ops.aten.mean.dim,
+    torch.ops.aten.sum.dim_IntList,
+    torch.ops.aten.amax.default,
+    torch.ops.aten.amin.default,
+}
+
+
+def canonicalize_reduction_dims(graph: torch.fx.Graph) -> int:
+    """Write reduction dims as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`).
+
+    Model code says `mean(-1)`, F.rms_norm says `mean([x.dim() - 1])`: the same
+    reduction, which a pattern would otherwise only match in one spelling. Returns the
+    number of nodes changed; the computation is unchanged.
+    """
+    changed = 0
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _REDUCTIONS_WITH_DIM_LIST:
+            continue
+        source = tensor_meta(node.args[0])
+        if source is None or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
+            continue
+        rank = source.dim()
+        if rank == 0:
+            continue
+        dims = [d - rank if d >= 0 else d for d in node.args[1]]
+        if dims != list(node.args[1]):
+            node.args = (node.args[0], dims, *node.args[2:])
+            changed += 1
+    return changed
+
+
+@dataclass(frozen=True)
+class Form:
+    """One unfused form and the fused call that computes the same thing.
+
+    `search` and `replace` take the same arguments. Tensor arguments match any tensor
+    node; scalar arguments (eps, ...) are captured from the matched graph, never baked in.
+    `dtypes` are the dtypes to trace at: a cast to float32 vanishes from an fp32 trace, so
+    forms with upcasts are traced at a half dtype as well.
+    """
+
+    search: Callable
+    replace: Callable
+    dtypes: tuple = (torch.float32, torch.bfloat16)
+
+    @property
+    def name(self) -> str:
+        return self.search.__name__
+
+    @property
+    def argnames(self) -> list[str]:
+        return list(inspect.signature(self.search).parameters)
+
+
+@dataclass
+class Site:
+    """A candidate match, seen through the values it binds (fake tensors and scalars)."""
+
+    form: Form
+    args: dict[str, Any]
+    nodes: list[Node]
+    arg_nodes: dict[str, Any]
+    soc: Optional[str]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.args[name]
+
+
+@dataclass
+class _PassRun:
+    """What one apply() of a FusionPass saw: accepted sites and rejections by node."""
+
+    soc: Optional[str]
+    sites: list[FusedSite] = field(default_factory=list)
+    rejections: dict[Node, str] = field(default_factory=dict)
+
+    def reject(self, nodes: Sequence[Node], reason: str) -> None:
+        for node in nodes:
+            self.rejections.setdefault(node, reason)
+
+
+class FusionPass:
+    """One fusion: forms -> fused op, with its checks and near-miss diagnosis.
+
+    name:     the pass name (config.PASS_NAMES)
+    fused_op: the op the replacement emits, "npu.npu_rms_norm"
+    forms:    the unfused forms, most specific first (tried in this order at each node)
+    example:  example value per argument name, as a function of dtype (tensors), or a
+              float/int for scalars. A scalar's example value marks it in the trace, so it
+              must not occur elsewhere in the search function's graph.
+    check:    check(site) -> reason or None, run on every structural match
+    anchor:   anchor(node) -> bool, the nodes that signal a candidate site
+    explain:  explain(anchor_node) -> reason or None, for an anchor no form matched
+    """
+
+    def __init__(self, *, name: str, fused_op: str, forms: Sequence[Form],
+                 example: Mapping[str, Any], check: Callable[[Site], Reason],
+                 anchor: Callable[[Node], bool], explain: Callable[[Node], Reason]):
+        self.name = name
+        self.fused_op = fused_op
+        self.forms = tuple(forms)
+        self.example = dict(example)
+        self.check = check
+        self.anchor = anchor
+        self.explain = explain
+        self._run: Optional[_PassRun] = None
+        for form in self.forms:
+            missing = set(form.argnames) - set(self.example)
+            if missing:
+                raise ValueError(f"{name}: form {form.name} has no example for {sorted(missing)}")
+
+    # ---- registration (lazy: tracing every form costs time, pay it on first use) ----------
+    @functools.cached_property
+    def matcher(self) -> pm.PatternMatcherPass:
+        matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}")
+        with FakeTensorMode():
+            for form in self.forms:
+                for dtype in form.dtypes:
+                    self._register(matcher, form, dtype)
+        return matcher
+
+    def _register(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype) -> None:
+        scalars = {n: v for n, v in self.example.items()
+                   if n in form.argnames and isinstance(v, (int, float))}
+        inputs = [self._example_value(n, dtype) for n in form.argnames]
+        pm.register_replacement(
+            form.search,
+            form.replace,
+            inputs,
+            trace_fn=trace_without_decompositions,
+            pass_dicts=matcher,
+            extra_check=functools.partial(self._extra_check, form),
+            scalar_workaround=scalars,
+            skip_duplicates=True,  # fp32 and half traces of a cast-free form are the same
+        )
+
+    def _example_value(self, name: str, dtype: torch.dtype) -> Any:
+        value = self.example[name]
+        return value(dtype) if callable(value) else value
+
+    # ---- the check run on every structural match -----------------------------------------
+    def _extra_check(self, form: Form, match: pm.Match) -> bool:
+        run = self._run
+        assert run is not None, "FusionPass matcher used outside apply()"
+        site = self._site(form, match, run.soc)
+        reason = self._first_failure(site, match)
+        if reason is not None:
+            log.debug("%s: not fusing %s at %s: %s", self.name, form.name,
+                      location_of(match.nodes), reason)
+            run.reject(match.nodes, reason)
+            return False
+        run.sites.append(FusedSite(self.name, form.name, self.fused_op, self._location(match.nodes)))
+        return True
+
+    def _site(self, form: Form, match: pm.Match, soc: Optional[str]) -> Site:
+        arg_nodes = {name: match.kwargs[name] for name in form.argnames if name in match.kwargs}
+        args = {name: value.meta.get("val") if isinstance(value, Node) else value
+                for name, value in arg_nodes.items()}
+        return Site(form, args, list(match.nodes), arg_nodes, soc)
+
+    def _first_failure(self, site: Site, match: pm.Match) -> Reason:
+        return (self._argument_kinds_differ(site)
+                or self.check(site)
+                or self._outputs_differ(site, match))
+
+    def _argument_kinds_differ(self, site: Site) -> Reason:
+        for name in site.form.argnames:
+            wants_tensor = callable(self.example[name])
+            value = site.args.get(name)
+            if wants_tensor and not isinstance(value, torch.Tensor):
+                return f"{name} is {value!r}, not a tensor"
+            if not wants_tensor and isinstance(site.arg_nodes.get(name), Node):
+                return f"{name} is a tensor computed in the graph, not a constant"
+        return None
+
+    def _outputs_differ(self, site: Site, match: pm.Match) -> Reason:
+        originals = [n.meta.get("val") if n is not None else None for n in match.output_nodes()]
+        fake_mode = torch._guards.detect_fake_mode(list(site.args.values()))  # noqa: SLF001
+        if fake_mode is None:
+            return "the matched nodes carry no tensor metadata (meta['val'])"
+        with fake_mode:
+            fused = site.form.replace(*[site.args[n] for n in site.form.argnames])
+        fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
+        for index, (orig, new) in enumerate(zip(originals, fused)):
+            if not isinstance(orig, torch.Tensor):
+                continue
+            if orig.dtype != new.dtype or orig.shape != new.shape:
+                return (f"{self.fused_op} would give {_describe(new)} where the model computes "
+                        f"{_describe(orig)} (output {index})")
+        return None
+
+    @staticmethod
+    def _location(nodes: Sequence[Node]) -> SourceLocation:
+        return location_of(nodes)
+
+    # ---- running -------------------------------------------------------------------------
+    def apply(self, gm: torch.fx.GraphModule, soc: Optional[str] = None) -> PassResult:
+        """Fuse every match in `gm` in place; report sites and near misses."""
+        result = PassResult(self.name)
+        self._run = run = _PassRun(soc)
+        existing = set(gm.graph.nodes)
+        try:
+            count = self.matcher.apply(gm)
+        finally:
+            self._run = None
+        _inherit_source_meta([n for n in gm.graph.nodes if n not in existing])
+        if count != len(run.sites):  # the matcher and our bookkeeping must agree
+            raise RuntimeError(f"{self.name}: matcher replaced {count} sites, accepted {len(run.sites)}")
+        result.sites = run.sites
+        for node in gm.graph.nodes:
+            if self.anchor(node):
+                reason = (run.rejections.get(node) or self.explain(node)
+                          or f"matches none of the forms {', '.join(f.name for f in self.forms)}")
+                result.near_misses.append(NearMiss(self.name, reason, location_of([node, *node.users])))
+        return result
+
+
+_SOURCE_META = ("stack_trace", "nn_module_stack")
+
+
+def _inherit_source_meta(new_nodes: Sequence[Node]) -> None:
+    """Give replacement nodes the source line of the code they replaced.
+
+    The pattern matcher copies it onto the replacement's output node only; the fused op
+    call under a getitem would otherwise have no source line in dumps and reports.
+    """
+    for node in reversed(new_nodes):
+        for key in _SOURCE_META:
+            if key not in node.meta:
+                donor = next((u for u in node.users if key in u.meta), None)
+                if donor is not None:
+                    node.meta[key] = donor.meta[key]
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+# ---- helpers for pattern checks and explanations -----------------------------------------
+def is_call(node: Any, *targets: Any) -> bool:
+    """node is a call_function of one of `targets` (OpOverloadPackets match any overload)."""
+    if not isinstance(node, Node) or node.op != "call_function":
+        return False
+    for target in targets:
+        if node.target is target or getattr(node.target, "overloadpacket", None) is target:
+            return True
+    return False
+
+
+def tensor_meta(node: Any) -> Optional[torch.Tensor]:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def normalized_dims(dims: Any, rank: int) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return sorted(d % rank for d in dims)
+
+
+def users_outside(nodes: Sequence[Node], allowed: Sequence[Node]) -> Optional[tuple[Node, Node]]:
+    """The first (node, user) where a user of `nodes` is not in `allowed`."""
+    allowed_set = set(allowed)
+    for node in nodes:
+        for user in node.users:
+            if user not in allowed_set:
+                return node, user
+    return None

@@ -1,0 +1,112 @@
+"""Registration machinery for the stand-in op libraries (see the package docstring)."""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .schemas import SCHEMAS
+
+log = logging.getLogger("npu_fx_fusion.npu_ops")
+
+# One module per op family; each declares its kernels with @stand_in at import.
+_FAMILY_MODULES = ("norm",)
+
+
+@dataclass(frozen=True)
+class StandIn:
+    namespace: str
+    name: str
+    kernel: Callable
+    fake: Callable
+    backward: Optional[Callable] = None
+    setup_context: Optional[Callable] = None
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.namespace}::{self.name}"
+
+
+_DECLARED: dict[str, StandIn] = {}
+_REGISTERED: list[str] = []
+# torch.library.Library objects unregister their ops when garbage-collected: keep them.
+_LIBRARIES: dict[str, torch.library.Library] = {}
+
+
+def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = None,
+             setup_context: Optional[Callable] = None):
+    """Declare the CPU reference kernel of `namespace::op` (decorator on the kernel)."""
+    namespace, name = qualname.split("::")
+    if name not in SCHEMAS.get(namespace, {}):
+        raise KeyError(f"{qualname} has no schema in npu_ops/schemas.py")
+    if (backward is None) != (setup_context is None):
+        raise ValueError(f"{qualname}: backward and setup_context go together")
+
+    def declare(kernel: Callable) -> Callable:
+        _DECLARED[qualname] = StandIn(namespace, name, kernel, fake, backward, setup_context)
+        return kernel
+
+    return declare
+
+
+def real_torch_npu_available() -> bool:
+    """True when the real torch_npu imports (then its ops are used and nothing is registered)."""
+    if "torch_npu" in sys.modules:
+        return True
+    try:
+        if importlib.util.find_spec("torch_npu") is None:
+            return False
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # an install without CANN fails here; that is "absent" for us
+        log.debug("torch_npu not usable (%s): using CPU stand-in ops", exc)
+        return False
+    return True
+
+
+
+
+def _schema_defined(namespace: str, name: str) -> bool:
+    try:
+        torch._C._get_schema(f"{namespace}::{name}", "")  # noqa: SLF001
+    except RuntimeError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def ensure_registered() -> tuple[str, ...]:
+    """Register every declared stand-in whose op is not already defined; return their names.
+
+    Runs once per process. With the real torch_npu present it registers nothing. An op that
+    another library already defined (torch_npu, or a test's fake library) is left alone.
+    """
+    if real_torch_npu_available():
+        log.info("torch_npu is present: using its ops, no stand-ins registered")
+        return ()
+    for module in _FAMILY_MODULES:
+        importlib.import_module(f"{__package__}.{module}")
+    for op in _DECLARED.values():
+        if _schema_defined(op.namespace, op.name):
+            log.info("%s is already defined elsewhere: not registering the stand-in", op.qualname)
+            continue
+        lib = _LIBRARIES.setdefault(op.namespace, torch.library.Library(op.namespace, "FRAGMENT"))
+        lib.define(SCHEMAS[op.namespace][op.name])
+        # CompositeExplicitAutograd: one Python kernel serves every device (CPU here).
+        lib.impl(op.name, op.kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(op.qualname, op.fake, lib=lib)
+        if op.backward is not None:
+            torch.library.register_autograd(op.qualname, op.backward,
+                                            setup_context=op.setup_context, lib=lib)
+        _REGISTERED.append(op.qualname)
+    log.info("registered CPU stand-ins: %s", ", ".join(_REGISTERED))
+    return tuple(_REGISTERED)
+
+
+def registered_stand_ins() -> tuple[str, ...]:
+    return tuple(_REGISTERED)

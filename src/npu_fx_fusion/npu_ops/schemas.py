@@ -1,0 +1,20 @@
+"""The torch_npu schema strings of every op npu-fx-fusion emits or calls.
+
+Copied character for character from torch_npu 2.13.0
+(`torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml`); tests/test_schemas.py
+compares each one with the wheel. The stand-in library registers exactly these, so a
+graph rewritten on CPU is op-for-op the graph that runs on an NPU.
+"""
+
+# namespace -> {op name -> schema}
+SCHEMAS: dict[str, dict[str, str]] = {
+    "npu": {
+        "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+        "npu_rms_norm_backward": (
+            "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
+        ),
+        "npu_add_rms_norm": (
+            "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
+        ),
+    },
+}

@@ -1,0 +1,155 @@
+"""Run the enabled passes in order on one aten-level GraphModule and report on it.
+
+Guarantees, whatever a pass does:
+- a pass that raises leaves the graph exactly as it was before that pass, and the error
+  is logged and recorded in the report (FusionConfig(strict=True) re-raises instead);
+- the graph is linted after every pass;
+- running the pipeline again on its own output changes nothing.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import os
+import re
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from . import npu_ops
+from .capabilities import detect_soc
+from .config import FusionConfig
+from .matching import FusionPass, canonicalize_reduction_dims
+from .report import FusionReport, GraphReport, PassResult, op_counts
+
+log = logging.getLogger("npu_fx_fusion")
+
+_UNAVAILABLE = object()
+_loaded_passes: dict[str, Any] = {}
+
+
+def load_pass(name: str) -> Optional[FusionPass]:
+    """The FusionPass of npu_fx_fusion.patterns.<name>, or None if this version has none."""
+    if name not in _loaded_passes:
+        try:
+            module = importlib.import_module(f"npu_fx_fusion.patterns.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"npu_fx_fusion.patterns.{name}":
+                raise
+            _loaded_passes[name] = _UNAVAILABLE
+        else:
+            _loaded_passes[name] = module.PASS
+    found = _loaded_passes[name]
+    return None if found is _UNAVAILABLE else found
+
+
+def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]]) -> None:
+    """Patterns read node.meta['val'] as fake tensors of one FakeTensorMode.
+
+    aot_autograd graphs have that. A make_fx graph traced in "real" mode has vals from a
+    fresh fake mode per node, and a symbolic_trace graph has none: propagate fake values
+    through those, from `example_inputs` or else from the placeholders' own metadata.
+    """
+    computing = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    vals = [n.meta.get("val") for n in computing]
+    modes = {id(v.fake_mode) for v in pytree.tree_leaves(vals) if isinstance(v, FakeTensor)}
+    if all(v is not None for v in vals) and len(modes) <= 1:
+        return
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    if example_inputs is not None:
+        inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    else:
+        placeholder_vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        if not all(isinstance(v, torch.Tensor) for v in placeholder_vals):
+            raise ValueError(
+                "the graph's nodes carry no tensor metadata (node.meta['val']); pass "
+                "example_inputs to fuse(), or give it an aot_autograd / make_fx graph")
+        with fake_mode:
+            inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                      for v in placeholder_vals]
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+
+
+def _graph_code(gm: torch.fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+
+
+class _Dumper:
+    """Writes graph_NNN_<name>/{before.py, after.py, report.md} under dump_dir."""
+
+    def __init__(self, dump_dir: Optional[str]):
+        self.dump_dir = dump_dir
+
+    def folder(self, index: int, name: str) -> Optional[str]:
+        if not self.dump_dir:
+            return None
+        path = os.path.join(self.dump_dir, f"graph_{index:03d}_{re.sub(r'[^A-Za-z0-9_]+', '_', name)}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    @staticmethod
+    def write(folder: Optional[str], filename: str, text: str) -> None:
+        if folder:
+            with open(os.path.join(folder, filename), "w", encoding="utf-8") as f:
+                f.write(text)
+
+
+def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
+               graph_name: str, example_inputs: Optional[Sequence[Any]] = None) -> GraphReport:
+    """Fuse `gm` in place with the passes `config` enables; add its GraphReport to `report`."""
+    npu_ops.ensure_registered()
+    _ensure_tensor_meta(gm, example_inputs)
+    soc = config.soc or detect_soc()
+    graph_report = GraphReport(graph_name, nodes_before=len(gm.graph.nodes), ops_before=op_counts(gm.graph))
+    dumper = _Dumper(config.dump_dir)
+    folder = dumper.folder(len(report.graphs), graph_name)
+    dumper.write(folder, "before.py", _graph_code(gm))
+
+    enabled = config.enabled_passes()
+    if enabled:
+        # Patterns pin user counts: a dead node (an unused getitem of a multi-output op in
+        # a make_fx graph) would look like a user. aot_autograd graphs have none.
+        gm.graph.eliminate_dead_code()
+        canonicalize_reduction_dims(gm.graph)
+        gm.recompile()
+    for name in enabled:
+        graph_report.passes.append(_run_one(gm, name, config, soc))
+
+    gm.graph.lint()
+    gm.recompile()
+    graph_report.nodes_after = len(gm.graph.nodes)
+    graph_report.ops_after = op_counts(gm.graph)
+    report.add(graph_report)
+    dumper.write(folder, "after.py", _graph_code(gm))
+    if config.dump_dir:
+        dumper.write(config.dump_dir, "report.md", report.to_markdown())
+        dumper.write(config.dump_dir, "report.json", report.to_json())
+    return graph_report
+
+
+def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str]) -> PassResult:
+    fusion_pass = load_pass(name)
+    if fusion_pass is None:
+        log.warning("pass %r is not implemented in this version of npu-fx-fusion", name)
+        return PassResult(name, skipped="not implemented in this version")
+    saved = copy.deepcopy(gm.graph)
+    start = time.perf_counter()
+    try:
+        result = fusion_pass.apply(gm, soc)
+        gm.graph.lint()
+    except Exception as exc:
+        gm.graph = saved  # the setter re-parents the graph and recompiles
+        if config.strict:
+            raise
+        log.warning("pass %s failed and was reverted: %s: %s", name, type(exc).__name__, exc)
+        result = PassResult(name, error=f"{type(exc).__name__}: {exc}")
+    result.seconds = time.perf_counter() - start
+    log.info("pass %s: %d fused, %d near misses, %.1f ms", name, len(result.sites),
+             len(result.near_misses), result.seconds * 1e3)
+    return result

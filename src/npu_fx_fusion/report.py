@@ -1,0 +1,236 @@
+"""What the passes did: fused sites, near misses with reasons, op counts, errors.
+
+Each pass returns a PassResult for one graph; the pipeline gathers them into a
+GraphReport; a FusionReport holds every graph a backend compiled (graph breaks, forward
+and backward). All of it renders as markdown or JSON.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple, Optional
+
+import torch.fx
+
+# Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
+FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer")
+
+
+@dataclass(frozen=True)
+class SourceLocation:
+    """Where a node came from in the user's code (from FX node meta)."""
+
+    file: str = ""
+    line: int = 0
+    code: str = ""
+    module: str = ""  # e.g. model.layers.0.input_layernorm
+
+    def __str__(self) -> str:
+        parts = []
+        if self.module:
+            parts.append(self.module)
+        if self.file:
+            parts.append(f"{self.file.rsplit('/', 1)[-1]}:{self.line}")
+        where = " @ ".join(parts) if parts else "<unknown source>"
+        return f"{where}: {self.code}" if self.code else where
+
+    @staticmethod
+    def of(node: torch.fx.Node) -> "SourceLocation":
+        file, line, code = "", 0, ""
+        trace = node.meta.get("stack_trace") or ""
+        frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+        if frames:
+            file, line_s, code = frames[-1]
+            line = int(line_s)
+        return SourceLocation(file, line, code.strip(), _module_path(node))
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # dynamo spells paths as L['self'].model.layers[0].norm or L__self___model...
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    return path.lstrip(".")
+
+
+def location_of(nodes) -> SourceLocation:
+    """The most informative location among `nodes` (the first with a source line)."""
+    best = SourceLocation()
+    for node in nodes:
+        loc = SourceLocation.of(node)
+        if loc.file:
+            return loc
+        if loc.module and not best.module:
+            best = loc
+    return best
+
+
+@dataclass(frozen=True)
+class FusedSite:
+    pass_name: str
+    form: str  # the unfused form that matched (the search function's name)
+    fused_op: str
+    location: SourceLocation
+
+
+class NearMiss(NamedTuple):
+    """A candidate site that did not fuse, and the first check that failed."""
+
+    pass_name: str
+    reason: str
+    location: SourceLocation
+
+
+@dataclass
+class PassResult:
+    pass_name: str
+    sites: list[FusedSite] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+    error: Optional[str] = None  # the pass raised; the graph was restored
+    skipped: Optional[str] = None  # why the pass did not run at all
+    seconds: float = 0.0
+
+
+def op_counts(graph: torch.fx.Graph) -> Counter:
+    """call_function targets by name ("aten.mul.Tensor", "npu.npu_rms_norm.default", ...)."""
+    return Counter(_target_name(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+def _target_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return f"{target.namespace}.{target._opname}.{target._overloadname}"  # noqa: SLF001
+    return getattr(target, "__name__", str(target))
+
+
+def fused_op_counts(counts: Counter) -> Counter:
+    """Fused-op calls among `counts`, keyed "npu.npu_rms_norm" (overload dropped)."""
+    fused = Counter()
+    for name, n in counts.items():
+        if name.split(".", 1)[0] in FUSED_OP_NAMESPACES:
+            fused[name.rsplit(".", 1)[0]] += n
+    return fused
+
+
+@dataclass
+class GraphReport:
+    name: str  # "forward", "backward", "inference", or the fuse() caller's name
+    nodes_before: int
+    nodes_after: int = 0
+    ops_before: Counter = field(default_factory=Counter)
+    ops_after: Counter = field(default_factory=Counter)
+    passes: list[PassResult] = field(default_factory=list)
+
+    @property
+    def fused_ops(self) -> Counter:
+        return fused_op_counts(self.ops_after)
+
+
+class FusionReport:
+    """Every graph one backend (or one fuse() call) processed."""
+
+    def __init__(self) -> None:
+        self.graphs: list[GraphReport] = []
+
+    def add(self, graph: GraphReport) -> None:
+        self.graphs.append(graph)
+
+    def _results(self):
+        return (result for g in self.graphs for result in g.passes)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """{pass_name: fused sites} over all graphs, for every pass that ran."""
+        counts: dict[str, int] = {}
+        for result in self._results():
+            if result.skipped is None:
+                counts[result.pass_name] = counts.get(result.pass_name, 0) + len(result.sites)
+        return counts
+
+    @property
+    def fused_ops(self) -> dict[str, int]:
+        """{"npu.npu_rms_norm": n, ...}: fused-op calls in the final graphs."""
+        total = Counter()
+        for g in self.graphs:
+            total.update(g.fused_ops)
+        return dict(total)
+
+    @property
+    def sites(self) -> list[FusedSite]:
+        return [site for result in self._results() for site in result.sites]
+
+    @property
+    def near_misses(self) -> list[NearMiss]:
+        return [miss for result in self._results() for miss in result.near_misses]
+
+    @property
+    def errors(self) -> list[tuple[str, str]]:
+        return [(r.pass_name, r.error) for r in self._results() if r.error]
+
+    def to_dict(self) -> dict:
+        def result_dict(r: PassResult) -> dict:
+            return {
+                "pass": r.pass_name,
+                "fused": len(r.sites),
+                "sites": [dict(asdict(s), location=str(s.location)) for s in r.sites],
+                "near_misses": [{"reason": m.reason, "location": str(m.location)} for m in r.near_misses],
+                "error": r.error,
+                "skipped": r.skipped,
+                "seconds": round(r.seconds, 6),
+            }
+
+        return {
+            "counts": self.counts,
+            "fused_ops": self.fused_ops,
+            "graphs": [
+                {
+                    "name": g.name,
+                    "nodes_before": g.nodes_before,
+                    "nodes_after": g.nodes_after,
+                    "ops_before": dict(g.ops_before),
+                    "ops_after": dict(g.ops_after),
+                    "passes": [result_dict(r) for r in g.passes],
+                }
+                for g in self.graphs
+            ],
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_markdown(self) -> str:
+        lines = ["# npu-fx-fusion report", ""]
+        if not self.graphs:
+            return "\n".join(lines + ["No graph was compiled."]) + "\n"
+        lines += ["| pass | fused sites |", "|---|---|"]
+        lines += [f"| {name} | {n} |" for name, n in self.counts.items()]
+        lines += ["", "Fused ops in the final graphs: "
+                  + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
+        for index, g in enumerate(self.graphs):
+            lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes)", ""]
+            for r in g.passes:
+                lines.append(_pass_line(r))
+                lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}" for s in r.sites]
+                lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
+            changed = sorted(set(g.ops_before) | set(g.ops_after),
+                             key=lambda op: g.ops_after[op] - g.ops_before[op])
+            changed = [op for op in changed if g.ops_before[op] != g.ops_after[op]]
+            if changed:
+                lines += ["", "| op | before | after |", "|---|---|---|"]
+                lines += [f"| {op} | {g.ops_before[op]} | {g.ops_after[op]} |" for op in changed]
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _pass_line(r: PassResult) -> str:
+    if r.skipped:
+        return f"- **{r.pass_name}**: skipped ({r.skipped})"
+    if r.error:
+        return f"- **{r.pass_name}**: FAILED, graph left as it was: {r.error}"
+    return (f"- **{r.pass_name}**: {len(r.sites)} fused, {len(r.near_misses)} near misses "
+            f"({r.seconds * 1e3:.1f} ms)")

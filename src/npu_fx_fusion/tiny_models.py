@@ -1,0 +1,369 @@
+"""Tiny random-weight third-party models for tests and benchmarks.
+
+Fusion patterns are only worth something if they match model code that nobody on this
+project wrote. This module builds small instances of real HF transformers and
+torchtitan models from configs (random weights, no hub downloads) that run on CPU in
+a fraction of a second and trace into a single torch.compile graph. The configs follow
+the project's model corpus notes (reference/model_corpus.md; checked with torch 2.13,
+transformers 5.24, torchtitan 0.3.0).
+
+Every builder returns a :class:`TinyModel` whose ``model`` takes ``input_ids`` and
+returns the logits tensor only, so callers can treat all models alike::
+
+    tm = build_hf("qwen3", dtype=torch.bfloat16)
+    out = torch.compile(tm.model, backend=backend)(*tm.example_inputs)
+
+transformers and torchtitan are optional dependencies: they are imported inside the
+builders, so importing this module costs nothing and never fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "TinyModel",
+    "build_hf",
+    "build_torchtitan",
+    "HF_MODEL_TYPES",
+    "TORCHTITAN_MODELS",
+]
+
+
+@dataclass
+class TinyModel:
+    """A built model plus the inputs to call it with.
+
+    ``model(*example_inputs)`` returns the logits tensor, shape (batch, seq, vocab).
+    The model is in eval mode but its parameters still require grad (so the same
+    build serves training tests): compile under ``torch.no_grad()`` to get the
+    inference graph rather than a joint forward/backward one.
+
+    ``name`` is filename-safe and unique per build recipe, e.g. ``hf-llama-bf16``,
+    ``hf-qwen3_moe-grouped_mm-fp32``, ``torchtitan-llama3-fp32``.
+    """
+
+    model: nn.Module
+    example_inputs: tuple
+    name: str
+    description: str = ""
+
+
+# --------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------
+
+_DTYPE_TAGS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_TAGS:
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {list(_DTYPE_TAGS)}")
+    return _DTYPE_TAGS[dtype]
+
+
+def _random_ids(vocab_size: int, batch: int, seq_len: int) -> torch.Tensor:
+    # Start above the special tokens (pad=0, bos=1, eos=2) so no id is treated
+    # specially by any model-side logic; the values themselves do not matter.
+    return torch.randint(3, vocab_size, (batch, seq_len), dtype=torch.long)
+
+
+def _import_optional(module: str, install_hint: str) -> Any:
+    """Import an optional dependency, turning failure into an actionable message.
+
+    A missing transitive import (torchtitan imports tyro, einops, triton, ... at model
+    import time) is reported by name, since "install torchtitan" would not fix it.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = getattr(e, "name", None) or "?"
+        raise ImportError(
+            f"importing {module!r} failed (missing module: {missing}). {install_hint}"
+        ) from e
+
+
+# --------------------------------------------------------------------------------------
+# HF transformers
+# --------------------------------------------------------------------------------------
+
+_HF_INSTALL_HINT = (
+    "Install it with `pip install transformers` (pin your torch version in the same "
+    "command, e.g. `pip install transformers 'torch==<your version>'`, so pip does not "
+    "replace torch)."
+)
+
+# Common to every HF model: small enough for CPU tests, big enough that GQA (4 query
+# heads over 2 KV heads) and the MLP's gate/up split are real. Caches and tied
+# embeddings are off so the traced graph is a plain prefill with no cache plumbing.
+_HF_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    use_cache=False,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+_QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+
+# DeepSeek-V3: MLA with both LoRA ranks non-zero (so q_a_layernorm and kv_a_layernorm
+# both exist), and a MoE that uses sigmoid scores + bias with group-limited top-k.
+# first_k_dense_replace=1 makes layer 0 dense and the rest MoE, so two layers already
+# cover both MLP kinds.
+_DEEPSEEK_V3 = dict(
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+)
+
+# Per-model additions to _HF_COMMON, and whether the model has routed experts (which
+# decides whether `experts_implementation` applies).
+_HF_MODELS: dict[str, tuple[dict[str, Any], bool, str]] = {
+    "llama": ({}, False, "Llama: RMSNorm, rotate_half RoPE, SwiGLU MLP, GQA SDPA"),
+    "qwen3": (
+        dict(head_dim=16),
+        False,
+        "Qwen3: Llama plus per-head q_norm/k_norm RMSNorms",
+    ),
+    "qwen3_moe": (
+        dict(head_dim=16, **_QWEN3_MOE),
+        True,
+        "Qwen3-MoE: Qwen3 attention, softmax top-k router, routed experts",
+    ),
+    "deepseek_v3": (
+        dict(_DEEPSEEK_V3),
+        True,
+        "DeepSeek-V3: MLA, interleaved rotate_half RoPE, sigmoid group-limited MoE "
+        "with a shared expert",
+    ),
+    # index_topk must stay below seq_len for the indexer to actually drop keys; with
+    # the default seq_len=16 it keeps 8 of 16.
+    "deepseek_v32": (
+        dict(_DEEPSEEK_V3, index_topk=8, index_head_dim=32, index_n_heads=4),
+        True,
+        "DeepSeek-V3.2: DeepSeek-V3 plus the DSA lightning indexer (top-k sparse mask)",
+    ),
+}
+
+HF_MODEL_TYPES: tuple[str, ...] = tuple(_HF_MODELS)
+
+
+class _LogitsOnly(nn.Module):
+    """Calls an HF causal LM and returns only the logits.
+
+    HF returns a ModelOutput; a plain tensor keeps the compiled graph's outputs, the
+    comparison code and the example inputs identical across HF and torchtitan.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def build_hf(
+    model_type: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = 2,
+    seq_len: int = 16,
+    batch: int = 2,
+    seed: int = 0,
+    experts_implementation: str = "grouped_mm",
+    attn_implementation: str = "sdpa",
+    **config_overrides: Any,
+) -> TinyModel:
+    """Build a tiny random-weight HF transformers causal LM.
+
+    Args:
+        model_type: one of :data:`HF_MODEL_TYPES` (an HF ``model_type`` string).
+        dtype: parameter dtype (fp32, bf16 or fp16).
+        num_layers: number of decoder layers.
+        seq_len, batch: shape of the example ``input_ids``.
+        seed: seeds weights and inputs; the same arguments give the same model.
+        experts_implementation: MoE models only. ``"grouped_mm"`` (HF default, one
+            graph), ``"batched_mm"`` (one graph, bmm per token-expert pair) or
+            ``"eager"`` (Python loop over experts: graph breaks). Ignored for dense
+            models.
+        attn_implementation: ``"sdpa"`` (default) or ``"eager"`` (explicit
+            matmul/softmax attention).
+        **config_overrides: any HF config field, overriding the tiny defaults.
+    """
+    if model_type not in _HF_MODELS:
+        raise ValueError(
+            f"unknown HF model type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
+    tag = _dtype_tag(dtype)  # validate before the (slow) import and build
+    transformers = _import_optional("transformers", _HF_INSTALL_HINT)
+    extra, is_moe, desc = _HF_MODELS[model_type]
+
+    cfg_kwargs = {**_HF_COMMON, **extra, "num_hidden_layers": num_layers}
+    cfg_kwargs.update(config_overrides)
+    config = transformers.AutoConfig.for_model(model_type, **cfg_kwargs)
+
+    model_kwargs: dict[str, Any] = dict(attn_implementation=attn_implementation, dtype=dtype)
+    if is_moe:
+        # Dense models reject the argument, so only pass it where it means something.
+        model_kwargs["experts_implementation"] = experts_implementation
+
+    # fork_rng keeps the caller's global RNG stream untouched while still making the
+    # weights and inputs a pure function of `seed`.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        lm = transformers.AutoModelForCausalLM.from_config(config, **model_kwargs)
+        ids = _random_ids(config.vocab_size, batch, seq_len)
+    lm.eval()
+
+    name = f"hf-{model_type}"
+    if is_moe:
+        name += f"-{experts_implementation}"
+    name += f"-{tag}"
+    return TinyModel(
+        model=_LogitsOnly(lm).eval(),
+        example_inputs=(ids,),
+        name=name,
+        description=f"{desc} ({num_layers} layers, transformers {transformers.__version__})",
+    )
+
+
+# --------------------------------------------------------------------------------------
+# torchtitan
+# --------------------------------------------------------------------------------------
+
+_TORCHTITAN_INSTALL_HINT = (
+    "Install torchtitan without its training dependencies: "
+    "`pip install --no-deps torchtitan==0.3.0` and then "
+    "`pip install tyro einops 'spmd_types==0.2.3' triton` "
+    "(pin your torch version in that command too)."
+)
+
+# name -> (module holding the configs, name of the flavor dict, extra flavor kwargs,
+# description). The "debugmodel" flavor is torchtitan's own small config; we only cut
+# it to `num_layers`.
+_TORCHTITAN_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
+    "llama3": (
+        "torchtitan.models.llama3",
+        "llama3_configs",
+        {},
+        "torchtitan Llama3: nn.RMSNorm, complex (view_as_complex) RoPE, SwiGLU",
+    ),
+    "deepseek_v3": (
+        "torchtitan.models.deepseek_v3",
+        "deepseekv3_configs",
+        # "standard" is the single-device token dispatcher (no all-to-all).
+        {"moe_comm_backend": "standard"},
+        "torchtitan DeepSeek-V3: MLA, complex RoPE, softmax top-k MoE with "
+        "torch._grouped_mm experts",
+    ),
+}
+
+TORCHTITAN_MODELS: tuple[str, ...] = tuple(_TORCHTITAN_MODELS)
+
+
+def _cast_floating_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast real floating-point parameters and buffers to `dtype`, in place.
+
+    Not `model.to(dtype)`: that also casts complex tensors, and the complex RoPE cache
+    (freqs_cis, complex64) would silently lose its imaginary part. torchtitan itself
+    keeps that cache complex64 under bf16 training (FSDP mixed precision only casts
+    parameters), so this matches what it runs.
+    """
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    for mod in model.modules():
+        for key, buf in mod._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                mod._buffers[key] = buf.to(dtype)
+
+
+def build_torchtitan(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = 2,
+    seq_len: int = 16,
+    batch: int = 2,
+    seed: int = 0,
+) -> TinyModel:
+    """Build a tiny random-weight torchtitan model (its "debugmodel" flavor).
+
+    Args:
+        name: one of :data:`TORCHTITAN_MODELS`.
+        dtype: parameter dtype (fp32, bf16 or fp16); the complex RoPE cache stays
+            complex64.
+        num_layers: number of transformer blocks kept from the flavor.
+        seq_len, batch: shape of the example ``tokens``.
+        seed: seeds weights and inputs.
+
+    The returned model is torchtitan's own module (no wrapper), so module paths in
+    the traced graph are torchtitan's FQNs (``layers.0.attention_norm`` ...).
+
+    On CPU, the MoE router's ``torch.autocast(dtype=float32)`` is unsupported and
+    disabled (torch warns), so in a bf16 deepseek_v3 the router gate runs in bf16
+    here, unlike on devices where that autocast is honoured.
+    """
+    if name not in _TORCHTITAN_MODELS:
+        raise ValueError(
+            f"unknown torchtitan model {name!r}; supported: {', '.join(TORCHTITAN_MODELS)}"
+        )
+    tag = _dtype_tag(dtype)
+    module_name, configs_attr, flavor_kwargs, desc = _TORCHTITAN_MODELS[name]
+    models_mod = _import_optional(module_name, _TORCHTITAN_INSTALL_HINT)
+    attention_mod = _import_optional(
+        "torchtitan.models.common.attention", _TORCHTITAN_INSTALL_HINT
+    )
+
+    # "flex" is the flavor's default backend; we swap it right away because flex
+    # attention needs a BlockMask input and a compiled kernel, while SDPA runs (and
+    # traces) on CPU with the causal mask built in.
+    cfg = getattr(models_mod, configs_attr)["debugmodel"](attn_backend="flex", **flavor_kwargs)
+    if num_layers > len(cfg.layers):
+        raise ValueError(
+            f"torchtitan {name} debugmodel has {len(cfg.layers)} layers; asked for {num_layers}"
+        )
+    cfg.layers = cfg.layers[:num_layers]
+    for layer_cfg in cfg.layers:
+        layer_cfg.attention.inner_attention = attention_mod.ScaledDotProductAttention.Config()
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cfg.build()
+        # torchtitan builds parameters first and initializes them separately (so the
+        # same code works after meta-device init); without this call weights are
+        # uninitialized memory and the RoPE cache may be missing.
+        model.init_states(buffer_device=torch.device("cpu"))
+        ids = _random_ids(cfg.vocab_size, batch, seq_len)
+    if dtype != torch.float32:
+        _cast_floating_params(model, dtype)
+    model.eval()
+
+    return TinyModel(
+        model=model,
+        example_inputs=(ids,),
+        name=f"torchtitan-{name}-{tag}",
+        description=f"{desc} ({num_layers} layers, debugmodel flavor)",
+    )
