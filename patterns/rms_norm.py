@@ -138,7 +138,9 @@ def explain(root):
         return "no eps is added before the square root"
     if isinstance(eps_add.args[1], torch.fx.Node):
         return f"eps is a tensor ({eps_add.args[1].name}), not a constant"
-    chain = [mean.args[0], mean, eps_add, root]
+    x = mean.args[0].args[0]
+    normalising = [u for u in root.users if is_call(u, aten.mul.Tensor, aten.div.Tensor) and x in u.args]
+    chain = [mean.args[0], mean, eps_add, root, *normalising[:1]]
     shared = users_outside(chain[:-1], allowed=chain)
     if shared:
         node, user = shared

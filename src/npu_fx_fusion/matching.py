@@ -45,10 +45,33 @@ def trace_without_decompositions(fn: Callable, args: Sequence[Any], **kwargs: An
     way the pipeline canonicalises the graphs it matches on.
     """
     kwargs["get_decomp_fn"] = dict  # -> {}; torch passes its own default explicitly otherwise
-    gm = pm.fwd_only(torch.func.functionalize(fn), args, **kwargs)
-    if canonicalize_reduction_dims(gm.graph):
+    gm = pm.fwd_only(fn, args, **kwargs)
+    if _functionalize_inplace_on_temporaries(gm.graph) + canonicalize_reduction_dims(gm.graph):
         gm.recompile()
     return gm
+
+
+def _functionalize_inplace_on_temporaries(graph: torch.fx.Graph) -> int:
+    """`add_(t, eps)` on a temporary `t` used nowhere else -> `add(t, eps)`.
+
+    That is what aot_autograd's functionalization makes of it (F.rms_norm's eps add), and
+    make_fx alone does not functionalize. Only this trivial case occurs in search
+    functions; anything else is left alone (and then simply will not match).
+    """
+    changed = 0
+    for node in graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.name.endswith("_"):  # noqa: SLF001
+            continue
+        mutated = node.args[0] if node.args else None
+        if not isinstance(mutated, Node) or mutated.op == "placeholder" or len(mutated.users) != 1:
+            continue
+        packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1][:-1], None)  # noqa: SLF001
+        functional = getattr(packet, target._overloadname, None)  # noqa: SLF001
+        if functional is not None:
+            node.target = functional
+            changed += 1
+    return changed
 
 
 _REDUCTIONS_WITH_DIM_LIST = {
@@ -203,7 +226,10 @@ class FusionPass:
                       location_of(match.nodes), reason)
             run.reject(match.nodes, reason)
             return False
-        run.sites.append(FusedSite(self.name, form.name, self.fused_op, self._location(match.nodes)))
+        # A larger form turned down over some of these nodes: this is a partial fusion, say why.
+        larger = next((run.rejections[n] for n in match.nodes if n in run.rejections), None)
+        note = f"partial: a larger form was turned down ({larger})" if larger else ""
+        run.sites.append(FusedSite(self.name, form.name, self.fused_op, self._location(match.nodes), note))
         return True
 
     def _site(self, form: Form, match: pm.Match, soc: Optional[str]) -> Site:

@@ -7,11 +7,13 @@ and backward). All of it renders as markdown or JSON.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple, Optional
 
+import torch
 import torch.fx
 
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
@@ -41,10 +43,20 @@ class SourceLocation:
         file, line, code = "", 0, ""
         trace = node.meta.get("stack_trace") or ""
         frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
-        if frames:
-            file, line_s, code = frames[-1]
+        # The innermost frame may be inside torch (F.rms_norm for nn.RMSNorm): the user's
+        # line is the innermost frame outside it.
+        user_frames = [f for f in frames if not _in_torch(f[0])] or frames
+        if user_frames:
+            file, line_s, code = user_frames[-1]
             line = int(line_s)
         return SourceLocation(file, line, code.strip(), _module_path(node))
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_torch(path: str) -> bool:
+    return path.startswith(_TORCH_DIR)
 
 
 def _module_path(node: torch.fx.Node) -> str:
@@ -77,6 +89,7 @@ class FusedSite:
     form: str  # the unfused form that matched (the search function's name)
     fused_op: str
     location: SourceLocation
+    note: str = ""  # e.g. why only part of the candidate subgraph was fused
 
 
 class NearMiss(NamedTuple):
@@ -215,7 +228,8 @@ class FusionReport:
             lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes)", ""]
             for r in g.passes:
                 lines.append(_pass_line(r))
-                lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}" for s in r.sites]
+                lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}"
+                          + (f" ({s.note})" if s.note else "") for s in r.sites]
                 lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
             changed = sorted(set(g.ops_before) | set(g.ops_after),
                              key=lambda op: g.ops_after[op] - g.ops_before[op])

@@ -1,0 +1,231 @@
+"""rms_norm pass: every unfused form fires, wrong ones do not, numerics hold.
+
+Tolerances: npu_rms_norm normalises and multiplies the weight in fp32 and rounds once
+(op_semantics.md 2.1). The unfused HF code rounds once more before the weight multiply.
+Each rounding is within 0.5 ulp, and the re-rounded product can land one ulp further:
+fused and unfused agree within 2 ulp of the output dtype. In fp32 there is no extra
+rounding, only the order of float operations: a few fp32 ulps (we allow 8).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import npu_fx_fusion as nff
+from helpers import assert_within_ulps, compile_and_run, near_miss_reasons
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ULPS = {torch.float32: 8, torch.bfloat16: 2, torch.float16: 2}
+ONLY_RMS = nff.FusionConfig(enable={"rms_norm"})
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, dim=64, eps=1e-6, weight=True):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(dim) + 0.5) if weight else None
+        self.eps = eps
+
+
+class HFLlama(Norm):  # transformers LlamaRMSNorm
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class WeightAfterCast(Norm):
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype) * self.weight
+
+
+class WeightBeforeCast(Norm):
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (h * self.weight).type_as(x)
+
+
+class Functional(Norm):
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class TorchModule(torch.nn.Module):
+    def __init__(self, dim=64, eps=1e-5):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim, eps=eps)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class DivideBySqrt(Norm):
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Gemma(Norm):  # transformers GemmaRMSNorm: weight stored as an offset from 1
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class NoWeight(Norm):
+    def __init__(self, dim=64, eps=1e-6):
+        super().__init__(dim, eps, weight=False)
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+FORMS = {
+    "hf_llama": HFLlama, "weight_after_cast": WeightAfterCast, "weight_before_cast": WeightBeforeCast,
+    "torch_functional": Functional, "torch_module": TorchModule, "divide_by_sqrt": DivideBySqrt,
+    "gemma": Gemma, "no_weight": NoWeight,
+}
+
+
+def _inputs(dtype, shape=(2, 5, 64)):
+    torch.manual_seed(0)
+    return torch.randn(*shape, dtype=dtype) * 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("form", FORMS)
+def test_each_form_fuses_and_matches(form, dtype):
+    module = FORMS[form]().to(dtype)
+    out, ref, report = compile_and_run(module, _inputs(dtype), config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 1, report.to_markdown()
+    assert report.fused_ops == {"npu.npu_rms_norm": 1}
+    leftover = report.graphs[0].ops_after
+    assert leftover["aten.rsqrt.default"] == leftover["aten.sqrt.default"] == leftover["aten.mean.dim"] == 0
+    assert report.near_misses == []
+    assert_within_ulps(out, ref, ULPS[dtype])
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5, 3.7e-4, 0.1])
+def test_eps_is_captured_not_baked_in(eps):
+    module = HFLlama(eps=eps)
+    x = _inputs(torch.float32) * 1e-2  # small activations make eps matter
+    out, ref, report = compile_and_run(module, x, config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 1
+    assert_within_ulps(out, ref, ULPS[torch.float32])
+
+
+def test_qwen3_per_head_norm_on_4d_input():
+    module = HFLlama(dim=16)
+    out, ref, report = compile_and_run(module, _inputs(torch.bfloat16, (2, 5, 4, 16)).float(), config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 1
+    assert_within_ulps(out, ref, ULPS[torch.float32])
+
+
+# ---- negatives: must not fuse, and must say why --------------------------------------
+class NonLastDim(Norm):
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + self.eps)
+        return self.weight * h
+
+
+class MeanWithoutKeepdim(Norm):
+    def forward(self, x):
+        v = x.pow(2).mean(-1)
+        return self.weight * (x * torch.rsqrt(v + self.eps).unsqueeze(-1))
+
+
+class TensorEps(Norm):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("eps_t", torch.tensor(1e-6))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps_t))
+
+
+class SharedIntermediate(Norm):
+    def forward(self, x):
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (x * inv), inv  # the normaliser escapes
+
+
+class TwoDimWeight(Norm):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(5, 64))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+@pytest.mark.parametrize("module, reason", [
+    (NonLastDim(dim=64), "last dim only"),
+    (MeanWithoutKeepdim(), "without keepdim"),
+    (TensorEps(), "eps is a tensor"),
+    (SharedIntermediate(), "also used by"),
+], ids=["non_last_dim", "no_keepdim", "tensor_eps", "shared_intermediate"])
+def test_does_not_fuse_and_says_why(module, reason):
+    if isinstance(module, NonLastDim):
+        module.weight = torch.nn.Parameter(torch.rand(64))
+    x = _inputs(torch.float32)
+    out, ref, report = compile_and_run(module, x, config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 0
+    assert "npu.npu_rms_norm" not in report.fused_ops
+    reasons = near_miss_reasons(report, "rms_norm")
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert report.near_misses[0].location.line > 0  # points at the user's source line
+    torch.testing.assert_close(out, ref)
+
+
+def test_weight_that_is_not_per_channel_is_not_folded_into_the_norm():
+    # weight [5, 64] on x [2, 5, 64]: npu_rms_norm would treat it as gamma over 2 dims and
+    # normalise over both. Only the weight-free norm inside may fuse.
+    out, ref, report = compile_and_run(TwoDimWeight(), _inputs(torch.float32), config=ONLY_RMS)
+    assert [s.form for s in report.sites] == ["no_weight"]
+    torch.testing.assert_close(out, ref)
+
+
+def test_fp32_weight_on_bf16_input_keeps_the_models_output_dtype():
+    # HF with an fp32 weight promotes the output to fp32; npu_rms_norm returns bf16, so the
+    # weight multiply must stay outside; the norm itself still fuses.
+    module = HFLlama()  # fp32 weight
+    x = _inputs(torch.bfloat16)
+    out, ref, report = compile_and_run(module, x, config=ONLY_RMS)
+    assert out.dtype == ref.dtype == torch.float32
+    assert [s.form for s in report.sites] == ["no_weight"]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_soc_limits_are_honoured():
+    # No bf16 npu_rms_norm on 310P: the bf16 forms are turned down, and only the fp32 core
+    # (the norm of the upcast input, before the cast back and the weight) may fuse.
+    module = HFLlama().to(torch.bfloat16)
+    config = nff.FusionConfig(enable={"rms_norm"}, soc="Ascend310P")
+    out, ref, report = compile_and_run(module, _inputs(torch.bfloat16), config=config)
+    [site] = report.sites
+    assert site.form == "no_weight"
+    assert "npu.npu_rms_norm does not support bfloat16 on Ascend310P" in site.note
+    graph_ops = report.graphs[0].ops_after
+    assert graph_ops["aten._to_copy.default"] == 2  # upcast before, cast back after the fused op
+    assert_within_ulps(out, ref, ULPS[torch.bfloat16])
+
+
+def test_two_norms_in_one_graph_keep_their_own_eps():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = HFLlama(eps=1e-6), HFLlama(eps=0.5)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x * 1e-2)
+
+    out, ref, report = compile_and_run(Two(), _inputs(torch.float32), config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 2
+    assert_within_ulps(out, ref, ULPS[torch.float32])
