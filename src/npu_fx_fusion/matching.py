@@ -240,6 +240,7 @@ class FusionPass:
 
     def _first_failure(self, site: Site, match: pm.Match) -> Reason:
         return (self._argument_kinds_differ(site)
+                or _unexpected_keyword(site.nodes)
                 or self.check(site)
                 or self._outputs_differ(site, match))
 
@@ -310,6 +311,27 @@ def _inherit_source_meta(new_nodes: Sequence[Node]) -> None:
                 donor = next((u for u in node.users if key in u.meta), None)
                 if donor is not None:
                     node.meta[key] = donor.meta[key]
+
+
+# Keyword arguments a matched node may carry beyond what a form spells out: they place or
+# type the result (and a wrong dtype shows up in the output check), they never change the
+# arithmetic. Anything else (add's alpha, div's rounding_mode, ...) does.
+_HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking",
+                                "memory_format", "keepdim"})
+
+
+def _unexpected_keyword(nodes: Sequence[Node]) -> Reason:
+    """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
+    _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those."""
+    for node in nodes:
+        if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+            continue
+        defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
+                    if a.has_default_value()}
+        for key, value in node.kwargs.items():
+            if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
+                return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
+    return None
 
 
 def _describe(t: torch.Tensor) -> str:

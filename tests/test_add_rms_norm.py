@@ -1,0 +1,123 @@
+"""add_rms_norm pass: residual add + RMSNorm -> npu_add_rms_norm.
+
+Tolerances: in bf16 the kernel normalises the fp32 sum before rounding it, the unfused
+graph normalises the rounded sum (op_semantics.md 2.2): the normaliser differs by at most
+0.5 ulp of bf16 relative, which moves y by at most one more ulp: 3 ulp in all with the
+rounding-order difference of rms_norm. fp16 and fp32 follow the unfused order.
+"""
+import pytest
+import torch
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
+from test_rms_norm import HFLlama
+
+ULPS = {torch.float32: 8, torch.bfloat16: 3, torch.float16: 2}
+
+
+class DecoderLike(torch.nn.Module):
+    """Two residual blocks: norm(h) -> branch -> h = h + branch, as decoder layers do."""
+
+    def __init__(self, dim=64, eps=1e-5):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(HFLlama(dim, eps) for _ in range(3))
+        self.branches = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2))
+
+    def forward(self, h):
+        for norm, branch in zip(self.norms, self.branches):
+            h = h + branch(norm(h))
+        return self.norms[-1](h)
+
+
+def _inputs(dtype, shape=(2, 5, 64)):
+    torch.manual_seed(0)
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])  # 1e-6 is the schema default: traced without eps
+def test_residual_adds_fuse_into_add_rms_norm(dtype, eps):
+    module = DecoderLike(eps=eps).to(dtype)
+    out, ref, report = compile_and_run(module, _inputs(dtype))
+    # 3 norms: the first has no residual add in front of it, the other two do.
+    assert report.counts == {"rms_norm": 3, "add_rms_norm": 2}
+    assert report.fused_ops == {"npu.npu_rms_norm": 1, "npu.npu_add_rms_norm": 2}
+    assert report.graphs[0].ops_after["aten.add.Tensor"] == 0
+    assert_close_at_scale(out, ref, 2 * ULPS[dtype])  # through two linear layers
+
+
+class OneBlock(torch.nn.Module):
+    def __init__(self, eps):
+        super().__init__()
+        self.norm = HFLlama(eps=eps)
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("eps", [1e-6, 1e-5])
+def test_one_block_numerics_per_element(dtype, eps):
+    module = OneBlock(eps).to(dtype)
+    (y, h), (y_ref, h_ref), report = compile_and_run(module, _inputs(dtype), _inputs(dtype).flip(0))
+    assert report.fused_ops == {"npu.npu_add_rms_norm": 1}
+    assert_within_ulps(y, y_ref, ULPS[dtype])
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)  # the sum is rounded once either way
+
+
+def test_needs_the_rms_norm_pass():
+    # add_rms_norm folds adds into npu_rms_norm calls; with rms_norm off there are none.
+    config = nff.FusionConfig(disable={"rms_norm"})
+    _, _, report = compile_and_run(DecoderLike(), _inputs(torch.float32), config=config)
+    assert report.counts["add_rms_norm"] == 0 and report.fused_ops == {}
+
+
+class BiasAdd(torch.nn.Module):  # x + bias[D] broadcasts: x1 and x2 differ in shape
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(64))
+        self.norm = HFLlama()
+
+    def forward(self, x):
+        return self.norm(x + self.bias)
+
+
+class ScaledAdd(torch.nn.Module):  # x + 2 * r is not x + r
+    def __init__(self):
+        super().__init__()
+        self.norm = HFLlama()
+
+    def forward(self, x):
+        return self.norm(torch.add(x, x.flip(0), alpha=2))
+
+
+class MixedDtypes(torch.nn.Module):  # bf16 + fp32 promotes: npu_add_rms_norm keeps x1's dtype
+    def __init__(self):
+        super().__init__()
+        self.norm = HFLlama()
+
+    def forward(self, x):
+        return self.norm(x.bfloat16() + x)
+
+
+@pytest.mark.parametrize("module, reason", [
+    (BiasAdd(), "needs x1 and x2 of one shape and dtype"),
+    (ScaledAdd(), "alpha=2"),
+    (MixedDtypes(), "needs x1 and x2 of one shape and dtype"),
+], ids=["broadcast_bias", "alpha", "mixed_dtypes"])
+def test_does_not_fuse_and_says_why(module, reason):
+    out, ref, report = compile_and_run(module, _inputs(torch.float32))
+    assert report.counts["rms_norm"] == 1 and report.counts["add_rms_norm"] == 0
+    reasons = near_miss_reasons(report, "add_rms_norm")
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    torch.testing.assert_close(out, ref)
+
+
+def test_bf16_not_fused_on_310p():
+    config = nff.FusionConfig(soc="Ascend310P")
+    out, ref, report = compile_and_run(DecoderLike().half(), _inputs(torch.float16), config=config)
+    assert report.counts["add_rms_norm"] == 2  # fp16 is supported there
+    module = DecoderLike().bfloat16()
+    out, ref, report = compile_and_run(module, _inputs(torch.bfloat16), config=config)
+    assert report.counts["add_rms_norm"] == 0
