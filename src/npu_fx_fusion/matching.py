@@ -287,7 +287,7 @@ class FusionPass:
         _inherit_source_meta([n for n in gm.graph.nodes if n not in existing])
         if count != len(run.sites):  # the matcher and our bookkeeping must agree
             raise RuntimeError(f"{self.name}: matcher replaced {count} sites, accepted {len(run.sites)}")
-        result.sites = run.sites
+        result.sites = run.sites[::-1]  # the matcher walks the graph backwards: source order
         for node in gm.graph.nodes:
             if self.anchor(node):
                 reason = (run.rejections.get(node) or self.explain(node)

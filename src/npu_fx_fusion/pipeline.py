@@ -136,7 +136,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
 def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str]) -> PassResult:
     fusion_pass = load_pass(name)
     if fusion_pass is None:
-        log.warning("pass %r is not implemented in this version of npu-fx-fusion", name)
+        log.info("pass %r is not implemented in this version of npu-fx-fusion", name)
         return PassResult(name, skipped="not implemented in this version")
     saved = copy.deepcopy(gm.graph)
     start = time.perf_counter()

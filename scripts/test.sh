@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up everything the tests need from nothing (a machine with only Python), then run
+# the test suite. .ci/run calls exactly this. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/venv.sh
+
+# A regular (non-editable) install: the tests run against what users get.
+pip_install '.[test]'
+# torchtitan's models (test-only): installed without its training-stack dependencies,
+# plus the few modules its model code imports (triton only for an import at load time).
+pip_install --no-deps 'torchtitan==0.3.0'
+pip_install tyro einops 'spmd_types==0.2.3' triton
+# The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
+PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh >/dev/null
+
+export NPU_FX_FUSION_REQUIRE_WHEEL=1   # the wheel tests fail instead of skipping here
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"

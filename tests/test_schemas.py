@@ -1,0 +1,47 @@
+"""Every stand-in op has exactly the schema of the real torch_npu op.
+
+The schemas live once, in npu_fx_fusion/npu_ops/schemas.py; here each is compared with
+the `func:` line of the real torch-npu 2.13.0 wheel's
+torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml (scripts/fetch_torch_npu.sh
+unpacks it), both parsed by torch._C.parse_schema.
+"""
+import os
+import re
+
+import pytest
+import torch
+
+from npu_fx_fusion.npu_ops.schemas import SCHEMAS
+from torchair_harness.runner import torch_npu_dir_or_skip
+
+YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+OURS = [(ns, name, schema) for ns, ops in SCHEMAS.items() for name, schema in ops.items()]
+
+
+@pytest.fixture(scope="module")
+def wheel_schemas():
+    path = os.path.join(torch_npu_dir_or_skip(), YAML)
+    with open(path, encoding="utf-8") as f:
+        lines = re.findall(r"^\s*-?\s*func:\s*(.+?)\s*$", f.read(), flags=re.M)
+    schemas = {}
+    for line in lines:
+        schemas.setdefault(line.split("(", 1)[0], line)  # the custom section comes first
+    return schemas
+
+
+@pytest.mark.parametrize("namespace, name, schema", [o for o in OURS if o[0] == "npu"],
+                         ids=[o[1] for o in OURS if o[0] == "npu"])
+def test_npu_schema_equals_torch_npu(wheel_schemas, namespace, name, schema):
+    assert name in wheel_schemas, f"{name} is not an op of torch_npu 2.13.0"
+    assert torch._C.parse_schema(schema) == torch._C.parse_schema(wheel_schemas[name])
+    assert schema == wheel_schemas[name]  # character for character, too
+
+
+def test_registered_stand_ins_carry_those_schemas():
+    from npu_fx_fusion.npu_ops import ensure_registered
+
+    for qualname in ensure_registered():
+        namespace, name = qualname.split("::")
+        registered = getattr(getattr(torch.ops, namespace), name).default._schema
+        expected = torch._C.parse_schema(f"{namespace}::{SCHEMAS[namespace][name]}")
+        assert registered == expected

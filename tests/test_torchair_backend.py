@@ -1,0 +1,362 @@
+"""The fusion pipeline inside torchair's and npugraph_ex's real Python pipelines, on CPU.
+
+Each scenario runs in a fresh subprocess with torchair imported from the unpacked
+torch-npu wheel behind tests/torchair_harness/stubs.py (torchair patches process-global
+state). The assertions are on what torchair itself produced: the backend object it
+returns, the graphs it hands to its own post_grad_custom_post_pass, its GE graph dump.
+
+Needs `bash scripts/fetch_torch_npu.sh` first; skipped otherwise (failed when
+NPU_FX_FUSION_REQUIRE_TORCHAIR is set).
+
+What is and is not covered (shared/reference/torchair.md, section 6): max-autotune runs
+the whole path (dynamo -> torchair's aot_autograd -> _optimize_fx with our pre-pass ->
+FX-to-GE conversion with torchair's real converters -> GE graph passes and dump) and
+then, with debug.run_eagerly, executes the optimized FX graph instead of loading it into
+the (native) graph engine. npugraph_ex is exercised at its `_optimize_fx`: its ACL
+lowering needs torch_npu's streams and NPUGraph.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torchair_harness.runner import run_scenario
+
+HIDDEN = 64
+
+
+# --- the model: HF-Llama-style RMSNorm and a residual add ---------------------------------
+
+class LlamaRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, verbatim in substance."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class Block(nn.Module):
+    """norm -> linear -> residual add -> norm: an rms_norm site and an add_rms_norm site."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.input_norm = LlamaRMSNorm(hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.post_norm = LlamaRMSNorm(hidden)
+
+    def forward(self, x):
+        residual = x + self.proj(self.input_norm(x))
+        return self.post_norm(residual), residual
+
+
+class BlockThenBreak(nn.Module):
+    """Block, a graph break, another norm: dynamo hands torchair two graphs."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.block = Block(hidden)
+        self.final_norm = LlamaRMSNorm(hidden)
+
+    def forward(self, x):
+        h, residual = self.block(x)
+        torch._dynamo.graph_break()
+        return self.final_norm(h), residual
+
+
+def _model(cls, dtype=torch.float32):
+    torch.manual_seed(0)
+    model = cls()
+    with torch.no_grad():  # non-trivial weights, so a dropped weight multiply shows
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+    return model.to(dtype).eval()
+
+
+def _npu_targets(gm) -> list[str]:
+    """The npu.* call targets in a graph, sorted (e.g. 'npu.npu_rms_norm.default')."""
+    return sorted(str(n.target) for n in gm.graph.nodes
+                  if n.op == "call_function" and str(n.target).startswith("npu."))
+
+
+def _max_diff(actual, expected) -> float:
+    return max((a.float() - e.float()).abs().max().item() for a, e in zip(actual, expected))
+
+
+def _assert_close(actual, expected) -> None:
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e)  # dtype-aware default tolerances
+
+
+def _graph_counter():
+    """A post_grad_custom_post_pass that records, per graph torchair compiled, its npu ops.
+
+    torchair calls it once per graph, after its own passes and view_to_reshape, right
+    before lowering: what it sees is what torchair lowers.
+    """
+    seen: list[list[str]] = []
+
+    def post_pass(gm, example_inputs, config):
+        seen.append(_npu_targets(gm))
+
+    return seen, post_pass
+
+
+# --- scenarios (run in the subprocess) -----------------------------------------------------
+
+def scenario_default_backend():
+    import functools
+
+    import torchair
+    import torchair.npu_fx_compiler
+
+    import npu_fx_fusion as nff
+    from npu_fx_fusion.backend import FusionPipeline
+
+    backend = nff.get_npu_backend()
+    config = backend.keywords.get("compiler_config") if isinstance(backend, functools.partial) else None
+    return {
+        "is_partial": isinstance(backend, functools.partial),
+        "func_is_torchair_npu_backend": getattr(backend, "func", None) is torchair.npu_fx_compiler._npu_backend,
+        "config_type": type(config).__module__ + "." + type(config).__qualname__,
+        "config_is_torchair": isinstance(config, torchair.CompilerConfig),
+        "pre_pass_is_pipeline": isinstance(getattr(config, "post_grad_custom_pre_pass", None).value,
+                                           FusionPipeline),
+        "torch_npu_in_sys_modules": __import__("sys").modules.get("torch_npu") is not None,
+    }
+
+
+def scenario_max_autotune(dtype: str, dump_dir: str):
+    import glob
+    import re
+
+    import torchair
+    from torchair_harness import stubs
+
+    import npu_fx_fusion as nff
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    config.debug.run_eagerly = True  # run the optimized FX graph instead of the native GE
+    config.debug.graph_dump.type = "py"
+    config.debug.graph_dump.path = dump_dir
+    graphs, post_pass = _graph_counter()
+    config.post_grad_custom_post_pass = post_pass
+    backend = nff.get_npu_backend(compiler_config=config)
+
+    model = _model(BlockThenBreak, getattr(torch, dtype))
+    x = torch.randn(2, 8, HIDDEN, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=backend)(x)
+    _assert_close(actual, expected)
+
+    report = nff.last_report()
+    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
+                                                                                 recursive=True)))
+    return {
+        "max_diff": _max_diff(actual, expected),
+        "graphs_torchair_compiled": len(graphs),
+        "npu_ops_torchair_lowered": graphs,
+        "report_graphs": len(report.graphs),
+        "counts": report.counts,
+        "fused_ops": report.fused_ops,
+        "errors": report.errors,
+        "ge_ops_in_dump": sorted(set(re.findall(r"\bge\.(RmsNorm|AddRmsNorm)\(", dumps))),
+        "ge_rms_norm_calls": len(re.findall(r"\bge\.RmsNorm\(", dumps)),
+        "ge_add_rms_norm_calls": len(re.findall(r"\bge\.AddRmsNorm\(", dumps)),
+        # the native layer was reached (graph engine init) but never needed for execution
+        "native_calls": sorted({attr for _, attr in stubs.STUB_CALLS}),
+    }
+
+
+def scenario_training():
+    import torchair
+
+    import npu_fx_fusion as nff
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    config.debug.run_eagerly = True
+    graphs, post_pass = _graph_counter()
+    config.post_grad_custom_post_pass = post_pass
+    backend = nff.get_npu_backend(compiler_config=config)
+
+    model, reference = _model(Block).train(), _model(Block).train()
+    x = torch.randn(2, 8, HIDDEN, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    out_ref = reference(x_ref)
+    _assert_close(out, out_ref)
+    for o in (out, out_ref):
+        (o[0].square().sum() + o[1].sum()).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, msg=lambda m: f"{name}.grad: {m}")
+    report = nff.last_report()
+    return {"graphs_torchair_compiled": len(graphs), "report_graphs": len(report.graphs),
+            "errors": report.errors}
+
+
+def scenario_install_chains_user_pass():
+    import torchair
+
+    import npu_fx_fusion as nff
+
+    user_calls: list[list[str]] = []
+
+    def user_pre_pass(gm, example_inputs, config):
+        # Record the npu ops present when the user's pass runs: none, if it runs first.
+        user_calls.append(_npu_targets(gm))
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    config.debug.run_eagerly = True
+    config.post_grad_custom_pre_pass = user_pre_pass
+    graphs, post_pass = _graph_counter()
+    config.post_grad_custom_post_pass = post_pass
+    pipeline = nff.install(config)
+
+    model = _model(BlockThenBreak)
+    x = torch.randn(2, 8, HIDDEN)
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=torchair.get_npu_backend(compiler_config=config))(x)
+    _assert_close(actual, expected)
+    return {
+        "installed_is_returned_pipeline": config.post_grad_custom_pre_pass.value is pipeline,
+        "chained_is_user_pass": pipeline.chained is user_pre_pass,
+        "user_calls": user_calls,
+        "graphs_torchair_compiled": len(graphs),
+        "npu_ops_torchair_lowered": graphs,
+        "report_graphs": len(pipeline.report.graphs),
+        "last_report_is_pipeline_report": nff.last_report() is pipeline.report,
+        "fused_ops": pipeline.report.fused_ops,
+    }
+
+
+def scenario_npugraph_ex_optimize_fx():
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    import npugraph_ex
+    from npugraph_ex._utils.graph_transform_observer import GraphTransformObserver
+    from npugraph_ex.configs.compiler_config import _process_kwargs_options
+    from npugraph_ex.npu_fx_compiler import _get_merged_decompositions, _optimize_fx, _valid_graph
+
+    import npu_fx_fusion as nff
+
+    user_calls: list[list[str]] = []
+    graphs, post_pass = _graph_counter()
+    options = {
+        "post_grad_custom_pre_pass": lambda gm, ex, cfg: user_calls.append(_npu_targets(gm)),
+        "post_grad_custom_post_pass": post_pass,
+    }
+    pipeline = nff.install(options)  # the dict given as torch.compile(..., options=options)
+
+    # What backend="npugraph_ex" does with `options`, up to (not including) ACL lowering.
+    config = npugraph_ex.CompilerConfig()
+    _process_kwargs_options(config, {"options": options})
+    handed_on: list[dict] = []
+
+    def compiler(gm, example_inputs):
+        observer = GraphTransformObserver(gm, example_inputs, config)
+        optimized = _optimize_fx(gm, config, observer)
+        _valid_graph(optimized)
+        optimized.recompile()
+        targets = [str(n.target) for n in optimized.graph.nodes if n.op == "call_function"]
+        handed_on.append({"npu_ops": _npu_targets(optimized),
+                          "has_view": "aten.view.default" in targets,
+                          "has_reshape": "aten.reshape.default" in targets})
+        return optimized
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler,
+                                     decompositions=_get_merged_decompositions(config, {}),
+                                     keep_inference_input_mutations=True)
+
+    model = _model(Block)
+    x = torch.randn(2, 8, HIDDEN)
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=backend, fullgraph=True)(x)
+    _assert_close(actual, expected)
+    return {
+        "options_pre_pass_is_pipeline": options["post_grad_custom_pre_pass"] is pipeline,
+        "config_pre_pass_is_pipeline": config.post_grad_custom_pre_pass.value is pipeline,
+        "config_mode": config.mode.value,
+        "user_calls": user_calls,
+        "graphs_post_pass": len(graphs),
+        "handed_on": handed_on,
+        "report_graphs": len(pipeline.report.graphs),
+        "fused_ops": pipeline.report.fused_ops,
+    }
+
+
+# --- tests (run in pytest's process) -------------------------------------------------------
+
+def test_default_backend_is_torchairs_with_our_pipeline():
+    r = run_scenario(scenario_default_backend)
+    assert r["is_partial"] and r["func_is_torchair_npu_backend"], r
+    assert r["config_is_torchair"], r
+    assert r["pre_pass_is_pipeline"], r
+    assert not r["torch_npu_in_sys_modules"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_max_autotune_full_torchair_path(dtype, tmp_path):
+    r = run_scenario(scenario_max_autotune, dtype=dtype, dump_dir=str(tmp_path / "ge_dump"))
+    # dynamo handed torchair two graphs (a graph break); our pipeline ran once on each
+    assert r["graphs_torchair_compiled"] == 2, r
+    assert r["report_graphs"] == r["graphs_torchair_compiled"], r
+    assert r["errors"] == [], r
+    # graph 1: Block (rms_norm + add_rms_norm), graph 2: the final norm (rms_norm)
+    assert r["fused_ops"] == {"npu.npu_rms_norm": 2, "npu.npu_add_rms_norm": 1}, r
+    assert r["npu_ops_torchair_lowered"] == [
+        ["npu.npu_add_rms_norm.default", "npu.npu_rms_norm.default"],
+        ["npu.npu_rms_norm.default"],
+    ], r
+    # torchair's own converters lowered our ops to Ascend IR
+    assert r["ge_ops_in_dump"] == ["AddRmsNorm", "RmsNorm"], r
+    assert r["ge_rms_norm_calls"] == 2 and r["ge_add_rms_norm_calls"] == 1, r
+    assert "InitializeGraphEngine" in r["native_calls"], r
+
+
+def test_training_runs_pipeline_once_on_forward_and_backward():
+    r = run_scenario(scenario_training)
+    assert r["graphs_torchair_compiled"] == 2, r  # forward, then backward at .backward()
+    assert r["report_graphs"] == 2, r
+    assert r["errors"] == [], r
+
+
+def test_install_chains_with_users_pre_pass():
+    r = run_scenario(scenario_install_chains_user_pass)
+    assert r["installed_is_returned_pipeline"] and r["chained_is_user_pass"], r
+    assert r["last_report_is_pipeline_report"], r
+    assert r["graphs_torchair_compiled"] == 2, r
+    # the user's pass ran once per graph, before ours (it saw no fused op yet)
+    assert r["user_calls"] == [[], []], r
+    # ours ran once per graph too, and its output reached lowering
+    assert r["report_graphs"] == 2, r
+    assert r["fused_ops"] == {"npu.npu_rms_norm": 2, "npu.npu_add_rms_norm": 1}, r
+    assert r["npu_ops_torchair_lowered"][0] == ["npu.npu_add_rms_norm.default", "npu.npu_rms_norm.default"], r
+
+
+def test_npugraph_ex_optimize_fx_runs_our_pass_from_options():
+    r = run_scenario(scenario_npugraph_ex_optimize_fx)
+    assert r["options_pre_pass_is_pipeline"] and r["config_pre_pass_is_pipeline"], r
+    assert r["config_mode"] == "npugraph_ex", r
+    assert r["user_calls"] == [[]], r  # the user's options pass kept running, first
+    assert r["report_graphs"] == 1 and r["graphs_post_pass"] == 1, r
+    assert r["fused_ops"] == {"npu.npu_rms_norm": 1, "npu.npu_add_rms_norm": 1}, r
+    (graph,) = r["handed_on"]
+    assert graph["npu_ops"] == ["npu.npu_add_rms_norm.default", "npu.npu_rms_norm.default"], r
+    # npugraph_ex's own passes ran after ours (view_to_reshape), on the fused graph
+    assert graph["has_reshape"] and not graph["has_view"], r
