@@ -92,8 +92,21 @@ def _max_diff(actual, expected) -> float:
 
 
 def _assert_close(actual, expected) -> None:
+    """fp32: torch's default tolerances. bf16/fp16: within 2 eps of the output's scale.
+
+    In low precision the fused ops round once where the unfused code rounds after every
+    op (torch_npu's documented behaviour, reproduced by the stand-in kernels), and the
+    linear layer after the first norm carries those 1-ulp differences on, so an
+    elementwise ulp bound does not hold near zero; tests/test_rms_norm.py checks the ops
+    themselves within ulps.
+    """
     for a, e in zip(actual, expected):
-        torch.testing.assert_close(a, e)  # dtype-aware default tolerances
+        assert a.dtype == e.dtype and a.shape == e.shape
+        if e.dtype == torch.float32:
+            torch.testing.assert_close(a, e)
+        else:
+            scale = e.float().abs().max().item()
+            torch.testing.assert_close(a, e, rtol=0, atol=2 * torch.finfo(e.dtype).eps * scale)
 
 
 def _graph_counter():
@@ -142,6 +155,7 @@ def scenario_max_autotune(dtype: str, dump_dir: str):
     from torchair_harness import stubs
 
     import npu_fx_fusion as nff
+    from npu_fx_fusion.backend import EmulationBackend
 
     config = torchair.CompilerConfig()
     config.mode = "max-autotune"
@@ -158,12 +172,17 @@ def scenario_max_autotune(dtype: str, dump_dir: str):
         expected = model(x)
         actual = torch.compile(model, backend=backend)(x)
     _assert_close(actual, expected)
-
     report = nff.last_report()
+
+    # The CPU emulation backend claims to reproduce this pipeline: same numbers, bit for bit.
+    torch._dynamo.reset()
+    with torch.no_grad():
+        emulated = torch.compile(model, backend=EmulationBackend())(x)
     dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
                                                                                  recursive=True)))
     return {
         "max_diff": _max_diff(actual, expected),
+        "equals_emulation": [torch.equal(a, e) for a, e in zip(actual, emulated)],
         "graphs_torchair_compiled": len(graphs),
         "npu_ops_torchair_lowered": graphs,
         "report_graphs": len(report.graphs),
@@ -317,6 +336,7 @@ def test_max_autotune_full_torchair_path(dtype, tmp_path):
     assert r["graphs_torchair_compiled"] == 2, r
     assert r["report_graphs"] == r["graphs_torchair_compiled"], r
     assert r["errors"] == [], r
+    assert r["equals_emulation"] == [True, True], r
     # graph 1: Block (rms_norm + add_rms_norm), graph 2: the final norm (rms_norm)
     assert r["fused_ops"] == {"npu.npu_rms_norm": 2, "npu.npu_add_rms_norm": 1}, r
     assert r["npu_ops_torchair_lowered"] == [

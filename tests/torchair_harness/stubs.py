@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import types
+import warnings
 
 # torchair's native extension modules (torchair/core/*.so). All of them need CANN.
 NATIVE_MODULES = (
@@ -196,3 +197,10 @@ def bootstrap(torch_npu_dir: str) -> None:
     for finder_type in (_TorchNpuBlocker, _NpugraphExExitHooks):
         if not any(isinstance(f, finder_type) for f in sys.meta_path):
             sys.meta_path.insert(0, finder_type())
+
+    # torchair imports every GE converter module on first lowering and warns for each one
+    # whose torch.ops.npu.* op does not exist. Without torch_npu only the stand-in ops we
+    # register exist, so that is ~100 expected warnings that would bury real output.
+    warnings.filterwarnings(
+        "ignore", category=UserWarning,
+        message=r"Failed to import torchair\._ge_concrete_graph\.ge_converter\.custom\.")

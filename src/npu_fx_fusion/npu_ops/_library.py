@@ -79,6 +79,17 @@ def _schema_defined(namespace: str, name: str) -> bool:
     return True
 
 
+def _save_nothing(ctx, inputs, output) -> None:
+    pass
+
+
+def _no_backward(qualname: str) -> Callable:
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{qualname} has no backward in torch_npu: it is for inference graphs only")
+
+    return backward
+
+
 @functools.lru_cache(maxsize=None)
 def ensure_registered() -> tuple[str, ...]:
     """Register every declared stand-in whose op is not already defined; return their names.
@@ -100,9 +111,10 @@ def ensure_registered() -> tuple[str, ...]:
         # CompositeExplicitAutograd: one Python kernel serves every device (CPU here).
         lib.impl(op.name, op.kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(op.qualname, op.fake, lib=lib)
-        if op.backward is not None:
-            torch.library.register_autograd(op.qualname, op.backward,
-                                            setup_context=op.setup_context, lib=lib)
+        backward, setup_context = op.backward, op.setup_context
+        if backward is None:  # fail loudly, as a missing NPU backward would, never drop grads
+            backward, setup_context = _no_backward(op.qualname), _save_nothing
+        torch.library.register_autograd(op.qualname, backward, setup_context=setup_context, lib=lib)
         _REGISTERED.append(op.qualname)
     log.info("registered CPU stand-ins: %s", ", ".join(_REGISTERED))
     return tuple(_REGISTERED)

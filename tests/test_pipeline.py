@@ -1,0 +1,106 @@
+"""Pipeline guarantees: error isolation, lint, idempotence, dumps, fuse() on plain graphs."""
+import logging
+import os
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import npu_fx_fusion as nff
+from npu_fx_fusion import pipeline
+from npu_fx_fusion.report import PassResult
+from test_rms_norm import HFLlama
+
+
+def _graph(module=None, dtype=torch.float32):
+    module = module or HFLlama()
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    return make_fx(module)(x), module, x
+
+
+class _ExplodingPass:
+    """Mutates the graph, then raises: the pipeline must restore the graph."""
+
+    name = "rms_norm"
+
+    def apply(self, gm, soc=None):
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                node.target = torch.ops.aten.sub.Tensor  # vandalise
+        raise RuntimeError("boom")
+
+
+def test_a_failing_pass_is_reverted_and_reported(monkeypatch, caplog):
+    gm, module, x = _graph()
+    before = gm.code
+    monkeypatch.setattr(pipeline, "load_pass", lambda name: _ExplodingPass() if name == "rms_norm" else None)
+    with caplog.at_level(logging.WARNING, logger="npu_fx_fusion"):
+        report = nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}))
+    assert gm.code == before
+    torch.testing.assert_close(gm(x), module(x))
+    assert report.errors == [("rms_norm", "RuntimeError: boom")]
+    assert "pass rms_norm failed and was reverted" in caplog.text
+
+
+def test_strict_mode_reraises(monkeypatch):
+    gm, _, _ = _graph()
+    monkeypatch.setattr(pipeline, "load_pass", lambda name: _ExplodingPass())
+    with pytest.raises(RuntimeError, match="boom"):
+        nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}, strict=True))
+
+
+def test_running_twice_changes_nothing_the_second_time():
+    gm, module, x = _graph(dtype=torch.bfloat16)
+    module = module.bfloat16()
+    gm = make_fx(module)(x)
+    first = nff.fuse(gm)
+    code = gm.code
+    second = nff.fuse(gm)
+    assert first.counts["rms_norm"] == 1
+    assert second.counts["rms_norm"] == 0 and second.near_misses == []
+    assert gm.code == code
+
+
+def test_fuse_needs_metadata_or_example_inputs():
+    module = HFLlama()
+    gm = torch.fx.symbolic_trace(module)  # torch-level graph, no meta['val']
+    x = torch.randn(2, 5, 64)
+    aten_gm = make_fx(module)(x)
+    for node in aten_gm.graph.nodes:
+        node.meta.pop("val", None)
+    with pytest.raises(ValueError, match="example_inputs"):
+        nff.fuse(aten_gm)
+    report = nff.fuse(aten_gm, example_inputs=[x])
+    assert report.counts["rms_norm"] == 1
+    torch.testing.assert_close(aten_gm(x), module(x))
+    assert gm is not None
+
+
+def test_disabled_everything_leaves_the_graph_alone(monkeypatch):
+    gm, _, _ = _graph()
+    code = gm.code
+    monkeypatch.setenv("NPU_FX_FUSION", "0")
+    report = nff.fuse(gm)
+    assert gm.code == code and report.counts == {}
+
+
+def test_dump_dir_has_before_after_and_report(tmp_path):
+    gm, _, _ = _graph()
+    nff.fuse(gm, config=nff.FusionConfig(dump_dir=tmp_path))
+    [folder] = [p for p in tmp_path.iterdir() if p.is_dir()]
+    before, after = (folder / "before.py").read_text(), (folder / "after.py").read_text()
+    assert "aten.rsqrt" in before and "npu.npu_rms_norm" not in before
+    assert "npu.npu_rms_norm" in after and "aten.rsqrt" not in after
+    assert "rms_norm" in (tmp_path / "report.md").read_text()
+    assert '"rms_norm": 1' in (tmp_path / "report.json").read_text()
+
+
+def test_report_renders_sites_near_misses_and_op_counts():
+    gm, _, _ = _graph()
+    report = nff.fuse(gm)
+    text = report.to_markdown()
+    assert "| rms_norm | 1 |" in text and "npu.npu_rms_norm.default | 0 | 1" in text
+    data = report.to_dict()
+    assert data["counts"]["rms_norm"] == 1
+    assert data["graphs"][0]["ops_after"]["npu.npu_rms_norm.default"] == 1
+    assert nff.last_report() is report
