@@ -36,7 +36,7 @@ mkdir -p "$(dirname "$DIR")"
 # Build in a sibling temp folder and move it into place, so DIR is either complete or absent.
 TMP="$(mktemp -d "$DIR.tmp.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
-"$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
+PIP_ROOT_USER_ACTION=ignore "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-deps --no-compile \
     --target "$TMP" "torch-npu==$TORCH_NPU_VERSION" "${DEPS[@]}" >&2
 test -f "$TMP/torch_npu/dynamo/torchair/__init__.py" || {
     echo "fetch_torch_npu: $TMP has no torch_npu/dynamo/torchair: unexpected wheel layout" >&2

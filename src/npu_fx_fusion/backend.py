@@ -18,7 +18,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import FusionConfig
-from .pipeline import run_passes
 from .report import FusionReport
 
 log = logging.getLogger("npu_fx_fusion")
@@ -60,6 +59,10 @@ class FusionPipeline:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any = None, config: Any = None) -> None:
         if self.chained is not None:
             self.chained(gm, example_inputs, config)
+        # Imported here: the pipeline pulls in torch._inductor's pattern matcher, seconds of
+        # import time that `import npu_fx_fusion` should not cost.
+        from .pipeline import run_passes
+
         name = _graph_kind(config) or f"graph{next(self._graph_ids)}"
         _set_last_report(self.report)
         run_passes(gm, self.fusion_config, self.report, graph_name=name)

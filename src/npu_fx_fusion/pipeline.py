@@ -103,6 +103,7 @@ class _Dumper:
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None) -> GraphReport:
     """Fuse `gm` in place with the passes `config` enables; add its GraphReport to `report`."""
+    start = time.perf_counter()
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc = config.soc or detect_soc()
@@ -125,6 +126,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
+    graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
     dumper.write(folder, "after.py", _graph_code(gm))
     if config.dump_dir:

@@ -138,6 +138,7 @@ class GraphReport:
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
     passes: list[PassResult] = field(default_factory=list)
+    seconds: float = 0.0  # the whole pipeline on this graph, setup included
 
     @property
     def fused_ops(self) -> Counter:
@@ -207,6 +208,7 @@ class FusionReport:
                     "nodes_after": g.nodes_after,
                     "ops_before": dict(g.ops_before),
                     "ops_after": dict(g.ops_after),
+                    "seconds": round(g.seconds, 6),
                     "passes": [result_dict(r) for r in g.passes],
                 }
                 for g in self.graphs

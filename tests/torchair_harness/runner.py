@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 TORCH_NPU_VERSION = "2.13.0"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REQUIRE_ENV = "NPU_FX_FUSION_REQUIRE_TORCHAIR"
+REQUIRE_ENV = "NPU_FX_FUSION_REQUIRE_WHEEL"
 DIR_ENV = "NPU_FX_FUSION_TORCH_NPU_DIR"
 DEFAULT_TIMEOUT = 180.0
 

@@ -140,8 +140,13 @@ class _NpugraphExExitHooks(importlib.abc.MetaPathFinder):
 
 
 class _UnhookingLoader(importlib.abc.Loader):
+    """Delegates to npugraph_ex's own loader; removes the exit hooks after exec_module."""
+
     def __init__(self, loader):
         self._loader = loader
+
+    def __getattr__(self, attr):  # get_resource_reader, get_source, ... of the real loader
+        return getattr(self._loader, attr)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)

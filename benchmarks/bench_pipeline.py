@@ -1,0 +1,75 @@
+"""What fusion costs at compile time (a benchmark, not a test: timings are noisy here).
+
+Prints, for Llama-shaped transformers models of 2, 8 and 32 layers, the fusion pipeline's
+time as a fraction of the whole torch.compile (dynamo + aot_autograd + passes) and per 1k
+graph nodes, so growth with graph size shows; and the one-time costs: `import
+npu_fx_fusion`, stand-in op registration, and tracing each pass's patterns.
+
+    .venv/bin/python benchmarks/bench_pipeline.py [--layers 2 8 32]
+"""
+import argparse
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def one_time_costs() -> None:
+    def child(code: str) -> float:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        return float(out.stdout.strip())
+
+    torch_s = child("import time; t=time.perf_counter(); import torch; print(time.perf_counter()-t)")
+    both_s = child("import time; t=time.perf_counter(); import torch, npu_fx_fusion; print(time.perf_counter()-t)")
+    print(f"import torch: {torch_s:.2f} s; import npu_fx_fusion on top of it: {both_s - torch_s:+.3f} s")
+
+    from npu_fx_fusion import npu_ops
+    from npu_fx_fusion.config import PASS_NAMES
+    from npu_fx_fusion.pipeline import load_pass
+
+    start = time.perf_counter()
+    npu_ops.ensure_registered()
+    print(f"stand-in op registration: {time.perf_counter() - start:.3f} s")
+    for name in PASS_NAMES:
+        fusion_pass = load_pass(name)
+        if fusion_pass is None:
+            continue
+        start = time.perf_counter()
+        fusion_pass.matcher  # traces and registers every form (once per process)
+        forms = sum(len(f.dtypes) for f in fusion_pass.forms)
+        print(f"pattern registration {name}: {time.perf_counter() - start:.3f} s "
+              f"({len(fusion_pass.forms)} forms, {forms} traces)")
+
+
+def compile_fraction(layers: int) -> None:
+    import npu_fx_fusion as nff
+    from npu_fx_fusion.tiny_models import build_hf
+
+    tiny = build_hf("llama", num_layers=layers)
+    torch._dynamo.reset()
+    backend = nff.get_npu_backend()
+    start = time.perf_counter()
+    with torch.no_grad():
+        torch.compile(tiny.model, backend=backend)(*tiny.example_inputs)
+    total = time.perf_counter() - start
+    graph = nff.last_report().graphs[0]
+    passes = ", ".join(f"{r.pass_name} {r.seconds * 1e3:.0f} ms" for r in graph.passes if not r.skipped)
+    print(f"{layers:3d} layers: {graph.nodes_before:5d} nodes, compile {total:6.2f} s, "
+          f"pipeline {graph.seconds:5.2f} s = {graph.seconds / total:5.1%} of compile, "
+          f"{graph.seconds / graph.nodes_before * 1e3 * 1e3:6.1f} ms per 1k nodes ({passes})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    args = parser.parse_args()
+    one_time_costs()
+    # the first compile pays pattern registration (measured above): warm up once
+    compile_fraction(1)
+    for layers in args.layers:
+        compile_fraction(layers)
+
+
+if __name__ == "__main__":
+    main()
