@@ -6,7 +6,7 @@ state). The assertions are on what torchair itself produced: the backend object 
 returns, the graphs it hands to its own post_grad_custom_post_pass, its GE graph dump.
 
 Needs `bash scripts/fetch_torch_npu.sh` first; skipped otherwise (failed when
-NPU_FX_FUSION_REQUIRE_TORCHAIR is set).
+NPU_FX_FUSION_REQUIRE_WHEEL is set).
 
 What is and is not covered (shared/reference/torchair.md, section 6): max-autotune runs
 the whole path (dynamo -> torchair's aot_autograd -> _optimize_fx with our pre-pass ->

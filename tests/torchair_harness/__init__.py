@@ -4,7 +4,7 @@
   that scripts/fetch_torch_npu.sh unpacked into `dir`;
 - runner.run_scenario(fn, **kwargs): run `fn` in a fresh subprocess behind those stubs and
   return its JSON result (skips the test when the wheel folder is missing, unless
-  NPU_FX_FUSION_REQUIRE_TORCHAIR is set).
+  NPU_FX_FUSION_REQUIRE_WHEEL is set).
 
 Importing this package imports neither torch nor torchair: the stubs must be in place
 before torch is imported.

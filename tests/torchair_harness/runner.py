@@ -18,7 +18,7 @@ arguments and returning a JSON-able value:
         assert result["fused_ops"]["npu.npu_rms_norm"] == 1
 
 The test is skipped when the unpacked wheel is missing (run scripts/fetch_torch_npu.sh),
-and fails instead when NPU_FX_FUSION_REQUIRE_TORCHAIR is set (CI, so a broken fetch
+and fails instead when NPU_FX_FUSION_REQUIRE_WHEEL is set (CI, so a broken fetch
 cannot pass as a skip).
 """
 from __future__ import annotations
