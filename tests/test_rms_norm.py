@@ -229,3 +229,24 @@ def test_two_norms_in_one_graph_keep_their_own_eps():
     out, ref, report = compile_and_run(Two(), _inputs(torch.float32), config=ONLY_RMS)
     assert report.counts["rms_norm"] == 2
     assert_within_ulps(out, ref, ULPS[torch.float32])
+
+
+class NpuCastSpelling(Norm):
+    """HF Llama as torch_npu's aot graphs spell it: casts are npu._npu_dtype_cast."""
+
+    def forward(self, x):
+        h = torch.ops.npu._npu_dtype_cast(x, torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * torch.ops.npu._npu_dtype_cast(h, x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_npu_dtype_cast_spelling_fuses_too(dtype):
+    from npu_fx_fusion.npu_ops import ensure_registered
+
+    ensure_registered()
+    module = NpuCastSpelling().to(dtype)
+    out, ref, report = compile_and_run(module, _inputs(dtype), config=ONLY_RMS)
+    assert [s.form for s in report.sites] == ["hf_llama"]
+    assert report.graphs[0].ops_after["npu._npu_dtype_cast.default"] == 0
+    assert_within_ulps(out, ref, ULPS[dtype])

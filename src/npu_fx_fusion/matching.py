@@ -74,6 +74,22 @@ def _functionalize_inplace_on_temporaries(graph: torch.fx.Graph) -> int:
     return changed
 
 
+def trace_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
+    """The same trace with each dtype conversion spelled `npu._npu_dtype_cast(x, dtype)`.
+
+    On an NPU, torch_npu records `x.to(dtype)` that way in aot graphs, where CPU records
+    `aten._to_copy(x, dtype=...)` (torchair's own patterns accept both).
+    """
+    gm = trace_without_decompositions(fn, args, **kwargs)
+    cast = torch.ops.npu._npu_dtype_cast.default
+    for node in gm.graph.nodes:
+        if (node.target is torch.ops.aten._to_copy.default and "dtype" in node.kwargs
+                and set(node.kwargs) <= {"dtype", "layout", "device"}):
+            node.target, node.args, node.kwargs = cast, (node.args[0], node.kwargs["dtype"]), {}
+    gm.recompile()
+    return gm
+
+
 _REDUCTIONS_WITH_DIM_LIST = {
     torch.ops.aten.mean.dim,
     torch.ops.aten.sum.dim_IntList,
@@ -200,16 +216,22 @@ class FusionPass:
         scalars = {n: v for n, v in self.example.items()
                    if n in form.argnames and isinstance(v, (int, float))}
         inputs = [self._example_value(n, dtype) for n in form.argnames]
-        pm.register_replacement(
-            form.search,
-            form.replace,
-            inputs,
-            trace_fn=trace_without_decompositions,
-            pass_dicts=matcher,
-            extra_check=functools.partial(self._extra_check, form),
-            scalar_workaround=scalars,
-            skip_duplicates=True,  # fp32 and half traces of a cast-free form are the same
-        )
+        trace_fns = [trace_without_decompositions]
+        if hasattr(torch.ops.npu, "_npu_dtype_cast"):
+            trace_fns.append(trace_with_npu_dtype_casts)
+        for trace_fn in trace_fns:
+            pm.register_replacement(
+                form.search,
+                form.replace,
+                inputs,
+                trace_fn=trace_fn,
+                pass_dicts=matcher,
+                extra_check=functools.partial(self._extra_check, form),
+                scalar_workaround=scalars,
+                # fp32 and half traces of a cast-free form are the same pattern, and so
+                # are its two cast spellings
+                skip_duplicates=True,
+            )
 
     def _example_value(self, name: str, dtype: torch.dtype) -> Any:
         value = self.example[name]

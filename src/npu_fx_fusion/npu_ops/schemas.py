@@ -9,6 +9,9 @@ graph rewritten on CPU is op-for-op the graph that runs on an NPU.
 # namespace -> {op name -> schema}
 SCHEMAS: dict[str, dict[str, str]] = {
     "npu": {
+        # What torch_npu records for `.to(dtype)` in aot graphs, where CPU records
+        # aten._to_copy: patterns with casts are registered in both spellings.
+        "_npu_dtype_cast": "_npu_dtype_cast(Tensor self, ScalarType dtype) -> Tensor",
         "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
         "npu_rms_norm_backward": (
             "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
