@@ -21,37 +21,22 @@ import pytest
 import torch
 import torch.nn as nn
 
+from test_rms_norm import HFLlama
 from torchair_harness.runner import run_scenario
 
 HIDDEN = 64
 
 
-# --- the model: HF-Llama-style RMSNorm and a residual add ---------------------------------
-
-class LlamaRMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm, verbatim in substance."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
-
+# --- the model: HF-Llama-style RMSNorm (test_rms_norm.HFLlama) and a residual add --------
 
 class Block(nn.Module):
     """norm -> linear -> residual add -> norm: an rms_norm site and an add_rms_norm site."""
 
     def __init__(self, hidden: int = HIDDEN):
         super().__init__()
-        self.input_norm = LlamaRMSNorm(hidden)
+        self.input_norm = HFLlama(hidden)
         self.proj = nn.Linear(hidden, hidden)
-        self.post_norm = LlamaRMSNorm(hidden)
+        self.post_norm = HFLlama(hidden)
 
     def forward(self, x):
         residual = x + self.proj(self.input_norm(x))
@@ -64,7 +49,7 @@ class BlockThenBreak(nn.Module):
     def __init__(self, hidden: int = HIDDEN):
         super().__init__()
         self.block = Block(hidden)
-        self.final_norm = LlamaRMSNorm(hidden)
+        self.final_norm = HFLlama(hidden)
 
     def forward(self, x):
         h, residual = self.block(x)
