@@ -29,7 +29,7 @@ import torch.fx
 from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .report import FusedSite, NearMiss, PassResult, SourceLocation, location_of
+from .report import FusedSite, NearMiss, PassResult, location_of
 
 log = logging.getLogger("npu_fx_fusion.matching")
 
@@ -251,7 +251,7 @@ class FusionPass:
         # A larger form turned down over some of these nodes: this is a partial fusion, say why.
         larger = next((run.rejections[n] for n in match.nodes if n in run.rejections), None)
         note = f"partial: a larger form was turned down ({larger})" if larger else ""
-        run.sites.append(FusedSite(self.name, form.name, self.fused_op, self._location(match.nodes), note))
+        run.sites.append(FusedSite(self.name, form.name, self.fused_op, location_of(match.nodes), note))
         return True
 
     def _site(self, form: Form, match: pm.Match, soc: Optional[str]) -> Site:
@@ -291,10 +291,6 @@ class FusionPass:
                 return (f"{self.fused_op} would give {_describe(new)} where the model computes "
                         f"{_describe(orig)} (output {index})")
         return None
-
-    @staticmethod
-    def _location(nodes: Sequence[Node]) -> SourceLocation:
-        return location_of(nodes)
 
     # ---- running -------------------------------------------------------------------------
     def apply(self, gm: torch.fx.GraphModule, soc: Optional[str] = None) -> PassResult:

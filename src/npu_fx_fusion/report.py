@@ -228,7 +228,7 @@ class FusionReport:
                   + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
         for index, g in enumerate(self.graphs):
             lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes)", ""]
-            unavailable = [r.pass_name for r in g.passes if r.skipped]
+            skipped = [r for r in g.passes if r.skipped]
             for r in g.passes:
                 if r.skipped:
                     continue
@@ -236,8 +236,8 @@ class FusionReport:
                 lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}"
                           + (f" ({s.note})" if s.note else "") for s in r.sites]
                 lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
-            if unavailable:
-                lines.append(f"- not run: {', '.join(unavailable)} ({g.passes[[r.pass_name for r in g.passes].index(unavailable[0])].skipped})")
+            if skipped:
+                lines.append(f"- not run: {', '.join(r.pass_name for r in skipped)} ({skipped[0].skipped})")
             changed = sorted(set(g.ops_before) | set(g.ops_after),
                              key=lambda op: g.ops_after[op] - g.ops_before[op])
             changed = [op for op in changed if g.ops_before[op] != g.ops_after[op]]
