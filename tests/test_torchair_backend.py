@@ -171,6 +171,7 @@ def scenario_max_autotune(dtype: str, dump_dir: str):
         "graphs_torchair_compiled": len(graphs),
         "npu_ops_torchair_lowered": graphs,
         "report_graphs": len(report.graphs),
+        "modes": [g.mode for g in report.graphs],
         "counts": report.counts,
         "fused_ops": report.fused_ops,
         "errors": report.errors,
@@ -300,8 +301,100 @@ def scenario_npugraph_ex_optimize_fx():
         "graphs_post_pass": len(graphs),
         "handed_on": handed_on,
         "report_graphs": len(pipeline.report.graphs),
+        "modes": [g.mode for g in pipeline.report.graphs],
         "fused_ops": pipeline.report.fused_ops,
     }
+
+
+class BlockWithFp32Readout(nn.Module):
+    """Block whose second norm's output is also read in fp32 (a router / logits readout).
+
+    In bf16 that is our npu_add_rms_norm followed by a cast of its y to fp32: the
+    pattern torchair's own pass turns into npu_add_rms_norm_cast.
+    """
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.block = Block(hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h, residual = self.block(x)
+        return self.out(h), h.float(), residual
+
+
+def scenario_torchair_pattern_pass_on_our_ops(dump_dir: str):
+    import glob
+    import re
+    import sys
+    import types
+
+    import torchair
+
+    import npu_fx_fusion as nff
+    from npu_fx_fusion import npu_ops
+
+    # torchair registers its add_rms_norm + cast patterns only when torch_npu is imported
+    # (on an NPU it always is). Register them the way _apply_pattern_passes does, with a
+    # placeholder torch_npu module present just for that call: it is lru_cached, so the
+    # compile below reuses it, and the rest of torchair never sees the placeholder. The
+    # stand-ins go in first: with torch_npu in sys.modules we would assume its ops exist.
+    from torchair.patterns.add_rms_norm_cast import _register_addrmsnormcast_pattern
+    from torchair.patterns.pattern_util import pattern_pass_manager
+
+    npu_ops.ensure_registered()
+    sys.modules["torch_npu"] = types.ModuleType("torch_npu")
+    try:
+        _register_addrmsnormcast_pattern(pattern_pass_manager)
+    finally:
+        del sys.modules["torch_npu"]
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    config.debug.run_eagerly = True
+    config.debug.graph_dump.type = "py"
+    config.debug.graph_dump.path = dump_dir
+    graphs, post_pass = _graph_counter()
+    config.post_grad_custom_post_pass = post_pass
+    backend = nff.get_npu_backend(compiler_config=config)
+
+    model = _model(BlockWithFp32Readout, torch.bfloat16)
+    x = torch.randn(2, 8, HIDDEN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=backend, fullgraph=True)(x)
+    # the fp32 readout holds bf16 values: compare it at bf16's precision
+    _assert_close([t.bfloat16() for t in actual], [t.bfloat16() for t in expected])
+    readout_is_widened_bf16 = torch.equal(actual[1], actual[1].bfloat16().float())
+    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
+                                                                                 recursive=True)))
+    return {
+        "our_fused_ops": nff.last_report().fused_ops,
+        "readout_is_widened_bf16": readout_is_widened_bf16,
+        "npu_ops_torchair_lowered": graphs,
+        "ge_ops_in_dump": sorted(set(re.findall(r"\bge\.(RmsNorm|AddRmsNorm|AddRmsNormCast)\(", dumps))),
+    }
+
+
+def scenario_converter_registry():
+    """torchair's own converter lookup, for every op in our capability table we can load.
+
+    Complements test_capabilities' scan of the converter sources: `_get_converter` is what
+    lowering consults, after importing the converter modules with our stand-ins defined.
+    """
+    from torchair._ge_concrete_graph.fx2ge_converter import _get_converter
+
+    from npu_fx_fusion import npu_ops
+    from npu_fx_fusion.capabilities import CAPABILITIES
+
+    npu_ops.ensure_registered()  # first: a converter module whose op is undefined is skipped
+    table = {}
+    for op in CAPABILITIES:
+        namespace, name = op.split(".")
+        if hasattr(getattr(torch.ops, namespace), name):
+            table[op] = _get_converter(getattr(getattr(torch.ops, namespace), name).default) is not None
+    return {"aten_add_has_converter": _get_converter(torch.ops.aten.add.Tensor) is not None,
+            "has_converter": table}
 
 
 # --- tests (run in pytest's process) -------------------------------------------------------
@@ -320,6 +413,7 @@ def test_max_autotune_full_torchair_path(dtype, tmp_path):
     # dynamo handed torchair two graphs (a graph break); our pipeline ran once on each
     assert r["graphs_torchair_compiled"] == 2, r
     assert r["report_graphs"] == r["graphs_torchair_compiled"], r
+    assert r["modes"] == ["max-autotune", "max-autotune"], r  # read from torchair's config
     assert r["errors"] == [], r
     assert r["equals_emulation"] == [True, True], r
     # graph 1: Block (rms_norm + add_rms_norm), graph 2: the final norm (rms_norm)
@@ -358,6 +452,7 @@ def test_npugraph_ex_optimize_fx_runs_our_pass_from_options():
     r = run_scenario(scenario_npugraph_ex_optimize_fx)
     assert r["options_pre_pass_is_pipeline"] and r["config_pre_pass_is_pipeline"], r
     assert r["config_mode"] == "npugraph_ex", r
+    assert r["modes"] == ["npugraph_ex"], r
     assert r["user_calls"] == [[]], r  # the user's options pass kept running, first
     assert r["report_graphs"] == 1 and r["graphs_post_pass"] == 1, r
     assert r["fused_ops"] == {"npu.npu_rms_norm": 1, "npu.npu_add_rms_norm": 1}, r
@@ -365,3 +460,23 @@ def test_npugraph_ex_optimize_fx_runs_our_pass_from_options():
     assert graph["npu_ops"] == ["npu.npu_add_rms_norm.default", "npu.npu_rms_norm.default"], r
     # npugraph_ex's own passes ran after ours (view_to_reshape), on the fused graph
     assert graph["has_reshape"] and not graph["has_view"], r
+
+
+def test_torchairs_own_pattern_pass_fuses_our_add_rms_norm_with_a_cast(tmp_path):
+    r = run_scenario(scenario_torchair_pattern_pass_on_our_ops, dump_dir=str(tmp_path / "ge_dump"))
+    # ours: the first norm and the residual add + second norm
+    assert r["our_fused_ops"] == {"npu.npu_rms_norm": 1, "npu.npu_add_rms_norm": 1}, r
+    # torchair's pass then folded the fp32 readout of y into npu_add_rms_norm_cast
+    assert r["npu_ops_torchair_lowered"] == [["npu.npu_add_rms_norm_cast.default", "npu.npu_rms_norm.default"]], r
+    assert r["ge_ops_in_dump"] == ["AddRmsNormCast", "RmsNorm"], r
+    assert r["readout_is_widened_bf16"], r
+
+
+def test_capability_table_matches_torchairs_live_converter_registry():
+    from npu_fx_fusion.capabilities import CAPABILITIES
+
+    r = run_scenario(scenario_converter_registry)
+    assert r["aten_add_has_converter"], r  # the lookup itself works
+    # every op any pass emits has a stand-in, so every table entry is checked here
+    assert set(r["has_converter"]) == set(CAPABILITIES), r
+    assert r["has_converter"] == {op: cap.ge_converter for op, cap in CAPABILITIES.items()}, r

@@ -64,14 +64,28 @@ class FusionPipeline:
         from .pipeline import run_passes
 
         name = _graph_kind(config) or f"graph{next(self._graph_ids)}"
+        mode = self.fusion_config.mode or _torchair_mode(config)
         _set_last_report(self.report)
-        run_passes(gm, self.fusion_config, self.report, graph_name=name)
+        run_passes(gm, self.fusion_config, self.report, graph_name=name, mode=mode)
 
 
 def _graph_kind(config: Any) -> Optional[str]:
     # torchair names the phase in its observer, which the pass cannot see; the emulation
     # backend passes the phase name as `config`.
     return config if isinstance(config, str) else None
+
+
+def _torchair_mode(config: Any) -> Optional[str]:
+    """The mode of the torchair / npugraph_ex CompilerConfig a pass is called with.
+
+    torchair.CompilerConfig.mode is an OptionValue ("max-autotune" / "reduce-overhead");
+    npugraph_ex's config reports "npugraph_ex".
+    """
+    from .capabilities import MODES
+
+    mode = getattr(config, "mode", None)
+    mode = getattr(mode, "value", mode)
+    return mode if mode in MODES else None
 
 
 def install(compiler_config: Any, fusion_config: Optional[FusionConfig] = None) -> FusionPipeline:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -23,6 +23,14 @@ SOCS: tuple[str, ...] = (
 )
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+# torchair's modes (CompilerConfig.mode) and npugraph_ex, by how they lower a graph:
+# max-autotune converts every node into a GE graph and needs a GE converter per op;
+# reduce-overhead and npugraph_ex capture the ops' own (aclnn) kernels in an ACL graph,
+# so every op torch_npu implements works there.
+GE_MODES = ("max-autotune",)
+ACL_MODES = ("reduce-overhead", "npugraph_ex")
+MODES: tuple[str, ...] = GE_MODES + ACL_MODES
 
 
 def check_soc_name(soc: str) -> str:
@@ -47,8 +55,13 @@ class OpCapability:
     min_rank: int
     max_rank: int
     backward: Optional[str]  # the op torch_npu differentiates it with, None: inference only
+    # torchair 2.13 registers a GE converter for it (register_fx_node_ge_converter), so
+    # max-autotune can lower it; tests/test_torchair_backend.py checks this against the wheel
+    ge_converter: bool
     socs: Mapping[str, SocLimits] = field(default_factory=dict)
     same_shape: tuple[str, ...] = ()  # tensor arguments that must have one shape and dtype
+    # op-specific numeric limits read by the pattern's check ("max_head_dim": 896, ...)
+    limits: Mapping[str, Any] = field(default_factory=dict)
     doc: str = ""
 
 
@@ -61,6 +74,7 @@ CAPABILITIES: dict[str, OpCapability] = {
             min_rank=1,
             max_rank=8,
             backward="npu.npu_rms_norm_backward",
+            ge_converter=True,
             # fp32 gamma with fp16/bf16 x is documented for A2/A3 only.
             socs={
                 "Ascend310P": SocLimits(dtypes=frozenset({torch.float32, torch.float16}), mixed_gamma=False),
@@ -75,6 +89,7 @@ CAPABILITIES: dict[str, OpCapability] = {
             min_rank=1,
             max_rank=8,
             backward=None,
+            ge_converter=True,
             same_shape=("x1", "x2"),
             socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float32, torch.float16}), mixed_gamma=False)},
             doc="torch_npu docs: x1, x2 same shape, 1-8 dims; no bf16 on Atlas inference (310P); "
@@ -82,6 +97,28 @@ CAPABILITIES: dict[str, OpCapability] = {
         ),
     )
 }
+
+
+def check_mode_name(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown torchair mode {mode!r}; known: {', '.join(MODES)}")
+    return mode
+
+
+def capability(op: str) -> OpCapability:
+    """The table entry of an op a pass emits; a pass may emit no op the table lacks."""
+    try:
+        return CAPABILITIES[op]
+    except KeyError:
+        raise KeyError(f"{op} is emitted by a pass but has no entry in capabilities.CAPABILITIES; "
+                       "add one (dtypes, ranks, backward, GE converter) before emitting it") from None
+
+
+def not_lowerable(op: str, mode: Optional[str]) -> Optional[str]:
+    """Why torchair in `mode` could not lower `op`, or None if it can (or mode is unknown)."""
+    if mode in GE_MODES and not capability(op).ge_converter:
+        return f"{op} has no GE converter in torchair 2.13, so {mode} cannot lower it"
+    return None
 
 
 def detect_soc() -> Optional[str]:

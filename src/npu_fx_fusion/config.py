@@ -61,6 +61,11 @@ class FusionConfig:
     soc:      the Ascend SoC to honour hardware limits for (see capabilities.SOCS). None:
               detected from torch_npu when it is present, otherwise no SoC-specific limits
               are applied and the report notes which limits a site would hit.
+    mode:     the torchair mode the graph is lowered in ("max-autotune", "reduce-overhead",
+              "npugraph_ex"; capabilities.MODES). A pass never emits an op that mode cannot
+              lower (max-autotune needs a GE converter per op). None: taken from the
+              torchair / npugraph_ex config the pipeline is called with; in CPU emulation
+              nothing is excluded, and a site max-autotune could not lower says so.
     dump_dir: write each compiled graph before/after the passes and the report there.
     strict:   re-raise a pass's exception instead of reverting that pass and reporting it.
 
@@ -71,6 +76,7 @@ class FusionConfig:
     enable: Optional[AbstractSet[str]] = None
     disable: AbstractSet[str] = field(default_factory=frozenset)
     soc: Optional[str] = None
+    mode: Optional[str] = None
     dump_dir: Optional[str] = None
     strict: bool = False
 
@@ -82,6 +88,10 @@ class FusionConfig:
             from .capabilities import check_soc_name
 
             check_soc_name(self.soc)
+        if self.mode is not None:
+            from .capabilities import check_mode_name
+
+            check_mode_name(self.mode)
         if self.dump_dir is not None:
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
 

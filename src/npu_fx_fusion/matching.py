@@ -29,6 +29,8 @@ import torch.fx
 from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from . import npu_ops
+from .capabilities import capability, not_lowerable
 from .report import FusedSite, NearMiss, PassResult, location_of
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -135,6 +137,7 @@ class Form:
     search: Callable
     replace: Callable
     dtypes: tuple = (torch.float32, torch.bfloat16)
+    fused_op: Optional[str] = None  # the op the report names, if not the pass's fused_op
 
     @property
     def name(self) -> str:
@@ -164,6 +167,7 @@ class _PassRun:
     """What one apply() of a FusionPass saw: accepted sites and rejections by node."""
 
     soc: Optional[str]
+    mode: Optional[str]
     sites: list[FusedSite] = field(default_factory=list)
     rejections: dict[Node, str] = field(default_factory=dict)
 
@@ -205,12 +209,34 @@ class FusionPass:
     # ---- registration (lazy: tracing every form costs time, pay it on first use) ----------
     @functools.cached_property
     def matcher(self) -> pm.PatternMatcherPass:
+        npu_ops.ensure_registered()
         matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}")
         with FakeTensorMode():
             for form in self.forms:
                 for dtype in form.dtypes:
                     self._register(matcher, form, dtype)
         return matcher
+
+    @functools.cached_property
+    def emitted_ops(self) -> dict[str, tuple[str, ...]]:
+        """{form name: the non-aten ops its replacement calls ("npu.npu_rms_norm", ...)}.
+
+        Read from a trace of each replacement, so what is checked for lowerability is
+        what a fusion really emits. Every one must have a capabilities entry.
+        """
+        npu_ops.ensure_registered()
+        emitted = {}
+        with FakeTensorMode():
+            for form in self.forms:
+                inputs = [self._example_value(n, form.dtypes[0]) for n in form.argnames]
+                gm = trace_without_decompositions(form.replace, inputs)
+                ops = sorted({_op_name(n.target) for n in gm.graph.nodes
+                              if isinstance(n.target, torch._ops.OpOverload)  # noqa: SLF001
+                              and n.target.namespace not in ("aten", "prims")})
+                for op in ops:
+                    capability(op)  # raises for an op the table lacks
+                emitted[form.name] = tuple(ops)
+        return emitted
 
     def _register(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype) -> None:
         scalars = {n: v for n, v in self.example.items()
@@ -242,7 +268,7 @@ class FusionPass:
         run = self._run
         assert run is not None, "FusionPass matcher used outside apply()"
         site = self._site(form, match, run.soc)
-        reason = self._first_failure(site, match)
+        reason = self._first_failure(site, match, run.mode)
         if reason is not None:
             log.debug("%s: not fusing %s at %s: %s", self.name, form.name,
                       location_of(match.nodes), reason)
@@ -250,8 +276,12 @@ class FusionPass:
             return False
         # A larger form turned down over some of these nodes: this is a partial fusion, say why.
         larger = next((run.rejections[n] for n in match.nodes if n in run.rejections), None)
-        note = f"partial: a larger form was turned down ({larger})" if larger else ""
-        run.sites.append(FusedSite(self.name, form.name, self.fused_op, location_of(match.nodes), note))
+        notes = [f"partial: a larger form was turned down ({larger})"] if larger else []
+        if run.mode is None:  # emulation: say what torchair's GE mode would refuse
+            notes += [reason for op in self.emitted_ops[form.name]
+                      if (reason := not_lowerable(op, "max-autotune"))]
+        run.sites.append(FusedSite(self.name, form.name, form.fused_op or self.fused_op,
+                                   location_of(match.nodes), "; ".join(notes)))
         return True
 
     def _site(self, form: Form, match: pm.Match, soc: Optional[str]) -> Site:
@@ -260,9 +290,10 @@ class FusionPass:
                 for name, value in arg_nodes.items()}
         return Site(form, args, list(match.nodes), arg_nodes, soc)
 
-    def _first_failure(self, site: Site, match: pm.Match) -> Reason:
+    def _first_failure(self, site: Site, match: pm.Match, mode: Optional[str]) -> Reason:
         return (self._argument_kinds_differ(site)
                 or _unexpected_keyword(site.nodes)
+                or next(filter(None, (not_lowerable(op, mode) for op in self.emitted_ops[site.form.name])), None)
                 or self.check(site)
                 or self._outputs_differ(site, match))
 
@@ -293,10 +324,16 @@ class FusionPass:
         return None
 
     # ---- running -------------------------------------------------------------------------
-    def apply(self, gm: torch.fx.GraphModule, soc: Optional[str] = None) -> PassResult:
-        """Fuse every match in `gm` in place; report sites and near misses."""
+    def apply(self, gm: torch.fx.GraphModule, soc: Optional[str] = None,
+              mode: Optional[str] = None) -> PassResult:
+        """Fuse every match in `gm` in place; report sites and near misses.
+
+        soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered
+        in (a form whose op that mode cannot lower is skipped, so a later form can serve).
+        """
         result = PassResult(self.name)
-        self._run = run = _PassRun(soc)
+        self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
+        self._run = run = _PassRun(soc, mode)
         existing = set(gm.graph.nodes)
         try:
             count = self.matcher.apply(gm)
@@ -350,6 +387,11 @@ def _unexpected_keyword(nodes: Sequence[Node]) -> Reason:
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
     return None
+
+
+def _op_name(target: torch._ops.OpOverload) -> str:  # noqa: SLF001
+    """npu.npu_rms_norm.default -> "npu.npu_rms_norm", the capabilities key."""
+    return f"{target.namespace}.{target._schema.name.split('::')[-1]}"  # noqa: SLF001
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -101,13 +101,18 @@ class _Dumper:
 
 
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
-               graph_name: str, example_inputs: Optional[Sequence[Any]] = None) -> GraphReport:
-    """Fuse `gm` in place with the passes `config` enables; add its GraphReport to `report`."""
+               graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
+               mode: Optional[str] = None) -> GraphReport:
+    """Fuse `gm` in place with the passes `config` enables; add its GraphReport to `report`.
+
+    `mode` is the torchair mode the graph will be lowered in (FusionConfig.mode wins).
+    """
     start = time.perf_counter()
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc = config.soc or detect_soc()
-    graph_report = GraphReport(graph_name, nodes_before=len(gm.graph.nodes), ops_before=op_counts(gm.graph))
+    mode = config.mode or mode
+    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes), ops_before=op_counts(gm.graph))
     dumper = _Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     dumper.write(folder, "before.py", _graph_code(gm))
@@ -120,7 +125,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         canonicalize_reduction_dims(gm.graph)
         gm.recompile()
     for name in enabled:
-        graph_report.passes.append(_run_one(gm, name, config, soc))
+        graph_report.passes.append(_run_one(gm, name, config, soc, mode))
 
     gm.graph.lint()
     gm.recompile()
@@ -135,7 +140,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     return graph_report
 
 
-def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str]) -> PassResult:
+def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str],
+             mode: Optional[str]) -> PassResult:
     fusion_pass = load_pass(name)
     if fusion_pass is None:
         log.info("pass %r is not implemented in this version of npu-fx-fusion", name)
@@ -143,7 +149,7 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     saved = copy.deepcopy(gm.graph)
     start = time.perf_counter()
     try:
-        result = fusion_pass.apply(gm, soc)
+        result = fusion_pass.apply(gm, soc, mode)
         gm.graph.lint()
     except Exception as exc:
         gm.graph = saved  # the setter re-parents the graph and recompiles

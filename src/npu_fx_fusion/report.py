@@ -134,6 +134,7 @@ def fused_op_counts(counts: Counter) -> Counter:
 class GraphReport:
     name: str  # "forward", "backward", "inference", or the fuse() caller's name
     nodes_before: int
+    mode: Optional[str] = None  # the torchair mode it is lowered in, when known
     nodes_after: int = 0
     ops_before: Counter = field(default_factory=Counter)
     ops_after: Counter = field(default_factory=Counter)
@@ -204,6 +205,7 @@ class FusionReport:
             "graphs": [
                 {
                     "name": g.name,
+                    "mode": g.mode,
                     "nodes_before": g.nodes_before,
                     "nodes_after": g.nodes_after,
                     "ops_before": dict(g.ops_before),
@@ -227,7 +229,8 @@ class FusionReport:
         lines += ["", "Fused ops in the final graphs: "
                   + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
         for index, g in enumerate(self.graphs):
-            lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes)", ""]
+            mode = f", torchair mode {g.mode}" if g.mode else ""
+            lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes{mode})", ""]
             skipped = [r for r in g.passes if r.skipped]
             for r in g.passes:
                 if r.skipped:

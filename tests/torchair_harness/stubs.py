@@ -103,6 +103,17 @@ def _registered_ir_def_not_found(ge_name: str):
     return ("ERROR", [], [], [])
 
 
+def _cann_compatible(optype, runtime_optional_inputs, runtime_optional_attrs) -> str:
+    """`_torchair.check_cann_compat`: "" (compatible) for every GE op.
+
+    torchair asks the installed CANN whether it knows the optional inputs / attributes a
+    converter sets on newer IR ops (compat_ir.ge_op); a non-empty answer is an error
+    message. There is no CANN here, so the CANN is taken to be the one torchair was
+    built against, which is what a matching torch_npu install has.
+    """
+    return ""
+
+
 class _TorchNpuBlocker(importlib.abc.MetaPathFinder):
     """Makes `import torch_npu` (and its submodules) fail at once with ModuleNotFoundError.
 
@@ -197,6 +208,7 @@ def bootstrap(torch_npu_dir: str) -> None:
         if name not in sys.modules:
             sys.modules[name] = _native_stub_module(name)
     sys.modules["torchair.core._torchair"].get_registered_ir_def = _registered_ir_def_not_found
+    sys.modules["torchair.core._torchair"].check_cann_compat = _cann_compatible
 
     # 4 and 5. Import hooks, ahead of the path finders.
     for finder_type in (_TorchNpuBlocker, _NpugraphExExitHooks):

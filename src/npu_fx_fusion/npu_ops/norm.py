@@ -92,3 +92,21 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
     normed = (x32 * rstd).to(dtype).float()
     y = (normed * gamma.float()).to(dtype)
     return y, rstd, x_out
+
+
+# ---- npu_add_rms_norm_cast ----------------------------------------------------------
+# No pass of ours emits it: torchair's own pattern pass (torchair/patterns/
+# add_rms_norm_cast.py) rewrites `npu_add_rms_norm` + a cast of y to fp32 into it, after
+# our passes. The stand-in lets that pass run on CPU (tests/test_torchair_backend.py).
+def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
+    y, rstd, x_out = _add_rms_norm_fake(x1, x2, gamma, epsilon)
+    return torch.empty_like(x1, dtype=torch.float32), y, rstd, x_out
+
+
+@stand_in("npu::npu_add_rms_norm_cast", fake=_add_rms_norm_cast_fake)
+def npu_add_rms_norm_cast(x1, x2, gamma, epsilon=1e-6):
+    # Outputs (y_fp32, y, rstd, x_out), the order torchair's replacement unpacks. y_fp32 is
+    # taken as y rounded to x1's dtype and widened, the value of the cast it replaces
+    # ([inferred]: the kernel docs do not say whether it is the unrounded product).
+    y, rstd, x_out = npu_add_rms_norm(x1, x2, gamma, epsilon)
+    return y.float(), y, rstd, x_out

@@ -19,5 +19,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "npu_add_rms_norm": (
             "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
         ),
+        # not emitted by us: torchair's own pattern pass makes it from npu_add_rms_norm + cast
+        "npu_add_rms_norm_cast": (
+            "npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
+            "-> (Tensor, Tensor, Tensor, Tensor)"
+        ),
     },
 }
