@@ -95,6 +95,89 @@ CAPABILITIES: dict[str, OpCapability] = {
             doc="torch_npu docs: x1, x2 same shape, 1-8 dims; no bf16 on Atlas inference (310P); "
             "no autograd (inference graphs only)",
         ),
+        OpCapability(
+            op="npu.npu_rotary_mul",
+            dtypes=FLOAT_DTYPES,
+            min_rank=3,  # TND
+            max_rank=4,  # BNSD / BSND / SBND
+            backward="npu.npu_rotary_mul_backward",
+            ge_converter=True,
+            same_shape=("r1", "r2"),
+            limits={
+                "modes": ("half", "interleave", "quarter"),
+                "max_head_dim": 896,  # exclusive: D < 896
+                "head_dim_multiple": 2,
+                "max_batch_heads": 1000,  # half: B < 1000 and N < 1000, each (exclusive)
+                "interleave_max_batch_heads": 1000,  # interleave: B * N < 1000 (exclusive)
+                "grad_max_batch_heads": 1024,  # half, r1/r2 needing grads: B * N <= 1024
+                # interleave: r1/r2 are 11SD / 1S1D / S11D / T1D only, no per-batch cos/sin
+                "interleave_per_batch_tables": False,
+                "interleave_mode_socs": ("Ascend910B", "Ascend910_93", "Ascend950"),
+                "quarter_mode_socs": ("Ascend950",),
+                # SoCs with only the jit_compile=True kernel: half mode, 4-D x, D == 128,
+                # B and N <= 1000 (inclusive)
+                "jit_compile_only_socs": ("Ascend310P",),
+                "jit_compile_head_dim": 128,
+                "jit_compile_max_batch_heads": 1000,
+                # torchair before arch35 lowers a call without `rotate` to GE RotaryMul,
+                # which has no mode attribute: under max-autotune only half mode is right
+                "ge_half_only_without_rotate_socs": ("Ascend910B", "Ascend910_93", "Ascend310P"),
+                # ... and the backward to RotaryMulGrad: 4-D, static shapes, D % 64 == 0,
+                # at most 1024 elements over the dims where r1 broadcasts
+                "ge_backward_head_dim_multiple": 64,
+                "ge_backward_max_broadcast": 1024,
+            },
+            doc="op_semantics 3.1 / torch_npu docs (_op_plugin_docs.py): fp16/bf16/fp32; x 3-D or "
+            "4-D; r1/r2 broadcast to x, one shape and dtype; jit_compile=False (A2/A3): D < 896 and "
+            "even; half B, N < 1000 and B*N <= 1024 with r1/r2 grads; interleave B*N < 1000 and "
+            "11SD-style r1/r2; jit_compile=True (the only kernel listed for Atlas inference, 310P): "
+            "half, 4-D, D == 128, B, N <= 1000. quarter only on arch35 (950), per the GE converter "
+            "custom/npu_rotary_mul.py, which also maps a call without rotate to the mode-less "
+            "RotaryMul on other SoCs; GE backward limits from custom/npu_rotary_mul_backward.py. "
+            "`rotate` has no backward",
+        ),
+        OpCapability(
+            op="npu.npu_interleave_rope",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),
+            min_rank=4,  # BNSD
+            max_rank=4,
+            backward=None,
+            ge_converter=True,
+            same_shape=("cos", "sin"),
+            # documented products: Atlas A2 and A3 only
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "head_dim": 64,  # x, cos and sin: D == 64 exactly
+                "table_heads": 1,  # cos/sin are (B, 1, S or 1, 64)
+                "contiguous": True,
+                # torchair 2.13's InterleaveRope IR (auto_generated_ge_raw_ops.py) lists fp16
+                # inputs only; the op docs say bf16 too. Unconfirmed either way, so a bf16
+                # site under max-autotune takes the exact half-mode alternative instead.
+                "ge_dtypes": (torch.float16,),
+            },
+            doc="op_semantics 3.3 / torch_npu docs: x (B, N, S, 64) fp16/bf16, contiguous; cos/sin "
+            "(B, 1, S or 1, 64), same dtype as x, sin shaped like cos; A2/A3 only (hiascend "
+            "torch_npu.npu_interleave_rope page; 950 not covered by those docs); no autograd "
+            "(inference graphs only)",
+        ),
+        OpCapability(
+            op="npu.npu_swiglu",
+            dtypes=FLOAT_DTYPES,
+            min_rank=1,
+            max_rank=8,
+            backward="npu.npu_swiglu_backward",
+            ge_converter=True,
+            # documented products: Atlas A2 (and A3 in the performance-tuning guide)
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "split_dim_multiple": 2,  # self.size(dim) even
+                "contiguous": True,
+                "empty": False,  # no empty tensors
+            },
+            doc="op_semantics 4.1 / torch_npu docs: fp32/fp16/bf16, 1-8 dims, size(dim) even, "
+            "contiguous and non-empty; the first half is the gate; products A2/A3 (torch_npu "
+            "docs and the hiascend SwiGlu tuning guide; 950 not covered by those docs)",
+        ),
     )
 }
 

@@ -16,7 +16,7 @@ from .schemas import SCHEMAS
 log = logging.getLogger("npu_fx_fusion.npu_ops")
 
 # One module per op family; each declares its kernels with @stand_in at import.
-_FAMILY_MODULES = ("cast", "norm")
+_FAMILY_MODULES = ("cast", "norm", "rope", "activation")
 
 
 @dataclass(frozen=True)

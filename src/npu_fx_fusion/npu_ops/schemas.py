@@ -19,6 +19,16 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "npu_add_rms_norm": (
             "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
         ),
+        "npu_rotary_mul": (
+            "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
+        ),
+        "npu_rotary_mul_backward": (
+            "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
+            "-> (Tensor, Tensor, Tensor)"
+        ),
+        "npu_interleave_rope": "npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+        "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
+        "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor",
         # not emitted by us: torchair's own pattern pass makes it from npu_add_rms_norm + cast
         "npu_add_rms_norm_cast": (
             "npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
