@@ -40,7 +40,7 @@ def test_residual_adds_fuse_into_add_rms_norm(dtype, eps):
     module = DecoderLike(eps=eps).to(dtype)
     out, ref, report = compile_and_run(module, _inputs(dtype))
     # 3 norms: the first has no residual add in front of it, the other two do.
-    assert report.counts == {"rms_norm": 3, "add_rms_norm": 2}
+    assert {p: n for p, n in report.counts.items() if n} == {"rms_norm": 3, "add_rms_norm": 2}
     assert report.fused_ops == {"npu.npu_rms_norm": 1, "npu.npu_add_rms_norm": 2}
     assert report.graphs[0].ops_after["aten.add.Tensor"] == 0
     assert_close_at_scale(out, ref, 2 * ULPS[dtype])  # through two linear layers

@@ -1,51 +1,99 @@
-"""Third-party model code: every RMSNorm of tiny transformers / torchtitan models fuses.
+"""Third-party model code: every site of every implemented pass fuses in tiny models.
 
-Logit tolerance in fp32: the fused ops compute the same fp32 arithmetic in another
-order; over two layers and the LM head that stays within 1e-4 of logits of order 1.
+One compile per model checks all passes at once: the exact number of fused sites per
+pass, no near miss left for the passes that should cover the model completely, and the
+logits. fp32 tolerance: the fused ops compute the same fp32 arithmetic (in another
+order in places); over two layers and the LM head that stays within 1e-4 of logits of
+order 1. bf16: the fused ops round once where the model rounds after each op, a few ulp
+per site that the following matmuls carry on; the per-op bounds are in the pass tests.
 """
+from dataclasses import dataclass, field
+
 import pytest
 import torch
 
 import npu_fx_fusion as nff
-from helpers import compile_and_run
+from helpers import compile_and_run, near_miss_reasons
 from npu_fx_fusion.tiny_models import build_hf, build_torchtitan
 
-# (builder, name, RMSNorms in 2 layers, of which a residual add feeds)
+SEPARATE_PROJECTIONS = "gate and up come from separate projections"
+
+
+@dataclass
+class Expected:
+    build: object
+    name: str
+    counts: dict  # fused sites per pass, 2 layers
+    separate_mlps: int = 0  # MLPs whose gate and up are two projections (swiglu near misses)
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def id(self):
+        return "-".join([self.name, *map(str, self.kwargs.values())])
+
+
+def _counts(norms, residual_norms, ropes, swiglus):
+    return {"rms_norm": norms, "add_rms_norm": residual_norms, "rope": ropes, "swiglu": swiglus}
+
+
+# 2 layers: 2 norms per layer + final (+ q_norm / k_norm per layer in qwen3-style
+# attention and the MLA LoRA norms in DeepSeek); q and k rotated per layer.
 MODELS = [
-    (build_hf, "llama", 5, 4),  # 2 per layer + final; the first norm reads the embeddings
-    (build_hf, "qwen3", 9, 4),  # + per-head q_norm / k_norm in each layer
-    (build_torchtitan, "llama3", 5, 4),  # torch.nn.RMSNorm
+    Expected(build_hf, "llama", _counts(5, 4, 4, 0), separate_mlps=2),
+    Expected(build_hf, "qwen3", _counts(9, 4, 4, 0), separate_mlps=2),
+    # fused gate_up projections; partial rotary (half of the head dim)
+    Expected(build_hf, "phi3", _counts(5, 4, 4, 2)),
+    # + interleaved-pair rotary written with stack(-x2, x1).flatten(-2)
+    Expected(build_hf, "glm4", _counts(9, 4, 4, 2)),
+    # MoE experts: one gate_up tensor per expert, split then silu(gate) * up
+    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2), kwargs={"experts_implementation": "grouped_mm"}),
+    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2), kwargs={"experts_implementation": "batched_mm"}),
+    # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared expert
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1), separate_mlps=2,
+             kwargs={"experts_implementation": "grouped_mm"}),
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1), separate_mlps=2,
+             kwargs={"experts_implementation": "batched_mm"}),
+    # + the lightning indexer's own rotary on its q and k
+    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1), separate_mlps=2),
+    # complex-number rotary (view_as_complex * freqs_cis)
+    Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 0), separate_mlps=2),
+    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 0), separate_mlps=3),
 ]
 
-
-def _no_unfused_norm_left(report):
-    ops = report.graphs[0].ops_after
-    return ops["aten.rsqrt.default"] == 0 and ops["aten.mean.dim"] == 0
+COMPLETE_PASSES = ("rms_norm", "add_rms_norm", "rope")  # nothing may be left unfused
 
 
-@pytest.mark.parametrize("build, name, norms, residual_norms", MODELS, ids=[m[1] for m in MODELS])
-def test_every_rms_norm_fuses_and_logits_match(build, name, norms, residual_norms):
-    tiny = build(name)
-    out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
+def _check_fusion(report, expected: Expected):
     assert len(report.graphs) == 1
-    assert report.counts["rms_norm"] == norms
-    assert report.counts["add_rms_norm"] == residual_norms
-    assert report.fused_ops == {"npu.npu_rms_norm": norms - residual_norms,
-                                "npu.npu_add_rms_norm": residual_norms}
-    assert _no_unfused_norm_left(report)
-    assert [m for m in report.near_misses if m.pass_name in ("rms_norm", "add_rms_norm")] == []
+    assert {p: report.counts[p] for p in expected.counts} == expected.counts
+    for pass_name in COMPLETE_PASSES:
+        assert near_miss_reasons(report, pass_name) == [], pass_name
+    swiglu_misses = near_miss_reasons(report, "swiglu")
+    assert len(swiglu_misses) == expected.separate_mlps
+    assert all(SEPARATE_PROJECTIONS in reason for reason in swiglu_misses), swiglu_misses
+    ops = report.graphs[0].ops_after
+    assert ops["aten.rsqrt.default"] == 0 and ops["aten.view_as_complex.default"] == 0
     assert all(site.location.module and site.location.line for site in report.sites)
+
+
+@pytest.mark.parametrize("expected", MODELS, ids=[m.id for m in MODELS])
+def test_every_site_fuses_and_logits_match(expected):
+    tiny = expected.build(expected.name, **expected.kwargs)
+    out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
+    _check_fusion(report, expected)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("build, name", [(build_hf, "llama"), (build_torchtitan, "llama3")], ids=["llama", "llama3"])
-def test_bf16_models_fuse_every_norm(build, name):
-    # bf16 numerics are checked per op in test_rms_norm / test_add_rms_norm; here the
-    # forms with casts must all be found in real model code, and the logits stay close.
-    tiny = build(name, dtype=torch.bfloat16)
+BF16 = [m for m in MODELS if m.name in ("llama", "glm4", "deepseek_v32") or m.build is build_torchtitan]
+
+
+@pytest.mark.parametrize("expected", BF16, ids=[m.id for m in BF16])
+def test_bf16_models_fuse_every_site(expected):
+    # the forms with casts (norms, the complex rotary's fp32 island) must be found in
+    # real bf16 model code; the logits stay close.
+    tiny = expected.build(expected.name, dtype=torch.bfloat16, **expected.kwargs)
     out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
-    assert report.counts == {**report.counts, "rms_norm": 5, "add_rms_norm": 4}
-    assert _no_unfused_norm_left(report)
+    _check_fusion(report, expected)
     cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
     assert cosine > 0.999
 
@@ -62,4 +110,5 @@ def test_dynamic_sequence_length():
             torch.testing.assert_close(compiled(x), tiny.model(x), rtol=1e-4, atol=1e-4)
     report = nff.last_report()
     assert len(report.graphs) == 1  # one graph, symbolic in the sequence length, served all three
-    assert report.counts["rms_norm"] == 5 and report.counts["add_rms_norm"] == 4
+    assert {p: report.counts[p] for p in ("rms_norm", "add_rms_norm", "rope")} == \
+        {"rms_norm": 5, "add_rms_norm": 4, "rope": 4}

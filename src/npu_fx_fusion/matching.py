@@ -44,11 +44,11 @@ def trace_without_decompositions(fn: Callable, args: Sequence[Any], **kwargs: An
 
     fwd_only minus Inductor's decompositions, functionalized as aot_autograd's graphs are
     (F.rms_norm's in-place `add_` becomes `add`), with reduction dims canonicalised the
-    way the pipeline canonicalises the graphs it matches on.
+    way the pipeline canonicalises the graphs it matches on (canonicalize).
     """
     kwargs["get_decomp_fn"] = dict  # -> {}; torch passes its own default explicitly otherwise
     gm = pm.fwd_only(fn, args, **kwargs)
-    if _functionalize_inplace_on_temporaries(gm.graph) + canonicalize_reduction_dims(gm.graph):
+    if _functionalize_inplace_on_temporaries(gm.graph) + canonicalize(gm.graph):
         gm.recompile()
     return gm
 
@@ -92,36 +92,72 @@ def trace_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs: Any)
     return gm
 
 
-_REDUCTIONS_WITH_DIM_LIST = {
-    torch.ops.aten.mean.dim,
-    torch.ops.aten.sum.dim_IntList,
-    torch.ops.aten.amax.default,
-    torch.ops.aten.amin.default,
+# op -> (index of its dim argument, whether that argument is a list of dims). The rank a
+# dim refers to is the first tensor input's (cat: the first tensor of its list).
+_DIM_ARGUMENTS = {
+    torch.ops.aten.mean.dim: (1, True),
+    torch.ops.aten.sum.dim_IntList: (1, True),
+    torch.ops.aten.amax.default: (1, True),
+    torch.ops.aten.amin.default: (1, True),
+    torch.ops.aten.slice.Tensor: (1, False),
+    torch.ops.aten.split.Tensor: (2, False),
+    torch.ops.aten.split_with_sizes.default: (2, False),
+    torch.ops.aten.cat.default: (1, False),
+    torch.ops.aten.select.int: (1, False),
 }
 
 
-def canonicalize_reduction_dims(graph: torch.fx.Graph) -> int:
-    """Write reduction dims as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`).
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 
-    Model code says `mean(-1)`, F.rms_norm says `mean([x.dim() - 1])`: the same
-    reduction, which a pattern would otherwise only match in one spelling. Returns the
-    number of nodes changed; the computation is unchanged.
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Spell dims and view sizes one way: the same op, whichever way the code wrote it.
+
+    - dim arguments as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`): model code
+      says `mean(-1)`, F.rms_norm `mean([x.dim() - 1])`, dynamo turns `x[..., :h]` into
+      `slice(x, 3, 0, h)`;
+    - a -1 in a view's sizes as the size it stands for (`view(x, [2, 16, -1, 2])` ->
+      `[2, 16, 32, 2]`), where that size is a plain int: `reshape(..., -1, 2)` reaches
+      the graph with or without its -1.
+    Search functions and matched graphs are both canonicalised. Returns the number of
+    nodes changed; the computation is unchanged.
     """
     changed = 0
     for node in graph.nodes:
-        if node.op != "call_function" or node.target not in _REDUCTIONS_WITH_DIM_LIST:
+        if node.op != "call_function":
             continue
-        source = tensor_meta(node.args[0])
-        if source is None or len(node.args) < 2 or not isinstance(node.args[1], (list, tuple)):
+        if node.target in _VIEWS:
+            changed += _resolve_inferred_size(node)
+            continue
+        if node.target not in _DIM_ARGUMENTS:
+            continue
+        index, is_list = _DIM_ARGUMENTS[node.target]
+        if len(node.args) <= index:
+            continue  # the default dim (cat's 0, slice's 0): leave it
+        source = node.args[0][0] if node.target is torch.ops.aten.cat.default else node.args[0]
+        source = tensor_meta(source)
+        dims = node.args[index]
+        if source is None or source.dim() == 0 or not isinstance(dims, (int, list, tuple)):
             continue
         rank = source.dim()
-        if rank == 0:
-            continue
-        dims = [d - rank if d >= 0 else d for d in node.args[1]]
-        if dims != list(node.args[1]):
-            node.args = (node.args[0], dims, *node.args[2:])
+        canonical = ([d - rank if d >= 0 else d for d in dims] if is_list
+                     else (dims - rank if isinstance(dims, int) and dims >= 0 else dims))
+        if canonical != (list(dims) if is_list else dims):
+            node.args = (*node.args[:index], canonical, *node.args[index + 1:])
             changed += 1
     return changed
+
+
+def _resolve_inferred_size(view: Node) -> int:
+    out = tensor_meta(view)
+    if out is None or len(view.args) < 2 or not isinstance(view.args[1], (list, tuple)):
+        return 0
+    sizes = list(view.args[1])
+    if -1 not in sizes or len(sizes) != out.dim() or not isinstance(out.shape[sizes.index(-1)], int):
+        return 0
+    sizes[sizes.index(-1)] = out.shape[sizes.index(-1)]
+    view.args = (view.args[0], sizes, *view.args[2:])
+    return 1
 
 
 @dataclass(frozen=True)
@@ -157,6 +193,10 @@ class Site:
     nodes: list[Node]
     arg_nodes: dict[str, Any]
     soc: Optional[str]
+    mode: Optional[str] = None  # the torchair mode it is lowered in, when known
+    # a check may add what the report should say about a site it accepts ("max-autotune
+    # on Ascend910B would need ...")
+    notes: list[str] = field(default_factory=list)
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
@@ -169,11 +209,14 @@ class _PassRun:
     soc: Optional[str]
     mode: Optional[str]
     sites: list[FusedSite] = field(default_factory=list)
-    rejections: dict[Node, str] = field(default_factory=dict)
+    rejections: dict[Node, tuple[Form, str]] = field(default_factory=dict)
 
-    def reject(self, nodes: Sequence[Node], reason: str) -> None:
+    def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
-            self.rejections.setdefault(node, reason)
+            self.rejections.setdefault(node, (form, reason))
+
+    def reason(self, node: Node) -> Reason:
+        return self.rejections[node][1] if node in self.rejections else None
 
 
 class FusionPass:
@@ -213,6 +256,11 @@ class FusionPass:
         matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}")
         with FakeTensorMode():
             for form in self.forms:
+                # Duplicates are skipped within a form (its dtype and cast-spelling traces
+                # often coincide) but not across forms: two forms may share a search
+                # function with different replacements, the second one the fallback
+                # where the first one's check fails.
+                matcher.seen_patterns.clear()
                 for dtype in form.dtypes:
                     self._register(matcher, form, dtype)
         return matcher
@@ -267,28 +315,38 @@ class FusionPass:
     def _extra_check(self, form: Form, match: pm.Match) -> bool:
         run = self._run
         assert run is not None, "FusionPass matcher used outside apply()"
-        site = self._site(form, match, run.soc)
+        site = self._site(form, match, run.soc, run.mode)
         reason = self._first_failure(site, match, run.mode)
         if reason is not None:
             log.debug("%s: not fusing %s at %s: %s", self.name, form.name,
                       location_of(match.nodes), reason)
-            run.reject(match.nodes, reason)
+            run.reject(form, match.nodes, reason)
             return False
-        # A larger form turned down over some of these nodes: this is a partial fusion, say why.
-        larger = next((run.rejections[n] for n in match.nodes if n in run.rejections), None)
-        notes = [f"partial: a larger form was turned down ({larger})"] if larger else []
-        if run.mode is None:  # emulation: say what torchair's GE mode would refuse
-            notes += [reason for op in self.emitted_ops[form.name]
-                      if (reason := not_lowerable(op, "max-autotune"))]
         run.sites.append(FusedSite(self.name, form.name, form.fused_op or self.fused_op,
-                                   location_of(match.nodes), "; ".join(notes)))
+                                   location_of(match.nodes), "; ".join(self._notes(site, run))))
         return True
 
-    def _site(self, form: Form, match: pm.Match, soc: Optional[str]) -> Site:
+    def _notes(self, site: Site, run: _PassRun) -> list[str]:
+        notes = []
+        # A form turned down over some of these nodes: say why this one serves instead.
+        turned_down = next((run.rejections[n] for n in site.nodes if n in run.rejections), None)
+        if turned_down is not None:
+            form, reason = turned_down
+            if form.search is site.form.search:  # an alternative replacement of one form
+                notes.append(f"instead of {form.replace.__name__}: {reason}")
+            else:
+                notes.append(f"partial: the larger form {form.name} was turned down ({reason})")
+        notes += site.notes
+        if run.mode is None:  # emulation: say what torchair's GE mode would refuse
+            notes += [reason for op in self.emitted_ops[site.form.name]
+                      if (reason := not_lowerable(op, "max-autotune"))]
+        return notes
+
+    def _site(self, form: Form, match: pm.Match, soc: Optional[str], mode: Optional[str]) -> Site:
         arg_nodes = {name: match.kwargs[name] for name in form.argnames if name in match.kwargs}
         args = {name: value.meta.get("val") if isinstance(value, Node) else value
                 for name, value in arg_nodes.items()}
-        return Site(form, args, list(match.nodes), arg_nodes, soc)
+        return Site(form, args, list(match.nodes), arg_nodes, soc, mode)
 
     def _first_failure(self, site: Site, match: pm.Match, mode: Optional[str]) -> Reason:
         return (self._argument_kinds_differ(site)
@@ -345,10 +403,15 @@ class FusionPass:
         result.sites = run.sites[::-1]  # the matcher walks the graph backwards: source order
         for node in gm.graph.nodes:
             if self.anchor(node):
-                reason = (run.rejections.get(node) or self.explain(node)
-                          or f"matches none of the forms {', '.join(f.name for f in self.forms)}")
+                reason = run.reason(node) or self.explain(node) or self._no_form_matched()
                 result.near_misses.append(NearMiss(self.name, reason, location_of([node, *node.users])))
         return result
+
+
+    def _no_form_matched(self) -> str:
+        # forms spelled in several operand orders share a base name: "name[cos*x]"
+        names = list(dict.fromkeys(form.name.split("[")[0] for form in self.forms))
+        return f"matches none of the forms {', '.join(names)}"
 
 
 _SOURCE_META = ("stack_trace", "nn_module_stack")

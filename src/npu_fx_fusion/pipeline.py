@@ -25,7 +25,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from . import npu_ops
 from .capabilities import detect_soc
 from .config import FusionConfig
-from .matching import FusionPass, canonicalize_reduction_dims
+from .matching import FusionPass, canonicalize
 from .report import FusionReport, GraphReport, PassResult, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
@@ -100,6 +100,28 @@ class _Dumper:
                 f.write(text)
 
 
+def _views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
+    """Make every `view` a replacement can reach a `reshape`.
+
+    A fused op's output need not have the strides of what it replaced (torch_npu's meta
+    functions return contiguous tensors where elementwise aten kept a transposed layout),
+    and aten.view fails on strides it was not traced for. torchair turns every view into
+    a reshape right after our pass anyway (_optimize_fx's view_to_reshape); doing it here
+    for the views downstream of a fusion keeps fuse() and the emulation backend correct.
+    Done once, after every pass: patterns match the graph's own views.
+    """
+    seen: set[Node] = set()
+    pending = list(new_nodes)
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+        pending.extend(node.users)
+
+
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
                mode: Optional[str] = None) -> GraphReport:
@@ -122,10 +144,12 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         # Patterns pin user counts: a dead node (an unused getitem of a multi-output op in
         # a make_fx graph) would look like a user. aot_autograd graphs have none.
         gm.graph.eliminate_dead_code()
-        canonicalize_reduction_dims(gm.graph)
+        canonicalize(gm.graph)
         gm.recompile()
+    original_nodes = set(gm.graph.nodes)
     for name in enabled:
         graph_report.passes.append(_run_one(gm, name, config, soc, mode))
+    _views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
 
     gm.graph.lint()
     gm.recompile()

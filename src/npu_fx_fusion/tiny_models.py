@@ -146,6 +146,18 @@ _HF_MODELS: dict[str, tuple[dict[str, Any], bool, str]] = {
         False,
         "Qwen3: Llama plus per-head q_norm/k_norm RMSNorms",
     ),
+    # Phi-3 and GLM-4 fuse gate and up into one projection and rotate part of the head
+    # dim (partial_rotary_factor); GLM-4 rotates interleaved pairs (stack(-x2, x1)).
+    "phi3": (
+        dict(partial_rotary_factor=0.5),
+        False,
+        "Phi-3: fused qkv and gate_up projections, partial rotate_half RoPE, SwiGLU as up * silu(gate)",
+    ),
+    "glm4": (
+        dict(head_dim=16, partial_rotary_factor=0.5),
+        False,
+        "GLM-4: fused gate_up, partial RoPE on interleaved pairs, sandwich RMSNorms",
+    ),
     "qwen3_moe": (
         dict(head_dim=16, **_QWEN3_MOE),
         True,

@@ -1,0 +1,406 @@
+"""rope: rotary position embedding -> npu_rotary_mul / npu_interleave_rope.
+
+    out = x * cos + rotate(x) * sin
+
+`rotate` comes in two layouts (op_semantics.md 3.1):
+- half:       cat(-x2, x1) over the two halves of the head dim (HF rotate_half; Llama,
+              Qwen, Mistral, ...), written with slices, chunk or split;
+- interleave: [-x1, x0, -x3, x2, ...] over even/odd pairs, written as GPT-J's
+              stack(-odd, even).flatten(-2), or as complex multiplication
+              view_as_complex(x.view(..., -1, 2)) * freqs_cis (Meta's Llama code,
+              torchtitan llama3 / deepseek_v3), which is the same rotation.
+HF DeepSeek-V3 rotates interleaved pairs but writes the result de-interleaved (evens
+first, then odds): exactly npu_interleave_rope, or half mode on the de-interleaved x.
+
+The fused ops compute in fp32 and round once; the unfused code rounds after each of its
+three ops in bf16/fp16, so the two differ by a few ulps there and agree to float
+rounding in fp32. q and k are fused one by one: npu_apply_rotary_pos_emb would take them
+as a pair, but only in BSND layout (HF applies RoPE in BNSD) and it overwrites its inputs
+although its schema does not say so.
+
+Interleave mode and max-autotune: torchair's GE converter lowers npu_rotary_mul without
+`rotate` to RotaryMul, which only rotates halves, on every SoC but Ascend950
+(custom/npu_rotary_mul.py). There the interleaved forms use their half-mode
+alternative: de-interleave x (a copy), rotate halves, interleave the result back.
+"""
+import itertools
+
+import torch
+
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, users_outside
+
+aten = torch.ops.aten
+ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
+INTERLEAVE_ROPE = CAPABILITIES["npu.npu_interleave_rope"]
+
+
+# ---- rotations, as model code writes them ------------------------------------------------
+def _rotate_half_sliced(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_half_chunked(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_half_split(x):
+    half = x.shape[-1] // 2
+    x1, x2 = torch.split(x, [half, x.shape[-1] - half], dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotate_every_two(x):
+    # GPT-J / CodeGen / GLM "rotate_every_two"
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _deinterleave(x):
+    """[x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...] (DeepSeek's view/transpose trick)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def _interleave(x):
+    """The inverse of _deinterleave."""
+    return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
+def _apply_forms(rotate, name):
+    """`x * cos + rotate(x) * sin` in every operand order model code uses.
+
+    The matcher compares argument order literally, so each order is its own search
+    function: cos * x or x * cos, sin * r or r * sin, and either term first.
+    """
+    return [_apply(rotate, name, *order) for order in itertools.product((False, True), repeat=3)]
+
+
+def _apply(rotate, name, cos_first, sin_first, sin_term_first):
+    def search(x, cos, sin):
+        cos_term = cos * x if cos_first else x * cos
+        rotated = rotate(x)
+        sin_term = sin * rotated if sin_first else rotated * sin
+        return sin_term + cos_term if sin_term_first else cos_term + sin_term
+
+    spelled = [s for s, on in (("cos*x", cos_first), ("sin*rot", sin_first),
+                               ("sin term first", sin_term_first)) if on]
+    search.__name__ = name + (f"[{', '.join(spelled)}]" if spelled else "")
+    return search
+
+
+def deepseek_deinterleave_then_rotate_half(x, cos, sin):
+    # DeepSeek-V2/V3 modeling_deepseek.py: de-interleave the pairs, then HF rotate_half RoPE
+    b, h, s, d = x.shape
+    x = x.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    return x * cos + _rotate_half_sliced(x) * sin
+
+
+def even_odd_pairs(x, pair_cos, pair_sin):
+    # transformers 5 DeepSeek-V3 apply_rotary_pos_emb_interleave: the tables hold one
+    # angle per pair (the first half of HF's cat(freqs, freqs)); the result is de-interleaved
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * pair_cos - x2 * pair_sin, x2 * pair_cos + x1 * pair_sin], dim=-1)
+
+
+def complex_multiply(x, freqs):
+    # Meta Llama / torchtitan: x is the fp32 activation, freqs complex [.., S, .., D/2]
+    pairs = torch.view_as_complex(x.view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs).flatten(-2)
+
+
+def complex_multiply_freqs_first(x, freqs):
+    pairs = torch.view_as_complex(x.view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(freqs * pairs).flatten(-2)
+
+
+# ---- the fused calls ---------------------------------------------------------------------
+def _as_rank_of(table, x):
+    """cos/sin with leading 1s up to x's rank: the op wants tables of x's rank."""
+    return table.reshape((1,) * (x.dim() - table.dim()) + tuple(table.shape))
+
+
+def rotary_mul_half(x, cos, sin):
+    return torch.ops.npu.npu_rotary_mul(x, _as_rank_of(cos, x), _as_rank_of(sin, x))
+
+
+def rotary_mul_interleave(x, cos, sin):
+    return torch.ops.npu.npu_rotary_mul(x, _as_rank_of(cos, x), _as_rank_of(sin, x), "interleave")
+
+
+def rotary_mul_interleave_via_half(x, cos, sin):
+    # de-interleave x and the tables, rotate halves, interleave back: the same numbers
+    cos, sin = _as_rank_of(cos, x), _as_rank_of(sin, x)
+    return _interleave(torch.ops.npu.npu_rotary_mul(_deinterleave(x), _deinterleave(cos), _deinterleave(sin)))
+
+
+def interleave_rope(x, cos, sin):
+    return torch.ops.npu.npu_interleave_rope(x.contiguous(), cos, sin)
+
+
+def interleave_rope_pair_angles(x, pair_cos, pair_sin):
+    return torch.ops.npu.npu_interleave_rope(x.contiguous(), torch.cat((pair_cos, pair_cos), -1),
+                                             torch.cat((pair_sin, pair_sin), -1))
+
+
+def rotary_mul_half_deinterleaved(x, cos, sin):
+    # what npu_interleave_rope computes, as half mode on the de-interleaved x
+    return torch.ops.npu.npu_rotary_mul(_deinterleave(x), _as_rank_of(cos, x), _as_rank_of(sin, x))
+
+
+def rotary_mul_half_deinterleaved_pair_angles(x, pair_cos, pair_sin):
+    cos, sin = torch.cat((pair_cos, pair_cos), -1), torch.cat((pair_sin, pair_sin), -1)
+    return torch.ops.npu.npu_rotary_mul(_deinterleave(x), _as_rank_of(cos, x), _as_rank_of(sin, x))
+
+
+def _tables_from_complex(freqs):
+    """freqs_cis -> (cos, sin), each angle repeated for its pair: interleave-mode tables."""
+    table = torch.view_as_real(freqs)
+    cos, sin = table[..., 0], table[..., 1]
+    return (cos.unsqueeze(-1).expand(*cos.shape, 2).flatten(-2),
+            sin.unsqueeze(-1).expand(*sin.shape, 2).flatten(-2))
+
+
+def rotary_mul_from_complex(x, freqs):
+    return rotary_mul_interleave(x, *_tables_from_complex(freqs))
+
+
+def rotary_mul_from_complex_via_half(x, freqs):
+    return rotary_mul_interleave_via_half(x, *_tables_from_complex(freqs))
+
+
+_INTERLEAVE_ROPE_FORMS = dict(fused_op="npu.npu_interleave_rope", dtypes=(torch.bfloat16, torch.float16))
+_HALF_DTYPES = (torch.float32, torch.bfloat16)
+
+FORMS = [
+    # larger forms first: they contain a rotate_half the smaller forms would take alone
+    Form(deepseek_deinterleave_then_rotate_half, interleave_rope, **_INTERLEAVE_ROPE_FORMS),
+    Form(even_odd_pairs, interleave_rope_pair_angles, **_INTERLEAVE_ROPE_FORMS),
+    Form(even_odd_pairs, rotary_mul_half_deinterleaved_pair_angles),
+    *(Form(search, rotary_mul_half) for rotate, name in (
+        (_rotate_half_sliced, "rotate_half_sliced"),
+        (_rotate_half_chunked, "rotate_half_chunked"),
+        (_rotate_half_split, "rotate_half_split"),
+    ) for search in _apply_forms(rotate, name)),
+    *(form for search in _apply_forms(_rotate_every_two, "rotate_every_two") for form in (
+        Form(search, rotary_mul_interleave),
+        Form(search, rotary_mul_interleave_via_half),
+    )),
+    Form(complex_multiply, rotary_mul_from_complex, dtypes=(torch.float32,)),
+    Form(complex_multiply, rotary_mul_from_complex_via_half, dtypes=(torch.float32,)),
+    Form(complex_multiply_freqs_first, rotary_mul_from_complex, dtypes=(torch.float32,)),
+    Form(complex_multiply_freqs_first, rotary_mul_from_complex_via_half, dtypes=(torch.float32,)),
+]
+
+
+# ---- checks ------------------------------------------------------------------------------
+# npu_rotary_mul's cos/sin shapes per layout (op_semantics 3.1), as which dims of x they
+# keep (x's letters) and which are 1: BNSD takes 11SD / B1SD / BNSD, and so on.
+_TABLE_LAYOUTS = {
+    4: {"BNSD": ("11SD", "B1SD", "BNSD"), "BSND": ("1S1D", "BS1D", "BSND"),
+        "SBND": ("S11D", "SB1D", "SBND")},
+    3: {"TND": ("T1D", "TND")},
+}
+_INTERLEAVE_TABLES = ("11SD", "1S1D", "S11D", "T1D")  # interleave mode: no per-batch tables
+
+
+def _table_layout(x_shape, table_shape):
+    """(layout, table spelling) of the first layout whose allowed tables fit, or None."""
+    for layout, tables in _TABLE_LAYOUTS.get(len(x_shape), {}).items():
+        for spelling in tables:
+            expected = [1 if letter == "1" else size for letter, size in zip(spelling, x_shape)]
+            if list(table_shape) == expected:
+                return layout, spelling
+    return None
+
+
+def _rotary_tables(site):
+    """Fake (cos, sin) of the shape and dtype the replacement passes to the op."""
+    x = site["x"]
+    if "freqs" in site.args:  # complex [.., D/2] -> real [.., D], each angle per pair
+        freqs = site["freqs"]
+        shape = (*freqs.shape[:-1], 2 * freqs.shape[-1])
+        real = x.new_empty(shape, dtype=freqs.real.dtype) if freqs.is_complex() else freqs
+        return real, real
+    if "pair_cos" in site.args:  # one angle per pair -> cat(angles, angles)
+        cos, sin = site["pair_cos"], site["pair_sin"]
+        return (cos.new_empty((*cos.shape[:-1], 2 * cos.shape[-1])),
+                sin.new_empty((*sin.shape[:-1], 2 * sin.shape[-1])))
+    return site["cos"], site["sin"]
+
+
+def _padded_shape(table, x):
+    return (1,) * (x.dim() - table.dim()) + tuple(table.shape)
+
+
+_GE_HALF_ONLY = ("under max-autotune torchair lowers npu_rotary_mul without `rotate` to GE RotaryMul, "
+                 "which only rotates halves, on every SoC but Ascend950")
+
+
+def _check_rotary_mul(site, mode_name):
+    x = site["x"]
+    cos, sin = _rotary_tables(site)
+    head_dim = x.shape[-1]
+    reason = unsupported("npu.npu_rotary_mul", site.soc, x=x)
+    if reason:
+        return reason
+    if head_dim % ROTARY_MUL.limits["head_dim_multiple"]:
+        return f"head_dim {head_dim} is odd: npu_rotary_mul rotates pairs"
+    if head_dim >= ROTARY_MUL.limits["max_head_dim"]:
+        return f"head_dim {head_dim} is not below npu_rotary_mul's {ROTARY_MUL.limits['max_head_dim']}"
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return (f"cos/sin are {str(cos.dtype)[6:]}, x is {str(x.dtype)[6:]}: "
+                "npu_rotary_mul takes one dtype")
+    if cos.shape != sin.shape:
+        return f"cos {list(cos.shape)} and sin {list(sin.shape)} differ in shape"
+    if cos.dim() > x.dim():
+        return f"cos/sin have more dims ({cos.dim()}) than x ({x.dim()})"
+    found = _table_layout(x.shape, _padded_shape(cos, x))
+    if found is None:
+        allowed = "; ".join(f"{layout}: {', '.join(tables)}" for layout, tables
+                            in _TABLE_LAYOUTS.get(x.dim(), {}).items())
+        return (f"cos/sin of shape {list(_padded_shape(cos, x))} do not broadcast to x "
+                f"{list(x.shape)} the way npu_rotary_mul needs ({allowed or 'x must be 3-d or 4-d'})")
+    layout, spelling = found
+    batch, heads = (x.shape[layout.index("B")] if "B" in layout else 1), x.shape[layout.index("N")]
+    if mode_name == "interleave":
+        if spelling not in _INTERLEAVE_TABLES:
+            return f"per-batch cos/sin ({spelling}) are not supported in interleave mode"
+        if batch * heads >= ROTARY_MUL.limits["interleave_max_batch_heads"]:
+            return f"B*N = {batch * heads} is not below {ROTARY_MUL.limits['interleave_max_batch_heads']} (interleave mode)"
+        if site.soc is None or site.soc in ROTARY_MUL.limits["ge_half_only_without_rotate_socs"]:
+            reason = _GE_HALF_ONLY
+            if site.mode == "max-autotune":
+                return reason
+            if site.mode is None:
+                site.notes.append(f"max-autotune would take the half-mode alternative: {reason}")
+    elif max(batch, heads) >= ROTARY_MUL.limits["max_batch_heads"]:
+        return f"B = {batch} or N = {heads} is not below {ROTARY_MUL.limits['max_batch_heads']}"
+    if site.soc in ROTARY_MUL.limits["jit_compile_only_socs"]:
+        wanted = ROTARY_MUL.limits["jit_compile_head_dim"]
+        if mode_name != "half" or x.dim() != 4 or head_dim != wanted:
+            return (f"on {site.soc} npu_rotary_mul only has its jit kernel: half mode, 4-d x, "
+                    f"head_dim {wanted} (this site: {mode_name}, {x.dim()}-d, head_dim {head_dim})")
+    return None
+
+
+def _check_interleave_rope(site):
+    x = site["x"]
+    cos, sin = _rotary_tables(site)
+    reason = unsupported("npu.npu_interleave_rope", site.soc, x=x)
+    if reason:
+        return reason
+    wanted = INTERLEAVE_ROPE.limits["head_dim"]
+    if x.shape[-1] != wanted:
+        return f"npu_interleave_rope needs head_dim {wanted}, this site has {x.shape[-1]}"
+    batch, _, seq, _ = x.shape
+    if tuple(cos.shape) not in ((batch, 1, seq, wanted), (batch, 1, 1, wanted)) or cos.shape != sin.shape:
+        return (f"npu_interleave_rope needs cos/sin of shape (B, 1, S or 1, {wanted}) = "
+                f"{[batch, 1, seq, wanted]}, got {list(cos.shape)}")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return "npu_interleave_rope takes x, cos and sin of one dtype"
+    if x.dtype not in INTERLEAVE_ROPE.limits["ge_dtypes"]:
+        reason = f"torchair's GE InterleaveRope takes fp16 only, this site is {str(x.dtype)[6:]}"
+        if site.mode == "max-autotune":
+            return reason
+        if site.mode is None:
+            site.notes.append(f"max-autotune would take the half-mode alternative: {reason}")
+    return None
+
+
+def check(site):
+    replace = site.form.replace
+    if replace in (interleave_rope, interleave_rope_pair_angles):
+        return _check_interleave_rope(site)
+    if replace in (rotary_mul_interleave, rotary_mul_from_complex):
+        return _check_rotary_mul(site, "interleave")
+    return _check_rotary_mul(site, "half")
+
+
+# ---- near misses: a rotation no form consumed --------------------------------------------
+def _source_of_half(node):
+    """x, for a node that takes a slice / chunk piece of x's last dim; else None."""
+    if is_call(node, aten.slice.Tensor):
+        return node.args[0]
+    if node.op == "call_function" and node.target.__name__ == "getitem":
+        split = node.args[0]
+        if is_call(split, aten.split.Tensor, aten.split_with_sizes.default):
+            return split.args[0]
+    return None
+
+
+def _rotation_parts(node):
+    """For a rotate_half cat / rotate_every_two stack: (x, the rotation's inner nodes)."""
+    if not (is_call(node, aten.cat.default, aten.stack.default) and len(node.args[0]) == 2):
+        return None
+    negated, kept = node.args[0]
+    if not is_call(negated, aten.neg.default):
+        return None
+    x = _source_of_half(negated.args[0])
+    if x is None or _source_of_half(kept) is not x:
+        return None
+    inner = [negated.args[0], negated, kept]
+    if is_call(negated.args[0].args[0], aten.split.Tensor, aten.split_with_sizes.default):
+        inner.append(negated.args[0].args[0])
+    return x, inner
+
+
+def anchor(node):
+    if _rotation_parts(node) is not None:
+        return True
+    if is_call(node, aten.view_as_complex.default):
+        return any(is_call(u, aten.mul.Tensor) for u in node.users)
+    return False
+
+
+def explain(node):
+    if is_call(node, aten.view_as_complex.default):
+        pairs = tensor_meta(node)
+        mul = next(u for u in node.users if is_call(u, aten.mul.Tensor))
+        other = next((a for a in mul.args if a is not node), None)
+        freqs = tensor_meta(other)
+        if freqs is None or not freqs.is_complex():
+            return "the complex pairs are not multiplied by a complex rotation (freqs_cis)"
+        if pairs is not None and len(node.users) > 1:
+            user = next(u for u in node.users if u is not mul)
+            return f"intermediate {node.name} ({node.target}) is also used by {user.name}"
+        return None
+    x, inner = _rotation_parts(node)
+    x_val = tensor_meta(x)
+    if x_val is not None and x_val.shape[-1] % 2:
+        return f"head_dim {x_val.shape[-1]} is odd: npu_rotary_mul rotates pairs"
+    consumers = [u for u in node.users if not is_call(u, aten.view.default, aten.flatten.using_ints)]
+    rotated = node
+    if is_call(node, aten.stack.default):  # the flatten(-2) that follows
+        rotated = next(iter(node.users), node)
+    chain = inner + [node] + ([rotated] if rotated is not node else [])
+    sin_mul = next((u for u in rotated.users if is_call(u, aten.mul.Tensor)), None)
+    shared = users_outside(chain, allowed=chain + ([sin_mul] if sin_mul else []))
+    if shared:
+        used, user = shared
+        return f"intermediate {used.name} ({used.target}) is also used by {user.name}"
+    if sin_mul is None or not consumers:
+        return "the rotated x is not multiplied by a sin table"
+    if not any(is_call(u, aten.add.Tensor) for u in sin_mul.users):
+        return "rotate(x) * sin is not added to x * cos"
+    return None
+
+
+PASS = FusionPass(
+    name="rope",
+    fused_op="npu.npu_rotary_mul",
+    forms=FORMS,
+    example={
+        # B, N, S, D; cos/sin broadcast over heads as HF's unsqueeze(1) makes them
+        "x": lambda dtype: torch.empty(2, 3, 5, 8, dtype=dtype),
+        "cos": lambda dtype: torch.empty(2, 1, 5, 8, dtype=dtype),
+        "sin": lambda dtype: torch.empty(2, 1, 5, 8, dtype=dtype),
+        "pair_cos": lambda dtype: torch.empty(2, 1, 5, 4, dtype=dtype),
+        "pair_sin": lambda dtype: torch.empty(2, 1, 5, 4, dtype=dtype),
+        # torchtitan: x is [B, S, N, D] in fp32, freqs_cis [1, S, 1, D/2] complex64
+        "freqs": lambda dtype: torch.empty(1, 3, 1, 4, dtype=torch.complex64),
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+)

@@ -1,0 +1,130 @@
+"""swiglu: silu(gate) * up, gate and up the two halves of one tensor -> npu_swiglu.
+
+    npu_swiglu(x, dim=-1) = silu(x[..., :h]) * x[..., h:]      (h = x.shape[-1] // 2)
+
+It activates the FIRST half (op_semantics.md 4.1). The forms: the halves taken with
+chunk (transformers' MoE experts on the grouped_mm path: gate_up split), slicing or
+split, and either operand order (Phi-3 and GLM-4 write `up * act(gate)`). The op computes
+in fp32 and rounds once; the unfused bf16/fp16 code rounds after silu and after the
+multiply, so the two differ by about one ulp there.
+
+Not fused, and reported: gate and up from two separate projections (HF Llama / Qwen
+MLPs, torchtitan FeedForward): npu_swiglu would need their outputs concatenated, one
+extra copy per step, unless the weights are folded into one projection, which a graph
+pass over one graph cannot do for the weights' other users. GeGLU and other gates
+(gelu, relu) are not SwiGLU and never match.
+"""
+import torch
+import torch.nn.functional as F
+
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, users_outside
+
+aten = torch.ops.aten
+SWIGLU = CAPABILITIES["npu.npu_swiglu"]
+
+
+# ---- the unfused forms --------------------------------------------------------------------
+def chunked(x):
+    # transformers MoE experts (grouped_mm / batched_mm): gate, up = gate_up.chunk(2, -1)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def chunked_up_first(x):
+    # Phi-3 / GLM-4 MLP: up_states * self.activation_fn(gate)
+    gate, up = x.chunk(2, dim=-1)
+    return up * F.silu(gate)
+
+
+def sliced(x):
+    # vLLM SiluAndMul
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+def sliced_up_first(x):
+    half = x.shape[-1] // 2
+    return x[..., half:] * F.silu(x[..., :half])
+
+
+def split(x):
+    half = x.shape[-1] // 2
+    gate, up = torch.split(x, [half, x.shape[-1] - half], dim=-1)
+    return F.silu(gate) * up
+
+
+def split_up_first(x):
+    half = x.shape[-1] // 2
+    gate, up = torch.split(x, [half, x.shape[-1] - half], dim=-1)
+    return up * F.silu(gate)
+
+
+# ---- the fused call -----------------------------------------------------------------------
+def npu_swiglu(x):
+    return torch.ops.npu.npu_swiglu(x, -1)
+
+
+FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,))
+         for search in (chunked, chunked_up_first, sliced, sliced_up_first, split, split_up_first)]
+
+
+# ---- checks -------------------------------------------------------------------------------
+def check(site):
+    x = site["x"]
+    reason = unsupported("npu.npu_swiglu", site.soc, x=x)
+    if reason:
+        return reason
+    if x.shape[-1] % SWIGLU.limits["split_dim_multiple"]:
+        return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
+    return None
+
+
+# ---- near misses: a silu that gates a product but did not fuse ----------------------------
+def _piece_of(node):
+    """(source tensor, which half: 0 first / 1 second / None unknown) of a half-taking node."""
+    if is_call(node, aten.slice.Tensor):
+        start = node.args[2] if len(node.args) > 2 else 0
+        return node.args[0], 0 if start == 0 else 1
+    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem":
+        parent = node.args[0]
+        if is_call(parent, aten.split.Tensor, aten.split_with_sizes.default):
+            return parent.args[0], node.args[1]
+    return None, None
+
+
+def anchor(node):
+    return is_call(node, aten.mul.Tensor) and any(is_call(a, aten.silu.default) for a in node.args)
+
+
+def explain(mul):
+    silu = next(a for a in mul.args if is_call(a, aten.silu.default))
+    other = next((a for a in mul.args if a is not silu), None)
+    gate_source, gate_half = _piece_of(silu.args[0])
+    up_source, up_half = _piece_of(other) if isinstance(other, torch.fx.Node) else (None, None)
+    if gate_source is None or up_source is None or gate_source is not up_source:
+        return ("gate and up come from separate projections: npu_swiglu needs them as the two "
+                "halves of one tensor (one gate_up projection), and concatenating them would "
+                "add a copy per step")
+    if gate_half == 1 and up_half == 0:
+        return "silu is applied to the second half: npu_swiglu activates the first half"
+    x = tensor_meta(gate_source)
+    if x is not None and x.shape[-1] % 2:
+        return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
+    pieces = [silu.args[0], other, silu]
+    shared = users_outside(pieces, allowed=pieces + [mul])
+    if shared:
+        node, user = shared
+        return f"intermediate {node.name} ({node.target}) is also used by {user.name}"
+    return None
+
+
+PASS = FusionPass(
+    name="swiglu",
+    fused_op="npu.npu_swiglu",
+    forms=FORMS,
+    example={"x": lambda dtype: torch.empty(2, 3, 8, dtype=dtype)},
+    check=check,
+    anchor=anchor,
+    explain=explain,
+)
