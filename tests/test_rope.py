@@ -1,0 +1,326 @@
+"""rope: every rotary form fuses, the fused graph computes the same, negatives say why.
+
+Tolerances. fp32: the fused op computes x*cos + rotate(x)*sin in fp32, the same three
+operations as the model, so results agree to 1 ulp. bf16/fp16: the model rounds after
+each of its three ops, the op once at the end; each rounding is half an ulp of its
+result and the two products can be larger than their sum, so the bound is taken at the
+output's scale (2 ulp of the largest |output|), not per element.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
+
+ONLY_ROPE = nff.FusionConfig(enable={"rope"})
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+# ---- rotations and tables, as model code writes them ------------------------------------
+def rotate_half_sliced(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def rotate_half_chunked(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_half_split(x):
+    x1, x2 = torch.split(x, x.shape[-1] // 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_every_two(x):
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def angles(batch, seq, dim, base=10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    positions = torch.arange(seq, dtype=torch.float32) + torch.arange(batch)[:, None] * 3
+    return positions[..., None] * inv_freq  # [B, S, D/2]
+
+
+def hf_tables(batch, seq, dim, dtype):
+    """HF: cos/sin of cat(freqs, freqs), [B, S, D]."""
+    emb = torch.cat((angles(batch, seq, dim),) * 2, dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def inputs(dtype, shape=(2, 4, 6, 16), seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(*shape).to(dtype)
+
+
+# ---- modules -------------------------------------------------------------------------------
+class HFRope(nn.Module):
+    """transformers' apply_rotary_pos_emb on q and k, with a choice of rotation and order."""
+
+    def __init__(self, rotate=rotate_half_sliced, unsqueeze_dim=1, swapped=False):
+        super().__init__()
+        self.rotate, self.unsqueeze_dim, self.swapped = rotate, unsqueeze_dim, swapped
+
+    def apply(self, x, cos, sin):
+        if self.swapped:  # the other operand order: rotate(x) * sin first, cos * x
+            return sin * self.rotate(x) + cos * x
+        return x * cos + self.rotate(x) * sin
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(self.unsqueeze_dim), sin.unsqueeze(self.unsqueeze_dim)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
+
+
+class PartialRope(HFRope):
+    """Phi-3 / GLM: rotate the first rotary_dim of the head dim, pass the rest through."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotary_dim = cos.shape[-1]
+        return tuple(torch.cat([self.apply(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+                     for x in (q, k))
+
+
+class ComplexRope(nn.Module):
+    """torchtitan / Meta Llama apply_rotary_emb: [B, S, N, D] in, freqs_cis [S, D/2]."""
+
+    def forward(self, q, k, freqs_cis):
+        def rotate(x):
+            pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+            freqs = freqs_cis.view(1, x.shape[1], 1, x.shape[-1] // 2)
+            return torch.view_as_real(pairs * freqs).flatten(3).type_as(x)
+
+        return rotate(q), rotate(k)
+
+
+class DeepSeekEvenOdd(nn.Module):
+    """transformers 5 DeepSeek-V3 apply_rotary_pos_emb_interleave (result de-interleaved)."""
+
+    def forward(self, q, k, cos, sin):
+        cos = cos[..., : cos.shape[-1] // 2].unsqueeze(1)
+        sin = sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+        q1, q2 = q[..., 0::2], q[..., 1::2]
+        k1, k2 = k[..., 0::2], k[..., 1::2]
+        return (torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+                torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1))
+
+
+class DeepSeekViewTranspose(nn.Module):
+    """modeling_deepseek.py (DeepSeek-V2/V3 remote code): de-interleave, then rotate_half."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+        def rotate(x):
+            b, h, s, d = x.shape
+            x = x.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+            return x * cos + rotate_half_sliced(x) * sin
+
+        return rotate(q), rotate(k)
+
+
+def _run(module, q, k, *tables, config=ONLY_ROPE):
+    return compile_and_run(module, q, k, *tables, config=config)
+
+
+def _assert_numerics(out, ref):
+    for o, r in zip(out, ref):
+        if r.dtype == torch.float32:
+            assert_within_ulps(o, r, 1)
+        else:
+            assert_close_at_scale(o, r, 2)
+
+
+def _fused(report):
+    return {op: n for op, n in report.fused_ops.items()}
+
+
+# ---- every form fires, and computes the same ---------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rotate", [rotate_half_sliced, rotate_half_chunked, rotate_half_split],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("swapped", [False, True], ids=["x*cos first", "sin*rot first"])
+def test_rotate_half_forms_fuse_to_half_mode(dtype, rotate, swapped):
+    q, k = inputs(dtype), inputs(dtype, (2, 2, 6, 16), seed=1)
+    cos, sin = hf_tables(2, 6, 16, dtype)
+    out, ref, report = _run(HFRope(rotate, swapped=swapped), q, k, cos, sin)
+    assert report.counts["rope"] == 2
+    assert _fused(report) == {"npu.npu_rotary_mul": 2}
+    ops = report.graphs[0].ops_after
+    assert ops["aten.neg.default"] == 0 and ops["aten.cat.default"] == 0
+    _assert_numerics(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bsnd_layout_with_tables_unsqueezed_at_dim_2(dtype):
+    q, k = inputs(dtype, (2, 6, 4, 16)), inputs(dtype, (2, 6, 2, 16), seed=1)
+    cos, sin = hf_tables(2, 6, 16, dtype)
+    out, ref, report = _run(HFRope(unsqueeze_dim=2), q, k, cos, sin)
+    assert report.counts["rope"] == 2
+    _assert_numerics(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_partial_rotary_fuses_the_rotated_part(dtype):
+    q, k = inputs(dtype, (2, 4, 6, 32)), inputs(dtype, (2, 2, 6, 32), seed=1)
+    cos, sin = hf_tables(2, 6, 16, dtype)  # rotary_dim 16 of head_dim 32
+    out, ref, report = _run(PartialRope(), q, k, cos, sin)
+    assert report.counts["rope"] == 2
+    assert report.graphs[0].ops_after["aten.neg.default"] == 0
+    _assert_numerics(out, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotate_every_two_fuses_to_interleave_mode(dtype):
+    q, k = inputs(dtype), inputs(dtype, (2, 2, 6, 16), seed=1)
+    emb = angles(2, 6, 16).repeat_interleave(2, dim=-1)  # GPT-J: each angle for its pair
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    out, ref, report = _run(HFRope(rotate_every_two), q, k, cos, sin)
+    assert report.counts["rope"] == 2
+    assert _fused(report) == {"npu.npu_rotary_mul": 2}
+    assert report.graphs[0].ops_after["aten.stack.default"] == 0
+    _assert_numerics(out, ref)
+
+
+def _freqs_cis(seq, dim):
+    return torch.polar(torch.ones(seq, dim // 2), angles(1, seq, dim)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_complex_form_fuses_without_complex_arithmetic(dtype):
+    q, k = inputs(dtype, (2, 6, 4, 16)), inputs(dtype, (2, 6, 1, 16), seed=1)
+    out, ref, report = _run(ComplexRope(), q, k, _freqs_cis(6, 16))
+    assert report.counts["rope"] == 2
+    assert _fused(report) == {"npu.npu_rotary_mul": 2}
+    ops = report.graphs[0].ops_after
+    assert ops["aten.view_as_complex.default"] == 0 and ops["aten.mul.Tensor"] == 0
+    # the model computes in fp32 and casts back once; so does the fused graph
+    for o, r in zip(out, ref):
+        assert_within_ulps(o.float(), r.float(), 1) if dtype == torch.float32 else torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("dtype, head_dim, fused_op", [
+    (torch.bfloat16, 64, "npu.npu_interleave_rope"),
+    (torch.float16, 64, "npu.npu_interleave_rope"),
+    (torch.float32, 64, "npu.npu_rotary_mul"),  # npu_interleave_rope is fp16/bf16 only
+    (torch.bfloat16, 32, "npu.npu_rotary_mul"),  # ... and head_dim 64 only
+], ids=["bf16-64", "fp16-64", "fp32-64", "bf16-32"])
+@pytest.mark.parametrize("module", [DeepSeekEvenOdd(), DeepSeekViewTranspose()],
+                         ids=["even_odd", "view_transpose"])
+def test_deepseek_interleaved_pairs(module, dtype, head_dim, fused_op):
+    q, k = inputs(dtype, (2, 4, 6, head_dim)), inputs(dtype, (2, 1, 6, head_dim), seed=1)
+    cos, sin = hf_tables(2, 6, head_dim, dtype)
+    out, ref, report = _run(module, q, k, cos, sin)
+    assert report.counts["rope"] == 2
+    assert _fused(report) == {fused_op: 2}
+    if fused_op == "npu.npu_rotary_mul":  # the site says why the better op was not used
+        assert all("npu_interleave_rope" in site.note for site in report.sites), report.sites
+    _assert_numerics(out, ref)
+
+
+# ---- torchair modes: interleave mode under max-autotune ----------------------------------
+@pytest.mark.parametrize("soc, alternative", [(None, True), ("Ascend910B", True), ("Ascend950", False)])
+def test_max_autotune_takes_the_half_mode_alternative_where_ge_ignores_the_mode(soc, alternative):
+    q, k = inputs(torch.float32, (2, 6, 4, 16)), inputs(torch.float32, (2, 6, 1, 16), seed=1)
+    config = nff.FusionConfig(enable={"rope"}, mode="max-autotune", soc=soc)
+    out, ref, report = _run(ComplexRope(), q, k, _freqs_cis(6, 16), config=config)
+    assert _fused(report) == {"npu.npu_rotary_mul": 2}
+    notes = [site.note for site in report.sites]
+    if alternative:
+        assert all(n.startswith("instead of rotary_mul_from_complex: under max-autotune") for n in notes), notes
+        assert report.graphs[0].ops_after["aten.transpose.int"] >= 4  # de-/re-interleaving
+    else:
+        assert notes == ["", ""]
+    _assert_numerics(out, ref)
+
+
+def test_emulation_notes_what_max_autotune_would_do():
+    q, k = inputs(torch.float32, (2, 6, 4, 16)), inputs(torch.float32, (2, 6, 1, 16), seed=1)
+    _, _, report = _run(ComplexRope(), q, k, _freqs_cis(6, 16))
+    assert all("max-autotune would take the half-mode alternative" in s.note for s in report.sites)
+
+
+def test_max_autotune_bf16_interleave_rope_falls_back_to_half_mode():
+    q, k = inputs(torch.bfloat16, (2, 4, 6, 64)), inputs(torch.bfloat16, (2, 1, 6, 64), seed=1)
+    cos, sin = hf_tables(2, 6, 64, torch.bfloat16)
+    config = nff.FusionConfig(enable={"rope"}, mode="max-autotune")
+    out, ref, report = _run(DeepSeekEvenOdd(), q, k, cos, sin, config=config)
+    assert _fused(report) == {"npu.npu_rotary_mul": 2}
+    assert all("GE InterleaveRope takes fp16 only" in s.note for s in report.sites)
+    _assert_numerics(out, ref)
+
+
+# ---- negatives: must not fuse, and must say why ------------------------------------------
+class ReusesRotation(HFRope):
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotated = rotate_half_sliced(q)
+        return q * cos + rotated * sin, rotated
+
+
+class PerHeadTables(HFRope):
+    def forward(self, q, k, cos, sin):  # cos/sin given as [1, N, S, D]: not a layout the op has
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
+
+
+class OddHeadDim(HFRope):
+    def forward(self, q, k, cos, sin):
+        return self.apply(q, cos, sin), k
+
+
+def _negative_cases():
+    q = inputs(torch.float32, (2, 4, 6, 16))
+    k = inputs(torch.float32, (2, 4, 6, 16), seed=1)
+    cos, sin = hf_tables(2, 6, 16, torch.float32)
+    per_head = torch.randn(1, 4, 6, 16)
+    odd = inputs(torch.float32, (2, 4, 6, 7))
+    return [
+        ("reused rotation", ReusesRotation(), (q, k, cos, sin), "also used by"),
+        ("per-head tables", PerHeadTables(), (q, k, per_head, per_head), "do not broadcast to x"),
+        ("odd head dim", OddHeadDim(), (odd, k, torch.randn(7), torch.randn(7)), "head_dim 7 is odd"),
+        ("fp32 tables, bf16 x", HFRope(), (q.bfloat16(), k.bfloat16(), cos, sin), "cos/sin are float32"),
+    ]
+
+
+@pytest.mark.parametrize("case", _negative_cases(), ids=lambda c: c[0])
+def test_does_not_fuse_and_says_why(case):
+    _, module, args, reason = case
+    out, ref, report = _run(module, *args)
+    reasons = near_miss_reasons(report, "rope")
+    expected_misses = 1 if isinstance(module, (ReusesRotation, OddHeadDim)) else 2
+    assert report.counts["rope"] == 0, report.sites
+    assert len(reasons) == expected_misses and all(reason in r for r in reasons), reasons
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+
+
+@pytest.mark.parametrize("head_dim, fuses", [(64, False), (128, True)])
+def test_310p_has_only_the_jit_kernel(head_dim, fuses):
+    q, k = inputs(torch.float16, (1, 2, 4, head_dim)), inputs(torch.float16, (1, 2, 4, head_dim), seed=1)
+    cos, sin = hf_tables(1, 4, head_dim, torch.float16)
+    config = nff.FusionConfig(enable={"rope"}, soc="Ascend310P")
+    _, _, report = _run(HFRope(), q, k, cos, sin, config=config)
+    assert report.counts["rope"] == (2 if fuses else 0)
+    if not fuses:
+        assert all("only has its jit kernel" in r for r in near_miss_reasons(report, "rope"))
+
+
+def test_head_count_limit():
+    q = inputs(torch.float32, (1, 1000, 2, 8))
+    cos, sin = hf_tables(1, 2, 8, torch.float32)
+    _, _, report = _run(OddHeadDim(), q, q, cos.unsqueeze(1), sin.unsqueeze(1))
+    assert report.counts["rope"] == 0
+    (reason,) = near_miss_reasons(report, "rope")
+    assert "N = 1000 is not below 1000" in reason, reason
+
+
+def test_report_names_the_source_line():
+    q, k = inputs(torch.float32), inputs(torch.float32, (2, 2, 6, 16), seed=1)
+    cos, sin = hf_tables(2, 6, 16, torch.float32)
+    _, _, report = _run(HFRope(), q, k, cos, sin)
+    text = report.to_markdown()
+    assert "**rope**: 2 fused" in text
+    assert "return x * cos + self.rotate(x) * sin" in text
+    assert not math.isnan(report.graphs[0].seconds)
