@@ -1,11 +1,13 @@
 """What fusion costs at compile time (a benchmark, not a test: timings are noisy here).
 
-Prints, for Llama-shaped transformers models of 2, 8 and 32 layers, the fusion pipeline's
-time as a fraction of the whole torch.compile (dynamo + aot_autograd + passes) and per 1k
-graph nodes, so growth with graph size shows; and the one-time costs: `import
-npu_fx_fusion`, stand-in op registration, and tracing each pass's patterns.
+Prints, for tiny transformers models of 2, 8 and 32 layers, the fusion pipeline's time as
+a fraction of the whole torch.compile (dynamo + aot_autograd + passes) and per 1k graph
+nodes, so growth with graph size shows, with each pass's share; and the one-time costs:
+`import npu_fx_fusion`, stand-in op registration, and tracing each pass's patterns.
+The default models: Llama (rms_norm, add_rms_norm, rope fuse; swiglu only finds near
+misses) and Phi-3 (fused gate_up: swiglu fuses too).
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--layers 2 8 32]
+    .venv/bin/python benchmarks/bench_pipeline.py [--models llama phi3] [--layers 2 8 32]
 """
 import argparse
 import subprocess
@@ -42,11 +44,11 @@ def one_time_costs() -> None:
               f"({len(fusion_pass.forms)} forms, {forms} traces)")
 
 
-def compile_fraction(layers: int) -> None:
+def compile_fraction(model: str, layers: int) -> None:
     import npu_fx_fusion as nff
     from npu_fx_fusion.tiny_models import build_hf
 
-    tiny = build_hf("llama", num_layers=layers)
+    tiny = build_hf(model, num_layers=layers)
     torch._dynamo.reset()
     backend = nff.get_npu_backend()
     start = time.perf_counter()
@@ -54,21 +56,24 @@ def compile_fraction(layers: int) -> None:
         torch.compile(tiny.model, backend=backend)(*tiny.example_inputs)
     total = time.perf_counter() - start
     graph = nff.last_report().graphs[0]
-    passes = ", ".join(f"{r.pass_name} {r.seconds * 1e3:.0f} ms" for r in graph.passes if not r.skipped)
-    print(f"{layers:3d} layers: {graph.nodes_before:5d} nodes, compile {total:6.2f} s, "
+    passes = ", ".join(f"{r.pass_name} {len(r.sites)} sites {r.seconds * 1e3:.0f} ms"
+                       for r in graph.passes if not r.skipped)
+    print(f"{model:6s} {layers:3d} layers: {graph.nodes_before:5d} nodes, compile {total:6.2f} s, "
           f"pipeline {graph.seconds:5.2f} s = {graph.seconds / total:5.1%} of compile, "
           f"{graph.seconds / graph.nodes_before * 1e3 * 1e3:6.1f} ms per 1k nodes ({passes})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["llama", "phi3"])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     args = parser.parse_args()
     one_time_costs()
     # the first compile pays pattern registration (measured above): warm up once
-    compile_fraction(1)
-    for layers in args.layers:
-        compile_fraction(layers)
+    compile_fraction(args.models[0], 1)
+    for model in args.models:
+        for layers in args.layers:
+            compile_fraction(model, layers)
 
 
 if __name__ == "__main__":

@@ -160,6 +160,40 @@ def _resolve_inferred_size(view: Node) -> int:
     return 1
 
 
+def _trace_searches_once(trace_fn: Callable, cache: dict, fn: Callable, args: Sequence[Any],
+                         **kwargs: Any) -> torch.fx.GraphModule:
+    """trace_fn, remembering the traces of search functions per argument signature.
+
+    To verify a structural match, torch's matcher retraces the search function on the
+    match's own values (shapes decide slice bounds, view sizes ...). Every layer of a
+    model gives the same shapes, so that trace is the same graph each time; it is only
+    read (turned into a pattern), never changed. That retrace was half of a pass's time.
+    Replacements, and arguments with symbolic sizes, are traced every time.
+    """
+    key = _signature(trace_fn, fn, args) if getattr(fn, "_nff_search", False) else None
+    if key is None:
+        return trace_fn(fn, args, **kwargs)
+    if key not in cache:
+        if len(cache) >= 512:  # a bound, not an expected size
+            cache.clear()
+        cache[key] = trace_fn(fn, args, **kwargs)
+    return cache[key]
+
+
+def _signature(trace_fn: Callable, fn: Callable, args: Sequence[Any]) -> Optional[tuple]:
+    parts: list[Any] = [trace_fn, fn]
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if not all(isinstance(d, int) for d in (*arg.shape, *arg.stride())):
+                return None
+            parts.append((tuple(arg.shape), arg.stride(), arg.dtype, arg.device.type, arg.requires_grad))
+        elif isinstance(arg, (int, float, bool, str, type(None), torch.dtype)):
+            parts.append((type(arg), arg))
+        else:
+            return None
+    return tuple(parts)
+
+
 @dataclass(frozen=True)
 class Form:
     """One unfused form and the fused call that computes the same thing.
@@ -174,6 +208,9 @@ class Form:
     replace: Callable
     dtypes: tuple = (torch.float32, torch.bfloat16)
     fused_op: Optional[str] = None  # the op the report names, if not the pass's fused_op
+
+    def __post_init__(self) -> None:
+        self.search._nff_search = True  # its retraces may be cached (_trace_searches_once)
 
     @property
     def name(self) -> str:
@@ -244,6 +281,7 @@ class FusionPass:
         self.anchor = anchor
         self.explain = explain
         self._run: Optional[_PassRun] = None
+        self._search_traces: dict = {}
         for form in self.forms:
             missing = set(form.argnames) - set(self.example)
             if missing:
@@ -298,7 +336,7 @@ class FusionPass:
                 form.search,
                 form.replace,
                 inputs,
-                trace_fn=trace_fn,
+                trace_fn=functools.partial(_trace_searches_once, trace_fn, self._search_traces),
                 pass_dicts=matcher,
                 extra_check=functools.partial(self._extra_check, form),
                 scalar_workaround=scalars,
