@@ -62,7 +62,8 @@ def split_up_first(x):
 
 # ---- the fused call -----------------------------------------------------------------------
 def npu_swiglu(x):
-    return torch.ops.npu.npu_swiglu(x, -1)
+    # the op takes contiguous input (capabilities: limits["contiguous"]); a no-op when it is
+    return torch.ops.npu.npu_swiglu(x.contiguous(), -1)
 
 
 FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,))
@@ -77,6 +78,8 @@ def check(site):
         return reason
     if x.shape[-1] % SWIGLU.limits["split_dim_multiple"]:
         return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
+    if not SWIGLU.limits["empty"] and x.numel() == 0:
+        return f"the gate_up tensor {list(x.shape)} is empty: npu_swiglu takes no empty tensors"
     return None
 
 
@@ -93,19 +96,40 @@ def _piece_of(node):
     return None, None
 
 
+def _silu_and_other(mul):
+    """(silu node, the other factor) of a mul by a silu of a tensor, or None."""
+    silu = next((a for a in mul.args if is_call(a, aten.silu.default)), None)
+    other = next((a for a in mul.args if a is not silu), silu)  # silu(x) * silu(x): itself
+    if silu is None or not isinstance(other, torch.fx.Node) or tensor_meta(other) is None:
+        return None  # silu(x) * 2.0 scales an activation, it gates nothing
+    return silu, other
+
+
+_PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
+                aten._grouped_mm.default, aten.matmul.default)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _is_projection(node):
+    while is_call(node, *_VIEWS):
+        node = node.args[0]
+    return is_call(node, *_PROJECTIONS)
+
+
 def anchor(node):
-    return is_call(node, aten.mul.Tensor) and any(is_call(a, aten.silu.default) for a in node.args)
+    return is_call(node, aten.mul.Tensor) and _silu_and_other(node) is not None
 
 
 def explain(mul):
-    silu = next(a for a in mul.args if is_call(a, aten.silu.default))
-    other = next((a for a in mul.args if a is not silu), None)
+    silu, other = _silu_and_other(mul)
     gate_source, gate_half = _piece_of(silu.args[0])
-    up_source, up_half = _piece_of(other) if isinstance(other, torch.fx.Node) else (None, None)
+    up_source, up_half = _piece_of(other)
     if gate_source is None or up_source is None or gate_source is not up_source:
-        return ("gate and up come from separate projections: npu_swiglu needs them as the two "
-                "halves of one tensor (one gate_up projection), and concatenating them would "
-                "add a copy per step")
+        if _is_projection(silu.args[0]) and _is_projection(other):
+            return ("gate and up come from separate projections: npu_swiglu needs them as the two "
+                    "halves of one tensor (one gate_up projection), and concatenating them would "
+                    "add a copy per step")
+        return "the silu and the tensor it multiplies are not the two halves of one tensor"
     if gate_half == 1 and up_half == 0:
         return "silu is applied to the second half: npu_swiglu activates the first half"
     x = tensor_meta(gate_source)
