@@ -376,6 +376,106 @@ def scenario_torchair_pattern_pass_on_our_ops(dump_dir: str):
     }
 
 
+class RopeSwigluBlock(nn.Module):
+    """Complex (torchtitan) and rotate_half (HF) rotary embeddings and a fused-gate_up SwiGLU."""
+
+    def __init__(self, hidden: int = HIDDEN, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.gate_up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x, freqs_cis, cos, sin):
+        b, s, _ = x.shape
+        q = x.view(b, s, self.heads, -1)  # [B, S, N, D]
+        pairs = torch.view_as_complex(q.float().reshape(b, s, self.heads, -1, 2))
+        q_complex = torch.view_as_real(pairs * freqs_cis.view(1, s, 1, -1)).flatten(3).type_as(q)
+        k = q.transpose(1, 2)  # [B, N, S, D], cos/sin [B, S, D]
+        half = k.shape[-1] // 2
+        rotated = torch.cat((-k[..., half:], k[..., :half]), dim=-1)
+        k_half = k * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return q_complex, k_half, self.down(torch.nn.functional.silu(gate) * up)
+
+
+def _rope_swiglu_inputs():
+    torch.manual_seed(0)
+    b, s, heads = 2, 8, 4
+    dim = HIDDEN // heads
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    angles = torch.arange(s).float()[:, None] * inv_freq  # [S, D/2]
+    emb = torch.cat((angles, angles), -1).expand(b, s, dim)
+    return (torch.randn(b, s, HIDDEN), torch.polar(torch.ones_like(angles), angles), emb.cos(), emb.sin())
+
+
+def scenario_rope_and_swiglu_max_autotune(dump_dir: str):
+    import glob
+    import re
+
+    import torchair
+
+    import npu_fx_fusion as nff
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    config.debug.run_eagerly = True
+    config.debug.graph_dump.type = "py"
+    config.debug.graph_dump.path = dump_dir
+    graphs, post_pass = _graph_counter()
+    config.post_grad_custom_post_pass = post_pass
+    backend = nff.get_npu_backend(compiler_config=config)
+    model, inputs = _model(RopeSwigluBlock), _rope_swiglu_inputs()
+    with torch.no_grad():
+        expected = model(*inputs)
+        actual = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    _assert_close(actual, expected)
+    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
+                                                                                 recursive=True)))
+    report = nff.last_report()
+    return {
+        "counts": {p: n for p, n in report.counts.items() if n},
+        "notes": sorted(site.note.split(":")[0] for site in report.sites if site.pass_name == "rope"),
+        "npu_ops_torchair_lowered": graphs,
+        "ge_ops": sorted(re.findall(r"\bge\.(RotaryMul|RotaryPositionEmbedding|SwiGlu|InterleaveRope)\(", dumps)),
+    }
+
+
+def scenario_rope_reduce_overhead_optimize_fx():
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    import torchair
+    from torchair._utils.graph_transform_observer import GraphTransformObserver
+    from torchair.npu_fx_compiler import _optimize_fx
+
+    import npu_fx_fusion as nff
+
+    config = torchair.CompilerConfig()
+    config.mode = "reduce-overhead"
+    pipeline = nff.install(config)
+    handed_on = []
+
+    def compiler(gm, example_inputs):
+        # what torchair's reduce-overhead compile does before building its ACL graph
+        optimized = _optimize_fx(gm, config, GraphTransformObserver(gm, example_inputs, config))
+        handed_on.append([(str(n.target), n.args[3] if len(n.args) > 3 else "half")
+                          for n in optimized.graph.nodes if n.target is torch.ops.npu.npu_rotary_mul.default])
+        optimized.recompile()
+        return optimized
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler, decompositions={},
+                                     keep_inference_input_mutations=True)
+
+    model, inputs = _model(RopeSwigluBlock), _rope_swiglu_inputs()
+    with torch.no_grad():
+        expected = model(*inputs)
+        actual = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    _assert_close(actual, expected)
+    return {"modes": [g.mode for g in pipeline.report.graphs],
+            "rotary_calls": handed_on,
+            "notes": [site.note for site in pipeline.report.sites if site.pass_name == "rope"]}
+
+
 def scenario_converter_registry():
     """torchair's own converter lookup, for every op in our capability table we can load.
 
@@ -480,3 +580,21 @@ def test_capability_table_matches_torchairs_live_converter_registry():
     # every op any pass emits has a stand-in, so every table entry is checked here
     assert set(r["has_converter"]) == set(CAPABILITIES), r
     assert r["has_converter"] == {op: cap.ge_converter for op, cap in CAPABILITIES.items()}, r
+
+
+def test_rope_and_swiglu_lower_to_ge_under_max_autotune(tmp_path):
+    r = run_scenario(scenario_rope_and_swiglu_max_autotune, dump_dir=str(tmp_path / "ge_dump"))
+    assert r["counts"] == {"rope": 2, "swiglu": 1}, r
+    # the complex form took its half-mode alternative: GE RotaryMul ignores the mode here
+    assert r["notes"] == ["", "instead of rotary_mul_from_complex"], r
+    assert r["npu_ops_torchair_lowered"] == [["npu.npu_rotary_mul.default"] * 2 + ["npu.npu_swiglu.default"]], r
+    assert r["ge_ops"] == ["RotaryMul", "RotaryMul", "SwiGlu"], r
+
+
+def test_reduce_overhead_keeps_interleave_mode():
+    r = run_scenario(scenario_rope_reduce_overhead_optimize_fx)
+    assert r["modes"] == ["reduce-overhead"], r
+    # ACL graphs run the op's own kernel, which honours the mode: no detour needed
+    assert r["rotary_calls"] == [[["npu.npu_rotary_mul.default", "interleave"],
+                                  ["npu.npu_rotary_mul.default", "half"]]], r
+    assert r["notes"] == ["", ""], r
