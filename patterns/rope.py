@@ -169,22 +169,22 @@ def rotary_mul_from_complex_via_half(x, freqs):
     return rotary_mul_interleave_via_half(x, *_tables_from_complex(freqs))
 
 
-_INTERLEAVE_ROPE_FORMS = dict(fused_op="npu.npu_interleave_rope", dtypes=(torch.bfloat16, torch.float16))
-_HALF_DTYPES = (torch.float32, torch.bfloat16)
+# The rotary forms have no casts, so one trace per form matches every dtype.
+_INTERLEAVE_ROPE_FORMS = dict(fused_op="npu.npu_interleave_rope", dtypes=(torch.bfloat16,))
 
 FORMS = [
     # larger forms first: they contain a rotate_half the smaller forms would take alone
     Form(deepseek_deinterleave_then_rotate_half, interleave_rope, **_INTERLEAVE_ROPE_FORMS),
     Form(even_odd_pairs, interleave_rope_pair_angles, **_INTERLEAVE_ROPE_FORMS),
-    Form(even_odd_pairs, rotary_mul_half_deinterleaved_pair_angles),
-    *(Form(search, rotary_mul_half) for rotate, name in (
+    Form(even_odd_pairs, rotary_mul_half_deinterleaved_pair_angles, dtypes=(torch.float32,)),
+    *(Form(search, rotary_mul_half, dtypes=(torch.float32,)) for rotate, name in (
         (_rotate_half_sliced, "rotate_half_sliced"),
         (_rotate_half_chunked, "rotate_half_chunked"),
         (_rotate_half_split, "rotate_half_split"),
     ) for search in _apply_forms(rotate, name)),
     *(form for search in _apply_forms(_rotate_every_two, "rotate_every_two") for form in (
-        Form(search, rotary_mul_interleave),
-        Form(search, rotary_mul_interleave_via_half),
+        Form(search, rotary_mul_interleave, dtypes=(torch.float32,)),
+        Form(search, rotary_mul_interleave_via_half, dtypes=(torch.float32,)),
     )),
     Form(complex_multiply, rotary_mul_from_complex, dtypes=(torch.float32,)),
     Form(complex_multiply, rotary_mul_from_complex_via_half, dtypes=(torch.float32,)),

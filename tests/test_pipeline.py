@@ -23,7 +23,7 @@ class _ExplodingPass:
 
     name = "rms_norm"
 
-    def apply(self, gm, soc=None, mode=None):
+    def apply(self, gm, soc=None, mode=None, verify=False):
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 node.target = torch.ops.aten.sub.Tensor  # vandalise

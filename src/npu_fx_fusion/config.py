@@ -67,6 +67,9 @@ class FusionConfig:
               torchair / npugraph_ex config the pipeline is called with; in CPU emulation
               nothing is excluded, and a site max-autotune could not lower says so.
     dump_dir: write each compiled graph before/after the passes and the report there.
+    verify:   run each matched subgraph and its replacement on random inputs of the
+              site's shapes and compare (verify.TOLERANCES); a site that fails is not
+              fused and is reported. Costs one eager run of both per site.
     strict:   re-raise a pass's exception instead of reverting that pass and reporting it.
 
     The environment is read each time a pipeline runs, so it overrides code:
@@ -79,6 +82,7 @@ class FusionConfig:
     mode: Optional[str] = None
     dump_dir: Optional[str] = None
     strict: bool = False
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.enable is not None:

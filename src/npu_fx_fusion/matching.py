@@ -234,6 +234,7 @@ class Site:
     # a check may add what the report should say about a site it accepts ("max-autotune
     # on Ascend910B would need ...")
     notes: list[str] = field(default_factory=list)
+    verified: str = ""  # the verification verdict, when FusionConfig(verify=True)
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
@@ -245,6 +246,7 @@ class _PassRun:
 
     soc: Optional[str]
     mode: Optional[str]
+    verify: bool = False
     sites: list[FusedSite] = field(default_factory=list)
     rejections: dict[Node, tuple[Form, str]] = field(default_factory=dict)
 
@@ -268,12 +270,16 @@ class FusionPass:
     check:    check(site) -> reason or None, run on every structural match
     anchor:   anchor(node) -> bool, the nodes that signal a candidate site
     explain:  explain(anchor_node) -> reason or None, for an anchor no form matched
+    verify_input: verify_input(arg_name, fake_value) -> a real input for verification,
+              or None for the default (random normal floats, small random integers)
     """
 
     def __init__(self, *, name: str, fused_op: str, forms: Sequence[Form],
                  example: Mapping[str, Any], check: Callable[[Site], Reason],
-                 anchor: Callable[[Node], bool], explain: Callable[[Node], Reason]):
+                 anchor: Callable[[Node], bool], explain: Callable[[Node], Reason],
+                 verify_input: Optional[Callable[[str, Any], Any]] = None):
         self.name = name
+        self.verify_input = verify_input
         self.fused_op = fused_op
         self.forms = tuple(forms)
         self.example = dict(example)
@@ -329,7 +335,9 @@ class FusionPass:
                    if n in form.argnames and isinstance(v, (int, float))}
         inputs = [self._example_value(n, dtype) for n in form.argnames]
         trace_fns = [trace_without_decompositions]
-        if hasattr(torch.ops.npu, "_npu_dtype_cast"):
+        traced = _trace_searches_once(trace_without_decompositions, self._search_traces, form.search, inputs)
+        has_casts = any(n.target is torch.ops.aten._to_copy.default for n in traced.graph.nodes)
+        if has_casts and hasattr(torch.ops.npu, "_npu_dtype_cast"):  # else the same pattern again
             trace_fns.append(trace_with_npu_dtype_casts)
         for trace_fn in trace_fns:
             pm.register_replacement(
@@ -354,14 +362,15 @@ class FusionPass:
         run = self._run
         assert run is not None, "FusionPass matcher used outside apply()"
         site = self._site(form, match, run.soc, run.mode)
-        reason = self._first_failure(site, match, run.mode)
+        reason = self._first_failure(site, match, run)
         if reason is not None:
             log.debug("%s: not fusing %s at %s: %s", self.name, form.name,
                       location_of(match.nodes), reason)
             run.reject(form, match.nodes, reason)
             return False
         run.sites.append(FusedSite(self.name, form.name, form.fused_op or self.fused_op,
-                                   location_of(match.nodes), "; ".join(self._notes(site, run))))
+                                   location_of(match.nodes), "; ".join(self._notes(site, run)),
+                                   site.verified))
         return True
 
     def _notes(self, site: Site, run: _PassRun) -> list[str]:
@@ -386,12 +395,22 @@ class FusionPass:
                 for name, value in arg_nodes.items()}
         return Site(form, args, list(match.nodes), arg_nodes, soc, mode)
 
-    def _first_failure(self, site: Site, match: pm.Match, mode: Optional[str]) -> Reason:
+    def _first_failure(self, site: Site, match: pm.Match, run: _PassRun) -> Reason:
         return (self._argument_kinds_differ(site)
                 or _unexpected_keyword(site.nodes)
-                or next(filter(None, (not_lowerable(op, mode) for op in self.emitted_ops[site.form.name])), None)
+                or next(filter(None, (not_lowerable(op, run.mode) for op in self.emitted_ops[site.form.name])), None)
                 or self.check(site)
-                or self._outputs_differ(site, match))
+                or self._outputs_differ(site, match)
+                or (self._verify(site, match) if run.verify else None))
+
+    def _verify(self, site: Site, match: pm.Match) -> Reason:
+        from .verify import verify_match
+
+        verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
+                               site.form.replace, site.form.argnames,
+                               site.form.fused_op or self.fused_op, self.verify_input)
+        site.verified = verdict.detail
+        return None if verdict.ok else f"verification failed: {verdict.detail}"
 
     def _argument_kinds_differ(self, site: Site) -> Reason:
         for name in site.form.argnames:
@@ -421,15 +440,16 @@ class FusionPass:
 
     # ---- running -------------------------------------------------------------------------
     def apply(self, gm: torch.fx.GraphModule, soc: Optional[str] = None,
-              mode: Optional[str] = None) -> PassResult:
+              mode: Optional[str] = None, verify: bool = False) -> PassResult:
         """Fuse every match in `gm` in place; report sites and near misses.
 
         soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered
-        in (a form whose op that mode cannot lower is skipped, so a later form can serve).
+        in (a form whose op that mode cannot lower is skipped, so a later form can serve);
+        verify: check each site numerically before accepting it (verify.py).
         """
         result = PassResult(self.name)
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
-        self._run = run = _PassRun(soc, mode)
+        self._run = run = _PassRun(soc, mode, verify)
         existing = set(gm.graph.nodes)
         try:
             count = self.matcher.apply(gm)

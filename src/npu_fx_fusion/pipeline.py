@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import logging
 import os
 import re
@@ -26,7 +27,7 @@ from . import npu_ops
 from .capabilities import detect_soc
 from .config import FusionConfig
 from .matching import FusionPass, canonicalize
-from .report import FusionReport, GraphReport, PassResult, op_counts
+from .report import FusionReport, GraphCost, GraphReport, PassResult, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -134,7 +135,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     _ensure_tensor_meta(gm, example_inputs)
     soc = config.soc or detect_soc()
     mode = config.mode or mode
-    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes), ops_before=op_counts(gm.graph))
+    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
     dumper = _Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     dumper.write(folder, "before.py", _graph_code(gm))
@@ -155,8 +157,16 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
+    graph_report.cost_after = GraphCost.of(gm.graph)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
+    # With TORCH_TRACE set, the graph's report goes into torch's structured trace (tlparse
+    # shows it next to the compile it belongs to); a no-op otherwise.
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"npu_fx_fusion_report_{graph_name}", "encoding": "json"},
+        payload_fn=lambda: json.dumps(graph_report.to_dict()),
+    )
     dumper.write(folder, "after.py", _graph_code(gm))
     if config.dump_dir:
         dumper.write(config.dump_dir, "report.md", report.to_markdown())
@@ -173,7 +183,7 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     saved = copy.deepcopy(gm.graph)
     start = time.perf_counter()
     try:
-        result = fusion_pass.apply(gm, soc, mode)
+        result = fusion_pass.apply(gm, soc, mode, verify=config.verify)
         gm.graph.lint()
     except Exception as exc:
         gm.graph = saved  # the setter re-parents the graph and recompiles

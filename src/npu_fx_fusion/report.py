@@ -90,6 +90,7 @@ class FusedSite:
     fused_op: str
     location: SourceLocation
     note: str = ""  # e.g. why only part of the candidate subgraph was fused
+    verified: str = ""  # FusionConfig(verify=True): the measured error, or why not checked
 
 
 class NearMiss(NamedTuple):
@@ -109,6 +110,17 @@ class PassResult:
     skipped: Optional[str] = None  # why the pass did not run at all
     seconds: float = 0.0
 
+    def to_dict(self) -> dict:
+        return {
+            "pass": self.pass_name,
+            "fused": len(self.sites),
+            "sites": [dict(asdict(s), location=str(s.location)) for s in self.sites],
+            "near_misses": [{"reason": m.reason, "location": str(m.location)} for m in self.near_misses],
+            "error": self.error,
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 6),
+        }
+
 
 def op_counts(graph: torch.fx.Graph) -> Counter:
     """call_function targets by name ("aten.mul.Tensor", "npu.npu_rms_norm.default", ...)."""
@@ -119,6 +131,61 @@ def _target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
         return f"{target.namespace}.{target._opname}.{target._overloadname}"  # noqa: SLF001
     return getattr(target, "__name__", str(target))
+
+
+# Ops that only reinterpret or select memory: no kernel launch, no bytes moved (on an NPU
+# torchair turns views into reshapes, which can copy; counting them as free keeps the
+# estimate a lower bound on what fusion saves).
+_FREE_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "permute", "transpose", "t",
+    "unsqueeze", "squeeze", "slice", "select", "alias", "as_strided", "split", "split_with_sizes",
+    "unbind", "detach", "view_as_real", "view_as_complex", "unflatten", "flatten", "sym_size",
+    "sym_numel", "sym_stride", "lift_fresh_copy",
+})
+
+
+@dataclass(frozen=True)
+class GraphCost:
+    """An estimate from the FX graph alone: kernels launched and tensor bytes read + written.
+
+    Every call node that computes (not a view, a getitem or a SymInt expression) counts as
+    one launch and moves its tensor inputs and outputs once. It ignores caching, kernel
+    internals and fusion done later by the graph compiler: a comparison of graphs, not a
+    timing.
+    """
+
+    launches: int = 0
+    bytes_moved: int = 0
+
+    @staticmethod
+    def of(graph: torch.fx.Graph) -> "GraphCost":
+        launches, moved = 0, 0
+        for node in graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+                continue
+            if node.target._opname in _FREE_OPS:  # noqa: SLF001
+                continue
+            launches += 1
+            moved += sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+            moved += _tensor_bytes(node.meta.get("val"))
+        return GraphCost(launches, moved)
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = 1
+    for size in value.shape:
+        if isinstance(size, torch.SymInt):  # a symbolic size: its hint, the size it was traced at
+            size = size.node.hint if size.node.hint is not None else 1
+        numel *= int(size)
+    return numel * value.element_size()
+
+
+def _ratio(after: int, before: int) -> str:
+    return f"{after / before:.2f}x" if before else "n/a"
 
 
 def fused_op_counts(counts: Counter) -> Counter:
@@ -140,6 +207,28 @@ class GraphReport:
     ops_after: Counter = field(default_factory=Counter)
     passes: list[PassResult] = field(default_factory=list)
     seconds: float = 0.0  # the whole pipeline on this graph, setup included
+    cost_before: GraphCost = field(default_factory=GraphCost)
+    cost_after: GraphCost = field(default_factory=GraphCost)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "mode": self.mode,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "ops_before": dict(self.ops_before),
+            "ops_after": dict(self.ops_after),
+            "seconds": round(self.seconds, 6),
+            "estimated_cost": {"before": asdict(self.cost_before), "after": asdict(self.cost_after)},
+            "passes": [r.to_dict() for r in self.passes],
+        }
+
+    def cost_line(self) -> str:
+        b, a = self.cost_before, self.cost_after
+        return (f"estimated cost (from the graph: launches of computing ops, tensor bytes in + out): "
+                f"{b.launches} -> {a.launches} kernel launches ({_ratio(a.launches, b.launches)}), "
+                f"{_megabytes(b.bytes_moved)} -> {_megabytes(a.bytes_moved)} moved "
+                f"({_ratio(a.bytes_moved, b.bytes_moved)})")
 
     @property
     def fused_ops(self) -> Counter:
@@ -188,34 +277,8 @@ class FusionReport:
         return [(r.pass_name, r.error) for r in self._results() if r.error]
 
     def to_dict(self) -> dict:
-        def result_dict(r: PassResult) -> dict:
-            return {
-                "pass": r.pass_name,
-                "fused": len(r.sites),
-                "sites": [dict(asdict(s), location=str(s.location)) for s in r.sites],
-                "near_misses": [{"reason": m.reason, "location": str(m.location)} for m in r.near_misses],
-                "error": r.error,
-                "skipped": r.skipped,
-                "seconds": round(r.seconds, 6),
-            }
-
-        return {
-            "counts": self.counts,
-            "fused_ops": self.fused_ops,
-            "graphs": [
-                {
-                    "name": g.name,
-                    "mode": g.mode,
-                    "nodes_before": g.nodes_before,
-                    "nodes_after": g.nodes_after,
-                    "ops_before": dict(g.ops_before),
-                    "ops_after": dict(g.ops_after),
-                    "seconds": round(g.seconds, 6),
-                    "passes": [result_dict(r) for r in g.passes],
-                }
-                for g in self.graphs
-            ],
-        }
+        return {"counts": self.counts, "fused_ops": self.fused_ops,
+                "graphs": [g.to_dict() for g in self.graphs]}
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -230,14 +293,16 @@ class FusionReport:
                   + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
         for index, g in enumerate(self.graphs):
             mode = f", torchair mode {g.mode}" if g.mode else ""
-            lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes{mode})", ""]
+            lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes{mode})", "",
+                      g.cost_line(), ""]
             skipped = [r for r in g.passes if r.skipped]
             for r in g.passes:
                 if r.skipped:
                     continue
                 lines.append(_pass_line(r))
                 lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}"
-                          + (f" ({s.note})" if s.note else "") for s in r.sites]
+                          + (f" ({s.note})" if s.note else "")
+                          + (f" [{s.verified}]" if s.verified else "") for s in r.sites]
                 lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
             if skipped:
                 lines.append(f"- not run: {', '.join(r.pass_name for r in skipped)} ({skipped[0].skipped})")
@@ -249,6 +314,10 @@ class FusionReport:
                 lines += [f"| {op} | {g.ops_before[op]} | {g.ops_after[op]} |" for op in changed]
             lines.append("")
         return "\n".join(lines)
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.3g} MB"
 
 
 def _pass_line(r: PassResult) -> str:

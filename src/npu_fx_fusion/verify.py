@@ -1,0 +1,156 @@
+"""Per-site numerical verification (FusionConfig(verify=True)).
+
+Before a match is accepted, the subgraph it would replace and the fused replacement run
+on the same random inputs of the site's shapes and dtypes, and their outputs are
+compared with the fused op's tolerance from TOLERANCES. A site that fails is not fused
+(so never silently kept) and becomes a near miss with the measured error. On CPU the
+fused ops run as the stand-in kernels, on an NPU as the real ones.
+
+Tolerances are in units of the output dtype's epsilon at the output's scale,
+|fused - original| <= ulps * eps(dtype) * max(|original|, 1 ulp): the fused ops round
+once where the unfused code rounds after each op, so their differences are a few
+roundings of values of the output's size, not relative to each element (a rotary output
+near zero is a difference of two large products).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx
+
+Node = torch.fx.Node
+
+# fused op -> allowed error in ulps of the output dtype at the output's scale.
+# Measured bounds (tests/test_<pass>.py) are 1-2 ulp; the table leaves headroom for
+# inputs that are random rather than model activations.
+TOLERANCES: Mapping[str, float] = {
+    "npu.npu_rms_norm": 4,
+    "npu.npu_add_rms_norm": 4,
+    "npu.npu_rotary_mul": 4,
+    "npu.npu_interleave_rope": 4,
+    "npu.npu_swiglu": 4,
+}
+DEFAULT_TOLERANCE = 4
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    detail: str  # "max error 1.2e-07 = 0.5 ulp at scale 3.1 (tolerance 4 ulp)", or why not checked
+
+
+def verify_match(*args: Any, **kwargs: Any) -> Verdict:
+    """_verify_match on real tensors: the matcher may run under the compile's fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _verify_match(*args, **kwargs)
+
+
+def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args: Mapping[str, Any],
+                 arg_nodes: Mapping[str, Any], replace: Callable, argnames: Sequence[str],
+                 fused_op: str, make_input: Optional[Callable[[str, Any], Any]] = None) -> Verdict:
+    """Run the matched subgraph and `replace` on the same inputs and compare.
+
+    nodes/outputs: the match's nodes and output nodes; args/arg_nodes: the values (fake
+    tensors, scalars) and graph nodes bound to each argument of the form; make_input:
+    an optional factory (name, fake value) -> real input, for arguments random normal
+    values do not suit (indices, ...).
+    """
+    inputs = {}
+    generator = torch.Generator().manual_seed(SEED)
+    for name in argnames:
+        value = args.get(name)
+        made = make_input(name, value) if make_input else None
+        if made is not None:
+            inputs[name] = made
+        elif isinstance(value, torch.Tensor):
+            tensor = _random_like(value, generator)
+            if tensor is None:
+                return Verdict(True, f"not verified: argument {name} has symbolic or unsupported shape")
+            inputs[name] = tensor
+        else:
+            inputs[name] = value
+    try:
+        original = _run_subgraph(nodes, outputs, arg_nodes, inputs)
+    except _NotExtractable as exc:
+        return Verdict(True, f"not verified: {exc}")
+    with torch.no_grad():
+        fused = replace(*[inputs[n] for n in argnames])
+    fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
+    ulps_allowed = TOLERANCES.get(fused_op, DEFAULT_TOLERANCE)
+    worst = 0.0
+    for index, (orig, new) in enumerate(zip(original, fused)):
+        if not isinstance(orig, torch.Tensor):
+            continue
+        if orig.shape != new.shape or orig.dtype != new.dtype:
+            return Verdict(False, f"output {index}: {new.dtype}{list(new.shape)} vs {orig.dtype}{list(orig.shape)}")
+        if not orig.is_floating_point():
+            if not torch.equal(orig, new):
+                return Verdict(False, f"output {index}: integer results differ")
+            continue
+        error, scale = _error_in_ulps(new, orig)
+        if not error <= ulps_allowed:  # also catches nan
+            return Verdict(False, f"output {index}: error {error:.3g} ulp at scale {scale:.3g} "
+                                  f"exceeds {ulps_allowed:g} ulp ({str(orig.dtype)[6:]})")
+        worst = max(worst, error)
+    return Verdict(True, f"verified: max error {worst:.2g} ulp at the output's scale (tolerance {ulps_allowed:g})")
+
+
+class _NotExtractable(Exception):
+    pass
+
+
+def _random_like(fake: torch.Tensor, generator: torch.Generator) -> Optional[torch.Tensor]:
+    shape = []
+    for size in fake.shape:
+        if isinstance(size, torch.SymInt):
+            hint = size.node.hint
+            if hint is None:
+                return None
+            size = int(hint)
+        shape.append(size)
+    if fake.is_complex():
+        real = torch.randn(*shape, 2, generator=generator)
+        return torch.view_as_complex(real).to(fake.dtype).to(fake.device)
+    if fake.is_floating_point():
+        return torch.randn(*shape, generator=generator).to(fake.dtype).to(fake.device)
+    if fake.dtype == torch.bool:
+        return (torch.rand(*shape, generator=generator) > 0.5).to(fake.device)
+    return torch.randint(0, 4, shape, generator=generator).to(fake.dtype).to(fake.device)
+
+
+def _run_subgraph(nodes: Sequence[Node], outputs: Sequence[Optional[Node]],
+                  arg_nodes: Mapping[str, Any], inputs: Mapping[str, Any]) -> list[Any]:
+    """Copy the matched nodes into a graph of their own and run it on `inputs`."""
+    graph = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    for name, node in arg_nodes.items():
+        if isinstance(node, Node):
+            env[node] = graph.placeholder(name)
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    matched = set(nodes)
+
+    def lookup(node: Node) -> Node:
+        if node not in env:
+            raise _NotExtractable(f"the subgraph reads {node.name}, which is not an argument of the form")
+        return env[node]
+
+    for node in sorted(matched - set(env), key=order.__getitem__):
+        env[node] = graph.node_copy(node, lookup)
+    graph.output([env[n] if n is not None else None for n in outputs])
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    placeholders = [n.target for n in graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        return list(module(*[inputs[name] for name in placeholders]))
+
+
+def _error_in_ulps(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    eps = torch.finfo(expected.dtype).eps
+    scale = expected.double().abs().max().item() if expected.numel() else 0.0
+    scale = max(scale, torch.finfo(expected.dtype).tiny)
+    error = (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
+    return error / (eps * scale), scale

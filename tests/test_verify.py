@@ -1,0 +1,103 @@
+"""FusionConfig(verify=True): a wrong replacement is caught and not kept; the cost estimate."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import npu_fx_fusion as nff
+from helpers import compile_and_run, near_miss_reasons
+from npu_fx_fusion import capabilities
+from npu_fx_fusion.matching import Form, FusionPass
+from npu_fx_fusion.report import GraphCost
+from npu_fx_fusion.tiny_models import build_hf
+
+# ---- a test-only fusion whose fused op computes something slightly different ------------
+_LIB = torch.library.Library("nff_test_verify", "DEF")
+_LIB.define("scale_shift(Tensor x) -> Tensor")
+_LIB.impl("scale_shift", lambda x: x * 2 + 1.001, "CompositeExplicitAutograd")  # wrong: + 1.001
+torch.library.register_fake("nff_test_verify::scale_shift", lambda x: torch.empty_like(x), lib=_LIB)
+_CAPABILITY = capabilities.OpCapability(op="nff_test_verify.scale_shift", dtypes=capabilities.FLOAT_DTYPES,
+                                        min_rank=0, max_rank=8, backward=None, ge_converter=True)
+
+
+def _search(x):
+    return x * 2 + 1
+
+
+def _wrong(x):
+    return torch.ops.nff_test_verify.scale_shift(x)
+
+
+def _right(x):
+    return x * 2 + 1  # the search itself: exact
+
+
+def _pass(replace) -> FusionPass:
+    return FusionPass(name="test", fused_op="nff_test_verify.scale_shift",
+                      forms=[Form(_search, replace, dtypes=(torch.float32,))],
+                      example={"x": lambda dtype: torch.empty(4, dtype=dtype)},
+                      check=lambda site: None,
+                      anchor=lambda node: node.target is torch.ops.aten.mul.Tensor,
+                      explain=lambda node: None)
+
+
+@pytest.fixture(autouse=True)
+def _capability(monkeypatch):
+    monkeypatch.setitem(capabilities.CAPABILITIES, _CAPABILITY.op, _CAPABILITY)
+
+
+def _graph():
+    return make_fx(_search, tracing_mode="fake")(torch.randn(3, 5))
+
+
+def test_a_wrong_replacement_is_not_kept_when_verifying():
+    result = _pass(_wrong).apply(_graph(), verify=True)
+    assert result.sites == []
+    (miss,) = result.near_misses
+    assert miss.reason.startswith("verification failed: output 0: error"), miss.reason
+    assert "exceeds 4 ulp (float32)" in miss.reason
+
+
+def test_without_verification_the_wrong_replacement_goes_through():
+    # what the check above prevents: structurally the match is perfect
+    result = _pass(_wrong).apply(_graph(), verify=False)
+    assert len(result.sites) == 1 and result.sites[0].verified == ""
+
+
+def test_a_right_replacement_is_verified_and_says_so():
+    result = _pass(_right).apply(_graph(), verify=True)
+    (site,) = result.sites
+    assert site.verified == "verified: max error 0 ulp at the output's scale (tolerance 4)"
+
+
+def test_every_site_of_a_real_model_verifies():
+    tiny = build_hf("deepseek_v3", dtype=torch.bfloat16)
+    out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs, config=nff.FusionConfig(verify=True))
+    assert len(report.sites) == 9 + 4 + 4 + 1
+    assert all(s.verified.startswith("verified: max error") for s in report.sites), \
+        [s.verified for s in report.sites]
+    assert not any("verification failed" in r for p in ("rms_norm", "rope", "swiglu")
+                   for r in near_miss_reasons(report, p))
+
+
+# ---- cost estimate --------------------------------------------------------------------------
+def test_cost_counts_computing_ops_and_their_bytes():
+    def f(x, w):
+        h = x.view(4, 8).t()  # views: free
+        return torch.relu(h @ w)  # mm + relu: 2 launches
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(32), torch.randn(4, 4))
+    cost = GraphCost.of(gm.graph)
+    assert cost.launches == 2
+    floats = 4  # bytes per fp32
+    mm = (8 * 4 + 4 * 4 + 8 * 4) * floats  # reads h (8x4) and w (4x4), writes 8x4
+    relu = (8 * 4 + 8 * 4) * floats
+    assert cost.bytes_moved == mm + relu
+
+
+def test_fusion_lowers_the_estimate_and_the_report_says_so():
+    tiny = build_hf("llama")
+    _, _, report = compile_and_run(tiny.model, *tiny.example_inputs)
+    graph = report.graphs[0]
+    assert graph.cost_after.launches < graph.cost_before.launches
+    assert graph.cost_after.bytes_moved < graph.cost_before.bytes_moved
+    assert "kernel launches" in report.to_markdown()
