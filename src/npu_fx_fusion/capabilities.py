@@ -178,6 +178,199 @@ CAPABILITIES: dict[str, OpCapability] = {
             "contiguous and non-empty; the first half is the gate; products A2/A3 (torch_npu "
             "docs and the hiascend SwiGlu tuning guide; 950 not covered by those docs)",
         ),
+        # ---- MoE (npu_ops/moe.py). `x` of unsupported() is the op's first tensor input. ----
+        OpCapability(
+            op="npu.npu_moe_gating_top_k_softmax",
+            dtypes=FLOAT_DTYPES,
+            min_rank=2,
+            max_rank=3,
+            backward=None,
+            ge_converter=True,
+            # the v1 docstring lists Atlas A2 only (v2 adds A3); torchair's converter warns
+            # that arch35 no longer supports v1 (use npu_moe_gating_top_k_softmax_v2)
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits={
+                "max_k": 1024,  # 0 < k <= E and k <= 1024
+                "finished_dtype": torch.bool,  # shape x.shape[:-1]
+                "renormalises": False,  # top-k of the softmax, no division by their sum
+            },
+            doc="op_semantics 5.1 / torch_npu docstring (_op_plugin_docs.py npu_moe_gating_top_k_softmax): "
+            "x 2-D/3-D fp16/bf16/fp32, 0 < k <= E, k <= 1024, finished bool of x.shape[:-1]; products: "
+            "Atlas A2 (A3 listed for _v2 only); GE converter custom/moe_gating_top_k_softmax.py warns it "
+            "is unsupported on Ascend950; no autograd (inference graphs only)",
+        ),
+        OpCapability(
+            op="npu.npu_moe_gating_top_k",
+            dtypes=FLOAT_DTYPES,
+            min_rank=2,
+            max_rank=2,
+            backward="npu.npu_moe_gating_top_k_backward",
+            ge_converter=True,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "max_experts": 2048,  # x.shape[-1] <= 2048
+                "min_group_size": 3,  # E / group_count > 2 (the wheel docstring)
+                "max_aligned_experts": 2048,  # align32(E / group_count) * group_count <= 2048
+                "group_select_modes": (0, 1),  # 0 group max, 1 sum of the group's top 2
+                "norm_types": (0, 1),  # 0 softmax, 1 sigmoid
+                "renorm": (0,),  # the wheel docstring: only 0 (the CANN README adds 1)
+                "bias_same_dtype": True,  # bias (E,) in x's dtype
+                "hash_mode_max_k": 64,  # input_ids/tid2eid (CANN README)
+                # autograd: backward reads norm_out, so the forward needs out_flag=True, and
+                # supports sigmoid (norm_type=1) only
+                "backward_norm_types": (1,),
+                "backward_needs_out_flag": True,
+                "backward_socs": ("Ascend910B", "Ascend910_93"),
+                # torch_npu 7.0.0 docs (hiascend ptaoplist_002365) on A2/A3: E == 256,
+                # k <= 32, k_group == 4, bias required; later docs lift these
+                "legacy_a2_a3": {"experts": 256, "max_k": 32, "k_group": 4, "bias_required": True},
+            },
+            doc="op_semantics 5.2 / torch_npu docstring (_op_plugin_docs.py npu_moe_gating_top_k): x 2-D "
+            "fp16/bf16/fp32, E <= 2048, E % group_count == 0 and E/group_count > 2, "
+            "align32(E/group_count)*group_count <= 2048, 1 <= k_group <= group_count, "
+            "1 <= k <= k_group*E/group_count, renorm 0 only; CANN README hicann/ops-transformer "
+            "moe/moe_gating_top_k (renorm=1 = softmax-mode renorm, hash mode k <= 64; products A2, A3, "
+            "950) and moe/moe_gating_top_k_backward (A2/A3 only, sigmoid only); torch_npu 7.0.0 "
+            "page ptaoplist_002365 for the older A2/A3 limits",
+        ),
+        OpCapability(
+            op="npu.npu_moe_init_routing_v2",
+            dtypes=FLOAT_DTYPES | {torch.int8},  # int8 x only without (re)quantisation
+            min_rank=2,
+            max_rank=2,
+            backward=None,
+            ge_converter=True,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "expert_idx_dtype": torch.int32,  # (N, K)
+                "drop_pad_modes": (0,),  # dropless only
+                # the docs: count (1) and key_value (2) only, with the flag True; the Meta
+                # function also accepts 0 (cumsum), the V3 README does not
+                "expert_tokens_num_types": (1, 2),
+                "expert_tokens_num_flag": True,
+                "quant_modes": (-1, 1),  # none, dynamic int8 (newer CANN: MX/FP8/INT4 modes)
+                "max_expert_num": 10240,
+                "key_value_max_expert_num": 5120,
+                "active_num_equals_rows": True,  # V3 README: unused, must equal N*K
+                "row_idx_types": (0, 1),  # 0 gather (src -> dst), 1 scatter (dst -> src)
+                "socs_of_docs": ("Ascend910B", "Ascend910_93"),
+            },
+            doc="op_semantics 6.1 / torch_npu docstring (_op_plugin_docs.py npu_moe_init_routing_v2) and "
+            "the aclnnMoeInitRoutingV3 doc (hicann/ops-transformer moe/moe_init_routing_v3): x (N, H) "
+            "fp16/bf16/fp32/int8, expert_idx (N, K) int32, drop_pad_mode 0, expert_tokens_num_type 1/2 "
+            "with the flag True, quant_mode -1/1, expert_num <= 10240 (<= 5120 key_value), "
+            "active_num unused (= N*K); products A2/A3 (950 not covered by those docs); no autograd",
+        ),
+        OpCapability(
+            op="npu.npu_moe_compute_expert_tokens",
+            dtypes=frozenset({torch.int32}),
+            min_rank=1,
+            max_rank=1,
+            backward=None,
+            ge_converter=True,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "max_num_expert": 2048,  # 0 < num_expert <= 2048
+                "max_elements": 2**24,  # exclusive
+                "output": "cumsum",  # inclusive end offsets: group_list_type=0
+            },
+            doc="op_semantics 6.2 / torch_npu docstring (_op_plugin_docs.py "
+            "npu_moe_compute_expert_tokens): 1-D int32 sorted expert ids in [0, num_expert), fewer than "
+            "2^24, 0 < num_expert <= 2048; products Ascend950 and Atlas A2 (A3 not listed); inference",
+        ),
+        OpCapability(
+            op="npu.npu_moe_token_permute",
+            dtypes=FLOAT_DTYPES,
+            min_rank=2,
+            max_rank=2,
+            backward="npu.npu_moe_token_permute_grad_v2",
+            ge_converter=False,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "max_topk": 512,
+                "max_index": 16777215,  # indices.numel() and values < 16777215 (exclusive)
+                "index_dtypes": (torch.int32, torch.int64),  # (T,) or (T, topK)
+                "padded_mode": False,
+                "int8_tokens_socs": ("Ascend950",),
+            },
+            doc="op_semantics 6.3 / torch_npu docstring (_op_plugin_docs.py ~L16842 "
+            "npu_moe_token_permute): tokens (T, H) fp16/bf16/fp32 (int8 on 950), indices 1-D/2-D "
+            "int32/int64 < 16777215, topK <= 512, padded_mode False; products A2, A3, 950; "
+            "sorted_indices is the inverse of the stable argsort (Megatron's is the argsort); "
+            "no GE converter in torchair 2.13",
+        ),
+        OpCapability(
+            op="npu.npu_moe_token_unpermute",
+            dtypes=FLOAT_DTYPES,
+            min_rank=2,
+            max_rank=2,
+            backward="npu.npu_moe_token_unpermute_grad_v2",
+            ge_converter=False,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "max_topk": 512,  # A2/A3
+                "sorted_indices_dtype": torch.int32,  # (T*topK,), no duplicates
+                "padded_mode": False,
+                "restore_shape": None,
+                # on 950 torch_npu forwards to aclnnMoeFinalizeRoutingV2
+            },
+            doc="op_semantics 6.3 / torch_npu docstring (_op_plugin_docs.py ~L16931 "
+            "npu_moe_token_unpermute): permuted_tokens (T*topK, H) fp16/bf16/fp32, sorted_indices int32 "
+            "without duplicates, probs (T, topK), padded_mode False, restore_shape None, topK <= 512 on "
+            "A2/A3; products A2, A3, 950; no GE converter in torchair 2.13",
+        ),
+        OpCapability(
+            op="npu.npu_moe_finalize_routing",
+            dtypes=FLOAT_DTYPES,
+            min_rank=2,  # expanded_permuted_rows (N*K, H) dropless
+            max_rank=3,  # (E, C, H) drop-pad
+            backward=None,
+            ge_converter=True,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                # the wheel docstring documents 0 only (k-major); the op-plugin master doc and
+                # the MoeFinalizeRoutingV2 kernel add 1 (drop-pad), 2 (token-major, pairs with
+                # npu_moe_init_routing_v2) and 3; torch_npu calls V2 for all but the full
+                # mode-0 call (GE converter custom/npu_moe_finalize_routing.py likewise)
+                "documented_drop_pad_modes": (0,),
+                "v2_drop_pad_modes": (0, 1, 2, 3),
+                "index_dtype": torch.int32,
+                # skip2 None => skip1 None per the wheel docstring; the master doc says the
+                # reverse (op_semantics 11.8)
+                "skip1_needs_skip2": True,
+            },
+            doc="op_semantics 6.4 / torch_npu docstring (_op_plugin_docs.py npu_moe_finalize_routing): "
+            "expanded_permuted_rows (N*K, H) fp16/bf16/fp32, skip1/skip2 (N, H) and bias (E, H) and "
+            "scales (N, K) in its dtype, expanded_src_to_dst_row (N*K,) int32, drop_pad_mode 0; product "
+            "Atlas A2 (docstring); modes 1-3 from the op-plugin master doc; no autograd",
+        ),
+        OpCapability(
+            op="npu.npu_grouped_matmul",
+            dtypes=FLOAT_DTYPES,  # the float (non-quantised) expert GEMM the MoE passes emit
+            min_rank=2,
+            max_rank=2,  # x of group_type 0 (group_type -1 takes 2-6 dims)
+            backward=None,
+            ge_converter=True,
+            # Atlas inference (310P): fp16 only, group_type 0 only, N % 16 == 0
+            socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float16}))},
+            limits={
+                "group_types": (-1, 0),  # A2 docs (Meta also accepts 2, K-split); 310P: 0 only
+                "split_items_single_output": (2, 3),  # group_type 0
+                "group_list_types": (0, 1),  # cumsum, counts (2, sparse pairs: int8 only)
+                "group_list_dtype": torch.int64,
+                "max_groups_single_weight": 1024,  # one (E, K, N) weight
+                "max_groups_weight_list": 128,
+                "max_inner_dim": 65536,  # exclusive: x's K and weight's N (or K transposed)
+                "x_transposed": False,
+                "weight_transposed": True,  # a transposed view of (E, N, K)
+                "310p_n_multiple": 16,
+            },
+            doc="op_semantics 7 / torch_npu docstring (_op_plugin_docs.py npu_grouped_matmul): float "
+            "x/weight fp16/bf16/fp32 (310P fp16 only, N % 16 == 0), group_type 0 needs split_item 2/3, "
+            "a 3-D weight and a group_list of at most 1024 groups (128 for weight lists), cumsum "
+            "(group_list_type 0) or counts (1), InnerLimit 65536, weight may be transposed, x not; "
+            "products A2 and Atlas inference; no autograd",
+        ),
     )
 }
 

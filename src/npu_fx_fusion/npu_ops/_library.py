@@ -16,7 +16,7 @@ from .schemas import SCHEMAS
 log = logging.getLogger("npu_fx_fusion.npu_ops")
 
 # One module per op family; each declares its kernels with @stand_in at import.
-_FAMILY_MODULES = ("cast", "norm", "rope", "activation")
+_FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,10 @@ def _schema_defined(namespace: str, name: str) -> bool:
     return True
 
 
-def _save_nothing(ctx, inputs, output) -> None:
+def _save_nothing(ctx, inputs, output=None, keyword_only_inputs=None) -> None:
+    # torch calls setup_context(ctx, inputs, keyword_only_inputs, output) for an op with
+    # keyword-only arguments (npu_moe_init_routing_v2, npu_grouped_matmul, ...), else
+    # setup_context(ctx, inputs, output); both by keyword.
     pass
 
 
@@ -88,6 +91,40 @@ def _no_backward(qualname: str) -> Callable:
         raise RuntimeError(f"{qualname} has no backward in torch_npu: it is for inference graphs only")
 
     return backward
+
+
+def _kwarg_only_tensor_names(schema) -> list[str]:
+    utils = torch._library.utils  # noqa: SLF001
+    return [a.name for a in schema.arguments if a.kwarg_only
+            and (utils.is_tensor_like_type(a.type) or utils.is_tensorlist_like_type(a.type))]
+
+
+def _register_autograd(lib: torch.library.Library, op: StandIn, backward: Callable,
+                       setup_context: Callable) -> None:
+    opoverload = getattr(getattr(torch.ops, op.namespace), op.name).default
+    kwarg_tensors = _kwarg_only_tensor_names(opoverload._schema)  # noqa: SLF001
+    if not kwarg_tensors:
+        torch.library.register_autograd(op.qualname, backward, setup_context=setup_context, lib=lib)
+        return
+    # torch.library.register_autograd refuses keyword-only Tensor arguments (npu_moe_gating_top_k's
+    # bias, npu_grouped_matmul's bias, ...) because autograd would not track them. torch_npu
+    # differentiates none of them either, so build the same autograd kernel torch would
+    # (torch 2.13 private API, the torch version is pinned) and refuse a keyword-only tensor
+    # that requires grad instead of silently dropping its gradient.
+    autograd = torch._library.autograd  # noqa: SLF001
+    kernel = autograd.make_autograd_impl(opoverload, autograd.Info(backward, setup_context))
+
+    def autograd_impl(keyset, *args, **keyword_only_args):
+        if torch.is_grad_enabled():
+            for name in kwarg_tensors:
+                value = keyword_only_args.get(name)
+                tensors = value if isinstance(value, (list, tuple)) else [value]
+                if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+                    raise RuntimeError(f"{op.qualname}: torch_npu has no gradient for its keyword-only "
+                                       f"argument {name}, which requires grad")
+        return kernel(keyset, *args, **keyword_only_args)
+
+    lib.impl(op.name, autograd_impl, "Autograd", with_keyset=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +151,7 @@ def ensure_registered() -> tuple[str, ...]:
         backward, setup_context = op.backward, op.setup_context
         if backward is None:  # fail loudly, as a missing NPU backward would, never drop grads
             backward, setup_context = _no_backward(op.qualname), _save_nothing
-        torch.library.register_autograd(op.qualname, backward, setup_context=setup_context, lib=lib)
+        _register_autograd(lib, op, backward, setup_context)
         _REGISTERED.append(op.qualname)
     log.info("registered CPU stand-ins: %s", ", ".join(_REGISTERED))
     return tuple(_REGISTERED)

@@ -1,0 +1,772 @@
+"""MoE family: gating, token routing and the grouped expert GEMM.
+
+Reference semantics: shared/reference/op_semantics.md sections 5 (gating), 6 (routing)
+and 7 (npu_grouped_matmul); output shapes and dtypes from the wheel's Meta functions
+(op_plugin/meta/_meta_registrations.py), which the fake kernels reproduce.
+
+The index conventions are the point of these ops, so here they are in one place
+(t: token, j: its j-th expert, N tokens, K experts per token, flat = t*K + j):
+
+* npu_moe_gating_top_k_softmax: row_idx[t, j] = j*N + t, "k-major" source ids (the v1
+  npu_moe_init_routing input), NOT the token-major flat position.
+* npu_moe_init_routing_v2: token-major; expanded_x[i] = x[order[i] // K] with
+  order = argsort(expert_idx.flatten(), stable). expanded_row_idx is, for
+  row_idx_type=0 ("gather" index), the INVERSE of order: src flat position -> dst row
+  (-1 for an expert outside active_expert_range); for row_idx_type=1 ("scatter"), order
+  itself: dst row -> src flat position.
+* npu_moe_token_permute: sorted_indices = argsort(order), the inverse again
+  (permuted[sorted_indices[i]] = tokens[i // K]), where Megatron's sorted_indices is the
+  forward argsort `order`. npu_moe_token_unpermute reads it the same way.
+* npu_moe_finalize_routing: expanded_src_to_dst_row is src -> dst; drop_pad_mode 0/1 index
+  it k-major (j*N + t), 2/3 token-major (t*K + j). The init_routing_v2 map pairs with 2.
+* npu_moe_compute_expert_tokens and group_list_type=0: CUMULATIVE end offsets;
+  init_routing_v2 expert_tokens_num_type=1 and group_list_type=1: per-expert COUNTS.
+
+Everything is computed in fp32 (float64 stays float64 so gradcheck can run) and rounded
+once to the output dtype. Hardware limits (expert counts, k, hidden sizes, SoCs) live in
+capabilities.py; the kernels refuse only what they cannot compute, and raise
+NotImplementedError for the modes that have no CPU reference here (quantisation, padded
+and drop-pad modes, non-MoE grouped_matmul layouts).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ._library import stand_in
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # fp32 as on the NPU; float64 stays float64 so gradcheck can run on the stand-in.
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _topk_desc(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim, descending; ties go to the lower index.
+
+    The kernels' tie-breaking is undocumented (op_semantics 11.6); a stable sort makes the
+    stand-in deterministic, which torch.topk on CPU does not promise.
+    """
+    vals, idx = torch.sort(values, dim=-1, descending=True, stable=True)
+    return vals[..., :k].contiguous(), idx[..., :k].contiguous()
+
+
+def _flat_topk(indices: torch.Tensor) -> int:
+    return 1 if indices.dim() == 1 else indices.shape[1]
+
+
+# =====================================================================================
+# Gating
+# =====================================================================================
+
+# ---- npu_moe_gating_top_k_softmax ----------------------------------------------------
+def _check_gating_softmax(x, finished, k) -> None:
+    op = "npu_moe_gating_top_k_softmax"
+    if x.dim() not in (2, 3):
+        raise RuntimeError(f"{op}: x must be 2-D or 3-D, it has {x.dim()} dims")
+    if not 0 < k <= x.shape[-1]:
+        raise RuntimeError(f"{op}: k must be in (0, {x.shape[-1]}] (the number of experts), got {k}")
+    if finished is not None and (finished.dtype != torch.bool or finished.shape != x.shape[:-1]):
+        raise RuntimeError(f"{op}: finished must be a bool tensor of shape {tuple(x.shape[:-1])}, "
+                           f"got {finished.dtype} {tuple(finished.shape)}")
+
+
+def _gating_softmax_fake(x, finished=None, k=1):
+    _check_gating_softmax(x, finished, k)
+    shape = (*x.shape[:-1], k)  # Meta: y x.dtype, expert_idx and row_idx int32
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int32), x.new_empty(shape, dtype=torch.int32)
+
+
+@stand_in("npu::npu_moe_gating_top_k_softmax", fake=_gating_softmax_fake)  # no autograd in torch_npu
+def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+    # op_semantics 5.1: softmax in fp32, top-k (descending), NO renormalisation of the k weights.
+    _check_gating_softmax(x, finished, k)
+    num_experts = x.shape[-1]
+    y, idx = _topk_desc(torch.softmax(x.to(_compute_dtype(x)), dim=-1), k)
+    if finished is not None:
+        # A finished row gets expert id E (one past the last expert) [doc]. Its y is left
+        # as the softmax top-k values: the docs do not say (op_semantics 11.6) [inferred].
+        idx = torch.where(finished.unsqueeze(-1), torch.full_like(idx, num_experts), idx)
+    # row_idx[t, j] = j*N + t: k-major source ids (op_semantics 5.1). For 3-D x the rows
+    # are the flattened leading dims, N = B*S (row_idx for 3-D x is undocumented,
+    # op_semantics 11.6) [inferred].
+    rows = x.numel() // num_experts
+    row_idx = torch.arange(rows * k, dtype=torch.int32, device=x.device).view(k, rows).t()
+    return y.to(x.dtype), idx.to(torch.int32), row_idx.reshape(*x.shape[:-1], k).contiguous()
+
+
+# ---- npu_moe_gating_top_k (DeepSeek noaux_tc grouped top-k) -------------------------
+def _check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode,
+                        renorm, norm_type) -> None:
+    op = "npu_moe_gating_top_k"
+    if x.dim() != 2:
+        raise RuntimeError(f"{op}: x must be 2-D (tokens, experts), it has {x.dim()} dims")
+    num_experts = x.shape[1]
+    if bias is not None and bias.shape != (num_experts,):
+        raise RuntimeError(f"{op}: bias must have shape ({num_experts},), got {tuple(bias.shape)}")
+    if (input_ids is None) != (tid2eid is None):
+        raise RuntimeError(f"{op}: input_ids and tid2eid must be both provided or both omitted")
+    if norm_type not in (0, 1):
+        raise NotImplementedError(f"{op}: norm_type={norm_type} has no CPU reference (0 softmax and "
+                                  "1 sigmoid do; newer CANN adds 2, sqrt-softplus)")
+    if renorm not in (0, 1):
+        raise RuntimeError(f"{op}: renorm must be 0 or 1, got {renorm}")
+    if input_ids is not None:
+        if input_ids.shape != (x.shape[0],) or tid2eid.dim() != 2 or tid2eid.shape[1] != k:
+            raise RuntimeError(f"{op}: hash mode needs input_ids ({x.shape[0]},) and tid2eid (keys, {k}), "
+                               f"got {tuple(input_ids.shape)} and {tuple(tid2eid.shape)}")
+        return
+    if group_count <= 0 or num_experts % group_count:
+        raise RuntimeError(f"{op}: group_count={group_count} must divide the {num_experts} experts")
+    group_size = num_experts // group_count
+    if group_select_mode not in (0, 1):
+        raise RuntimeError(f"{op}: group_select_mode must be 0 (max) or 1 (top-2 sum), "
+                           f"got {group_select_mode}")
+    if group_select_mode == 1 and group_size < 2:
+        raise RuntimeError(f"{op}: group_select_mode=1 sums each group's top 2, groups have {group_size}")
+    if not 1 <= k_group <= group_count:
+        raise RuntimeError(f"{op}: k_group must be in [1, group_count={group_count}], got {k_group}")
+    if not 1 <= k <= k_group * group_size:
+        raise RuntimeError(f"{op}: k must be in [1, k_group * experts per group = {k_group * group_size}], "
+                           f"got {k}")
+
+
+def _gating_top_k_fake(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                       group_select_mode=0, renorm=0, norm_type=0, out_flag=False,
+                       routed_scaling_factor=1.0, eps=1e-20):
+    _check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode,
+                        renorm, norm_type)
+    n = x.shape[0]  # Meta: (N, k) x.dtype, (N, k) int32, (N, E) float32 whatever out_flag is
+    return (x.new_empty((n, k)), x.new_empty((n, k), dtype=torch.int32),
+            x.new_empty((n, x.shape[1]), dtype=torch.float32))
+
+
+def _gating_top_k_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(output[2], output[1])  # norm_out, expert_idx
+    for name in ("renorm", "norm_type", "out_flag", "routed_scaling_factor", "eps"):
+        setattr(ctx, name, keyword_only_inputs[name])
+
+
+def _gating_top_k_backward(ctx, grad_y, grad_idx, grad_norm_out):
+    # torch_npu: npu_moe_gating_top_k_backward(result2, grad, result1, ...), x differentiable
+    # through y only (op_semantics section 1). It reads norm_out, which the forward writes
+    # only with out_flag=True, and supports sigmoid (norm_type=1) only: refuse the rest
+    # rather than differentiate what the NPU would get wrong.
+    if not ctx.out_flag:
+        raise RuntimeError("npu_moe_gating_top_k: torch_npu's backward reads norm_out, which is only "
+                           "computed with out_flag=True; call the forward with out_flag=True to train")
+    if ctx.norm_type != 1:
+        raise RuntimeError("npu_moe_gating_top_k: torch_npu's backward supports norm_type=1 (sigmoid) only")
+    norm_out, expert_idx = ctx.saved_tensors
+    grad_x = torch.ops.npu.npu_moe_gating_top_k_backward(
+        norm_out, grad_y, expert_idx, renorm=ctx.renorm, norm_type=ctx.norm_type,
+        routed_scaling_factor=ctx.routed_scaling_factor, eps=ctx.eps)
+    return grad_x, None
+
+
+@stand_in("npu::npu_moe_gating_top_k", fake=_gating_top_k_fake,
+          backward=_gating_top_k_backward, setup_context=_gating_top_k_setup_context)
+def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                         group_select_mode=0, renorm=0, norm_type=0, out_flag=False,
+                         routed_scaling_factor=1.0, eps=1e-20):
+    # op_semantics 5.2 and the CANN README (hicann/ops-transformer moe/moe_gating_top_k/README.md):
+    #   norm_out = softmax(x) or sigmoid(x)                 (fp32)
+    #   selection scores = norm_out + bias                  (bias steers SELECTION only)
+    #   group_count > 1: keep the k_group best groups (max, or sum of top 2), others -inf
+    #   expert_idx = top-k of the selection scores          (descending)
+    #   y = norm_out[expert_idx]                            (weights from UNBIASED scores)
+    #   renormalised y / (sum(y) + eps) for sigmoid, and for softmax only with renorm=1
+    #   y *= routed_scaling_factor
+    # renorm=1: the wheel docstring says "only 0"; op_semantics 11.1 lists it as open. The
+    # README above defines it (softmax mode: renormalise; sigmoid: no effect), used here.
+    # Hash mode (input_ids, tid2eid): expert_idx = tid2eid[input_ids], no selection [README;
+    # op_semantics 11.1 marks it inferred].
+    _check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode,
+                        renorm, norm_type)
+    acc = _compute_dtype(x)
+    xf = x.to(acc)
+    scores = torch.softmax(xf, dim=-1) if norm_type == 0 else torch.sigmoid(xf)
+    if input_ids is not None:
+        idx = tid2eid[input_ids.long()].long()
+    else:
+        sel = scores + bias.to(acc) if bias is not None else scores
+        if group_count > 1:
+            grouped = sel.view(x.shape[0], group_count, -1)
+            if group_select_mode == 0:
+                group_scores = grouped.amax(dim=-1)
+            else:
+                group_scores = _topk_desc(grouped, 2)[0].sum(dim=-1)
+            _, keep_groups = _topk_desc(group_scores, k_group)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+            sel = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
+        _, idx = _topk_desc(sel, k)
+    y = scores.gather(1, idx)
+    if norm_type == 1 or renorm == 1:
+        y = y / (y.sum(dim=-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    # norm_out is (N, E) fp32 in every case (Meta); without out_flag the NPU leaves it
+    # unwritten, zeros here.
+    norm_out = scores.to(torch.float32) if out_flag else torch.zeros_like(scores, dtype=torch.float32)
+    return y.to(x.dtype), idx.to(torch.int32), norm_out
+
+
+# ---- npu_moe_gating_top_k_backward ---------------------------------------------------
+def _check_gating_top_k_backward(x_norm, grad_y, expert_idx, norm_type) -> None:
+    op = "npu_moe_gating_top_k_backward"
+    if x_norm.dim() != 2 or grad_y.dim() != 2 or expert_idx.shape != grad_y.shape \
+            or grad_y.shape[0] != x_norm.shape[0]:
+        raise RuntimeError(f"{op}: needs x_norm (M, N), grad_y (M, K) and expertIdx (M, K); got "
+                           f"{tuple(x_norm.shape)}, {tuple(grad_y.shape)}, {tuple(expert_idx.shape)}")
+    if norm_type != 1:
+        raise NotImplementedError(f"{op}: only norm_type=1 (sigmoid) is supported (torch_npu docs), "
+                                  f"got {norm_type}")
+
+
+def _gating_top_k_backward_fake(x_norm, grad_y, expertIdx, *, renorm=0, norm_type=0,
+                                routed_scaling_factor=1.0, eps=1e-20):
+    _check_gating_top_k_backward(x_norm, grad_y, expertIdx, norm_type)
+    return grad_y.new_empty(x_norm.shape)  # docs: x_norm's shape, grad_y's dtype
+
+
+@stand_in("npu::npu_moe_gating_top_k_backward", fake=_gating_top_k_backward_fake)
+def npu_moe_gating_top_k_backward(x_norm, grad_y, expertIdx, *, renorm=0, norm_type=0,
+                                  routed_scaling_factor=1.0, eps=1e-20):
+    # CANN README moe/moe_gating_top_k_backward (sigmoid mode), with s = x_norm[i, idx]:
+    #   g = c * grad_y;  D = sum(s) + eps;  w = s / D;  beta = sum(w * g)
+    #   d s = (g - beta) / D, scattered to the selected experts;  dx = x_norm (1 - x_norm) d s
+    # i.e. the quotient rule of y = c * s / (sum(s) + eps). renorm does not enter (sigmoid
+    # always renormalises).
+    _check_gating_top_k_backward(x_norm, grad_y, expertIdx, norm_type)
+    acc = _compute_dtype(grad_y) if x_norm.dtype != torch.float64 else torch.float64
+    norm = x_norm.to(acc)
+    idx = expertIdx.long()
+    s = norm.gather(1, idx)
+    g = grad_y.to(acc) * routed_scaling_factor
+    denom = s.sum(dim=-1, keepdim=True) + eps
+    beta = (s / denom * g).sum(dim=-1, keepdim=True)
+    grad_norm = torch.zeros_like(norm).scatter_add_(1, idx, (g - beta) / denom)
+    return (norm * (1 - norm) * grad_norm).to(grad_y.dtype)
+
+
+# =====================================================================================
+# Routing
+# =====================================================================================
+
+# ---- npu_moe_init_routing_v2 ---------------------------------------------------------
+def _init_routing_v2_plan(x, expert_idx, scale, offset, active_num, expert_num, drop_pad_mode,
+                          expert_tokens_num_type, expert_tokens_num_flag, quant_mode,
+                          active_expert_range, row_idx_type, x_dtype):
+    """Validate; return (rows of expanded_x, expert range start, end, expert_tokens shape)."""
+    op = "npu_moe_init_routing_v2"
+    if x.dim() != 2 or expert_idx.dim() != 2 or x.shape[0] != expert_idx.shape[0]:
+        raise RuntimeError(f"{op}: needs x (N, H) and expert_idx (N, K), got {tuple(x.shape)} and "
+                           f"{tuple(expert_idx.shape)}")
+    if quant_mode != -1 or x_dtype is not None:
+        raise NotImplementedError(f"{op}: only the non-quantised mode (quant_mode=-1, x_dtype=None) has a "
+                                  f"CPU reference, got quant_mode={quant_mode}, x_dtype={x_dtype}")
+    if drop_pad_mode != 0:
+        raise NotImplementedError(f"{op}: only dropless drop_pad_mode=0 has a CPU reference "
+                                  f"(the docs support only 0), got {drop_pad_mode}")
+    if offset is not None:
+        raise NotImplementedError(f"{op}: offset is for static quantisation, which has no CPU reference")
+    if row_idx_type not in (0, 1) or expert_tokens_num_type not in (0, 1, 2):
+        raise RuntimeError(f"{op}: row_idx_type must be 0/1 and expert_tokens_num_type 0/1/2, got "
+                           f"{row_idx_type} and {expert_tokens_num_type}")
+    n, k = expert_idx.shape
+    if active_expert_range:
+        if len(active_expert_range) != 2 or not 0 <= active_expert_range[0] < active_expert_range[1]:
+            raise RuntimeError(f"{op}: active_expert_range must be [start, end) with 0 <= start < end, "
+                               f"got {list(active_expert_range)}")
+        start, end = active_expert_range
+    else:
+        start, end = 0, expert_num
+    if end <= 0 or (expert_tokens_num_flag and expert_tokens_num_type == 2 and expert_num <= 0):
+        raise RuntimeError(f"{op}: expert_num must be > 0 (or active_expert_range given), got {expert_num}")
+    if scale is not None and scale.shape != (n,):
+        raise RuntimeError(f"{op}: without quantisation scale is per token, ({n},), got {tuple(scale.shape)}")
+    rows = n * k if active_num <= 0 else min(active_num, n * k)
+    if not expert_tokens_num_flag:
+        tokens_shape: tuple[int, ...] = ()  # Meta: a 0-dim tensor (not an empty one)
+    elif expert_tokens_num_type == 2:
+        tokens_shape = (expert_num, 2)
+    else:
+        tokens_shape = (end - start,)
+    return rows, start, end, tokens_shape
+
+
+def _init_routing_v2_fake(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                          expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
+                          expert_tokens_num_flag=False, quant_mode=-1, active_expert_range=(),
+                          row_idx_type=0, x_dtype=None):
+    rows, _, _, tokens_shape = _init_routing_v2_plan(
+        x, expert_idx, scale, offset, active_num, expert_num, drop_pad_mode, expert_tokens_num_type,
+        expert_tokens_num_flag, quant_mode, active_expert_range, row_idx_type, x_dtype)
+    return (x.new_empty((rows, x.shape[1])), x.new_empty((expert_idx.numel(),), dtype=torch.int32),
+            x.new_empty(tokens_shape, dtype=torch.int64), x.new_empty((rows,), dtype=torch.float32))
+
+
+@stand_in("npu::npu_moe_init_routing_v2", fake=_init_routing_v2_fake)  # no autograd in torch_npu
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
+                            expert_tokens_num_flag=False, quant_mode=-1, active_expert_range=(),
+                            row_idx_type=0, x_dtype=None):
+    # op_semantics 6.1. Token-major: the kernel gathers x[row // K] and scale[row // K]
+    # (hicann/ops-transformer moe_init_routing_v3 op_kernel/arch35/moe_v3_gather_out.h);
+    # the V3 doc's `sortedRowIdx % NUM_ROWS` is the v1 (k-major) formula, not this op's.
+    # The sort is stable (ascending flat position within an expert), as the v1 doc's
+    # argsort(kind="stable") [inferred, op_semantics 11.7].
+    rows, start, end, _ = _init_routing_v2_plan(
+        x, expert_idx, scale, offset, active_num, expert_num, drop_pad_mode, expert_tokens_num_type,
+        expert_tokens_num_flag, quant_mode, active_expert_range, row_idx_type, x_dtype)
+    n, k = expert_idx.shape
+    flat = expert_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)  # dst row -> src flat position
+    sorted_experts = flat[order]
+    valid = (sorted_experts >= start) & (sorted_experts < end)
+    src = order[valid]  # the active rows, in expert order
+    n_valid = src.numel()
+    m = min(rows, n_valid)
+    # Rows >= n_valid (and the tail of expanded_scale) are undefined on the NPU: zeros here.
+    # active_num < n_valid keeps the first active_num rows [inferred, op_semantics 11.7].
+    expanded_x = x.new_zeros((rows, x.shape[1]))
+    expanded_x[:m] = x[src[:m] // k]
+    expanded_scale = x.new_zeros((rows,), dtype=torch.float32)
+    if scale is not None:
+        expanded_scale[:m] = scale[src[:m] // k].float()
+    expanded_row_idx = torch.full((n * k,), -1, dtype=torch.int32, device=x.device)
+    if row_idx_type == 0:
+        # "gather" index: src flat position -> dst row, -1 where the expert is inactive (the
+        # docs: valid and -1 entries interleave). The inverse of `order`.
+        expanded_row_idx[src] = torch.arange(n_valid, dtype=torch.int32, device=x.device)
+    else:
+        # "scatter" index: dst row -> src flat position, the first n_valid entries valid
+        # (the tail is undefined on the NPU: -1 here).
+        expanded_row_idx[:n_valid] = src.to(torch.int32)
+    if not expert_tokens_num_flag:
+        expert_tokens = torch.zeros((), dtype=torch.int64, device=x.device)
+    else:
+        counts = torch.bincount(sorted_experts[valid] - start, minlength=end - start)
+        if expert_tokens_num_type == 0:  # cumsum (the docs list 1 and 2 only; Meta accepts 0)
+            expert_tokens = counts.cumsum(0)
+        elif expert_tokens_num_type == 1:  # count
+            expert_tokens = counts
+        else:  # key_value: [expert id, count] for each count > 0, then (0, 0) and undefined (zeros)
+            nonzero = torch.nonzero(counts).squeeze(1)
+            expert_tokens = torch.zeros((expert_num, 2), dtype=torch.int64, device=x.device)
+            expert_tokens[:nonzero.numel(), 0] = nonzero + start
+            expert_tokens[:nonzero.numel(), 1] = counts[nonzero]
+    return expanded_x, expanded_row_idx, expert_tokens.to(torch.int64).contiguous(), expanded_scale
+
+
+# ---- npu_moe_compute_expert_tokens ---------------------------------------------------
+def _check_compute_expert_tokens(sorted_experts, num_expert) -> None:
+    op = "npu_moe_compute_expert_tokens"
+    if sorted_experts.dim() != 1:
+        raise RuntimeError(f"{op}: sorted_expert_for_source_row must be 1-D, "
+                           f"it has {sorted_experts.dim()} dims")
+    if num_expert <= 0:
+        raise RuntimeError(f"{op}: num_expert must be > 0, got {num_expert}")
+
+
+def _compute_expert_tokens_fake(sorted_expert_for_source_row, num_expert):
+    _check_compute_expert_tokens(sorted_expert_for_source_row, num_expert)
+    return sorted_expert_for_source_row.new_empty((num_expert,), dtype=torch.int32)  # Meta: int32
+
+
+@stand_in("npu::npu_moe_compute_expert_tokens", fake=_compute_expert_tokens_fake)
+def npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
+    # op_semantics 6.2: out[e] = (last index of expert e) + 1, an absent expert carrying the
+    # previous value: the CUMULATIVE end offsets (group_list_type=0), not counts.
+    _check_compute_expert_tokens(sorted_expert_for_source_row, num_expert)
+    ids = sorted_expert_for_source_row.long()
+    if ids.numel() > 1 and bool((ids[1:] < ids[:-1]).any()):
+        # the kernel's binary search would silently return garbage
+        raise RuntimeError("npu_moe_compute_expert_tokens: sorted_expert_for_source_row must be "
+                           "non-decreasing (sorted expert ids)")
+    experts = torch.arange(num_expert, dtype=torch.int64, device=ids.device)
+    return torch.searchsorted(ids, experts, right=True).to(torch.int32)
+
+
+# ---- npu_moe_token_permute -----------------------------------------------------------
+def _permute_rows(op, indices, num_out_tokens) -> int:
+    if indices.dim() not in (1, 2):
+        raise RuntimeError(f"{op}: indices must be 1-D or 2-D, it has {indices.dim()} dims")
+    n = indices.numel()
+    wanted = num_out_tokens or 0  # Meta: None and 0 keep every row
+    rows = min(wanted, n) if wanted > 0 else n + wanted  # < 0 slices from the end
+    if rows < 0:
+        raise RuntimeError(f"{op}: num_out_tokens={num_out_tokens} leaves no rows out of {n}")
+    return rows
+
+
+def _check_permute(tokens, indices, num_out_tokens, padded_mode) -> int:
+    op = "npu_moe_token_permute"
+    if padded_mode:
+        raise NotImplementedError(f"{op}: padded_mode=True has no CPU reference "
+                                  "(torch_npu supports False only)")
+    if tokens.dim() != 2 or indices.shape[0] != tokens.shape[0]:
+        raise RuntimeError(f"{op}: needs tokens (T, H) and indices (T,) or (T, topK), got "
+                           f"{tuple(tokens.shape)} and {tuple(indices.shape)}")
+    return _permute_rows(op, indices, num_out_tokens)
+
+
+def _permute_fake(tokens, indices, num_out_tokens=None, padded_mode=False):
+    rows = _check_permute(tokens, indices, num_out_tokens, padded_mode)
+    return tokens.new_empty((rows, tokens.shape[1])), tokens.new_empty((indices.numel(),), dtype=torch.int32)
+
+
+def _permute_setup_context(ctx, inputs, output):
+    tokens, indices, _, padded_mode = inputs
+    ctx.save_for_backward(output[1])
+    ctx.tokens_size_0, ctx.tokens_dtype = tokens.shape[0], tokens.dtype
+    ctx.topk, ctx.padded_mode = _flat_topk(indices), padded_mode
+
+
+def _permute_backward(ctx, grad_permuted, grad_sorted_indices):
+    # derivatives.yaml: npu_moe_token_permute_grad_v2(grad, result1, tokens.size(0),
+    # tokens.scalar_type(), topK, padded_mode) (op_semantics section 1)
+    (sorted_indices,) = ctx.saved_tensors
+    grad_tokens = torch.ops.npu.npu_moe_token_permute_grad_v2(
+        grad_permuted, sorted_indices, ctx.tokens_size_0, ctx.tokens_dtype, ctx.topk, ctx.padded_mode)
+    return grad_tokens, None, None, None
+
+
+@stand_in("npu::npu_moe_token_permute", fake=_permute_fake,
+          backward=_permute_backward, setup_context=_permute_setup_context)
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    # op_semantics 6.3 (the newer docstring, ~L16842: permuted[sorted_indices[i]] = tokens[i // topK]):
+    # sorted_indices is the INVERSE of the stable argsort (src flat -> dst row); Megatron's
+    # sorted_indices is the argsort itself (dst -> src).
+    rows = _check_permute(tokens, indices, num_out_tokens, padded_mode)
+    topk = _flat_topk(indices)
+    order = torch.argsort(indices.reshape(-1), stable=True)  # dst -> src (Megatron's)
+    sorted_indices = torch.argsort(order)  # src -> dst (torch_npu's)
+    permuted = tokens[order[:rows] // topk]
+    return permuted.contiguous(), sorted_indices.to(torch.int32)
+
+
+# ---- npu_moe_token_permute_grad_v2 ---------------------------------------------------
+def _check_permute_grad(grad_permuted_tokens, sorted_indices, padded_mode) -> None:
+    op = "npu_moe_token_permute_grad_v2"
+    if padded_mode:
+        raise NotImplementedError(f"{op}: padded_mode=True has no CPU reference")
+    if grad_permuted_tokens.dim() != 2 or sorted_indices.dim() != 1:
+        raise RuntimeError(f"{op}: needs grad_permuted_tokens (rows, H) and sorted_indices 1-D, got "
+                           f"{tuple(grad_permuted_tokens.shape)} and {tuple(sorted_indices.shape)}")
+
+
+def _permute_grad_fake(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype, num_topK,
+                       padded_mode=False):
+    _check_permute_grad(grad_permuted_tokens, sorted_indices, padded_mode)
+    return grad_permuted_tokens.new_empty((tokens_size_0, grad_permuted_tokens.shape[1]), dtype=tokens_dtype)
+
+
+@stand_in("npu::npu_moe_token_permute_grad_v2", fake=_permute_grad_fake)
+def npu_moe_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype,
+                                  num_topK, padded_mode=False):
+    # op_semantics 6.3: grad_tokens[t] = sum_j grad_permuted[sorted_indices[t*topK + j]], over
+    # the rows the permute kept (< grad_permuted.size(0)); a dropped row contributes nothing.
+    _check_permute_grad(grad_permuted_tokens, sorted_indices, padded_mode)
+    acc = _compute_dtype(grad_permuted_tokens)
+    dst = sorted_indices.long().view(tokens_size_0, num_topK)
+    kept = dst < grad_permuted_tokens.shape[0]
+    rows = grad_permuted_tokens.to(acc)[dst.clamp(max=max(grad_permuted_tokens.shape[0] - 1, 0))]
+    rows = rows * kept.unsqueeze(-1)
+    return rows.sum(dim=1).to(tokens_dtype)
+
+
+# ---- npu_moe_token_unpermute ---------------------------------------------------------
+def _check_unpermute(permuted_tokens, sorted_indices, probs, padded_mode) -> int:
+    op = "npu_moe_token_unpermute"
+    if padded_mode:
+        raise NotImplementedError(f"{op}: padded_mode=True has no CPU reference "
+                                  "(torch_npu supports False only)")
+    if permuted_tokens.dim() != 2 or sorted_indices.dim() != 1:
+        raise RuntimeError(f"{op}: needs permuted_tokens (T*topK, H) and sorted_indices (T*topK,), got "
+                           f"{tuple(permuted_tokens.shape)} and {tuple(sorted_indices.shape)}")
+    topk = 1 if probs is None else probs.shape[1]
+    if probs is not None and (probs.dim() != 2 or probs.numel() != sorted_indices.numel()):
+        raise RuntimeError(f"{op}: probs must be (T, topK) with T*topK = {sorted_indices.numel()}, "
+                           f"got {tuple(probs.shape)}")
+    return topk
+
+
+def _unpermute_fake(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    topk = _check_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+    return permuted_tokens.new_empty((sorted_indices.shape[0] // topk, permuted_tokens.shape[1]))
+
+
+def _unpermute_setup_context(ctx, inputs, output):
+    permuted_tokens, sorted_indices, probs, padded_mode, restore_shape = inputs
+    ctx.save_for_backward(permuted_tokens, sorted_indices, probs)
+    ctx.padded_mode, ctx.restore_shape = padded_mode, restore_shape
+
+
+def _unpermute_backward(ctx, grad):
+    # derivatives.yaml: npu_moe_token_unpermute_grad_v2(grad, sorted_indices,
+    # permuted_tokens.size(0), dtype, probs, padded_mode, restore_shape,
+    # permuted_tokens_for_backward) (op_semantics section 1). torch_npu wraps the forward
+    # in _npu_moe_token_unpermute to keep permuted_tokens; saving it here is the same.
+    permuted_tokens, sorted_indices, probs = ctx.saved_tensors
+    grad_permuted, grad_probs = torch.ops.npu.npu_moe_token_unpermute_grad_v2(
+        grad, sorted_indices, permuted_tokens.shape[0], permuted_tokens.dtype, probs, ctx.padded_mode,
+        ctx.restore_shape, permuted_tokens)
+    return grad_permuted, None, grad_probs if probs is not None else None, None, None
+
+
+def _gather_permuted(permuted: torch.Tensor, sorted_indices: torch.Tensor, topk: int):
+    """permuted[sorted_indices] as (T, topK, H), zero where an index is past the last row.
+
+    Indices >= permuted.size(0) appear when the permute dropped rows (num_out_tokens): they
+    are taken to contribute nothing [inferred, op_semantics 11.5].
+    """
+    dst = sorted_indices.long().view(-1, topk)
+    kept = dst < permuted.shape[0]
+    rows = permuted[dst.clamp(max=max(permuted.shape[0] - 1, 0))]
+    return rows * kept.unsqueeze(-1), dst, kept
+
+
+@stand_in("npu::npu_moe_token_unpermute", fake=_unpermute_fake,
+          backward=_unpermute_backward, setup_context=_unpermute_setup_context)
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+                            restore_shape=None):
+    # op_semantics 6.3: out[t] = sum_j probs[t, j] * permuted[sorted_indices[t*topK + j]]
+    # (topK = probs.size(1), 1 without probs), sorted_indices the src -> dst map the
+    # permute returned. restore_shape only matters with padded_mode=True (docs): ignored.
+    topk = _check_unpermute(permuted_tokens, sorted_indices, probs, padded_mode)
+    acc = _compute_dtype(permuted_tokens)
+    rows, _, _ = _gather_permuted(permuted_tokens.to(acc), sorted_indices, topk)
+    if probs is not None:
+        rows = rows * probs.to(acc).unsqueeze(-1)
+    return rows.sum(dim=1).to(permuted_tokens.dtype)
+
+
+# ---- npu_moe_token_unpermute_grad_v2 -------------------------------------------------
+def _check_unpermute_grad(grad, sorted_indices, probs, padded_mode, permuted_tokens) -> int:
+    op = "npu_moe_token_unpermute_grad_v2"
+    if padded_mode:
+        raise NotImplementedError(f"{op}: padded_mode=True has no CPU reference")
+    if grad.dim() != 2 or sorted_indices.dim() != 1:
+        raise RuntimeError(f"{op}: needs grad_unpermuted_tokens (T, H) and sorted_indices 1-D, got "
+                           f"{tuple(grad.shape)} and {tuple(sorted_indices.shape)}")
+    if probs is not None and permuted_tokens is None:
+        raise RuntimeError(f"{op}: the grad of probs needs permuted_tokens")
+    return 1 if probs is None else probs.shape[1]
+
+
+def _unpermute_grad_fake(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
+                         permuted_tokens_dtype, probs=None, padded_mode=False, restore_shape=None,
+                         permuted_tokens=None):
+    _check_unpermute_grad(grad_unpermuted_tokens, sorted_indices, probs, padded_mode, permuted_tokens)
+    grad_permuted = grad_unpermuted_tokens.new_empty(
+        (permuted_tokens_size_0, grad_unpermuted_tokens.shape[1]), dtype=permuted_tokens_dtype)
+    return grad_permuted, _grad_probs_like(grad_unpermuted_tokens, probs)
+
+
+def _grad_probs_like(grad: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.Tensor:
+    # Meta returns None without probs; a registered op must return a Tensor: an empty one.
+    return grad.new_empty((0,)) if probs is None else probs.new_empty(probs.shape)
+
+
+@stand_in("npu::npu_moe_token_unpermute_grad_v2", fake=_unpermute_grad_fake)
+def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
+                                    permuted_tokens_dtype, probs=None, padded_mode=False,
+                                    restore_shape=None, permuted_tokens=None):
+    # op_semantics 6.3: grad_permuted[S[t*K + j]] = grad[t] * probs[t, j] and
+    # grad_probs[t, j] = <grad[t], permuted[S[t*K + j]]>; rows no index reaches stay zero.
+    topk = _check_unpermute_grad(grad_unpermuted_tokens, sorted_indices, probs, padded_mode,
+                                 permuted_tokens)
+    acc = _compute_dtype(grad_unpermuted_tokens)
+    g = grad_unpermuted_tokens.to(acc)
+    dst = sorted_indices.long().view(-1, topk)
+    kept = dst < permuted_tokens_size_0
+    contrib = g.unsqueeze(1).expand(-1, topk, -1)
+    if probs is not None:
+        contrib = contrib * probs.to(acc).unsqueeze(-1)
+    grad_permuted = g.new_zeros((permuted_tokens_size_0, g.shape[1]))
+    grad_permuted[dst[kept]] = contrib[kept]
+    if probs is None:
+        return grad_permuted.to(permuted_tokens_dtype), _grad_probs_like(grad_unpermuted_tokens, None).zero_()
+    rows, _, _ = _gather_permuted(permuted_tokens.to(acc), sorted_indices, topk)
+    grad_probs = (rows * g.unsqueeze(1)).sum(dim=-1)
+    return grad_permuted.to(permuted_tokens_dtype), grad_probs.to(probs.dtype)
+
+
+# ---- npu_moe_finalize_routing --------------------------------------------------------
+def _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to_dst_row, drop_pad_mode, k):
+    op = "npu_moe_finalize_routing"
+    mode = 0 if drop_pad_mode is None else drop_pad_mode
+    if mode not in (0, 1, 2, 3):
+        raise RuntimeError(f"{op}: drop_pad_mode must be 0-3, got {drop_pad_mode}")
+    if expanded_permuted_rows.dim() != (3 if mode in (1, 3) else 2):
+        raise RuntimeError(f"{op}: drop_pad_mode {mode} takes expanded_permuted_rows of "
+                           f"{'(E, C, H)' if mode in (1, 3) else '(N*K, H)'}, got "
+                           f"{tuple(expanded_permuted_rows.shape)}")
+    topk = scales.shape[1] if scales is not None else (1 if k is None else k)
+    n_src = expanded_src_to_dst_row.numel()
+    if expanded_src_to_dst_row.dim() != 1 or topk <= 0 or n_src % topk:
+        raise RuntimeError(f"{op}: expanded_src_to_dst_row must be 1-D with N*K entries, K={topk}; got "
+                           f"{tuple(expanded_src_to_dst_row.shape)}")
+    n = scales.shape[0] if scales is not None else n_src // topk  # Meta
+    for name, t in (("skip1", skip1), ("skip2", skip2)):
+        if t is not None and t.shape != (n, expanded_permuted_rows.shape[-1]):
+            raise RuntimeError(f"{op}: {name} must be (N, H) = {(n, expanded_permuted_rows.shape[-1])}, "
+                               f"got {tuple(t.shape)}")
+    return mode, topk, n
+
+
+def _finalize_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                   export_for_source_row, drop_pad_mode=0, k=1):
+    _, _, n = _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to_dst_row,
+                             drop_pad_mode, k)
+    return expanded_permuted_rows.new_empty((n, expanded_permuted_rows.shape[-1]))
+
+
+@stand_in("npu::npu_moe_finalize_routing", fake=_finalize_fake)  # no autograd in torch_npu
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0, k=1):
+    # op_semantics 6.4 (doc "equivalent logic"):
+    #   out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src2dst[p(i, j)]] + bias[expert[i, j]])
+    # p(i, j) = j*N + i (k-major) for drop_pad_mode 0/1, i*K + j (token-major) for 2/3; an
+    # index of -1 (a dropped or inactive row) reads a zero row. Drop-pad modes 1/3 index the
+    # (E, C, H) rows flattened to (E*C, H). skip1 and skip2 may each be None: the docs
+    # disagree on which may be None alone (op_semantics 11.8); whichever is given is added.
+    mode, topk, n = _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to_dst_row,
+                                   drop_pad_mode, k)
+    acc = _compute_dtype(expanded_permuted_rows)
+    hidden = expanded_permuted_rows.shape[-1]
+    rows_flat = expanded_permuted_rows.reshape(-1, hidden).to(acc)
+    idx = expanded_src_to_dst_row.long()
+    idx = idx.view(topk, n).t() if mode in (0, 1) else idx.view(n, topk)  # (N, K): dst row of (i, j)
+    picked = rows_flat[idx.clamp(min=0)] * (idx >= 0).unsqueeze(-1)
+    if bias is not None:
+        if export_for_source_row is None:
+            raise RuntimeError("npu_moe_finalize_routing: bias needs export_for_source_row (the expert ids)")
+        picked = picked + bias.to(acc)[export_for_source_row.long()]
+    if scales is not None:
+        picked = picked * scales.to(acc).unsqueeze(-1)
+    out = torch.zeros((n, hidden), dtype=acc, device=expanded_permuted_rows.device)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.to(acc)
+    return (out + picked.sum(dim=1)).to(expanded_permuted_rows.dtype)
+
+
+# =====================================================================================
+# Grouped matmul
+# =====================================================================================
+_GMM_QUANT_ARGS = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
+                   "activation_input", "activation_quant_scale", "activation_quant_offset")
+_GMM_SUPPORTED = ("group_type=0 (split along M), split_item 2 or 3, one 2-D x, weight one (E, K, N) "
+                  "tensor or E (K, N) tensors, a 1-D int64 Tensor group_list with group_list_type 0 "
+                  "(cumsum) or 1 (counts), float x/weight/bias, no quantisation, act_type=0, "
+                  "output_dtype=None")
+
+
+def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, group_list, split_item,
+              group_type, group_list_type, act_type, output_dtype, dtype_args, quant_args):
+    """Validate the MoE expert-GEMM layout; return (groups, N)."""
+    op = "npu_grouped_matmul"
+
+    def unsupported(what: str):
+        return NotImplementedError(f"{op}: {what} has no CPU reference; supported: {_GMM_SUPPORTED}")
+
+    if group_type is None:
+        raise RuntimeError(f"{op}: group_type must be given with a Tensor group_list (torch_npu's Meta "
+                           "check rejects None); the MoE layout is group_type=0")
+    if group_type != 0:
+        raise unsupported(f"group_type={group_type}")
+    if split_item not in (2, 3):
+        raise unsupported(f"split_item={split_item} (a list of outputs)")
+    if group_list_type not in (0, 1):
+        raise unsupported(f"group_list_type={group_list_type}")
+    for name, value in quant_args.items():
+        if value is not None:
+            raise unsupported(f"{name} (quantisation)")
+    if act_type:
+        raise unsupported(f"act_type={act_type}")
+    if output_dtype or any(v is not None for v in dtype_args):
+        raise unsupported("output_dtype / x_dtype / weight_dtype / scale_dtype")
+    if len(x) != 1 or x[0].dim() != 2:
+        raise unsupported(f"x as {len(x)} tensor(s) of {[t.dim() for t in x]} dims "
+                          "(one 2-D x is the MoE layout)")
+    if group_list is None or group_list.dim() != 1:
+        raise RuntimeError(f"{op}: group_type=0 needs a 1-D group_list")
+    xt = x[0]
+    if not xt.is_floating_point() or any(w.dtype != xt.dtype for w in weight):
+        raise unsupported(f"x {xt.dtype} with weight {[w.dtype for w in weight]} (integer or mixed dtypes)")
+    if len(weight) == 1 and weight[0].dim() == 3:
+        groups, k, n = weight[0].shape
+    elif weight and all(w.dim() == 2 for w in weight):
+        groups, (k, n) = len(weight), weight[0].shape
+        if any(w.shape != (k, n) for w in weight):
+            raise RuntimeError(f"{op}: the weights must all be (K, N) = {(k, n)}, got "
+                               f"{[tuple(w.shape) for w in weight]}")
+    else:
+        raise unsupported(f"weight as {[tuple(w.shape) for w in weight]}")
+    if xt.shape[1] != k:
+        raise RuntimeError(f"{op}: x (M, {xt.shape[1]}) does not multiply weight (.., {k}, {n})")
+    if group_list.shape[0] != groups:
+        raise RuntimeError(f"{op}: group_list has {group_list.shape[0]} entries for {groups} weight groups")
+    if bias is not None:
+        shapes = [tuple(b.shape) for b in bias]
+        # one (E, N) bias for an (E, K, N) weight [inferred: the docs describe 1-D per-weight
+        # biases only], or E (N,) biases for E weights
+        if shapes not in ([(groups, n)], [(n,)] * groups) or len(bias) != len(weight):
+            raise RuntimeError(f"{op}: bias must match the weights: got {shapes}")
+    return groups, n
+
+
+def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+              per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+              activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+              tuning_config=None, output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
+              per_token_scale_dtype=None):
+    quant = dict(zip(_GMM_QUANT_ARGS, (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                                       activation_input, activation_quant_scale, activation_quant_offset)))
+    _, n = _gmm_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
+                     output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
+    return [x[0].new_empty((x[0].shape[0], n))]  # Meta: one (M, N) output in x's dtype
+
+
+@stand_in("npu::npu_grouped_matmul", fake=_gmm_fake)  # no autograd in torch_npu (op_semantics 7)
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                       activation_quant_scale=None, activation_quant_offset=None, split_item=0,
+                       group_type=None, group_list_type=0, act_type=0, tuning_config=None, output_dtype=None,
+                       x_dtype=None, weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
+    # op_semantics 7, the MoE expert GEMM: rows of x split into contiguous groups, group e
+    # times weight e (+ bias e). group_list_type=0: inclusive cumulative END offsets;
+    # 1: per-group counts. Rows past the last group are untouched on the NPU: zeros here.
+    # A transposed view of an (E, N, K) weight is just another (E, K, N) tensor to matmul.
+    quant = dict(zip(_GMM_QUANT_ARGS, (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                                       activation_input, activation_quant_scale, activation_quant_offset)))
+    groups, n = _gmm_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
+                          output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
+    xt = x[0]
+    values = [int(v) for v in group_list.tolist()]
+    if group_list_type == 0:
+        if any(v < 0 for v in values) or any(b < a for a, b in zip(values, values[1:])):
+            raise RuntimeError(f"npu_grouped_matmul: a cumsum group_list (group_list_type=0) must be "
+                               f"non-negative and non-decreasing, got {values}")
+        ends = values
+    else:
+        if any(v < 0 for v in values):
+            raise RuntimeError(f"npu_grouped_matmul: counts (group_list_type=1) must be non-negative, "
+                               f"got {values}")
+        ends = torch.tensor(values, dtype=torch.int64).cumsum(0).tolist() if values else []
+    if ends and ends[-1] > xt.shape[0]:
+        raise RuntimeError(f"npu_grouped_matmul: group_list covers {ends[-1]} rows, x has {xt.shape[0]}")
+    acc = _compute_dtype(xt)
+    out = xt.new_zeros((xt.shape[0], n), dtype=acc)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            w = weight[0][e] if len(weight) == 1 and weight[0].dim() == 3 else weight[e]
+            y = xt[start:end].to(acc) @ w.to(acc)
+            if bias is not None:
+                y = y + (bias[0][e] if bias[0].dim() == 2 else bias[e]).to(acc)
+            out[start:end] = y
+        start = end
+    return [out.to(xt.dtype)]
