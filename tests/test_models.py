@@ -32,8 +32,9 @@ class Expected:
         return "-".join([self.name, *map(str, self.kwargs.values())])
 
 
-def _counts(norms, residual_norms, ropes, swiglus):
-    return {"rms_norm": norms, "add_rms_norm": residual_norms, "rope": ropes, "swiglu": swiglus}
+def _counts(norms, residual_norms, ropes, swiglus, grouped_gemms=0):
+    return {"rms_norm": norms, "add_rms_norm": residual_norms, "rope": ropes, "swiglu": swiglus,
+            "grouped_matmul": grouped_gemms}
 
 
 # 2 layers: 2 norms per layer + final (+ q_norm / k_norm per layer in qwen3-style
@@ -46,21 +47,24 @@ MODELS = [
     # + interleaved-pair rotary written with stack(-x2, x1).flatten(-2)
     Expected(build_hf, "glm4", _counts(9, 4, 4, 2)),
     # MoE experts: one gate_up tensor per expert, split then silu(gate) * up
-    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2), kwargs={"experts_implementation": "grouped_mm"}),
+    # (grouped_mm: gate_up and down GEMMs per MoE layer; batched_mm gathers weights per
+    # token-expert pair and calls bmm, which is not a grouped GEMM)
+    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 4), kwargs={"experts_implementation": "grouped_mm"}),
     Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2), kwargs={"experts_implementation": "batched_mm"}),
     # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared expert
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1), separate_mlps=2,
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2), separate_mlps=2,
              kwargs={"experts_implementation": "grouped_mm"}),
     Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1), separate_mlps=2,
              kwargs={"experts_implementation": "batched_mm"}),
     # + the lightning indexer's own rotary on its q and k
-    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1), separate_mlps=2),
+    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2), separate_mlps=2),
     # complex-number rotary (view_as_complex * freqs_cis)
     Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 0), separate_mlps=2),
-    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 0), separate_mlps=3),
+    # torchtitan's experts: w1, w3 and w2 as three grouped GEMMs
+    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 0, 3), separate_mlps=3),
 ]
 
-COMPLETE_PASSES = ("rms_norm", "add_rms_norm", "rope")  # nothing may be left unfused
+COMPLETE_PASSES = ("rms_norm", "add_rms_norm", "rope", "grouped_matmul")  # nothing may be left unfused
 
 
 def _check_fusion(report, expected: Expected):

@@ -22,7 +22,7 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -263,35 +263,50 @@ class FusionPass:
 
     name:     the pass name (config.PASS_NAMES)
     fused_op: the op the replacement emits, "npu.npu_rms_norm"
-    forms:    the unfused forms, most specific first (tried in this order at each node)
+    forms:    the unfused forms, most specific first (tried in this order at each node);
+              or a function returning them, for forms that exist only once some library
+              is imported (transformers' custom ops): it is asked again at every apply,
+              and the patterns are registered again when its answer changes
     example:  example value per argument name, as a function of dtype (tensors), or a
               float/int for scalars. A scalar's example value marks it in the trace, so it
               must not occur elsewhere in the search function's graph.
     check:    check(site) -> reason or None, run on every structural match
     anchor:   anchor(node) -> bool, the nodes that signal a candidate site
     explain:  explain(anchor_node) -> reason or None, for an anchor no form matched
-    verify_input: verify_input(arg_name, fake_value) -> a real input for verification,
-              or None for the default (random normal floats, small random integers)
+    verify_input: verify_input(arg_name, {arg_name: fake value}) -> a real input for
+              verification, or None for the default (random normal floats, small random
+              integers)
     """
 
-    def __init__(self, *, name: str, fused_op: str, forms: Sequence[Form],
+    def __init__(self, *, name: str, fused_op: str,
+                 forms: Union[Sequence[Form], Callable[[], Sequence[Form]]],
                  example: Mapping[str, Any], check: Callable[[Site], Reason],
                  anchor: Callable[[Node], bool], explain: Callable[[Node], Reason],
-                 verify_input: Optional[Callable[[str, Any], Any]] = None):
+                 verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None):
         self.name = name
         self.verify_input = verify_input
         self.fused_op = fused_op
-        self.forms = tuple(forms)
+        self._forms_source = forms
         self.example = dict(example)
         self.check = check
         self.anchor = anchor
         self.explain = explain
         self._run: Optional[_PassRun] = None
         self._search_traces: dict = {}
-        for form in self.forms:
+        self.forms: tuple[Form, ...] = ()
+        self._refresh_forms()
+
+    def _refresh_forms(self) -> None:
+        forms = tuple(self._forms_source() if callable(self._forms_source) else self._forms_source)
+        if forms == self.forms:
+            return
+        for form in forms:
             missing = set(form.argnames) - set(self.example)
             if missing:
-                raise ValueError(f"{name}: form {form.name} has no example for {sorted(missing)}")
+                raise ValueError(f"{self.name}: form {form.name} has no example for {sorted(missing)}")
+        self.forms = forms
+        for registered in ("matcher", "emitted_ops"):  # register the new set on next use
+            self.__dict__.pop(registered, None)
 
     # ---- registration (lazy: tracing every form costs time, pay it on first use) ----------
     @functools.cached_property
@@ -448,6 +463,7 @@ class FusionPass:
         verify: check each site numerically before accepting it (verify.py).
         """
         result = PassResult(self.name)
+        self._refresh_forms()
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
         self._run = run = _PassRun(soc, mode, verify)
         existing = set(gm.graph.nodes)

@@ -52,19 +52,19 @@ def verify_match(*args: Any, **kwargs: Any) -> Verdict:
 
 def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args: Mapping[str, Any],
                  arg_nodes: Mapping[str, Any], replace: Callable, argnames: Sequence[str],
-                 fused_op: str, make_input: Optional[Callable[[str, Any], Any]] = None) -> Verdict:
+                 fused_op: str, make_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None) -> Verdict:
     """Run the matched subgraph and `replace` on the same inputs and compare.
 
     nodes/outputs: the match's nodes and output nodes; args/arg_nodes: the values (fake
     tensors, scalars) and graph nodes bound to each argument of the form; make_input:
-    an optional factory (name, fake value) -> real input, for arguments random normal
-    values do not suit (indices, ...).
+    an optional factory (name, all fake args) -> real input or None, for arguments random
+    values do not suit (offsets, indices, ...).
     """
     inputs = {}
     generator = torch.Generator().manual_seed(SEED)
     for name in argnames:
         value = args.get(name)
-        made = make_input(name, value) if make_input else None
+        made = make_input(name, args) if make_input else None
         if made is not None:
             inputs[name] = made
         elif isinstance(value, torch.Tensor):

@@ -1,0 +1,95 @@
+"""grouped_matmul: the MoE expert GEMM fuses into npu_grouped_matmul with the same numbers.
+
+Tolerance: both compute each row's dot products in fp32 and round once (the stand-in
+and torch's CPU _grouped_mm alike), so the results agree to 1 ulp; fp32 to float
+rounding of the summation order.
+"""
+import pytest
+import torch
+
+import npu_fx_fusion as nff
+from helpers import assert_within_ulps, compile_and_run, near_miss_reasons
+
+ONLY_GMM = nff.FusionConfig(enable={"grouped_matmul"})
+
+
+class ExpertGemm(torch.nn.Module):
+    """x sorted by expert times per-expert weights, the way transformers / torchtitan call it."""
+
+    def __init__(self, experts=3, k=16, n=8, transposed=True, fallback=False):
+        super().__init__()
+        torch.manual_seed(0)
+        shape = (experts, n, k) if transposed else (experts, k, n)
+        self.weight = torch.nn.Parameter(torch.randn(*shape) * 0.2)
+        self.transposed, self.fallback = transposed, fallback
+
+    def forward(self, x, offs):
+        w = self.weight.transpose(-2, -1) if self.transposed else self.weight
+        if self.fallback:
+            return torch.ops.transformers.grouped_mm_fallback(x, w.to(x.dtype), offs)
+        return torch._grouped_mm(x, w.to(x.dtype), offs)
+
+
+def _inputs(dtype, rows=24, k=16, ends=(8, 8, 24), offs_dtype=torch.int32):
+    torch.manual_seed(1)
+    return torch.randn(rows, k).to(dtype), torch.tensor(ends, dtype=offs_dtype)
+
+
+def _check(out, ref):
+    assert_within_ulps(out, ref, 1)
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["w (E,N,K)^T", "w (E,K,N)"])
+def test_aten_grouped_mm_fuses(transposed):
+    # torch's _grouped_mm takes bf16 and int32 offsets only; fp32 models reach the
+    # transformers fallback op below
+    x, offs = _inputs(torch.bfloat16)  # the second expert gets no rows
+    out, ref, report = compile_and_run(ExpertGemm(transposed=transposed), x, offs, config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 1
+    assert report.fused_ops == {"npu.npu_grouped_matmul": 1}
+    assert report.graphs[0].ops_after["aten._grouped_mm.default"] == 0
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("offs_dtype", [torch.int32, torch.int64], ids=str)
+def test_transformers_fallback_op_fuses(offs_dtype):
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers)
+
+    x, offs = _inputs(torch.float32, offs_dtype=offs_dtype)
+    out, ref, report = compile_and_run(ExpertGemm(fallback=True), x, offs, config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 1
+    assert [s.form for s in report.sites] == ["transformers_grouped_mm_fallback"]
+    _check(out, ref)
+
+
+def test_verification_uses_valid_offsets():
+    x, offs = _inputs(torch.bfloat16)
+    config = nff.FusionConfig(enable={"grouped_matmul"}, verify=True)
+    _, _, report = compile_and_run(ExpertGemm(), x, offs, config=config)
+    (site,) = report.sites
+    assert site.verified.startswith("verified: max error"), site.verified
+
+
+class StridedWeight(ExpertGemm):
+    def __init__(self):
+        super().__init__(transposed=False)
+        self.big = torch.nn.Parameter(torch.randn(3, 32, 8, dtype=torch.bfloat16))  # no cast: a view
+
+    def forward(self, x, offs):
+        return torch._grouped_mm(x, self.big[:, ::2, :].to(x.dtype), offs)  # every other row of K
+
+
+@pytest.mark.parametrize("module, config, reason", [
+    (StridedWeight(), ONLY_GMM, "weight strides"),
+    (ExpertGemm(), nff.FusionConfig(enable={"grouped_matmul"}, soc="Ascend310P"), "does not support bfloat16"),
+    (ExpertGemm(experts=1025), ONLY_GMM, "1025 experts"),
+], ids=["strided weight", "310P bf16", "too many experts"])
+def test_does_not_fuse_and_says_why(module, config, reason):
+    experts, k = module.weight.shape[0], 16
+    ends = [(e + 1) * 24 // experts for e in range(experts)]
+    x, offs = _inputs(torch.bfloat16, rows=24, k=k, ends=ends)
+    out, ref, report = compile_and_run(module, x, offs, config=config)
+    assert report.counts["grouped_matmul"] == 0
+    (miss,) = near_miss_reasons(report, "grouped_matmul")
+    assert reason in miss, miss
+    torch.testing.assert_close(out, ref)
