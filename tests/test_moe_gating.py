@@ -1,0 +1,147 @@
+"""moe_gating: softmax router top-k -> npu_moe_gating_top_k_softmax; other routers say why not.
+
+Numerics: the op computes the same fp32 softmax and picks the same k largest in the same
+(descending) order, so weights agree to 1 fp32 ulp and the expert ids exactly (random
+logits have no ties).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import npu_fx_fusion as nff
+from helpers import assert_within_ulps, compile_and_run, near_miss_reasons
+
+ONLY_GATING = nff.FusionConfig(enable={"moe_gating"})
+
+
+class SoftmaxRouter(torch.nn.Module):
+    """transformers Qwen3-MoE / Mixtral router: fp32 softmax, top-k, optional renormalisation."""
+
+    def __init__(self, hidden=16, experts=8, k=2, renormalize=False, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(experts, hidden, dtype=dtype))
+        self.k, self.renormalize = k, renormalize
+
+    def forward(self, x):
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dtype=torch.float, dim=-1)
+        weights, experts = torch.topk(probs, self.k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+
+def _tokens(dtype=torch.float32, tokens=12, hidden=16):
+    torch.manual_seed(1)
+    return torch.randn(tokens, hidden).to(dtype)
+
+
+def _check(out, ref, probs):
+    """Same weights; the same experts, except among experts of exactly equal probability.
+
+    bf16 logits tie often (8 bits of mantissa), and which of two tied experts a top-k
+    returns is unspecified for torch.topk and the NPU op alike (the stand-in takes the
+    lower index): there, any of the tied experts is a correct routing.
+    """
+    (weights, experts), (ref_weights, ref_experts) = out, ref
+    if ref_weights.dtype == torch.float32:
+        assert_within_ulps(weights, ref_weights, 1)
+    else:  # both round the same fp32 value once
+        torch.testing.assert_close(weights, ref_weights, rtol=0, atol=0)
+    differ = experts != ref_experts
+    assert torch.equal(probs.gather(-1, experts)[differ], probs.gather(-1, ref_experts)[differ])
+    return int(differ.sum())
+
+
+def _probs(router, x):
+    return F.softmax(F.linear(x, router.weight).float(), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("renormalize", [False, True], ids=["plain", "norm_topk_prob"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_softmax_router_fuses(dtype, renormalize, k):
+    router = SoftmaxRouter(k=k, renormalize=renormalize, dtype=dtype)
+    out, ref, report = compile_and_run(router, _tokens(dtype), config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 1
+    assert report.fused_ops == {"npu.npu_moe_gating_top_k_softmax": 1}
+    ops = report.graphs[0].ops_after
+    assert ops["aten._softmax.default"] == 0 and ops["aten.topk.default"] == 0
+    # the renormalisation stays in the graph, after the fused op
+    assert (ops["aten.div.Tensor"] > 0) == renormalize
+    ties = _check(out, ref, _probs(router, _tokens(dtype)))
+    assert ties == 0 or dtype == torch.bfloat16  # fp32 logits of random weights do not tie
+
+
+class HalfSoftmaxRouter(SoftmaxRouter):
+    def forward(self, x):
+        probs = F.softmax(F.linear(x, self.weight), dim=-1)  # bf16 probabilities
+        return torch.topk(probs, self.k, dim=-1)
+
+
+class UnsortedRouter(SoftmaxRouter):
+    def forward(self, x):
+        probs = F.softmax(F.linear(x, self.weight), dim=-1)
+        return torch.topk(probs, self.k, dim=-1, sorted=False)
+
+
+class BiasedRouter(SoftmaxRouter):
+    """torchtitan-style: a load-balancing bias decides the choice, the softmax the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(8) * 0.1)
+
+    def forward(self, x):
+        scores = F.softmax(F.linear(x, self.weight), dim=-1)
+        experts = torch.topk(scores + self.bias, self.k, dim=-1)[1]
+        return scores.gather(-1, experts), experts
+
+
+class SigmoidGroupRouter(torch.nn.Module):
+    """transformers DeepSeek-V3 noaux_tc router (the sigmoid, group-limited top-k part)."""
+
+    def __init__(self, experts=8, groups=2, topk_group=1, k=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(experts, 16))
+        self.bias = torch.nn.Parameter(torch.randn(experts) * 0.1)
+        self.experts, self.groups, self.topk_group, self.k = experts, groups, topk_group, k
+
+    def forward(self, x):
+        scores = F.linear(x, self.weight).sigmoid()
+        choice = scores + self.bias
+        group_scores = choice.view(-1, self.groups, self.experts // self.groups).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        mask = mask.unsqueeze(-1).expand(-1, self.groups, self.experts // self.groups).reshape(-1, self.experts)
+        choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        experts = torch.topk(choice, k=self.k, dim=-1, sorted=False)[1]
+        return scores.gather(1, experts), experts
+
+
+@pytest.mark.parametrize("module, dtype, config, reason", [
+    (HalfSoftmaxRouter(dtype=torch.bfloat16), torch.bfloat16, ONLY_GATING, "softmax over bfloat16 logits"),
+    (UnsortedRouter(), torch.float32, ONLY_GATING, "unsorted top-k"),
+    (BiasedRouter(), torch.float32, ONLY_GATING, "is added to the softmax before the top-k"),
+    (SigmoidGroupRouter(), torch.float32, ONLY_GATING, "DeepSeek noaux_tc"),
+    (SoftmaxRouter(), torch.float32, nff.FusionConfig(enable={"moe_gating"}, soc="Ascend950"),
+     "not available on Ascend950"),
+], ids=["bf16 softmax", "unsorted", "biased choice", "sigmoid groups", "Ascend950"])
+def test_does_not_fuse_and_says_why(module, dtype, config, reason):
+    out, ref, report = compile_and_run(module, _tokens(dtype), config=config)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")  # one per router, not per inner top-k
+    assert reason in miss, miss
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)
+
+
+def test_k_larger_than_the_expert_count_cannot_exist_but_k_limit_is_checked():
+    # k <= E always holds for a working model (topk would fail); the op's own k <= 1024
+    router = SoftmaxRouter(experts=1100, k=1025)
+    _, _, report = compile_and_run(router, _tokens(), config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "k <= 1024" in miss, miss
