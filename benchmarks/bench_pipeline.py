@@ -5,9 +5,10 @@ a fraction of the whole torch.compile (dynamo + aot_autograd + passes) and per 1
 nodes, so growth with graph size shows, with each pass's share; and the one-time costs:
 `import npu_fx_fusion`, stand-in op registration, and tracing each pass's patterns.
 The default models: Llama (rms_norm, add_rms_norm, rope fuse; swiglu only finds near
-misses) and Phi-3 (fused gate_up: swiglu fuses too).
+misses), Phi-3 (fused gate_up: swiglu fuses too) and Qwen3-MoE (+ moe_gating and
+grouped_matmul), each with its estimated kernel launches before and after fusion.
 
-    .venv/bin/python benchmarks/bench_pipeline.py [--models llama phi3] [--layers 2 8 32]
+    .venv/bin/python benchmarks/bench_pipeline.py [--models llama phi3 qwen3_moe] [--layers 2 8 32]
 """
 import argparse
 import subprocess
@@ -60,12 +61,13 @@ def compile_fraction(model: str, layers: int) -> None:
                        for r in graph.passes if not r.skipped)
     print(f"{model:6s} {layers:3d} layers: {graph.nodes_before:5d} nodes, compile {total:6.2f} s, "
           f"pipeline {graph.seconds:5.2f} s = {graph.seconds / total:5.1%} of compile, "
-          f"{graph.seconds / graph.nodes_before * 1e3 * 1e3:6.1f} ms per 1k nodes ({passes})")
+          f"{graph.seconds / graph.nodes_before * 1e3 * 1e3:6.1f} ms per 1k nodes; "
+          f"launches {graph.cost_before.launches} -> {graph.cost_after.launches} ({passes})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["llama", "phi3"])
+    parser.add_argument("--models", nargs="+", default=["llama", "phi3", "qwen3_moe"])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
     args = parser.parse_args()
     one_time_costs()
