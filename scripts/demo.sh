@@ -6,4 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 pip_install '.[demo]'
+# Graphviz's `dot` lays out the graph drawings of --dump-dir (skipped without it).
+apt_install dot:graphviz || echo "note: --dump-dir writes no drawings" >&2
 exec "$VENV/bin/npu-fx-fusion" demo "$@"

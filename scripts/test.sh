@@ -13,6 +13,10 @@ pip_install --no-deps 'torchtitan==0.3.0'
 pip_install tyro einops 'spmd_types==0.2.3' triton
 # The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
 PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh >/dev/null
+# Graphviz's `dot` lays out the --dump-dir drawings, rsvg-convert renders them in
+# tests/test_drawing.py.
+apt_install dot:graphviz rsvg-convert:librsvg2-bin || NO_DRAWING=1
 
 export NPU_FX_FUSION_REQUIRE_WHEEL=1   # the wheel tests fail instead of skipping here
+[ -n "${NO_DRAWING:-}" ] || export NPU_FX_FUSION_REQUIRE_DRAWING=1   # and the drawing tests
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"

@@ -15,3 +15,23 @@ pip_install() {
     return "$status"
 }
 pip_install 'torch==2.13.0'
+
+# Debian packages the optional parts need (Graphviz for the --dump-dir drawings, ...):
+# installed when missing and running as root; otherwise a one-line note and status 1.
+# apt's output is shown only when it fails.
+apt_install() {
+    local missing=() cmd pkg log
+    for pair in "$@"; do   # "command:package"
+        cmd=${pair%%:*}; pkg=${pair#*:}
+        command -v "$cmd" >/dev/null || missing+=("$pkg")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "note: ${missing[*]} missing and not root to apt-get them" >&2
+        return 1
+    fi
+    log=$(mktemp)
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends "${missing[@]}"; } >"$log" 2>&1 || { cat "$log" >&2; rm -f "$log"; exit 1; }
+    rm -f "$log"
+}

@@ -82,7 +82,7 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
 
 
 class _Dumper:
-    """Writes graph_NNN_<name>/{before.py, after.py, report.md} under dump_dir."""
+    """Writes graph_NNN_<name>/{before.py, after.py, after.svg} and the report under dump_dir."""
 
     def __init__(self, dump_dir: Optional[str]):
         self.dump_dir = dump_dir
@@ -99,6 +99,23 @@ class _Dumper:
         if folder:
             with open(os.path.join(folder, filename), "w", encoding="utf-8") as f:
                 f.write(text)
+
+    def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str) -> None:
+        """after.svg: the graph with its fused ops highlighted (needs pydot and Graphviz).
+
+        A drawing is a convenience: one that fails is logged, never an error of the compile.
+        """
+        if not folder:
+            return
+        from .drawing import fused_nodes, graph_svg
+
+        try:
+            svg = graph_svg(gm, fused_nodes(gm), title)
+        except Exception as exc:  # noqa: BLE001 - Graphviz failing must not fail a compile
+            log.warning("could not draw %s: %s: %s", title, type(exc).__name__, exc)
+            return
+        if svg is not None:
+            self.write(folder, "after.svg", svg)
 
 
 def _views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
@@ -168,6 +185,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         payload_fn=lambda: json.dumps(graph_report.to_dict()),
     )
     dumper.write(folder, "after.py", _graph_code(gm))
+    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion")
     if config.dump_dir:
         dumper.write(config.dump_dir, "report.md", report.to_markdown())
         dumper.write(config.dump_dir, "report.json", report.to_json())
