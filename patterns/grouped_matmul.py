@@ -16,12 +16,10 @@ the last offset are unspecified in all three (the routed tokens always fill x).
 The op has no autograd in torch_npu: inference graphs only (a training graph keeps the
 unfused GEMMs).
 """
-import importlib
-import sys
-
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion import interop
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -44,29 +42,13 @@ def npu_grouped_matmul(x, w, offs):
         group_list_type=0)[0]
 
 
-def _transformers_fallback_op():
-    """transformers' grouped_mm_fallback op, if the model's transformers defines it.
-
-    The op is registered when transformers.integrations.moe is imported. A transformers
-    model has transformers imported already; importing that one module then is cheap, and
-    it is not imported for anyone else.
-    """
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        importlib.import_module("transformers.integrations.moe")
-        return torch.ops.transformers.grouped_mm_fallback.default
-    except (ImportError, AttributeError):
-        return None
-
-
 ATEN_FORM = Form(aten_grouped_mm, npu_grouped_matmul, dtypes=(torch.bfloat16,))  # _grouped_mm: bf16 only
 FALLBACK_FORM = Form(transformers_grouped_mm_fallback, npu_grouped_matmul, dtypes=(torch.float32,))
 
 
 def forms():
     """The fallback form exists once transformers is imported (asked at every apply)."""
-    return [ATEN_FORM] + ([FALLBACK_FORM] if _transformers_fallback_op() is not None else [])
+    return [ATEN_FORM] + ([FALLBACK_FORM] if interop.transformers_grouped_mm_fallback() is not None else [])
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -105,7 +87,7 @@ def check(site):
 
 # ---- near misses: a grouped GEMM left unfused ---------------------------------------------
 def anchor(node):
-    fallback = _transformers_fallback_op()
+    fallback = interop.transformers_grouped_mm_fallback()
     return is_call(node, aten._grouped_mm.default) or (fallback is not None and node.target is fallback)
 
 

@@ -32,9 +32,9 @@ class Expected:
         return "-".join([self.name, *map(str, self.kwargs.values())])
 
 
-def _counts(norms, residual_norms, ropes, swiglus, grouped_gemms=0, routers=0):
+def _counts(norms, residual_norms, ropes, swiglus, grouped_gemms=0, routers=0, dispatches=0):
     return {"rms_norm": norms, "add_rms_norm": residual_norms, "rope": ropes, "swiglu": swiglus,
-            "grouped_matmul": grouped_gemms, "moe_gating": routers}
+            "grouped_matmul": grouped_gemms, "moe_gating": routers, "moe_dispatch": dispatches}
 
 
 # 2 layers: 2 norms per layer + final (+ q_norm / k_norm per layer in qwen3-style
@@ -49,15 +49,16 @@ MODELS = [
     # MoE experts: one gate_up tensor per expert, split then silu(gate) * up
     # (grouped_mm: gate_up and down GEMMs per MoE layer; batched_mm gathers weights per
     # token-expert pair and calls bmm, which is not a grouped GEMM)
-    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 4, 2), kwargs={"experts_implementation": "grouped_mm"}),
+    # + the routed experts block: init_routing -> grouped GEMMs -> finalize_routing
+    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 4, 2, 2), kwargs={"experts_implementation": "grouped_mm"}),
     Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 0, 2), kwargs={"experts_implementation": "batched_mm"}),
     # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared expert
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2), separate_mlps=2,
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2, 0, 1), separate_mlps=2,
              kwargs={"experts_implementation": "grouped_mm"}),
     Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1), separate_mlps=2,
              kwargs={"experts_implementation": "batched_mm"}),
     # + the lightning indexer's own rotary on its q and k
-    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2), separate_mlps=2),
+    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2, 0, 1), separate_mlps=2),
     # complex-number rotary (view_as_complex * freqs_cis)
     Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 0), separate_mlps=2),
     # torchtitan's experts: w1, w3 and w2 as three grouped GEMMs

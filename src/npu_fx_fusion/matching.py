@@ -336,10 +336,10 @@ class FusionPass:
         with FakeTensorMode():
             for form in self.forms:
                 inputs = [self._example_value(n, form.dtypes[0]) for n in form.argnames]
-                gm = trace_without_decompositions(form.replace, inputs)
-                ops = sorted({_op_name(n.target) for n in gm.graph.nodes
-                              if isinstance(n.target, torch._ops.OpOverload)  # noqa: SLF001
-                              and n.target.namespace not in ("aten", "prims")})
+                # ops the search already contains (a custom op of the model the replacement
+                # keeps, an earlier pass's npu op) are carried over, not emitted
+                ops = sorted(_custom_ops(trace_without_decompositions(form.replace, inputs))
+                             - _custom_ops(trace_without_decompositions(form.search, inputs)))
                 for op in ops:
                     capability(op)  # raises for an op the table lacks
                 emitted[form.name] = tuple(ops)
@@ -524,6 +524,13 @@ def _unexpected_keyword(nodes: Sequence[Node]) -> Reason:
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
     return None
+
+
+def _custom_ops(gm: torch.fx.GraphModule) -> set[str]:
+    """The non-aten ops a traced function calls ("npu.npu_rms_norm", ...)."""
+    return {_op_name(n.target) for n in gm.graph.nodes
+            if isinstance(n.target, torch._ops.OpOverload)  # noqa: SLF001
+            and n.target.namespace not in ("aten", "prims")}
 
 
 def _op_name(target: torch._ops.OpOverload) -> str:  # noqa: SLF001

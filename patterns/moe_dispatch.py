@@ -1,0 +1,163 @@
+"""moe_dispatch: the routed experts of transformers' grouped_mm path -> init_routing / finalize_routing.
+
+transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens like this:
+
+    expert_ids_g, perm = sort(top_k_index.reshape(-1))          # flat positions by expert
+    x_g = x[perm // K];  w_g = top_k_weights.reshape(-1)[perm]
+    offsets = cumsum(histc(expert_ids_g, E bins), int32)
+    y = grouped_mm(act(grouped_mm(x_g, w_gate_up, offsets)), w_down, offsets)
+    inv[perm] = arange(T*K)                                     # the inverse permutation
+    out = (y * w_g[:, None])[inv].view(T, K, H).sum(1)
+
+The whole block is one form, from the sort to the sum, and becomes
+
+    x_g, row_idx, counts, _ = npu_moe_init_routing_v2(x, ids.int(), active_num=T*K,
+        expert_num=E, expert_tokens_num_type=1, expert_tokens_num_flag=True, row_idx_type=0)
+    offsets = counts.cumsum(0).int()
+    y = <the same two grouped GEMMs and activation>             # grouped_matmul / swiglu fuse them
+    out = npu_moe_finalize_routing(y, None, None, None, top_k_weights, row_idx, ids.int(),
+                                   drop_pad_mode=2)
+
+Index conventions (op_semantics.md 6.1, 6.4; each has a mix-up test in
+tests/test_npu_ops_moe.py): init_routing_v2 is token-major (row r of x_g is token
+src // K of flat position src), row_idx_type=0 gives the inverse permutation (flat
+position t*K + k -> its row in x_g), which is what finalize's token-major mode 2 reads
+(mode 0 would read it k-major); expert token counts (type 1, the documented one) are
+turned into the cumulative ends grouped_mm takes.
+
+Why the whole block and not the dispatch alone: torch.sort is not stable, so the order of
+the rows within one expert in x_g differs from init_routing's stable order. Every row is
+computed alone and put back by the same permutation, so the block's output is the same;
+the intermediate tensors are not, and a rewrite of only one side would mix tokens.
+"""
+import torch
+
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion import interop
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+
+aten = torch.ops.aten
+INIT = CAPABILITIES["npu.npu_moe_init_routing_v2"]
+
+
+# ---- the expert computations the block may contain ----------------------------------------
+def _swiglu_unfused(h):
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _swiglu_fused(h):  # the swiglu pass runs before this one
+    return torch.ops.npu.npu_swiglu(h, -1)
+
+
+def _grouped_mm(x, w, offs):
+    return torch._grouped_mm(x, w, offs)
+
+
+def _grouped_mm_fallback(x, w, offs):
+    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+
+# ---- the unfused form ---------------------------------------------------------------------
+def _transformers_block(gemm, act):
+    def search(x, ids, weights, w_gate_up, w_down, num_experts):
+        top_k, tokens, hidden = ids.size(-1), x.size(0), x.size(-1)
+        sample_weights = weights.reshape(-1)
+        expert_ids_g, perm = torch.sort(ids.reshape(-1))
+        x_g = x[perm // top_k]
+        w_g = sample_weights[perm]
+        counts = torch.histc(expert_ids_g.float(), bins=num_experts, min=0, max=num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        y = gemm(act(gemm(x_g, w_gate_up, offsets)), w_down, offsets)
+        weighted = y * w_g.unsqueeze(-1)
+        inv = torch.empty_like(perm).index_put((perm,), torch.arange(perm.size(0), device=perm.device))
+        return weighted[inv].view(tokens, top_k, hidden).sum(dim=1)
+
+    def replace(x, ids, weights, w_gate_up, w_down, num_experts):
+        tokens, top_k = ids.shape
+        x_g, row_idx, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(
+            x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=num_experts,
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, row_idx_type=0)
+        offsets = counts.cumsum(0).to(torch.int32)
+        y = gemm(act(gemm(x_g, w_gate_up, offsets)), w_down, offsets)
+        # the model weights y in the promoted dtype (DeepSeek: bf16 rows, fp32 weights)
+        dtype = torch.promote_types(y.dtype, weights.dtype)
+        return torch.ops.npu.npu_moe_finalize_routing(y.to(dtype), None, None, None, weights.to(dtype),
+                                                      row_idx, ids.to(torch.int32), drop_pad_mode=2)
+
+    gemm_name = "grouped_mm" if gemm is _grouped_mm else "grouped_mm_fallback"
+    act_name = "npu_swiglu" if act is _swiglu_fused else "silu_mul"
+    search.__name__ = f"transformers_{gemm_name}_experts_{act_name}"
+    replace.__name__ = f"init_routing_finalize_{gemm_name}_{act_name}"
+    return search, replace
+
+
+def forms():
+    """transformers' fp32 experts use its fallback op: that form exists once it is imported."""
+    gemms = [(_grouped_mm, torch.bfloat16)]
+    if interop.transformers_grouped_mm_fallback() is not None:
+        gemms.append((_grouped_mm_fallback, torch.float32))
+    return [_FORMS[(gemm, act)] for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)]
+
+
+_FORMS = {}
+for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torch.float32)):
+    for _act in (_swiglu_fused, _swiglu_unfused):
+        _search, _replace = _transformers_block(_gemm, _act)
+        _FORMS[(_gemm, _act)] = Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2")
+
+
+# ---- checks -------------------------------------------------------------------------------
+def check(site):
+    x, ids, weights, experts = site["x"], site["ids"], site["weights"], site["num_experts"]
+    reason = (unsupported("npu.npu_moe_init_routing_v2", site.soc, x=x)
+              or unsupported("npu.npu_moe_finalize_routing", site.soc, x=x))
+    if reason:
+        return reason
+    if ids.dim() != 2 or weights.shape != ids.shape:
+        return f"top-k ids {list(ids.shape)} and weights {list(weights.shape)} are not one (T, K) pair"
+    if ids.dtype not in (torch.int32, torch.int64):
+        return f"expert ids are {ids.dtype}"
+    if experts > INIT.limits["max_expert_num"]:
+        return f"{experts} experts: npu_moe_init_routing_v2 takes at most {INIT.limits['max_expert_num']}"
+    return None
+
+
+# ---- near misses: a sort of flattened expert ids that no form consumed --------------------
+def anchor(node):
+    if not is_call(node, aten.sort.default, aten.sort.stable):
+        return False
+    ids = tensor_meta(node.args[0])
+    return (ids is not None and ids.dim() == 1 and not ids.is_floating_point()
+            and any(is_call(u2, aten.floor_divide.default, aten.div.Tensor_mode)
+                    for u in node.users for u2 in u.users))
+
+
+def explain(sort):
+    return ("the tokens are sorted by expert, but the code around it is not transformers' "
+            "grouped_mm experts block (sort, gather, histc offsets, two grouped GEMMs, the "
+            "weighted inverse-permutation combine) that this pass rewrites as one; other "
+            "dispatchers (torchtitan's, Megatron's) are not handled in this version")
+
+
+PASS = FusionPass(
+    name="moe_dispatch",
+    fused_op="npu.npu_moe_init_routing_v2",
+    forms=forms,
+    example={
+        # T=12 tokens, K=2, H=16, E=5 experts of a gate_up of 2*8 and a down of 8 -> 16;
+        # sizes multiples of 8 for _grouped_mm's alignment, and no other 5 in the trace
+        "x": lambda dtype: torch.empty(12, 16, dtype=dtype),
+        "ids": lambda dtype: torch.empty(12, 2, dtype=torch.int64),
+        "weights": lambda dtype: torch.empty(12, 2, dtype=dtype),
+        "w_gate_up": lambda dtype: torch.empty(5, 16, 16, dtype=dtype),
+        "w_down": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
+        "num_experts": 5,
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+    # verification needs expert ids below the expert count
+    verify_input=lambda name, args: (torch.randint(0, int(args["w_gate_up"].shape[0]), tuple(args["ids"].shape))
+                                     .to(args["ids"].dtype) if name == "ids" else None),
+)

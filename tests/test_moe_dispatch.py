@@ -1,0 +1,128 @@
+"""moe_dispatch: transformers' grouped_mm experts block -> init_routing_v2 ... finalize_routing.
+
+The block's output must equal the model's. Inside, the rows of one expert come in
+another order (torch.sort is not stable, init_routing's sort is), so only the block's
+output is compared, and the inputs have many tokens per expert (ties in the sort) to make
+that difference real. Tolerance: fp32 1e-5 relative to the output's scale (sums of the
+same products in another order); bf16: the model rounds y * w to bf16 before summing,
+the op sums fp32 products, a few bf16 ulps at the output's scale.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+
+EXPERTS, TOP_K, HIDDEN, FFN = 4, 2, 16, 8
+
+
+class GroupedMmExperts(torch.nn.Module):
+    """transformers 5 grouped_mm_experts_forward (integrations/moe.py), gated experts."""
+
+    def __init__(self, dtype, weighted=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN, dtype=dtype) * 0.3)
+        self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN, dtype=dtype) * 0.3)
+        self.weighted = weighted
+
+    def _gemm(self, x, w, offs):
+        if x.dtype == torch.bfloat16:
+            return torch._grouped_mm(x, w, offs)
+        return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        num_top_k, num_tokens, hidden_dim = top_k_index.size(-1), hidden_states.size(0), hidden_states.size(-1)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        expert_ids_g, perm = torch.sort(expert_ids)
+        selected = hidden_states[perm // num_top_k]
+        sample_weights_g = sample_weights[perm]
+        tokens_per_expert = torch.histc(expert_ids_g.float(), bins=EXPERTS, min=0, max=EXPERTS - 1)
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate, up = self._gemm(selected, self.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        proj = self._gemm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offsets)
+        weighted = proj * sample_weights_g.unsqueeze(-1) if self.weighted else proj
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+        return weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+def _routing(dtype, tokens=96, weights_dtype=None):
+    """Top-k ids of a random router over few experts: many ties in the sort."""
+    torch.manual_seed(1)
+    x = torch.randn(tokens, HIDDEN).to(dtype)
+    probs = torch.softmax(torch.randn(tokens, EXPERTS), -1)
+    weights, ids = torch.topk(probs, TOP_K, -1)
+    return x, ids, weights.to(weights_dtype or dtype)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _transformers_fallback_op():
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers)
+
+
+def _assert_block_equal(out, ref):
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    else:
+        assert_close_at_scale(out, ref, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("passes", [{"moe_dispatch"}, {"moe_dispatch", "swiglu", "grouped_matmul"}],
+                         ids=["dispatch only", "with swiglu and grouped_matmul"])
+def test_the_block_becomes_init_routing_and_finalize(dtype, passes):
+    x, ids, weights = _routing(dtype)
+    config = nff.FusionConfig(enable=passes)
+    out, ref, report = compile_and_run(GroupedMmExperts(dtype), x, ids, weights, config=config)
+    assert report.counts["moe_dispatch"] == 1
+    fused = report.fused_ops
+    assert fused["npu.npu_moe_init_routing_v2"] == 1 and fused["npu.npu_moe_finalize_routing"] == 1
+    ops = report.graphs[0].ops_after
+    assert ops["aten.sort.default"] == ops["aten.histc.default"] == ops["aten.index_put.default"] == 0
+    if "grouped_matmul" in passes:  # the whole block: routing -> 2 grouped GEMMs + swiglu -> combine
+        assert fused["npu.npu_grouped_matmul"] == 2 and fused["npu.npu_swiglu"] == 1
+    _assert_block_equal(out, ref)
+
+
+def test_fp32_routing_weights_on_bf16_experts():
+    # DeepSeek-V3: the router's weights stay fp32, y * w promotes, the block returns fp32
+    x, ids, weights = _routing(torch.bfloat16, weights_dtype=torch.float32)
+
+    class Promoting(GroupedMmExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights).float()
+
+    out, ref, report = compile_and_run(Promoting(torch.bfloat16), x, ids, weights,
+                                       config=nff.FusionConfig(enable={"moe_dispatch"}))
+    assert report.counts["moe_dispatch"] == 1
+    _assert_block_equal(out, ref)
+
+
+def test_every_site_verifies():
+    x, ids, weights = _routing(torch.float32)
+    config = nff.FusionConfig(enable={"moe_dispatch"}, verify=True)
+    _, _, report = compile_and_run(GroupedMmExperts(torch.float32), x, ids, weights, config=config)
+    (site,) = report.sites
+    assert site.verified.startswith("verified: max error"), site.verified
+
+
+def test_a_combine_without_the_routing_weights_does_not_fuse():
+    x, ids, weights = _routing(torch.float32)
+    out, ref, report = compile_and_run(GroupedMmExperts(torch.float32, weighted=False), x, ids, weights,
+                                       config=nff.FusionConfig(enable={"moe_dispatch"}))
+    assert report.counts["moe_dispatch"] == 0
+    (miss,) = near_miss_reasons(report, "moe_dispatch")
+    assert "not transformers' grouped_mm experts block" in miss, miss
+    torch.testing.assert_close(out, ref)
+
+
+def test_310p_has_no_routing_ops():
+    x, ids, weights = _routing(torch.float32)
+    config = nff.FusionConfig(enable={"moe_dispatch"}, soc="Ascend310P")
+    _, _, report = compile_and_run(GroupedMmExperts(torch.float32), x, ids, weights, config=config)
+    assert report.counts["moe_dispatch"] == 0
+    (miss,) = near_miss_reasons(report, "moe_dispatch")
+    assert "not available on Ascend310P" in miss, miss
