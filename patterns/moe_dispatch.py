@@ -92,12 +92,55 @@ def _transformers_block(gemm, act):
     return search, replace
 
 
+def _transformers_batched_block(act):
+    """transformers' batched_mm experts: each token repeated k times, a weight gathered per
+    (token, expert) pair and a bmm, no sort at all. The weights are the parameters as
+    transformers stores them, (E, out, in). The fused block is the same routing;
+    its grouped GEMMs are emitted here directly, as there is no grouped GEMM to keep."""
+
+    def search(x, ids, weights, gate_up_proj, down_proj):
+        top_k, tokens, hidden = ids.size(-1), x.size(0), x.size(-1)
+        selected = x.repeat_interleave(top_k, dim=0)
+        sample_weights = weights.reshape(-1)
+        expert_ids = ids.reshape(-1)
+        h = torch.bmm(gate_up_proj[expert_ids], selected.unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(down_proj[expert_ids], act(h).unsqueeze(-1)).squeeze(-1)
+        return (y * sample_weights.unsqueeze(-1)).view(tokens, top_k, hidden).sum(dim=1)
+
+    def replace(x, ids, weights, gate_up_proj, down_proj):
+        tokens, top_k = ids.shape
+        x_g, row_idx, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(
+            x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=gate_up_proj.shape[0],
+            expert_tokens_num_type=1, expert_tokens_num_flag=True, row_idx_type=0)
+
+        def gemm(rows, w):  # w is (E, out, in): the transposed view is the op's (E, in, out)
+            return torch.ops.npu.npu_grouped_matmul([rows], [w.transpose(-2, -1)], group_list=counts,
+                                                    split_item=3, group_type=0, group_list_type=1)[0]
+
+        y = gemm(act(gemm(x_g, gate_up_proj)), down_proj)
+        dtype = torch.promote_types(y.dtype, weights.dtype)
+        return torch.ops.npu.npu_moe_finalize_routing(y.to(dtype), None, None, None, weights.to(dtype),
+                                                      row_idx, ids.to(torch.int32), drop_pad_mode=2)
+
+    act_name = "npu_swiglu" if act is _swiglu_fused else "silu_mul"
+    search.__name__ = f"transformers_batched_mm_experts_{act_name}"
+    replace.__name__ = f"init_routing_grouped_matmul_finalize_{act_name}"
+    return search, replace
+
+
+_BATCHED_FORMS = []
+for _act in (_swiglu_fused, _swiglu_unfused):
+    _search, _replace = _transformers_batched_block(_act)
+    _BATCHED_FORMS.append(Form(_search, _replace, dtypes=(torch.float32,), fused_op="npu.npu_moe_init_routing_v2"))
+
+
 def forms():
     """transformers' fp32 experts use its fallback op: that form exists once it is imported."""
     gemms = [(_grouped_mm, torch.bfloat16)]
     if interop.transformers_grouped_mm_fallback() is not None:
         gemms.append((_grouped_mm_fallback, torch.float32))
-    return [_FORMS[(gemm, act)] for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)]
+    grouped = [_FORMS[(gemm, act)] for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)]
+    return grouped + _BATCHED_FORMS
 
 
 _FORMS = {}
@@ -109,17 +152,35 @@ for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torc
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
-    x, ids, weights, experts = site["x"], site["ids"], site["weights"], site["num_experts"]
+    x, ids, weights = site["x"], site["ids"], site["weights"]
+    experts = site.args["num_experts"] if "num_experts" in site.args else site["gate_up_proj"].shape[0]
     reason = (unsupported("npu.npu_moe_init_routing_v2", site.soc, x=x)
               or unsupported("npu.npu_moe_finalize_routing", site.soc, x=x))
     if reason:
         return reason
+    if "num_experts" not in site.args:  # the batched forms emit the grouped GEMMs themselves
+        reason = _batched_gemm_reason(site, experts)
+        if reason:
+            return reason
     if ids.dim() != 2 or weights.shape != ids.shape:
         return f"top-k ids {list(ids.shape)} and weights {list(weights.shape)} are not one (T, K) pair"
     if ids.dtype not in (torch.int32, torch.int64):
         return f"expert ids are {ids.dtype}"
     if experts > INIT.limits["max_expert_num"]:
         return f"{experts} experts: npu_moe_init_routing_v2 takes at most {INIT.limits['max_expert_num']}"
+    return None
+
+
+def _batched_gemm_reason(site, experts):
+    gemm = CAPABILITIES["npu.npu_grouped_matmul"]
+    reason = unsupported("npu.npu_grouped_matmul", site.soc, x=site["x"])
+    if reason:
+        return reason
+    if experts > gemm.limits["max_groups_single_weight"]:
+        return f"{experts} experts: npu_grouped_matmul takes at most {gemm.limits['max_groups_single_weight']}"
+    inner = gemm.limits["max_inner_dim"]
+    if max(site["gate_up_proj"].shape[1:] + site["down_proj"].shape[1:]) >= inner:
+        return f"an expert weight dim is not below npu_grouped_matmul's {inner}"
     return None
 
 
@@ -153,11 +214,19 @@ PASS = FusionPass(
         "w_gate_up": lambda dtype: torch.empty(5, 16, 16, dtype=dtype),
         "w_down": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
         "num_experts": 5,
+        # the batched forms take the parameters as stored: (E, out, in)
+        "gate_up_proj": lambda dtype: torch.empty(5, 16, 16, dtype=dtype),
+        "down_proj": lambda dtype: torch.empty(5, 16, 8, dtype=dtype),
     },
     check=check,
     anchor=anchor,
     explain=explain,
     # verification needs expert ids below the expert count
-    verify_input=lambda name, args: (torch.randint(0, int(args["w_gate_up"].shape[0]), tuple(args["ids"].shape))
-                                     .to(args["ids"].dtype) if name == "ids" else None),
+    verify_input=lambda name, args: _valid_expert_ids(args) if name == "ids" else None,
 )
+
+
+def _valid_expert_ids(args):
+    """Verification input for ids: expert ids below the expert count (random ints may not be)."""
+    weight = args["w_gate_up"] if "w_gate_up" in args else args["gate_up_proj"]
+    return torch.randint(0, int(weight.shape[0]), tuple(args["ids"].shape)).to(args["ids"].dtype)

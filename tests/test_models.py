@@ -51,11 +51,12 @@ MODELS = [
     # token-expert pair and calls bmm, which is not a grouped GEMM)
     # + the routed experts block: init_routing -> grouped GEMMs -> finalize_routing
     Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 4, 2, 2), kwargs={"experts_implementation": "grouped_mm"}),
-    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 0, 2), kwargs={"experts_implementation": "batched_mm"}),
+    # batched_mm: the moe_dispatch pass emits the grouped GEMMs itself (there are none to keep)
+    Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 0, 2, 2), kwargs={"experts_implementation": "batched_mm"}),
     # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared expert
     Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2, 0, 1), separate_mlps=2,
              kwargs={"experts_implementation": "grouped_mm"}),
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1), separate_mlps=2,
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 0, 0, 1), separate_mlps=2,
              kwargs={"experts_implementation": "batched_mm"}),
     # + the lightning indexer's own rotary on its q and k
     Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2, 0, 1), separate_mlps=2),
@@ -71,6 +72,11 @@ COMPLETE_PASSES = ("rms_norm", "add_rms_norm", "rope", "grouped_matmul")  # noth
 def _check_fusion(report, expected: Expected):
     assert len(report.graphs) == 1
     assert {p: report.counts[p] for p in expected.counts} == expected.counts
+    if expected.counts["moe_dispatch"]:  # every routed block: routing -> 2 grouped GEMMs -> combine
+        blocks = expected.counts["moe_dispatch"]
+        fused = report.fused_ops
+        assert fused["npu.npu_moe_init_routing_v2"] == fused["npu.npu_moe_finalize_routing"] == blocks
+        assert fused["npu.npu_grouped_matmul"] == 2 * blocks
     for pass_name in COMPLETE_PASSES:
         assert near_miss_reasons(report, pass_name) == [], pass_name
     swiglu_misses = near_miss_reasons(report, "swiglu")

@@ -126,3 +126,31 @@ def test_310p_has_no_routing_ops():
     assert report.counts["moe_dispatch"] == 0
     (miss,) = near_miss_reasons(report, "moe_dispatch")
     assert "not available on Ascend310P" in miss, miss
+
+
+class BatchedMmExperts(GroupedMmExperts):
+    """transformers 5 batched_mm_experts_forward: a weight gathered per (token, expert) pair."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        num_top_k, num_tokens, hidden_dim = top_k_index.size(-1), hidden_states.size(0), hidden_states.size(-1)
+        selected = hidden_states.repeat_interleave(num_top_k, dim=0)
+        sample_weights = top_k_weights.reshape(-1)
+        expert_ids = top_k_index.reshape(-1)
+        gate, up = torch.bmm(self.gate_up_proj[expert_ids], selected.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        proj = torch.bmm(self.down_proj[expert_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        weighted = proj * sample_weights.unsqueeze(-1)
+        return weighted.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("passes", [{"moe_dispatch"}, {"moe_dispatch", "swiglu"}], ids=["silu_mul", "npu_swiglu"])
+def test_the_batched_block_becomes_routing_grouped_matmuls_and_finalize(dtype, passes):
+    x, ids, weights = _routing(dtype)
+    out, ref, report = compile_and_run(BatchedMmExperts(dtype), x, ids, weights,
+                                       config=nff.FusionConfig(enable=passes))
+    assert report.counts["moe_dispatch"] == 1
+    fused = report.fused_ops
+    assert fused["npu.npu_moe_init_routing_v2"] == fused["npu.npu_moe_finalize_routing"] == 1
+    assert fused["npu.npu_grouped_matmul"] == 2
+    assert report.graphs[0].ops_after["aten.bmm.default"] == 0
+    _assert_block_equal(out, ref)
