@@ -40,6 +40,21 @@ aten = torch.ops.aten
 INIT = CAPABILITIES["npu.npu_moe_init_routing_v2"]
 
 
+# ---- the routing both forms emit --------------------------------------------------------
+def _init_routing(x, ids, num_experts):
+    """Every token-expert pair active, sorted by expert: (x_g, row_idx, counts, _).
+
+    active_expert_range is spelled out ([0, E), all experts): torchair 2.13's GE converter
+    passes it on to the IR as a list and fails on the schema's empty default
+    (tests/test_torchair_backend.py lowers this call).
+    """
+    tokens, top_k = ids.shape
+    return torch.ops.npu.npu_moe_init_routing_v2(
+        x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=num_experts,
+        expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, num_experts],
+        row_idx_type=0)
+
+
 # ---- the expert computations the block may contain ----------------------------------------
 def _swiglu_unfused(h):
     gate, up = h.chunk(2, dim=-1)
@@ -75,9 +90,7 @@ def _transformers_block(gemm, act):
 
     def replace(x, ids, weights, w_gate_up, w_down, num_experts):
         tokens, top_k = ids.shape
-        x_g, row_idx, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(
-            x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=num_experts,
-            expert_tokens_num_type=1, expert_tokens_num_flag=True, row_idx_type=0)
+        x_g, row_idx, counts, _ = _init_routing(x, ids, num_experts)
         offsets = counts.cumsum(0).to(torch.int32)
         y = gemm(act(gemm(x_g, w_gate_up, offsets)), w_down, offsets)
         # the model weights y in the promoted dtype (DeepSeek: bf16 rows, fp32 weights)
@@ -109,9 +122,7 @@ def _transformers_batched_block(act):
 
     def replace(x, ids, weights, gate_up_proj, down_proj):
         tokens, top_k = ids.shape
-        x_g, row_idx, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(
-            x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=gate_up_proj.shape[0],
-            expert_tokens_num_type=1, expert_tokens_num_flag=True, row_idx_type=0)
+        x_g, row_idx, counts, _ = _init_routing(x, ids, gate_up_proj.shape[0])
 
         def gemm(rows, w):  # w is (E, out, in): the transposed view is the op's (E, in, out)
             return torch.ops.npu.npu_grouped_matmul([rows], [w.transpose(-2, -1)], group_list=counts,
