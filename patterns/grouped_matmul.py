@@ -18,8 +18,8 @@ unfused GEMMs).
 """
 import torch
 
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion import interop
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -72,17 +72,27 @@ def check(site):
         return f"weight dtype {w.dtype} differs from x's {x.dtype}"
     if offs.dtype not in (torch.int32, torch.int64):
         return f"offsets are {offs.dtype}, not an integer list"
-    groups = w.shape[0]
-    if offs.shape[0] != groups:
-        return f"{offs.shape[0]} offsets for {groups} experts"
-    if groups > GROUPED_MATMUL.limits["max_groups_single_weight"]:
-        return f"{groups} experts: npu_grouped_matmul takes at most {GROUPED_MATMUL.limits['max_groups_single_weight']}"
+    if offs.shape[0] != w.shape[0]:
+        return f"{offs.shape[0]} offsets for {w.shape[0]} experts"
+    return gemm_limits_reason(site.soc, x, *w.shape) or _weight_layout_reason(w)
+
+
+def gemm_limits_reason(soc, x, experts, k, n):
+    """The first limit an expert GEMM of x (M, k) by (experts, k, n) weights breaks, or None.
+
+    Also used by moe_dispatch, which emits these GEMMs itself on transformers' batched_mm path.
+    """
+    reason = unsupported("npu.npu_grouped_matmul", soc, x=x)
+    if reason:
+        return reason
+    if experts > GROUPED_MATMUL.limits["max_groups_single_weight"]:
+        return f"{experts} experts: npu_grouped_matmul takes at most {GROUPED_MATMUL.limits['max_groups_single_weight']}"
     inner = GROUPED_MATMUL.limits["max_inner_dim"]
-    if x.shape[1] >= inner or w.shape[2] >= inner:
-        return f"K = {x.shape[1]} or N = {w.shape[2]} is not below npu_grouped_matmul's {inner}"
-    if site.soc == "Ascend310P" and w.shape[2] % GROUPED_MATMUL.limits["310p_n_multiple"]:
-        return f"on Ascend310P N must be a multiple of 16, got {w.shape[2]}"
-    return _weight_layout_reason(w)
+    if k >= inner or n >= inner:
+        return f"K = {k} or N = {n} is not below npu_grouped_matmul's {inner}"
+    if soc == "Ascend310P" and n % GROUPED_MATMUL.limits["310p_n_multiple"]:
+        return f"on Ascend310P N must be a multiple of 16, got {n}"
+    return None
 
 
 # ---- near misses: a grouped GEMM left unfused ---------------------------------------------

@@ -32,9 +32,10 @@ the intermediate tensors are not, and a rewrite of only one side would mix token
 """
 import torch
 
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion import interop
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
 aten = torch.ops.aten
 INIT = CAPABILITIES["npu.npu_moe_init_routing_v2"]
@@ -183,16 +184,10 @@ def check(site):
 
 
 def _batched_gemm_reason(site, experts):
-    gemm = CAPABILITIES["npu.npu_grouped_matmul"]
-    reason = unsupported("npu.npu_grouped_matmul", site.soc, x=site["x"])
-    if reason:
-        return reason
-    if experts > gemm.limits["max_groups_single_weight"]:
-        return f"{experts} experts: npu_grouped_matmul takes at most {gemm.limits['max_groups_single_weight']}"
-    inner = gemm.limits["max_inner_dim"]
-    if max(site["gate_up_proj"].shape[1:] + site["down_proj"].shape[1:]) >= inner:
-        return f"an expert weight dim is not below npu_grouped_matmul's {inner}"
-    return None
+    """The limits of the two grouped GEMMs the batched forms emit ((E, out, in) weights)."""
+    x, gate_up, down = site["x"], site["gate_up_proj"], site["down_proj"]
+    return (gemm_limits_reason(site.soc, x, experts, gate_up.shape[2], gate_up.shape[1])
+            or gemm_limits_reason(site.soc, x, experts, down.shape[2], down.shape[1]))
 
 
 # ---- near misses: a sort of flattened expert ids that no form consumed --------------------

@@ -108,6 +108,33 @@ def _graph_counter():
     return seen, post_pass
 
 
+def _max_autotune_config(dump_dir=None):
+    """(torchair CompilerConfig in max-autotune, the npu ops of each graph torchair lowers).
+
+    debug.run_eagerly runs the optimized FX graph instead of loading the GE graph into the
+    (native) graph engine; with dump_dir the GE graph is also written there as Python.
+    """
+    import torchair
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune"
+    config.debug.run_eagerly = True
+    if dump_dir is not None:
+        config.debug.graph_dump.type = "py"
+        config.debug.graph_dump.path = dump_dir
+    graphs, post_pass = _graph_counter()
+    config.post_grad_custom_post_pass = post_pass
+    return config, graphs
+
+
+def _ge_dumps(dump_dir):
+    """Every GE graph torchair dumped under dump_dir, as one text."""
+    import glob
+
+    return "\n".join(open(p, encoding="utf-8").read()
+                     for p in sorted(glob.glob(f"{dump_dir}/**/*.py", recursive=True)))
+
+
 # --- scenarios (run in the subprocess) -----------------------------------------------------
 
 def scenario_default_backend():
@@ -133,22 +160,14 @@ def scenario_default_backend():
 
 
 def scenario_max_autotune(dtype: str, dump_dir: str):
-    import glob
     import re
 
-    import torchair
     from torchair_harness import stubs
 
     import npu_fx_fusion as nff
     from npu_fx_fusion.backend import EmulationBackend
 
-    config = torchair.CompilerConfig()
-    config.mode = "max-autotune"
-    config.debug.run_eagerly = True  # run the optimized FX graph instead of the native GE
-    config.debug.graph_dump.type = "py"
-    config.debug.graph_dump.path = dump_dir
-    graphs, post_pass = _graph_counter()
-    config.post_grad_custom_post_pass = post_pass
+    config, graphs = _max_autotune_config(dump_dir)
     backend = nff.get_npu_backend(compiler_config=config)
 
     model = _model(BlockThenBreak, getattr(torch, dtype))
@@ -163,8 +182,7 @@ def scenario_max_autotune(dtype: str, dump_dir: str):
     torch._dynamo.reset()
     with torch.no_grad():
         emulated = torch.compile(model, backend=EmulationBackend())(x)
-    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
-                                                                                 recursive=True)))
+    dumps = _ge_dumps(dump_dir)
     return {
         "max_diff": _max_diff(actual, expected),
         "equals_emulation": [torch.equal(a, e) for a, e in zip(actual, emulated)],
@@ -184,15 +202,10 @@ def scenario_max_autotune(dtype: str, dump_dir: str):
 
 
 def scenario_training():
-    import torchair
 
     import npu_fx_fusion as nff
 
-    config = torchair.CompilerConfig()
-    config.mode = "max-autotune"
-    config.debug.run_eagerly = True
-    graphs, post_pass = _graph_counter()
-    config.post_grad_custom_post_pass = post_pass
+    config, graphs = _max_autotune_config()
     backend = nff.get_npu_backend(compiler_config=config)
 
     model, reference = _model(Block).train(), _model(Block).train()
@@ -222,12 +235,8 @@ def scenario_install_chains_user_pass():
         # Record the npu ops present when the user's pass runs: none, if it runs first.
         user_calls.append(_npu_targets(gm))
 
-    config = torchair.CompilerConfig()
-    config.mode = "max-autotune"
-    config.debug.run_eagerly = True
+    config, graphs = _max_autotune_config()
     config.post_grad_custom_pre_pass = user_pre_pass
-    graphs, post_pass = _graph_counter()
-    config.post_grad_custom_post_pass = post_pass
     pipeline = nff.install(config)
 
     model = _model(BlockThenBreak)
@@ -324,12 +333,9 @@ class BlockWithFp32Readout(nn.Module):
 
 
 def scenario_torchair_pattern_pass_on_our_ops(dump_dir: str):
-    import glob
     import re
     import sys
     import types
-
-    import torchair
 
     import npu_fx_fusion as nff
     from npu_fx_fusion import npu_ops
@@ -349,13 +355,7 @@ def scenario_torchair_pattern_pass_on_our_ops(dump_dir: str):
     finally:
         del sys.modules["torch_npu"]
 
-    config = torchair.CompilerConfig()
-    config.mode = "max-autotune"
-    config.debug.run_eagerly = True
-    config.debug.graph_dump.type = "py"
-    config.debug.graph_dump.path = dump_dir
-    graphs, post_pass = _graph_counter()
-    config.post_grad_custom_post_pass = post_pass
+    config, graphs = _max_autotune_config(dump_dir)
     backend = nff.get_npu_backend(compiler_config=config)
 
     model = _model(BlockWithFp32Readout, torch.bfloat16)
@@ -366,8 +366,7 @@ def scenario_torchair_pattern_pass_on_our_ops(dump_dir: str):
     # the fp32 readout holds bf16 values: compare it at bf16's precision
     _assert_close([t.bfloat16() for t in actual], [t.bfloat16() for t in expected])
     readout_is_widened_bf16 = torch.equal(actual[1], actual[1].bfloat16().float())
-    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
-                                                                                 recursive=True)))
+    dumps = _ge_dumps(dump_dir)
     return {
         "our_fused_ops": nff.last_report().fused_ops,
         "readout_is_widened_bf16": readout_is_widened_bf16,
@@ -409,28 +408,18 @@ def _rope_swiglu_inputs():
 
 
 def scenario_rope_and_swiglu_max_autotune(dump_dir: str):
-    import glob
     import re
-
-    import torchair
 
     import npu_fx_fusion as nff
 
-    config = torchair.CompilerConfig()
-    config.mode = "max-autotune"
-    config.debug.run_eagerly = True
-    config.debug.graph_dump.type = "py"
-    config.debug.graph_dump.path = dump_dir
-    graphs, post_pass = _graph_counter()
-    config.post_grad_custom_post_pass = post_pass
+    config, graphs = _max_autotune_config(dump_dir)
     backend = nff.get_npu_backend(compiler_config=config)
     model, inputs = _model(RopeSwigluBlock), _rope_swiglu_inputs()
     with torch.no_grad():
         expected = model(*inputs)
         actual = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
     _assert_close(actual, expected)
-    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
-                                                                                 recursive=True)))
+    dumps = _ge_dumps(dump_dir)
     report = nff.last_report()
     return {
         "counts": {p: n for p, n in report.counts.items() if n},
@@ -508,10 +497,7 @@ def _let_grouped_matmul_converter_import_torch_npu():
 
 def scenario_moe_block_max_autotune(dump_dir: str):
     """A Qwen3-MoE-style routed block through torchair's max-autotune path."""
-    import glob
     import re
-
-    import torchair
 
     import npu_fx_fusion as nff
     from test_moe_dispatch import GroupedMmExperts, _routing
@@ -530,21 +516,14 @@ def scenario_moe_block_max_autotune(dump_dir: str):
             return self.experts(x, ids, weights)
 
     _let_grouped_matmul_converter_import_torch_npu()
-    config = torchair.CompilerConfig()
-    config.mode = "max-autotune"
-    config.debug.run_eagerly = True
-    config.debug.graph_dump.type = "py"
-    config.debug.graph_dump.path = dump_dir
-    graphs, post_pass = _graph_counter()
-    config.post_grad_custom_post_pass = post_pass
+    config, graphs = _max_autotune_config(dump_dir)
     backend = nff.get_npu_backend(compiler_config=config)
     model, x = MoeBlock().eval(), _routing(torch.bfloat16)[0]
     with torch.no_grad():
         expected = model(x)
         actual = torch.compile(model, backend=backend, fullgraph=True)(x)
     _assert_close([actual], [expected])
-    dumps = "\n".join(open(p, encoding="utf-8").read() for p in sorted(glob.glob(f"{dump_dir}/**/*.py",
-                                                                                 recursive=True)))
+    dumps = _ge_dumps(dump_dir)
     ge_ops = r"\bge\.(MoeGatingTopKSoftmax|MoeInitRoutingV\d|MoeFinalizeRouting\w*|GroupedMatmul|SwiGlu)\("
     return {"counts": {p: n for p, n in nff.last_report().counts.items() if n},
             "npu_ops_torchair_lowered": graphs,
