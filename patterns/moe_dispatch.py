@@ -56,6 +56,14 @@ def _init_routing(x, ids, num_experts):
         row_idx_type=0)
 
 
+def _finalize(y, weights, row_idx, ids):
+    """The weighted sum over each token's k rows, token-major (mode 2) as init_routing wrote them."""
+    # the model weights y in the promoted dtype (DeepSeek: bf16 rows, fp32 weights)
+    dtype = torch.promote_types(y.dtype, weights.dtype)
+    return torch.ops.npu.npu_moe_finalize_routing(y.to(dtype), None, None, None, weights.to(dtype),
+                                                  row_idx, ids.to(torch.int32), drop_pad_mode=2)
+
+
 # ---- the expert computations the block may contain ----------------------------------------
 def _swiglu_unfused(h):
     gate, up = h.chunk(2, dim=-1)
@@ -90,14 +98,10 @@ def _transformers_block(gemm, act):
         return weighted[inv].view(tokens, top_k, hidden).sum(dim=1)
 
     def replace(x, ids, weights, w_gate_up, w_down, num_experts):
-        tokens, top_k = ids.shape
         x_g, row_idx, counts, _ = _init_routing(x, ids, num_experts)
         offsets = counts.cumsum(0).to(torch.int32)
         y = gemm(act(gemm(x_g, w_gate_up, offsets)), w_down, offsets)
-        # the model weights y in the promoted dtype (DeepSeek: bf16 rows, fp32 weights)
-        dtype = torch.promote_types(y.dtype, weights.dtype)
-        return torch.ops.npu.npu_moe_finalize_routing(y.to(dtype), None, None, None, weights.to(dtype),
-                                                      row_idx, ids.to(torch.int32), drop_pad_mode=2)
+        return _finalize(y, weights, row_idx, ids)
 
     gemm_name = "grouped_mm" if gemm is _grouped_mm else "grouped_mm_fallback"
     act_name = "npu_swiglu" if act is _swiglu_fused else "silu_mul"
@@ -122,7 +126,6 @@ def _transformers_batched_block(act):
         return (y * sample_weights.unsqueeze(-1)).view(tokens, top_k, hidden).sum(dim=1)
 
     def replace(x, ids, weights, gate_up_proj, down_proj):
-        tokens, top_k = ids.shape
         x_g, row_idx, counts, _ = _init_routing(x, ids, gate_up_proj.shape[0])
 
         def gemm(rows, w):  # w is (E, out, in): the transposed view is the op's (E, in, out)
@@ -130,9 +133,7 @@ def _transformers_batched_block(act):
                                                     split_item=3, group_type=0, group_list_type=1)[0]
 
         y = gemm(act(gemm(x_g, gate_up_proj)), down_proj)
-        dtype = torch.promote_types(y.dtype, weights.dtype)
-        return torch.ops.npu.npu_moe_finalize_routing(y.to(dtype), None, None, None, weights.to(dtype),
-                                                      row_idx, ids.to(torch.int32), drop_pad_mode=2)
+        return _finalize(y, weights, row_idx, ids)
 
     act_name = "npu_swiglu" if act is _swiglu_fused else "silu_mul"
     search.__name__ = f"transformers_batched_mm_experts_{act_name}"
