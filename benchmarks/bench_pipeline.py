@@ -5,8 +5,10 @@ a fraction of the whole torch.compile (dynamo + aot_autograd + passes) and per 1
 nodes, so growth with graph size shows, with each pass's share; and the one-time costs:
 `import npu_fx_fusion`, stand-in op registration, and tracing each pass's patterns.
 The default models: Llama (rms_norm, add_rms_norm, rope fuse; swiglu only finds near
-misses), Phi-3 (fused gate_up: swiglu fuses too) and Qwen3-MoE (+ moe_gating and
-grouped_matmul), each with its estimated kernel launches before and after fusion.
+misses), Phi-3 (fused gate_up: swiglu fuses too) and Qwen3-MoE (+ moe_gating,
+moe_dispatch and grouped_matmul), each with its estimated kernel launches before and
+after fusion; then the ops per routed MoE block of Qwen3-MoE, for both transformers
+experts implementations.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--models llama phi3 qwen3_moe] [--layers 2 8 32]
 """
@@ -65,6 +67,48 @@ def compile_fraction(model: str, layers: int) -> None:
           f"launches {graph.cost_before.launches} -> {graph.cost_after.launches} ({passes})")
 
 
+def moe_block_ops(model: str = "qwen3_moe") -> None:
+    """Ops per routed MoE block (the experts module and its router) before and after fusion,
+    for the transformers experts implementations: call nodes in the block's graph region,
+    and the computing ones among them (views, getitems excluded, as in the cost estimate)."""
+    from collections import Counter
+
+    from npu_fx_fusion.backend import EmulationBackend
+    from npu_fx_fusion.report import GraphCost, SourceLocation
+    from npu_fx_fusion.tiny_models import build_hf
+
+    def per_block(gm):
+        ops, computing, moved = Counter(), Counter(), Counter()
+        for node in gm.graph.nodes:
+            module = SourceLocation.of(node).module
+            if node.op == "call_function" and module.endswith((".mlp.experts", ".mlp.gate")):
+                block = module.rsplit(".", 1)[0]
+                cost = GraphCost.of_node(node)
+                ops[block] += 1
+                computing[block] += cost.launches
+                moved[block] += cost.bytes_moved
+        return ops, computing, moved
+
+    class Counting(EmulationBackend):
+        def _compile(self, phase, gm, example_inputs):
+            self.before = per_block(gm)
+            compiled = super()._compile(phase, gm, example_inputs)
+            self.after = per_block(gm)
+            return compiled
+
+    for experts in ("grouped_mm", "batched_mm"):
+        torch._dynamo.reset()
+        tiny = build_hf(model, num_layers=2, experts_implementation=experts)
+        backend = Counting()
+        with torch.no_grad():
+            torch.compile(tiny.model, backend=backend)(*tiny.example_inputs)
+        (ops_b, launches_b, bytes_b), (ops_a, launches_a, bytes_a) = backend.before, backend.after
+        for block in sorted(ops_b):
+            print(f"{model} {experts:10s} {block}: {ops_b[block]} -> {ops_a[block]} ops, "
+                  f"{launches_b[block]} -> {launches_a[block]} launching, "
+                  f"{bytes_b[block] / 1e3:.0f} -> {bytes_a[block] / 1e3:.0f} KB moved (estimates)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["llama", "phi3", "qwen3_moe"])
@@ -76,6 +120,7 @@ def main() -> None:
     for model in args.models:
         for layers in args.layers:
             compile_fraction(model, layers)
+    moe_block_ops()
 
 
 if __name__ == "__main__":

@@ -159,16 +159,18 @@ class GraphCost:
 
     @staticmethod
     def of(graph: torch.fx.Graph) -> "GraphCost":
-        launches, moved = 0, 0
-        for node in graph.nodes:
-            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
-                continue
-            if node.target._opname in _FREE_OPS:  # noqa: SLF001
-                continue
-            launches += 1
-            moved += sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
-            moved += _tensor_bytes(node.meta.get("val"))
-        return GraphCost(launches, moved)
+        costs = [GraphCost.of_node(node) for node in graph.nodes]
+        return GraphCost(sum(c.launches for c in costs), sum(c.bytes_moved for c in costs))
+
+    @staticmethod
+    def of_node(node: torch.fx.Node) -> "GraphCost":
+        """One launch moving its tensor inputs and outputs, or nothing for a free node."""
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+            return GraphCost()
+        if node.target._opname in _FREE_OPS:  # noqa: SLF001
+            return GraphCost()
+        moved = sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+        return GraphCost(1, moved + _tensor_bytes(node.meta.get("val")))
 
 
 def _tensor_bytes(value) -> int:
