@@ -117,7 +117,11 @@ def complex_multiply_freqs_first(x, freqs):
 # ---- the fused calls ---------------------------------------------------------------------
 def _as_rank_of(table, x):
     """cos/sin with leading 1s up to x's rank: the op wants tables of x's rank."""
-    return table.reshape((1,) * (x.dim() - table.dim()) + tuple(table.shape))
+    return table.reshape(_padded_shape(table, x))
+
+
+def _padded_shape(table, x):
+    return (1,) * (x.dim() - table.dim()) + tuple(table.shape)
 
 
 def rotary_mul_half(x, cos, sin):
@@ -141,11 +145,6 @@ def interleave_rope(x, cos, sin):
 def interleave_rope_pair_angles(x, pair_cos, pair_sin):
     return torch.ops.npu.npu_interleave_rope(x.contiguous(), torch.cat((pair_cos, pair_cos), -1),
                                              torch.cat((pair_sin, pair_sin), -1))
-
-
-def rotary_mul_half_deinterleaved(x, cos, sin):
-    # what npu_interleave_rope computes, as half mode on the de-interleaved x
-    return torch.ops.npu.npu_rotary_mul(_deinterleave(x), _as_rank_of(cos, x), _as_rank_of(sin, x))
 
 
 def rotary_mul_half_deinterleaved_pair_angles(x, pair_cos, pair_sin):
@@ -227,10 +226,6 @@ def _rotary_tables(site):
         return (cos.new_empty((*cos.shape[:-1], 2 * cos.shape[-1])),
                 sin.new_empty((*sin.shape[:-1], 2 * sin.shape[-1])))
     return site["cos"], site["sin"]
-
-
-def _padded_shape(table, x):
-    return (1,) * (x.dim() - table.dim()) + tuple(table.shape)
 
 
 _GE_HALF_ONLY = ("under max-autotune torchair lowers npu_rotary_mul without `rotate` to GE RotaryMul, "
