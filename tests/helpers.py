@@ -47,3 +47,52 @@ def assert_close_at_scale(actual: torch.Tensor, expected: torch.Tensor, ulps: fl
     allowed = ulps * ulp(scale.reshape(1)).double().item()
     diff = (actual.double() - expected.double()).abs().max().item()
     assert diff <= allowed, f"max diff {diff:.3g} exceeds {ulps} ulp at scale {scale.item():.3g} ({allowed:.3g})"
+
+
+class ScaleShiftFusion:
+    """A test-only fusion: `x * 2 + 1` becomes the op `<namespace>::scale_shift(x)`.
+
+    The op's kernel computes `x * 2 + shift`: shift 1 is a correct fusion, any other a
+    deliberately wrong one. `capability` is its table entry, to be installed by the test
+    (monkeypatch.setitem(capabilities.CAPABILITIES, fusion.capability.op, fusion.capability)).
+    """
+
+    def __init__(self, namespace: str, *, shift: float = 1.0, ge_converter: bool = True):
+        from npu_fx_fusion.capabilities import FLOAT_DTYPES, OpCapability
+
+        self._lib = torch.library.Library(namespace, "DEF")  # kept: the op lives as long as it
+        self._lib.define("scale_shift(Tensor x) -> Tensor")
+        self._lib.impl("scale_shift", lambda x: x * 2 + shift, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{namespace}::scale_shift", lambda x: torch.empty_like(x), lib=self._lib)
+        self.capability = OpCapability(op=f"{namespace}.scale_shift", dtypes=FLOAT_DTYPES, min_rank=0,
+                                       max_rank=8, backward=None, ge_converter=ge_converter)
+        op = getattr(torch.ops, namespace).scale_shift
+
+        def fused(x):  # a plain function: the matcher traces replacements by their signature
+            return op(x)
+
+        self.fused = fused
+
+    @staticmethod
+    def search(x):
+        return x * 2 + 1
+
+    @staticmethod
+    def exact(x):  # a replacement computing exactly what the search does
+        return x * 2 + 1
+
+    def fusion_pass(self, replace=None):
+        from npu_fx_fusion.matching import Form, FusionPass
+
+        return FusionPass(name="test", fused_op=self.capability.op,
+                          forms=[Form(self.search, replace or self.fused, dtypes=(torch.float32,))],
+                          example={"x": lambda dtype: torch.empty(4, dtype=dtype)},
+                          check=lambda site: None,
+                          anchor=lambda node: node.target is torch.ops.aten.mul.Tensor,
+                          explain=lambda node: None)
+
+    @classmethod
+    def graph(cls, *shape: int) -> torch.fx.GraphModule:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        return make_fx(cls.search, tracing_mode="fake")(torch.randn(*shape))

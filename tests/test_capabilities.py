@@ -16,8 +16,8 @@ import torch
 from npu_fx_fusion import FusionConfig, capabilities
 from npu_fx_fusion.backend import FusionPipeline
 from npu_fx_fusion.config import PASS_NAMES
-from npu_fx_fusion.matching import Form, FusionPass
 from npu_fx_fusion.pipeline import load_pass
+from helpers import ScaleShiftFusion
 from torchair_harness.runner import torch_npu_dir_or_skip
 
 IMPLEMENTED = [name for name in PASS_NAMES if load_pass(name) is not None]
@@ -58,43 +58,20 @@ def test_unknown_mode_is_refused():
 
 
 # ---- a test-only fusion whose op has no GE converter ------------------------------------
-_LIB = torch.library.Library("nff_test_caps", "DEF")
-_LIB.define("double_plus_one(Tensor x) -> Tensor")
-_LIB.impl("double_plus_one", lambda x: x * 2 + 1, "CompositeExplicitAutograd")
-torch.library.register_fake("nff_test_caps::double_plus_one", lambda x: torch.empty_like(x), lib=_LIB)
-
-_NO_CONVERTER = capabilities.OpCapability(
-    op="nff_test_caps.double_plus_one", dtypes=capabilities.FLOAT_DTYPES, min_rank=0, max_rank=8,
-    backward=None, ge_converter=False)
+_NO_CONVERTER = ScaleShiftFusion("nff_test_caps", ge_converter=False)
 
 
-def _search(x):
-    return x * 2 + 1
-
-
-def _fused(x):
-    return torch.ops.nff_test_caps.double_plus_one(x)
-
-
-def _test_pass() -> FusionPass:
-    return FusionPass(name="test", fused_op="nff_test_caps.double_plus_one",
-                      forms=[Form(_search, _fused, dtypes=(torch.float32,))],
-                      example={"x": lambda dtype: torch.empty(4, dtype=dtype)},
-                      check=lambda site: None,
-                      anchor=lambda node: node.target is torch.ops.aten.mul.Tensor,
-                      explain=lambda node: None)
+def _test_pass():
+    return _NO_CONVERTER.fusion_pass()
 
 
 def _graph():
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    gm = make_fx(_search, tracing_mode="fake")(torch.randn(4))
-    return gm
+    return ScaleShiftFusion.graph(4)
 
 
 @pytest.fixture
 def no_converter_op(monkeypatch):
-    monkeypatch.setitem(capabilities.CAPABILITIES, _NO_CONVERTER.op, _NO_CONVERTER)
+    monkeypatch.setitem(capabilities.CAPABILITIES, _NO_CONVERTER.capability.op, _NO_CONVERTER.capability)
 
 
 @pytest.mark.parametrize("mode, fuses", [("max-autotune", False), ("reduce-overhead", True),
@@ -109,7 +86,7 @@ def test_an_op_without_ge_converter_is_not_emitted_in_max_autotune(no_converter_
         assert ("no GE converter" in note) == (mode is None), note
     else:
         (miss,) = result.near_misses
-        assert miss.reason == ("nff_test_caps.double_plus_one has no GE converter in torchair 2.13, "
+        assert miss.reason == ("nff_test_caps.scale_shift has no GE converter in torchair 2.13, "
                                "so max-autotune cannot lower it"), miss
 
 

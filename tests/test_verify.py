@@ -4,49 +4,29 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import npu_fx_fusion as nff
-from helpers import compile_and_run, near_miss_reasons
+from helpers import ScaleShiftFusion, compile_and_run, near_miss_reasons
 from npu_fx_fusion import capabilities
-from npu_fx_fusion.matching import Form, FusionPass
 from npu_fx_fusion.report import GraphCost
 from npu_fx_fusion.tiny_models import build_hf
 
 # ---- a test-only fusion whose fused op computes something slightly different ------------
-_LIB = torch.library.Library("nff_test_verify", "DEF")
-_LIB.define("scale_shift(Tensor x) -> Tensor")
-_LIB.impl("scale_shift", lambda x: x * 2 + 1.001, "CompositeExplicitAutograd")  # wrong: + 1.001
-torch.library.register_fake("nff_test_verify::scale_shift", lambda x: torch.empty_like(x), lib=_LIB)
-_CAPABILITY = capabilities.OpCapability(op="nff_test_verify.scale_shift", dtypes=capabilities.FLOAT_DTYPES,
-                                        min_rank=0, max_rank=8, backward=None, ge_converter=True)
-
-
-def _search(x):
-    return x * 2 + 1
-
-
-def _wrong(x):
-    return torch.ops.nff_test_verify.scale_shift(x)
-
-
-def _right(x):
-    return x * 2 + 1  # the search itself: exact
-
-
-def _pass(replace) -> FusionPass:
-    return FusionPass(name="test", fused_op="nff_test_verify.scale_shift",
-                      forms=[Form(_search, replace, dtypes=(torch.float32,))],
-                      example={"x": lambda dtype: torch.empty(4, dtype=dtype)},
-                      check=lambda site: None,
-                      anchor=lambda node: node.target is torch.ops.aten.mul.Tensor,
-                      explain=lambda node: None)
+_WRONG = ScaleShiftFusion("nff_test_verify", shift=1.001)  # x * 2 + 1.001 for x * 2 + 1
 
 
 @pytest.fixture(autouse=True)
 def _capability(monkeypatch):
-    monkeypatch.setitem(capabilities.CAPABILITIES, _CAPABILITY.op, _CAPABILITY)
+    monkeypatch.setitem(capabilities.CAPABILITIES, _WRONG.capability.op, _WRONG.capability)
+
+
+def _pass(replace):
+    return _WRONG.fusion_pass(replace)
+
+
+_wrong, _right = _WRONG.fused, ScaleShiftFusion.exact
 
 
 def _graph():
-    return make_fx(_search, tracing_mode="fake")(torch.randn(3, 5))
+    return ScaleShiftFusion.graph(3, 5)
 
 
 def test_a_wrong_replacement_is_not_kept_when_verifying():
