@@ -13,12 +13,30 @@ Ties: which of two experts of exactly equal probability a top-k returns is unspe
 for torch.topk and the NPU op alike (the stand-in takes the lower index). bf16 logits tie
 often; the fused graph may then route a token to the other, equally ranked expert.
 
-Not fused, and reported: DeepSeek-V3's noaux_tc router (sigmoid scores, a correction bias
-for the choice only, group-limited top-k over unsorted groups). npu_moe_gating_top_k
-computes it, but transformers takes its top-k with sorted=False, so the order of the k
-experts, which the fused op would change, is whatever the unfused kernel produced: a
-rewrite has to prove every consumer indifferent to that order first (the dispatch
-pass's job, not done in this version).
+Biased routers -> npu_moe_gating_top_k. The choice is made on `scores + bias`, the weights
+are the unbiased scores of the chosen experts (op_semantics.md 5.2):
+
+  - transformers DeepSeek-V3 / V3.2 `noaux_tc`: sigmoid, correction bias, the best
+    `topk_group` of `n_group` groups by the sum of each group's top 2, the others -inf,
+    top-k, weights renormalised (+1e-20) and scaled;
+  - torchtitan's TokenChoiceTopKRouter with an expert bias: softmax, no groups, no
+    renormalisation (its debugmodel); sigmoid with node-limited groups and route_norm
+    (its DeepSeek-V3 flavors). The router also returns its full scores: the op's
+    `norm_out` (out_flag=True).
+
+All of them take the top-k with sorted=False, so the order of the k experts is whatever
+the unfused kernel produced, and the fused op returns them in descending order. The
+rewrite is exact only where nothing depends on that order, so each site is accepted only
+once every use of its expert ids and weights is one that is indifferent to it: the fused
+MoE dispatch (init_routing sorts the pairs by expert, finalize_routing sums each token's
+k rows; moe_dispatch runs before this pass to put them there) and the one-hot
+`scatter(ids, True)` routing map. Any other use, an unfused dispatch for one, leaves the
+router unfused with that use named. The sums over k (renormalisation, finalize) then add
+in another order: the results agree to rounding, not bit for bit.
+
+Not fused: a sigmoid router without renormalisation (the op's sigmoid mode always
+renormalises) and half-precision scores (the op ranks fp32 scores; near ties could pick
+other experts).
 """
 import torch
 
@@ -27,6 +45,8 @@ from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
 GATING = CAPABILITIES["npu.npu_moe_gating_top_k_softmax"]
+GROUPED = CAPABILITIES["npu.npu_moe_gating_top_k"]
+EPS = 1e-20  # the renormalisation's epsilon in transformers and torchtitan, and the op's default
 
 
 # ---- the unfused form ---------------------------------------------------------------------
@@ -42,11 +62,104 @@ def npu_moe_gating_top_k_softmax(router_logits, k):
     return weights, experts.to(torch.int64)
 
 
-FORMS = [Form(softmax_top_k, npu_moe_gating_top_k_softmax, dtypes=(torch.float32,))]
+# ---- biased routers: the unfused forms -----------------------------------------------------
+def deepseek_noaux_tc(gate_logits, bias, top_k, n_group, topk_group, routed_scaling_factor):
+    """transformers DeepseekV3TopkRouter / DeepseekV32TopkRouter (norm_topk_prob=True)."""
+    scores = gate_logits.sigmoid()
+    choice = scores + bias
+    experts = gate_logits.size(-1)
+    group_scores = choice.view(-1, n_group, experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (group_mask.unsqueeze(-1).expand(-1, n_group, experts // n_group)
+                  .reshape(-1, experts))
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + EPS)
+    return weights * routed_scaling_factor, ids
+
+
+def torchtitan_softmax_biased(gate_scores, bias, top_k, routed_scaling_factor):
+    """torchtitan TokenChoiceTopKRouter: softmax, expert bias, no groups, route_norm=False."""
+    scores = torch.softmax(gate_scores, dim=-1)
+    ids = torch.topk(scores + bias, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(dim=-1, index=ids)
+    return weights * routed_scaling_factor, ids, scores
+
+
+def torchtitan_sigmoid_grouped(gate_scores, bias, top_k, n_group, topk_group, routed_scaling_factor):
+    """torchtitan TokenChoiceTopKRouter: sigmoid, expert bias, node-limited groups, route_norm."""
+    scores = torch.sigmoid(gate_scores)
+    choice = scores + bias
+    grouped = choice.unflatten(-1, (n_group, choice.size(-1) // n_group))
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.ones_like(group_scores, dtype=torch.bool)
+    group_mask.scatter_(-1, group_idx, False)
+    choice = grouped.masked_fill(group_mask.unsqueeze(-1), float("-inf")).flatten(-2)
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(dim=-1, index=ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + EPS)
+    return weights * routed_scaling_factor, ids, scores
+
+
+# ---- biased routers: the fused calls -------------------------------------------------------
+def _gating_top_k(logits, bias, top_k, *, norm_type, n_group=1, topk_group=1, routed_scaling_factor):
+    """npu_moe_gating_top_k on (..., E) logits: (weights, int64 ids, fp32 scores), shaped like logits."""
+    flat = logits.reshape(-1, logits.size(-1))
+    # the op takes the bias in the logits' dtype; a bf16 bias (a model cast to bf16) widens
+    # exactly, as it does in the unfused `scores + bias`
+    weights, ids, scores = torch.ops.npu.npu_moe_gating_top_k(
+        flat, top_k, bias=bias.to(logits.dtype), k_group=topk_group, group_count=n_group,
+        group_select_mode=1, renorm=0, norm_type=norm_type, out_flag=True,
+        routed_scaling_factor=routed_scaling_factor, eps=EPS)
+    lead = logits.shape[:-1]
+    return (weights.view(*lead, top_k), ids.to(torch.int64).view(*lead, top_k),
+            scores.view(logits.shape))
+
+
+def npu_moe_gating_top_k_noaux_tc(gate_logits, bias, top_k, n_group, topk_group, routed_scaling_factor):
+    weights, ids, _ = _gating_top_k(gate_logits, bias, top_k, norm_type=1, n_group=n_group,
+                                    topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+    return weights, ids
+
+
+def npu_moe_gating_top_k_softmax_biased(gate_scores, bias, top_k, routed_scaling_factor):
+    return _gating_top_k(gate_scores, bias, top_k, norm_type=0, routed_scaling_factor=routed_scaling_factor)
+
+
+def npu_moe_gating_top_k_sigmoid_grouped(gate_scores, bias, top_k, n_group, topk_group, routed_scaling_factor):
+    return _gating_top_k(gate_scores, bias, top_k, norm_type=1, n_group=n_group, topk_group=topk_group,
+                         routed_scaling_factor=routed_scaling_factor)
+
+
+def in_expert_order(outputs):
+    """(weights, ids, ...) with each token's k pairs sorted by expert id: the order-free view
+    of an unsorted top-k, under which the unfused and fused routers are compared."""
+    weights, ids, *rest = outputs
+    ids, order = ids.sort(dim=-1)
+    return [weights.gather(-1, order), ids, *rest]
+
+
+def _biased(search, replace):
+    return Form(search, replace, dtypes=(torch.float32,), fused_op="npu.npu_moe_gating_top_k",
+                canonical_outputs=in_expert_order)
+
+
+FORMS = [
+    Form(softmax_top_k, npu_moe_gating_top_k_softmax, dtypes=(torch.float32,)),
+    _biased(deepseek_noaux_tc, npu_moe_gating_top_k_noaux_tc),
+    _biased(torchtitan_softmax_biased, npu_moe_gating_top_k_softmax_biased),
+    _biased(torchtitan_sigmoid_grouped, npu_moe_gating_top_k_sigmoid_grouped),
+]
 
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
+    if site.form.fused_op == "npu.npu_moe_gating_top_k":
+        return _check_biased(site)
     logits, k = site["router_logits"], site["k"]
     reason = unsupported("npu.npu_moe_gating_top_k_softmax", site.soc, x=logits)
     if reason:
@@ -58,6 +171,77 @@ def check(site):
     experts = logits.shape[-1]
     if not 0 < k <= min(experts, GATING.limits["max_k"]):
         return f"k = {k} with {experts} experts: npu_moe_gating_top_k_softmax takes 0 < k <= E, k <= 1024"
+    return None
+
+
+def _check_biased(site):
+    logits = site["gate_logits"] if "gate_logits" in site.args else site["gate_scores"]
+    bias, top_k = site["bias"], site["top_k"]
+    groups = site.args.get("n_group", 1)
+    kept_groups = site.args.get("topk_group", 1)
+    experts = logits.shape[-1]
+    # the op takes (tokens, E): the torchtitan forms flatten (B, L, E) for it
+    reason = unsupported("npu.npu_moe_gating_top_k", site.soc, x=logits[..., 0, :] if logits.dim() > 2 else logits)
+    if reason:
+        return reason
+    if logits.dtype != torch.float32:
+        return (f"scores over {str(logits.dtype)[6:]} logits: npu_moe_gating_top_k ranks fp32 scores "
+                "and could choose other experts in near ties")
+    if bias.shape != (experts,) or torch.promote_types(bias.dtype, logits.dtype) != logits.dtype:
+        return (f"the bias is {str(bias.dtype)[6:]}{list(bias.shape)}: npu_moe_gating_top_k takes "
+                f"({experts},) in the logits' dtype")
+    limits = GROUPED.limits
+    if experts > limits["max_experts"]:
+        return f"{experts} experts: npu_moe_gating_top_k takes at most {limits['max_experts']}"
+    if experts % groups or experts // groups < limits["min_group_size"]:
+        return (f"{experts} experts in {groups} groups: npu_moe_gating_top_k needs groups of at least "
+                f"{limits['min_group_size']} experts")
+    group_size = experts // groups
+    if -(-group_size // 32) * 32 * groups > limits["max_aligned_experts"]:
+        return f"groups of {group_size} padded to 32 exceed {limits['max_aligned_experts']} experts"
+    if not 1 <= kept_groups <= groups or not 1 <= top_k <= kept_groups * group_size:
+        return f"top-{top_k} of the best {kept_groups} of {groups} groups is outside the op's range"
+    use = order_dependent_use(site, top_k)
+    if use is not None:
+        return (f"the order of the k experts (unsorted top-k) reaches {use.name} ({use.target}): "
+                "the fused op returns them in another order, and only the fused MoE dispatch "
+                "and the routing map are proven indifferent to it")
+    return None
+
+
+# Ops that pass a tensor on without reordering its last (k) dim.
+_PASS_ON = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten._to_copy.default,
+            aten.clone.default, aten.alias.default)
+
+
+def _indifferent_to_k_order(user, value):
+    """`user` reads `value` (expert ids or weights, k per token) without caring about k's order."""
+    npu = torch.ops.npu
+    if is_call(user, npu.npu_moe_init_routing_v2):
+        # sorted by expert; for one expert the rows stay in token order (ids of one token differ)
+        return user.args[1] is value
+    if is_call(user, npu.npu_moe_finalize_routing):
+        # the weighted sum of each token's k rows: scales and expert ids, never the row map
+        return value in (user.args[4], user.args[6]) and user.args[5] is not value
+    if is_call(user, aten.scatter.value):
+        # the one-hot routing map: the same value written at each chosen expert
+        return user.args[2] is value and user.args[1] in (-1, tensor_meta(user).dim() - 1)
+    return False
+
+
+def order_dependent_use(site, top_k):
+    """The first node outside the site that depends on the order of its k experts, or None."""
+    inside = set(site.nodes)
+    pending = [(user, node) for node in site.nodes if node.users
+               and (meta := tensor_meta(node)) is not None and meta.dim() and meta.shape[-1] == top_k
+               for user in node.users if user not in inside]
+    while pending:
+        user, value = pending.pop()
+        if is_call(user, *_PASS_ON, torch.ops.npu._npu_dtype_cast.default):
+            pending += [(u, user) for u in user.users]  # what counts is where the values end up
+            continue
+        if not _indifferent_to_k_order(user, value):
+            return user
     return None
 
 
@@ -88,16 +272,19 @@ def anchor(node):
 def explain(topk):
     scores = _router_scores(topk.args[0])
     if is_call(scores, aten.sigmoid.default):
-        return ("sigmoid router with bias / group-limited top-k (DeepSeek noaux_tc): its top-k is "
-                "unsorted, and the order of the k experts is not proven irrelevant downstream")
+        return ("a sigmoid router that matches none of the biased forms (transformers noaux_tc, "
+                "torchtitan's grouped router): npu_moe_gating_top_k's sigmoid mode always "
+                "renormalises the chosen weights and scales them once, after the renormalisation")
     if topk.args[0] is not scores:
         changed = topk.args[0]
         if is_call(changed, aten.add.Tensor) and isinstance(changed.args[1], torch.fx.Node):
-            return (f"a bias ({changed.args[1].name}) is added to the softmax before the top-k "
-                    "(load balancing): npu_moe_gating_top_k_softmax has no bias input")
+            return (f"a bias ({changed.args[1].name}) is added to the softmax before the top-k, "
+                    "in a form other than torchtitan's (weights = the chosen unbiased scores, "
+                    "times a scale)")
         return "the softmax is masked or changed before the top-k"
     if len(topk.args) > 4 and topk.args[4] is False:
-        return "an unsorted top-k: npu_moe_gating_top_k_softmax returns the k experts in descending order"
+        return ("an unsorted top-k over a softmax without a bias: no form takes it (the op "
+                "returns the k experts in descending order)")
     return None
 
 
@@ -105,8 +292,15 @@ PASS = FusionPass(
     name="moe_gating",
     fused_op="npu.npu_moe_gating_top_k_softmax",
     forms=FORMS,
-    # the scalar k's example value marks it in the trace: no other 3 may appear there
-    example={"router_logits": lambda dtype: torch.empty(5, 8, dtype=dtype), "k": 3},
+    # A scalar's example value marks it in the trace: each one differs from every other
+    # int there (sizes included: 5 tokens, 8 experts; 7 tokens, 24 experts in 4 groups of 6).
+    example={
+        "router_logits": lambda dtype: torch.empty(5, 8, dtype=dtype), "k": 3,
+        "gate_logits": lambda dtype: torch.empty(7, 24, dtype=dtype),
+        "gate_scores": lambda dtype: torch.empty(2, 7, 24, dtype=dtype),
+        "bias": lambda dtype: torch.empty(24, dtype=dtype),
+        "top_k": 5, "n_group": 4, "topk_group": 3, "routed_scaling_factor": 2.5,
+    },
     check=check,
     anchor=anchor,
     explain=explain,

@@ -53,13 +53,14 @@ MODELS = [
     Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 4, 2, 2), kwargs={"experts_implementation": "grouped_mm"}),
     # batched_mm: the moe_dispatch pass emits the grouped GEMMs itself (there are none to keep)
     Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 0, 2, 2), kwargs={"experts_implementation": "batched_mm"}),
-    # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared expert
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2, 0, 1), separate_mlps=2,
+    # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared
+    # expert, routed by noaux_tc (npu_moe_gating_top_k, once the dispatch is fused)
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2, 1, 1), separate_mlps=2,
              kwargs={"experts_implementation": "grouped_mm"}),
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 0, 0, 1), separate_mlps=2,
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 0, 1, 1), separate_mlps=2,
              kwargs={"experts_implementation": "batched_mm"}),
     # + the lightning indexer's own rotary on its q and k
-    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2, 0, 1), separate_mlps=2),
+    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2, 1, 1), separate_mlps=2),
     # complex-number rotary (view_as_complex * freqs_cis)
     Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 0), separate_mlps=2),
     # torchtitan's experts: w1, w3 and w2 as three grouped GEMMs

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import assert_within_ulps, compile_and_run, near_miss_reasons
+from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
 
 ONLY_GATING = nff.FusionConfig(enable={"moe_gating"})
 
@@ -125,7 +125,7 @@ class SigmoidGroupRouter(torch.nn.Module):
     (HalfSoftmaxRouter(dtype=torch.bfloat16), torch.bfloat16, ONLY_GATING, "softmax over bfloat16 logits"),
     (UnsortedRouter(), torch.float32, ONLY_GATING, "unsorted top-k"),
     (BiasedRouter(), torch.float32, ONLY_GATING, "is added to the softmax before the top-k"),
-    (SigmoidGroupRouter(), torch.float32, ONLY_GATING, "DeepSeek noaux_tc"),
+    (SigmoidGroupRouter(), torch.float32, ONLY_GATING, "always renormalises"),
     (SoftmaxRouter(), torch.float32, nff.FusionConfig(enable={"moe_gating"}, soc="Ascend950"),
      "not available on Ascend950"),
 ], ids=["bf16 softmax", "unsorted", "biased choice", "sigmoid groups", "Ascend950"])
@@ -145,3 +145,97 @@ def test_k_larger_than_the_expert_count_cannot_exist_but_k_limit_is_checked():
     assert report.counts["moe_gating"] == 0
     (miss,) = near_miss_reasons(report, "moe_gating")
     assert "k <= 1024" in miss, miss
+
+
+# ---- biased routers -> npu_moe_gating_top_k ----------------------------------------------------
+def _deepseek_moe(experts_implementation, experts=8, groups=2, topk_group=1, k=2, norm_topk_prob=True):
+    """transformers' own DeepseekV3MoE (router, routed experts, shared expert), tiny."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=experts,
+                              num_experts_per_tok=k, n_group=groups, topk_group=topk_group,
+                              n_shared_experts=1, norm_topk_prob=norm_topk_prob,
+                              routed_scaling_factor=2.5)
+    config._experts_implementation = experts_implementation
+    torch.manual_seed(0)
+    moe = DeepseekV3MoE(config)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    # a real correction bias is learned; random, some of it negative
+    moe.gate.e_score_correction_bias.normal_(std=0.1)
+    return moe.eval()
+
+
+def _hidden(tokens=24, hidden=32):
+    torch.manual_seed(1)
+    return torch.randn(2, tokens // 2, hidden)
+
+
+GATING_AND_DISPATCH = nff.FusionConfig(enable={"moe_gating", "moe_dispatch", "swiglu"})
+
+
+@pytest.mark.parametrize("experts_implementation", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("experts, groups, topk_group, k", [(8, 2, 1, 2), (16, 4, 2, 4), (24, 4, 3, 6)])
+def test_noaux_tc_router_fuses_in_front_of_the_fused_dispatch(experts_implementation, experts, groups,
+                                                             topk_group, k):
+    moe = _deepseek_moe(experts_implementation, experts, groups, topk_group, k)
+    out, ref, report = compile_and_run(moe, _hidden(), config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 1 and report.counts["moe_dispatch"] == 1
+    assert report.fused_ops["npu.npu_moe_gating_top_k"] == 1
+    assert near_miss_reasons(report, "moe_gating") == []
+    # the same experts with the same weights; each token's k rows summed in another order
+    # (descending score instead of the unsorted top-k's): fp32 rounding of a sum, a few ulp
+    # of the output's scale (not of each element: the terms may cancel)
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_noaux_tc_scalars_are_read_from_the_model_not_from_the_example():
+    # The pass's example n_group is 4: a model with groups of 4 experts (8 in 2 groups) must
+    # still be checked and fused with n_group=2.
+    moe = _deepseek_moe("grouped_mm", experts=8, groups=2, topk_group=1, k=2)
+    _, _, report = compile_and_run(moe, _hidden(), config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 1
+
+
+def test_noaux_tc_router_verifies_in_expert_order():
+    moe = _deepseek_moe("grouped_mm")
+    config = nff.FusionConfig(enable={"moe_gating", "moe_dispatch"}, verify=True)
+    _, _, report = compile_and_run(moe, _hidden(), config=config)
+    (site,) = [s for s in report.sites if s.pass_name == "moe_gating"]
+    assert site.verified.startswith("verified"), site.verified
+
+
+def test_noaux_tc_router_alone_is_not_fused_where_the_expert_order_is_used():
+    # the router on its own: its ids and weights leave the graph in top-k order
+    moe = _deepseek_moe("grouped_mm")
+    _, _, report = compile_and_run(moe.gate, _hidden().view(-1, 32), config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "order of the k experts" in miss and "output" in miss, miss
+
+
+def test_noaux_tc_router_with_the_dispatch_left_unfused_says_so():
+    moe = _deepseek_moe("grouped_mm")
+    _, _, report = compile_and_run(moe, _hidden(), config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "order of the k experts" in miss, miss
+
+
+def test_noaux_tc_without_renormalisation_does_not_fuse():
+    # the op's sigmoid mode always renormalises
+    moe = _deepseek_moe("grouped_mm", norm_topk_prob=False)
+    _, _, report = compile_and_run(moe, _hidden(), config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "always renormalises" in miss, miss
+
+
+def test_noaux_tc_groups_too_small_for_the_op_do_not_fuse():
+    # E / group_count > 2 is one of the op's documented limits
+    moe = _deepseek_moe("grouped_mm", experts=8, groups=4, topk_group=2, k=2)
+    _, _, report = compile_and_run(moe, _hidden(), config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "groups of at least 3 experts" in miss, miss

@@ -16,8 +16,10 @@ PASS_NAMES: tuple[str, ...] = (
     "add_rms_norm",
     "rope",
     "swiglu",
-    "moe_gating",
+    # dispatch first: moe_gating fuses an unsorted (biased) router only once its experts
+    # feed a fused dispatch, which does not depend on their order
     "moe_dispatch",
+    "moe_gating",
     "grouped_matmul",
     "lightning_indexer",
     "sparse_attention",

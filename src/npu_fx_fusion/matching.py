@@ -208,6 +208,10 @@ class Form:
     replace: Callable
     dtypes: tuple = (torch.float32, torch.bfloat16)
     fused_op: Optional[str] = None  # the op the report names, if not the pass's fused_op
+    # For forms whose outputs are equal only up to an order the model never relies on
+    # (the k experts of an unsorted top-k): outputs -> outputs in one canonical order,
+    # applied to both sides before verification compares them.
+    canonical_outputs: Optional[Callable[[list], list]] = None
 
     def __post_init__(self) -> None:
         self.search._nff_search = True  # its retraces may be cached (_trace_searches_once)
@@ -293,6 +297,7 @@ class FusionPass:
         self.explain = explain
         self._run: Optional[_PassRun] = None
         self._search_traces: dict = {}
+        self._retrace_args: Sequence[Any] = ()
         self.forms: tuple[Form, ...] = ()
         self._refresh_forms()
 
@@ -359,7 +364,7 @@ class FusionPass:
                 form.search,
                 form.replace,
                 inputs,
-                trace_fn=functools.partial(_trace_searches_once, trace_fn, self._search_traces),
+                trace_fn=functools.partial(self._trace_search, trace_fn),
                 pass_dicts=matcher,
                 extra_check=functools.partial(self._extra_check, form),
                 scalar_workaround=scalars,
@@ -367,6 +372,13 @@ class FusionPass:
                 # are its two cast spellings
                 skip_duplicates=True,
             )
+
+    def _trace_search(self, trace_fn: Callable, fn: Callable, args: Sequence[Any], **kwargs: Any):
+        # torch's matcher retraces the search function with the match's own arguments,
+        # then calls the extra check; the scalars among those arguments are the true ones
+        # (see _site)
+        self._retrace_args = args
+        return _trace_searches_once(trace_fn, self._search_traces, fn, args, **kwargs)
 
     def _example_value(self, name: str, dtype: torch.dtype) -> Any:
         value = self.example[name]
@@ -406,6 +418,15 @@ class FusionPass:
 
     def _site(self, form: Form, match: pm.Match, soc: Optional[str], mode: Optional[str]) -> Site:
         arg_nodes = {name: match.kwargs[name] for name in form.argnames if name in match.kwargs}
+        # The check runs on torch's second, exact match, whose scalars are found by their
+        # example values (scalar_workaround) in a retrace at the model's sizes: a size
+        # that happens to equal an example value (8 experts in groups of 4, n_group's
+        # example 4) would be read as the scalar. The retrace's own arguments are right.
+        # (The replacement is traced from the first match's arguments, unaffected.)
+        retraced = self._retrace_args[len(self._retrace_args) - len(form.argnames):]
+        for name, value in zip(form.argnames, retraced):
+            if isinstance(self.example[name], (int, float)) and isinstance(value, (int, float)):
+                arg_nodes[name] = value
         args = {name: value.meta.get("val") if isinstance(value, Node) else value
                 for name, value in arg_nodes.items()}
         return Site(form, args, list(match.nodes), arg_nodes, soc, mode)
@@ -423,7 +444,8 @@ class FusionPass:
 
         verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
                                site.form.replace, site.form.argnames,
-                               site.form.fused_op or self.fused_op, self.verify_input)
+                               site.form.fused_op or self.fused_op, self.verify_input,
+                               site.form.canonical_outputs)
         site.verified = verdict.detail
         return None if verdict.ok else f"verification failed: {verdict.detail}"
 

@@ -52,13 +52,15 @@ def verify_match(*args: Any, **kwargs: Any) -> Verdict:
 
 def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args: Mapping[str, Any],
                  arg_nodes: Mapping[str, Any], replace: Callable, argnames: Sequence[str],
-                 fused_op: str, make_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None) -> Verdict:
+                 fused_op: str, make_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
+                 canonical: Optional[Callable[[list], list]] = None) -> Verdict:
     """Run the matched subgraph and `replace` on the same inputs and compare.
 
     nodes/outputs: the match's nodes and output nodes; args/arg_nodes: the values (fake
     tensors, scalars) and graph nodes bound to each argument of the form; make_input:
     an optional factory (name, all fake args) -> real input or None, for arguments random
-    values do not suit (offsets, indices, ...).
+    values do not suit (offsets, indices, ...); canonical: puts both output lists in one
+    order before they are compared (Form.canonical_outputs).
     """
     inputs = {}
     generator = torch.Generator().manual_seed(SEED)
@@ -81,6 +83,8 @@ def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args
     with torch.no_grad():
         fused = replace(*[inputs[n] for n in argnames])
     fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
+    if canonical is not None:
+        original, fused = canonical(original), canonical(fused)
     ulps_allowed = TOLERANCES.get(fused_op, DEFAULT_TOLERANCE)
     worst = 0.0
     for index, (orig, new) in enumerate(zip(original, fused)):
