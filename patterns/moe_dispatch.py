@@ -141,6 +141,49 @@ def _transformers_batched_block(act):
     return search, replace
 
 
+def _torchtitan_block():
+    """torchtitan's LocalTokenDispatcher around its GroupedExperts (models/common/moe.py,
+    token_dispatcher.py): a stable argsort of the flat expert ids, the gather, offsets from
+    the routing map's counts, w1/w3/w2 as three bf16 grouped GEMMs, and the combine that
+    weights each row in fp32 and scatter-adds it back to its token.
+
+    The stable argsort orders the rows exactly as init_routing_v2 does (by expert, then by
+    flat position), so the experts see the same rows in the same order; the counts and
+    offsets are the model's own. Only the combine's additions change order: finalize adds
+    each token's k rows in k order, scatter_add in row order, and it sums in fp32 before
+    the one rounding to the model's dtype, where torchtitan rounds each weighted row first.
+    """
+
+    def search(x, ids, weights, w1, w2, w3, counts):
+        top_k = ids.size(-1)
+        perm = torch.argsort(ids.view(-1), stable=True)
+        weights_sorted = weights.view(-1)[perm]
+        token = perm // top_k
+        routed = x[token]
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
+                                                       offs=offsets))
+        h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
+        y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        out = torch.zeros_like(x)
+        y = (y.to(torch.float32) * weights_sorted.reshape(-1, 1)).to(y.dtype)
+        index = token.reshape(-1, 1).expand(-1, x.shape[-1])
+        return torch.ops.torchtitan.deterministic_scatter_add(out, index, y)
+
+    def replace(x, ids, weights, w1, w2, w3, counts):
+        routed, row_idx, _, _ = _init_routing(x, ids, counts.shape[0])
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
+                                                       offs=offsets))
+        h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
+        y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        return _finalize(y, weights, row_idx, ids).to(x.dtype)
+
+    search.__name__ = "torchtitan_local_dispatch_grouped_experts"
+    replace.__name__ = "init_routing_grouped_mm_finalize"
+    return search, replace
+
+
 _BATCHED_FORMS = []
 for _act in (_swiglu_fused, _swiglu_unfused):
     _search, _replace = _transformers_batched_block(_act)
@@ -148,12 +191,14 @@ for _act in (_swiglu_fused, _swiglu_unfused):
 
 
 def forms():
-    """transformers' fp32 experts use its fallback op: that form exists once it is imported."""
+    """transformers' fp32 experts use its fallback op, torchtitan's combine its scatter-add
+    op: those forms exist once the library that defines the op is imported."""
     gemms = [(_grouped_mm, torch.bfloat16)]
     if interop.transformers_grouped_mm_fallback() is not None:
         gemms.append((_grouped_mm_fallback, torch.float32))
     grouped = [_FORMS[(gemm, act)] for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)]
-    return grouped + _BATCHED_FORMS
+    torchtitan = [_TORCHTITAN_FORM] if interop.torchtitan_deterministic_scatter_add() is not None else []
+    return grouped + _BATCHED_FORMS + torchtitan
 
 
 _FORMS = {}
@@ -163,15 +208,19 @@ for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torc
         _FORMS[(_gemm, _act)] = Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2")
 
 
+_TORCHTITAN_FORM = Form(*_torchtitan_block(), dtypes=(torch.float32, torch.bfloat16),
+                       fused_op="npu.npu_moe_init_routing_v2")
+
+
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
     x, ids, weights = site["x"], site["ids"], site["weights"]
-    experts = site.args["num_experts"] if "num_experts" in site.args else site["gate_up_proj"].shape[0]
+    experts = _expert_count(site.args)
     reason = (unsupported("npu.npu_moe_init_routing_v2", site.soc, x=x)
               or unsupported("npu.npu_moe_finalize_routing", site.soc, x=x))
     if reason:
         return reason
-    if "num_experts" not in site.args:  # the batched forms emit the grouped GEMMs themselves
+    if "gate_up_proj" in site.args:  # the batched forms emit the grouped GEMMs themselves
         reason = _batched_gemm_reason(site, experts)
         if reason:
             return reason
@@ -182,6 +231,12 @@ def check(site):
     if experts > INIT.limits["max_expert_num"]:
         return f"{experts} experts: npu_moe_init_routing_v2 takes at most {INIT.limits['max_expert_num']}"
     return None
+
+
+def _expert_count(args):
+    if "num_experts" in args:
+        return args["num_experts"]
+    return (args["gate_up_proj"] if "gate_up_proj" in args else args["w1"]).shape[0]
 
 
 def _batched_gemm_reason(site, experts):
@@ -224,16 +279,30 @@ PASS = FusionPass(
         # the batched forms take the parameters as stored: (E, out, in)
         "gate_up_proj": lambda dtype: torch.empty(5, 16, 16, dtype=dtype),
         "down_proj": lambda dtype: torch.empty(5, 16, 8, dtype=dtype),
+        # torchtitan's (E, F, D) w1 / w3 and (E, D, F) w2, and its per-expert counts
+        "w1": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
+        "w2": lambda dtype: torch.empty(5, 16, 8, dtype=dtype),
+        "w3": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
+        "counts": lambda dtype: torch.empty(5, dtype=torch.int64),
     },
     check=check,
     anchor=anchor,
     explain=explain,
-    # verification needs expert ids below the expert count
-    verify_input=lambda name, args: _valid_expert_ids(args) if name == "ids" else None,
+    # verification needs expert ids below the expert count, and counts that agree with them
+    verify_input=lambda name, args: _routing_input(name, args),
 )
 
 
-def _valid_expert_ids(args):
-    """Verification input for ids: expert ids below the expert count (random ints may not be)."""
-    weight = args["w_gate_up"] if "w_gate_up" in args else args["gate_up_proj"]
-    return torch.randint(0, int(weight.shape[0]), tuple(args["ids"].shape)).to(args["ids"].dtype)
+def _routing_input(name, args):
+    """Verification inputs a random tensor does not make: each token's k distinct expert ids,
+    and the per-expert counts of exactly those ids (torchtitan's offsets come from them).
+    Both are drawn from one seeded generator, so the two calls agree."""
+    if name not in ("ids", "counts"):
+        return None
+    tokens, top_k = args["ids"].shape
+    experts = int(_expert_count(args))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(int(tokens))])
+    if name == "ids":
+        return ids.to(args["ids"].dtype)
+    return torch.bincount(ids.flatten(), minlength=experts).to(args["counts"].dtype)

@@ -26,6 +26,9 @@ class Expected:
     counts: dict  # fused sites per pass, 2 layers
     separate_mlps: int = 0  # MLPs whose gate and up are two projections (swiglu near misses)
     kwargs: dict = field(default_factory=dict)
+    gemms_per_block: int = 2  # grouped GEMMs per routed experts block
+    # routers that stay unfused in bf16 on CPU (see the torchtitan entry)
+    bf16_unfused_routers: int = 0
 
     @property
     def id(self):
@@ -63,21 +66,26 @@ MODELS = [
     Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2, 1, 1), separate_mlps=2),
     # complex-number rotary (view_as_complex * freqs_cis)
     Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 0), separate_mlps=2),
-    # torchtitan's experts: w1, w3 and w2 as three grouped GEMMs
-    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 0, 3), separate_mlps=3),
+    # torchtitan's biased softmax router, its local dispatcher (stable argsort, scatter-add
+    # combine) and its experts: w1, w3 and w2 as three grouped GEMMs. In bf16 on CPU the
+    # router's fp32 autocast is off (tiny_models.build_torchtitan): a bf16 router is not fused.
+    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 0, 3, 1, 1), separate_mlps=3,
+             gemms_per_block=3, bf16_unfused_routers=1),
 ]
 
 COMPLETE_PASSES = ("rms_norm", "add_rms_norm", "rope", "grouped_matmul")  # nothing may be left unfused
 
 
-def _check_fusion(report, expected: Expected):
+def _check_fusion(report, expected: Expected, unfused_routers=0):
     assert len(report.graphs) == 1
-    assert {p: report.counts[p] for p in expected.counts} == expected.counts
-    if expected.counts["moe_dispatch"]:  # every routed block: routing -> 2 grouped GEMMs -> combine
+    counts = dict(expected.counts, moe_gating=expected.counts["moe_gating"] - unfused_routers)
+    assert {p: report.counts[p] for p in counts} == counts
+    if expected.counts["moe_dispatch"]:  # every routed block: gating -> routing -> grouped GEMMs -> combine
         blocks = expected.counts["moe_dispatch"]
         fused = report.fused_ops
         assert fused["npu.npu_moe_init_routing_v2"] == fused["npu.npu_moe_finalize_routing"] == blocks
-        assert fused["npu.npu_grouped_matmul"] == 2 * blocks
+        assert fused["npu.npu_grouped_matmul"] == expected.gemms_per_block * blocks
+        assert counts["moe_gating"] == blocks - unfused_routers
     for pass_name in COMPLETE_PASSES:
         assert near_miss_reasons(report, pass_name) == [], pass_name
     swiglu_misses = near_miss_reasons(report, "swiglu")
@@ -105,7 +113,7 @@ def test_bf16_models_fuse_every_site(expected):
     # real bf16 model code; the logits stay close.
     tiny = expected.build(expected.name, dtype=torch.bfloat16, **expected.kwargs)
     out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
-    _check_fusion(report, expected)
+    _check_fusion(report, expected, unfused_routers=expected.bf16_unfused_routers)
     cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
     assert cosine > 0.999
 

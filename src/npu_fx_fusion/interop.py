@@ -23,3 +23,17 @@ def transformers_grouped_mm_fallback() -> Optional[torch._ops.OpOverload]:  # no
         return torch.ops.transformers.grouped_mm_fallback.default
     except (ImportError, AttributeError):
         return None
+
+
+def torchtitan_deterministic_scatter_add() -> Optional[torch._ops.OpOverload]:  # noqa: SLF001
+    """torchtitan's `deterministic_scatter_add` custom op (its MoE combine), if torchtitan is loaded.
+
+    torchtitan.ops.scatter_add registers it on import; a torchtitan model has imported it.
+    """
+    if "torchtitan" not in sys.modules:
+        return None
+    try:
+        importlib.import_module("torchtitan.ops.scatter_add")
+        return torch.ops.torchtitan.deterministic_scatter_add.default
+    except (ImportError, AttributeError):
+        return None

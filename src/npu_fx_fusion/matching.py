@@ -298,6 +298,7 @@ class FusionPass:
         self._run: Optional[_PassRun] = None
         self._search_traces: dict = {}
         self._retrace_args: Sequence[Any] = ()
+        self._keywords: dict[str, frozenset] = {}
         self.forms: tuple[Form, ...] = ()
         self._refresh_forms()
 
@@ -416,6 +417,19 @@ class FusionPass:
                       if (reason := not_lowerable(op, "max-autotune"))]
         return notes
 
+    def _spelled_keywords(self, form: Form) -> frozenset:
+        """(op, keyword, value) of every keyword argument the form's search spells out:
+        torch's matcher compares those itself (argsort's stable=True)."""
+        cached = self._keywords.get(form.name)
+        if cached is None:
+            with FakeTensorMode():
+                inputs = [self._example_value(n, form.dtypes[0]) for n in form.argnames]
+                traced = trace_without_decompositions(form.search, inputs)
+            cached = self._keywords[form.name] = frozenset(
+                (node.target, key, repr(value)) for node in traced.graph.nodes
+                for key, value in node.kwargs.items())
+        return cached
+
     def _site(self, form: Form, match: pm.Match, soc: Optional[str], mode: Optional[str]) -> Site:
         arg_nodes = {name: match.kwargs[name] for name in form.argnames if name in match.kwargs}
         # The check runs on torch's second, exact match, whose scalars are found by their
@@ -433,7 +447,7 @@ class FusionPass:
 
     def _first_failure(self, site: Site, match: pm.Match, run: _PassRun) -> Reason:
         return (self._argument_kinds_differ(site)
-                or _unexpected_keyword(site.nodes)
+                or _unexpected_keyword(site.nodes, self._spelled_keywords(site.form))
                 or next(filter(None, (not_lowerable(op, run.mode) for op in self.emitted_ops[site.form.name])), None)
                 or self.check(site)
                 or self._outputs_differ(site, match)
@@ -534,15 +548,18 @@ _HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_
                                 "memory_format", "keepdim"})
 
 
-def _unexpected_keyword(nodes: Sequence[Node]) -> Reason:
+def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset = frozenset()) -> Reason:
     """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
-    _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those."""
+    _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those;
+    `spelled` are the (op, keyword, value) the pattern has, and the matcher compared."""
     for node in nodes:
         if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
             continue
         defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
+            if (node.target, key, repr(value)) in spelled:
+                continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
     return None
