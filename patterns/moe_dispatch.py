@@ -1,4 +1,7 @@
-"""moe_dispatch: the routed experts of transformers' grouped_mm path -> init_routing / finalize_routing.
+"""moe_dispatch: routed experts blocks -> init_routing / finalize_routing.
+
+Three block families: transformers' grouped_mm path (below), its batched_mm path, and
+torchtitan's local dispatcher (_torchtitan_block).
 
 transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens like this:
 
@@ -257,10 +260,11 @@ def anchor(node):
 
 
 def explain(sort):
-    return ("the tokens are sorted by expert, but the code around it is not transformers' "
+    return ("the tokens are sorted by expert, but the code around it is neither transformers' "
             "grouped_mm experts block (sort, gather, histc offsets, two grouped GEMMs, the "
-            "weighted inverse-permutation combine) that this pass rewrites as one; other "
-            "dispatchers (torchtitan's, Megatron's) are not handled in this version")
+            "weighted inverse-permutation combine) nor torchtitan's local dispatcher (stable "
+            "argsort, three grouped GEMMs, weighted scatter-add), which this pass rewrites "
+            "whole; other dispatchers (Megatron's) are not handled in this version")
 
 
 PASS = FusionPass(

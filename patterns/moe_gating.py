@@ -36,7 +36,8 @@ in another order: the results agree to rounding, not bit for bit.
 
 Not fused: a sigmoid router without renormalisation (the op's sigmoid mode always
 renormalises) and half-precision scores (the op ranks fp32 scores; near ties could pick
-other experts).
+other experts). Known gap: transformers' noaux_tc with n_group=1 reshapes its group mask
+without a copy, a graph the form (traced with several groups) does not match.
 """
 import torch
 

@@ -96,3 +96,40 @@ class ScaleShiftFusion:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         return make_fx(cls.search, tracing_mode="fake")(torch.randn(*shape))
+
+
+def torchtitan_moe(num_experts=8, dim=64, top_k=3, **router):
+    """torchtitan's own MoE layer (router, local token dispatcher, grouped experts), tiny.
+
+    From its DeepSeek-V3 debugmodel flavor, without the shared expert; `router` overrides
+    TokenChoiceTopKRouter.Config fields (score_func, num_expert_groups, route_norm, ...).
+    The expert bias (load balancing) is random, as a trained one is not zero.
+    """
+    import dataclasses
+
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    cfg = deepseekv3_configs["debugmodel"](attn_backend="flex", moe_comm_backend="standard").layers[1].moe
+    routed = cfg.routed_experts
+    cfg = dataclasses.replace(
+        cfg, num_experts=num_experts, shared_experts=None,
+        routed_experts=dataclasses.replace(
+            routed,
+            inner_experts=dataclasses.replace(routed.inner_experts, num_experts=num_experts, dim=dim,
+                                              hidden_dim=dim),
+            token_dispatcher=dataclasses.replace(routed.token_dispatcher, num_experts=num_experts, top_k=top_k)),
+        router=dataclasses.replace(cfg.router, num_experts=num_experts, top_k=top_k,
+                                   gate=dataclasses.replace(cfg.router.gate, in_features=dim,
+                                                            out_features=num_experts),
+                                   **router))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        moe = cfg.build()
+        moe.init_states(buffer_device=torch.device("cpu"))
+        moe.expert_bias_E.normal_(std=0.05)
+    return moe.eval()
+
+
+# torchtitan's DeepSeek-V3 router settings (sigmoid, node-limited groups, route_norm, scale)
+TORCHTITAN_DEEPSEEK_ROUTER = dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2,
+                                  route_norm=True, route_scale=2.5)

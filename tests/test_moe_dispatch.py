@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+from helpers import TORCHTITAN_DEEPSEEK_ROUTER, assert_close_at_scale, compile_and_run, near_miss_reasons, torchtitan_moe
 
 EXPERTS, TOP_K, HIDDEN, FFN = 4, 2, 16, 8
 
@@ -115,7 +115,7 @@ def test_a_combine_without_the_routing_weights_does_not_fuse():
                                        config=nff.FusionConfig(enable={"moe_dispatch"}))
     assert report.counts["moe_dispatch"] == 0
     (miss,) = near_miss_reasons(report, "moe_dispatch")
-    assert "not transformers' grouped_mm experts block" in miss, miss
+    assert "neither transformers' grouped_mm experts block" in miss, miss
     torch.testing.assert_close(out, ref)
 
 
@@ -154,3 +154,70 @@ def test_the_batched_block_becomes_routing_grouped_matmuls_and_finalize(dtype, p
     assert fused["npu.npu_grouped_matmul"] == 2
     assert report.graphs[0].ops_after["aten.bmm.default"] == 0
     _assert_block_equal(out, ref)
+
+
+# ---- torchtitan: LocalTokenDispatcher + GroupedExperts --------------------------------------
+ONLY_DISPATCH = nff.FusionConfig(enable={"moe_dispatch"})
+
+
+def _torchtitan_tokens(dtype=torch.float32, dim=64):
+    torch.manual_seed(2)
+    return torch.randn(2, 24, dim).to(dtype)  # 48 tokens over 8 experts: many per expert
+
+
+@pytest.mark.parametrize("router", [{}, TORCHTITAN_DEEPSEEK_ROUTER], ids=["softmax+bias", "sigmoid groups"])
+def test_torchtitan_block_becomes_init_routing_and_finalize(router):
+    moe = torchtitan_moe(num_experts=16 if router else 8, **router)
+    out, ref, report = compile_and_run(moe, _torchtitan_tokens(), config=ONLY_DISPATCH)
+    assert report.counts["moe_dispatch"] == 1
+    assert report.fused_ops == {"npu.npu_moe_init_routing_v2": 1, "npu.npu_moe_finalize_routing": 1}
+    # the same rows through the same bf16 GEMMs; each token's k weighted rows added in
+    # another order (fp32)
+    _assert_block_equal(out, ref)
+
+
+def test_torchtitan_block_in_bf16():
+    moe = torchtitan_moe()
+    for param in moe.parameters():
+        param.data = param.data.bfloat16()
+    moe.expert_bias_E.data = moe.expert_bias_E.data.bfloat16()
+    out, ref, report = compile_and_run(moe, _torchtitan_tokens(torch.bfloat16), config=ONLY_DISPATCH)
+    assert report.counts["moe_dispatch"] == 1
+    # torchtitan rounds each weighted row to bf16 and adds the k rows in bf16; finalize adds
+    # in fp32 and rounds once: at most k (3) roundings apart at the output's scale
+    assert_close_at_scale(out, ref, 3)
+
+
+def test_torchtitan_block_verifies():
+    config = nff.FusionConfig(enable={"moe_dispatch"}, verify=True)
+    _, _, report = compile_and_run(torchtitan_moe(), _torchtitan_tokens(), config=config)
+    (site,) = report.sites
+    assert site.verified.startswith("verified: max error"), site.verified
+
+
+def _unstable_reorder(self, x_TD, topk_scores_TK, topk_expert_ids_TK):
+    perm = torch.argsort(topk_expert_ids_TK.view(-1))  # not stable: rows of one expert in any order
+    return x_TD[perm // self.top_k], perm // self.top_k, topk_scores_TK.view(-1)[perm]
+
+
+def _unweighted_combine(self, routed_output_RD, metadata, x_TD):
+    from torchtitan.ops.scatter_add import deterministic_scatter_add
+
+    index = metadata.token_indices_experts_sorted_N.reshape(-1, 1).expand(-1, x_TD.shape[-1])
+    return deterministic_scatter_add(torch.zeros_like(x_TD), index, routed_output_RD)
+
+
+@pytest.mark.parametrize("method, replacement", [("_local_reorder", _unstable_reorder),
+                                                 ("combine", _unweighted_combine)],
+                         ids=["unstable argsort", "combine without weights"])
+def test_torchtitan_variants_the_rewrite_does_not_cover_stay_unfused(monkeypatch, method, replacement):
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+
+    moe = torchtitan_moe()
+    monkeypatch.setattr(type(moe.routed_experts.token_dispatcher), method, replacement)
+    assert isinstance(moe.routed_experts.token_dispatcher, LocalTokenDispatcher)
+    out, ref, report = compile_and_run(moe, _torchtitan_tokens(), config=ONLY_DISPATCH)
+    assert report.counts["moe_dispatch"] == 0
+    (miss,) = near_miss_reasons(report, "moe_dispatch")
+    assert "torchtitan's local dispatcher" in miss, miss
+    torch.testing.assert_close(out, ref)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
+from helpers import (TORCHTITAN_DEEPSEEK_ROUTER, assert_close_at_scale, assert_within_ulps, compile_and_run,
+                     near_miss_reasons, torchtitan_moe)
 
 ONLY_GATING = nff.FusionConfig(enable={"moe_gating"})
 
@@ -239,3 +240,35 @@ def test_noaux_tc_groups_too_small_for_the_op_do_not_fuse():
     assert report.counts["moe_gating"] == 0
     (miss,) = near_miss_reasons(report, "moe_gating")
     assert "groups of at least 3 experts" in miss, miss
+
+
+# torchtitan's TokenChoiceTopKRouter, in its own MoE layer (local dispatcher, grouped experts)
+def _torchtitan_tokens():
+    torch.manual_seed(2)
+    return torch.randn(2, 24, 64)
+
+
+@pytest.mark.parametrize("router, experts", [({}, 8), (TORCHTITAN_DEEPSEEK_ROUTER, 16)],
+                         ids=["softmax+bias", "sigmoid groups route_norm"])
+def test_torchtitan_router_fuses_in_front_of_the_fused_dispatch(router, experts):
+    moe = torchtitan_moe(num_experts=experts, **router)
+    out, ref, report = compile_and_run(moe, _torchtitan_tokens(), config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 1 and report.counts["moe_dispatch"] == 1
+    assert report.fused_ops["npu.npu_moe_gating_top_k"] == 1
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_torchtitan_sigmoid_router_without_route_norm_does_not_fuse():
+    moe = torchtitan_moe(num_experts=16, **dict(TORCHTITAN_DEEPSEEK_ROUTER, route_norm=False))
+    _, _, report = compile_and_run(moe, _torchtitan_tokens(), config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "always renormalises" in miss, miss
+
+
+def test_torchtitan_router_alone_is_not_fused_where_the_expert_order_is_used():
+    moe = torchtitan_moe()
+    _, _, report = compile_and_run(moe.router, _torchtitan_tokens(), moe.expert_bias_E, config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "order of the k experts" in miss, miss
