@@ -7,7 +7,7 @@ nodes, so growth with graph size shows, with each pass's share; and the one-time
 The default models: Llama (rms_norm, add_rms_norm, rope fuse; swiglu only finds near
 misses), Phi-3 (fused gate_up: swiglu fuses too) and Qwen3-MoE (+ moe_gating,
 moe_dispatch and grouped_matmul), each with its estimated kernel launches before and
-after fusion; then the ops per routed MoE block of Qwen3-MoE, for both transformers
+after fusion; then the ops per routed MoE block of Qwen3-MoE and DeepSeek-V3, for both transformers
 experts implementations.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--models llama phi3 qwen3_moe] [--layers 2 8 32]
@@ -67,22 +67,43 @@ def compile_fraction(model: str, layers: int) -> None:
           f"launches {graph.cost_before.launches} -> {graph.cost_after.launches} ({passes})")
 
 
-def moe_block_ops(model: str = "qwen3_moe") -> None:
-    """Ops per routed MoE block (the experts module and its router) before and after fusion,
-    for the transformers experts implementations: call nodes in the block's graph region,
-    and the computing ones among them (views, getitems excluded, as in the cost estimate)."""
+# (label, builder, kwargs); a block is every call under <layer>.mlp.{gate,experts} (transformers)
+# or under <layer>.moe except its shared experts (torchtitan: router, dispatcher, experts and
+# the routing map the MoE layer itself computes)
+MOE_MODELS = [
+    ("qwen3_moe grouped_mm", "hf", "qwen3_moe", {"experts_implementation": "grouped_mm"}),
+    ("qwen3_moe batched_mm", "hf", "qwen3_moe", {"experts_implementation": "batched_mm"}),
+    ("deepseek_v3 grouped_mm", "hf", "deepseek_v3", {"experts_implementation": "grouped_mm"}),
+    ("deepseek_v3 batched_mm", "hf", "deepseek_v3", {"experts_implementation": "batched_mm"}),
+    ("torchtitan deepseek_v3", "torchtitan", "deepseek_v3", {}),
+]
+
+
+def _moe_block(module: str):
+    if ".mlp." in module:
+        block, rest = module.split(".mlp.", 1)
+        return f"{block}.mlp" if rest.split(".")[0] in ("experts", "gate") else None
+    if module.endswith(".moe") or ".moe." in module:
+        block, _, rest = module.partition(".moe")
+        return None if rest.startswith(".shared_experts") else f"{block}.moe"
+    return None
+
+
+def moe_block_ops() -> None:
+    """Ops per routed MoE block (router, dispatch, experts, combine) before and after fusion:
+    call nodes in the block's graph region, and the computing ones among them (views,
+    getitems excluded, as in the cost estimate)."""
     from collections import Counter
 
     from npu_fx_fusion.backend import EmulationBackend
     from npu_fx_fusion.report import GraphCost, SourceLocation
-    from npu_fx_fusion.tiny_models import build_hf
+    from npu_fx_fusion.tiny_models import build_hf, build_torchtitan
 
     def per_block(gm):
         ops, computing, moved = Counter(), Counter(), Counter()
         for node in gm.graph.nodes:
-            module = SourceLocation.of(node).module
-            if node.op == "call_function" and module.endswith((".mlp.experts", ".mlp.gate")):
-                block = module.rsplit(".", 1)[0]
+            block = _moe_block(SourceLocation.of(node).module or "")
+            if node.op == "call_function" and block:
                 cost = GraphCost.of_node(node)
                 ops[block] += 1
                 computing[block] += cost.launches
@@ -96,17 +117,21 @@ def moe_block_ops(model: str = "qwen3_moe") -> None:
             self.after = per_block(gm)
             return compiled
 
-    for experts in ("grouped_mm", "batched_mm"):
+    for label, library, model, kwargs in MOE_MODELS:
         torch._dynamo.reset()
-        tiny = build_hf(model, num_layers=2, experts_implementation=experts)
+        build = build_hf if library == "hf" else build_torchtitan
+        tiny = build(model, num_layers=2, **kwargs)
         backend = Counting()
         with torch.no_grad():
             torch.compile(tiny.model, backend=backend)(*tiny.example_inputs)
         (ops_b, launches_b, bytes_b), (ops_a, launches_a, bytes_a) = backend.before, backend.after
+        fused = {s.fused_op.split(".")[-1] for s in backend.report.sites
+                 if s.pass_name.startswith(("moe", "grouped"))}
         for block in sorted(ops_b):
-            print(f"{model} {experts:10s} {block}: {ops_b[block]} -> {ops_a[block]} ops, "
+            print(f"{label:23s} {block}: {ops_b[block]} -> {ops_a[block]} ops, "
                   f"{launches_b[block]} -> {launches_a[block]} launching, "
-                  f"{bytes_b[block] / 1e3:.0f} -> {bytes_a[block] / 1e3:.0f} KB moved (estimates)")
+                  f"{bytes_b[block] / 1e3:.0f} -> {bytes_a[block] / 1e3:.0f} KB moved (estimates); "
+                  f"fused: {', '.join(sorted(fused))}")
 
 
 def main() -> None:

@@ -102,3 +102,20 @@ def test_report_renders_sites_near_misses_and_op_counts():
     assert data["counts"]["rms_norm"] == 1
     assert data["graphs"][0]["ops_after"]["npu.npu_rms_norm.default"] == 1
     assert nff.last_report() is report
+
+
+def test_repeated_conversions_that_fusion_adds_are_merged_and_the_models_own_stay():
+    from npu_fx_fusion.pipeline import _merge_repeated_conversions
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    cast = torch.ops.aten._to_copy.default
+    model_a = graph.call_function(cast, (x,), {"dtype": torch.int32})
+    model_b = graph.call_function(cast, (x,), {"dtype": torch.int32})  # the model's own repeat
+    original = set(graph.nodes)
+    new = graph.call_function(cast, (x,), {"dtype": torch.int32})  # a replacement's repeat
+    other = graph.call_function(cast, (x,), {"dtype": torch.int64})  # another conversion
+    graph.output((model_a, model_b, new, other))
+    assert _merge_repeated_conversions(graph, original) == 1
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    assert output.args[0] == (model_a, model_b, model_a, other)

@@ -118,6 +118,48 @@ class _Dumper:
             self.write(folder, "after.svg", svg)
 
 
+# Ops that only convert or re-view a tensor: pure, so two calls on the same input with the
+# same arguments are one value.
+_CONVERSIONS = frozenset({
+    torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+})
+
+
+def _merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """One node for each repeated conversion that fusion introduced.
+
+    Replacements are traced one site at a time, so two fused ops reading the same tensor
+    each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
+    int64 group list of each grouped matmul). A repeat is merged into the first node with
+    the same op and arguments when one of the two is new; the model's own repeats stay as
+    they are. Returns the number of nodes merged.
+    """
+    npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+    conversions = _CONVERSIONS | ({npu_cast.default} if npu_cast is not None else set())
+    first: dict[Any, Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in conversions:
+            continue
+        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        earlier = first.setdefault(key, node)
+        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+            merged += 1
+    return merged
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
 def _views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
     """Make every `view` a replacement can reach a `reshape`.
 
@@ -169,6 +211,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     for name in enabled:
         graph_report.passes.append(_run_one(gm, name, config, soc, mode))
     _views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
+    _merge_repeated_conversions(gm.graph, original_nodes)
 
     gm.graph.lint()
     gm.recompile()
