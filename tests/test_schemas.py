@@ -4,7 +4,12 @@ The schemas live once, in npu_fx_fusion/npu_ops/schemas.py; here each is compare
 the `func:` line of the real torch-npu 2.13.0 wheel's
 torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml (scripts/fetch_torch_npu.sh
 unpacks it), both parsed by torch._C.parse_schema.
+
+The cann_ops_transformer schemas are not torch_npu's: they are copied from that package's
+OpBuilder.schema() (see schemas.py). The wheel cannot vouch for them, so they are checked
+against the installed package, and that test skips, saying so, where it is not installed.
 """
+import importlib.util
 import os
 import re
 
@@ -45,3 +50,30 @@ def test_registered_stand_ins_carry_those_schemas():
         registered = getattr(getattr(torch.ops, namespace), name).default._schema
         expected = torch._C.parse_schema(f"{namespace}::{SCHEMAS[namespace][name]}")
         assert registered == expected
+
+
+# ---- ops of other packages (cann_ops_transformer) ---------------------------------------
+OTHER = [o for o in OURS if o[0] != "npu"]
+
+
+@pytest.mark.parametrize("namespace, name, schema", OTHER, ids=[f"{o[0]}.{o[1]}" for o in OTHER])
+def test_other_packages_schemas_are_not_torch_npus(wheel_schemas, namespace, name, schema):
+    # they are not compared with the wheel above: make sure the wheel indeed lacks them
+    # (an op torch_npu adopted would have to move to the npu namespace and be compared)
+    assert name not in wheel_schemas
+    assert schema.split("(", 1)[0] == name
+    torch._C.parse_schema(f"{namespace}::{schema}")
+
+
+def test_cann_ops_transformer_schemas_equal_the_installed_package():
+    if importlib.util.find_spec("cann_ops_transformer") is None:
+        pytest.skip("cann_ops_transformer is not installed: its schemas in npu_ops/schemas.py are copied from "
+                    "its OpBuilder.schema() (hicann/ops-transformer, torch_extension/cann_ops_transformer/ops/"
+                    "sparse_flash_mla_softmax_l1_norm.py) and cannot be compared here")
+    try:
+        importlib.import_module("cann_ops_transformer")  # registers torch.ops.cann_ops_transformer.*
+    except Exception as exc:  # it needs torch_npu and CANN
+        pytest.skip(f"cann_ops_transformer is installed but does not import here ({exc}): not compared")
+    for name, schema in SCHEMAS["cann_ops_transformer"].items():
+        registered = getattr(torch.ops.cann_ops_transformer, name).default._schema
+        assert registered == torch._C.parse_schema(f"cann_ops_transformer::{schema}"), name

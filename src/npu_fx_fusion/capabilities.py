@@ -448,3 +448,145 @@ def unsupported(op: str, soc: Optional[str], *, x: torch.Tensor,
                          for name, t in zip(cap.same_shape, shaped))
         return f"{op} needs {' and '.join(cap.same_shape)} of one shape and dtype, got {desc}"
     return None
+
+
+# ---- DeepSeek-V3.2 sparse attention (npu_ops/attention.py; op_semantics sections 8 and 10) ----
+# Appended as a block of its own. `x` of unsupported() is the op's query. No pass emits these
+# ops yet; the entries are the limits a DSA pattern will check.
+CAPABILITIES.update({
+    cap.op: cap
+    for cap in (
+        OpCapability(
+            op="npu.npu_lightning_indexer",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # query and key, one dtype
+            min_rank=3,  # TND
+            max_rank=4,  # BSND
+            # through sparse_values only (output_differentiability [false, true]), so the
+            # forward needs return_value=True; the stand-in has no backward yet
+            backward="npu.npu_lightning_indexer_grad",
+            ge_converter=True,  # custom/lightning_indexer.py -> GE LightningIndexer
+            socs={
+                "Ascend310P": SocLimits(supported=False),
+                # Atlas 350 (950): weights fp16/bf16 only, N1 in {8, 16, 24, 32, 64}
+                "Ascend950": SocLimits(),
+            },
+            limits={
+                "head_dim": 128,  # query and key D
+                "max_query_heads": 64,  # N1 <= 64
+                "query_heads_950": (8, 16, 24, 32, 64),
+                "key_heads": 1,  # N2
+                "layouts_query": ("BSND", "TND"),
+                "layouts_key": ("BSND", "TND", "PA_BSND"),  # key layout = query layout unless paged
+                "pa_block_size_multiple": 16,  # PA_BSND block_size: a multiple of 16, <= 1024
+                "pa_max_block_size": 1024,
+                "max_sparse_count": 2048,  # sparse_count in [1, 2048] or one of:
+                "large_sparse_counts": (3072, 4096, 5120, 6144, 7168, 8192),
+                "sparse_modes": (0, 3),  # none, right-down causal
+                "pre_next_tokens_default_only": True,
+                "weights_dtypes": (torch.float16, torch.bfloat16, torch.float32),  # fp32: not on 950
+                "weights_fp32_socs": ("Ascend910B", "Ascend910_93"),
+                # return_value: training only and not with paged keys; in graph mode only on 950
+                "return_value_with_paged_key": False,
+                "return_value_graph_socs": ("Ascend950",),
+                "actual_seq_lengths_dtype": torch.int32,  # TND: cumulative; PA_BSND key: per batch, required
+            },
+            doc="op_semantics 8.1 / op-plugin doc torch_npu-npu_lightning_indexer.md: products Atlas A2 and "
+            "A3 inference, Atlas 350 (950); query/key fp16/bf16 (one dtype), weights fp16/bf16 or fp32 "
+            "(not on 950), D == 128, N1 <= 64 (950: 8/16/24/32/64), N2 == 1, PA block_size % 16 == 0 and "
+            "<= 1024, sparse_count in [1, 2048] or 3072..8192 step 1024, sparse_mode 0/3, default "
+            "pre/next_tokens only, return_value not with PA_BSND; GE converter custom/lightning_indexer.py; "
+            "autograd NpuLightningIndexerBackward0 through sparse_values",
+        ),
+        OpCapability(
+            op="npu.npu_sparse_flash_attention",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # query, key, value (and ropes), one dtype
+            min_rank=3,  # TND
+            max_rank=4,  # BSND
+            # needs softmax_max/sum, i.e. return_softmax_lse=True; the stand-in has no backward yet
+            backward="npu.npu_sparse_flash_attention_grad",
+            ge_converter=True,  # custom/sparse_flash_attention.py -> GE SparseFlashAttention
+            socs={
+                "Ascend310P": SocLimits(supported=False),
+                # 950 per op_semantics 8.2 (N1 any of 1..128, sparse_block_size 1 only, sinks);
+                # the op-plugin master doc lists A2/A3 inference only
+                "Ascend950": SocLimits(),
+            },
+            limits={
+                "head_dim": 512,  # query, key, value D
+                "rope_head_dim": 64,  # query_rope, key_rope D
+                "query_heads": (1, 2, 4, 8, 16, 32, 64, 128),  # 950: any of 1..128
+                "max_query_heads_950": 128,
+                "key_heads": 1,  # KV_N
+                "layouts_query": ("BSND", "TND"),
+                "layouts_kv": ("BSND", "TND", "PA_BSND"),  # kv layout = query layout unless paged
+                "pa_block_size_multiple": 16,
+                "pa_max_block_size": 1024,
+                "max_sparse_block_size": 128,  # a power of 2 in [1, 128], dividing the PA block_size
+                "sparse_block_size_power_of_2": True,
+                "sparse_block_sizes_950": (1,),
+                "sparse_modes": (0, 3),
+                "attention_modes": (2,),  # the docs: only 2 (MLA absorb, key and value one tensor)
+                "pre_next_tokens_default_only": True,
+                # return_softmax_lse: training only, not with PA_BSND, not in graph mode
+                "return_softmax_lse_with_paged_kv": False,
+                "return_softmax_lse_in_graph": False,
+                "value_none_min_cann": "9.2.0",  # the wheel's Meta function
+                "sinks_socs": ("Ascend950",),  # undocumented semantics: no CPU reference
+                "sparse_indices_dtype": torch.int32,
+            },
+            doc="op_semantics 8.2 / op-plugin doc torch_npu-npu_sparse_flash_attention.md: products Atlas A2 "
+            "and A3 inference (950 per op_semantics); query/key/value fp16/bf16 of one dtype, D == 512, rope "
+            "D == 64, N1 a power of 2 <= 128, KV_N == 1, sparse_block_size a power of 2 in [1, 128] dividing "
+            "the PA block_size (16k <= 1024), sparse_mode 0/3, attention_mode 2, default pre/next_tokens, "
+            "return_softmax_lse not with PA_BSND nor in graph mode; value=None needs CANN >= 9.2 (Meta); "
+            "GE converter custom/sparse_flash_attention.py; autograd NpuSparseFlashAttentionBackward0",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.sparse_flash_mla_softmax_l1_norm",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # q and k, one dtype; lse fp32
+            min_rank=3,  # TND
+            max_rank=4,  # BSND
+            backward=None,
+            ge_converter=False,  # not a torch_npu op: torchair 2.13 has no converter for it
+            socs={soc: SocLimits(supported=soc == "Ascend950") for soc in SOCS},  # 950PR/950DT only
+            limits={
+                "package": "cann_ops_transformer",  # torch.ops.cann_ops_transformer, not torch_npu
+                "head_dim": 512,
+                "max_query_heads": 128,  # N1 in 1..128
+                "key_heads": 1,
+                "layouts": ("BSND", "TND"),  # layout_q == layout_k
+                "mask_modes": (0, 3),
+                "max_cmp_ratio": 128,  # cmp_ratio in 1..128
+                "needs_metadata": "cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata",
+                # torchair: single-op and ACL graph (reduce-overhead) per the docs' examples
+                "modes": ("reduce-overhead", "npugraph_ex"),
+            },
+            doc="op_semantics 10 / cann_ops_transformer docs (hicann/ops-transformer torch_extension/"
+            "cann_ops_transformer/docs/zh/sparse_flash_mla_softmax_l1_norm.md): Ascend 950PR/950DT only; q/k "
+            "fp16/bf16, D == 512, N1 1..128, N2 == 1, BSND/TND (equal), mask_mode 0/3, cmp_ratio 1..128, "
+            "metadata from the _metadata op required; fp32 output; no autograd; no GE converter (not in "
+            "torch_npu)",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata",
+            dtypes=frozenset({torch.int32}),  # its tensors: cu_seqlens / seqused / topk_length
+            min_rank=1,
+            max_rank=1,
+            backward=None,
+            ge_converter=False,
+            socs={soc: SocLimits(supported=soc == "Ascend950") for soc in SOCS},
+            limits={
+                "package": "cann_ops_transformer",
+                "head_dim": 512,
+                "max_query_heads": 128,
+                "key_heads": 1,
+                "output": "int32[64] on the host (an AICPU tiling helper; move it to the device)",
+                "bsnd_needs": ("batch_size", "max_seqlen_q", "max_seqlen_k"),
+                "tnd_needs": ("cu_seqlens_q", "cu_seqlens_k"),
+            },
+            doc="op_semantics 10 / cann_ops_transformer docs: the tiling metadata of "
+            "sparse_flash_mla_softmax_l1_norm, int32[64]; Ascend 950 only; no GE converter",
+        ),
+    )
+})
+# ---- end of the DeepSeek-V3.2 sparse attention block ----

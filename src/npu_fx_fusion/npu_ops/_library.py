@@ -16,7 +16,12 @@ from .schemas import SCHEMAS
 log = logging.getLogger("npu_fx_fusion.npu_ops")
 
 # One module per op family; each declares its kernels with @stand_in at import.
-_FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe")
+_FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe", "attention")
+
+# Namespaces that belong to a package of their own rather than to torch_npu. Their
+# stand-ins are registered only when that package is not installed (then its real ops
+# are the ones to use, on an NPU, and defining look-alikes here would shadow them).
+_NAMESPACE_PACKAGES = {"cann_ops_transformer": "cann_ops_transformer"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,9 @@ class StandIn:
     fake: Callable
     backward: Optional[Callable] = None
     setup_context: Optional[Callable] = None
+    # torch_npu differentiates the op with this op, which has no stand-in yet: backward
+    # raises NotImplementedError naming both instead of differentiating or dropping grads
+    missing_backward: Optional[str] = None
 
     @property
     def qualname(self) -> str:
@@ -40,16 +48,22 @@ _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
 def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = None,
-             setup_context: Optional[Callable] = None):
-    """Declare the CPU reference kernel of `namespace::op` (decorator on the kernel)."""
+             setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None):
+    """Declare the CPU reference kernel of `namespace::op` (decorator on the kernel).
+
+    `missing_backward`: the op torch_npu's autograd calls, when it has no stand-in yet.
+    """
     namespace, name = qualname.split("::")
     if name not in SCHEMAS.get(namespace, {}):
         raise KeyError(f"{qualname} has no schema in npu_ops/schemas.py")
     if (backward is None) != (setup_context is None):
         raise ValueError(f"{qualname}: backward and setup_context go together")
+    if missing_backward is not None and backward is not None:
+        raise ValueError(f"{qualname}: a backward and a missing_backward exclude each other")
 
     def declare(kernel: Callable) -> Callable:
-        _DECLARED[qualname] = StandIn(namespace, name, kernel, fake, backward, setup_context)
+        _DECLARED[qualname] = StandIn(namespace, name, kernel, fake, backward, setup_context,
+                                      missing_backward)
         return kernel
 
     return declare
@@ -71,6 +85,17 @@ def real_torch_npu_available() -> bool:
 
 
 
+def _real_package_installed(namespace: str) -> bool:
+    """True when `namespace` belongs to a package of its own (not torch_npu) that is installed."""
+    package = _NAMESPACE_PACKAGES.get(namespace)
+    if package is None:
+        return False
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken or half-imported install counts as installed
+        return True
+
+
 def _schema_defined(namespace: str, name: str) -> bool:
     try:
         torch._C._get_schema(f"{namespace}::{name}", "")  # noqa: SLF001
@@ -87,8 +112,24 @@ def _save_nothing(ctx, inputs, output=None, keyword_only_inputs=None) -> None:
 
 
 def _no_backward(qualname: str) -> Callable:
+    namespace = qualname.split("::")[0]
+    owner = "torch_npu" if namespace == "npu" else namespace
+
     def backward(ctx, *grads):
-        raise RuntimeError(f"{qualname} has no backward in torch_npu: it is for inference graphs only")
+        raise RuntimeError(f"{qualname} has no backward in {owner}: it is for inference graphs only")
+
+    return backward
+
+
+def _missing_backward_message(op: StandIn) -> str:
+    return (f"{op.qualname}: torch_npu differentiates it with {op.missing_backward}, which has no CPU "
+            "stand-in yet, so the stand-in cannot backpropagate through it (run it under "
+            "torch.no_grad(), or add the stand-in of the backward op)")
+
+
+def _missing_backward(op: StandIn) -> Callable:
+    def backward(ctx, *grads):
+        raise NotImplementedError(_missing_backward_message(op))
 
     return backward
 
@@ -120,6 +161,8 @@ def _register_autograd(lib: torch.library.Library, op: StandIn, backward: Callab
                 value = keyword_only_args.get(name)
                 tensors = value if isinstance(value, (list, tuple)) else [value]
                 if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+                    if op.missing_backward is not None:  # torch_npu may differentiate it
+                        raise NotImplementedError(_missing_backward_message(op))
                     raise RuntimeError(f"{op.qualname}: torch_npu has no gradient for its keyword-only "
                                        f"argument {name}, which requires grad")
         return kernel(keyset, *args, **keyword_only_args)
@@ -140,6 +183,10 @@ def ensure_registered() -> tuple[str, ...]:
     for module in _FAMILY_MODULES:
         importlib.import_module(f"{__package__}.{module}")
     for op in _DECLARED.values():
+        if _real_package_installed(op.namespace):
+            log.info("%s: the %s package is installed, its ops are used: not registering the stand-in",
+                     op.qualname, _NAMESPACE_PACKAGES[op.namespace])
+            continue
         if _schema_defined(op.namespace, op.name):
             log.info("%s is already defined elsewhere: not registering the stand-in", op.qualname)
             continue
@@ -149,7 +196,9 @@ def ensure_registered() -> tuple[str, ...]:
         lib.impl(op.name, op.kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(op.qualname, op.fake, lib=lib)
         backward, setup_context = op.backward, op.setup_context
-        if backward is None:  # fail loudly, as a missing NPU backward would, never drop grads
+        if op.missing_backward is not None:
+            backward, setup_context = _missing_backward(op), _save_nothing
+        elif backward is None:  # fail loudly, as a missing NPU backward would, never drop grads
             backward, setup_context = _no_backward(op.qualname), _save_nothing
         _register_autograd(lib, op, backward, setup_context)
         _REGISTERED.append(op.qualname)

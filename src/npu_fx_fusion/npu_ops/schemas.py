@@ -92,3 +92,48 @@ SCHEMAS: dict[str, dict[str, str]] = {
         ),
     },
 }
+
+# ---- DeepSeek-V3.2 sparse attention (npu_ops/attention.py; op_semantics sections 8 and 10) ----
+# Appended as a block of its own. The two npu ops are torch_npu 2.13.0's (yaml lines 489 and
+# 978), compared with the wheel by tests/test_schemas.py like every other npu schema.
+SCHEMAS["npu"].update({
+    "npu_lightning_indexer": (
+        "npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, "
+        "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, "
+        "Tensor? block_table=None, str layout_query=\"BSND\", str layout_key=\"BSND\", "
+        "int sparse_count=2048, int sparse_mode=3, int pre_tokens=9223372036854775807, "
+        "int next_tokens=9223372036854775807, bool return_value=False) -> (Tensor, Tensor)"
+    ),
+    "npu_sparse_flash_attention": (
+        "npu_sparse_flash_attention(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, "
+        "float scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, "
+        "Tensor? actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, "
+        "int sparse_block_size=1, str layout_query=\"BSND\", str layout_kv=\"BSND\", int sparse_mode=3, "
+        "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, int attention_mode=0, "
+        "bool return_softmax_lse=False, Tensor? sinks=None) -> (Tensor, Tensor, Tensor)"
+    ),
+})
+
+# Not torch_npu ops: the CANN ops-transformer PyTorch extension (package cann_ops_transformer,
+# Ascend 950 only) registers them as torch.ops.cann_ops_transformer.*. Copied character for
+# character from its OpBuilder.schema() (hicann/ops-transformer,
+# torch_extension/cann_ops_transformer/ops/sparse_flash_mla_softmax_l1_norm.py; also
+# shared/reference/op_schemas.yaml). The wheel cannot check them: tests/test_schemas.py checks
+# them against the installed package when there is one, and skips saying so otherwise.
+SCHEMAS["cann_ops_transformer"] = {
+    "sparse_flash_mla_softmax_l1_norm_metadata": (
+        "sparse_flash_mla_softmax_l1_norm_metadata(int num_heads_q, int num_heads_k, int head_dim, *, "
+        "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, "
+        "Tensor? seqused_k=None, Tensor? cmp_residual_k=None, Tensor? topk_length=None, "
+        "int? batch_size=None, int? max_seqlen_q=None, int? max_seqlen_k=None, int? topk=None, "
+        "str? layout_q=None, str? layout_k=None, int? mask_mode=None, int? cmp_ratio=None) -> Tensor"
+    ),
+    "sparse_flash_mla_softmax_l1_norm": (
+        "sparse_flash_mla_softmax_l1_norm(Tensor q, Tensor k, Tensor softmax_lse, *, "
+        "Tensor? sparse_indices=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+        "Tensor? seqused_q=None, Tensor? seqused_k=None, Tensor? cmp_residual_k=None, "
+        "Tensor? topk_length=None, Tensor? metadata=None, float softmax_scale=1.0, int max_seqlen_k=0, "
+        "int cmp_ratio=1, int mask_mode=0, str layout_q=\"BSND\", str layout_k=\"BSND\") -> Tensor"
+    ),
+}
+# ---- end of the DeepSeek-V3.2 sparse attention block ----

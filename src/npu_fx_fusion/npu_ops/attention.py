@@ -1,0 +1,663 @@
+"""DeepSeek-V3.2 sparse attention (DSA): the lightning indexer, sparse flash attention, and
+the softmax-L1-norm target of the indexer loss (cann_ops_transformer) with its metadata.
+
+Reference semantics: shared/reference/op_semantics.md sections 8 and 10, checked against
+the op-plugin docs (docs/zh/custom_APIs/torch_npu/torch_npu-npu_lightning_indexer.md,
+-npu_sparse_flash_attention.md), the A2/A3 AscendC kernels (LightningIndexer,
+SparseFlashAttention: lightning_indexer_kernel.h, sparse_flash_attention_kernel_mla.h),
+the vendor CPU goldens (sgl-kernel-npu tests/python/sgl_kernel_npu/test_lightning_indexer.py,
+test_sparse_flash_attention.py), and for the cann_ops_transformer ops the extension's docs,
+infershape, pypto kernel and AICPU metadata kernel (hicann/ops-transformer). Output shapes
+and dtypes of the npu ops are the wheel's Meta functions'.
+
+The conventions, in one place (b: batch, i: query row in its batch, j: key in its batch):
+
+* Layouts. BSND (B, S, N, D): batch b is row block b, its first L_b rows valid, with L_b
+  the per-batch `actual_seq_lengths*` (None: all S). TND (T, N, D): the batches are
+  consecutive row ranges and the lengths are CUMULATIVE (prefix sums, no leading 0:
+  [3, 5] = rows 0-2, 3-4); the cann_ops_transformer ops take `cu_seqlens` WITH the leading
+  0 (B + 1 entries) instead. PA_BSND (keys only): (blocks, block_size, N, D) paged cache;
+  key j of batch b is key[block_table[b, j // block_size], j % block_size], and the
+  per-batch key lengths are required.
+* Key positions (indices in and out) are batch-local: 0 is the batch's first key, in every
+  layout, TND and paged included.
+* sparse_mode / mask_mode 3 is the RIGHT-DOWN causal mask: row i of a batch with Lq queries
+  and Lk keys sees j <= (Lk - Lq) + i (the last query sees every key). 0: no mask.
+* Sparse indices: valid entries first; the first negative (-1 padding) ends the list, it
+  and every slot after it select nothing. In npu_sparse_flash_attention an entry is a
+  BLOCK id: block s selects keys [s * sparse_block_size, (s + 1) * sparse_block_size),
+  cut at the batch's key count.
+* Heads: N1 query heads share N2 key heads in groups of G = N1 / N2 consecutive heads
+  (query head h reads key head h // G). The docs allow N2 = 1 only; the kernels compute any
+  N2 dividing N1, capabilities.py holds the limits.
+
+Everything is computed in fp32 (float64 stays float64) and rounded once to the output
+dtype. Hardware limits (D = 128 / 512 + 64, head counts, sparse_count values, block sizes,
+SoCs) live in capabilities.py; the kernels refuse only what they cannot compute or what
+the op itself would reject (ranks, layouts, modes, mismatched shapes and dtypes).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ._library import stand_in
+
+_I64_MAX = 9223372036854775807  # pre_tokens / next_tokens: only the default is supported
+# SOFTMAX_MIN_NUM of the A2/A3 SFA vector service: softmax_max of a row with no key
+_SOFTMAX_MIN = -2e38
+# The metadata op spreads the rows over min(rows, AIC cores, 36) cores. The AIC count is the
+# device's; the stand-in assumes at least 36 (the kernel's result does not depend on it).
+_METADATA_MAX_CORES = 36
+_METADATA_SIZE = 64
+
+LAYOUTS = ("BSND", "TND")
+KEY_LAYOUTS = ("BSND", "TND", "PA_BSND")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def _ints(op: str, name: str, t: torch.Tensor) -> list[int]:
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise RuntimeError(f"{op}: {name} must be a 1-D integer tensor, got {t.dtype} {_shape(t)}")
+    return [int(v) for v in t.tolist()]
+
+
+def _check_rank(op: str, name: str, t: torch.Tensor, layout: str) -> None:
+    rank = 3 if layout == "TND" else 4
+    if t.dim() != rank:
+        raise RuntimeError(f"{op}: with layout {layout} {name} must be {rank}-D, it has {t.dim()} dims "
+                           f"{_shape(t)}")
+
+
+def _check_layouts(op: str, layout_q: str, layout_k: str, k_name: str, key_layouts=KEY_LAYOUTS) -> None:
+    if layout_q not in LAYOUTS:
+        raise RuntimeError(f"{op}: query layout must be one of {LAYOUTS}, got {layout_q!r}")
+    if layout_k not in key_layouts:
+        raise RuntimeError(f"{op}: {k_name} must be one of {key_layouts}, got {layout_k!r}")
+    if layout_k != "PA_BSND" and layout_k != layout_q:
+        raise RuntimeError(f"{op}: without paged keys (PA_BSND) {k_name} must equal the query layout, "
+                           f"got {layout_q!r} and {layout_k!r}")
+
+
+def _check_float_pair(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    if not a.dtype.is_floating_point or a.dtype != b.dtype:
+        raise RuntimeError(f"{op}: {a_name} and {b_name} must be floating point of one dtype, got "
+                           f"{a.dtype} and {b.dtype}")
+
+
+def _check_heads(op: str, n1: int, n2: int) -> int:
+    if n2 <= 0 or n1 % n2:
+        raise RuntimeError(f"{op}: the {n1} query heads must be a multiple of the {n2} key heads")
+    return n1 // n2
+
+
+def _check_default_tokens(op: str, pre_tokens: int, next_tokens: int) -> None:
+    if pre_tokens != _I64_MAX or next_tokens != _I64_MAX:
+        raise NotImplementedError(f"{op}: only the default pre_tokens/next_tokens (2^63-1) are supported "
+                                  f"(torch_npu docs), got {pre_tokens} and {next_tokens}")
+
+
+# ---- batches ----------------------------------------------------------------------------
+def _query_batches(op: str, layout: str, query: torch.Tensor, lengths: Optional[torch.Tensor],
+                   name: str) -> tuple[list[int], list[int]]:
+    """(first flat row, valid rows) of each batch of a BSND / TND query-like tensor."""
+    if layout == "TND":
+        if lengths is None:
+            raise RuntimeError(f"{op}: with layout TND {name} (cumulative lengths) is required")
+        return _cumulative(op, name, _ints(op, name, lengths), query.shape[0])
+    batch, seq = query.shape[0], query.shape[1]
+    if lengths is None:
+        return [b * seq for b in range(batch)], [seq] * batch
+    lens = _ints(op, name, lengths)
+    if len(lens) != batch or any(not 0 <= n <= seq for n in lens):
+        raise RuntimeError(f"{op}: {name} must hold {batch} lengths in [0, {seq}], got {lens}")
+    return [b * seq for b in range(batch)], lens
+
+
+def _cumulative(op: str, name: str, cum: list[int], rows: int) -> tuple[list[int], list[int]]:
+    if not cum or cum[0] < 0 or any(b < a for a, b in zip(cum, cum[1:])) or cum[-1] > rows:
+        raise RuntimeError(f"{op}: {name} must be non-decreasing cumulative lengths (prefix sums) "
+                           f"between 0 and {rows}, got {cum}")
+    starts = [0] + cum[:-1]
+    return starts, [end - start for start, end in zip(starts, cum)]
+
+
+def _key_rows(op: str, layout: str, key: torch.Tensor, lengths: Optional[torch.Tensor],
+              block_table: Optional[torch.Tensor], batch: int, name: str) -> list[torch.Tensor]:
+    """Per batch, the rows of key.reshape(-1, N, D) holding its keys 0, 1, ... in order."""
+    if layout == "PA_BSND":
+        if block_table is None or lengths is None:
+            raise RuntimeError(f"{op}: paged keys (PA_BSND) need block_table and {name}")
+        lens = _ints(op, name, lengths)
+        blocks, block_size = key.shape[0], key.shape[1]
+        if block_table.dim() != 2 or block_table.shape[0] != batch or len(lens) != batch:
+            raise RuntimeError(f"{op}: PA_BSND needs block_table (B={batch}, max_blocks) and {batch} "
+                               f"{name}, got {_shape(block_table)} and {lens}")
+        table = block_table.long()
+        rows = []
+        for b, n in enumerate(lens):
+            if n < 0 or (n and (n - 1) // block_size >= table.shape[1]):
+                raise RuntimeError(f"{op}: batch {b} has {n} keys, not between 0 and the "
+                                   f"{table.shape[1]} x {block_size} its block_table row holds")
+            j = torch.arange(n)
+            ids = table[b, j // block_size]
+            if n and not ((ids >= 0) & (ids < blocks)).all():
+                raise RuntimeError(f"{op}: block_table[{b}] names blocks outside [0, {blocks})")
+            rows.append(ids * block_size + j % block_size)
+        return rows
+    if block_table is not None:
+        raise RuntimeError(f"{op}: block_table is for paged keys (PA_BSND) only, layout is {layout}")
+    if layout == "TND":
+        if lengths is None:
+            raise RuntimeError(f"{op}: with layout TND {name} (cumulative lengths) is required")
+        starts, lens = _cumulative(op, name, _ints(op, name, lengths), key.shape[0])
+    else:
+        if key.shape[0] != batch:
+            raise RuntimeError(f"{op}: key has batch {key.shape[0]}, the query {batch}")
+        starts, lens = _query_batches(op, "BSND", key, lengths, name)
+    if len(lens) != batch:
+        raise RuntimeError(f"{op}: {name} has {len(lens)} batches, the query {batch}")
+    return [torch.arange(start, start + n) for start, n in zip(starts, lens)]
+
+
+def _causal_hidden(lq: int, lk: int) -> torch.Tensor:
+    """(lq, lk) True where the right-down causal mask hides key j from query row i."""
+    i = torch.arange(lq).unsqueeze(1)
+    return torch.arange(lk).unsqueeze(0) > (lk - lq) + i
+
+
+# =====================================================================================
+# npu_lightning_indexer
+# =====================================================================================
+def _check_indexer(query, key, weights, block_table, layout_query, layout_key, sparse_count, sparse_mode,
+                   pre_tokens, next_tokens) -> int:
+    """Validate; return N2 (key heads)."""
+    op = "npu_lightning_indexer"
+    _check_layouts(op, layout_query, layout_key, "layout_key")
+    _check_rank(op, "query", query, layout_query)
+    _check_rank(op, "key", key, "BSND" if layout_key == "PA_BSND" else layout_key)
+    _check_float_pair(op, "query", query, "key", key)
+    if not weights.dtype.is_floating_point or _shape(weights) != _shape(query)[:-1]:
+        raise RuntimeError(f"{op}: weights must be floating point of shape {_shape(query)[:-1]} (query "
+                           f"without D), got {weights.dtype} {_shape(weights)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise RuntimeError(f"{op}: query and key head dims differ: {query.shape[-1]} and {key.shape[-1]}")
+    _check_heads(op, query.shape[-2], key.shape[-2])
+    if layout_key == "PA_BSND" and block_table is None:
+        raise RuntimeError(f"{op}: paged keys (PA_BSND) need block_table")
+    if sparse_count <= 0:
+        raise RuntimeError(f"{op}: sparse_count must be > 0, got {sparse_count}")
+    if sparse_mode not in (0, 3):
+        raise RuntimeError(f"{op}: sparse_mode must be 0 (no mask) or 3 (right-down causal), got {sparse_mode}")
+    _check_default_tokens(op, pre_tokens, next_tokens)
+    return key.shape[-2]
+
+
+def _indexer_out_shape(query, n2, sparse_count, layout_query) -> tuple:
+    if layout_query == "BSND":
+        return (query.shape[0], query.shape[1], n2, sparse_count)
+    return (query.shape[0], n2, sparse_count)
+
+
+def _lightning_indexer_fake(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                            block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
+                            sparse_mode=3, pre_tokens=_I64_MAX, next_tokens=_I64_MAX, return_value=False):
+    n2 = _check_indexer(query, key, weights, block_table, layout_query, layout_key, sparse_count, sparse_mode,
+                        pre_tokens, next_tokens)
+    shape = _indexer_out_shape(query, n2, sparse_count, layout_query)
+    values = query.new_empty(shape) if return_value else query.new_empty((0,))
+    return query.new_empty(shape, dtype=torch.int32), values
+
+
+@stand_in("npu::npu_lightning_indexer", fake=_lightning_indexer_fake,
+          missing_backward="npu.npu_lightning_indexer_grad")
+def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
+                          block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
+                          sparse_mode=3, pre_tokens=_I64_MAX, next_tokens=_I64_MAX, return_value=False):
+    # op_semantics 8.1 and the op-plugin doc formula: for query row i and key j (of one key head)
+    #   score[i, j] = sum_h weights[i, h] * relu(query[i, h] . key[j])     (fp32, no scale)
+    # sparse_indices = the top sparse_count key positions, descending by score, batch-local;
+    # slots past the batch's (causally visible) keys are -1 and their values -inf
+    # [inferred: the kernel's sort buffer starts as (-inf, -1) pairs, lightning_indexer
+    # service vector InitSortOutBuf]. The order within the top-k is not specified by the
+    # docs (the vendor test compares sorted rows): ties go to the lower key here. Query rows
+    # past a batch's length are all -1 (the kernel's CleanInvalidOutput).
+    n2 = _check_indexer(query, key, weights, block_table, layout_query, layout_key, sparse_count, sparse_mode,
+                        pre_tokens, next_tokens)
+    op = "npu_lightning_indexer"
+    n1, d = query.shape[-2], query.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(query)
+    q_starts, q_lens = _query_batches(op, layout_query, query, actual_seq_lengths_query,
+                                      "actual_seq_lengths_query")
+    k_rows = _key_rows(op, layout_key, key, actual_seq_lengths_key, block_table, len(q_lens),
+                       "actual_seq_lengths_key")
+    q_flat, w_flat, k_flat = query.reshape(-1, n1, d), weights.reshape(-1, n1), key.reshape(-1, n2, d)
+    rows = q_flat.shape[0]
+    indices = torch.full((rows, n2, sparse_count), -1, dtype=torch.int32, device=query.device)
+    values = torch.full((rows, n2, sparse_count), float("-inf"), dtype=acc, device=query.device)
+    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
+        lk = k_b.numel()
+        if lq == 0 or lk == 0:
+            continue
+        q = q_flat[start:start + lq].to(acc).view(lq, n2, g, d)
+        w = w_flat[start:start + lq].to(acc).view(lq, n2, g)
+        k = k_flat[k_b].to(acc)  # (lk, n2, d)
+        score = (torch.einsum("sngd,tnd->sngt", q, k).relu() * w.unsqueeze(-1)).sum(2)  # (lq, n2, lk)
+        if sparse_mode == 3:
+            score = score.masked_fill(_causal_hidden(lq, lk).unsqueeze(1), float("-inf"))
+        n = min(sparse_count, lk)
+        vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)
+        vals, idx = vals[..., :n], idx[..., :n]
+        indices[start:start + lq, :, :n] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
+        values[start:start + lq, :, :n] = vals
+    shape = _indexer_out_shape(query, n2, sparse_count, layout_query)
+    sparse_values = values.to(query.dtype).view(shape) if return_value else query.new_empty((0,))
+    return indices.view(shape), sparse_values
+
+
+# =====================================================================================
+# npu_sparse_flash_attention
+# =====================================================================================
+def _check_sfa(query, key, value, sparse_indices, block_table, query_rope, key_rope, sparse_block_size,
+               layout_query, layout_kv, sparse_mode, pre_tokens, next_tokens, attention_mode,
+               return_softmax_lse, sinks) -> int:
+    """Validate; return N2 (key/value heads)."""
+    op = "npu_sparse_flash_attention"
+    _check_layouts(op, layout_query, layout_kv, "layout_kv")
+    kv_layout = "BSND" if layout_kv == "PA_BSND" else layout_kv
+    _check_rank(op, "query", query, layout_query)
+    _check_rank(op, "key", key, kv_layout)
+    _check_float_pair(op, "query", query, "key", key)
+    if value is not None:
+        _check_float_pair(op, "query", query, "value", value)
+        if _shape(value) != _shape(key):
+            raise RuntimeError(f"{op}: value must have key's shape {_shape(key)}, got {_shape(value)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise RuntimeError(f"{op}: query, key and value head dims must be equal (the output has query's "
+                           f"shape), got {query.shape[-1]} and {key.shape[-1]}")
+    n1, n2 = query.shape[-2], key.shape[-2]
+    _check_heads(op, n1, n2)
+    if (query_rope is None) != (key_rope is None):
+        raise RuntimeError(f"{op}: query_rope and key_rope go together")
+    if query_rope is not None:
+        _check_float_pair(op, "query", query, "query_rope", query_rope)
+        _check_float_pair(op, "key", key, "key_rope", key_rope)
+        if _shape(query_rope)[:-1] != _shape(query)[:-1] or _shape(key_rope)[:-1] != _shape(key)[:-1] \
+                or query_rope.shape[-1] != key_rope.shape[-1]:
+            raise RuntimeError(f"{op}: query_rope must be query's shape and key_rope key's shape but for a "
+                               f"common rope dim, got {_shape(query_rope)} for {_shape(query)} and "
+                               f"{_shape(key_rope)} for {_shape(key)}")
+    if sparse_indices.dtype != torch.int32:
+        raise RuntimeError(f"{op}: sparse_indices must be int32, got {sparse_indices.dtype}")
+    expected = _shape(query)[:-2] + (n2,)
+    if _shape(sparse_indices)[:-1] != expected or sparse_indices.dim() != len(expected) + 1 \
+            or sparse_indices.shape[-1] <= 0:
+        lead = "B, S1" if layout_query == "BSND" else "T1"
+        raise RuntimeError(f"{op}: sparse_indices must be ({lead}, N2, K) = {expected + ('K',)} with K > 0, "
+                           f"got {_shape(sparse_indices)}")
+    if query.numel() == 0 or key.numel() == 0:
+        raise RuntimeError(f"{op}: query and key must not be empty")
+    if sparse_block_size < 1:
+        raise RuntimeError(f"{op}: sparse_block_size must be >= 1, got {sparse_block_size}")
+    if sparse_mode not in (0, 3):
+        raise RuntimeError(f"{op}: sparse_mode must be 0 (selection only) or 3 (right-down causal), "
+                           f"got {sparse_mode}")
+    if attention_mode not in (0, 2):
+        raise RuntimeError(f"{op}: attention_mode must be 0 or 2 (MLA absorb), got {attention_mode}")
+    _check_default_tokens(op, pre_tokens, next_tokens)
+    if layout_kv == "PA_BSND" and block_table is None:
+        raise RuntimeError(f"{op}: paged keys (PA_BSND) need block_table")
+    if return_softmax_lse and layout_kv == "PA_BSND":
+        raise RuntimeError(f"{op}: return_softmax_lse is not supported with paged keys (PA_BSND)")
+    if sinks is not None:
+        raise NotImplementedError(f"{op}: sinks (Ascend 950, aclnnSparseFlashAttentionV2) are undocumented "
+                                  "(op_semantics 11.3): no CPU reference")
+    return n2
+
+
+def _sfa_lse_shape(query, n2, layout_query) -> tuple:
+    g = query.shape[-2] // n2
+    if layout_query == "BSND":
+        return (query.shape[0], n2, query.shape[1], g)
+    return (n2, query.shape[0], g)
+
+
+def _sparse_flash_attention_fake(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                                 actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
+                                 key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                                 sparse_mode=3, pre_tokens=_I64_MAX, next_tokens=_I64_MAX, attention_mode=0,
+                                 return_softmax_lse=False, sinks=None):
+    n2 = _check_sfa(query, key, value, sparse_indices, block_table, query_rope, key_rope, sparse_block_size,
+                    layout_query, layout_kv, sparse_mode, pre_tokens, next_tokens, attention_mode,
+                    return_softmax_lse, sinks)
+    lse_shape = _sfa_lse_shape(query, n2, layout_query) if return_softmax_lse else (0,)
+    return (query.new_empty(query.shape), query.new_empty(lse_shape, dtype=torch.float32),
+            query.new_empty(lse_shape, dtype=torch.float32))
+
+
+@stand_in("npu::npu_sparse_flash_attention", fake=_sparse_flash_attention_fake,
+          missing_backward="npu.npu_sparse_flash_attention_grad")
+def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
+                               actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
+                               key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
+                               sparse_mode=3, pre_tokens=_I64_MAX, next_tokens=_I64_MAX, attention_mode=0,
+                               return_softmax_lse=False, sinks=None):
+    # op_semantics 8.2, the op-plugin doc and the sgl-kernel-npu golden. For query row i,
+    # query head h (key head n = h // G):
+    #   selected positions: for each listed block s (up to the first negative), the keys
+    #     [s*bs, min((s+1)*bs, Lkv)); sparse_mode 3 drops those with j > (Lkv - Lq) + i
+    #   scores  = ([query, query_rope]_h . [key, key_rope]_j) * scale_value   (MLA absorb:
+    #             the nope and rope parts are concatenated on D; no rope: query . key)
+    #   out     = softmax(scores) @ value[selected]  (value None: key, CANN >= 9.2 [inferred])
+    #   softmax_max = max(scores), softmax_sum = sum(exp(scores - max)): lse = max + log(sum)
+    # A position listed twice counts twice (the golden concatenates the blocks). A row with no
+    # selected position (all -1, causally empty, padding rows) gets out = 0 (the kernel
+    # zero-fills those), softmax_max = -2e38 and softmax_sum = 0 (the kernel's softmax
+    # defaults) [inferred for the training (lse) kernel, not read]. fp32 throughout, rounded
+    # once: the kernel's cast of the probabilities to the KV dtype before P @ V and its AMLA
+    # rescaling are not replicated (they move the output by about one bf16 ulp of P).
+    n2 = _check_sfa(query, key, value, sparse_indices, block_table, query_rope, key_rope, sparse_block_size,
+                    layout_query, layout_kv, sparse_mode, pre_tokens, next_tokens, attention_mode,
+                    return_softmax_lse, sinks)
+    op = "npu_sparse_flash_attention"
+    n1, d = query.shape[-2], query.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(query)
+    q_starts, q_lens = _query_batches(op, layout_query, query, actual_seq_lengths_query,
+                                      "actual_seq_lengths_query")
+    k_rows = _key_rows(op, layout_kv, key, actual_seq_lengths_kv, block_table, len(q_lens),
+                       "actual_seq_lengths_kv")
+    value = key if value is None else value
+    q_flat = query.reshape(-1, n1, d)
+    k_flat, v_flat = key.reshape(-1, n2, d), value.reshape(-1, n2, d)
+    qr_flat = kr_flat = None
+    if query_rope is not None:
+        qr_flat = query_rope.reshape(-1, n1, query_rope.shape[-1])
+        kr_flat = key_rope.reshape(-1, n2, key_rope.shape[-1])
+    idx_flat = sparse_indices.reshape(-1, n2, sparse_indices.shape[-1])
+    rows = q_flat.shape[0]
+    out = torch.zeros((rows, n2, g, d), dtype=acc, device=query.device)
+    smax = torch.full((rows, n2, g), _SOFTMAX_MIN, dtype=torch.float32, device=query.device)
+    ssum = torch.zeros((rows, n2, g), dtype=torch.float32, device=query.device)
+    within_block = torch.arange(sparse_block_size)
+    heads = torch.arange(n2).view(1, n2, 1)
+    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
+        lk = k_b.numel()
+        if lq == 0 or lk == 0:
+            continue
+        blocks = idx_flat[start:start + lq].long()  # (lq, n2, K)
+        listed = (blocks >= 0).long().cumprod(-1).bool()  # before the first negative
+        pos = blocks.unsqueeze(-1) * sparse_block_size + within_block  # (lq, n2, K, bs)
+        valid = listed.unsqueeze(-1) & (pos >= 0) & (pos < lk)
+        if sparse_mode == 3:
+            valid &= pos <= (lk - lq) + torch.arange(lq).view(lq, 1, 1, 1)
+        pos, valid = pos.flatten(2).clamp(0, lk - 1), valid.flatten(2)  # (lq, n2, P)
+        # gather per (row, key head): sel[i, n, p] = kv of batch key pos[i, n, p], head n
+        rows_kv = k_b[pos]
+        k_sel = k_flat[rows_kv, heads].to(acc)  # (lq, n2, P, d)
+        v_sel = v_flat[rows_kv, heads].to(acc)
+        q = q_flat[start:start + lq].to(acc).view(lq, n2, g, d)
+        scores = torch.einsum("ingd,inpd->ingp", q, k_sel)
+        if qr_flat is not None:
+            qr = qr_flat[start:start + lq].to(acc).view(lq, n2, g, -1)
+            scores = scores + torch.einsum("ingd,inpd->ingp", qr, kr_flat[rows_kv, heads].to(acc))
+        scores = (scores * scale_value).masked_fill(~valid.unsqueeze(2), float("-inf"))
+        some = valid.any(-1).unsqueeze(-1)  # (lq, n2, 1)
+        m = torch.where(some, scores.amax(-1), torch.zeros((), dtype=acc))
+        e = torch.exp(scores - m.unsqueeze(-1))  # masked: exp(-inf) = 0
+        s = e.sum(-1)
+        o = torch.einsum("ingp,inpd->ingd", e, v_sel) / torch.where(some, s, torch.ones((), dtype=acc)).unsqueeze(-1)
+        out[start:start + lq] = torch.where(some.unsqueeze(-1), o, torch.zeros((), dtype=acc))
+        smax[start:start + lq] = torch.where(some, m, torch.tensor(_SOFTMAX_MIN, dtype=acc)).float()
+        ssum[start:start + lq] = torch.where(some, s, torch.zeros((), dtype=acc)).float()
+    attention_out = out.to(query.dtype).view(query.shape)
+    if not return_softmax_lse:
+        empty = query.new_empty((0,), dtype=torch.float32)
+        return attention_out, empty, empty.clone()
+    if layout_query == "BSND":  # (B, S1, N2, G) -> (B, N2, S1, G)
+        b, s1 = query.shape[0], query.shape[1]
+        smax, ssum = (t.view(b, s1, n2, g).transpose(1, 2).contiguous() for t in (smax, ssum))
+    else:  # (T1, N2, G) -> (N2, T1, G)
+        smax, ssum = smax.transpose(0, 1).contiguous(), ssum.transpose(0, 1).contiguous()
+    return attention_out, smax, ssum
+
+
+# =====================================================================================
+# cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata
+# =====================================================================================
+def _check_metadata_args(num_heads_q, num_heads_k, head_dim, layout_q, layout_k, mask_mode, cmp_ratio) -> None:
+    op = "sparse_flash_mla_softmax_l1_norm_metadata"
+    if num_heads_q <= 0 or head_dim <= 0:
+        raise RuntimeError(f"{op}: num_heads_q and head_dim must be positive, got {num_heads_q} and {head_dim}")
+    _check_heads(op, num_heads_q, num_heads_k)
+    if layout_q not in LAYOUTS or layout_k != layout_q:
+        raise RuntimeError(f"{op}: layout_q and layout_k must be one of {LAYOUTS} and equal, got "
+                           f"{layout_q!r} and {layout_k!r}")
+    if mask_mode not in (0, 3):
+        raise RuntimeError(f"{op}: mask_mode must be 0 (no mask) or 3 (right-down causal), got {mask_mode}")
+    if cmp_ratio < 1:
+        raise RuntimeError(f"{op}: cmp_ratio must be >= 1, got {cmp_ratio}")
+
+
+def _metadata_fake(num_heads_q, num_heads_k, head_dim, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                   seqused_k=None, cmp_residual_k=None, topk_length=None, batch_size=None, max_seqlen_q=None,
+                   max_seqlen_k=None, topk=None, layout_q=None, layout_k=None, mask_mode=None, cmp_ratio=None):
+    layout_q = layout_q or "BSND"
+    _check_metadata_args(num_heads_q, num_heads_k, head_dim, layout_q, layout_k or "BSND",
+                         0 if mask_mode is None else mask_mode, 1 if cmp_ratio is None else cmp_ratio)
+    return torch.empty((_METADATA_SIZE,), dtype=torch.int32)
+
+
+def _metadata_rows(op, layout_q, cu_seqlens_q, seqused_q, batch_size, max_seqlen_q) -> int:
+    """The number of (batch, query row) pairs the main op computes (the AICPU CalcTotalSize)."""
+    if seqused_q is not None:
+        used = _ints(op, "seqused_q", seqused_q)
+        if any(n < 0 for n in used):
+            raise RuntimeError(f"{op}: seqused_q must not be negative, got {used}")
+        return sum(used)
+    if layout_q == "TND":
+        if cu_seqlens_q is None:
+            raise RuntimeError(f"{op}: layout TND needs cu_seqlens_q")
+        return _ints(op, "cu_seqlens_q", cu_seqlens_q)[-1]
+    if not batch_size or not max_seqlen_q or batch_size < 0 or max_seqlen_q < 0:
+        raise RuntimeError(f"{op}: layout BSND needs positive batch_size and max_seqlen_q, got {batch_size} "
+                           f"and {max_seqlen_q}")
+    return batch_size * max_seqlen_q
+
+
+@stand_in("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm_metadata", fake=_metadata_fake)  # no autograd
+def sparse_flash_mla_softmax_l1_norm_metadata(num_heads_q, num_heads_k, head_dim, *, cu_seqlens_q=None,
+                                              cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                                              cmp_residual_k=None, topk_length=None, batch_size=None,
+                                              max_seqlen_q=None, max_seqlen_k=None, topk=None, layout_q=None,
+                                              layout_k=None, mask_mode=None, cmp_ratio=None):
+    # The AICPU kernel (sparse_flash_mla_softmax_l1_norm_metadata_aicpu_arch35.h BuildMetadata):
+    # int32[64], zero but for
+    #   [0] rows = sum(seqused_q), else cu_seqlens_q[B] (TND), else batch_size * max_seqlen_q
+    #   [4] C = min(rows, AIC cores, 36)   [1] ceil(rows / C)   [2] floor(rows / C)
+    #   [3] C - rows % C, or 0 when C divides rows (the cores taking floor(rows / C))
+    # The main op reads [0] (rows) and [4] (cores) only. Output on the CPU: the docs move it
+    # to the device explicitly (metadata.npu()).
+    op = "sparse_flash_mla_softmax_l1_norm_metadata"
+    layout_q = layout_q or "BSND"
+    _check_metadata_args(num_heads_q, num_heads_k, head_dim, layout_q, layout_k or "BSND",
+                         0 if mask_mode is None else mask_mode, 1 if cmp_ratio is None else cmp_ratio)
+    rows = _metadata_rows(op, layout_q, cu_seqlens_q, seqused_q, batch_size, max_seqlen_q)
+    metadata = torch.zeros((_METADATA_SIZE,), dtype=torch.int32)
+    if rows > 0:  # 0 rows: the kernel would divide by 0 cores; all zeros here
+        cores = min(rows, _METADATA_MAX_CORES)
+        remainder = rows % cores
+        metadata[:5] = torch.tensor([rows, -(-rows // cores), rows // cores,
+                                     0 if remainder == 0 else cores - remainder, cores], dtype=torch.int32)
+    return metadata
+
+
+# =====================================================================================
+# cann_ops_transformer.sparse_flash_mla_softmax_l1_norm
+# =====================================================================================
+def _check_l1_norm(q, k, softmax_lse, sparse_indices, cu_seqlens_q, cu_seqlens_k, cmp_residual_k, topk_length,
+                   max_seqlen_k, cmp_ratio, mask_mode, layout_q, layout_k) -> tuple[int, bool]:
+    """Validate; return (N2, sparse)."""
+    op = "sparse_flash_mla_softmax_l1_norm"
+    _check_layouts(op, layout_q, layout_k, "layout_k", key_layouts=LAYOUTS)
+    _check_rank(op, "q", q, layout_q)
+    _check_rank(op, "k", k, layout_k)
+    _check_float_pair(op, "q", q, "k", k)
+    if k.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"{op}: q and k head dims differ: {q.shape[-1]} and {k.shape[-1]}")
+    n1, n2 = q.shape[-2], k.shape[-2]
+    g = _check_heads(op, n1, n2)
+    lse_shape = (q.shape[0], n2, q.shape[1], g) if layout_q == "BSND" else (n2, q.shape[0], g)
+    if not softmax_lse.dtype.is_floating_point or _shape(softmax_lse) != lse_shape:
+        raise RuntimeError(f"{op}: softmax_lse must be floating point (fp32) of shape "
+                           f"{'(B, N2, S1, G)' if layout_q == 'BSND' else '(N2, T1, G)'} = {lse_shape}, "
+                           f"got {softmax_lse.dtype} {_shape(softmax_lse)}")
+    rows_shape = _shape(q)[:-2] + (n2,)
+    sparse = sparse_indices is not None and sparse_indices.numel() != 0
+    if sparse and (sparse_indices.dtype != torch.int32 or _shape(sparse_indices)[:-1] != rows_shape
+                   or sparse_indices.dim() != len(rows_shape) + 1):
+        raise RuntimeError(f"{op}: sparse_indices must be int32 of shape {rows_shape + ('K',)}, got "
+                           f"{sparse_indices.dtype} {_shape(sparse_indices)}")
+    if topk_length is not None and _shape(topk_length) != rows_shape:
+        raise RuntimeError(f"{op}: topk_length must have shape {rows_shape}, got {_shape(topk_length)}")
+    if layout_q == "TND":
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise RuntimeError(f"{op}: layout TND needs cu_seqlens_q and cu_seqlens_k")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 2:
+            raise RuntimeError(f"{op}: cu_seqlens_q and cu_seqlens_k must both be (B + 1,), got "
+                               f"{_shape(cu_seqlens_q)} and {_shape(cu_seqlens_k)}")
+        if not sparse and max_seqlen_k <= 0:
+            raise RuntimeError(f"{op}: dense TND needs max_seqlen_k > 0 (the output is (T1, N2, max_seqlen_k))")
+    if mask_mode not in (0, 3):
+        raise RuntimeError(f"{op}: mask_mode must be 0 (no mask) or 3 (right-down causal), got {mask_mode}")
+    if cmp_ratio < 1:
+        raise RuntimeError(f"{op}: cmp_ratio must be >= 1, got {cmp_ratio}")
+    if mask_mode == 3 and cmp_ratio > 1 and cmp_residual_k is None:
+        raise RuntimeError(f"{op}: mask_mode 3 with cmp_ratio > 1 needs cmp_residual_k (S2 % cmp_ratio per batch)")
+    return n2, sparse
+
+
+def _l1_norm_out_shape(q, k, sparse_indices, n2, sparse, max_seqlen_k, layout_q) -> tuple:
+    if layout_q == "BSND":
+        return (q.shape[0], q.shape[1], n2, sparse_indices.shape[-1] if sparse else k.shape[1])
+    # TND dense: (T1, N2, max_seqlen_k), batch-local key positions (the pypto kernel's output
+    # tensor and its corrected infershape; the doc's (T1, N2, T2) is the same for B = 1)
+    return (q.shape[0], n2, sparse_indices.shape[-1] if sparse else max_seqlen_k)
+
+
+def _l1_norm_fake(q, k, softmax_lse, *, sparse_indices=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                  seqused_k=None, cmp_residual_k=None, topk_length=None, metadata=None, softmax_scale=1.0,
+                  max_seqlen_k=0, cmp_ratio=1, mask_mode=0, layout_q="BSND", layout_k="BSND"):
+    n2, sparse = _check_l1_norm(q, k, softmax_lse, sparse_indices, cu_seqlens_q, cu_seqlens_k, cmp_residual_k,
+                                topk_length, max_seqlen_k, cmp_ratio, mask_mode, layout_q, layout_k)
+    return q.new_empty(_l1_norm_out_shape(q, k, sparse_indices, n2, sparse, max_seqlen_k, layout_q),
+                       dtype=torch.float32)
+
+
+def _per_batch(op: str, name: str, t: Optional[torch.Tensor], batch: int, default: Sequence[int]) -> list[int]:
+    if t is None:
+        return list(default)
+    values = _ints(op, name, t)
+    if len(values) != batch:
+        raise RuntimeError(f"{op}: {name} must hold {batch} values (one per batch), got {values}")
+    return values
+
+
+@stand_in("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm", fake=_l1_norm_fake)  # no autograd
+def sparse_flash_mla_softmax_l1_norm(q, k, softmax_lse, *, sparse_indices=None, cu_seqlens_q=None,
+                                     cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
+                                     topk_length=None, metadata=None, softmax_scale=1.0, max_seqlen_k=0,
+                                     cmp_ratio=1, mask_mode=0, layout_q="BSND", layout_k="BSND"):
+    # op_semantics 10, the extension doc and the pypto kernel. Per batch b (Sq, Sk: its query
+    # and key counts, seqused_* if given), query row i < Sq, key head n and its G query heads:
+    #   mask_mode 3: ori = Sk * cmp_ratio + (cmp_residual_k[b] if cmp_ratio > 1 else 0);
+    #                visible = max((ori - Sq + i + 1) // cmp_ratio, 0)   (compressed keys wholly
+    #                at or before the query: right-down causal on the uncompressed sequence)
+    #   dense:  n = Sk (mode 0) or visible (mode 3); slot j < n is key j
+    #   sparse: n = min(K or topk_length[i, n], Sk (mode 0) or visible (mode 3)), cut at the
+    #           first negative index; slot s < n is key sparse_indices[i, n, s]
+    #   out[i, n, slot] = sum_{g < G} exp(scale * q[i, nG+g] . k[slot] - lse[i, nG+g]) / G
+    # ("SimpleSoftmax": the lse of the matching attention forward, no max/sum recomputed). The
+    # mode-3 sparse cut limits the NUMBER of slots to the visible count, it does not test the
+    # index values. Everything else is 0 (the kernel zero-initialises the output). fp32.
+    op = "sparse_flash_mla_softmax_l1_norm"
+    n2, sparse = _check_l1_norm(q, k, softmax_lse, sparse_indices, cu_seqlens_q, cu_seqlens_k, cmp_residual_k,
+                                topk_length, max_seqlen_k, cmp_ratio, mask_mode, layout_q, layout_k)
+    n1, d = q.shape[-2], q.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(q)
+    if layout_q == "BSND":
+        batch, s1, s2 = q.shape[0], q.shape[1], k.shape[1]
+        q_starts, q_full = [b * s1 for b in range(batch)], [s1] * batch
+        k_starts, k_full = [b * s2 for b in range(batch)], [s2] * batch
+    else:
+        cu_q, cu_k = _ints(op, "cu_seqlens_q", cu_seqlens_q), _ints(op, "cu_seqlens_k", cu_seqlens_k)
+        q_starts, q_full = _cumulative(op, "cu_seqlens_q", cu_q[1:], q.shape[0])
+        k_starts, k_full = _cumulative(op, "cu_seqlens_k", cu_k[1:], k.shape[0])
+        if cu_q[0] != 0 or cu_k[0] != 0:
+            raise RuntimeError(f"{op}: cu_seqlens_q and cu_seqlens_k start at 0, got {cu_q} and {cu_k}")
+        batch = len(q_full)
+    sq = _per_batch(op, "seqused_q", seqused_q, batch, q_full)
+    sk = _per_batch(op, "seqused_k", seqused_k, batch, k_full)
+    if any(not 0 <= u <= f for u, f in zip(sq + sk, q_full + k_full)):
+        raise RuntimeError(f"{op}: seqused_q {sq} / seqused_k {sk} exceed the batches' lengths {q_full} / {k_full}")
+    residual = _per_batch(op, "cmp_residual_k", cmp_residual_k, batch, [0] * batch)
+    if metadata is None:
+        raise RuntimeError(f"{op}: metadata is required: make it with "
+                           "sparse_flash_mla_softmax_l1_norm_metadata (the docs move it to the device)")
+    meta = metadata.reshape(-1)
+    if meta.numel() != _METADATA_SIZE or int(meta[0]) != sum(sq) or (sum(sq) > 0 and int(meta[4]) <= 0):
+        raise RuntimeError(f"{op}: metadata was not made for this call: it counts {int(meta[0])} query rows on "
+                           f"{int(meta[4])} cores, the call has {sum(sq)} rows (the kernel computes the rows "
+                           "metadata counts)")
+    out_shape = _l1_norm_out_shape(q, k, sparse_indices, n2, sparse, max_seqlen_k, layout_q)
+    width = out_shape[-1]
+    q_flat, k_flat = q.reshape(-1, n1, d), k.reshape(-1, n2, d)
+    lse_flat = (softmax_lse.transpose(1, 2) if layout_q == "BSND" else softmax_lse.transpose(0, 1)).reshape(-1, n2, g)
+    idx_flat = sparse_indices.reshape(-1, n2, width) if sparse else None
+    klen_flat = topk_length.reshape(-1, n2) if topk_length is not None else None
+    out = torch.zeros((q_flat.shape[0], n2, width), dtype=acc, device=q.device)
+    heads = torch.arange(n2).view(1, n2, 1)
+    for b in range(batch):
+        rows, keys = sq[b], sk[b]
+        if rows == 0:
+            continue
+        i = torch.arange(rows).view(rows, 1)
+        if mask_mode == 3:
+            ori = keys * cmp_ratio + (residual[b] if cmp_ratio > 1 else 0)
+            limit = torch.clamp((ori - rows + i + 1) // cmp_ratio, min=0)  # (rows, 1)
+        else:
+            limit = torch.full((rows, 1), keys)
+        rs = slice(q_starts[b], q_starts[b] + rows)
+        qb = q_flat[rs].to(acc).view(rows, n2, g, d)
+        if sparse:
+            slots = idx_flat[rs].long()  # (rows, n2, K)
+            n = torch.minimum(limit, torch.full((1, 1), width)) if klen_flat is None else \
+                torch.minimum(limit, klen_flat[rs].long().clamp(max=width))
+            listed = (slots >= 0).long().cumprod(-1).bool()
+            valid = listed & (torch.arange(width) < n.unsqueeze(-1))
+            if (valid & (slots >= k_full[b])).any():
+                raise RuntimeError(f"{op}: batch {b}: sparse_indices select keys past its {k_full[b]} keys")
+            k_sel = k_flat[k_starts[b] + slots.clamp(0, max(k_full[b] - 1, 0)), heads].to(acc)  # (rows, n2, K, d)
+        else:
+            if width < keys:
+                raise RuntimeError(f"{op}: max_seqlen_k={width} is less than batch {b}'s {keys} keys")
+            valid = (torch.arange(width) < limit).unsqueeze(1).expand(rows, n2, width)
+            kb = k_flat[k_starts[b]:k_starts[b] + keys].to(acc)  # (keys, n2, d)
+            k_sel = torch.zeros((rows, n2, width, d), dtype=acc)
+            k_sel[:, :, :keys] = kb.transpose(0, 1).unsqueeze(0)
+            valid = valid & (torch.arange(width) < keys)
+        scores = torch.einsum("ingd,inpd->ingp", qb, k_sel) * softmax_scale
+        p = torch.exp(scores - lse_flat[rs].to(acc).unsqueeze(-1))
+        p = p.masked_fill(~valid.unsqueeze(2), 0.0)
+        out[rs] = p.sum(2) / g
+    return out.to(torch.float32).view(out_shape)
