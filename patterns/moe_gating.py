@@ -136,7 +136,7 @@ def npu_moe_gating_top_k_sigmoid_grouped(gate_scores, bias, top_k, n_group, topk
                          routed_scaling_factor=routed_scaling_factor)
 
 
-def in_expert_order(outputs):
+def in_expert_order(outputs, inputs):
     """(weights, ids, ...) with each token's k pairs sorted by expert id: the order-free view
     of an unsorted top-k, under which the unfused and fused routers are compared."""
     weights, ids, *rest = outputs

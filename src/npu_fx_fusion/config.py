@@ -21,8 +21,10 @@ PASS_NAMES: tuple[str, ...] = (
     "moe_dispatch",
     "moe_gating",
     "grouped_matmul",
-    "lightning_indexer",
+    # sparse attention first: the fused indexer pads its indices with -1, which only the
+    # fused sparse attention reads as the model's attention reads its own indices
     "sparse_attention",
+    "lightning_indexer",
     "softmax_l1_norm",
 )
 

@@ -208,10 +208,11 @@ class Form:
     replace: Callable
     dtypes: tuple = (torch.float32, torch.bfloat16)
     fused_op: Optional[str] = None  # the op the report names, if not the pass's fused_op
-    # For forms whose outputs are equal only up to an order the model never relies on
-    # (the k experts of an unsorted top-k): outputs -> outputs in one canonical order,
-    # applied to both sides before verification compares them.
-    canonical_outputs: Optional[Callable[[list], list]] = None
+    # For forms whose outputs are equal only up to what the model never relies on (the
+    # order of an unsorted top-k's k experts, the slots of keys a mask hides):
+    # (outputs, {argument name: input}) -> the outputs in one canonical form, applied to
+    # both sides before verification compares them.
+    canonical_outputs: Optional[Callable[[list, dict], list]] = None
 
     def __post_init__(self) -> None:
         self.search._nff_search = True  # its retraces may be cached (_trace_searches_once)
@@ -242,6 +243,19 @@ class Site:
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
+
+    def hardware_limits(self, broken: Sequence[str]) -> Reason:
+        """For limits of the real kernels that the CPU stand-ins do not have (head dims,
+        head counts, dtypes of the MLA kernels): with a SoC given, the first one broken is
+        the reason not to fuse; in emulation (no SoC) the site fuses and each broken limit
+        becomes a note, so the report says what a real NPU would refuse."""
+        broken = [reason for reason in broken if reason]
+        if not broken:
+            return None
+        if self.soc is not None:
+            return broken[0]
+        self.notes.extend(f"on an NPU: {reason}" for reason in broken)
+        return None
 
 
 @dataclass
@@ -458,10 +472,20 @@ class FusionPass:
 
         verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
                                site.form.replace, site.form.argnames,
-                               site.form.fused_op or self.fused_op, self.verify_input,
+                               site.form.fused_op or self.fused_op, self._verification_input,
                                site.form.canonical_outputs)
         site.verified = verdict.detail
         return None if verdict.ok else f"verification failed: {verdict.detail}"
+
+    def _verification_input(self, name: str, args: Mapping[str, Any], node: Any = None) -> Any:
+        # A value the graph computes from no input (a causal mask built from aranges) is
+        # verified as what it is, not as random data; then the pass's own factory.
+        from .constants import evaluate_constant
+
+        constant = evaluate_constant(node)
+        if constant is not None:
+            return constant
+        return self.verify_input(name, args) if self.verify_input else None
 
     def _argument_kinds_differ(self, site: Site) -> Reason:
         for name in site.form.argnames:

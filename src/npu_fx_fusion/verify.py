@@ -52,21 +52,22 @@ def verify_match(*args: Any, **kwargs: Any) -> Verdict:
 
 def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args: Mapping[str, Any],
                  arg_nodes: Mapping[str, Any], replace: Callable, argnames: Sequence[str],
-                 fused_op: str, make_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
-                 canonical: Optional[Callable[[list], list]] = None) -> Verdict:
+                 fused_op: str, make_input: Optional[Callable[..., Any]] = None,
+                 canonical: Optional[Callable[[list, dict], list]] = None) -> Verdict:
     """Run the matched subgraph and `replace` on the same inputs and compare.
 
     nodes/outputs: the match's nodes and output nodes; args/arg_nodes: the values (fake
     tensors, scalars) and graph nodes bound to each argument of the form; make_input:
-    an optional factory (name, all fake args) -> real input or None, for arguments random
-    values do not suit (offsets, indices, ...); canonical: puts both output lists in one
-    order before they are compared (Form.canonical_outputs).
+    an optional factory (name, all fake args, the argument's node) -> real input or None,
+    for arguments random values do not suit (offsets, indices, constant masks ...);
+    canonical: puts both output lists in one canonical form before they are compared
+    (Form.canonical_outputs).
     """
     inputs = {}
     generator = torch.Generator().manual_seed(SEED)
     for name in argnames:
         value = args.get(name)
-        made = make_input(name, args) if make_input else None
+        made = make_input(name, args, arg_nodes.get(name)) if make_input else None
         if made is not None:
             inputs[name] = made
         elif isinstance(value, torch.Tensor):
@@ -84,7 +85,7 @@ def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args
         fused = replace(*[inputs[n] for n in argnames])
     fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
     if canonical is not None:
-        original, fused = canonical(original), canonical(fused)
+        original, fused = canonical(original, inputs), canonical(fused, inputs)
     ulps_allowed = TOLERANCES.get(fused_op, DEFAULT_TOLERANCE)
     worst = 0.0
     for index, (orig, new) in enumerate(zip(original, fused)):

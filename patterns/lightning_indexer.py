@@ -1,0 +1,183 @@
+"""lightning_indexer: DeepSeek-V3.2's token selector -> npu_lightning_indexer.
+
+transformers' DeepseekV32Indexer scores every key for every query and keeps the best
+index_topk:
+
+    scores = relu(q.float() @ k.float()^T * scale)                 (B, S, H, T)
+    index_scores = weights[:, :, None, :] @ scores                (sum over heads h)
+    index_scores = index_scores masked to -inf where the mask hides a key
+    indices = index_scores.topk(index_topk).indices.int()
+
+npu_lightning_indexer computes sum_h w_h * relu(q_h . k) with no scale (op_semantics.md
+8.1), so the scale goes into the weights: relu(s * x) = s * relu(x) for s > 0. The mask is
+not an input of the op: its sparse_mode 3 is the right-down causal mask and 0 none. So the
+model's mask must be proven to be one of them: it is evaluated at compile time when it
+depends on no graph input (transformers builds it from aranges; constants.sparse_mode_of),
+and anything else (padding, a user's mask) is not fused.
+
+Where fewer than index_topk keys are visible (the first queries under a causal mask), the
+model's top-k still returns index_topk keys, some of them masked ones (score -inf), which
+its attention then masks again; the op returns -1 in those slots instead, and may order
+equal scores differently. Only npu_sparse_flash_attention reads such indices the way the
+model's attention reads its own (-1 selects nothing, masked keys are masked by its
+sparse_mode), so the indexer is fused only where every use of its indices is a fused
+sparse attention: sparse_attention runs before this pass.
+
+The scores the op ranks are the model's up to fp32 rounding (the scale is applied to the
+weights instead of the products): keys whose scores differ by about an ulp may be
+selected differently, as between any two top-k implementations.
+"""
+import torch
+
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.constants import sparse_mode_of
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+
+aten = torch.ops.aten
+INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
+
+
+# ---- the unfused form (transformers DeepseekV32Indexer, bool mask: its sdpa path) -----------
+def _index_scores(query, key, weights, scale):
+    scores = torch.matmul(query.float(), key.transpose(-1, -2).float().unsqueeze(1)) * scale
+    scores = torch.relu(scores)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def transformers_indexer(query, key, weights, mask, scale, index_topk):
+    index_scores = _index_scores(query, key, weights, scale).masked_fill(~mask, float("-inf"))
+    return index_scores.topk(index_topk, dim=-1).indices.to(torch.int32)
+
+
+# ---- the fused calls: one per sparse_mode the mask may prove ---------------------------------
+def _lightning_indexer(query, key, weights, scale, index_topk, sparse_mode):
+    # (B, S, H, D) queries, one key head (B, T, 1, D); indices come back (B, S, 1, k)
+    indices, _ = torch.ops.npu.npu_lightning_indexer(
+        query, key.unsqueeze(2), weights * scale, layout_query="BSND", layout_key="BSND",
+        sparse_count=index_topk, sparse_mode=sparse_mode)
+    return indices.squeeze(2)
+
+
+def npu_lightning_indexer_causal(query, key, weights, mask, scale, index_topk):
+    return _lightning_indexer(query, key, weights, scale, index_topk, sparse_mode=3)
+
+
+def npu_lightning_indexer_unmasked(query, key, weights, mask, scale, index_topk):
+    return _lightning_indexer(query, key, weights, scale, index_topk, sparse_mode=0)
+
+
+def visible_keys_in_order(outputs, inputs, causal):
+    """Each query's selected keys, sorted, with those the mask hides as -1: what the model's
+    attention uses of them, under which model and op are compared (verification)."""
+    (indices,) = outputs
+    indices = indices.long()
+    if causal:
+        queries, keys = indices.shape[-2], inputs["key"].shape[-2]
+        last_visible = torch.arange(queries).unsqueeze(-1) + (keys - queries)
+        indices = torch.where(indices <= last_visible, indices, -1)
+    return [indices.sort(dim=-1).values]
+
+
+def _form(search, replace, causal):
+    return Form(search, replace,
+                canonical_outputs=lambda outputs, inputs: visible_keys_in_order(outputs, inputs, causal))
+
+
+FORMS = [
+    # the same search twice: the check keeps the replacement whose sparse_mode the mask is
+    _form(transformers_indexer, npu_lightning_indexer_causal, causal=True),
+    _form(transformers_indexer, npu_lightning_indexer_unmasked, causal=False),
+]
+_MODE = {npu_lightning_indexer_causal: 3, npu_lightning_indexer_unmasked: 0}
+
+
+# ---- checks -------------------------------------------------------------------------------
+def check(site):
+    query, key, weights = site["query"], site["key"], site["weights"]
+    if site["scale"] <= 0:
+        return f"scale {site['scale']} <= 0: relu(scale * x) is not scale * relu(x)"
+    mode, why = sparse_mode_of(site.arg_nodes["mask"])
+    if mode is None:
+        return why
+    if mode != _MODE[site.form.replace]:
+        return f"{why}: sparse_mode {mode}, not {_MODE[site.form.replace]}"
+    use = _use_other_than_sparse_attention(site)
+    if use is not None:
+        return (f"its indices reach {use.name} ({use.target}): the op pads with -1 where fewer "
+                "than k keys are visible and may order equal scores differently, which only a "
+                "fused sparse attention reads as the model does")
+    return site.hardware_limits(_hardware_reasons(query, key, weights, site["index_topk"], site.soc))
+
+
+def _hardware_reasons(query, key, weights, count, soc):
+    limits = INDEXER.limits
+    heads, dim = query.shape[-2], query.shape[-1]
+    return [
+        unsupported("npu.npu_lightning_indexer", soc, x=query),
+        f"query {str(query.dtype)[6:]} and key {str(key.dtype)[6:]}: the kernel takes one dtype"
+        if key.dtype != query.dtype else None,
+        f"head dim {dim}, the kernel takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
+        f"{heads} query heads, the kernel takes at most {limits['max_query_heads']}"
+        if heads > limits["max_query_heads"] else None,
+        f"weights are {str(weights.dtype)[6:]}" if weights.dtype not in limits["weights_dtypes"] else None,
+        f"index_topk {count} > {limits['max_sparse_count']}"
+        if count > limits["max_sparse_count"] and count not in limits["large_sparse_counts"] else None,
+    ]
+
+
+# Ops that move the indices without changing which key each slot names.
+_PASS_ON = (aten._to_copy.default, aten.view.default, aten.reshape.default, aten.unsqueeze.default,
+            aten.expand.default, aten.clone.default)
+
+
+def _use_other_than_sparse_attention(site):
+    """The first use of the site's indices that is not a fused sparse attention's sparse_indices."""
+    inside = set(site.nodes)
+    pending = [(user, node) for node in site.nodes for user in node.users if user not in inside]
+    while pending:
+        user, value = pending.pop()
+        if is_call(user, *_PASS_ON):
+            pending += [(u, user) for u in user.users]
+        elif not (is_call(user, torch.ops.npu.npu_sparse_flash_attention) and user.args[3] is value):
+            return user
+    return None
+
+
+# ---- near misses: a top-k over relu'd, head-weighted scores -----------------------------------
+def anchor(node):
+    if not is_call(node, aten.topk.default):
+        return False
+    frontier, seen = [node.args[0]], 0
+    while frontier and seen < 40:
+        current = frontier.pop(0)
+        seen += 1
+        if is_call(current, aten.relu.default):
+            return tensor_meta(current) is not None and tensor_meta(current).dim() == 4
+        if isinstance(current, torch.fx.Node):
+            frontier.extend(current.all_input_nodes)
+    return False
+
+
+def explain(topk):
+    return ("a top-k over relu'd query-key scores that matches none of the indexer forms "
+            "(transformers DeepseekV32Indexer: scale inside the relu, weights summing the heads, "
+            "a bool mask; the additive mask of its eager path is not covered)")
+
+
+PASS = FusionPass(
+    name="lightning_indexer",
+    fused_op="npu.npu_lightning_indexer",
+    forms=FORMS,
+    example={
+        # B=2, S=T=7, H=3 heads of D=16; the scalars differ from every size (k=5)
+        "query": lambda dtype: torch.empty(2, 7, 3, 16, dtype=dtype),
+        "key": lambda dtype: torch.empty(2, 7, 16, dtype=dtype),
+        "weights": lambda dtype: torch.empty(2, 7, 3, dtype=torch.float32),
+        "mask": lambda dtype: torch.empty(2, 7, 7, dtype=torch.bool),
+        "scale": 0.125,
+        "index_topk": 5,
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+)

@@ -1,0 +1,186 @@
+"""sparse_attention: attention over the indexer's top-k keys -> npu_sparse_flash_attention.
+
+transformers' DeepseekV32Attention (eager / sdpa) turns the indexer's top-k indices into a
+mask and runs dense attention with it:
+
+    index_mask = ones(B, S, T).scatter(-1, indices, False)            True = not selected
+    attn_mask = causal_mask & ~index_mask
+    out = scaled_dot_product_attention(q, k, v, attn_mask, scale)      (B, N, S, Dv)
+
+On CPU, SDPA with a bool mask reaches the graph as its math decomposition (q and k^T each
+scaled by sqrt(scale), bmm, + where(mask, 0, -inf), _safe_softmax, bmm), which is what
+the form spells out. npu_sparse_flash_attention(q, k, v, indices, scale) attends to the
+listed keys only (op_semantics.md 8.2); its sparse_mode 3 is the right-down causal mask,
+0 none. So the model's mask must be proven one of them (constants.sparse_mode_of; it is
+built from aranges) and everything else is not fused. A key listed by the indexer but
+hidden by the causal mask (the first queries, where fewer than k keys are visible) is
+hidden by mode 3 too; a fully hidden row gives 0 in both (_safe_softmax, the kernel).
+
+transformers' attention is not MLA-absorbed: q and k are per head with the rope part
+concatenated (Dqk = nope + rope), v has Dv = nope. The op takes value of key's shape, so
+q and k are split at Dv: the first Dv dims as query / key, the rest as query_rope /
+key_rope (the op concatenates them again for the scores). Real kernels take one latent
+KV head of 512 (+ 64 rope): in emulation such sites fuse with a note saying so, with a SoC
+given they are refused.
+"""
+import math
+
+import torch
+
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.constants import sparse_mode_of
+from npu_fx_fusion.matching import Form, FusionPass, is_call
+
+aten = torch.ops.aten
+SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
+
+
+# ---- the unfused form --------------------------------------------------------------------
+def _top_k_sdpa(query, key, value, indices, mask, sqrt_scale, mask_dtype):
+    batch, heads, queries, _ = query.shape
+    keys = key.shape[-2]
+    index_mask = indices.new_ones((batch, queries, keys), dtype=torch.bool).scatter(-1, indices.long(), False)
+    attn_mask = mask & ~index_mask.unsqueeze(1)
+    # SDPA's math decomposition (_scaled_dot_product_attention_math); its scalar tensors
+    # carry dtype and device only, in the dtype of the caller's query
+    zero = aten.scalar_tensor.default(0.0, dtype=mask_dtype, device=query.device)
+    minus_inf = aten.scalar_tensor.default(float("-inf"), dtype=mask_dtype, device=query.device)
+    bias = torch.where(attn_mask, zero, minus_inf)
+    scores = aten.mul.Scalar(query, sqrt_scale) @ aten.mul.Scalar(key.transpose(-2, -1), sqrt_scale)
+    probs = aten._safe_softmax.default(scores + bias, -1)
+    return probs @ value
+
+
+def transformers_sdpa_top_k_mask(query, key, value, indices, mask, sqrt_scale):
+    return _top_k_sdpa(query, key, value, indices, mask, sqrt_scale, query.dtype)
+
+
+def transformers_sdpa_top_k_mask_upcast(query, key, value, indices, mask, sqrt_scale):
+    """The same in bf16/fp16: SDPA's math path on CPU computes in fp32 and casts back."""
+    out = _top_k_sdpa(query.float(), key.float(), value.float(), indices, mask, sqrt_scale, query.dtype)
+    return out.to(query.dtype)
+
+
+# ---- the fused calls -----------------------------------------------------------------------
+def _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode):
+    """(B, N, S, D) in, (B, N, S, Dv) out; the op works in BSND."""
+    dim_v = value.shape[-1]
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    rope = {}
+    if q.shape[-1] > dim_v:  # the rope part of q and k, as the op's MLA inputs take it
+        rope = {"query_rope": q[..., dim_v:], "key_rope": k[..., dim_v:]}
+        q, k = q[..., :dim_v], k[..., :dim_v]
+    heads_kv = k.shape[2]
+    sparse_indices = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, heads_kv, -1)
+    out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
+        q, k, v, sparse_indices, sqrt_scale * sqrt_scale, layout_query="BSND", layout_kv="BSND",
+        sparse_mode=sparse_mode, **rope)
+    return out.transpose(1, 2)
+
+
+def npu_sparse_flash_attention_causal(query, key, value, indices, mask, sqrt_scale):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=3)
+
+
+def npu_sparse_flash_attention_unmasked(query, key, value, indices, mask, sqrt_scale):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
+
+
+def npu_sparse_flash_attention_causal_half(query, key, value, indices, mask, sqrt_scale):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=3)
+
+
+def npu_sparse_flash_attention_unmasked_half(query, key, value, indices, mask, sqrt_scale):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
+
+
+FORMS = [
+    # one search, one replacement per sparse_mode: the check keeps the one the mask proves.
+    # In half precision the op takes the half tensors and computes in fp32 inside, as the
+    # model's upcast math does; both round the output once.
+    Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_causal, dtypes=(torch.float32,)),
+    Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_unmasked, dtypes=(torch.float32,)),
+    Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_causal_half,
+         dtypes=(torch.bfloat16, torch.float16)),
+    Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_unmasked_half,
+         dtypes=(torch.bfloat16, torch.float16)),
+]
+_MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
+         npu_sparse_flash_attention_causal_half: 3, npu_sparse_flash_attention_unmasked_half: 0}
+
+
+# ---- checks -------------------------------------------------------------------------------
+def check(site):
+    query, key, value, indices = site["query"], site["key"], site["value"], site["indices"]
+    mode, why = sparse_mode_of(site.arg_nodes["mask"])
+    if mode is None:
+        return why
+    if mode != _MODE[site.form.replace]:
+        return f"{why}: sparse_mode {mode}, not {_MODE[site.form.replace]}"
+    if key.shape[1] != value.shape[1] or key.shape[-2] != value.shape[-2]:
+        return f"key {list(key.shape)} and value {list(value.shape)} differ in heads or length"
+    if query.shape[-1] < value.shape[-1] or query.shape[-1] != key.shape[-1]:
+        return (f"query/key head dim {query.shape[-1]}/{key.shape[-1]} and value head dim "
+                f"{value.shape[-1]}: the op needs q = k = [v-sized part, rope part]")
+    if query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads over {key.shape[1]} key heads"
+    return site.hardware_limits(_hardware_reasons(query, key, value, site.soc))
+
+
+def _hardware_reasons(query, key, value, soc):
+    limits = SFA.limits
+    rope = query.shape[-1] - value.shape[-1]
+    return [
+        unsupported("npu.npu_sparse_flash_attention", soc, x=query),
+        f"head dim {value.shape[-1]}, the kernels take {limits['head_dim']} (MLA latent)"
+        if value.shape[-1] != limits["head_dim"] else None,
+        f"rope dim {rope}, the kernels take {limits['rope_head_dim']}"
+        if rope and rope != limits["rope_head_dim"] else None,
+        f"{key.shape[1]} key heads, the kernels take {limits['key_heads']} (MLA: value is the key)"
+        if key.shape[1] != limits["key_heads"] else None,
+        f"{query.shape[1]} query heads" if query.shape[1] not in limits["query_heads"] else None,
+    ]
+
+
+# ---- near misses: a mask scattered from top-k indices, feeding attention ----------------------
+def anchor(node):
+    """scatter(ones, -1, indices, False): the model deselects everything but the top-k keys."""
+    return (is_call(node, aten.scatter.value) and node.args[3] is False
+            and is_call(node.args[0], aten.new_ones.default, aten.ones.default, aten.ones_like.default))
+
+
+def explain(scatter):
+    return ("a top-k key mask that reaches no attention of the transformers form (the mask "
+            "and-ed into the causal mask, SDPA's math decomposition)")
+
+
+PASS = FusionPass(
+    name="sparse_attention",
+    fused_op="npu.npu_sparse_flash_attention",
+    forms=FORMS,
+    example={
+        # B=2, N=3 heads, S=T=7; q, k head dim 24 = v's 16 + rope 8; k=5 indices per query.
+        # value is a slice of a wider tensor (transformers splits it from k_nope), as in
+        # the models: its matmul then copies it (clone + _unsafe_view)
+        "query": lambda dtype: torch.empty(2, 3, 7, 24, dtype=dtype),
+        "key": lambda dtype: torch.empty(2, 3, 7, 24, dtype=dtype),
+        "value": lambda dtype: torch.empty(2, 7, 3, 32, dtype=dtype).transpose(1, 2)[..., 16:],
+        "indices": lambda dtype: torch.empty(2, 7, 5, dtype=torch.int32),
+        "mask": lambda dtype: torch.empty(2, 1, 7, 7, dtype=torch.bool),
+        "sqrt_scale": math.sqrt(0.125),
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+    verify_input=lambda name, args: _distinct_indices(args) if name == "indices" else None,
+)
+
+
+def _distinct_indices(args):
+    """Verification indices as a top-k gives them: distinct keys per query (a key listed twice
+    counts twice in the op, once in the model's mask)."""
+    batch, queries, count = args["indices"].shape
+    keys = int(args["key"].shape[-2])
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randperm(keys, generator=generator)[:count] for _ in range(int(batch) * int(queries))]
+    return torch.stack(rows).view(int(batch), int(queries), int(count)).to(args["indices"].dtype)

@@ -1,0 +1,167 @@
+"""sparse_attention and lightning_indexer on transformers' DeepseekV32Attention.
+
+The attention layer is transformers' own (its indexer, its top-k mask, SDPA); the wrapper
+only makes what the model makes around it: positions, rotary cos/sin and the causal mask,
+built in the graph from aranges, as the model does. That mask is what both passes must
+prove causal (sparse_mode 3) before they fuse.
+
+Numerics: the indexer's indices are compared as the attention uses them (only the keys
+the mask lets through); the attention output within a few ulp of its scale (fp32: the op
+scales q.k once, the model multiplies q and k by sqrt(scale) each; the same softmax
+otherwise).
+"""
+import pytest
+import torch
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+
+BOTH = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"})
+SEQ = 16
+
+
+def _config(index_topk=8, attn_implementation="sdpa"):
+    from transformers import DeepseekV32Config
+
+    config = DeepseekV32Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, index_topk=index_topk, index_head_dim=32,
+        index_n_heads=4, max_position_embeddings=256, use_cache=False)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def _window_mask(queries, keys, window):
+    i = torch.arange(queries).unsqueeze(-1)
+    j = torch.arange(keys).unsqueeze(0)
+    return (j <= i) & (j > i - window)
+
+
+class AttentionLayer(torch.nn.Module):
+    """transformers' DeepseekV32Attention with the causal mask the model would build.
+
+    mask: "causal" (the model's), "full" (no mask: sparse_mode 0), "window" (sliding window:
+    neither), "input" (passed in by the caller: unknown at compile time).
+    """
+
+    def __init__(self, index_topk=8, mask="causal", attn_implementation="sdpa"):
+        super().__init__()
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+            DeepseekV32Attention, DeepseekV32RotaryEmbedding)
+
+        config = _config(index_topk, attn_implementation)
+        torch.manual_seed(0)
+        self.attention = DeepseekV32Attention(config, layer_idx=0)
+        self.rotary = DeepseekV32RotaryEmbedding(config)
+        for param in self.attention.parameters():
+            torch.nn.init.normal_(param, std=0.2)
+        self.mask = mask
+
+    def forward(self, hidden_states, user_mask=None):
+        batch, seq = hidden_states.shape[:2]
+        positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        cos_sin = self.rotary(hidden_states, positions)
+        if self.mask == "input":
+            visible = user_mask
+        elif self.mask == "full":
+            visible = torch.ones(seq, seq, dtype=torch.bool)
+        elif self.mask == "window":
+            visible = _window_mask(seq, seq, 4)
+        else:
+            visible = _window_mask(seq, seq, seq + 1)  # plain causal
+        visible = visible.expand(batch, 1, seq, seq)
+        return self.attention(hidden_states, cos_sin, visible)[0]
+
+
+def _hidden(dtype=torch.float32, seq=SEQ):
+    torch.manual_seed(1)
+    return torch.randn(2, seq, 64).to(dtype)
+
+
+@pytest.mark.parametrize("index_topk", [4, 8, 12])
+def test_indexer_and_sparse_attention_fuse_under_the_causal_mask(index_topk):
+    out, ref, report = compile_and_run(AttentionLayer(index_topk), _hidden(), config=BOTH)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
+    assert report.fused_ops == {"npu.npu_sparse_flash_attention": 1, "npu.npu_lightning_indexer": 1}
+    # the first index_topk - 1 queries see fewer than index_topk keys: the op pads with -1
+    # where the model lists masked keys, and both attentions ignore those
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_without_a_mask_both_fuse_with_sparse_mode_0():
+    out, ref, report = compile_and_run(AttentionLayer(mask="full"), _hidden(), config=BOTH)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
+    assert_close_at_scale(out, ref, 4)
+    # the causal replacement is turned down first, and the site says why mode 0 serves
+    assert all("masks nothing: sparse_mode 0, not 3" in s.note for s in report.sites), report.sites
+
+
+def test_bf16_fuses_and_rounds_once():
+    layer = AttentionLayer().to(torch.bfloat16)
+    out, ref, report = compile_and_run(layer, _hidden(torch.bfloat16), config=BOTH)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
+    # the model's SDPA math upcasts to fp32 and rounds the output once, as the op does
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_the_indexer_alone_does_not_fuse_where_its_indices_feed_the_models_own_mask():
+    # with sparse_attention off, the indices reach transformers' scatter, which cannot read
+    # the op's -1 padding
+    config = nff.FusionConfig(enable={"lightning_indexer"})
+    out, ref, report = compile_and_run(AttentionLayer(), _hidden(), config=config)
+    assert report.counts["lightning_indexer"] == 0
+    (miss,) = near_miss_reasons(report, "lightning_indexer")
+    assert "reach" in miss and "scatter" in miss, miss
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("mask, reason", [
+    ("window", "neither right-down causal nor empty"),
+    ("input", "computed from graph inputs"),
+], ids=["sliding window", "caller's mask"])
+def test_masks_the_op_cannot_express_are_not_fused(mask, reason):
+    layer = AttentionLayer(mask=mask)
+    inputs = (_hidden(),) if mask != "input" else (_hidden(), _window_mask(SEQ, SEQ, SEQ + 1))
+    out, ref, report = compile_and_run(layer, *inputs, config=BOTH)
+    assert report.counts["sparse_attention"] == 0 and report.counts["lightning_indexer"] == 0
+    for pass_name in ("sparse_attention", "lightning_indexer"):
+        misses = near_miss_reasons(report, pass_name)
+        assert misses and all(reason in m or "reach" in m for m in misses), (pass_name, misses)
+    assert any(reason in m for m in near_miss_reasons(report, "sparse_attention"))
+    torch.testing.assert_close(out, ref)
+
+
+def test_an_soc_with_the_kernels_limits_refuses_the_tiny_head_dims():
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, soc="Ascend910B")
+    layer = AttentionLayer().to(torch.bfloat16)
+    _, _, report = compile_and_run(layer, _hidden(torch.bfloat16), config=config)
+    assert report.counts["sparse_attention"] == 0
+    (miss,) = near_miss_reasons(report, "sparse_attention")
+    assert "head dim 16, the kernels take 512" in miss, miss
+
+
+def test_in_emulation_the_sites_note_the_kernels_limits():
+    _, _, report = compile_and_run(AttentionLayer(), _hidden(), config=BOTH)
+    notes = {s.pass_name: s.note for s in report.sites}
+    assert "on an NPU: head dim 16, the kernels take 512" in notes["sparse_attention"]
+    assert "on an NPU: head dim 32, the kernel takes 128" in notes["lightning_indexer"]
+
+
+def test_both_sites_verify():
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, verify=True)
+    _, _, report = compile_and_run(AttentionLayer(), _hidden(), config=config)
+    assert len(report.sites) == 2
+    assert all(s.verified.startswith("verified: max error") for s in report.sites), \
+        [s.verified for s in report.sites]
+
+
+def test_a_top_k_over_other_scores_is_not_an_indexer():
+    class NotAnIndexer(torch.nn.Module):
+        def forward(self, q, k):
+            scores = torch.matmul(q, k.transpose(-1, -2))  # no relu, no head weights
+            return scores.topk(4, dim=-1).indices.to(torch.int32)
+
+    torch.manual_seed(0)
+    _, _, report = compile_and_run(NotAnIndexer(), torch.randn(2, 8, 16), torch.randn(2, 8, 16), config=BOTH)
+    assert report.counts["lightning_indexer"] == 0
+    assert near_miss_reasons(report, "lightning_indexer") == []
