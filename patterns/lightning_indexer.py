@@ -101,11 +101,11 @@ def check(site):
         return why
     if mode != _MODE[site.form.replace]:
         return f"{why}: sparse_mode {mode}, not {_MODE[site.form.replace]}"
-    use = _use_other_than_sparse_attention(site)
+    use = _use_other_than_sparse_attention(site, mode)
     if use is not None:
         return (f"its indices reach {use.name} ({use.target}): the op pads with -1 where fewer "
                 "than k keys are visible and may order equal scores differently, which only a "
-                "fused sparse attention reads as the model does")
+                "fused sparse attention under the same mask reads as the model does")
     return site.hardware_limits(_hardware_reasons(query, key, weights, site["index_topk"], site.soc))
 
 
@@ -130,15 +130,19 @@ _PASS_ON = (aten._to_copy.default, aten.view.default, aten.reshape.default, aten
             aten.expand.default, aten.clone.default)
 
 
-def _use_other_than_sparse_attention(site):
-    """The first use of the site's indices that is not a fused sparse attention's sparse_indices."""
+def _use_other_than_sparse_attention(site, mode):
+    """The first use of the site's indices that is not the sparse_indices of a fused sparse
+    attention that hides what the indexer's mask hides (sparse_mode 3 behind a causal
+    indexer: the model's attention then ignores the masked keys the model's top-k listed,
+    as the op's -1 slots are ignored)."""
     inside = set(site.nodes)
     pending = [(user, node) for node in site.nodes for user in node.users if user not in inside]
     while pending:
         user, value = pending.pop()
         if is_call(user, *_PASS_ON):
             pending += [(u, user) for u in user.users]
-        elif not (is_call(user, torch.ops.npu.npu_sparse_flash_attention) and user.args[3] is value):
+        elif not (is_call(user, torch.ops.npu.npu_sparse_flash_attention) and user.args[3] is value
+                  and (mode == 0 or user.kwargs.get("sparse_mode", 3) == 3)):
             return user
     return None
 
@@ -177,6 +181,13 @@ PASS = FusionPass(
         "scale": 0.125,
         "index_topk": 5,
     },
+    # batch 1 (decode, single prompts): there the key's matmul operand is a view, not a copy
+    example_variants=[{
+        "query": lambda dtype: torch.empty(1, 7, 3, 16, dtype=dtype),
+        "key": lambda dtype: torch.empty(1, 7, 16, dtype=dtype),
+        "weights": lambda dtype: torch.empty(1, 7, 3, dtype=torch.float32),
+        "mask": lambda dtype: torch.empty(1, 7, 7, dtype=torch.bool),
+    }],
     check=check,
     anchor=anchor,
     explain=explain,

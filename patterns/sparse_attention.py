@@ -24,12 +24,13 @@ KV head of 512 (+ 64 rope): in emulation such sites fuse with a note saying so, 
 given they are refused.
 """
 import math
+import operator
 
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import Form, FusionPass, is_call
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
 SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
@@ -59,6 +60,36 @@ def transformers_sdpa_top_k_mask_upcast(query, key, value, indices, mask, sqrt_s
     """The same in bf16/fp16: SDPA's math path on CPU computes in fp32 and casts back."""
     out = _top_k_sdpa(query.float(), key.float(), value.float(), indices, mask, sqrt_scale, query.dtype)
     return out.to(query.dtype)
+
+
+def _mla_gathered(q_nope, q_rope, kv, k_rope, indices, scale, causal):
+    batch = torch.arange(indices.shape[0], device=indices.device).view(-1, 1, 1)
+    keys = indices.clamp(min=0).long()
+    kv_selected, rope_selected = kv[batch, keys], k_rope[batch, keys]        # (B, S, K, D), (B, S, K, R)
+    scores = (torch.einsum("bsnd,bskd->bsnk", q_nope, kv_selected)
+              + torch.einsum("bsnr,bskr->bsnk", q_rope, rope_selected)) * scale
+    hidden = indices < 0
+    if causal:  # query i (of S, the last S of T positions) sees keys up to T - S + i
+        queries, total = indices.shape[1], kv.shape[1]
+        last_visible = torch.arange(queries, device=indices.device).view(1, -1, 1)
+        if total != queries:  # a prefill (S == T) writes no offset (example_variants)
+            last_visible = last_visible + (total - queries)
+        hidden = hidden | (indices > last_visible)
+    scores = scores.masked_fill(hidden.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
+    return torch.einsum("bsnk,bskd->bsnd", probs, kv_selected)
+
+
+def mla_gathered_top_k_causal(q_nope, q_rope, kv, k_rope, indices, scale):
+    """Absorbed MLA over gathered keys (DeepSeek-V3.2's inference form, the sparse kernels'
+    reference): one latent KV head that is also the value, a separate rope part, the
+    indexer's top-k keys gathered per query, -1 slots and future keys masked out."""
+    return _mla_gathered(q_nope, q_rope, kv, k_rope, indices, scale, causal=True)
+
+
+def mla_gathered_top_k(q_nope, q_rope, kv, k_rope, indices, scale):
+    """The same attending to every listed key (the indices are trusted to be causal)."""
+    return _mla_gathered(q_nope, q_rope, kv, k_rope, indices, scale, causal=False)
 
 
 # ---- the fused calls -----------------------------------------------------------------------
@@ -94,6 +125,23 @@ def npu_sparse_flash_attention_unmasked_half(query, key, value, indices, mask, s
     return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
 
 
+def _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode):
+    # one KV head, which is also the value
+    out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
+        q_nope, kv.unsqueeze(2), kv.unsqueeze(2), indices.to(torch.int32).unsqueeze(2), scale,
+        query_rope=q_rope, key_rope=k_rope.unsqueeze(2), layout_query="BSND", layout_kv="BSND",
+        sparse_mode=sparse_mode)
+    return out
+
+
+def npu_sparse_flash_attention_mla_causal(q_nope, q_rope, kv, k_rope, indices, scale):
+    return _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode=3)
+
+
+def npu_sparse_flash_attention_mla(q_nope, q_rope, kv, k_rope, indices, scale):
+    return _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode=0)
+
+
 FORMS = [
     # one search, one replacement per sparse_mode: the check keeps the one the mask proves.
     # In half precision the op takes the half tensors and computes in fp32 inside, as the
@@ -104,6 +152,8 @@ FORMS = [
          dtypes=(torch.bfloat16, torch.float16)),
     Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_unmasked_half,
          dtypes=(torch.bfloat16, torch.float16)),
+    Form(mla_gathered_top_k_causal, npu_sparse_flash_attention_mla_causal),
+    Form(mla_gathered_top_k, npu_sparse_flash_attention_mla),
 ]
 _MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
          npu_sparse_flash_attention_causal_half: 3, npu_sparse_flash_attention_unmasked_half: 0}
@@ -111,6 +161,8 @@ _MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmask
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
+    if site.form.search in (mla_gathered_top_k, mla_gathered_top_k_causal):
+        return _check_mla(site)
     query, key, value, indices = site["query"], site["key"], site["value"], site["indices"]
     mode, why = sparse_mode_of(site.arg_nodes["mask"])
     if mode is None:
@@ -125,6 +177,40 @@ def check(site):
     if query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads over {key.shape[1]} key heads"
     return site.hardware_limits(_hardware_reasons(query, key, value, site.soc))
+
+
+def _check_mla(site):
+    q_nope, q_rope, kv, k_rope = site["q_nope"], site["q_rope"], site["kv"], site["k_rope"]
+    if site["scale"] <= 0:
+        return f"scale {site['scale']} <= 0"
+    producer = _indices_producer(site.arg_nodes["indices"])
+    if producer is None:
+        # the form masks every negative slot, the op stops at the first one
+        return ("the indices come neither from a top-k nor from npu_lightning_indexer: their -1 "
+                "slots are not known to be trailing, which the op assumes")
+    limits = SFA.limits
+    return site.hardware_limits([
+        unsupported("npu.npu_sparse_flash_attention", site.soc, x=q_nope),
+        f"latent dim {kv.shape[-1]}, the kernels take {limits['head_dim']}"
+        if kv.shape[-1] != limits["head_dim"] else None,
+        f"rope dim {k_rope.shape[-1]}, the kernels take {limits['rope_head_dim']}"
+        if k_rope.shape[-1] != limits["rope_head_dim"] else None,
+        f"{q_nope.shape[2]} query heads" if q_nope.shape[2] not in limits["query_heads"] else None,
+        f"q_rope {str(q_rope.dtype)[6:]} and kv {str(kv.dtype)[6:]} differ from q_nope's dtype"
+        if {q_rope.dtype, kv.dtype, k_rope.dtype} != {q_nope.dtype} else None,
+    ])
+
+
+def _indices_producer(node):
+    """The top-k or lightning indexer the indices come from (through casts and views), or None."""
+    while is_call(node, aten._to_copy.default, aten.view.default, aten.reshape.default,
+                  aten.squeeze.dim, aten.clone.default):
+        node = node.args[0]
+    if is_call(node, operator.getitem):
+        source = node.args[0]
+        if is_call(source, aten.topk.default, torch.ops.npu.npu_lightning_indexer):
+            return source
+    return None
 
 
 def _hardware_reasons(query, key, value, soc):
@@ -144,12 +230,21 @@ def _hardware_reasons(query, key, value, soc):
 
 # ---- near misses: a mask scattered from top-k indices, feeding attention ----------------------
 def anchor(node):
-    """scatter(ones, -1, indices, False): the model deselects everything but the top-k keys."""
-    return (is_call(node, aten.scatter.value) and node.args[3] is False
-            and is_call(node.args[0], aten.new_ones.default, aten.ones.default, aten.ones_like.default))
+    """scatter(ones, -1, indices, False): the model deselects everything but the top-k keys;
+    or an index of keys by clamped top-k indices: it gathers them."""
+    if is_call(node, aten.scatter.value):
+        return node.args[3] is False and is_call(node.args[0], aten.new_ones.default, aten.ones.default,
+                                                 aten.ones_like.default)
+    if not is_call(node, aten.clamp.default) or tensor_meta(node) is None or tensor_meta(node).is_floating_point():
+        return False
+    users = [u2 for u in node.users for u2 in (u.users if is_call(u, aten._to_copy.default) else [u])]
+    return any(is_call(u, aten.index.Tensor) for u in users)
 
 
-def explain(scatter):
+def explain(node):
+    if is_call(node, aten.clamp.default):
+        return ("keys gathered by clamped top-k indices, in a form other than the absorbed MLA "
+                "attention (latent and rope keys gathered, einsum scores, -1 slots masked, softmax)")
     return ("a top-k key mask that reaches no attention of the transformers form (the mask "
             "and-ed into the causal mask, SDPA's math decomposition)")
 
@@ -168,7 +263,34 @@ PASS = FusionPass(
         "indices": lambda dtype: torch.empty(2, 7, 5, dtype=torch.int32),
         "mask": lambda dtype: torch.empty(2, 1, 7, 7, dtype=torch.bool),
         "sqrt_scale": math.sqrt(0.125),
+        # absorbed MLA: N=3 heads over a 24-wide latent (also the value), rope 8, T=9 keys
+        "q_nope": lambda dtype: torch.empty(2, 7, 3, 24, dtype=dtype),
+        "q_rope": lambda dtype: torch.empty(2, 7, 3, 8, dtype=dtype),
+        "kv": lambda dtype: torch.empty(2, 9, 24, dtype=dtype),
+        "k_rope": lambda dtype: torch.empty(2, 9, 8, dtype=dtype),
+        "scale": 0.125,
     },
+    # batch 1: torch's matmul then views where it copies at batch 2
+    example_variants=[{
+        "query": lambda dtype: torch.empty(1, 3, 7, 24, dtype=dtype),
+        "key": lambda dtype: torch.empty(1, 3, 7, 24, dtype=dtype),
+        "value": lambda dtype: torch.empty(1, 7, 3, 32, dtype=dtype).transpose(1, 2)[..., 16:],
+        "indices": lambda dtype: torch.empty(1, 7, 5, dtype=torch.int32),
+        "mask": lambda dtype: torch.empty(1, 1, 7, 7, dtype=torch.bool),
+        "q_nope": lambda dtype: torch.empty(1, 7, 3, 24, dtype=dtype),
+        "q_rope": lambda dtype: torch.empty(1, 7, 3, 8, dtype=dtype),
+        "kv": lambda dtype: torch.empty(1, 9, 24, dtype=dtype),
+        "k_rope": lambda dtype: torch.empty(1, 9, 8, dtype=dtype),
+    }, {  # a prefill: as many queries as keys
+        "kv": lambda dtype: torch.empty(2, 7, 24, dtype=dtype),
+        "k_rope": lambda dtype: torch.empty(2, 7, 8, dtype=dtype),
+    }, {
+        "q_nope": lambda dtype: torch.empty(1, 7, 3, 24, dtype=dtype),
+        "q_rope": lambda dtype: torch.empty(1, 7, 3, 8, dtype=dtype),
+        "indices": lambda dtype: torch.empty(1, 7, 5, dtype=torch.int32),
+        "kv": lambda dtype: torch.empty(1, 7, 24, dtype=dtype),
+        "k_rope": lambda dtype: torch.empty(1, 7, 8, dtype=dtype),
+    }],
     check=check,
     anchor=anchor,
     explain=explain,
@@ -180,7 +302,7 @@ def _distinct_indices(args):
     """Verification indices as a top-k gives them: distinct keys per query (a key listed twice
     counts twice in the op, once in the model's mask)."""
     batch, queries, count = args["indices"].shape
-    keys = int(args["key"].shape[-2])
+    keys = int(args["key"].shape[-2] if "key" in args else args["kv"].shape[1])
     generator = torch.Generator().manual_seed(0)
     rows = [torch.randperm(keys, generator=generator)[:count] for _ in range(int(batch) * int(queries))]
     return torch.stack(rows).view(int(batch), int(queries), int(count)).to(args["indices"].dtype)

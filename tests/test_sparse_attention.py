@@ -165,3 +165,89 @@ def test_a_top_k_over_other_scores_is_not_an_indexer():
     _, _, report = compile_and_run(NotAnIndexer(), torch.randn(2, 8, 16), torch.randn(2, 8, 16), config=BOTH)
     assert report.counts["lightning_indexer"] == 0
     assert near_miss_reasons(report, "lightning_indexer") == []
+
+
+# ---- absorbed MLA over gathered keys (DeepSeek-V3.2 inference form) -------------------------
+class MlaSparseLayer(torch.nn.Module):
+    """DeepSeek-V3.2's inference-time sparse attention, written as its reference does: the
+    indexer's scores and top-k (causal mask from aranges), then attention of the absorbed
+    queries over the gathered latent keys (one KV head, also the value) and their rope part.
+    Inputs are the projections' outputs; dims default to the real kernels' (latent 512,
+    rope 64, indexer head dim 128)."""
+
+    def __init__(self, index_topk=8, latent=512, rope=64, index_dim=128, causal=True):
+        super().__init__()
+        self.index_topk, self.latent, self.rope, self.index_dim = index_topk, latent, rope, index_dim
+        self.causal = causal
+
+    def forward(self, q_nope, q_rope, kv, k_rope, q_index, k_index, index_weights, indices=None):
+        seq = q_nope.shape[1]
+        if indices is None:
+            visible = torch.arange(seq).unsqueeze(0) <= torch.arange(seq).unsqueeze(-1)
+            visible = visible.expand(q_nope.shape[0], seq, seq)
+            scores = torch.relu(torch.matmul(q_index.float(), k_index.transpose(-1, -2).float().unsqueeze(1))
+                                * self.index_dim ** -0.5)
+            index_scores = torch.matmul(index_weights.unsqueeze(-2), scores).squeeze(-2)
+            index_scores = index_scores.masked_fill(~visible, float("-inf"))
+            indices = index_scores.topk(self.index_topk, dim=-1).indices.to(torch.int32)
+        batch = torch.arange(indices.shape[0]).view(-1, 1, 1)
+        keys = indices.clamp(min=0).long()
+        kv_selected, rope_selected = kv[batch, keys], k_rope[batch, keys]
+        scores = (torch.einsum("bsnd,bskd->bsnk", q_nope, kv_selected)
+                  + torch.einsum("bsnr,bskr->bsnk", q_rope, rope_selected)) * (self.latent + self.rope) ** -0.5
+        hidden = indices < 0
+        if self.causal:  # the attention hides future keys too, as DeepSeek's reference does
+            hidden = hidden | (indices > torch.arange(seq).view(1, -1, 1))
+        scores = scores.masked_fill(hidden.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
+        return torch.einsum("bsnk,bskd->bsnd", probs, kv_selected)
+
+
+def _mla_inputs(dtype=torch.float32, seq=24, heads=16, latent=512, rope=64, index_heads=8, index_dim=128):
+    torch.manual_seed(3)
+    shapes = [(1, seq, heads, latent), (1, seq, heads, rope), (1, seq, latent), (1, seq, rope),
+              (1, seq, index_heads, index_dim), (1, seq, index_dim)]
+    tensors = [torch.randn(*shape).to(dtype) for shape in shapes]
+    return (*tensors, torch.randn(1, seq, index_heads))  # indexer weights stay fp32
+
+
+def test_absorbed_mla_over_gathered_keys_fuses_with_the_indexer():
+    out, ref, report = compile_and_run(MlaSparseLayer(latent=32, rope=16, index_dim=16),
+                                       *_mla_inputs(latent=32, rope=16, index_dim=16), config=BOTH)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
+    (attention,) = [s for s in report.sites if s.pass_name == "sparse_attention"]
+    assert attention.form == "mla_gathered_top_k_causal"
+    # the first queries' top-k lists future keys, which the model's attention hides; the
+    # fused indexer lists -1 there, which the op (sparse_mode 3) skips: the same keys
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_an_attention_that_trusts_the_indices_keeps_the_indexer_unfused():
+    # without its own causal mask the attention reads the future keys the model's top-k
+    # lists for the first queries; the op's -1 slots would drop them
+    layer = MlaSparseLayer(latent=32, rope=16, index_dim=16, causal=False)
+    out, ref, report = compile_and_run(layer, *_mla_inputs(latent=32, rope=16, index_dim=16), config=BOTH)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 0
+    (miss,) = near_miss_reasons(report, "lightning_indexer")
+    assert "under the same mask" in miss, miss
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_at_the_real_kernels_dims_a_soc_accepts_both():
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, soc="Ascend910B")
+    out, ref, report = compile_and_run(MlaSparseLayer(), *_mla_inputs(torch.bfloat16), config=config)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
+    assert all(site.note == "" for site in report.sites), [s.note for s in report.sites]
+    assert_close_at_scale(out.float(), ref.float(), 8 * 2 ** -8 / torch.finfo(torch.float32).eps)
+
+
+def test_gathered_attention_over_indices_of_unknown_origin_is_not_fused():
+    # indices passed in: their -1 slots may sit anywhere, the op stops at the first one
+    layer = MlaSparseLayer(latent=32, rope=16, index_dim=16)
+    indices = torch.randint(0, 24, (1, 24, 8), dtype=torch.int32)
+    out, ref, report = compile_and_run(layer, *_mla_inputs(latent=32, rope=16, index_dim=16), indices,
+                                       config=BOTH)
+    assert report.counts["sparse_attention"] == 0
+    (miss,) = near_miss_reasons(report, "sparse_attention")
+    assert "not known to be trailing" in miss, miss
+    torch.testing.assert_close(out, ref, equal_nan=True)  # rows with no visible key: NaN both ways

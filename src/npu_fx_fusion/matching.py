@@ -294,14 +294,20 @@ class FusionPass:
     verify_input: verify_input(arg_name, {arg_name: fake value}) -> a real input for
               verification, or None for the default (random normal floats, small random
               integers)
+    example_variants: further examples, each overriding some of `example`, whose traces are
+              registered too: torch's matmul decomposes by strides (a view at batch 1, a
+              clone + _unsafe_view at batch 2), so a form traced at one batch size does not
+              match the other
     """
 
     def __init__(self, *, name: str, fused_op: str,
                  forms: Union[Sequence[Form], Callable[[], Sequence[Form]]],
                  example: Mapping[str, Any], check: Callable[[Site], Reason],
                  anchor: Callable[[Node], bool], explain: Callable[[Node], Reason],
-                 verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None):
+                 verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
+                 example_variants: Sequence[Mapping[str, Any]] = ()):
         self.name = name
+        self.example_variants = tuple(dict(v) for v in example_variants)
         self.verify_input = verify_input
         self.fused_op = fused_op
         self._forms_source = forms
@@ -366,9 +372,14 @@ class FusionPass:
         return emitted
 
     def _register(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype) -> None:
+        for variant in ({}, *self.example_variants):
+            self._register_example(matcher, form, dtype, variant)
+
+    def _register_example(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype,
+                          variant: Mapping[str, Any]) -> None:
         scalars = {n: v for n, v in self.example.items()
                    if n in form.argnames and isinstance(v, (int, float))}
-        inputs = [self._example_value(n, dtype) for n in form.argnames]
+        inputs = [self._example_value(n, dtype, variant) for n in form.argnames]
         trace_fns = [trace_without_decompositions]
         traced = _trace_searches_once(trace_without_decompositions, self._search_traces, form.search, inputs)
         has_casts = any(n.target is torch.ops.aten._to_copy.default for n in traced.graph.nodes)
@@ -395,8 +406,9 @@ class FusionPass:
         self._retrace_args = args
         return _trace_searches_once(trace_fn, self._search_traces, fn, args, **kwargs)
 
-    def _example_value(self, name: str, dtype: torch.dtype) -> Any:
-        value = self.example[name]
+    def _example_value(self, name: str, dtype: torch.dtype,
+                       variant: Optional[Mapping[str, Any]] = None) -> Any:
+        value = (variant or {}).get(name, self.example[name])
         return value(dtype) if callable(value) else value
 
     # ---- the check run on every structural match -----------------------------------------
