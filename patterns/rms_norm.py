@@ -161,4 +161,6 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    # training graphs: x and the weight may need gradients (npu_rms_norm_backward gives both)
+    differentiable=("x", "weight"),
 )

@@ -398,4 +398,6 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    # training graphs: only x needs a gradient; cos/sin/freqs come from buffers
+    differentiable=("x",),
 )

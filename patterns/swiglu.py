@@ -151,4 +151,6 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    # training graphs: npu_swiglu_backward gives x's gradient
+    differentiable=("x",),
 )

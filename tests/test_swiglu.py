@@ -319,17 +319,18 @@ def test_halves_along_another_dim_are_not_fused(glu, shape):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_training_graph_does_not_fuse_and_says_why():
-    # The forward graph of a training step saves the halves / silu for the backward:
-    # they are graph outputs, so the subgraph cannot be replaced by one npu_swiglu.
+def test_training_graph_fuses_forward_and_backward():
+    # A forward-only rewrite cannot fuse a training step's forward (it saves the halves
+    # and the silu for the backward); the joint graph, before partitioning, fuses both
+    # halves (docs/training.md; gradients are checked in tests/test_training.py).
     module = MLP()
     x = _inputs(torch.float32).requires_grad_()
     out, ref, report = compile_and_run(module, x, config=ONLY_SWIGLU, grad=True)
     out.sum().backward()
-    assert [g.name for g in report.graphs] == ["forward", "backward"]
-    assert report.counts["swiglu"] == 0
-    reasons = near_miss_reasons(report, "swiglu")
-    assert len(reasons) == 1 and "is also used by output" in reasons[0], reasons
+    assert [g.name for g in report.graphs] == ["joint", "forward", "backward"]
+    assert report.counts["swiglu"] == 1
+    assert report.fused_ops == {"npu.npu_swiglu": 1, "npu.npu_swiglu_backward": 1}
+    assert near_miss_reasons(report, "swiglu") == []
     torch.testing.assert_close(out, ref)
 
 

@@ -7,6 +7,10 @@ that callable. Without torchair, EmulationBackend reproduces the part of torchai
 pipeline the passes depend on: aot_autograd with torchair's (empty, on one device)
 decomposition set and the same compiler arguments, the pipeline, then eager execution
 of the rewritten graph.
+
+Training graphs are also fused earlier, as one joint forward+backward graph before it is
+partitioned (docs/training.md): TorchairTrainingBackend hooks that into torchair,
+EmulationBackend's partition_fn into its own aot_autograd call.
 """
 from __future__ import annotations
 
@@ -68,6 +72,15 @@ class FusionPipeline:
         _set_last_report(self.report)
         run_passes(gm, self.fusion_config, self.report, graph_name=name, mode=mode)
 
+    def run_joint(self, gm: torch.fx.GraphModule, config: Any = None) -> None:
+        """The joint-graph passes on a training graph, before it is partitioned
+        (pipeline.run_joint_passes); `config`: the torchair config, for its mode."""
+        from .pipeline import run_joint_passes
+
+        _set_last_report(self.report)
+        run_joint_passes(gm, self.fusion_config, self.report, graph_name="joint",
+                         mode=self.fusion_config.mode or _torchair_mode(config))
+
 
 def _graph_kind(config: Any) -> Optional[str]:
     # torchair names the phase in its observer, which the pass cannot see; the emulation
@@ -96,6 +109,9 @@ def install(compiler_config: Any, fusion_config: Optional[FusionConfig] = None) 
     user had set keeps running, before ours. Installing again replaces the fusion config
     rather than chaining a second pipeline. Returns the installed FusionPipeline, whose
     `report` collects what it did.
+
+    A config alone only reaches the graphs after partitioning: training graphs get their
+    forward-and-backward fusion from get_npu_backend() (docs/training.md).
     """
     if isinstance(compiler_config, dict):
         existing = compiler_config.get("post_grad_custom_pre_pass")
@@ -158,9 +174,19 @@ class EmulationBackend:
             fw_compiler=functools.partial(self._compile, "forward"),
             bw_compiler=functools.partial(self._compile, "backward"),
             inference_compiler=functools.partial(self._compile, "inference"),
+            # aot_autograd calls partition_fn for training graphs only
+            partition_fn=self._partition,
             decompositions={},
             keep_inference_input_mutations=True,
         )
+
+    def _partition(self, joint_gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        """Fuse the joint graph, then split it as torchair does (default_partition: its
+        partitioner, not min-cut, so emulation saves the same tensors for backward)."""
+        from torch._functorch.partitioners import default_partition
+
+        self.pipeline.run_joint(joint_gm)
+        return default_partition(joint_gm, joint_inputs, **kwargs)
 
     def _compile(self, phase: str, gm: torch.fx.GraphModule, example_inputs: Any):
         from torch._functorch.aot_autograd import make_boxed_func
@@ -174,8 +200,10 @@ def get_npu_backend(compiler_config: Any = None, fusion_config: Optional[FusionC
 
     With torchair importable: `torchair.get_npu_backend(compiler_config=cfg)` where cfg is
     `compiler_config` (or a default CompilerConfig) with the pipeline installed as its
-    post_grad_custom_pre_pass. Without torchair: an EmulationBackend on CPU;
-    `compiler_config` must then be None, since nothing could honour it.
+    post_grad_custom_pre_pass, wrapped in a TorchairTrainingBackend that also fuses
+    training graphs before torchair partitions them. Without torchair: an
+    EmulationBackend on CPU, which does both too; `compiler_config` must then be None,
+    since nothing could honour it.
     """
     torchair = import_torchair()
     if torchair is None:
@@ -185,5 +213,53 @@ def get_npu_backend(compiler_config: Any = None, fusion_config: Optional[FusionC
         log.info("torchair not found: using the CPU emulation backend")
         return EmulationBackend(fusion_config)
     config = compiler_config if compiler_config is not None else torchair.CompilerConfig()
-    install(config, fusion_config)
-    return torchair.get_npu_backend(compiler_config=config)
+    pipeline = install(config, fusion_config)
+    return TorchairTrainingBackend(torchair.get_npu_backend(compiler_config=config), pipeline, config)
+
+
+class TorchairTrainingBackend:
+    """torchair's backend, fusing training graphs before torchair partitions them.
+
+    torchair's own hooks on the joint graph either need `npu_fx_pass`, which wipes
+    Inductor's joint patterns and decomposition table process-wide and runs Inductor's
+    random-op passes on torchair's graphs, or joint mode, which runs on real tensors.
+    torch's backend-agnostic `torch._functorch.config.joint_custom_pass` runs right before
+    any partition_fn, torchair's included; it is set only while torchair's backend
+    compiles a graph (aot_autograd traces and partitions then; only the backward's
+    *compilation* is deferred). A joint_custom_pass the user had set keeps running, first.
+    Inference graphs are not joint graphs: they get the post_grad_custom_pre_pass alone.
+    """
+
+    def __init__(self, torchair_backend: Callable, pipeline: FusionPipeline, compiler_config: Any):
+        self.torchair_backend = torchair_backend  # functools.partial(_npu_backend, compiler_config=...)
+        self.pipeline = pipeline
+        self.compiler_config = compiler_config
+        self._running = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any):
+        import torch._functorch.config as functorch_config
+
+        chained = functorch_config.joint_custom_pass
+        if isinstance(chained, TorchairTrainingBackend._JointPass):
+            chained = chained.chained  # a nested compile: do not stack our pass twice
+        with functorch_config.patch(joint_custom_pass=self._JointPass(self, chained)):
+            return self.torchair_backend(gm, example_inputs, **kwargs)
+
+    class _JointPass:
+        """joint_custom_pass(joint_gm, joint_inputs) -> joint_gm."""
+
+        def __init__(self, backend: "TorchairTrainingBackend", chained: Optional[Callable]):
+            self.backend, self.chained = backend, chained
+
+        def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+            if self.chained is not None:
+                gm = self.chained(gm, joint_inputs)
+            backend = self.backend
+            if backend._running:  # noqa: SLF001 - an aot trace from inside our own pass
+                return gm
+            backend._running = True  # noqa: SLF001
+            try:
+                backend.pipeline.run_joint(gm, backend.compiler_config)
+            finally:
+                backend._running = False  # noqa: SLF001
+            return gm

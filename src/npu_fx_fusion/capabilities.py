@@ -390,6 +390,21 @@ def capability(op: str) -> OpCapability:
                        "add one (dtypes, ranks, backward, GE converter) before emitting it") from None
 
 
+def has_backward(op: str) -> bool:
+    """Whether a training graph may emit `op`: torch_npu differentiates it (`backward`)
+    and, where the CPU stand-ins serve, the stand-in implements that backward too.
+
+    Joint-graph patterns are registered only for forms whose emitted ops all pass this:
+    an op without one would fail the whole compile when its replacement is traced."""
+    if capability(op).backward is None:
+        return False
+    from .npu_ops import real_torch_npu_available, stand_in_differentiable
+
+    if real_torch_npu_available():
+        return True
+    return stand_in_differentiable(op.replace(".", "::", 1)) is not False
+
+
 def not_lowerable(op: str, mode: Optional[str]) -> Optional[str]:
     """Why torchair in `mode` could not lower `op`, or None if it can (or mode is unknown)."""
     if mode in GE_MODES and not capability(op).ge_converter:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -30,7 +31,7 @@ from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import npu_ops
-from .capabilities import capability, not_lowerable
+from .capabilities import capability, has_backward, not_lowerable
 from .report import FusedSite, NearMiss, PassResult, location_of
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -298,6 +299,10 @@ class FusionPass:
               registered too: torch's matmul decomposes by strides (a view at batch 1, a
               clone + _unsafe_view at batch 2), so a form traced at one batch size does not
               match the other
+    differentiable: the arguments that may carry a gradient in a training graph
+              (("x", "weight") for a norm; rope's cos/sin come from buffers). Non-empty:
+              the forms whose emitted ops have a backward are also matched on joint
+              forward+backward graphs (joint_matcher, apply_joint; joint.py).
     """
 
     def __init__(self, *, name: str, fused_op: str,
@@ -305,9 +310,16 @@ class FusionPass:
                  example: Mapping[str, Any], check: Callable[[Site], Reason],
                  anchor: Callable[[Node], bool], explain: Callable[[Node], Reason],
                  verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
+                 differentiable: Sequence[str] = (),
                  example_variants: Sequence[Mapping[str, Any]] = ()):
         self.name = name
         self.example_variants = tuple(dict(v) for v in example_variants)
+        unknown = set(differentiable) - set(example)
+        if unknown:
+            raise ValueError(f"{name}: differentiable names unknown arguments {sorted(unknown)}")
+        self.differentiable = tuple(differentiable)
+        self._replacement_traces: dict = {}
+        self.joint_forms: tuple[str, ...] = ()  # names of the forms registered joint
         self.verify_input = verify_input
         self.fused_op = fused_op
         self._forms_source = forms
@@ -331,7 +343,7 @@ class FusionPass:
             if missing:
                 raise ValueError(f"{self.name}: form {form.name} has no example for {sorted(missing)}")
         self.forms = forms
-        for registered in ("matcher", "emitted_ops"):  # register the new set on next use
+        for registered in ("matcher", "emitted_ops", "joint_matcher"):  # register the new set on next use
             self.__dict__.pop(registered, None)
 
     # ---- registration (lazy: tracing every form costs time, pay it on first use) ----------
@@ -349,6 +361,87 @@ class FusionPass:
                 for dtype in form.dtypes:
                     self._register(matcher, form, dtype)
         return matcher
+
+    @functools.cached_property
+    def joint_matcher(self) -> Optional[pm.PatternMatcherPass]:
+        """The same forms as joint forward+backward patterns, or None if none applies.
+
+        A form is registered joint only when every op its replacement emits has a
+        backward (capabilities.has_backward): the replacement is traced with autograd at
+        match time, and an op without one would fail the compile. Each form is traced
+        once per non-empty subset of its differentiable tensor arguments that require
+        grad, because the backward nodes differ (no grad_weight for a frozen weight); a
+        subset whose trace has no backward at all fails to register and is skipped (the
+        forward-only pass after partitioning covers it). Casts are traced in CPU spelling
+        only (aten._to_copy): on an NPU, torch_npu's `_npu_dtype_cast` and its backward
+        would need their own joint traces (docs/training.md).
+        """
+        from .joint import trace_joint_without_decompositions
+
+        if not self.differentiable:
+            return None
+        npu_ops.ensure_registered()
+        matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}.joint")
+        registered = []
+        with FakeTensorMode():
+            for form in self.forms:
+                if not all(has_backward(op) for op in self.emitted_ops[form.name]):
+                    continue
+                grad_args = [n for n in self.differentiable if n in form.argnames
+                             and callable(self.example[n])]
+                matcher.seen_patterns.clear()  # as in `matcher`: fallbacks across forms
+                for subset in _non_empty_subsets(grad_args):
+                    for dtype in form.dtypes:
+                        if self._register_joint(matcher, form, dtype, subset, trace_joint_without_decompositions):
+                            registered.append(form.name)
+        self.joint_forms = tuple(dict.fromkeys(registered))
+        return matcher if registered else None
+
+    def _register_joint(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype,
+                        requires_grad: Sequence[str], trace_fn: Callable) -> bool:
+        scalars = {n: v for n, v in self.example.items()
+                   if n in form.argnames and isinstance(v, (int, float))}
+        inputs = []
+        for name in form.argnames:
+            value = self._example_value(name, dtype)
+            if name in requires_grad and isinstance(value, torch.Tensor) and value.is_floating_point():
+                value = value.requires_grad_(True)
+            inputs.append(value)
+        try:
+            pm.register_replacement(
+                form.search, form.replace, inputs,
+                trace_fn=functools.partial(self._trace_joint, trace_fn),
+                pass_dicts=matcher,
+                extra_check=functools.partial(self._extra_check, form),
+                scalar_workaround=scalars,
+                skip_duplicates=True,
+            )
+        except Exception as exc:  # noqa: BLE001 - e.g. no input of the subset reaches an output
+            log.debug("%s: no joint pattern for %s (%s, grads of %s): %s: %s", self.name, form.name,
+                      dtype, list(requires_grad), type(exc).__name__, exc)
+            return False
+        return True
+
+    def _trace_joint(self, trace_fn: Callable, fn: Callable, args: Sequence[Any], **kwargs: Any):
+        """_trace_search for joint traces; replacements are cached as well.
+
+        A joint replacement trace is a full aot_autograd run (~50 ms), repeated for every
+        site of every layer with the same shapes. torch's matcher only reads the traced
+        replacement (an Interpreter copies it into the graph), so one trace per argument
+        signature serves all of them. The copies keep the trace's fake values, which
+        belong to the fake mode of the graph being fused: apply_joint empties the cache
+        for every graph, or values of two modes would meet in later passes.
+        """
+        if getattr(fn, "_nff_search", False):
+            return self._trace_search(trace_fn, fn, args, **kwargs)
+        key = _signature(trace_fn, fn, args)
+        if key is None:
+            return trace_fn(fn, args, **kwargs)
+        if key not in self._replacement_traces:
+            if len(self._replacement_traces) >= 512:  # a bound, not an expected size
+                self._replacement_traces.clear()
+            self._replacement_traces[key] = trace_fn(fn, args, **kwargs)
+        return self._replacement_traces[key]
 
     @functools.cached_property
     def emitted_ops(self) -> dict[str, tuple[str, ...]]:
@@ -534,13 +627,42 @@ class FusionPass:
         in (a form whose op that mode cannot lower is skipped, so a later form can serve);
         verify: check each site numerically before accepting it (verify.py).
         """
-        result = PassResult(self.name)
         self._refresh_forms()
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
-        self._run = run = _PassRun(soc, mode, verify)
+        return self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
+
+    def apply_joint(self, gm: torch.fx.GraphModule, soc: Optional[str] = None,
+                    mode: Optional[str] = None) -> Optional[PassResult]:
+        """apply() on a joint forward+backward graph (normalised: joint.normalize_joint_graph)
+        with the joint patterns; None when this pass has none (it then runs after
+        partitioning only). Near misses are looked for among forward nodes: a backward
+        node never anchors a site. Sites are not verified numerically (verify.py
+        compares forward outputs only)."""
+        from .joint import is_backward
+
+        self._refresh_forms()
+        self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
+        matcher = self.joint_matcher
+        if matcher is None:
+            return None
+        self._replacement_traces.clear()  # traces of this graph's fake mode only (_trace_joint)
+        result = self._apply(matcher, gm, _PassRun(soc, mode, verify=False),
+                             anchors=lambda node: not is_backward(node))
+        if result.sites:
+            # a joint replacement is inserted at one point of the graph, so its backward half
+            # can land before nodes it reads: sort (stable: the rest keeps its order)
+            pm.stable_topological_sort(gm.graph)
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+        return result
+
+    def _apply(self, matcher: pm.PatternMatcherPass, gm: torch.fx.GraphModule, run: _PassRun,
+               anchors: Callable[[Node], bool]) -> PassResult:
+        result = PassResult(self.name)
+        self._run = run
         existing = set(gm.graph.nodes)
         try:
-            count = self.matcher.apply(gm)
+            count = matcher.apply(gm)
         finally:
             self._run = None
         _inherit_source_meta([n for n in gm.graph.nodes if n not in existing])
@@ -548,7 +670,7 @@ class FusionPass:
             raise RuntimeError(f"{self.name}: matcher replaced {count} sites, accepted {len(run.sites)}")
         result.sites = run.sites[::-1]  # the matcher walks the graph backwards: source order
         for node in gm.graph.nodes:
-            if self.anchor(node):
+            if anchors(node) and self.anchor(node):
                 reason = run.reason(node) or self.explain(node) or self._no_form_matched()
                 result.near_misses.append(NearMiss(self.name, reason, location_of([node, *node.users])))
         return result
@@ -599,6 +721,12 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset = frozenset())
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
     return None
+
+
+def _non_empty_subsets(names: Sequence[str]) -> list[tuple[str, ...]]:
+    """Largest first: ("x", "weight"), ("x",), ("weight",)."""
+    return [subset for size in range(len(names), 0, -1)
+            for subset in itertools.combinations(names, size)]
 
 
 def _custom_ops(gm: torch.fx.GraphModule) -> set[str]:

@@ -235,8 +235,56 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     return graph_report
 
 
+def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
+                     graph_name: str = "joint", mode: Optional[str] = None) -> GraphReport:
+    """Fuse a joint forward+backward graph (aot_autograd's, before partitioning) in place.
+
+    run_passes for training graphs: each enabled pass that has joint patterns
+    (FusionPass.joint_matcher) replaces a forward region AND its backward with the fused
+    op and its backward op; the others find nothing here and run after partitioning, as
+    the existing forward/backward pipeline does anyway. The same guarantees: a pass that
+    raises is reverted, the graph is linted; the GraphReport is added to `report`.
+    """
+    from .joint import normalize_joint_graph, views_to_reshapes_where_needed
+
+    start = time.perf_counter()
+    npu_ops.ensure_registered()
+    soc = config.soc or detect_soc()
+    mode = config.mode or mode
+    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
+    dumper = _Dumper(config.dump_dir)
+    folder = dumper.folder(len(report.graphs), graph_name)
+    dumper.write(folder, "before.py", _graph_code(gm))
+    # only passes with differentiable arguments have joint patterns
+    passes = [name for name in config.enabled_passes()
+              if (fusion_pass := load_pass(name)) is not None and fusion_pass.differentiable]
+    if passes:
+        normalize_joint_graph(gm)
+    original_nodes = set(gm.graph.nodes)
+    for name in passes:
+        result = _run_one(gm, name, config, soc, mode, joint=True)
+        if result is not None:
+            graph_report.passes.append(result)
+    new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
+    if new_nodes:
+        views_to_reshapes_where_needed(gm, new_nodes)
+    gm.graph.lint()
+    gm.recompile()
+    graph_report.nodes_after = len(gm.graph.nodes)
+    graph_report.ops_after = op_counts(gm.graph)
+    graph_report.cost_after = GraphCost.of(gm.graph)
+    graph_report.seconds = time.perf_counter() - start
+    report.add(graph_report)
+    dumper.write(folder, "after.py", _graph_code(gm))
+    if config.dump_dir:
+        dumper.write(config.dump_dir, "report.md", report.to_markdown())
+        dumper.write(config.dump_dir, "report.json", report.to_json())
+    return graph_report
+
+
 def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str],
-             mode: Optional[str]) -> PassResult:
+             mode: Optional[str], joint: bool = False) -> Optional[PassResult]:
     fusion_pass = load_pass(name)
     if fusion_pass is None:
         log.info("pass %r is not implemented in this version of npu-fx-fusion", name)
@@ -244,7 +292,12 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     saved = copy.deepcopy(gm.graph)
     start = time.perf_counter()
     try:
-        result = fusion_pass.apply(gm, soc, mode, verify=config.verify)
+        if joint:
+            result = fusion_pass.apply_joint(gm, soc, mode)
+            if result is None:  # no joint patterns: nothing to do, nothing to report
+                return None
+        else:
+            result = fusion_pass.apply(gm, soc, mode, verify=config.verify)
         gm.graph.lint()
     except Exception as exc:
         gm.graph = saved  # the setter re-parents the graph and recompiles

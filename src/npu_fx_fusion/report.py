@@ -260,10 +260,14 @@ class FusionReport:
 
     @property
     def fused_ops(self) -> dict[str, int]:
-        """{"npu.npu_rms_norm": n, ...}: fused-op calls in the final graphs."""
+        """{"npu.npu_rms_norm": n, ...}: fused-op calls in the final graphs.
+
+        A "joint" graph (training, before partitioning) is not final: its ops are counted
+        in the forward and backward graphs it is split into."""
         total = Counter()
         for g in self.graphs:
-            total.update(g.fused_ops)
+            if g.name != "joint":
+                total.update(g.fused_ops)
         return dict(total)
 
     @property

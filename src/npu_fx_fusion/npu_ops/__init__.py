@@ -11,6 +11,8 @@ npu_fx_fusion registers nothing.
 Adding an op: put its schema in schemas.py and its kernels in the module of its family
 (norm.py, ...) with the `stand_in` decorators; list the module in _FAMILY_MODULES.
 """
-from ._library import ensure_registered, real_torch_npu_available, registered_stand_ins
+from ._library import (ensure_registered, real_torch_npu_available, registered_stand_ins,
+                       stand_in_differentiable)
 
-__all__ = ["ensure_registered", "real_torch_npu_available", "registered_stand_ins"]
+__all__ = ["ensure_registered", "real_torch_npu_available", "registered_stand_ins",
+           "stand_in_differentiable"]

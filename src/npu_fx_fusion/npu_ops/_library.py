@@ -206,5 +206,16 @@ def ensure_registered() -> tuple[str, ...]:
     return tuple(_REGISTERED)
 
 
+def stand_in_differentiable(qualname: str) -> Optional[bool]:
+    """Whether the stand-in of `qualname` implements its backward (None: no stand-in).
+
+    A stand-in without one, or whose backward op has no stand-in yet, raises when
+    differentiated."""
+    op = _DECLARED.get(qualname)
+    if op is None:
+        return None
+    return op.backward is not None and op.missing_backward is None
+
+
 def registered_stand_ins() -> tuple[str, ...]:
     return tuple(_REGISTERED)

@@ -1,0 +1,412 @@
+"""Training graphs: forward and backward fused together on the joint graph (docs/training.md).
+
+Every test runs a compiled training step through the emulation backend (its partition_fn
+runs the joint passes, then torchair's default_partition) next to the same step in eager,
+and checks that the fused forward AND backward ops are in the graphs aot_autograd
+compiles, and that the gradients of every parameter and input match eager.
+
+Tolerances. The fused backward ops compute the gradient with the closed forms of torch_npu's
+kernels (npu_rms_norm_backward: dx = (dy*g - xhat*mean(dy*g*xhat)) * rstd, in fp32),
+where eager runs autograd's op-by-op derivative. Both are exact formulas evaluated in
+another order, so in fp32 they differ by float rounding only; but dx is a difference of two
+terms of the size of dy*g, and weight gradients are sums over every row, so the rounding
+is absolute at the scale of the gradient tensor, not relative to each element (small
+elements come from cancellation). Hence: within a few ulp of the tensor's largest
+element (assert_close_at_scale). Unit modules (one fused op and its backward): 8 fp32
+ulp at scale (measured: <= 1). Two-layer models, where the differences flow through
+every matmul and token sum after them: 64 (measured: <= 11.5). bf16: the fused ops
+compute in fp32 and round once where eager rounds after each bf16 op (the weight
+multiply and its gradient sum), so a few bf16 ulps at scale: 4 for unit modules
+(measured: <= 2), 8 for models (measured: <= 2.2).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale
+from npu_fx_fusion.backend import EmulationBackend
+from npu_fx_fusion.capabilities import CAPABILITIES, has_backward
+from npu_fx_fusion.config import PASS_NAMES
+from npu_fx_fusion.pipeline import load_pass
+
+HIDDEN = 64
+# ulp of each gradient's dtype at its largest element (see the module docstring)
+UNIT_ULPS = {torch.float32: 8, torch.bfloat16: 4}
+MODEL_ULPS = {torch.float32: 64, torch.bfloat16: 8}
+
+
+# ---- unit modules --------------------------------------------------------------------------
+class HFNorm(nn.Module):
+    """transformers LlamaRMSNorm."""
+
+    def __init__(self, dim=HIDDEN, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(dim) + 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class ResidualBlock(nn.Module):
+    """x + proj(norm(x)): x has a user outside the norm, so autograd sums its gradient
+    as add(add(residual grad, g_a), g_b), which only the accumulation canonicalisation
+    (joint.canonicalize_grad_accumulation) lets the norm's pattern match, in fp32."""
+
+    def __init__(self, norm_cls=HFNorm):
+        super().__init__()
+        self.norm = norm_cls()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+class TorchRMSNorm(nn.Module):
+    """torch.nn.RMSNorm (F.rms_norm, torchtitan)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(HIDDEN, eps=1e-5)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class HFRope(nn.Module):
+    """q projection, then HF's apply_rotary_pos_emb (q is used three times by the rotation)."""
+
+    def __init__(self, heads=2, seq=8, head_dim=32):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q = nn.Linear(HIDDEN, heads * head_dim, bias=False)
+        angles = torch.arange(seq)[:, None] * (1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim))
+        emb = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", emb.cos()[None, None])
+        self.register_buffer("sin", emb.sin()[None, None])
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.cos.to(q.dtype), self.sin.to(q.dtype)
+        return q * cos + rotate_half(q) * sin
+
+
+class GateUpSwiGLU(nn.Module):
+    """Phi-3's MLP: one gate_up projection, chunked, up * silu(gate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up = nn.Linear(HIDDEN, 2 * HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(up * F.silu(gate))
+
+
+# ---- running a training step ---------------------------------------------------------------
+def _seeded(cls, dtype, seed=0):
+    torch.manual_seed(seed)
+    return cls().to(dtype).train()
+
+
+def _grads(module, x):
+    named = {f"param {n}": p.grad for n, p in module.named_parameters() if p.requires_grad}
+    if x.requires_grad:
+        named["input x"] = x.grad
+    return named
+
+
+def _step(module, x, probe):
+    out = module(x)
+    (out.float() * probe).sum().backward()
+    return out
+
+
+def train_and_compare(cls, dtype=torch.float32, *, x_grad=True, frozen=(), config=None):
+    """One compiled and one eager forward+backward; returns (report, fw graph, bw graph).
+
+    Gradients of every parameter that requires grad, and of x when it does, must be
+    equal within UNIT_ULPS at scale.
+    """
+    torch._dynamo.reset()
+    model, reference = _seeded(cls, dtype), _seeded(cls, dtype)
+    for module in (model, reference):
+        for name, p in module.named_parameters():
+            if name in frozen:
+                p.requires_grad_(False)
+    torch.manual_seed(1)
+    x = torch.randn(2, 8, HIDDEN, dtype=dtype)
+    x_ref = x.clone()
+    x.requires_grad_(x_grad)
+    x_ref.requires_grad_(x_grad)
+    backend = _RecordingBackend(config)
+    out = _step(torch.compile(model, backend=backend, fullgraph=True), x,
+                probe := torch.randn(reference(x_ref).shape))
+    out_ref = _step(reference, x_ref, probe)
+    assert_close_at_scale(out, out_ref, UNIT_ULPS[dtype])
+    grads, grads_ref = _grads(model, x), _grads(reference, x_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        assert grads[name] is not None, name
+        assert_close_at_scale(grads[name], grads_ref[name], UNIT_ULPS[dtype])
+    return backend.report, backend.graphs["forward"], backend.graphs["backward"]
+
+
+class _RecordingBackend(EmulationBackend):
+    """EmulationBackend that keeps the graphs it compiled, by phase."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.graphs = {}
+
+    def _compile(self, phase, gm, example_inputs):
+        compiled = super()._compile(phase, gm, example_inputs)
+        self.graphs[phase] = gm
+        return compiled
+
+
+def npu_ops(gm) -> dict:
+    """{"npu_rms_norm": n, ...} of the npu ops a graph calls."""
+    counts = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("npu."):
+            name = str(node.target).split(".")[1]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+# ---- unit modules: fused forward and backward, gradients equal eager ----------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fuses_forward_and_backward(dtype):
+    report, fw, bw = train_and_compare(HFNorm, dtype)
+    assert npu_ops(fw) == {"npu_rms_norm": 1}
+    assert npu_ops(bw) == {"npu_rms_norm_backward": 1}
+    joint = next(g for g in report.graphs if g.name == "joint")
+    assert [(r.pass_name, len(r.sites)) for r in joint.passes] == [("rms_norm", 1), ("rope", 0), ("swiglu", 0)]
+    assert report.counts["rms_norm"] == 1  # the forward-only pass afterwards found nothing left
+    assert report.fused_ops == {"npu.npu_rms_norm": 1, "npu.npu_rms_norm_backward": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_norm_needs_the_accumulation_canonicalisation(dtype):
+    _, fw, bw = train_and_compare(ResidualBlock, dtype)
+    assert npu_ops(fw) == {"npu_rms_norm": 1}
+    assert npu_ops(bw) == {"npu_rms_norm_backward": 1}
+
+
+def test_torch_rms_norm_module():
+    _, fw, bw = train_and_compare(TorchRMSNorm)
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+
+
+def test_input_without_grad_uses_the_weight_only_variant():
+    # a frozen embedding feeding layer 0: only the weight needs a gradient
+    report, fw, bw = train_and_compare(HFNorm, x_grad=False)
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+
+
+def test_frozen_weight():
+    _, fw, bw = train_and_compare(ResidualBlock, frozen={"norm.weight"})
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_fuses_forward_and_backward(dtype):
+    _, fw, bw = train_and_compare(HFRope, dtype)
+    assert npu_ops(fw) == {"npu_rotary_mul": 1}
+    assert npu_ops(bw) == {"npu_rotary_mul_backward": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_fuses_forward_and_backward(dtype):
+    _, fw, bw = train_and_compare(GateUpSwiGLU, dtype)
+    assert npu_ops(fw) == {"npu_swiglu": 1}
+    assert npu_ops(bw) == {"npu_swiglu_backward": 1}
+
+
+def test_disabled_pass_does_not_run_on_the_joint_graph():
+    report, fw, bw = train_and_compare(HFNorm, config=nff.FusionConfig(disable={"rms_norm"}))
+    assert npu_ops(fw) == {} and npu_ops(bw) == {}
+    joint = next(g for g in report.graphs if g.name == "joint")
+    assert "rms_norm" not in [r.pass_name for r in joint.passes]
+
+
+# ---- a tiny torchtitan llama3 and HF llama training step -----------------------------------
+def _training_step_matches_eager(tm, dtype):
+    model = tm.model.train()
+    reference = copy.deepcopy(model)
+    (ids,) = tm.example_inputs
+    backend = _RecordingBackend()
+    compiled = torch.compile(model, backend=backend)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+
+    def loss_of(module):
+        return module(ids).float().pow(2).mean()
+
+    loss, loss_ref = loss_of(compiled), loss_of(reference)
+    loss.backward()
+    loss_ref.backward()
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=4 * torch.finfo(dtype).eps * loss_ref.item())
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        try:
+            assert_close_at_scale(p.grad, p_ref.grad, MODEL_ULPS[dtype])
+        except AssertionError as exc:
+            raise AssertionError(f"{name}.grad: {exc}") from None
+    opt.step()
+    opt_ref.step()
+    with torch.no_grad():  # the loss after the step: the parameters moved alike
+        after, after_ref = loss_of(compiled), loss_of(reference)
+    torch.testing.assert_close(after, after_ref, rtol=0, atol=4 * torch.finfo(dtype).eps * after_ref.item())
+    return backend
+
+
+def test_torchtitan_llama3_training_step():
+    from npu_fx_fusion.tiny_models import build_torchtitan
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tm = build_torchtitan("llama3", dtype=torch.float32, num_layers=2)
+    backend = _training_step_matches_eager(tm, torch.float32)
+    # 2 blocks x (attention norm, ffn norm) + the final norm; q and k rotated per block
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4}
+    assert backend.report.errors == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_llama_training_step(dtype):
+    from npu_fx_fusion.tiny_models import build_hf
+
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tm = build_hf("llama", dtype=dtype, num_layers=2)
+    backend = _training_step_matches_eager(tm, dtype)
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4}
+
+
+def test_hf_phi3_training_step_fuses_swiglu():
+    from npu_fx_fusion.tiny_models import build_hf
+
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backend = _training_step_matches_eager(build_hf("phi3", dtype=torch.float32, num_layers=2), torch.float32)
+    # Phi-3's fused gate_up projection: up * silu(gate) on its two halves
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4, "npu_swiglu": 2}
+    assert npu_ops(backend.graphs["backward"]) == {
+        "npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4, "npu_swiglu_backward": 2}
+
+
+def test_torchtitan_deepseek_v3_training_step_is_as_accurate_as_eager():
+    """MLA + MoE: the norms (MLA's kv_norm too) and the k rope fuse with their backward.
+
+    Its MoE layer makes the fp32 gradients ill-conditioned: eager itself is up to ~1000
+    ulp at scale away from a float64 run in some weight gradients. So each gradient is
+    compared with float64 instead: the fused step's error is at most twice eager's (or 64
+    ulp at scale, for gradients eager gets nearly exact).
+    """
+    from helpers import ulp
+    from npu_fx_fusion.tiny_models import build_torchtitan
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tm = build_torchtitan("deepseek_v3", dtype=torch.float32, num_layers=2)
+    model = tm.model.train()
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    (ids,) = tm.example_inputs
+    # this milestone's passes only: the MoE passes are forward-only (no backward ops yet)
+    backend = _RecordingBackend(nff.FusionConfig(enable={"rms_norm", "rope", "swiglu"}))
+    for module in (torch.compile(model, backend=backend), reference, exact):
+        module(ids).double().pow(2).mean().backward()
+    assert backend.report.errors == []
+    forward, backward = npu_ops(backend.graphs["forward"]), npu_ops(backend.graphs["backward"])
+    # 2 layers x (attention_norm, kv_norm, ffn_norm) + the final norm
+    assert forward["npu_rms_norm"] == 7 and backward["npu_rms_norm_backward"] == 7
+    # k's rope fuses on the joint graph; q's (a slice of the q projection) does not yet
+    # match there, and fuses in the forward graph only
+    assert forward["npu_rotary_mul"] == 4 and backward["npu_rotary_mul_backward"] == 2
+    for (name, p), p_ref, p_exact in zip(model.named_parameters(), reference.parameters(), exact.parameters()):
+        spacing = ulp(p_ref.grad.abs().max().reshape(1)).double().item()
+        fused_error = (p.grad.double() - p_exact.grad).abs().max().item()
+        eager_error = (p_ref.grad.double() - p_exact.grad).abs().max().item()
+        assert fused_error <= max(2 * eager_error, 64 * spacing), (name, fused_error, eager_error, spacing)
+
+
+# ---- limits ----------------------------------------------------------------------------------
+def _dynamic_step(cls, dims):
+    torch._dynamo.reset()
+    model = _seeded(cls, torch.float32)
+    backend = _RecordingBackend()
+    x = torch.randn(2, 8, HIDDEN, requires_grad=True)
+    for dim in dims:
+        torch._dynamo.mark_dynamic(x, dim)
+    _step(torch.compile(model, backend=backend, fullgraph=True), x, torch.randn(2, 8, HIDDEN))
+    return backend
+
+
+def test_one_dynamic_size_fuses():
+    # mark_dynamic on the sequence length: one SymInt in the backward's size lists, which
+    # register_replacement's symbolic retrace handles
+    backend = _dynamic_step(HFNorm, dims=(1,))
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
+
+
+@pytest.mark.xfail(strict=True, reason="joint patterns do not match a norm whose backward has two "
+                   "symbolic sizes (dynamic batch and sequence): the retrace spells them as "
+                   "sym_size of x, the graph as SymInt placeholders (docs/training.md)")
+def test_dynamic_batch_and_sequence_training_graph_fuses():
+    backend = _dynamic_step(HFNorm, dims=(0, 1))
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
+
+
+def test_no_joint_pattern_emits_an_op_without_backward():
+    """A joint replacement is traced with autograd: an op without a backward would fail
+    the compile. Checked over every pass's registered joint forms."""
+    registered = 0
+    for name in PASS_NAMES:
+        fusion_pass = load_pass(name)
+        if fusion_pass is None or not fusion_pass.differentiable:
+            continue
+        fusion_pass.joint_matcher  # registers
+        for form in fusion_pass.joint_forms:
+            ops = fusion_pass.emitted_ops[form]
+            assert ops and all(has_backward(op) for op in ops), (name, form, ops)
+            registered += 1
+    assert registered > 0
+    rope = load_pass("rope")
+    # npu_interleave_rope (inference only) is never emitted joint, its rotary_mul fallbacks are
+    assert "even_odd_pairs" in rope.joint_forms
+    assert not any("npu.npu_interleave_rope" in rope.emitted_ops[f] for f in rope.joint_forms)
+
+
+def test_a_form_whose_op_has_no_backward_gets_no_joint_pattern(monkeypatch):
+    import dataclasses
+
+    from npu_fx_fusion.matching import FusionPass
+
+    swiglu = load_pass("swiglu")
+    monkeypatch.setitem(CAPABILITIES, "npu.npu_swiglu",
+                        dataclasses.replace(CAPABILITIES["npu.npu_swiglu"], backward=None))
+    twin = FusionPass(name="swiglu", fused_op=swiglu.fused_op, forms=swiglu.forms, example=swiglu.example,
+                      check=swiglu.check, anchor=swiglu.anchor, explain=swiglu.explain,
+                      differentiable=("x",))
+    assert twin.joint_matcher is None and twin.joint_forms == ()
