@@ -67,7 +67,6 @@ import torch
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import causal_mask, evaluate_constant
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
-from npu_fx_fusion.report import PassResult
 
 aten = torch.ops.aten
 OP = "cann_ops_transformer.sparse_flash_mla_softmax_l1_norm"
@@ -552,22 +551,13 @@ def verify_input(name, args):
     return None
 
 
-class _CandidatesFirst(FusionPass):
-    """Registering this pass's patterns costs seconds (many large forms): a graph without a
-    head sum of attention probabilities (no anchor) cannot match any of them, so it skips
-    them and costs nothing."""
-
-    def apply(self, gm, soc=None, mode=None, verify=False):
-        if not any(anchor(node) for node in gm.graph.nodes):
-            return PassResult(self.name)
-        return super().apply(gm, soc, mode, verify)
-
-    def apply_joint(self, *args, **kwargs):
-        # the op has no backward: no joint patterns; the pass runs after partitioning only
-        return None
+def has_head_sum(graph):
+    """Registering this pass's forms costs seconds (many large forms): a graph without a
+    head sum of attention probabilities (no anchor) cannot match any of them."""
+    return any(anchor(node) for node in graph.nodes)
 
 
-PASS = _CandidatesFirst(
+PASS = FusionPass(
     name="softmax_l1_norm",
     fused_op=OP,
     forms=FORMS,
@@ -595,4 +585,5 @@ PASS = _CandidatesFirst(
     anchor=anchor,
     explain=explain,
     verify_input=verify_input,
+    prefilter=has_head_sum,
 )

@@ -299,6 +299,9 @@ class FusionPass:
               registered too: torch's matmul decomposes by strides (a view at batch 1, a
               clone + _unsafe_view at batch 2), so a form traced at one batch size does not
               match the other
+    prefilter: prefilter(graph) -> bool, for passes whose patterns cost seconds to register:
+              False means no form can match this graph, and the pass skips it without
+              registering anything (it must never be False where a form would match)
     differentiable: the arguments that may carry a gradient in a training graph
               (("x", "weight") for a norm; rope's cos/sin come from buffers). Non-empty:
               the forms whose emitted ops have a backward are also matched on joint
@@ -311,8 +314,10 @@ class FusionPass:
                  anchor: Callable[[Node], bool], explain: Callable[[Node], Reason],
                  verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
                  differentiable: Sequence[str] = (),
-                 example_variants: Sequence[Mapping[str, Any]] = ()):
+                 example_variants: Sequence[Mapping[str, Any]] = (),
+                 prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None):
         self.name = name
+        self.prefilter = prefilter
         self.example_variants = tuple(dict(v) for v in example_variants)
         unknown = set(differentiable) - set(example)
         if unknown:
@@ -627,6 +632,8 @@ class FusionPass:
         in (a form whose op that mode cannot lower is skipped, so a later form can serve);
         verify: check each site numerically before accepting it (verify.py).
         """
+        if self.prefilter is not None and not self.prefilter(gm.graph):
+            return PassResult(self.name)
         self._refresh_forms()
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
         return self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
