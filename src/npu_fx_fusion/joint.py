@@ -243,24 +243,7 @@ def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence
             raise RuntimeError("the joint graph's inputs carry no fake values")
         _Propagate(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
     except Exception:  # noqa: BLE001 - fall back to the safe, broad conversion
+        from .pipeline import views_to_reshapes_downstream
+
         views_to_reshapes_downstream(new_nodes)
     gm.recompile()
-
-
-def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
-    """Every view a fused node reaches, forward or backward, becomes a reshape.
-
-    The fused ops and their backward ops return contiguous tensors where the aten code
-    they replace could keep a transposed layout, and aten.view fails on strides it was
-    not traced for (pipeline._views_to_reshapes_downstream, for the joint graph).
-    """
-    seen: set = set()
-    pending = list(new_nodes)
-    while pending:
-        node = pending.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.target is aten.view.default:
-            node.target = aten.reshape.default
-        pending.extend(node.users)

@@ -160,7 +160,7 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
+def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
     """Make every `view` a replacement can reach a `reshape`.
 
     A fused op's output need not have the strides of what it replaced (torch_npu's meta
@@ -192,13 +192,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     start = time.perf_counter()
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
-    soc = config.soc or detect_soc()
-    mode = config.mode or mode
-    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
-    dumper = _Dumper(config.dump_dir)
-    folder = dumper.folder(len(report.graphs), graph_name)
-    dumper.write(folder, "before.py", _graph_code(gm))
+    soc, mode = config.soc or detect_soc(), config.mode or mode
+    graph_report, dumper, folder = _begin_graph(gm, config, report, graph_name, mode)
 
     enabled = config.enabled_passes()
     if enabled:
@@ -210,9 +205,28 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     original_nodes = set(gm.graph.nodes)
     for name in enabled:
         graph_report.passes.append(_run_one(gm, name, config, soc, mode))
-    _views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
+    views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
     _merge_repeated_conversions(gm.graph, original_nodes)
 
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder)
+    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion")
+    return graph_report
+
+
+def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
+                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, "_Dumper", Optional[str]]:
+    """The graph's report as it is before fusion, and its dump folder with before.py."""
+    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
+    dumper = _Dumper(config.dump_dir)
+    folder = dumper.folder(len(report.graphs), graph_name)
+    dumper.write(folder, "before.py", _graph_code(gm))
+    return graph_report, dumper, folder
+
+
+def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
+                  graph_report: GraphReport, start: float, dumper: "_Dumper", folder: Optional[str]) -> None:
+    """Lint, then complete the graph's report, add it to `report`, trace and dump it."""
     gm.graph.lint()
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
@@ -224,15 +238,13 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     # shows it next to the compile it belongs to); a no-op otherwise.
     torch._logging.trace_structured(
         "artifact",
-        metadata_fn=lambda: {"name": f"npu_fx_fusion_report_{graph_name}", "encoding": "json"},
+        metadata_fn=lambda: {"name": f"npu_fx_fusion_report_{graph_report.name}", "encoding": "json"},
         payload_fn=lambda: json.dumps(graph_report.to_dict()),
     )
     dumper.write(folder, "after.py", _graph_code(gm))
-    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion")
     if config.dump_dir:
         dumper.write(config.dump_dir, "report.md", report.to_markdown())
         dumper.write(config.dump_dir, "report.json", report.to_json())
-    return graph_report
 
 
 def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
@@ -249,13 +261,8 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
 
     start = time.perf_counter()
     npu_ops.ensure_registered()
-    soc = config.soc or detect_soc()
-    mode = config.mode or mode
-    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
-    dumper = _Dumper(config.dump_dir)
-    folder = dumper.folder(len(report.graphs), graph_name)
-    dumper.write(folder, "before.py", _graph_code(gm))
+    soc, mode = config.soc or detect_soc(), config.mode or mode
+    graph_report, dumper, folder = _begin_graph(gm, config, report, graph_name, mode)
     # only passes with differentiable arguments have joint patterns
     passes = [name for name in config.enabled_passes()
               if (fusion_pass := load_pass(name)) is not None and fusion_pass.differentiable]
@@ -269,17 +276,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
     if new_nodes:
         views_to_reshapes_where_needed(gm, new_nodes)
-    gm.graph.lint()
-    gm.recompile()
-    graph_report.nodes_after = len(gm.graph.nodes)
-    graph_report.ops_after = op_counts(gm.graph)
-    graph_report.cost_after = GraphCost.of(gm.graph)
-    graph_report.seconds = time.perf_counter() - start
-    report.add(graph_report)
-    dumper.write(folder, "after.py", _graph_code(gm))
-    if config.dump_dir:
-        dumper.write(config.dump_dir, "report.md", report.to_markdown())
-        dumper.write(config.dump_dir, "report.json", report.to_json())
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder)
     return graph_report
 
 
