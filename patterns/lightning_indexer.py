@@ -31,7 +31,7 @@ import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, tensor_meta
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
@@ -135,16 +135,11 @@ def _use_other_than_sparse_attention(site, mode):
     attention that hides what the indexer's mask hides (sparse_mode 3 behind a causal
     indexer: the model's attention then ignores the masked keys the model's top-k listed,
     as the op's -1 slots are ignored)."""
-    inside = set(site.nodes)
-    pending = [(user, node) for node in site.nodes for user in node.users if user not in inside]
-    while pending:
-        user, value = pending.pop()
-        if is_call(user, *_PASS_ON):
-            pending += [(u, user) for u in user.users]
-        elif not (is_call(user, torch.ops.npu.npu_sparse_flash_attention) and user.args[3] is value
-                  and (mode == 0 or user.kwargs.get("sparse_mode", 3) == 3)):
-            return user
-    return None
+    def reads_as_the_model_does(user, value):
+        return (is_call(user, torch.ops.npu.npu_sparse_flash_attention) and user.args[3] is value
+                and (mode == 0 or user.kwargs.get("sparse_mode", 3) == 3))
+
+    return first_refused_use(site, reads_as_the_model_does, _PASS_ON)
 
 
 # ---- near misses: a top-k over relu'd, head-weighted scores -----------------------------------

@@ -42,7 +42,7 @@ without a copy, a graph the form (traced with several groups) does not match.
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, tensor_meta
 
 aten = torch.ops.aten
 GATING = CAPABILITIES["npu.npu_moe_gating_top_k_softmax"]
@@ -232,18 +232,10 @@ def _indifferent_to_k_order(user, value):
 
 def order_dependent_use(site, top_k):
     """The first node outside the site that depends on the order of its k experts, or None."""
-    inside = set(site.nodes)
-    pending = [(user, node) for node in site.nodes if node.users
-               and (meta := tensor_meta(node)) is not None and meta.dim() and meta.shape[-1] == top_k
-               for user in node.users if user not in inside]
-    while pending:
-        user, value = pending.pop()
-        if is_call(user, *_PASS_ON, torch.ops.npu._npu_dtype_cast.default):
-            pending += [(u, user) for u in user.users]  # what counts is where the values end up
-            continue
-        if not _indifferent_to_k_order(user, value):
-            return user
-    return None
+    k_wide = [node for node in site.nodes
+              if (meta := tensor_meta(node)) is not None and meta.dim() and meta.shape[-1] == top_k]
+    return first_refused_use(site, _indifferent_to_k_order,
+                             (*_PASS_ON, torch.ops.npu._npu_dtype_cast.default), outputs=k_wide)
 
 
 # ---- near misses: a router top-k left unfused ---------------------------------------------

@@ -773,6 +773,23 @@ def normalized_dims(dims: Any, rank: int) -> list[int]:
     return sorted(d % rank for d in dims)
 
 
+def first_refused_use(site: "Site", accept: Callable[[Node, Node], bool], pass_on: Sequence[Any],
+                      outputs: Optional[Sequence[Node]] = None) -> Optional[Node]:
+    """The first node outside `site` that reads its `outputs` (default: every site node),
+    directly or through `pass_on` ops (casts, views: what counts is where the values end
+    up), and that `accept(user, value_it_reads)` refuses; None if every use is accepted."""
+    inside = set(site.nodes)
+    pending = [(user, node) for node in (site.nodes if outputs is None else outputs)
+               for user in node.users if user not in inside]
+    while pending:
+        user, value = pending.pop()
+        if is_call(user, *pass_on):
+            pending += [(u, user) for u in user.users]
+        elif not accept(user, value):
+            return user
+    return None
+
+
 def users_outside(nodes: Sequence[Node], allowed: Sequence[Node]) -> Optional[tuple[Node, Node]]:
     """The first (node, user) where a user of `nodes` is not in `allowed`."""
     allowed_set = set(allowed)
