@@ -214,6 +214,10 @@ class Form:
     # (outputs, {argument name: input}) -> the outputs in one canonical form, applied to
     # both sides before verification compares them.
     canonical_outputs: Optional[Callable[[list, dict], list]] = None
+    # Training graphs: the sets of differentiable arguments to trace joint patterns for;
+    # None: every non-empty subset of the pass's `differentiable` (a big block with five
+    # trainable inputs would otherwise trace 31 variants).
+    grad_subsets: Optional[Sequence[tuple[str, ...]]] = None
 
     def __post_init__(self) -> None:
         self.search._nff_search = True  # its retraces may be cached (_trace_searches_once)
@@ -324,7 +328,7 @@ class FusionPass:
             raise ValueError(f"{name}: differentiable names unknown arguments {sorted(unknown)}")
         self.differentiable = tuple(differentiable)
         self._replacement_traces: dict = {}
-        self.joint_forms: tuple[str, ...] = ()  # names of the forms registered joint
+        self.joint_forms: tuple[Form, ...] = ()  # the forms registered joint
         self.verify_input = verify_input
         self.fused_op = fused_op
         self._forms_source = forms
@@ -390,15 +394,16 @@ class FusionPass:
         registered = []
         with FakeTensorMode():
             for form in self.forms:
-                if not all(has_backward(op) for op in self.emitted_ops[form.name]):
+                if not all(has_backward(op) for op in self.emitted_ops[form]):
                     continue
                 grad_args = [n for n in self.differentiable if n in form.argnames
                              and callable(self.example[n])]
                 matcher.seen_patterns.clear()  # as in `matcher`: fallbacks across forms
-                for subset in _non_empty_subsets(grad_args):
+                subsets = form.grad_subsets if form.grad_subsets is not None else _non_empty_subsets(grad_args)
+                for subset in subsets:
                     for dtype in form.dtypes:
                         if self._register_joint(matcher, form, dtype, subset, trace_joint_without_decompositions):
-                            registered.append(form.name)
+                            registered.append(form)
         self.joint_forms = tuple(dict.fromkeys(registered))
         return matcher if registered else None
 
@@ -449,8 +454,11 @@ class FusionPass:
         return self._replacement_traces[key]
 
     @functools.cached_property
-    def emitted_ops(self) -> dict[str, tuple[str, ...]]:
-        """{form name: the non-aten ops its replacement calls ("npu.npu_rms_norm", ...)}.
+    def emitted_ops(self) -> dict[Form, tuple[str, ...]]:
+        """{form: the non-aten ops its replacement calls ("npu.npu_rms_norm", ...)}.
+
+        Keyed by the Form, not its name: a fallback form shares its search (and name) with
+        the form it stands in for, and emits other ops.
 
         Read from a trace of each replacement, so what is checked for lowerability is
         what a fusion really emits. Every one must have a capabilities entry.
@@ -466,7 +474,7 @@ class FusionPass:
                              - _custom_ops(trace_without_decompositions(form.search, inputs)))
                 for op in ops:
                     capability(op)  # raises for an op the table lacks
-                emitted[form.name] = tuple(ops)
+                emitted[form] = tuple(ops)
         return emitted
 
     def _register(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype) -> None:
@@ -537,7 +545,7 @@ class FusionPass:
                 notes.append(f"partial: the larger form {form.name} was turned down ({reason})")
         notes += site.notes
         if run.mode is None:  # emulation: say what torchair's GE mode would refuse
-            notes += [reason for op in self.emitted_ops[site.form.name]
+            notes += [reason for op in self.emitted_ops[site.form]
                       if (reason := not_lowerable(op, "max-autotune"))]
         return notes
 
@@ -572,7 +580,7 @@ class FusionPass:
     def _first_failure(self, site: Site, match: pm.Match, run: _PassRun) -> Reason:
         return (self._argument_kinds_differ(site)
                 or _unexpected_keyword(site.nodes, self._spelled_keywords(site.form))
-                or next(filter(None, (not_lowerable(op, run.mode) for op in self.emitted_ops[site.form.name])), None)
+                or next(filter(None, (not_lowerable(op, run.mode) for op in self.emitted_ops[site.form])), None)
                 or self.check(site)
                 or self._outputs_differ(site, match)
                 or (self._verify(site, match) if run.verify else None))
