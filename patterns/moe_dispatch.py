@@ -182,9 +182,20 @@ def _torchtitan_block():
         y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
         return _finalize(y, weights, row_idx, ids).to(x.dtype)
 
+    def replace_trainable(x, ids, weights, w1, w2, w3, counts):
+        # the same rows (permute's sort is stable as well), src_to_dst its inverse map
+        routed, src_to_dst = torch.ops.npu.npu_moe_token_permute(x, ids)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
+                                                       offs=offsets))
+        h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
+        y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        return torch.ops.npu.npu_moe_token_unpermute(y, src_to_dst, weights)
+
     search.__name__ = "torchtitan_local_dispatch_grouped_experts"
     replace.__name__ = "init_routing_grouped_mm_finalize"
-    return search, replace
+    replace_trainable.__name__ = "token_permute_grouped_mm_unpermute"
+    return search, replace, replace_trainable
 
 
 _BATCHED_FORMS = []
@@ -200,7 +211,8 @@ def forms():
     if interop.transformers_grouped_mm_fallback() is not None:
         gemms.append((_grouped_mm_fallback, torch.float32))
     grouped = [_FORMS[(gemm, act)] for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)]
-    torchtitan = [_TORCHTITAN_FORM] if interop.torchtitan_deterministic_scatter_add() is not None else []
+    torchtitan = ([_TORCHTITAN_FORM, _TORCHTITAN_TRAINABLE_FORM]
+                  if interop.torchtitan_deterministic_scatter_add() is not None else [])
     return grouped + _BATCHED_FORMS + torchtitan
 
 
@@ -211,16 +223,25 @@ for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torc
         _FORMS[(_gemm, _act)] = Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2")
 
 
-_TORCHTITAN_FORM = Form(*_torchtitan_block(), dtypes=(torch.float32, torch.bfloat16),
-                       fused_op="npu.npu_moe_init_routing_v2")
+_search, _replace, _replace_trainable = _torchtitan_block()
+_TORCHTITAN_FORM = Form(_search, _replace, dtypes=(torch.float32, torch.bfloat16),
+                        fused_op="npu.npu_moe_init_routing_v2")
+# Training: init_routing / finalize have no backward; npu_moe_token_permute / unpermute do
+# (the same index conventions: a stable sort, its inverse map), so on the joint graph the
+# block becomes those, forward and backward. In inference the form above comes first.
+_TORCHTITAN_TRAINABLE_FORM = Form(_search, _replace_trainable, dtypes=(torch.float32, torch.bfloat16),
+                                  fused_op="npu.npu_moe_token_permute",
+                                  grad_subsets=(("x", "weights", "w1", "w2", "w3"),))
 
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
     x, ids, weights = site["x"], site["ids"], site["weights"]
     experts = _expert_count(site.args)
-    reason = (unsupported("npu.npu_moe_init_routing_v2", site.soc, x=x)
-              or unsupported("npu.npu_moe_finalize_routing", site.soc, x=x))
+    ops = (("npu.npu_moe_token_permute", "npu.npu_moe_token_unpermute")
+           if site.form.fused_op == "npu.npu_moe_token_permute"
+           else ("npu.npu_moe_init_routing_v2", "npu.npu_moe_finalize_routing"))
+    reason = next(filter(None, (unsupported(op, site.soc, x=x) for op in ops)), None)
     if reason:
         return reason
     if "gate_up_proj" in site.args:  # the batched forms emit the grouped GEMMs themselves
@@ -271,6 +292,8 @@ PASS = FusionPass(
     name="moe_dispatch",
     fused_op="npu.npu_moe_init_routing_v2",
     forms=forms,
+    # the token embeddings, routing weights and expert weights train through the block
+    differentiable=("x", "weights", "w1", "w2", "w3"),
     example={
         # T=12 tokens, K=2, H=16, E=5 experts of a gate_up of 2*8 and a down of 8 -> 16;
         # sizes multiples of 8 for _grouped_mm's alignment, and no other 5 in the trace
