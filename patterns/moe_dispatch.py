@@ -144,6 +144,16 @@ def _transformers_batched_block(act):
     return search, replace
 
 
+def _torchtitan_experts(routed, w1, w2, w3, counts):
+    """torchtitan's GroupedExperts on the expert-sorted rows: w1, w3, w2 as bf16 grouped GEMMs
+    on the offsets of the model's own per-expert counts (the same in every form)."""
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
+                                                   offs=offsets))
+    h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets)
+
+
 def _torchtitan_block():
     """torchtitan's LocalTokenDispatcher around its GroupedExperts (models/common/moe.py,
     token_dispatcher.py): a stable argsort of the flat expert ids, the gather, offsets from
@@ -163,11 +173,7 @@ def _torchtitan_block():
         weights_sorted = weights.view(-1)[perm]
         token = perm // top_k
         routed = x[token]
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
-                                                       offs=offsets))
-        h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
-        y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        y = _torchtitan_experts(routed, w1, w2, w3, counts).type_as(x)
         out = torch.zeros_like(x)
         y = (y.to(torch.float32) * weights_sorted.reshape(-1, 1)).to(y.dtype)
         index = token.reshape(-1, 1).expand(-1, x.shape[-1])
@@ -175,21 +181,13 @@ def _torchtitan_block():
 
     def replace(x, ids, weights, w1, w2, w3, counts):
         routed, row_idx, _, _ = _init_routing(x, ids, counts.shape[0])
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
-                                                       offs=offsets))
-        h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
-        y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        y = _torchtitan_experts(routed, w1, w2, w3, counts).type_as(x)
         return _finalize(y, weights, row_idx, ids).to(x.dtype)
 
     def replace_trainable(x, ids, weights, w1, w2, w3, counts):
         # the same rows (permute's sort is stable as well), src_to_dst its inverse map
         routed, src_to_dst = torch.ops.npu.npu_moe_token_permute(x, ids)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        h = torch.nn.functional.silu(torch._grouped_mm(routed.bfloat16(), w1.bfloat16().transpose(-2, -1),
-                                                       offs=offsets))
-        h = h * torch._grouped_mm(routed.bfloat16(), w3.bfloat16().transpose(-2, -1), offs=offsets)
-        y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offsets).type_as(x)
+        y = _torchtitan_experts(routed, w1, w2, w3, counts).type_as(x)
         return torch.ops.npu.npu_moe_token_unpermute(y, src_to_dst, weights)
 
     search.__name__ = "torchtitan_local_dispatch_grouped_experts"

@@ -117,14 +117,6 @@ def npu_sparse_flash_attention_unmasked(query, key, value, indices, mask, sqrt_s
     return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
 
 
-def npu_sparse_flash_attention_causal_half(query, key, value, indices, mask, sqrt_scale):
-    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=3)
-
-
-def npu_sparse_flash_attention_unmasked_half(query, key, value, indices, mask, sqrt_scale):
-    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
-
-
 def _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode):
     # one KV head, which is also the value
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
@@ -148,15 +140,14 @@ FORMS = [
     # model's upcast math does; both round the output once.
     Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_causal, dtypes=(torch.float32,)),
     Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_unmasked, dtypes=(torch.float32,)),
-    Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_causal_half,
+    Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_causal,
          dtypes=(torch.bfloat16, torch.float16)),
-    Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_unmasked_half,
+    Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_unmasked,
          dtypes=(torch.bfloat16, torch.float16)),
     Form(mla_gathered_top_k_causal, npu_sparse_flash_attention_mla_causal),
     Form(mla_gathered_top_k, npu_sparse_flash_attention_mla),
 ]
-_MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
-         npu_sparse_flash_attention_causal_half: 3, npu_sparse_flash_attention_unmasked_half: 0}
+_MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0}
 
 
 # ---- checks -------------------------------------------------------------------------------

@@ -16,13 +16,7 @@ def transformers_grouped_mm_fallback() -> Optional[torch._ops.OpOverload]:  # no
     transformers imported already, and then that one module is cheap to import; nobody
     else pays for it (importing transformers takes seconds).
     """
-    if "transformers" not in sys.modules:
-        return None
-    try:
-        importlib.import_module("transformers.integrations.moe")
-        return torch.ops.transformers.grouped_mm_fallback.default
-    except (ImportError, AttributeError):
-        return None
+    return _op_of_loaded_library("transformers", "transformers.integrations.moe", "grouped_mm_fallback")
 
 
 def torchtitan_deterministic_scatter_add() -> Optional[torch._ops.OpOverload]:  # noqa: SLF001
@@ -30,10 +24,16 @@ def torchtitan_deterministic_scatter_add() -> Optional[torch._ops.OpOverload]:  
 
     torchtitan.ops.scatter_add registers it on import; a torchtitan model has imported it.
     """
-    if "torchtitan" not in sys.modules:
+    return _op_of_loaded_library("torchtitan", "torchtitan.ops.scatter_add", "deterministic_scatter_add")
+
+
+def _op_of_loaded_library(library: str, module: str, op: str) -> Optional[torch._ops.OpOverload]:  # noqa: SLF001
+    """torch.ops.<library>.<op>.default once `library` is imported (its `module` registers
+    the op), else None; never imports the library itself."""
+    if library not in sys.modules:
         return None
     try:
-        importlib.import_module("torchtitan.ops.scatter_add")
-        return torch.ops.torchtitan.deterministic_scatter_add.default
+        importlib.import_module(module)
+        return getattr(getattr(torch.ops, library), op).default
     except (ImportError, AttributeError):
         return None

@@ -171,7 +171,16 @@ def _trace_searches_once(trace_fn: Callable, cache: dict, fn: Callable, args: Se
     read (turned into a pattern), never changed. That retrace was half of a pass's time.
     Replacements, and arguments with symbolic sizes, are traced every time.
     """
-    key = _signature(trace_fn, fn, args) if getattr(fn, "_nff_search", False) else None
+    if not getattr(fn, "_nff_search", False):
+        return trace_fn(fn, args, **kwargs)
+    return _memoized_trace(trace_fn, cache, fn, args, **kwargs)
+
+
+def _memoized_trace(trace_fn: Callable, cache: dict, fn: Callable, args: Sequence[Any],
+                    **kwargs: Any) -> torch.fx.GraphModule:
+    """trace_fn(fn, args), from `cache` when it was traced with the same argument signature
+    (arguments with symbolic sizes are traced every time)."""
+    key = _signature(trace_fn, fn, args)
     if key is None:
         return trace_fn(fn, args, **kwargs)
     if key not in cache:
@@ -444,14 +453,7 @@ class FusionPass:
         """
         if getattr(fn, "_nff_search", False):
             return self._trace_search(trace_fn, fn, args, **kwargs)
-        key = _signature(trace_fn, fn, args)
-        if key is None:
-            return trace_fn(fn, args, **kwargs)
-        if key not in self._replacement_traces:
-            if len(self._replacement_traces) >= 512:  # a bound, not an expected size
-                self._replacement_traces.clear()
-            self._replacement_traces[key] = trace_fn(fn, args, **kwargs)
-        return self._replacement_traces[key]
+        return _memoized_trace(trace_fn, self._replacement_traces, fn, args, **kwargs)
 
     @functools.cached_property
     def emitted_ops(self) -> dict[Form, tuple[str, ...]]:
@@ -554,9 +556,10 @@ class FusionPass:
         torch's matcher compares those itself (argsort's stable=True)."""
         cached = self._keywords.get(form.name)
         if cached is None:
-            with FakeTensorMode():
+            with FakeTensorMode():  # registration traced this already: it comes from the cache
                 inputs = [self._example_value(n, form.dtypes[0]) for n in form.argnames]
-                traced = trace_without_decompositions(form.search, inputs)
+                traced = _trace_searches_once(trace_without_decompositions, self._search_traces,
+                                              form.search, inputs)
             cached = self._keywords[form.name] = frozenset(
                 (node.target, key, repr(value)) for node in traced.graph.nodes
                 for key, value in node.kwargs.items())
