@@ -34,6 +34,15 @@ k rows; moe_dispatch runs before this pass to put them there) and the one-hot
 router unfused with that use named. The sums over k (renormalisation, finalize) then add
 in another order: the results agree to rounding, not bit for bit.
 
+Training. The sigmoid forms also run on the joint forward+backward graph, emitting
+npu_moe_gating_top_k(out_flag=True) and, in the backward, npu_moe_gating_top_k_backward,
+which differentiates the chosen weights through the renormalisation and the sigmoid
+(torch_npu: output 0 only, sigmoid mode only). So the torchtitan searches return the full
+scores detached: torchtitan uses them for their shape only, and the op's norm_out has no
+gradient; a model whose scores get a gradient of their own (an auxiliary loss) does not
+match. The softmax routers stay unfused in training (no backward for that mode, and none
+for npu_moe_gating_top_k_softmax); the report says so.
+
 Not fused: a sigmoid router without renormalisation (the op's sigmoid mode always
 renormalises) and half-precision scores (the op ranks fp32 scores; near ties could pick
 other experts). Known gap: transformers' noaux_tc with n_group=1 reshapes its group mask
@@ -42,6 +51,7 @@ without a copy, a graph the form (traced with several groups) does not match.
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.joint import is_joint_graph
 from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -87,7 +97,7 @@ def torchtitan_softmax_biased(gate_scores, bias, top_k, routed_scaling_factor):
     scores = torch.softmax(gate_scores, dim=-1)
     ids = torch.topk(scores + bias, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(dim=-1, index=ids)
-    return weights * routed_scaling_factor, ids, scores
+    return weights * routed_scaling_factor, ids, scores.detach()
 
 
 def torchtitan_sigmoid_grouped(gate_scores, bias, top_k, n_group, topk_group, routed_scaling_factor):
@@ -103,7 +113,7 @@ def torchtitan_sigmoid_grouped(gate_scores, bias, top_k, n_group, topk_group, ro
     ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(dim=-1, index=ids)
     weights = weights / (weights.sum(dim=-1, keepdim=True) + EPS)
-    return weights * routed_scaling_factor, ids, scores
+    return weights * routed_scaling_factor, ids, scores.detach()
 
 
 # ---- biased routers: the fused calls -------------------------------------------------------
@@ -117,8 +127,9 @@ def _gating_top_k(logits, bias, top_k, *, norm_type, n_group=1, topk_group=1, ro
         group_select_mode=1, renorm=0, norm_type=norm_type, out_flag=True,
         routed_scaling_factor=routed_scaling_factor, eps=EPS)
     lead = logits.shape[:-1]
+    # norm_out carries no gradient in torch_npu (output_differentiability [true, false, false])
     return (weights.view(*lead, top_k), ids.to(torch.int64).view(*lead, top_k),
-            scores.view(logits.shape))
+            scores.view(logits.shape).detach())
 
 
 def npu_moe_gating_top_k_noaux_tc(gate_logits, bias, top_k, n_group, topk_group, routed_scaling_factor):
@@ -144,15 +155,16 @@ def in_expert_order(outputs, inputs):
     return [weights.gather(-1, order), ids, *rest]
 
 
-def _biased(search, replace):
+def _biased(search, replace, **training):
     return Form(search, replace, dtypes=(torch.float32,), fused_op="npu.npu_moe_gating_top_k",
-                canonical_outputs=in_expert_order)
+                canonical_outputs=in_expert_order, **training)
 
 
 FORMS = [
     Form(softmax_top_k, npu_moe_gating_top_k_softmax, dtypes=(torch.float32,)),
     _biased(deepseek_noaux_tc, npu_moe_gating_top_k_noaux_tc),
-    _biased(torchtitan_softmax_biased, npu_moe_gating_top_k_softmax_biased),
+    # npu_moe_gating_top_k_backward differentiates the sigmoid mode only: no joint pattern
+    _biased(torchtitan_softmax_biased, npu_moe_gating_top_k_softmax_biased, grad_subsets=()),
     _biased(torchtitan_sigmoid_grouped, npu_moe_gating_top_k_sigmoid_grouped),
 ]
 
@@ -224,6 +236,15 @@ def _indifferent_to_k_order(user, value):
     if is_call(user, npu.npu_moe_finalize_routing):
         # the weighted sum of each token's k rows: scales and expert ids, never the row map
         return value in (user.args[4], user.args[6]) and user.args[5] is not value
+    if is_call(user, npu.npu_moe_token_permute):
+        # stable sort by expert: for one expert the rows stay in token order
+        return user.args[1] is value
+    if is_call(user, npu.npu_moe_token_unpermute):
+        # each token's k rows weighted and summed; the row map comes from the permute
+        return user.args[2] is value and user.args[1] is not value
+    if is_call(user, npu.npu_moe_token_unpermute_grad_v2):
+        # the backward of that sum, with the same probs and row map
+        return user.args[4] is value and user.args[1] is not value
     if is_call(user, aten.scatter.value):
         # the one-hot routing map: the same value written at each chosen expert
         return user.args[2] is value and user.args[1] in (-1, tensor_meta(user).dim() - 1)
@@ -264,6 +285,10 @@ def anchor(node):
 
 def explain(topk):
     scores = _router_scores(topk.args[0])
+    if is_joint_graph(topk.graph):
+        reason = _training_reason(scores)
+        if reason:
+            return reason
     if is_call(scores, aten.sigmoid.default):
         return ("a sigmoid router that matches none of the biased forms (transformers noaux_tc, "
                 "torchtitan's grouped router): npu_moe_gating_top_k's sigmoid mode always "
@@ -278,6 +303,19 @@ def explain(topk):
     if len(topk.args) > 4 and topk.args[4] is False:
         return ("an unsorted top-k over a softmax without a bias: no form takes it (the op "
                 "returns the k experts in descending order)")
+    return None
+
+
+def _training_reason(scores):
+    """Why a router in a training (joint) graph cannot train through the fused op, if so."""
+    if is_call(scores, aten._softmax.default):
+        return ("a softmax router in training: npu_moe_gating_top_k_backward differentiates the "
+                "sigmoid mode only, and npu_moe_gating_top_k_softmax has no backward")
+    if is_call(scores, aten.sigmoid.default):
+        for user in scores.users:
+            if is_call(user, aten.sigmoid_backward.default) and not is_call(user.args[0], aten.scatter_add.default):
+                return ("the full scores get a gradient of their own (e.g. an auxiliary loss), besides "
+                        "the chosen weights': npu_moe_gating_top_k's norm_out has no gradient in torch_npu")
     return None
 
 
@@ -297,4 +335,6 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    # the logits; the bias only selects (no gradient reaches it through top-k indices)
+    differentiable=("gate_logits", "gate_scores"),
 )

@@ -318,13 +318,16 @@ def test_hf_phi3_training_step_fuses_swiglu():
 
 
 def test_torchtitan_deepseek_v3_training_step_is_as_accurate_as_eager():
-    """MLA + MoE: the norms (MLA's kv_norm too), the k rope and the routed experts block
-    (npu_moe_token_permute / unpermute) fuse with their backward.
+    """MLA + MoE: the norms (MLA's kv_norm too), the k rope, the router
+    (npu_moe_gating_top_k) and the routed experts block (npu_moe_token_permute /
+    unpermute) fuse with their backward.
 
-    Its MoE layer makes the fp32 gradients ill-conditioned: eager itself is up to ~1000
-    ulp at scale away from a float64 run in some weight gradients. So each gradient is
-    compared with float64 instead: the fused step's error is at most twice eager's (or 64
-    ulp at scale, for gradients eager gets nearly exact).
+    Its MoE layer makes the fp32 gradients ill-conditioned: eager itself is up to ~16000
+    ulp at scale away from a float64 run in the expert weight gradients. So each gradient
+    is compared with float64 instead: the fused step's error is at most three times
+    eager's (or 64 ulp at scale, for gradients eager gets nearly exact). Measured: at most
+    2.3x (layer 0's w1: 87 against eager's 38 ulp, the same with moe_gating off, so the
+    norms' and ropes' rounding, not the router's); the router gate 8.6 against 9.8.
     """
     from helpers import ulp
     from npu_fx_fusion.tiny_models import build_torchtitan
@@ -333,11 +336,16 @@ def test_torchtitan_deepseek_v3_training_step_is_as_accurate_as_eager():
     torch.manual_seed(0)
     tm = build_torchtitan("deepseek_v3", dtype=torch.float32, num_layers=2)
     model = tm.model.train()
-    reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     (ids,) = tm.example_inputs
-    # the passes whose ops have a backward (moe_dispatch through its permute / unpermute
-    # form); gating and grouped_matmul stay forward-only
-    backend = _RecordingBackend(nff.FusionConfig(enable={"rms_norm", "rope", "swiglu", "moe_dispatch"}))
+    # DeepSeek-V3's own router (sigmoid, node-limited groups, route_norm; the debugmodel
+    # has a softmax one), which trains through npu_moe_gating_top_k
+    router = model.layers["1"].moe.router
+    router.score_func, router.num_expert_groups, router.num_limited_groups = "sigmoid", 2, 1
+    router.route_norm, router.route_scale = True, 2.5
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    # the passes whose ops have a backward; grouped_matmul stays forward-only
+    backend = _RecordingBackend(nff.FusionConfig(enable={"rms_norm", "rope", "swiglu", "moe_dispatch",
+                                                         "moe_gating"}))
     for module in (torch.compile(model, backend=backend), reference, exact):
         module(ids).double().pow(2).mean().backward()
     assert backend.report.errors == []
@@ -350,11 +358,13 @@ def test_torchtitan_deepseek_v3_training_step_is_as_accurate_as_eager():
     # the routed experts block of layer 1: permute / unpermute, and their grads
     assert forward["npu_moe_token_permute"] == forward["npu_moe_token_unpermute"] == 1
     assert backward["npu_moe_token_permute_grad_v2"] == backward["npu_moe_token_unpermute_grad_v2"] == 1
+    # and its router
+    assert forward["npu_moe_gating_top_k"] == backward["npu_moe_gating_top_k_backward"] == 1
     for (name, p), p_ref, p_exact in zip(model.named_parameters(), reference.parameters(), exact.parameters()):
         spacing = ulp(p_ref.grad.abs().max().reshape(1)).double().item()
         fused_error = (p.grad.double() - p_exact.grad).abs().max().item()
         eager_error = (p_ref.grad.double() - p_exact.grad).abs().max().item()
-        assert fused_error <= max(2 * eager_error, 64 * spacing), (name, fused_error, eager_error, spacing)
+        assert fused_error <= max(3 * eager_error, 64 * spacing), (name, fused_error, eager_error, spacing)
 
 
 # ---- limits ----------------------------------------------------------------------------------
@@ -443,3 +453,83 @@ def test_torchtitan_moe_block_trains_through_permute_and_unpermute():
     assert_close_at_scale(x.grad, x_ref.grad, 4)
     for p, p_ref in zip(model.parameters(), reference.parameters()):
         assert_close_at_scale(p.grad, p_ref.grad, 4)
+
+
+# ---- the MoE router --------------------------------------------------------------------------
+def _moe_training_step(model, config, loss=lambda out: out.pow(2).mean()):
+    """One compiled and one eager step of a torchtitan MoE module; returns the backend."""
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    torch.manual_seed(2)
+    x = torch.randn(2, 24, 64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    backend = _RecordingBackend(config)
+    loss(torch.compile(model, backend=backend)(x)).backward()
+    loss(reference(x_ref)).backward()
+    assert backend.report.errors == []
+    assert_close_at_scale(x.grad, x_ref.grad, 4)
+    for p, p_ref in zip(model.parameters(), reference.parameters()):
+        assert_close_at_scale(p.grad, p_ref.grad, 4)
+    return backend
+
+
+def test_torchtitan_deepseek_router_trains_through_npu_moe_gating_top_k():
+    """DeepSeek-V3's router (sigmoid, expert bias, node-limited groups, route_norm) becomes
+    npu_moe_gating_top_k(out_flag=True) on the joint graph, and its backward
+    npu_moe_gating_top_k_backward. Its full scores (norm_out) leave the router only for
+    their shape, as in torchtitan; its ids and weights only into the fused permute /
+    unpermute, which do not depend on the order of each token's k experts. Gradients
+    within 4 fp32 ulp at scale (the quotient rule evaluated in another order)."""
+    from helpers import TORCHTITAN_DEEPSEEK_ROUTER, torchtitan_moe
+
+    torch.manual_seed(0)
+    backend = _moe_training_step(torchtitan_moe(num_experts=16, **TORCHTITAN_DEEPSEEK_ROUTER).train(),
+                                 nff.FusionConfig(enable={"moe_dispatch", "moe_gating"}))
+    assert npu_ops(backend.graphs["forward"]) == {
+        "npu_moe_gating_top_k": 1, "npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
+    assert npu_ops(backend.graphs["backward"]) == {
+        "npu_moe_gating_top_k_backward": 1, "npu_moe_token_permute_grad_v2": 1,
+        "npu_moe_token_unpermute_grad_v2": 1}
+
+
+def test_softmax_router_does_not_train_through_the_fused_op():
+    # torchtitan's debugmodel router: softmax + expert bias; the op's backward has no softmax mode
+    from helpers import torchtitan_moe
+
+    torch.manual_seed(0)
+    backend = _moe_training_step(torchtitan_moe().train(), nff.FusionConfig(enable={"moe_dispatch", "moe_gating"}))
+    assert "npu_moe_gating_top_k" not in npu_ops(backend.graphs["forward"])
+    joint = next(g for g in backend.report.graphs if g.name == "joint")
+    (gating,) = [r for r in joint.passes if r.pass_name == "moe_gating"]
+    assert gating.sites == []
+    assert any("sigmoid mode only" in m.reason for m in gating.near_misses)
+
+
+class _MoEWithBalanceLoss(nn.Module):
+    """torchtitan's MoE forward, plus a switch-style load-balancing loss over the router's
+    full scores: those scores then carry a gradient of their own."""
+
+    def __init__(self):
+        from helpers import TORCHTITAN_DEEPSEEK_ROUTER, torchtitan_moe
+
+        super().__init__()
+        self.moe = torchtitan_moe(num_experts=16, **TORCHTITAN_DEEPSEEK_ROUTER)
+
+    def forward(self, x):
+        top_scores, ids, scores = self.moe.router(x, self.moe.expert_bias_E)
+        counts = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True).sum(dim=(0, 1))
+        out = self.moe.routed_experts(x, top_scores, ids, counts)
+        return out, (scores.mean(dim=(0, 1)) * counts).sum()
+
+
+def test_router_whose_scores_have_a_gradient_is_not_fused():
+    """torch_npu's norm_out carries no gradient: fusing this router would drop the
+    balance loss's gradient. Nothing matches, and the report says why."""
+    torch.manual_seed(0)
+    backend = _moe_training_step(_MoEWithBalanceLoss().train(), nff.FusionConfig(enable={"moe_dispatch", "moe_gating"}),
+                                 loss=lambda out: out[0].pow(2).mean() + 0.1 * out[1])
+    assert npu_ops(backend.graphs["forward"]) == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
+    joint = next(g for g in backend.report.graphs if g.name == "joint")
+    (gating,) = [r for r in joint.passes if r.pass_name == "moe_gating"]
+    assert gating.sites == []
+    assert any("gradient of their own" in m.reason for m in gating.near_misses)

@@ -45,11 +45,19 @@ def trace_joint_without_decompositions(fn: Callable, args: Sequence[Any], **kwar
     from .matching import _functionalize_inplace_on_temporaries, canonicalize
 
     kwargs["get_decomp_fn"] = dict
+    # Scalars are used as bound constants: aot_function turns int arguments into SymInts
+    # of the shape env of fake tensor arguments, and the matcher retraces with the graph's
+    # own fake tensors, so a retrace would add guards on symbols dynamo cannot source
+    # (`n_group` in a view size). They stay arguments: the pattern's placeholders are
+    # named after the search's arguments by position.
+    def scalars_constant(*traced_args: Any) -> Any:
+        return fn(*(t if isinstance(a, torch.Tensor) else a for a, t in zip(args, traced_args)))
+
     # joint_fwd_bwd runs aot_function, which calls torch._functorch.config.joint_custom_pass
     # too: with our pass installed there (torchair route), tracing a pattern from inside
     # that pass would re-enter it.
     with torch._functorch.config.patch(joint_custom_pass=None):  # noqa: SLF001
-        gm = pm.joint_fwd_bwd(fn, args, **kwargs)
+        gm = pm.joint_fwd_bwd(scalars_constant, args, **kwargs)
     changed = (_functionalize_inplace_on_temporaries(gm.graph) + canonicalize(gm.graph)
                + canonicalize_grad_accumulation(gm.graph))
     if changed:

@@ -119,13 +119,25 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       `slice(x, 3, 0, h)`;
     - a -1 in a view's sizes as the size it stands for (`view(x, [2, 16, -1, 2])` ->
       `[2, 16, 32, 2]`), where that size is a plain int: `reshape(..., -1, 2)` reaches
-      the graph with or without its -1.
+      the graph with or without its -1;
+    - no `detach`: aot graphs run without autograd, where it is the identity. Joint
+      graphs detach what they save for the backward, and a search may detach an output
+      the model uses without a gradient (a router's full scores), so that its joint
+      trace has no tangent for it.
     Search functions and matched graphs are both canonicalised. Returns the number of
     nodes changed; the computation is unchanged.
     """
     changed = 0
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.detach.default and not (
+                node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
+            # (an input's detached alias leaving the graph stays: aot's runtime wrapper
+            # knows that output as a view of the input)
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
             continue
         if node.target in _VIEWS:
             changed += _resolve_inferred_size(node)
