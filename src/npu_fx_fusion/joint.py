@@ -59,7 +59,7 @@ def trace_joint_without_decompositions(fn: Callable, args: Sequence[Any], **kwar
     with torch._functorch.config.patch(joint_custom_pass=None):  # noqa: SLF001
         gm = pm.joint_fwd_bwd(scalars_constant, args, **kwargs)
     changed = (_functionalize_inplace_on_temporaries(gm.graph) + canonicalize(gm.graph)
-               + canonicalize_grad_accumulation(gm.graph))
+               + hoist_contiguous_copies(gm.graph) + canonicalize_grad_accumulation(gm.graph))
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -76,8 +76,44 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
     gm.graph.eliminate_dead_code()  # patterns pin user counts
     remove_noop_ops(gm.graph)
     canonicalize(gm.graph)
+    hoist_contiguous_copies(gm.graph)
     canonicalize_grad_accumulation(gm.graph)
     gm.recompile()
+
+
+# ---- layout copies ------------------------------------------------------------------------
+def hoist_contiguous_copies(graph: torch.fx.Graph) -> int:
+    """Rewrite clone(view(x), contiguous) as view(clone(x, contiguous)).
+
+    A gradient that reaches a backward as a slice of a wider one (the rope half of
+    DeepSeek's q, split from its nope half) is not contiguous, so autograd copies it
+    between its view and the op that needs contiguity (view_as_complex); a pattern traced
+    alone gets a contiguous tangent and no copy. With the copy moved above the view, the
+    pattern's tangent is the copy. Same values, same contiguous result: a view that is
+    valid on x is valid on a contiguous copy of it. Returns the number of copies moved.
+    """
+    moved = 0
+    for clone in list(graph.nodes):
+        if not (clone.op == "call_function" and clone.target is aten.clone.default
+                and clone.kwargs.get("memory_format") == torch.contiguous_format):
+            continue
+        view = clone.args[0]
+        if not (isinstance(view, Node) and view.op == "call_function"
+                and view.target in (aten.view.default, aten.reshape.default) and len(view.users) == 1):
+            continue
+        with graph.inserting_before(view):
+            copy = graph.call_function(aten.clone.default, (view.args[0],),
+                                       {"memory_format": torch.contiguous_format})
+        source = view.args[0].meta.get("val") if isinstance(view.args[0], Node) else None
+        if source is not None:
+            copy.meta["val"] = source.clone(memory_format=torch.contiguous_format)
+        view.args = (copy, *view.args[1:])
+        if "val" in clone.meta:  # the view of a contiguous copy is the contiguous copy's layout
+            view.meta["val"] = clone.meta["val"]
+        clone.replace_all_uses_with(view)
+        graph.erase_node(clone)
+        moved += 1
+    return moved
 
 
 # ---- gradient accumulation ----------------------------------------------------------------
