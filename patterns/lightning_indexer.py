@@ -26,6 +26,10 @@ sparse attention: sparse_attention runs before this pass.
 The scores the op ranks are the model's up to fp32 rounding (the scale is applied to the
 weights instead of the products): keys whose scores differ by about an ulp may be
 selected differently, as between any two top-k implementations.
+
+In training the indexer has no gradient (transformers runs it under no_grad) and its indices
+are saved for the fused attention's backward (npu_sparse_flash_attention_grad), a reader
+only the joint graph shows: the forward-only forms also run there (forward_forms_on_joint).
 """
 import torch
 
@@ -103,9 +107,14 @@ def check(site):
         return f"{why}: sparse_mode {mode}, not {_MODE[site.form.replace]}"
     use = _use_other_than_sparse_attention(site, mode)
     if use is not None:
+        if use.op == "output":  # in a training graph's forward half: kept for its backward
+            return ("its indices are an output of the graph (in a partitioned training graph: saved for the "
+                    "backward, where this pass cannot see who reads them); the op pads with -1 where fewer "
+                    "than k keys are visible and may order equal scores differently, which only a fused "
+                    "sparse attention (or its backward) under the same mask reads as the model does")
         return (f"its indices reach {use.name} ({use.target}): the op pads with -1 where fewer "
                 "than k keys are visible and may order equal scores differently, which only a "
-                "fused sparse attention under the same mask reads as the model does")
+                "fused sparse attention (or its backward) under the same mask reads as the model does")
     return site.hardware_limits(_hardware_reasons(query, key, weights, site["index_topk"], site.soc))
 
 
@@ -130,14 +139,29 @@ _PASS_ON = (aten._to_copy.default, aten.view.default, aten.reshape.default, aten
             aten.expand.default, aten.clone.default)
 
 
+# The sparse attention ops that read sparse_indices as npu_sparse_flash_attention does: the
+# forward, and in a training graph its backward (sparse_indices: argument 3 of both;
+# sparse_mode: a keyword of the forward, argument 15 of the grad op).
+_READERS = {"npu_sparse_flash_attention": 3, "npu_sparse_flash_attention_grad": 15}
+
+
+def _sparse_mode_of_reader(user):
+    name = user.target._schema.name.split("::")[-1]  # noqa: SLF001
+    position = _READERS[name]
+    if "sparse_mode" in user.kwargs:
+        return user.kwargs["sparse_mode"]
+    return user.args[position] if len(user.args) > position and name.endswith("_grad") else 3
+
+
 def _use_other_than_sparse_attention(site, mode):
     """The first use of the site's indices that is not the sparse_indices of a fused sparse
-    attention that hides what the indexer's mask hides (sparse_mode 3 behind a causal
-    indexer: the model's attention then ignores the masked keys the model's top-k listed,
-    as the op's -1 slots are ignored)."""
+    attention (or, in a training graph, of its backward) that hides what the indexer's
+    mask hides (sparse_mode 3 behind a causal indexer: the model's attention then ignores
+    the masked keys the model's top-k listed, as the op's -1 slots are ignored)."""
     def reads_as_the_model_does(user, value):
-        return (is_call(user, torch.ops.npu.npu_sparse_flash_attention) and user.args[3] is value
-                and (mode == 0 or user.kwargs.get("sparse_mode", 3) == 3))
+        return (is_call(user, torch.ops.npu.npu_sparse_flash_attention, torch.ops.npu.npu_sparse_flash_attention_grad)
+                and len(user.args) > 3 and user.args[3] is value
+                and (mode == 0 or _sparse_mode_of_reader(user) == 3))
 
     return first_refused_use(site, reads_as_the_model_does, _PASS_ON)
 
@@ -186,4 +210,7 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    # transformers' indexer runs under no_grad, so in training its indices are saved for the
+    # fused attention's backward: only on the joint graph does the check see that reader
+    forward_forms_on_joint=True,
 )

@@ -22,14 +22,21 @@ q and k are split at Dv: the first Dv dims as query / key, the rest as query_rop
 key_rope (the op concatenates them again for the scores). Real kernels take one latent
 KV head of 512 (+ 64 rope): in emulation such sites fuse with a note saying so, with a SoC
 given they are refused.
+
+Training graphs: the pass also matches on the joint forward+backward graph (differentiable
+q, k, v); the joint replacement asks the op for its lse (return_softmax_lse=True, set only
+where autograd records the call: _training), which its autograd hands to
+npu_sparse_flash_attention_grad. Under max-autotune joint sites are refused
+(_training_reason). docs/passes/sparse_attention.md, "Training graphs".
 """
 import math
 import operator
 
 import torch
 
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
+from npu_fx_fusion.joint import is_backward
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -60,6 +67,26 @@ def transformers_sdpa_top_k_mask_upcast(query, key, value, indices, mask, sqrt_s
     """The same in bf16/fp16: SDPA's math path on CPU computes in fp32 and casts back."""
     out = _top_k_sdpa(query.float(), key.float(), value.float(), indices, mask, sqrt_scale, query.dtype)
     return out.to(query.dtype)
+
+
+def _as_transformers_returns_it(out, query, value):
+    # sdpa_attention_forward: `attn_output.reshape(B, -1, q_length, v_dim).transpose(1, 2)
+    # .contiguous()` (the reshape undoes a GQA packing, a no-op here)
+    return out.reshape(out.shape[0], -1, query.shape[-2], value.shape[-1]).transpose(1, 2).contiguous()
+
+
+def transformers_sdpa_top_k_mask_bsnd(query, key, value, indices, mask, sqrt_scale):
+    """The same, reshaped and transposed to a contiguous (B, S, N, Dv) as transformers'
+    sdpa_attention_forward returns it. In a training graph the output's gradient then
+    enters through that transpose (a clone and an _unsafe_view, not the plain view of the
+    untransposed form's trace), so only this form matches the joint graph."""
+    out = transformers_sdpa_top_k_mask(query, key, value, indices, mask, sqrt_scale)
+    return _as_transformers_returns_it(out, query, value)
+
+
+def transformers_sdpa_top_k_mask_upcast_bsnd(query, key, value, indices, mask, sqrt_scale):
+    out = transformers_sdpa_top_k_mask_upcast(query, key, value, indices, mask, sqrt_scale)
+    return _as_transformers_returns_it(out, query, value)
 
 
 def _mla_gathered(q_nope, q_rope, kv, k_rope, indices, scale, causal):
@@ -93,8 +120,18 @@ def mla_gathered_top_k(q_nope, q_rope, kv, k_rope, indices, scale):
 
 
 # ---- the fused calls -----------------------------------------------------------------------
-def _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode):
-    """(B, N, S, D) in, (B, N, S, Dv) out; the op works in BSND."""
+def _training(*tensors):
+    """Whether autograd records this call: the replacement traced on a joint graph (its
+    differentiable inputs require grad), not on an inference or forward graph.
+
+    torch_npu differentiates npu_sparse_flash_attention from its softmax_max / softmax_sum,
+    which it returns only with return_softmax_lse=True, and that flag is for training only
+    (op-plugin docs): so the joint replacement sets it and the forward-only one does not."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode, bsnd_out=False):
+    """(B, N, S, D) in, (B, N, S, Dv) out (bsnd_out: (B, S, N, Dv)); the op works in BSND."""
     dim_v = value.shape[-1]
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     rope = {}
@@ -105,8 +142,8 @@ def _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode)
     sparse_indices = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, heads_kv, -1)
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
         q, k, v, sparse_indices, sqrt_scale * sqrt_scale, layout_query="BSND", layout_kv="BSND",
-        sparse_mode=sparse_mode, **rope)
-    return out.transpose(1, 2)
+        sparse_mode=sparse_mode, return_softmax_lse=_training(query, key, value), **rope)
+    return out if bsnd_out else out.transpose(1, 2)
 
 
 def npu_sparse_flash_attention_causal(query, key, value, indices, mask, sqrt_scale):
@@ -117,12 +154,20 @@ def npu_sparse_flash_attention_unmasked(query, key, value, indices, mask, sqrt_s
     return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
 
 
+def npu_sparse_flash_attention_causal_bsnd(query, key, value, indices, mask, sqrt_scale):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=3, bsnd_out=True)
+
+
+def npu_sparse_flash_attention_unmasked_bsnd(query, key, value, indices, mask, sqrt_scale):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0, bsnd_out=True)
+
+
 def _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode):
     # one KV head, which is also the value
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
         q_nope, kv.unsqueeze(2), kv.unsqueeze(2), indices.to(torch.int32).unsqueeze(2), scale,
         query_rope=q_rope, key_rope=k_rope.unsqueeze(2), layout_query="BSND", layout_kv="BSND",
-        sparse_mode=sparse_mode)
+        sparse_mode=sparse_mode, return_softmax_lse=_training(q_nope, q_rope, kv, k_rope))
     return out
 
 
@@ -134,24 +179,70 @@ def npu_sparse_flash_attention_mla(q_nope, q_rope, kv, k_rope, indices, scale):
     return _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode=0)
 
 
+# Training graphs (joint patterns): the gradients flow to q, k and v (q_nope, q_rope, kv and
+# k_rope), which in the models all come from trainable projections; the indices and the mask
+# have none. One subset each: a frozen projection would need a joint trace of its own. The
+# transformers forms register joint in their BSND spelling only (see
+# transformers_sdpa_top_k_mask_bsnd): the untransposed ones' joint traces match no model.
+_QKV = (("query", "key", "value"),)
+_MLA = (("q_nope", "q_rope", "kv", "k_rope"),)
+_FORWARD_ONLY = ()
+
 FORMS = [
     # one search, one replacement per sparse_mode: the check keeps the one the mask proves.
     # In half precision the op takes the half tensors and computes in fp32 inside, as the
-    # model's upcast math does; both round the output once.
-    Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_causal, dtypes=(torch.float32,)),
-    Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_unmasked, dtypes=(torch.float32,)),
+    # model's upcast math does; both round the output once. The BSND forms first: they
+    # contain the others.
+    Form(transformers_sdpa_top_k_mask_bsnd, npu_sparse_flash_attention_causal_bsnd, dtypes=(torch.float32,),
+         grad_subsets=_QKV),
+    Form(transformers_sdpa_top_k_mask_bsnd, npu_sparse_flash_attention_unmasked_bsnd, dtypes=(torch.float32,),
+         grad_subsets=_QKV),
+    Form(transformers_sdpa_top_k_mask_upcast_bsnd, npu_sparse_flash_attention_causal_bsnd,
+         dtypes=(torch.bfloat16, torch.float16), grad_subsets=_QKV),
+    Form(transformers_sdpa_top_k_mask_upcast_bsnd, npu_sparse_flash_attention_unmasked_bsnd,
+         dtypes=(torch.bfloat16, torch.float16), grad_subsets=_QKV),
+    Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_causal, dtypes=(torch.float32,),
+         grad_subsets=_FORWARD_ONLY),
+    Form(transformers_sdpa_top_k_mask, npu_sparse_flash_attention_unmasked, dtypes=(torch.float32,),
+         grad_subsets=_FORWARD_ONLY),
     Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_causal,
-         dtypes=(torch.bfloat16, torch.float16)),
+         dtypes=(torch.bfloat16, torch.float16), grad_subsets=_FORWARD_ONLY),
     Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_unmasked,
-         dtypes=(torch.bfloat16, torch.float16)),
-    Form(mla_gathered_top_k_causal, npu_sparse_flash_attention_mla_causal),
-    Form(mla_gathered_top_k, npu_sparse_flash_attention_mla),
+         dtypes=(torch.bfloat16, torch.float16), grad_subsets=_FORWARD_ONLY),
+    Form(mla_gathered_top_k_causal, npu_sparse_flash_attention_mla_causal, grad_subsets=_MLA),
+    Form(mla_gathered_top_k, npu_sparse_flash_attention_mla, grad_subsets=_MLA),
 ]
-_MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0}
+_MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
+         npu_sparse_flash_attention_causal_bsnd: 3, npu_sparse_flash_attention_unmasked_bsnd: 0}
 
 
 # ---- checks -------------------------------------------------------------------------------
+GRAD_OP = SFA.backward  # "npu.npu_sparse_flash_attention_grad"
+
+
+def _training_reason(site):
+    """For a site on a joint graph (its nodes include backward ones): the replacement emits
+    npu_sparse_flash_attention(return_softmax_lse=True) and, through its autograd, the grad
+    op. torchair's GE graph mode (max-autotune) can lower neither: the grad op has no GE
+    converter, and the docs refuse return_softmax_lse in graph mode. Refused there; in
+    emulation the site says so."""
+    if not any(is_backward(node) for node in site.nodes):
+        return None
+    reason = not_lowerable(GRAD_OP, site.mode or GE_MODES[0])
+    if reason is None:
+        return None
+    reason = (f"training: {reason}, and the op's docs do not support return_softmax_lse (which the "
+              "backward needs) in graph mode")
+    if site.mode is None:
+        site.notes.append(f"in {GE_MODES[0]}: {reason}")
+        return None
+    return reason if site.mode in GE_MODES else None
+
+
 def check(site):
+    reason = _training_reason(site)
+    if reason is not None:
+        return reason
     if site.form.search in (mla_gathered_top_k, mla_gathered_top_k_causal):
         return _check_mla(site)
     query, key, value, indices = site["query"], site["key"], site["value"], site["indices"]
@@ -240,6 +331,15 @@ def explain(node):
             "and-ed into the causal mask, SDPA's math decomposition)")
 
 
+def could_match(graph):
+    """Whether the graph holds the ops every form needs: the top-k mask's scatter and SDPA's
+    _safe_softmax (transformers), or the clamp and gather of the keys (absorbed MLA). Its
+    many forms (joint ones especially) take seconds to register."""
+    targets = {node.target for node in graph.nodes if node.op == "call_function"}
+    return ({aten.scatter.value, aten._safe_softmax.default} <= targets
+            or {aten.clamp.default, aten.index.Tensor} <= targets)
+
+
 PASS = FusionPass(
     name="sparse_attention",
     fused_op="npu.npu_sparse_flash_attention",
@@ -254,11 +354,13 @@ PASS = FusionPass(
         "indices": lambda dtype: torch.empty(2, 7, 5, dtype=torch.int32),
         "mask": lambda dtype: torch.empty(2, 1, 7, 7, dtype=torch.bool),
         "sqrt_scale": math.sqrt(0.125),
-        # absorbed MLA: N=3 heads over a 24-wide latent (also the value), rope 8, T=9 keys
+        # absorbed MLA: N=3 heads over a 24-wide latent (also the value), rope 8, a prefill
+        # (T = S = 7 keys: the shape of training graphs, whose joint patterns are traced at
+        # this example only; decode-like shapes are a variant below)
         "q_nope": lambda dtype: torch.empty(2, 7, 3, 24, dtype=dtype),
         "q_rope": lambda dtype: torch.empty(2, 7, 3, 8, dtype=dtype),
-        "kv": lambda dtype: torch.empty(2, 9, 24, dtype=dtype),
-        "k_rope": lambda dtype: torch.empty(2, 9, 8, dtype=dtype),
+        "kv": lambda dtype: torch.empty(2, 7, 24, dtype=dtype),
+        "k_rope": lambda dtype: torch.empty(2, 7, 8, dtype=dtype),
         "scale": 0.125,
     },
     # batch 1: torch's matmul then views where it copies at batch 2
@@ -272,9 +374,9 @@ PASS = FusionPass(
         "q_rope": lambda dtype: torch.empty(1, 7, 3, 8, dtype=dtype),
         "kv": lambda dtype: torch.empty(1, 9, 24, dtype=dtype),
         "k_rope": lambda dtype: torch.empty(1, 9, 8, dtype=dtype),
-    }, {  # a prefill: as many queries as keys
-        "kv": lambda dtype: torch.empty(2, 7, 24, dtype=dtype),
-        "k_rope": lambda dtype: torch.empty(2, 7, 8, dtype=dtype),
+    }, {  # decode-like: fewer queries than keys (T = 9)
+        "kv": lambda dtype: torch.empty(2, 9, 24, dtype=dtype),
+        "k_rope": lambda dtype: torch.empty(2, 9, 8, dtype=dtype),
     }, {
         "q_nope": lambda dtype: torch.empty(1, 7, 3, 24, dtype=dtype),
         "q_rope": lambda dtype: torch.empty(1, 7, 3, 8, dtype=dtype),
@@ -286,6 +388,8 @@ PASS = FusionPass(
     anchor=anchor,
     explain=explain,
     verify_input=lambda name, args: _distinct_indices(args) if name == "indices" else None,
+    differentiable=("query", "key", "value", "q_nope", "q_rope", "kv", "k_rope"),
+    prefilter=could_match,
 )
 
 

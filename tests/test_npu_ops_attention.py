@@ -28,6 +28,7 @@ from torchair_harness.runner import torch_npu_dir_or_skip
 npu = torch.ops.npu
 cann = torch.ops.cann_ops_transformer
 ATTENTION_OPS = ["npu::npu_lightning_indexer", "npu::npu_sparse_flash_attention",
+                 "npu::npu_lightning_indexer_grad", "npu::npu_sparse_flash_attention_grad",
                  "cann_ops_transformer::sparse_flash_mla_softmax_l1_norm_metadata",
                  "cann_ops_transformer::sparse_flash_mla_softmax_l1_norm"]
 GARBAGE = 50.0  # padding rows and free cache slots: large, so reading them changes results
@@ -250,11 +251,109 @@ def test_indexer_refuses_what_the_op_rejects():
         npu.npu_lightning_indexer(q, k, w, layout_key="PA_BSND", actual_seq_lengths_key=torch.tensor([3]))
 
 
-def test_indexer_backward_is_not_implemented_and_says_so():
+def test_indexer_backward_needs_return_value():
+    # torch_npu differentiates through sparse_values only ([false, true]): without
+    # return_value there is nothing to differentiate
     q = _randn(1, 3, 4, 8).requires_grad_()
-    _, val = npu.npu_lightning_indexer(q, _randn(1, 5, 1, 8), _randn(1, 3, 4), sparse_count=2, return_value=True)
-    with pytest.raises(NotImplementedError, match="npu.npu_lightning_indexer_grad, which has no CPU stand-in"):
+    _, val = npu.npu_lightning_indexer(q, _randn(1, 5, 1, 8), _randn(1, 3, 4), sparse_count=2)
+    with pytest.raises(RuntimeError, match="only through sparse_values, which it returns only with return_value=True"):
         val.float().sum().backward()
+    # paged keys: the grad op takes one layout for query and key
+    paged, table = _randn(2, 4, 1, 8), torch.tensor([[1, 0]], dtype=torch.int32)
+    _, val = npu.npu_lightning_indexer(q, paged, _randn(1, 3, 4), actual_seq_lengths_key=torch.tensor([6]),
+                                       block_table=table, layout_key="PA_BSND", sparse_count=2, return_value=True)
+    with pytest.raises(RuntimeError, match="paged keys"):
+        val.sum().backward()
+
+
+def indexer_values_ref(q, k, w, idx, sparse_mode):
+    """One batch, differentiable, float64: values[i, n, s] = sum_h w relu(q_h . k[idx]) over
+    the G heads of key head n, for the slots naming a visible key (0 elsewhere)."""
+    lq, n1, _ = q.shape
+    lk, n2, _ = k.shape
+    g = n1 // n2
+    rows = []
+    for i in range(lq):
+        per_head = []
+        for n in range(n2):
+            slots = []
+            for j in idx[i, n].tolist():
+                visible = 0 <= j < lk and (sparse_mode == 0 or j <= (lk - lq) + i)
+                if not visible:
+                    slots.append(q.new_zeros(()))
+                    continue
+                heads = range(n * g, (n + 1) * g)
+                slots.append(sum(w[i, h] * torch.relu(q[i, h] @ k[j, n]) for h in heads))
+            per_head.append(torch.stack(slots))
+        rows.append(torch.stack(per_head))
+    return torch.stack(rows)
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("sparse_count", [3, 9])
+@pytest.mark.parametrize("sparse_mode", [0, 3])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+@pytest.mark.parametrize("n2", [1, 2])
+def test_indexer_gradients_equal_autograd_of_the_float64_reference(layout, sparse_mode, sparse_count, n2):
+    qs, ks, ws = _indexer_batches(LQ, LK, n1=4, n2=n2, seed=30)
+    q, q_len, _ = pack(qs, layout, rows=6, seed=1)
+    w, _, _ = pack([x.unsqueeze(-1) for x in ws], layout, rows=6, seed=2)
+    k, k_len, _ = pack(ks, layout, rows=9, seed=3)
+    q, k, w = _leaf(q), _leaf(k), _leaf(w.squeeze(-1))
+    idx, val = npu.npu_lightning_indexer(q, k, w, actual_seq_lengths_query=q_len, actual_seq_lengths_key=k_len,
+                                         layout_query=layout, layout_key=layout, sparse_count=sparse_count,
+                                         sparse_mode=sparse_mode, return_value=True)
+    dy = _randn(*val.shape, seed=31)
+    got = torch.autograd.grad(val, (q, k, w), dy.masked_fill(idx < 0, 0))  # -1 slots: value -inf, no grad
+    for b in range(2):
+        parts = [_leaf(t.double()) for t in (qs[b], ks[b], ws[b])]
+        ref_val = indexer_values_ref(*parts, unpack(idx, layout, LQ)[b], sparse_mode)
+        ref = torch.autograd.grad(ref_val, parts, unpack(dy, layout, LQ)[b].double(), allow_unused=True)
+        for name, g, r, lens in (("query", got[0], ref[0], LQ), ("key", got[1], ref[1], LK),
+                                 ("weights", got[2], ref[2], LQ)):
+            torch.testing.assert_close(unpack(g, layout, lens)[b].double(), r, rtol=1e-5, atol=1e-5, msg=name)
+    # padding rows and keys past the lengths get no gradient
+    for g, lens in ((got[0], LQ), (got[1], LK), (got[2], LQ)):
+        assert all((pad == 0).all() for pad in padding_rows(g, layout, lens))
+
+
+def test_indexer_grad_mixups_would_be_caught():
+    qs, ks, ws = _indexer_batches([4], [7], seed=32)
+    q, k, w = (_leaf(torch.stack(t)) for t in (qs, ks, ws))
+    idx, val = npu.npu_lightning_indexer(q, k, w, sparse_count=5, sparse_mode=3, return_value=True)
+    dy = _randn(*val.shape, seed=33).masked_fill(idx < 0, 0)
+    got = torch.autograd.grad(val, (q, k, w), dy)
+    parts = [_leaf(t.double()) for t in (qs[0], ks[0], ws[0])]
+
+    def ref_grads(values):
+        return torch.autograd.grad(values, parts, dy[0].double(), allow_unused=True)
+
+    right = ref_grads(indexer_values_ref(*parts, idx[0], 3))
+    assert all(torch.allclose(g[0].double(), r, atol=1e-5) for g, r in zip(got, right))
+    # the relu outside the head sum (one relu of the weighted sum) is another gradient
+    qq, kk, ww = parts
+    outside = torch.stack([torch.stack([torch.stack([torch.relu(sum(ww[i, h] * (qq[i, h] @ kk[j, 0]) for h in range(4)))
+                                                     if j >= 0 else qq.new_zeros(()) for j in idx[0][i, 0].tolist()])])
+                           for i in range(4)])
+    wrong = ref_grads(outside)
+    assert not torch.allclose(got[0][0].double(), wrong[0], atol=1e-3)
+    # a grad kernel reading the slots as batch-global rows of a TND key (batch 1 offset by
+    # batch 0's keys) differs: the stand-in's indices are batch-local
+    qs2, ks2, ws2 = _indexer_batches([3, 3], [5, 5], seed=34)
+    q2, k2, w2 = torch.cat(qs2), torch.cat(ks2), torch.cat(ws2)
+    lens = dict(actual_seq_lengths_query=torch.tensor([3, 6], dtype=torch.int32),
+                actual_seq_lengths_key=torch.tensor([5, 10], dtype=torch.int32))
+    idx2, val2 = npu.npu_lightning_indexer(q2, k2, w2, **lens, layout_query="TND", layout_key="TND", sparse_count=2,
+                                           sparse_mode=0, return_value=True)
+    dq, dk, _ = npu.npu_lightning_indexer_grad(q2, k2, torch.ones_like(val2), idx2, w2, *lens.values(), "TND", 0)
+    shifted = idx2.clone()
+    shifted[3:] += 5
+    dq_global, dk_global, _ = npu.npu_lightning_indexer_grad(q2, k2, torch.ones_like(val2), shifted.clamp(max=4), w2,
+                                                             *lens.values(), "TND", 0)
+    assert not torch.allclose(dk, dk_global)
 
 
 # =====================================================================================
@@ -473,18 +572,181 @@ def test_sfa_refuses_what_the_op_rejects():
         npu.npu_sparse_flash_attention(q, k, k, idx, 1.0, attention_mode=1)
 
 
-def test_sfa_backward_is_not_implemented_and_says_so():
+def test_sfa_backward_needs_return_softmax_lse():
+    # torch_npu's backward reads softmax_max / softmax_sum: without return_softmax_lse the
+    # forward returns none, and differentiating it fails, saying so
     q, k = _randn(1, 2, 4, 16).requires_grad_(), _randn(1, 5, 1, 16)
     idx = torch.zeros(1, 2, 1, 3, dtype=torch.int32)
     out, _, _ = npu.npu_sparse_flash_attention(q, k, k, idx, 1.0)
-    with pytest.raises(NotImplementedError, match="npu.npu_sparse_flash_attention_grad, which has no CPU stand-in"):
+    with pytest.raises(RuntimeError, match="needs softmax_max and softmax_sum, which the forward returns only with "
+                                           "return_softmax_lse=True"):
         out.sum().backward()
-    # query_rope is keyword-only but differentiable in torch_npu: the same message, up front
-    with pytest.raises(NotImplementedError, match="npu_sparse_flash_attention_grad"):
-        npu.npu_sparse_flash_attention(q.detach(), k, k, idx, 1.0, query_rope=_randn(1, 2, 4, 4).requires_grad_(),
-                                       key_rope=_randn(1, 5, 1, 4))
+    # query_rope is keyword-only but differentiable in torch_npu: autograd tracks it
+    qr = _randn(1, 2, 4, 4).requires_grad_()
+    out, smax, _ = npu.npu_sparse_flash_attention(q.detach(), k, k, idx, 1.0, query_rope=qr, key_rope=_randn(1, 5, 1, 4),
+                                                  return_softmax_lse=True)
+    assert out.requires_grad and not smax.requires_grad  # softmax_max / _sum: no gradient
+    (grad,) = torch.autograd.grad(out.sum(), qr)
+    assert grad.shape == qr.shape
     with torch.no_grad():  # inference is fine
         npu.npu_sparse_flash_attention(q, k, k, idx, 1.0)
+
+
+def sfa_dense_ref(q, qr, k, kr, v, idx, scale, block, sparse_mode, *, causal="right-down", minus_one="ends"):
+    """One batch, differentiable, float64: sfa_loop_ref written with tensor ops.
+
+    minus_one="skips": the mix-up of reading -1 as a skipped slot instead of the list's end.
+    """
+    lq, n1, _ = q.shape
+    lk, n2, _ = k.shape
+    g = n1 // n2
+    rows = []
+    for i in range(lq):
+        heads = []
+        for h in range(n1):
+            n = h // g
+            pos = []
+            for s in idx[i, n].tolist():
+                if s < 0:
+                    if minus_one == "ends":
+                        break
+                    continue
+                pos += list(range(s * block, min(s * block + block, lk)))
+            if sparse_mode == 3:
+                limit = (lk - lq) + i if causal == "right-down" else i
+                pos = [p for p in pos if p <= limit]
+            if not pos:
+                heads.append(q.new_zeros(q.shape[-1]))
+                continue
+            pos = torch.tensor(pos)
+            scores = k[pos, n] @ q[i, h]
+            if qr is not None:
+                scores = scores + kr[pos, n] @ qr[i, h]
+            heads.append(torch.softmax(scores * scale, -1) @ v[pos, n])
+        rows.append(torch.stack(heads))
+    return torch.stack(rows)
+
+
+def _sfa_grads(layout, *, rope=True, block=1, sparse_mode=3, value_none=False, lq=(3, 5), lk=(10, 7), seed=40,
+               idx=None, n1=4, n2=1):
+    """The stand-in's gradients (packed) and the per-batch inputs, indices and output gradient."""
+    lq, lk = list(lq), list(lk)
+    q, qr, k, kr, v = _sfa_batches(lq, lk, n1=n1, n2=n2, seed=seed)
+    if value_none:
+        v = k
+    idx = idx or _block_indices(lq, lk, n2, 4, block, seed=seed + 1, pad=1)
+    qt, q_len, _ = pack(q, layout, rows=6, seed=1)
+    it, _, _ = pack(idx, layout, rows=6, seed=3)
+    kt, kv_len, _ = pack(k, layout, rows=12, seed=4)
+    vt, _, _ = pack(v, layout, rows=12, seed=5)
+    leaves = {"query": _leaf(qt), "key": _leaf(kt)}
+    if not value_none:
+        leaves["value"] = _leaf(vt)
+    kwargs = {}
+    if rope:
+        leaves["query_rope"] = _leaf(pack(qr, layout, rows=6, seed=2)[0])
+        leaves["key_rope"] = _leaf(pack(kr, layout, rows=12, seed=6)[0])
+        kwargs = dict(query_rope=leaves["query_rope"], key_rope=leaves["key_rope"])
+    out, _, _ = npu.npu_sparse_flash_attention(
+        leaves["query"], leaves["key"], leaves.get("value"), it.int(), 0.3, actual_seq_lengths_query=q_len,
+        actual_seq_lengths_kv=kv_len, sparse_block_size=block, layout_query=layout, layout_kv=layout,
+        sparse_mode=sparse_mode, return_softmax_lse=True, **kwargs)
+    d_out = _randn(*out.shape, seed=seed + 2)
+    grads = dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()), d_out)))
+    return grads, (q, qr, k, kr, v), idx, d_out, (lq, lk)
+
+
+def _sfa_reference_grads(parts, idx, d_out, b, layout, lq, *, rope, block, sparse_mode, value_none, **mixup):
+    q, qr, k, kr, v = (_leaf(t[b].double()) for t in parts)
+    if value_none:
+        v = k
+    inputs = {"query": q, "key": k}
+    if not value_none:
+        inputs["value"] = v
+    if rope:
+        inputs.update(query_rope=qr, key_rope=kr)
+    out = sfa_dense_ref(q, qr if rope else None, k, kr if rope else None, v, idx[b], 0.3, block, sparse_mode, **mixup)
+    grads = torch.autograd.grad(out, list(inputs.values()), unpack(d_out, layout, lq)[b].double())
+    return dict(zip(inputs, grads))
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["mla_rope", "no_rope"])
+@pytest.mark.parametrize("block", [1, 4])
+@pytest.mark.parametrize("sparse_mode", [0, 3])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_sfa_gradients_equal_autograd_of_the_float64_reference(layout, sparse_mode, block, rope):
+    grads, parts, idx, d_out, (lq, lk) = _sfa_grads(layout, rope=rope, block=block, sparse_mode=sparse_mode)
+    lens = {"query": lq, "query_rope": lq, "key": lk, "value": lk, "key_rope": lk}
+    for b in range(2):
+        ref = _sfa_reference_grads(parts, idx, d_out, b, layout, lq, rope=rope, block=block, sparse_mode=sparse_mode,
+                                   value_none=False)
+        assert ref.keys() == grads.keys()
+        for name in ref:
+            torch.testing.assert_close(unpack(grads[name], layout, lens[name])[b].double(), ref[name], rtol=1e-5,
+                                       atol=1e-5, msg=name)
+    for name, g in grads.items():  # padding rows and keys past the lengths: no gradient
+        assert all((pad == 0).all() for pad in padding_rows(g, layout, lens[name])), name
+
+
+def test_sfa_gradients_with_gqa_value_none_and_rows_without_keys():
+    # two key heads; value None (key is the value: its gradient takes both parts); batch 1
+    # has more queries than keys, so its first causal rows select nothing (zero gradient)
+    grads, parts, idx, d_out, (lq, lk) = _sfa_grads("TND", value_none=True, lq=(3, 5), lk=(6, 3), n1=4, n2=2, seed=50)
+    assert "value" not in grads
+    for b in range(2):
+        ref = _sfa_reference_grads(parts, idx, d_out, b, "TND", lq, rope=True, block=1, sparse_mode=3,
+                                   value_none=True)
+        for name in ref:
+            lens = lq if name.startswith("query") else lk
+            torch.testing.assert_close(unpack(grads[name], "TND", lens)[b].double(), ref[name], rtol=1e-5, atol=1e-5,
+                                       msg=name)
+    assert (unpack(grads["query"], "TND", lq)[1][:2] == 0).all()  # rows 0, 1 of batch 1 see no key
+
+
+def test_sfa_grad_mixups_would_be_caught():
+    # a valid block id after a -1: the list ends at the -1 (not skipped over)
+    idx = [torch.tensor([[[3, -1, 1, 0]], [[2, 5, -1, 4]], [[0, -1, 2, -1]]], dtype=torch.int32)]
+    grads, parts, idx, d_out, (lq, lk) = _sfa_grads("TND", lq=(3,), lk=(6,), idx=idx, sparse_mode=0, seed=60)
+    common = dict(rope=True, block=1, sparse_mode=0, value_none=False)
+    right = _sfa_reference_grads(parts, idx, d_out, 0, "TND", lq, **common)
+    skips = _sfa_reference_grads(parts, idx, d_out, 0, "TND", lq, **common, minus_one="skips")
+    got = grads["query"][:3].double()
+    torch.testing.assert_close(got, right["query"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, skips["query"], atol=1e-3)
+    # upper-left instead of right-down causal (fewer queries than keys)
+    grads, parts, idx, d_out, (lq, lk) = _sfa_grads("BSND", lq=(3, 5), lk=(10, 7), sparse_mode=3, seed=61)
+    common = dict(rope=True, block=1, sparse_mode=3, value_none=False)
+    right = _sfa_reference_grads(parts, idx, d_out, 0, "BSND", lq, **common)
+    upper_left = _sfa_reference_grads(parts, idx, d_out, 0, "BSND", lq, **common, causal="upper-left")
+    got = grads["key"][0, :10].double()
+    torch.testing.assert_close(got, right["key"], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, upper_left["key"], atol=1e-3)
+    # the grad op recomputes P from softmax_max / softmax_sum: a wrong lse gives another gradient
+    q, k, idx = _randn(1, 3, 2, 8), _randn(1, 6, 1, 8), torch.tensor([0, 2, 4], dtype=torch.int32).expand(1, 3, 1, 3)
+    idx = idx.contiguous()
+    out, smax, ssum = npu.npu_sparse_flash_attention(q, k, k, idx, 0.5, sparse_mode=0, return_softmax_lse=True)
+    d_out = _randn(*out.shape, seed=62)
+    args = (q, k, k, idx, d_out, out)
+    good = npu.npu_sparse_flash_attention_grad(*args, smax, ssum, 0.5, 1, sparse_mode=0)
+    bad = npu.npu_sparse_flash_attention_grad(*args, smax, ssum * 2, 0.5, 1, sparse_mode=0)
+    assert not torch.allclose(good[0], bad[0], atol=1e-3)
+
+
+def test_grad_ops_refuse_what_they_cannot_compute():
+    q, k, idx = _randn(1, 2, 4, 16), _randn(1, 5, 1, 16), torch.zeros(1, 2, 1, 3, dtype=torch.int32)
+    out, smax, ssum = npu.npu_sparse_flash_attention(q, k, k, idx, 1.0, return_softmax_lse=True)
+    with pytest.raises(RuntimeError, match="softmax_max must be the forward's fp32"):
+        npu.npu_sparse_flash_attention_grad(q, k, k, idx, out, out, torch.zeros(0), ssum, 1.0, 1)
+    with pytest.raises(RuntimeError, match="layout must be one of"):
+        npu.npu_sparse_flash_attention_grad(q, k, k, idx, out, out, smax, ssum, 1.0, 1, layout="PA_BSND")
+    with pytest.raises(RuntimeError, match="d_out must be"):
+        npu.npu_sparse_flash_attention_grad(q, k, k, idx, out[:, :1], out, smax, ssum, 1.0, 1)
+    iq, ik, iw = _randn(1, 3, 4, 8), _randn(1, 5, 1, 8), _randn(1, 3, 4)
+    iidx, ival = npu.npu_lightning_indexer(iq, ik, iw, sparse_count=2, return_value=True)
+    with pytest.raises(RuntimeError, match="sparse_indices must be int32"):
+        npu.npu_lightning_indexer_grad(iq, ik, ival, iidx.long(), iw)
+    with pytest.raises(RuntimeError, match="dy"):
+        npu.npu_lightning_indexer_grad(iq, ik, ival[..., :1], iidx, iw)
 
 
 # =====================================================================================
@@ -753,6 +1015,21 @@ def _samples(dtype=torch.float32):
             ((sq3, spaged, spaged, si3, 0.5), dict(actual_seq_lengths_query=cq, actual_seq_lengths_kv=lens_k,
                                                    block_table=table, layout_query="TND", layout_kv="PA_BSND")),
         ],
+        "npu_lightning_indexer_grad": [
+            ((q4, k4, _randn(2, 3, 1, 3, dtype=dtype), _indexer_idx(q4, k4, w4, 3), w4), dict()),
+            ((q3, k3, _randn(6, 1, 4, dtype=dtype), _indexer_idx(q3, k3, w3, 4, actual_seq_lengths_query=cq,
+                                                                 actual_seq_lengths_key=ck, layout_query="TND",
+                                                                 layout_key="TND"), w3),
+             dict(actual_seq_lengths_query=cq, actual_seq_lengths_key=ck, layout="TND", sparse_mode=0)),
+        ],
+        "npu_sparse_flash_attention_grad": [
+            (_sfa_grad_args(sq4, sk4, sk4, si4, 0.5, query_rope=_randn(2, 3, 4, 4, dtype=dtype), key_rope=skr4,
+                            attention_mode=2), dict(query_rope=_randn(2, 3, 4, 4, dtype=dtype), key_rope=skr4,
+                                                    attention_mode=2)),
+            (_sfa_grad_args(sq3, sk3, None, si3, 0.5, actual_seq_lengths_query=cq, actual_seq_lengths_kv=ck,
+                            layout_query="TND", layout_kv="TND", sparse_block_size=2),
+             dict(actual_seq_qlen=cq, actual_seq_kvlen=ck, layout="TND", sparse_mode=0)),
+        ],
         "sparse_flash_mla_softmax_l1_norm_metadata": [
             ((4, 1, 16), dict(batch_size=2, max_seqlen_q=3, max_seqlen_k=5)),
             ((4, 1, 16), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, layout_q="TND", layout_k="TND", mask_mode=3)),
@@ -766,6 +1043,17 @@ def _samples(dtype=torch.float32):
                                     layout_q="TND", layout_k="TND", mask_mode=3)),
         ],
     }
+
+
+def _indexer_idx(q, k, w, count, **kwargs):
+    return npu.npu_lightning_indexer(q, k, w, sparse_count=count, **kwargs)[0]
+
+
+def _sfa_grad_args(q, k, v, idx, scale, sparse_block_size=1, **kwargs):
+    """Positional arguments of npu_sparse_flash_attention_grad, from a forward with the lse."""
+    out, smax, ssum = npu.npu_sparse_flash_attention(q, k, v, idx, scale, sparse_block_size=sparse_block_size,
+                                                     return_softmax_lse=True, **kwargs)
+    return (q, k, v, idx, _randn(*out.shape, seed=9, dtype=out.dtype), out, smax, ssum, scale, sparse_block_size)
 
 
 def _op(name):
@@ -786,7 +1074,8 @@ def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-OPS = ["npu_lightning_indexer", "npu_sparse_flash_attention", "sparse_flash_mla_softmax_l1_norm_metadata",
+OPS = ["npu_lightning_indexer", "npu_sparse_flash_attention", "npu_lightning_indexer_grad",
+       "npu_sparse_flash_attention_grad", "sparse_flash_mla_softmax_l1_norm_metadata",
        "sparse_flash_mla_softmax_l1_norm"]
 
 
@@ -803,7 +1092,9 @@ def test_fake_kernels_agree_with_the_real_ones(op, dtype):
 
 # The wheel's Meta functions, compiled from its source (they cannot be imported without torch_npu)
 _META_FUNCTIONS = {"npu_lightning_indexer": "npu_lightning_indexer_forward",
-                   "npu_sparse_flash_attention": "npu_sparse_flash_attention_forward"}
+                   "npu_sparse_flash_attention": "npu_sparse_flash_attention_forward",
+                   "npu_lightning_indexer_grad": "npu_lightning_indexer_grad_meta",
+                   "npu_sparse_flash_attention_grad": "npu_sparse_flash_attention_grad_meta"}
 
 
 @pytest.fixture(scope="module")
@@ -841,6 +1132,23 @@ def test_l1_norm_shapes_follow_the_kernel_not_the_extensions_meta():
 
 @pytest.mark.parametrize("op", OPS)
 def test_opcheck(op):
-    # forward only: the two npu ops' backward is not stood in yet, the cann ones have none
     for args, kwargs in _samples()[op]:
+        torch.library.opcheck(_op(op).default, args, kwargs)
+
+
+def _requiring_grad(value, names):
+    return {k: _leaf(v) if k in names else v for k, v in value.items()}
+
+
+def test_opcheck_with_gradients():
+    # with inputs that require grad, opcheck also runs the backward through aot_autograd
+    # (the grad op under fake tensors and functionalization, as in a compiled training step).
+    # Not for the indexer: opcheck sums every output into one loss, and its first output
+    # (int32 indices) makes that sum an integer (the tests above differentiate it instead)
+    op = "npu_sparse_flash_attention"
+    for args, kwargs in _samples()[op]:
+        if not kwargs.get("return_value", kwargs.get("return_softmax_lse")) or kwargs.get("block_table") is not None:
+            continue  # nothing to differentiate (or paged keys, which have no backward)
+        args = tuple(_leaf(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        kwargs = _requiring_grad(kwargs, {"query_rope", "key_rope"})
         torch.library.opcheck(_op(op).default, args, kwargs)

@@ -35,6 +35,10 @@ class StandIn:
     # torch_npu differentiates the op with this op, which has no stand-in yet: backward
     # raises NotImplementedError naming both instead of differentiating or dropping grads
     missing_backward: Optional[str] = None
+    # keyword-only tensor arguments torch_npu differentiates (npu_sparse_flash_attention's
+    # query_rope / key_rope): autograd tracks them too, and `backward` returns their
+    # gradients after the positional ones, in this order
+    differentiable_kwargs: tuple[str, ...] = ()
 
     @property
     def qualname(self) -> str:
@@ -48,10 +52,12 @@ _LIBRARIES: dict[str, torch.library.Library] = {}
 
 
 def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = None,
-             setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None):
+             setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None,
+             differentiable_kwargs: tuple[str, ...] = ()):
     """Declare the CPU reference kernel of `namespace::op` (decorator on the kernel).
 
     `missing_backward`: the op torch_npu's autograd calls, when it has no stand-in yet.
+    `differentiable_kwargs`: keyword-only tensor arguments with a gradient (see StandIn).
     """
     namespace, name = qualname.split("::")
     if name not in SCHEMAS.get(namespace, {}):
@@ -60,10 +66,12 @@ def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = No
         raise ValueError(f"{qualname}: backward and setup_context go together")
     if missing_backward is not None and backward is not None:
         raise ValueError(f"{qualname}: a backward and a missing_backward exclude each other")
+    if differentiable_kwargs and backward is None:
+        raise ValueError(f"{qualname}: differentiable_kwargs need a backward")
 
     def declare(kernel: Callable) -> Callable:
         _DECLARED[qualname] = StandIn(namespace, name, kernel, fake, backward, setup_context,
-                                      missing_backward)
+                                      missing_backward, tuple(differentiable_kwargs))
         return kernel
 
     return declare
@@ -153,11 +161,16 @@ def _register_autograd(lib: torch.library.Library, op: StandIn, backward: Callab
     # (torch 2.13 private API, the torch version is pinned) and refuse a keyword-only tensor
     # that requires grad instead of silently dropping its gradient.
     autograd = torch._library.autograd  # noqa: SLF001
-    kernel = autograd.make_autograd_impl(opoverload, autograd.Info(backward, setup_context))
+    if op.differentiable_kwargs:
+        kernel = _autograd_with_keyword_grads(opoverload, op, backward, setup_context)
+    else:
+        kernel = autograd.make_autograd_impl(opoverload, autograd.Info(backward, setup_context))
 
     def autograd_impl(keyset, *args, **keyword_only_args):
         if torch.is_grad_enabled():
             for name in kwarg_tensors:
+                if name in op.differentiable_kwargs:
+                    continue
                 value = keyword_only_args.get(name)
                 tensors = value if isinstance(value, (list, tuple)) else [value]
                 if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -168,6 +181,49 @@ def _register_autograd(lib: torch.library.Library, op: StandIn, backward: Callab
         return kernel(keyset, *args, **keyword_only_args)
 
     lib.impl(op.name, autograd_impl, "Autograd", with_keyset=True)
+
+
+def _autograd_with_keyword_grads(opoverload, op: StandIn, backward: Callable, setup_context: Callable) -> Callable:
+    """make_autograd_impl for an op some of whose keyword-only tensors have a gradient.
+
+    torch's generated autograd.Function passes keyword-only arguments around autograd;
+    this one passes `op.differentiable_kwargs` as inputs of the Function, so autograd
+    tracks them. `backward(ctx, *grads)` returns the gradients of the positional inputs
+    followed by those of the differentiable keyword arguments (in their declared order).
+    """
+    utils = torch._library.utils  # noqa: SLF001
+    names = op.differentiable_kwargs
+    schema = opoverload._schema  # noqa: SLF001
+
+    def call_below_autograd(keyset, args, kwargs):
+        with torch._C._AutoDispatchBelowAutograd():  # noqa: SLF001
+            return opoverload.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)  # noqa: SLF001
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, metadata, *tensors):
+            keyset, kwargs = metadata
+            split = len(tensors) - len(names)
+            args, kwargs = tensors[:split], {**kwargs, **dict(zip(names, tensors[split:]))}
+            result = call_below_autograd(keyset, args, kwargs)
+            args, kwargs = utils.fill_defaults(schema, args, kwargs)
+            setup_context(ctx=ctx, inputs=args, keyword_only_inputs=kwargs, output=result)
+            return result
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None, *backward(ctx, *grads))
+
+    Function.__name__ = f"GeneratedBackwardFor_{op.namespace}_{op.name}"
+
+    def autograd_impl(keyset, *args, **keyword_only_args):
+        tracked = [keyword_only_args.pop(name, None) for name in names]
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (*args, *tracked)):
+            return Function.apply((keyset, keyword_only_args), *args, *tracked)
+        return call_below_autograd(keyset, args, {**keyword_only_args, **dict(zip(names, tracked))})
+
+    return autograd_impl
 
 
 @functools.lru_cache(maxsize=None)

@@ -217,8 +217,39 @@ def _lightning_indexer_fake(query, key, weights, *, actual_seq_lengths_query=Non
     return query.new_empty(shape, dtype=torch.int32), values
 
 
+def _lightning_indexer_setup_context(ctx, inputs, keyword_only_inputs, output):
+    query, key, weights = inputs
+    ctx.save_for_backward(query, key, weights, output[0], keyword_only_inputs["actual_seq_lengths_query"],
+                          keyword_only_inputs["actual_seq_lengths_key"])
+    for name in ("layout_query", "layout_key", "sparse_mode", "pre_tokens", "next_tokens", "return_value"):
+        setattr(ctx, name, keyword_only_inputs[name])
+
+
+def _lightning_indexer_backward(ctx, grad_indices, grad_values):
+    # torch_npu (derivatives.yaml, NpuLightningIndexerBackward0): output_differentiability
+    # [false, true], i.e. only sparse_values, and
+    #   npu_lightning_indexer_grad(query, key, grad, result0, weights, actual_seq_lengths_query,
+    #                              actual_seq_lengths_key, layout_query, sparse_mode, pre_tokens,
+    #                              next_tokens)
+    op = "npu_lightning_indexer"
+    if not ctx.return_value:
+        raise RuntimeError(f"{op}: it is differentiable only through sparse_values, which it returns only with "
+                           "return_value=True (torch_npu's npu_lightning_indexer_grad reads their gradient); "
+                           "this call had return_value=False, so there is nothing to differentiate")
+    if ctx.layout_key == "PA_BSND":
+        raise RuntimeError(f"{op}: npu_lightning_indexer_grad takes one layout for query and key; paged keys "
+                           "(PA_BSND) have no backward (return_value is not supported with them either)")
+    if grad_values is None:
+        return None, None, None
+    query, key, weights, indices, lengths_query, lengths_key = ctx.saved_tensors
+    grad_query, grad_key, grad_weights = torch.ops.npu.npu_lightning_indexer_grad(
+        query, key, grad_values, indices, weights, lengths_query, lengths_key, ctx.layout_query, ctx.sparse_mode,
+        ctx.pre_tokens, ctx.next_tokens)
+    return grad_query, grad_key, grad_weights
+
+
 @stand_in("npu::npu_lightning_indexer", fake=_lightning_indexer_fake,
-          missing_backward="npu.npu_lightning_indexer_grad")
+          backward=_lightning_indexer_backward, setup_context=_lightning_indexer_setup_context)
 def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                           block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
                           sparse_mode=3, pre_tokens=_I64_MAX, next_tokens=_I64_MAX, return_value=False):
@@ -265,13 +296,97 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
 
 
 # =====================================================================================
+# npu_lightning_indexer_grad
+# =====================================================================================
+def _grad_defaults(layout, sparse_mode, pre_tokens, next_tokens):
+    """The grad ops' optional (`str?`, `int?`) arguments: None means the default."""
+    return (layout or "BSND", 3 if sparse_mode is None else sparse_mode,
+            _I64_MAX if pre_tokens is None else pre_tokens, _I64_MAX if next_tokens is None else next_tokens)
+
+
+def _check_indexer_grad(query, key, dy, sparse_indices, weights, layout, sparse_mode, pre_tokens,
+                        next_tokens) -> int:
+    op = "npu_lightning_indexer_grad"
+    n2 = _check_indexer(query, key, weights, None, layout, layout, sparse_indices.shape[-1], sparse_mode,
+                        pre_tokens, next_tokens)
+    expected = _indexer_out_shape(query, n2, sparse_indices.shape[-1], layout)
+    if sparse_indices.dtype != torch.int32 or _shape(sparse_indices) != expected:
+        raise RuntimeError(f"{op}: sparse_indices must be int32 of shape {expected} (the forward's indices), got "
+                           f"{sparse_indices.dtype} {_shape(sparse_indices)}")
+    if _shape(dy) != expected or not dy.dtype.is_floating_point:
+        raise RuntimeError(f"{op}: dy (the gradient of sparse_values) must be floating point of shape {expected}, "
+                           f"got {dy.dtype} {_shape(dy)}")
+    return n2
+
+
+def _lightning_indexer_grad_fake(query, key, dy, sparse_indices, weights, actual_seq_lengths_query=None,
+                                 actual_seq_lengths_key=None, layout="BSND", sparse_mode=3, pre_tokens=_I64_MAX,
+                                 next_tokens=_I64_MAX):
+    layout, sparse_mode, pre_tokens, next_tokens = _grad_defaults(layout, sparse_mode, pre_tokens, next_tokens)
+    _check_indexer_grad(query, key, dy, sparse_indices, weights, layout, sparse_mode, pre_tokens, next_tokens)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(weights)
+
+
+@stand_in("npu::npu_lightning_indexer_grad", fake=_lightning_indexer_grad_fake)
+def npu_lightning_indexer_grad(query, key, dy, sparse_indices, weights, actual_seq_lengths_query=None,
+                               actual_seq_lengths_key=None, layout="BSND", sparse_mode=3, pre_tokens=_I64_MAX,
+                               next_tokens=_I64_MAX):
+    # op_semantics 8.1: the gradient of sparse_values[i, n, s] = sum_h w[i, h] relu(q[i, h] . k[j])
+    # (h over the G query heads of key head n, j = sparse_indices[i, n, s]):
+    #   dweights[i, h] = sum_s dy[i, n, s] relu(q[i, h] . k[j])
+    #   dquery[i, h]   = sum_s dy[i, n, s] w[i, h] 1[q[i, h] . k[j] > 0] k[j]
+    #   dkey[j, n]    += sum_h dy[i, n, s] w[i, h] 1[q[i, h] . k[j] > 0] q[i, h]
+    # over the valid slots: an index >= 0 naming a key of the batch (and, sparse_mode 3, one
+    # the causal mask lets through: the forward lists no other); -1 slots (value -inf) have
+    # none. Query rows and keys past the batches' lengths get 0. One layout for query and
+    # key (BSND / TND: no paged keys); lengths as in the forward (TND: cumulative). fp32
+    # accumulation, rounded once to each input's dtype (the wheel's Meta: dweights in
+    # weights' dtype).
+    layout, sparse_mode, pre_tokens, next_tokens = _grad_defaults(layout, sparse_mode, pre_tokens, next_tokens)
+    n2 = _check_indexer_grad(query, key, dy, sparse_indices, weights, layout, sparse_mode, pre_tokens, next_tokens)
+    op = "npu_lightning_indexer_grad"
+    n1, d, count = query.shape[-2], query.shape[-1], sparse_indices.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(query)
+    q_starts, q_lens = _query_batches(op, layout, query, actual_seq_lengths_query, "actual_seq_lengths_query")
+    k_rows = _key_rows(op, layout, key, actual_seq_lengths_key, None, len(q_lens), "actual_seq_lengths_key")
+    q_flat, w_flat, k_flat = query.reshape(-1, n1, d), weights.reshape(-1, n1), key.reshape(-1, n2, d)
+    idx_flat, dy_flat = sparse_indices.reshape(-1, n2, count), dy.reshape(-1, n2, count)
+    grad_q = torch.zeros((q_flat.shape[0], n2, g, d), dtype=acc, device=query.device)
+    grad_w = torch.zeros((q_flat.shape[0], n2, g), dtype=acc, device=query.device)
+    grad_k = torch.zeros(k_flat.shape, dtype=acc, device=query.device)
+    heads = torch.arange(n2).view(1, n2, 1)
+    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
+        lk = k_b.numel()
+        if lq == 0 or lk == 0:
+            continue
+        rs = slice(start, start + lq)
+        slots = idx_flat[rs].long()  # (lq, n2, K)
+        valid = (slots >= 0) & (slots < lk)
+        if sparse_mode == 3:
+            valid &= slots <= (lk - lq) + torch.arange(lq).view(lq, 1, 1)
+        rows_kv = k_b[slots.clamp(0, lk - 1)]  # (lq, n2, K)
+        k_sel = k_flat[rows_kv, heads].to(acc)  # (lq, n2, K, d)
+        q = q_flat[rs].to(acc).view(lq, n2, g, d)
+        w = w_flat[rs].to(acc).view(lq, n2, g)
+        dots = torch.einsum("ingd,inkd->ingk", q, k_sel)
+        grad_v = torch.where(valid, dy_flat[rs].to(acc), torch.zeros((), dtype=acc))  # (lq, n2, K)
+        grad_w[rs] = torch.einsum("ink,ingk->ing", grad_v, dots.relu())
+        grad_dots = grad_v.unsqueeze(2) * w.unsqueeze(-1) * (dots > 0)  # (lq, n2, g, K)
+        grad_q[rs] = torch.einsum("ingk,inkd->ingd", grad_dots, k_sel)
+        grad_k.index_put_((rows_kv, heads.expand_as(rows_kv)), torch.einsum("ingk,ingd->inkd", grad_dots, q),
+                          accumulate=True)
+    return (grad_q.to(query.dtype).view(query.shape), grad_k.to(key.dtype).view(key.shape),
+            grad_w.to(weights.dtype).view(weights.shape))
+
+
+# =====================================================================================
 # npu_sparse_flash_attention
 # =====================================================================================
 def _check_sfa(query, key, value, sparse_indices, block_table, query_rope, key_rope, sparse_block_size,
                layout_query, layout_kv, sparse_mode, pre_tokens, next_tokens, attention_mode,
-               return_softmax_lse, sinks) -> int:
+               return_softmax_lse, sinks, op="npu_sparse_flash_attention") -> int:
     """Validate; return N2 (key/value heads)."""
-    op = "npu_sparse_flash_attention"
     _check_layouts(op, layout_query, layout_kv, "layout_kv")
     kv_layout = "BSND" if layout_kv == "PA_BSND" else layout_kv
     _check_rank(op, "query", query, layout_query)
@@ -344,8 +459,50 @@ def _sparse_flash_attention_fake(query, key, value, sparse_indices, scale_value,
             query.new_empty(lse_shape, dtype=torch.float32))
 
 
+_SFA_SAVED = ("scale_value", "sparse_block_size", "layout_query", "layout_kv", "sparse_mode", "pre_tokens",
+              "next_tokens", "attention_mode", "return_softmax_lse")
+
+
+def _sparse_flash_attention_setup_context(ctx, inputs, keyword_only_inputs, output):
+    query, key, value, sparse_indices, scale_value = inputs
+    kw = keyword_only_inputs
+    ctx.mark_non_differentiable(output[1], output[2])  # softmax_max / softmax_sum
+    ctx.save_for_backward(query, key, value, sparse_indices, output[0], output[1], output[2], kw["query_rope"],
+                          kw["key_rope"], kw["actual_seq_lengths_query"], kw["actual_seq_lengths_kv"])
+    ctx.scale_value = scale_value
+    for name in _SFA_SAVED[1:]:
+        setattr(ctx, name, kw[name])
+
+
+def _sparse_flash_attention_backward(ctx, grad_out, grad_max, grad_sum):
+    # torch_npu (derivatives.yaml, NpuSparseFlashAttentionBackward0), output 0 only:
+    #   npu_sparse_flash_attention_grad(query, key, value, sparse_indices, grad, result0, result1,
+    #       result2, scale_value, sparse_block_size, query_rope, key_rope, actual_seq_lengths_query,
+    #       actual_seq_lengths_kv, layout_query, sparse_mode, pre_tokens, next_tokens, attention_mode)
+    # -> gradients of query, key, value, query_rope, key_rope; sinks has none.
+    # Returns the positional inputs' gradients, then query_rope's and key_rope's
+    # (StandIn.differentiable_kwargs).
+    op = "npu_sparse_flash_attention"
+    if not ctx.return_softmax_lse:
+        raise RuntimeError(f"{op}: its backward (npu_sparse_flash_attention_grad) needs softmax_max and "
+                           "softmax_sum, which the forward returns only with return_softmax_lse=True; this call "
+                           "had return_softmax_lse=False, so there is nothing to differentiate with")
+    (query, key, value, sparse_indices, out, softmax_max, softmax_sum, query_rope, key_rope, lengths_query,
+     lengths_kv) = ctx.saved_tensors
+    if grad_out is None:
+        return None, None, None, None, None, None, None
+    grads = torch.ops.npu.npu_sparse_flash_attention_grad(
+        query, key, value, sparse_indices, grad_out, out, softmax_max, softmax_sum, ctx.scale_value,
+        ctx.sparse_block_size, query_rope, key_rope, lengths_query, lengths_kv, ctx.layout_query, ctx.sparse_mode,
+        ctx.pre_tokens, ctx.next_tokens, ctx.attention_mode)
+    grad_query, grad_key, grad_value, grad_query_rope, grad_key_rope = grads
+    return (grad_query, grad_key, None if value is None else grad_value, None, None,
+            None if query_rope is None else grad_query_rope, None if key_rope is None else grad_key_rope)
+
+
 @stand_in("npu::npu_sparse_flash_attention", fake=_sparse_flash_attention_fake,
-          missing_backward="npu.npu_sparse_flash_attention_grad")
+          backward=_sparse_flash_attention_backward, setup_context=_sparse_flash_attention_setup_context,
+          differentiable_kwargs=("query_rope", "key_rope"))
 def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
                                actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
                                key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
@@ -429,6 +586,142 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     else:  # (T1, N2, G) -> (N2, T1, G)
         smax, ssum = smax.transpose(0, 1).contiguous(), ssum.transpose(0, 1).contiguous()
     return attention_out, smax, ssum
+
+
+# =====================================================================================
+# npu_sparse_flash_attention_grad
+# =====================================================================================
+def _check_sfa_grad(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, sparse_block_size,
+                    query_rope, key_rope, layout, sparse_mode, pre_tokens, next_tokens, attention_mode) -> int:
+    op = "npu_sparse_flash_attention_grad"
+    if layout not in LAYOUTS:  # one layout for query and kv: no paged keys (the forward has no lse there)
+        raise RuntimeError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+    n2 = _check_sfa(query, key, value, sparse_indices, None, query_rope, key_rope, sparse_block_size, layout,
+                    layout, sparse_mode, pre_tokens, next_tokens, attention_mode, True, None, op=op)
+    for name, t in (("d_out", d_out), ("out", out)):
+        if _shape(t) != _shape(query) or not t.dtype.is_floating_point:
+            raise RuntimeError(f"{op}: {name} must be floating point of query's shape {_shape(query)}, got "
+                               f"{t.dtype} {_shape(t)}")
+    lse_shape = _sfa_lse_shape(query, n2, layout)
+    for name, t in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        if _shape(t) != lse_shape or not t.dtype.is_floating_point:
+            raise RuntimeError(f"{op}: {name} must be the forward's fp32 {lse_shape} (run it with "
+                               f"return_softmax_lse=True), got {t.dtype} {_shape(t)}")
+    return n2
+
+
+def _sparse_flash_attention_grad_fake(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum,
+                                      scale_value, sparse_block_size, query_rope=None, key_rope=None,
+                                      actual_seq_qlen=None, actual_seq_kvlen=None, layout="BSND", sparse_mode=3,
+                                      pre_tokens=_I64_MAX, next_tokens=_I64_MAX, attention_mode=0):
+    layout, sparse_mode, pre_tokens, next_tokens = _grad_defaults(layout, sparse_mode, pre_tokens, next_tokens)
+    _check_sfa_grad(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, sparse_block_size,
+                    query_rope, key_rope, layout, sparse_mode, pre_tokens, next_tokens,
+                    0 if attention_mode is None else attention_mode)
+    # the wheel's Meta: each gradient like its input, an empty (0,) for an absent one
+    return (torch.empty_like(query), torch.empty_like(key),
+            query.new_empty((0,)) if value is None else torch.empty_like(value),
+            query.new_empty((0,)) if query_rope is None else torch.empty_like(query_rope),
+            key.new_empty((0,)) if key_rope is None else torch.empty_like(key_rope))
+
+
+@stand_in("npu::npu_sparse_flash_attention_grad", fake=_sparse_flash_attention_grad_fake)
+def npu_sparse_flash_attention_grad(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum,
+                                    scale_value, sparse_block_size, query_rope=None, key_rope=None,
+                                    actual_seq_qlen=None, actual_seq_kvlen=None, layout="BSND", sparse_mode=3,
+                                    pre_tokens=_I64_MAX, next_tokens=_I64_MAX, attention_mode=0):
+    # The flash-attention backward over the forward's selection (the same positions: block ids
+    # up to the first negative, cut at the batch's keys, sparse_mode 3's right-down mask), from
+    # the forward's out and softmax_max / softmax_sum (the kernel recomputes P from them, it
+    # does not redo the max/sum): for query row i, query head h (key head n = h // G) and
+    # selected position p (key j):
+    #   s_p  = scale * ([query, query_rope]_h . [key, key_rope]_j)
+    #   P_p  = exp(s_p - softmax_max) / softmax_sum
+    #   dP_p = d_out_h . value_j          D = d_out_h . out_h   (out as the forward rounded it)
+    #   dS_p = P_p * (dP_p - D)
+    #   dquery_h  = scale * sum_p dS_p key_j      dquery_rope_h = scale * sum_p dS_p key_rope_j
+    #   dkey_j   += scale * sum_h dS_p query_h    dkey_rope_j  += scale * sum_h dS_p query_rope_h
+    #   dvalue_j += sum_h P_p d_out_h
+    # A position listed twice contributes twice (as in the forward). Rows with no selected
+    # position (softmax_sum 0), query rows and keys past the batches' lengths get 0. One
+    # layout for query and kv (BSND / TND, lengths as in the forward: TND cumulative).
+    # value None: the forward used key as the value, so key's gradient takes both parts and
+    # d_value is the Meta's empty (0,) [inferred: CANN >= 9.2 only, undocumented]. fp32
+    # accumulation, each gradient rounded once to its input's dtype.
+    layout, sparse_mode, pre_tokens, next_tokens = _grad_defaults(layout, sparse_mode, pre_tokens, next_tokens)
+    attention_mode = 0 if attention_mode is None else attention_mode
+    n2 = _check_sfa_grad(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum,
+                         sparse_block_size, query_rope, key_rope, layout, sparse_mode, pre_tokens, next_tokens,
+                         attention_mode)
+    op = "npu_sparse_flash_attention_grad"
+    n1, d = query.shape[-2], query.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(query)
+    q_starts, q_lens = _query_batches(op, layout, query, actual_seq_qlen, "actual_seq_qlen")
+    k_rows = _key_rows(op, layout, key, actual_seq_kvlen, None, len(q_lens), "actual_seq_kvlen")
+    v_t = key if value is None else value
+    q_flat, o_flat, do_flat = (t.reshape(-1, n1, d) for t in (query, out, d_out))
+    k_flat, v_flat = key.reshape(-1, n2, d), v_t.reshape(-1, n2, d)
+    rope = query_rope is not None
+    if rope:
+        qr_flat = query_rope.reshape(-1, n1, query_rope.shape[-1])
+        kr_flat = key_rope.reshape(-1, n2, key_rope.shape[-1])
+    if layout == "BSND":  # (B, N2, S1, G) -> rows (B * S1, N2, G)
+        smax, ssum = (t.transpose(1, 2).reshape(-1, n2, g) for t in (softmax_max, softmax_sum))
+    else:  # (N2, T1, G)
+        smax, ssum = (t.transpose(0, 1).reshape(-1, n2, g) for t in (softmax_max, softmax_sum))
+    idx_flat = sparse_indices.reshape(-1, n2, sparse_indices.shape[-1])
+    rows = q_flat.shape[0]
+    grad_q = torch.zeros((rows, n2, g, d), dtype=acc, device=query.device)
+    grad_k = torch.zeros(k_flat.shape, dtype=acc, device=query.device)
+    grad_v = torch.zeros(k_flat.shape, dtype=acc, device=query.device)
+    if rope:
+        grad_qr = torch.zeros((rows, n2, g, qr_flat.shape[-1]), dtype=acc, device=query.device)
+        grad_kr = torch.zeros(kr_flat.shape, dtype=acc, device=query.device)
+    within_block = torch.arange(sparse_block_size)
+    heads = torch.arange(n2).view(1, n2, 1)
+    zero = torch.zeros((), dtype=acc)
+    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
+        lk = k_b.numel()
+        if lq == 0 or lk == 0:
+            continue
+        rs = slice(start, start + lq)
+        blocks = idx_flat[rs].long()  # (lq, n2, K)
+        listed = (blocks >= 0).long().cumprod(-1).bool()
+        pos = blocks.unsqueeze(-1) * sparse_block_size + within_block  # (lq, n2, K, bs)
+        valid = listed.unsqueeze(-1) & (pos >= 0) & (pos < lk)
+        if sparse_mode == 3:
+            valid &= pos <= (lk - lq) + torch.arange(lq).view(lq, 1, 1, 1)
+        pos, valid = pos.flatten(2).clamp(0, lk - 1), valid.flatten(2)  # (lq, n2, P)
+        rows_kv = k_b[pos]
+        index = (rows_kv, heads.expand_as(rows_kv))
+        k_sel, v_sel = k_flat[index].to(acc), v_flat[index].to(acc)  # (lq, n2, P, d)
+        q = q_flat[rs].to(acc).view(lq, n2, g, d)
+        scores = torch.einsum("ingd,inpd->ingp", q, k_sel)
+        if rope:
+            qr = qr_flat[rs].to(acc).view(lq, n2, g, -1)
+            kr_sel = kr_flat[index].to(acc)
+            scores = scores + torch.einsum("ingd,inpd->ingp", qr, kr_sel)
+        total = ssum[rs].to(acc)
+        total = torch.where(total > 0, total, torch.ones((), dtype=acc)).unsqueeze(-1)
+        probs = torch.exp(scores * scale_value - smax[rs].to(acc).unsqueeze(-1)) / total
+        probs = torch.where(valid.unsqueeze(2), probs, zero)  # (lq, n2, g, P)
+        do = do_flat[rs].to(acc).view(lq, n2, g, d)
+        delta = (do * o_flat[rs].to(acc).view(lq, n2, g, d)).sum(-1, keepdim=True)
+        grad_scores = probs * (torch.einsum("ingd,inpd->ingp", do, v_sel) - delta) * scale_value
+        grad_q[rs] = torch.einsum("ingp,inpd->ingd", grad_scores, k_sel)
+        grad_k.index_put_(index, torch.einsum("ingp,ingd->inpd", grad_scores, q), accumulate=True)
+        grad_v.index_put_(index, torch.einsum("ingp,ingd->inpd", probs, do), accumulate=True)
+        if rope:
+            grad_qr[rs] = torch.einsum("ingp,inpd->ingd", grad_scores, kr_sel)
+            grad_kr.index_put_(index, torch.einsum("ingp,ingd->inpd", grad_scores, qr), accumulate=True)
+    if value is None:
+        grad_k = grad_k + grad_v
+    grad_value = query.new_empty((0,)) if value is None else grad_v.to(value.dtype).view(value.shape)
+    grad_query_rope = grad_qr.to(query_rope.dtype).view(query_rope.shape) if rope else query.new_empty((0,))
+    grad_key_rope = grad_kr.to(key_rope.dtype).view(key_rope.shape) if rope else key.new_empty((0,))
+    return (grad_q.to(query.dtype).view(query.shape), grad_k.to(key.dtype).view(key.shape), grad_value,
+            grad_query_rope, grad_key_rope)
 
 
 # =====================================================================================
