@@ -13,8 +13,23 @@ with every choice explicit (op_semantics.md 7): one 2-D x split along M (group_t
 one 3-D weight, a single output tensor (split_item 3), and the group list as the
 cumulative ends `offs` already are (group_list_type 0; int64, as the op wants). Rows past
 the last offset are unspecified in all three (the routed tokens always fill x).
-The op has no autograd in torch_npu: inference graphs only (a training graph keeps the
-unfused GEMMs).
+
+Training. torch_npu defines no autograd for npu_grouped_matmul (op_semantics 7), so the
+fused call goes through our own rule, `GroupedMatmul` below, built from the op itself the
+way MindSpeed differentiates it:
+
+    dx = npu_grouped_matmul([dy], [w^T], group_type=0)       the same M groups (tokens)
+    dw = npu_grouped_matmul([x^T], [dy], group_type=2)       K groups: each expert's tokens
+
+(group_type 2 splits the K axis of x^T (H, tokens) and dy (tokens, N) by the same offsets:
+dw[e] = x_e^T @ dy_e, zeros for an expert without tokens). aten._grouped_mm's own
+derivative is the same two products (`_grouped_mm(dy, w^T, offs)`; `_grouped_mm(x^T, dy,
+offs)`, or `_grouped_mm(dy^T, x, offs)^T` for a w that is a transposed view, hence the
+example variant), so the joint pattern of the aten form (traced with `joint_fwd_bwd`)
+covers the forward GEMM and both backward GEMMs, and the replacement puts the rule's
+three calls in their place. capabilities.py names the rule (`autograd_rule`), which is what lets the op
+into training graphs (`has_backward`). On an NPU the same rule runs: it needs nothing
+from torch_npu but the op.
 """
 import torch
 
@@ -35,11 +50,60 @@ def transformers_grouped_mm_fallback(x, w, offs):
     return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
 
 
-# ---- the fused call -----------------------------------------------------------------------
+# ---- the fused call and its autograd rule --------------------------------------------------
+def _m_split(x, w, group_list):
+    """x (M, K) rows in groups (cumulative ends group_list) times w (E, K, N) -> (M, N)."""
+    return torch.ops.npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=0,
+                                            group_list_type=0)[0]
+
+
+class GroupedMatmul(torch.autograd.Function):
+    """npu_grouped_matmul's M-split expert GEMM with a backward made of npu_grouped_matmul
+    calls (torch_npu has none: capabilities.py records this class as the op's autograd_rule).
+
+    forward(x (M, K), w (E, K, N), group_list (E,) int64 cumulative ends) -> (M, N)
+    backward: dx = the M-split of dy by w^T (E, N, K), the same groups; rows past the last
+    end get no group (unspecified, as the forward's); dw = the K-split of x^T (K, M) and dy
+    (M, N) over the same ends -> (E, K, N), x^T passed as the transposed view the kernel
+    requires for group_type 2, dy as a contiguous (M, N) weight (not transposed). For a w
+    stored (E, N, K) (nn.Linear layout, passed transposed) dw^T = K-split of dy^T and x is
+    computed instead, in w's own layout, as aten's derivative does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, group_list):
+        x = x.contiguous()  # the kernel does not take a transposed x for group_type 0
+        ctx.save_for_backward(x, w, group_list)
+        return _m_split(x, w, group_list)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, group_list = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _m_split(dy, w.transpose(-2, -1), group_list) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            if _stored_transposed(w):  # nn.Linear-style (E, N, K) storage: dw^T in that layout
+                dw = _k_split(dy, x, group_list).transpose(-2, -1)
+            else:
+                dw = _k_split(x, dy, group_list)
+        return dx, dw, None
+
+
+def _k_split(a, b, group_list):
+    """(a^T b) per group of rows of a (M, P) and b (M, Q) -> (E, P, Q): npu_grouped_matmul's
+    K-split, a^T passed as the transposed view it requires, b as the untransposed weight."""
+    return torch.ops.npu.npu_grouped_matmul([a.t()], [b], group_list=group_list, split_item=3,
+                                            group_type=2, group_list_type=0)[0]
+
+
+def _stored_transposed(w):
+    """w (E, K, N) is a transposed view of (E, N, K) storage (not also contiguous)."""
+    return not w.is_contiguous() and w.transpose(-2, -1).is_contiguous()
+
+
 def npu_grouped_matmul(x, w, offs):
-    return torch.ops.npu.npu_grouped_matmul(
-        [x.contiguous()], [w], group_list=offs.to(torch.int64), split_item=3, group_type=0,
-        group_list_type=0)[0]
+    return GroupedMatmul.apply(x, w, offs.to(torch.int64))
 
 
 ATEN_FORM = Form(aten_grouped_mm, npu_grouped_matmul, dtypes=(torch.bfloat16,))  # _grouped_mm: bf16 only
@@ -66,6 +130,10 @@ def check(site):
     reason = unsupported("npu.npu_grouped_matmul", site.soc, x=x)
     if reason:
         return reason
+    if w.dim() == 2 and x.dim() == 2 and offs.dim() == 1:
+        return ("a 2-d weight with offsets: the K-grouped product of a weight gradient (x^T dy per "
+                "expert), which fuses only with its forward GEMM on the joint graph (as "
+                "npu_grouped_matmul group_type 2), not on its own")
     if w.dim() != 3 or offs.dim() != 1:
         return f"needs a 3-d weight and 1-d offsets, got {w.dim()}-d and {offs.dim()}-d"
     if w.dtype != x.dtype:
@@ -107,9 +175,10 @@ def explain(node):
         return f"x is {x.dim()}-d: only the 2-d (tokens, hidden) x of the MoE expert GEMM is fused"
     if len(node.args) < 3 or node.args[2] is None:
         return "no offsets: a batched (3-d x 3-d) grouped GEMM, not the MoE expert GEMM"
-    extra = set(node.kwargs) - {"offs"}
-    if extra or len(node.args) > 3:
-        return f"carries arguments the fused call does not compute (bias / out_dtype: {sorted(extra)})"
+    given = {**dict(zip(("bias", "out_dtype"), node.args[3:])), **node.kwargs}
+    extra = sorted(name for name, value in given.items() if name != "offs" and value is not None)
+    if extra:
+        return f"carries arguments the fused call does not compute: {', '.join(extra)}"
     return None
 
 
@@ -117,12 +186,18 @@ PASS = FusionPass(
     name="grouped_matmul",
     fused_op="npu.npu_grouped_matmul",
     forms=forms,
+    # training: x and w carry gradients (through GroupedMatmul); offs is an index
+    differentiable=("x", "w"),
     example={
         # _grouped_mm's meta function wants 16-byte aligned strides: sizes multiple of 8
         "x": lambda dtype: torch.empty(24, 16, dtype=dtype),
         "w": lambda dtype: torch.empty(3, 16, 8, dtype=dtype),
         "offs": lambda dtype: torch.empty(3, dtype=torch.int32),
     },
+    # aten._grouped_mm's weight gradient depends on the weight's strides: a transposed view of
+    # (E, N, K) storage (torchtitan's and transformers' experts) gets it as (dy^T x)^T, an
+    # (E, K, N) tensor as x^T dy; the joint patterns need both traces
+    example_variants=[{"w": lambda dtype: torch.empty(3, 8, 16, dtype=dtype).transpose(-2, -1)}],
     check=check,
     anchor=anchor,
     explain=explain,

@@ -810,7 +810,8 @@ def test_grouped_matmul_counts_are_not_cumsum():
 def test_grouped_matmul_refuses_other_layouts():
     x, w, gl = _randn(4, 3), _randn(2, 3, 5), torch.tensor([2, 4])
     for kwargs, what in [(dict(group_type=-1, split_item=0, group_list=None), "group_type=-1"),
-                         (dict(group_type=2, split_item=3), "group_type=2"),
+                         (dict(group_type=1, split_item=3), "group_type=1"),
+                         (dict(group_type=2, split_item=3), "group_type=2 with weight as"),
                          (dict(group_type=0, split_item=0), "split_item=0"),
                          (dict(group_type=0, split_item=3, group_list_type=2), "group_list_type=2"),
                          (dict(group_type=0, split_item=3, act_type=5), "act_type=5"),
@@ -830,6 +831,80 @@ def test_grouped_matmul_has_no_backward_like_torch_npu():
     (out,) = npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([2, 4]), split_item=3, group_type=0)
     with pytest.raises(RuntimeError, match="npu_grouped_matmul has no backward in torch_npu"):
         out.sum().backward()
+
+
+# ---- group_type=2: the K axis split into groups (the expert weight gradient) ---------------
+def gmm_k_split_loop_ref(x, weight, sizes):
+    """out[g] = x[:, K_g] @ weight[K_g] over contiguous column groups of x, float64; an empty
+    group gives zeros, columns past the groups take part in no group."""
+    out = torch.zeros(len(sizes), x.shape[0], weight.shape[1], dtype=torch.float64)
+    start = 0
+    for g, size in enumerate(sizes):
+        out[g] = x[:, start:start + size].double() @ weight[start:start + size].double()
+        start += size
+    return out
+
+
+def _transposed(rows, cols, dtype, seed):
+    """(rows, cols) as the transposed view of a contiguous (cols, rows) tensor: how MindSpeed
+    passes `input.T` (and the hardware requires x for group_type=2)."""
+    return _randn(cols, rows, dtype=dtype, seed=seed).t()
+
+
+@pytest.mark.parametrize("dtype", FLOAT, ids=str)
+@pytest.mark.parametrize("sizes", SIZES, ids=str)
+@pytest.mark.parametrize("group_list_type", [0, 1], ids=["cumsum", "counts"])
+def test_grouped_matmul_k_split_is_per_group_products(group_list_type, sizes, dtype):
+    m, n = 6, 5
+    ktot = sum(sizes) + 2  # two columns past the last group: no group reads them
+    x, w = _transposed(m, ktot, dtype, seed=130), _randn(ktot, n, dtype=dtype, seed=131)
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    group_list = counts.cumsum(0) if group_list_type == 0 else counts
+    (out,) = npu.npu_grouped_matmul([x], [w], group_list=group_list, split_item=3, group_type=2,
+                                    group_list_type=group_list_type)
+    exact = gmm_k_split_loop_ref(x, w, sizes)
+    assert out.dtype == dtype and out.shape == (len(sizes), m, n)
+    assert not out[[g for g, size in enumerate(sizes) if size == 0]].any()  # empty groups: zeros
+    scale = torch.stack([x.double().abs() @ w.double().abs()] * len(sizes))
+    assert_rounded_once(out, exact, scale, fp32_ops=max(sizes) + 1)
+
+
+def test_grouped_matmul_k_split_is_the_weight_gradient_of_the_m_split():
+    # MindSpeed's dW: npu_grouped_matmul([x.T], [dy], group_type=2) over the tokens of each
+    # expert is the autograd gradient of the per-expert products x_e @ w_e
+    sizes, kdim, n = [3, 0, 4, 2], 6, 5
+    x = _randn(sum(sizes), kdim, dtype=torch.float64, seed=132)
+    w = _randn(len(sizes), kdim, n, dtype=torch.float64, seed=133).requires_grad_()
+    dy = _randn(sum(sizes), n, dtype=torch.float64, seed=134)
+    gmm_loop_ref(x, w, sizes).backward(dy)
+    (dw,) = npu.npu_grouped_matmul([x.t()], [dy], group_list=torch.tensor(sizes).cumsum(0), split_item=3,
+                                   group_type=2, group_list_type=0)
+    torch.testing.assert_close(dw, w.grad)
+
+
+def test_grouped_matmul_k_split_mix_ups_fail_or_differ():
+    sizes, m, n = [1, 2, 3], 4, 5
+    x, w = _transposed(m, 6, torch.float32, seed=135), _randn(6, n, seed=136)
+    counts = torch.tensor(sizes)
+    kw = dict(split_item=3, group_type=2)
+    right = npu.npu_grouped_matmul([x], [w], group_list=counts, group_list_type=1, **kw)[0]
+    torch.testing.assert_close(right.double(), gmm_k_split_loop_ref(x, w, sizes))
+    # counts [1, 2, 3] read as cumsum ends: groups of 1, 1, 1 columns, the last 3 in none
+    wrong = npu.npu_grouped_matmul([x], [w], group_list=counts, group_list_type=0, **kw)[0]
+    assert not torch.allclose(right, wrong)
+    # the hardware needs x transposed (its K groups are rows of x's storage): a contiguous x
+    # of the same values is refused, as is a transposed weight
+    with pytest.raises(RuntimeError, match="needs x as a transposed view"):
+        npu.npu_grouped_matmul([x.contiguous()], [w], group_list=counts, group_list_type=1, **kw)
+    with pytest.raises(RuntimeError, match="does not take a transposed weight"):
+        npu.npu_grouped_matmul([x], [w.t().contiguous().t()], group_list=counts, group_list_type=1, **kw)
+    # x.T of the M-split's x is (K_model, M): its K groups are the tokens, not the hidden size
+    with pytest.raises(RuntimeError, match="does not multiply weight"):
+        npu.npu_grouped_matmul([x.t().contiguous().t()[:, :5]], [w], group_list=counts, group_list_type=1, **kw)
+    with pytest.raises(RuntimeError, match="covers 7 columns"):
+        npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 2, 4]), group_list_type=1, **kw)
+    with pytest.raises(RuntimeError, match="takes no bias"):
+        npu.npu_grouped_matmul([x], [w], bias=[torch.zeros(n)], group_list=counts, group_list_type=1, **kw)
 
 
 # ---- a whole MoE layer ----------------------------------------------------------------------
@@ -916,7 +991,10 @@ def _samples(dtype=torch.float32, requires_grad=False):
                                                          group_type=0)),
                                (([gmm_x], list(gmm_w.unbind(0))),
                                 dict(bias=[_randn(5, dtype=dtype)] * 3, group_list=torch.tensor([4, 0, 5]),
-                                     split_item=2, group_type=0, group_list_type=1))],
+                                     split_item=2, group_type=0, group_list_type=1)),
+                               # group_type=2, the weight gradient: x.T of the tokens, dy (K groups)
+                               (([gmm_x.t()], [_randn(9, 5, dtype=dtype, seed=118)]),
+                                dict(group_list=torch.tensor([2, 2, 9]), split_item=3, group_type=2))],
     }
 
 

@@ -658,10 +658,17 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
 # =====================================================================================
 _GMM_QUANT_ARGS = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
                    "activation_input", "activation_quant_scale", "activation_quant_offset")
-_GMM_SUPPORTED = ("group_type=0 (split along M), split_item 2 or 3, one 2-D x, weight one (E, K, N) "
-                  "tensor or E (K, N) tensors, a 1-D int64 Tensor group_list with group_list_type 0 "
-                  "(cumsum) or 1 (counts), float x/weight/bias, no quantisation, act_type=0, "
-                  "output_dtype=None")
+_GMM_SUPPORTED = ("split_item 2 or 3 with one 2-D x, float x/weight of one dtype, a 1-D int64 Tensor "
+                  "group_list with group_list_type 0 (cumsum) or 1 (counts), no quantisation, act_type=0, "
+                  "output_dtype=None; group_type=0 (split along M): weight one (E, K, N) tensor or E (K, N) "
+                  "tensors, optional bias; group_type=2 (split along K): x a transposed (M, K) view, weight one "
+                  "(K, N) tensor, not transposed, no bias")
+
+
+def _reads_transposed(t: torch.Tensor) -> bool:
+    """t (R, C) is laid out as the transposed view of a contiguous (C, R) tensor (strides
+    (1, R); with a dimension of size 1 both layouts are the same memory, and this is True)."""
+    return t.dim() == 2 and t.t().is_contiguous()
 
 
 def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, group_list, split_item,
@@ -675,7 +682,7 @@ def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, g
     if group_type is None:
         raise RuntimeError(f"{op}: group_type must be given with a Tensor group_list (torch_npu's Meta "
                            "check rejects None); the MoE layout is group_type=0")
-    if group_type != 0:
+    if group_type not in (0, 2):
         raise unsupported(f"group_type={group_type}")
     if split_item not in (2, 3):
         raise unsupported(f"split_item={split_item} (a list of outputs)")
@@ -692,10 +699,12 @@ def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, g
         raise unsupported(f"x as {len(x)} tensor(s) of {[t.dim() for t in x]} dims "
                           "(one 2-D x is the MoE layout)")
     if group_list is None or group_list.dim() != 1:
-        raise RuntimeError(f"{op}: group_type=0 needs a 1-D group_list")
+        raise RuntimeError(f"{op}: group_type={group_type} needs a 1-D group_list")
     xt = x[0]
     if not xt.is_floating_point() or any(w.dtype != xt.dtype for w in weight):
         raise unsupported(f"x {xt.dtype} with weight {[w.dtype for w in weight]} (integer or mixed dtypes)")
+    if group_type == 2:
+        return _gmm_k_split_plan(xt, weight, bias, group_list, unsupported)
     if len(weight) == 1 and weight[0].dim() == 3:
         groups, k, n = weight[0].shape
     elif weight and all(w.dim() == 2 for w in weight):
@@ -718,6 +727,31 @@ def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, g
     return groups, n
 
 
+def _gmm_k_split_plan(xt, weight, bias, group_list, unsupported):
+    """group_type=2 (aclnnGroupedMatmulV5, "groupType支持场景"): x (M, K) must be a transposed
+    view (its storage (K, M), so each K group is a contiguous block of rows), one (K, N) weight
+    that is not transposed, no bias; group g multiplies x[:, K_g] by weight[K_g], giving
+    (G, M, N) (the wheel's Meta function). A contiguous x is rejected on the NPU (EZ1001, as
+    users of MindSpeed-style dW code report)."""
+    op = "npu_grouped_matmul"
+    if len(weight) != 1 or weight[0].dim() != 2:
+        raise unsupported(f"group_type=2 with weight as {[tuple(w.shape) for w in weight]} (one (K, N) "
+                          "tensor is the K-split layout)")
+    w = weight[0]
+    if bias is not None:
+        raise RuntimeError(f"{op}: group_type=2 takes no bias")
+    if not _reads_transposed(xt):
+        raise RuntimeError(f"{op}: group_type=2 needs x as a transposed view ((M, K) with strides (1, M)), "
+                           f"got strides {tuple(xt.stride())} for shape {tuple(xt.shape)}")
+    if _reads_transposed(w) and not w.is_contiguous():
+        raise RuntimeError(f"{op}: group_type=2 does not take a transposed weight (strides "
+                           f"{tuple(w.stride())} for shape {tuple(w.shape)})")
+    if xt.shape[1] != w.shape[0]:
+        raise RuntimeError(f"{op}: x (M, {xt.shape[1]}) does not multiply weight ({w.shape[0]}, N) "
+                           "along the grouped K")
+    return group_list.shape[0], w.shape[1]
+
+
 def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
               per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
               activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
@@ -725,8 +759,10 @@ def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
               per_token_scale_dtype=None):
     quant = dict(zip(_GMM_QUANT_ARGS, (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
                                        activation_input, activation_quant_scale, activation_quant_offset)))
-    _, n = _gmm_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
-                     output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
+    groups, n = _gmm_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
+                          output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
+    if group_type == 2:  # Meta: (G, M, N), a full (M, N) product per K group
+        return [x[0].new_empty((groups, x[0].shape[0], n))]
     return [x[0].new_empty((x[0].shape[0], n))]  # Meta: one (M, N) output in x's dtype
 
 
@@ -736,29 +772,29 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                        activation_quant_scale=None, activation_quant_offset=None, split_item=0,
                        group_type=None, group_list_type=0, act_type=0, tuning_config=None, output_dtype=None,
                        x_dtype=None, weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
-    # op_semantics 7, the MoE expert GEMM: rows of x split into contiguous groups, group e
-    # times weight e (+ bias e). group_list_type=0: inclusive cumulative END offsets;
-    # 1: per-group counts. Rows past the last group are untouched on the NPU: zeros here.
-    # A transposed view of an (E, N, K) weight is just another (E, K, N) tensor to matmul.
+    # op_semantics 7. group_type=0, the MoE expert GEMM: rows of x split into contiguous
+    # groups, group e times weight e (+ bias e); rows past the last group are untouched on
+    # the NPU: zeros here. A transposed view of an (E, N, K) weight is just another (E, K, N)
+    # tensor to matmul. group_type=2, the expert weight gradient: the K axis of x (M, K) and
+    # weight (K, N) split into contiguous groups, out[g] = x[:, K_g] @ weight[K_g]; an empty
+    # group gives zeros (no K to sum over). group_list_type=0: inclusive cumulative END
+    # offsets along the grouped axis; 1: per-group counts.
     quant = dict(zip(_GMM_QUANT_ARGS, (scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
                                        activation_input, activation_quant_scale, activation_quant_offset)))
     groups, n = _gmm_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
                           output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
     xt = x[0]
-    values = [int(v) for v in group_list.tolist()]
-    if group_list_type == 0:
-        if any(v < 0 for v in values) or any(b < a for a, b in zip(values, values[1:])):
-            raise RuntimeError(f"npu_grouped_matmul: a cumsum group_list (group_list_type=0) must be "
-                               f"non-negative and non-decreasing, got {values}")
-        ends = values
-    else:
-        if any(v < 0 for v in values):
-            raise RuntimeError(f"npu_grouped_matmul: counts (group_list_type=1) must be non-negative, "
-                               f"got {values}")
-        ends = torch.tensor(values, dtype=torch.int64).cumsum(0).tolist() if values else []
-    if ends and ends[-1] > xt.shape[0]:
-        raise RuntimeError(f"npu_grouped_matmul: group_list covers {ends[-1]} rows, x has {xt.shape[0]}")
+    axis = 0 if group_type == 0 else 1  # the grouped axis of x: M, or K
+    ends = _gmm_group_ends(group_list, group_list_type, xt.shape[axis], "rows" if axis == 0 else "columns (K)")
     acc = _compute_dtype(xt)
+    if group_type == 2:
+        out = xt.new_zeros((groups, xt.shape[0], n), dtype=acc)
+        start = 0
+        for g, end in enumerate(ends):
+            if end > start:
+                out[g] = xt[:, start:end].to(acc) @ weight[0][start:end].to(acc)
+            start = end
+        return [out.to(xt.dtype)]
     out = xt.new_zeros((xt.shape[0], n), dtype=acc)
     start = 0
     for e, end in enumerate(ends):
@@ -770,3 +806,22 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             out[start:end] = y
         start = end
     return [out.to(xt.dtype)]
+
+
+def _gmm_group_ends(group_list, group_list_type, length, what):
+    """The cumulative group ends along the grouped axis (of `length`), from a cumsum or
+    counts group_list; refuses a list no NPU kernel would take."""
+    values = [int(v) for v in group_list.tolist()]
+    if group_list_type == 0:
+        if any(v < 0 for v in values) or any(b < a for a, b in zip(values, values[1:])):
+            raise RuntimeError(f"npu_grouped_matmul: a cumsum group_list (group_list_type=0) must be "
+                               f"non-negative and non-decreasing, got {values}")
+        ends = values
+    else:
+        if any(v < 0 for v in values):
+            raise RuntimeError(f"npu_grouped_matmul: counts (group_list_type=1) must be non-negative, "
+                               f"got {values}")
+        ends = torch.tensor(values, dtype=torch.int64).cumsum(0).tolist() if values else []
+    if ends and ends[-1] > length:
+        raise RuntimeError(f"npu_grouped_matmul: group_list covers {ends[-1]} {what}, x has {length}")
+    return ends
