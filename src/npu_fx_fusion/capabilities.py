@@ -63,6 +63,10 @@ class OpCapability:
     # op-specific numeric limits read by the pattern's check ("max_head_dim": 896, ...)
     limits: Mapping[str, Any] = field(default_factory=dict)
     doc: str = ""
+    # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
+    # torch.autograd.Function ("module.Class") that the passes emitting the op in training
+    # graphs call, whose backward is made of ops that need no autograd themselves
+    autograd_rule: Optional[str] = None
 
 
 CAPABILITIES: dict[str, OpCapability] = {
@@ -348,28 +352,52 @@ CAPABILITIES: dict[str, OpCapability] = {
             op="npu.npu_grouped_matmul",
             dtypes=FLOAT_DTYPES,  # the float (non-quantised) expert GEMM the MoE passes emit
             min_rank=2,
-            max_rank=2,  # x of group_type 0 (group_type -1 takes 2-6 dims)
-            backward=None,
+            max_rank=2,  # x of group_type 0 and 2 (group_type -1 takes 2-6 dims)
+            backward=None,  # no autograd in torch_npu ...
+            # ... so training graphs call it through our rule: dx by a group_type 0 call, dw by
+            # a group_type 2 one (patterns/grouped_matmul.py)
+            autograd_rule="npu_fx_fusion.patterns.grouped_matmul.GroupedMatmul",
             ge_converter=True,
             # Atlas inference (310P): fp16 only, group_type 0 only, N % 16 == 0
             socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float16}))},
             limits={
-                "group_types": (-1, 0),  # A2 docs (Meta also accepts 2, K-split); 310P: 0 only
-                "split_items_single_output": (2, 3),  # group_type 0
+                # A2/A3 (aclnnGroupedMatmulV5): -1, 0 and 2 (K-split, float only); the wheel's
+                # older docstring lists -1 and 0; 310P: 0 only
+                "group_types": (-1, 0, 2),
+                "310p_group_types": (0,),
+                "split_items_single_output": (2, 3),  # group_type 0 and 2
                 "group_list_types": (0, 1),  # cumsum, counts (2, sparse pairs: int8 only)
                 "group_list_dtype": torch.int64,
-                "max_groups_single_weight": 1024,  # one (E, K, N) weight
+                "max_groups_single_weight": 1024,  # one (E, K, N) weight; group_type 2: 1024 groups
                 "max_groups_weight_list": 128,
                 "max_inner_dim": 65536,  # exclusive: x's K and weight's N (or K transposed)
-                "x_transposed": False,
-                "weight_transposed": True,  # a transposed view of (E, N, K)
+                "x_transposed": False,  # group_type 0
+                "weight_transposed": True,  # a transposed view of (E, N, K); group_type 0
+                # group_type 2 (aclnnGroupedMatmulV5, "groupType支持场景"): one x (M, K) that
+                # must be a transposed view (its InnerLimit axis is then M), one (K, N) weight
+                # that must not be, output (G, M, N) (Meta), group_list over K with its last
+                # end (cumsum) or sum (counts) <= K, no bias, non-quantised dtypes only
+                "k_split_x_transposed": True,
+                "k_split_weight_transposed": False,
+                "k_split_bias": False,
+                # [inferred] an empty K group's output is zeros: MindSpeed and others use the
+                # group_type 2 output as the expert weight gradient directly, with experts
+                # that receive no tokens; the docs do not say it, the stand-in zero-fills.
+                "k_split_empty_group": "zeros",
+                # [unverified] torchair's GE converter (custom/grouped_matmul.py) passes
+                # transpose_x=False for every group_type and lowers the x^T view as its own
+                # Transpose; whether GE folds it into the K-split kernel's transposed x has
+                # not been run on hardware (reduce-overhead / npugraph_ex pass the view)
+                "k_split_ge_transpose_x": "unverified",
                 "310p_n_multiple": 16,
             },
             doc="op_semantics 7 / torch_npu docstring (_op_plugin_docs.py npu_grouped_matmul): float "
             "x/weight fp16/bf16/fp32 (310P fp16 only, N % 16 == 0), group_type 0 needs split_item 2/3, "
             "a 3-D weight and a group_list of at most 1024 groups (128 for weight lists), cumsum "
             "(group_list_type 0) or counts (1), InnerLimit 65536, weight may be transposed, x not; "
-            "products A2 and Atlas inference; no autograd",
+            "group_type 2 (CANN aclnnGroupedMatmulV5, ops-transformer gmm/grouped_matmul docs): x "
+            "transposed, weight not, split_item 2/3, no bias, output (G, M, N) (the wheel's Meta); "
+            "products A2/A3 and Atlas inference; no autograd in torch_npu (our rule: autograd_rule)",
         ),
     )
 }
@@ -392,12 +420,14 @@ def capability(op: str) -> OpCapability:
 
 def has_backward(op: str) -> bool:
     """Whether a training graph may emit `op`: torch_npu differentiates it (`backward`)
-    and, where the CPU stand-ins serve, the stand-in implements that backward too.
+    and, where the CPU stand-ins serve, the stand-in implements that backward too; or our
+    own `autograd_rule` differentiates it (the same on an NPU and with the stand-ins).
 
     Joint-graph patterns are registered only for forms whose emitted ops all pass this:
     an op without one would fail the whole compile when its replacement is traced."""
-    if capability(op).backward is None:
-        return False
+    cap = capability(op)
+    if cap.backward is None:
+        return cap.autograd_rule is not None
     from .npu_ops import real_torch_npu_available, stand_in_differentiable
 
     if real_torch_npu_available():
@@ -466,8 +496,9 @@ def unsupported(op: str, soc: Optional[str], *, x: torch.Tensor,
 
 
 # ---- DeepSeek-V3.2 sparse attention (npu_ops/attention.py; op_semantics sections 8 and 10) ----
-# Appended as a block of its own. `x` of unsupported() is the op's query. No pass emits these
-# ops yet; the entries are the limits a DSA pattern will check.
+# Appended as a block of its own. `x` of unsupported() is the op's query. sparse_attention
+# and lightning_indexer emit the two npu forward ops (their grad ops, in training graphs, come
+# from the forward ops' autograd); softmax_l1_norm the cann_ops_transformer ones.
 CAPABILITIES.update({
     cap.op: cap
     for cap in (
@@ -477,7 +508,10 @@ CAPABILITIES.update({
             min_rank=3,  # TND
             max_rank=4,  # BSND
             # through sparse_values only (output_differentiability [false, true]), so the
-            # forward needs return_value=True; the stand-in has no backward yet
+            # forward needs return_value=True (the stand-in's backward raises otherwise).
+            # transformers' indexer runs under no_grad and returns only the indices: the
+            # pass emits return_value=False, in training graphs too (matched on the joint
+            # graph, forward_forms_on_joint), and never its backward
             backward="npu.npu_lightning_indexer_grad",
             ge_converter=True,  # custom/lightning_indexer.py -> GE LightningIndexer
             socs={
@@ -517,7 +551,12 @@ CAPABILITIES.update({
             dtypes=frozenset({torch.float16, torch.bfloat16}),  # query, key, value (and ropes), one dtype
             min_rank=3,  # TND
             max_rank=4,  # BSND
-            # needs softmax_max/sum, i.e. return_softmax_lse=True; the stand-in has no backward yet
+            # needs softmax_max/sum, i.e. return_softmax_lse=True (the stand-in's backward raises
+            # otherwise): the joint replacement (training graphs) sets it, the forward-only one
+            # (inference) does not. Grads of query, key, value, query_rope, key_rope; none for
+            # sinks. Its grad op has no GE converter, and the docs refuse return_softmax_lse in
+            # graph mode: joint sites are refused under max-autotune (read as GE graph mode;
+            # ACL graph capture runs the aclnn kernels as single ops do [inferred])
             backward="npu.npu_sparse_flash_attention_grad",
             ge_converter=True,  # custom/sparse_flash_attention.py -> GE SparseFlashAttention
             socs={
@@ -555,6 +594,33 @@ CAPABILITIES.update({
             "the PA block_size (16k <= 1024), sparse_mode 0/3, attention_mode 2, default pre/next_tokens, "
             "return_softmax_lse not with PA_BSND nor in graph mode; value=None needs CANN >= 9.2 (Meta); "
             "GE converter custom/sparse_flash_attention.py; autograd NpuSparseFlashAttentionBackward0",
+        ),
+        # The backward ops torch_npu's autograd emits for the two forward ops above (training
+        # graphs: the joint replacements trace them). Not emitted by a pass directly.
+        OpCapability(
+            op="npu.npu_lightning_indexer_grad",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),
+            min_rank=3,  # TND
+            max_rank=4,  # BSND
+            backward=None,
+            ge_converter=False,  # torchair 2.13 has no converter: not lowerable under max-autotune
+            limits={"layouts": ("BSND", "TND")},  # one layout for query and key: no paged keys
+            doc="op_semantics 1 / 8.1: npu_lightning_indexer's backward (NpuLightningIndexerBackward0), "
+            "dquery, dkey, dweights from the gradient of sparse_values; BSND / TND (one layout); "
+            "no GE converter in torchair 2.13",
+        ),
+        OpCapability(
+            op="npu.npu_sparse_flash_attention_grad",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),
+            min_rank=3,  # TND
+            max_rank=4,  # BSND
+            backward=None,
+            ge_converter=False,  # torchair 2.13 has no converter: not lowerable under max-autotune
+            limits={"layouts": ("BSND", "TND")},  # one layout for query and kv: no paged kv
+            doc="op_semantics 1 / 8.2: npu_sparse_flash_attention's backward "
+            "(NpuSparseFlashAttentionBackward0), from out and softmax_max / softmax_sum "
+            "(return_softmax_lse=True); grads of query, key, value, query_rope, key_rope; BSND / TND (one "
+            "layout); no GE converter in torchair 2.13",
         ),
         OpCapability(
             op="cann_ops_transformer.sparse_flash_mla_softmax_l1_norm",

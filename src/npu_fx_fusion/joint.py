@@ -66,16 +66,30 @@ def trace_joint_without_decompositions(fn: Callable, args: Sequence[Any], **kwar
     return gm
 
 
+def trace_joint_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
+    """The joint trace with casts spelled as torch_npu records them in a training graph:
+    `_npu_dtype_cast` forward and its derivative `_npu_dtype_cast_backward` backward."""
+    from .matching import spell_casts_as_npu
+
+    return spell_casts_as_npu(trace_joint_without_decompositions(fn, args, **kwargs), is_backward)
+
+
 def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
     """Make a joint graph look like the joint pattern traces: what joint_fwd_bwd does to
-    them (remove_noop_ops), and the canonicalisations both sides get."""
+    them (remove_noop_ops, then Inductor's early_patterns: pointless views, view pairs and
+    permute pairs, which einsum's backward leaves), and the canonicalisations both sides
+    get."""
+    from torch._inductor.fx_passes.joint_graph import early_patterns
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
     from .matching import canonicalize
 
     gm.graph.eliminate_dead_code()  # patterns pin user counts
-    remove_noop_ops(gm.graph)
+    # canonicalize first: a view whose sizes spell a -1 (transformers' `reshape(B, -1, S, D)`
+    # after SDPA) is a no-op only once the -1 is resolved, as it is in the traces
     canonicalize(gm.graph)
+    remove_noop_ops(gm.graph)
+    early_patterns.apply(gm.graph)
     hoist_contiguous_copies(gm.graph)
     canonicalize_grad_accumulation(gm.graph)
     gm.recompile()

@@ -83,12 +83,19 @@ def trace_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs: Any)
     On an NPU, torch_npu records `x.to(dtype)` that way in aot graphs, where CPU records
     `aten._to_copy(x, dtype=...)` (torchair's own patterns accept both).
     """
-    gm = trace_without_decompositions(fn, args, **kwargs)
-    cast = torch.ops.npu._npu_dtype_cast.default
+    return spell_casts_as_npu(trace_without_decompositions(fn, args, **kwargs))
+
+
+def spell_casts_as_npu(gm: torch.fx.GraphModule,
+                       is_gradient_cast: Callable[[Node], bool] = lambda node: False) -> torch.fx.GraphModule:
+    """Each dtype conversion of `gm` as torch_npu records it: `npu._npu_dtype_cast(x, dtype)`,
+    and in a joint graph's backward (is_gradient_cast) `npu._npu_dtype_cast_backward(grad,
+    dtype)`, its derivative."""
     for node in gm.graph.nodes:
         if (node.target is torch.ops.aten._to_copy.default and "dtype" in node.kwargs
                 and set(node.kwargs) <= {"dtype", "layout", "device"}):
-            node.target, node.args, node.kwargs = cast, (node.args[0], node.kwargs["dtype"]), {}
+            cast = torch.ops.npu._npu_dtype_cast_backward if is_gradient_cast(node) else torch.ops.npu._npu_dtype_cast
+            node.target, node.args, node.kwargs = cast.default, (node.args[0], node.kwargs["dtype"]), {}
     gm.recompile()
     return gm
 
@@ -291,8 +298,10 @@ class _PassRun:
     soc: Optional[str]
     mode: Optional[str]
     verify: bool = False
+    joint: bool = False  # matching joint patterns on a joint graph
     sites: list[FusedSite] = field(default_factory=list)
     rejections: dict[Node, tuple[Form, str]] = field(default_factory=dict)
+    from_tangents: dict[Node, bool] = field(default_factory=dict)  # memo of _reads_tangents
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -325,12 +334,19 @@ class FusionPass:
               clone + _unsafe_view at batch 2), so a form traced at one batch size does not
               match the other
     prefilter: prefilter(graph) -> bool, for passes whose patterns cost seconds to register:
-              False means no form can match this graph, and the pass skips it without
-              registering anything (it must never be False where a form would match)
+              False means no form can match this graph, and the pass only looks for near
+              misses there, without registering anything (it must never be False where a
+              form would match)
     differentiable: the arguments that may carry a gradient in a training graph
               (("x", "weight") for a norm; rope's cos/sin come from buffers). Non-empty:
               the forms whose emitted ops have a backward are also matched on joint
               forward+backward graphs (joint_matcher, apply_joint; joint.py).
+    forward_forms_on_joint: for a pass without `differentiable` whose sites carry no
+              gradient in the models (DeepSeek-V3.2's indexer runs under no_grad): its
+              forward-only patterns also run on joint graphs, where its check sees the
+              backward's uses of its outputs (after partitioning they are forward-graph
+              outputs, saved for a backward the check cannot see). A region a gradient
+              flows through does not match there: its backward reads its intermediates.
     """
 
     def __init__(self, *, name: str, fused_op: str,
@@ -340,8 +356,10 @@ class FusionPass:
                  verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
                  differentiable: Sequence[str] = (),
                  example_variants: Sequence[Mapping[str, Any]] = (),
-                 prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None):
+                 prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None,
+                 forward_forms_on_joint: bool = False):
         self.name = name
+        self.forward_forms_on_joint = forward_forms_on_joint
         self.prefilter = prefilter
         self.example_variants = tuple(dict(v) for v in example_variants)
         unknown = set(differentiable) - set(example)
@@ -350,6 +368,7 @@ class FusionPass:
         self.differentiable = tuple(differentiable)
         self._replacement_traces: dict = {}
         self.joint_forms: tuple[Form, ...] = ()  # the forms registered joint
+        self._npu_cast_spelling_pending: list = []  # (form, dtype, subset, variant) in CPU spelling only
         self.verify_input = verify_input
         self.fused_op = fused_op
         self._forms_source = forms
@@ -402,9 +421,11 @@ class FusionPass:
         once per non-empty subset of its differentiable tensor arguments that require
         grad, because the backward nodes differ (no grad_weight for a frozen weight); a
         subset whose trace has no backward at all fails to register and is skipped (the
-        forward-only pass after partitioning covers it). Casts are traced in CPU spelling
-        only (aten._to_copy): on an NPU, torch_npu's `_npu_dtype_cast` and its backward
-        would need their own joint traces (docs/training.md).
+        forward-only pass after partitioning covers it). Casts are traced in CPU's
+        spelling (aten._to_copy); torch_npu's (`_npu_dtype_cast`, and its derivative
+        `_npu_dtype_cast_backward` in the backward) is registered the first time a graph
+        holds one (_register_npu_cast_spelling): it doubles the cost of every form with a
+        cast, and a graph comes from one device.
         """
         from .joint import trace_joint_without_decompositions
 
@@ -413,6 +434,7 @@ class FusionPass:
         npu_ops.ensure_registered()
         matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}.joint")
         registered = []
+        self._npu_cast_spelling_pending = []
         with FakeTensorMode():
             for form in self.forms:
                 if not all(has_backward(op) for op in self.emitted_ops[form]):
@@ -423,18 +445,35 @@ class FusionPass:
                 subsets = form.grad_subsets if form.grad_subsets is not None else _non_empty_subsets(grad_args)
                 for subset in subsets:
                     for dtype in form.dtypes:
-                        if self._register_joint(matcher, form, dtype, subset, trace_joint_without_decompositions):
-                            registered.append(form)
+                        # the variants too: an autograd formula may depend on strides (the
+                        # weight gradient of _grouped_mm on a transposed weight view)
+                        for variant in ({}, *self.example_variants):
+                            if self._register_joint(matcher, form, dtype, subset,
+                                                    trace_joint_without_decompositions, variant):
+                                registered.append(form)
+                                if self._has_casts(form, dtype, variant):
+                                    self._npu_cast_spelling_pending.append((form, dtype, subset, variant))
         self.joint_forms = tuple(dict.fromkeys(registered))
         return matcher if registered else None
 
+    def _register_npu_cast_spelling(self, matcher: pm.PatternMatcherPass) -> None:
+        """Add the joint patterns of the forms with casts in torch_npu's spelling."""
+        from .joint import trace_joint_with_npu_dtype_casts
+
+        pending, self._npu_cast_spelling_pending = self._npu_cast_spelling_pending, []
+        with FakeTensorMode():
+            for form, dtype, subset, variant in pending:
+                matcher.seen_patterns.clear()
+                self._register_joint(matcher, form, dtype, subset, trace_joint_with_npu_dtype_casts, variant)
+
     def _register_joint(self, matcher: pm.PatternMatcherPass, form: Form, dtype: torch.dtype,
-                        requires_grad: Sequence[str], trace_fn: Callable) -> bool:
+                        requires_grad: Sequence[str], trace_fn: Callable,
+                        variant: Optional[Mapping[str, Any]] = None) -> bool:
         scalars = {n: v for n, v in self.example.items()
                    if n in form.argnames and isinstance(v, (int, float))}
         inputs = []
         for name in form.argnames:
-            value = self._example_value(name, dtype)
+            value = self._example_value(name, dtype, variant)
             if name in requires_grad and isinstance(value, torch.Tensor) and value.is_floating_point():
                 value = value.requires_grad_(True)
             inputs.append(value)
@@ -501,9 +540,7 @@ class FusionPass:
                    if n in form.argnames and isinstance(v, (int, float))}
         inputs = [self._example_value(n, dtype, variant) for n in form.argnames]
         trace_fns = [trace_without_decompositions]
-        traced = _trace_searches_once(trace_without_decompositions, self._search_traces, form.search, inputs)
-        has_casts = any(n.target is torch.ops.aten._to_copy.default for n in traced.graph.nodes)
-        if has_casts and hasattr(torch.ops.npu, "_npu_dtype_cast"):  # else the same pattern again
+        if self._has_casts(form, dtype, variant):  # else the same pattern again
             trace_fns.append(trace_with_npu_dtype_casts)
         for trace_fn in trace_fns:
             pm.register_replacement(
@@ -518,6 +555,14 @@ class FusionPass:
                 # are its two cast spellings
                 skip_duplicates=True,
             )
+
+    def _has_casts(self, form: Form, dtype: torch.dtype, variant: Optional[Mapping[str, Any]] = None) -> bool:
+        """The form's search converts dtypes at `dtype` (so it has a torch_npu spelling too)."""
+        if not hasattr(torch.ops.npu, "_npu_dtype_cast"):
+            return False
+        inputs = [self._example_value(n, dtype, variant) for n in form.argnames]
+        traced = _trace_searches_once(trace_without_decompositions, self._search_traces, form.search, inputs)
+        return any(n.target is torch.ops.aten._to_copy.default for n in traced.graph.nodes)
 
     def _trace_search(self, trace_fn: Callable, fn: Callable, args: Sequence[Any], **kwargs: Any):
         # torch's matcher retraces the search function with the match's own arguments,
@@ -593,7 +638,8 @@ class FusionPass:
         return Site(form, args, list(match.nodes), arg_nodes, soc, mode)
 
     def _first_failure(self, site: Site, match: pm.Match, run: _PassRun) -> Reason:
-        return (self._argument_kinds_differ(site)
+        return ((_joint_roles_swapped(site, match, run) if run.joint else None)
+                or self._argument_kinds_differ(site)
                 or _unexpected_keyword(site.nodes, self._spelled_keywords(site.form))
                 or next(filter(None, (not_lowerable(op, run.mode) for op in self.emitted_ops[site.form])), None)
                 or self.check(site)
@@ -601,12 +647,23 @@ class FusionPass:
                 or (self._verify(site, match) if run.verify else None))
 
     def _verify(self, site: Site, match: pm.Match) -> Reason:
-        from .verify import verify_match
+        from .verify import Verdict, verify_joint_match, verify_match
 
-        verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
-                               site.form.replace, site.form.argnames,
-                               site.form.fused_op or self.fused_op, self._verification_input,
-                               site.form.canonical_outputs)
+        fused_op = site.form.fused_op or self.fused_op
+        tangents = {name: node for name, node in match.kwargs.items() if name.startswith("tangents_")}
+        if not tangents:
+            verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
+                                   site.form.replace, site.form.argnames, fused_op,
+                                   self._verification_input, site.form.canonical_outputs)
+        elif site.form.canonical_outputs is not None:
+            # outputs equal only up to an order the model ignores (a top-k's k experts): the
+            # incoming gradients of the two sides would have to be reordered alike
+            verdict = Verdict(True, "not verified: its outputs are compared in a canonical order, "
+                                    "which random incoming gradients do not follow")
+        else:
+            verdict = verify_joint_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
+                                         tangents, site.form.replace, site.form.argnames, fused_op,
+                                         self._verification_input)
         site.verified = verdict.detail
         return None if verdict.ok else f"verification failed: {verdict.detail}"
 
@@ -655,28 +712,37 @@ class FusionPass:
         in (a form whose op that mode cannot lower is skipped, so a later form can serve);
         verify: check each site numerically before accepting it (verify.py).
         """
-        if self.prefilter is not None and not self.prefilter(gm.graph):
-            return PassResult(self.name)
         self._refresh_forms()
+        if self.prefilter is not None and not self.prefilter(gm.graph):  # near misses only
+            return self._apply(None, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
         return self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
 
     def apply_joint(self, gm: torch.fx.GraphModule, soc: Optional[str] = None,
-                    mode: Optional[str] = None) -> Optional[PassResult]:
+                    mode: Optional[str] = None, verify: bool = False) -> Optional[PassResult]:
         """apply() on a joint forward+backward graph (normalised: joint.normalize_joint_graph)
-        with the joint patterns; None when this pass has none (it then runs after
-        partitioning only). Near misses are looked for among forward nodes: a backward
-        node never anchors a site. Sites are not verified numerically (verify.py
-        compares forward outputs only)."""
+        with the joint patterns (the forward-only ones with forward_forms_on_joint); None
+        when this pass has none (it then runs after partitioning only). Near misses are
+        looked for among forward nodes: a backward node never anchors a site. verify:
+        each site's forward outputs and gradients against the fused op and its backward
+        (verify.verify_joint_match)."""
         from .joint import is_backward
 
         self._refresh_forms()
+        if self.prefilter is not None and not self.prefilter(gm.graph):  # near misses only
+            return self._apply(None, gm, _PassRun(soc, mode, verify, joint=True),
+                               anchors=lambda node: not is_backward(node))
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
         matcher = self.joint_matcher
+        if matcher is None and self.forward_forms_on_joint:
+            matcher = self.matcher
         if matcher is None:
             return None
+        if matcher is self.joint_matcher and self._npu_cast_spelling_pending and any(
+                n.target is getattr(torch.ops.npu, "_npu_dtype_cast", None) for n in gm.graph.nodes):
+            self._register_npu_cast_spelling(matcher)
         self._replacement_traces.clear()  # traces of this graph's fake mode only (_trace_joint)
-        result = self._apply(matcher, gm, _PassRun(soc, mode, verify=False),
+        result = self._apply(matcher, gm, _PassRun(soc, mode, verify=verify, joint=True),
                              anchors=lambda node: not is_backward(node))
         if result.sites:
             # a joint replacement is inserted at one point of the graph, so its backward half
@@ -686,13 +752,14 @@ class FusionPass:
             gm.recompile()
         return result
 
-    def _apply(self, matcher: pm.PatternMatcherPass, gm: torch.fx.GraphModule, run: _PassRun,
+    def _apply(self, matcher: Optional[pm.PatternMatcherPass], gm: torch.fx.GraphModule, run: _PassRun,
                anchors: Callable[[Node], bool]) -> PassResult:
+        """Run `matcher` (None: only look for near misses) and report."""
         result = PassResult(self.name)
         self._run = run
         existing = set(gm.graph.nodes)
         try:
-            count = matcher.apply(gm)
+            count = matcher.apply(gm) if matcher is not None else 0
         finally:
             self._run = None
         _inherit_source_meta([n for n in gm.graph.nodes if n not in existing])
@@ -710,6 +777,46 @@ class FusionPass:
         # forms spelled in several operand orders share a base name: "name[cos*x]"
         names = list(dict.fromkeys(form.name.split("[")[0] for form in self.forms))
         return f"matches none of the forms {', '.join(names)}"
+
+
+def _joint_roles_swapped(site: Site, match: pm.Match, run: _PassRun) -> Reason:
+    """A joint match must bind the search's arguments to forward values and its tangents to
+    backward ones. A pattern whose backward repeats its forward op (a matmul's gradients
+    are matmuls) also matches with the roles swapped: a backward GEMM read as the forward,
+    the model's input read as the incoming gradient. The values may even be the same, but
+    the replacement's forward half would then sit in the backward. Told apart by whether
+    a value is computed from a tangent (the tags aot_autograd puts on backward nodes are
+    missing on nodes an earlier replacement inserted)."""
+    for name, value in match.kwargs.items():
+        if not isinstance(value, Node):
+            continue
+        tangent = name.startswith("tangents_")
+        if tangent != _reads_tangents(value, run.from_tangents):
+            which = "the incoming gradient" if tangent else "a forward input"
+            return f"{value.name} bound as {which} ({name}) is {'not ' if tangent else ''}computed from a tangent"
+    return None
+
+
+def _reads_tangents(node: Node, memo: dict) -> bool:
+    """node is computed from a joint graph's tangents (memoised; the answer of a node never
+    changes while the graph is rewritten, replacements compute the same values)."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        if n.op == "placeholder":
+            memo[n] = str(n.target).startswith("tangents")
+            stack.pop()
+            continue
+        pending = [a for a in n.all_input_nodes if a not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[n] = any(memo[a] for a in n.all_input_nodes)
+        stack.pop()
+    return memo[node]
 
 
 _SOURCE_META = ("stack_trace", "nn_module_stack")

@@ -263,9 +263,11 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     npu_ops.ensure_registered()
     soc, mode = config.soc or detect_soc(), config.mode or mode
     graph_report, dumper, folder = _begin_graph(gm, config, report, graph_name, mode)
-    # only passes with differentiable arguments have joint patterns
+    # only passes with differentiable arguments have joint patterns (or match their
+    # forward-only ones there: FusionPass.forward_forms_on_joint)
     passes = [name for name in config.enabled_passes()
-              if (fusion_pass := load_pass(name)) is not None and fusion_pass.differentiable]
+              if (fusion_pass := load_pass(name)) is not None
+              and (fusion_pass.differentiable or fusion_pass.forward_forms_on_joint)]
     if passes:
         normalize_joint_graph(gm)
     original_nodes = set(gm.graph.nodes)
@@ -290,7 +292,7 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     start = time.perf_counter()
     try:
         if joint:
-            result = fusion_pass.apply_joint(gm, soc, mode)
+            result = fusion_pass.apply_joint(gm, soc, mode, verify=config.verify)
             if result is None:  # no joint patterns: nothing to do, nothing to report
                 return None
         else:

@@ -12,6 +12,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
         # What torch_npu records for `.to(dtype)` in aot graphs, where CPU records
         # aten._to_copy: patterns with casts are registered in both spellings.
         "_npu_dtype_cast": "_npu_dtype_cast(Tensor self, ScalarType dtype) -> Tensor",
+        # its derivative (NpuDtypeCastBackward0: `_npu_dtype_cast_backward(grad, self.scalar_type())`)
+        "_npu_dtype_cast_backward": "_npu_dtype_cast_backward(Tensor grad, ScalarType dtype) -> Tensor",
         "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
         "npu_rms_norm_backward": (
             "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
@@ -94,8 +96,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
 }
 
 # ---- DeepSeek-V3.2 sparse attention (npu_ops/attention.py; op_semantics sections 8 and 10) ----
-# Appended as a block of its own. The two npu ops are torch_npu 2.13.0's (yaml lines 489 and
-# 978), compared with the wheel by tests/test_schemas.py like every other npu schema.
+# Appended as a block of its own. The npu ops are torch_npu 2.13.0's (yaml lines 489 and
+# 978, their grads 491 and 980), compared with the wheel by tests/test_schemas.py like every other npu schema.
 SCHEMAS["npu"].update({
     "npu_lightning_indexer": (
         "npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, "
@@ -111,6 +113,21 @@ SCHEMAS["npu"].update({
         "int sparse_block_size=1, str layout_query=\"BSND\", str layout_kv=\"BSND\", int sparse_mode=3, "
         "int pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, int attention_mode=0, "
         "bool return_softmax_lse=False, Tensor? sinks=None) -> (Tensor, Tensor, Tensor)"
+    ),
+    # their backward ops (yaml lines 491 and 980), which torch_npu's derivatives call
+    "npu_lightning_indexer_grad": (
+        "npu_lightning_indexer_grad(Tensor query, Tensor key, Tensor dy, Tensor sparse_indices, Tensor weights, "
+        "Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, str? layout=\"BSND\", "
+        "int? sparse_mode=3, int? pre_tokens=9223372036854775807, int? next_tokens=9223372036854775807) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_sparse_flash_attention_grad": (
+        "npu_sparse_flash_attention_grad(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, "
+        "Tensor d_out, Tensor out, Tensor softmax_max, Tensor softmax_sum, float scale_value, "
+        "int sparse_block_size, Tensor? query_rope=None, Tensor? key_rope=None, Tensor? actual_seq_qlen=None, "
+        "Tensor? actual_seq_kvlen=None, str? layout=\"BSND\", int? sparse_mode=3, "
+        "int? pre_tokens=9223372036854775807, int? next_tokens=9223372036854775807, int? attention_mode=0) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
 })
 
