@@ -56,6 +56,17 @@ class HFNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class HFNormNpuCasts(HFNorm):
+    """HFNorm with its casts spelled as torch_npu records `.to(dtype)` on an NPU; their
+    backward is then torch_npu's `_npu_dtype_cast_backward`."""
+
+    def forward(self, x):
+        cast = torch.ops.npu._npu_dtype_cast
+        h = cast(x, torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * cast(h, x.dtype)
+
+
 class ResidualBlock(nn.Module):
     """x + proj(norm(x)): x has a user outside the norm, so autograd sums its gradient
     as add(add(residual grad, g_a), g_b), which only the accumulation canonicalisation
@@ -203,12 +214,13 @@ class _RecordingBackend(EmulationBackend):
 
 
 def npu_ops(gm) -> dict:
-    """{"npu_rms_norm": n, ...} of the npu ops a graph calls."""
+    """{"npu_rms_norm": n, ...} of the npu ops a graph calls (not torch_npu's casts)."""
     counts = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target).startswith("npu."):
             name = str(node.target).split(".")[1]
-            counts[name] = counts.get(name, 0) + 1
+            if not name.startswith("_npu_dtype_cast"):
+                counts[name] = counts.get(name, 0) + 1
     return counts
 
 
@@ -224,6 +236,13 @@ def test_rms_norm_fuses_forward_and_backward(dtype):
     assert sites.pop("rms_norm") == 1 and {"rope", "swiglu"} <= set(sites) and not any(sites.values())
     assert report.counts["rms_norm"] == 1  # the forward-only pass afterwards found nothing left
     assert report.fused_ops == {"npu.npu_rms_norm": 1, "npu.npu_rms_norm_backward": 1}
+
+
+def test_npu_spelled_casts_and_their_backward_match_joint():
+    # bf16: the casts are real; in fp32 they vanish from the trace
+    _, fw, bw = train_and_compare(HFNormNpuCasts, torch.bfloat16)
+    assert npu_ops(fw) == {"npu_rms_norm": 1}
+    assert npu_ops(bw) == {"npu_rms_norm_backward": 1}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -343,6 +362,28 @@ def test_hf_phi3_training_step_fuses_swiglu():
     backend = _training_step_matches_eager(build_hf("phi3", dtype=torch.float32, num_layers=2), torch.float32)
     # Phi-3's fused gate_up projection: up * silu(gate) on its two halves
     assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4, "npu_swiglu": 2}
+    assert npu_ops(backend.graphs["backward"]) == {
+        "npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4, "npu_swiglu_backward": 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_joint_site_of_a_training_step_verifies(dtype):
+    """FusionConfig(verify=True) on the joint graph: each site's forward outputs and
+    gradients, from the matched nodes and from the fused op and its backward, on the
+    same random inputs and incoming gradients (verify.verify_joint_match)."""
+    from npu_fx_fusion.tiny_models import build_hf
+
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tm = build_hf("phi3", dtype=dtype, num_layers=2)
+    backend = _RecordingBackend(nff.FusionConfig(verify=True))
+    (ids,) = tm.example_inputs
+    torch.compile(tm.model.train(), backend=backend)(ids).float().pow(2).mean().backward()
+    joint = next(g for g in backend.report.graphs if g.name == "joint")
+    sites = [site for result in joint.passes for site in result.sites]
+    assert len(sites) == 5 + 4 + 2
+    assert all(site.verified.startswith("verified: max error") for site in sites), [s.verified for s in sites]
     assert npu_ops(backend.graphs["backward"]) == {
         "npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4, "npu_swiglu_backward": 2}
 

@@ -60,6 +60,60 @@ def test_every_site_of_a_real_model_verifies():
                    for r in near_miss_reasons(report, p))
 
 
+# ---- joint (training) sites: forward outputs and gradients -----------------------------------
+def _doubled_tanh_fusion(grad_scale):
+    """A test-only differentiable fusion: tanh(x) * 2 becomes `doubled_tanh(x)`, whose
+    backward is right for grad_scale 1 and scaled by grad_scale otherwise."""
+    from npu_fx_fusion.capabilities import FLOAT_DTYPES, OpCapability
+    from npu_fx_fusion.matching import Form, FusionPass
+
+    namespace = f"nff_test_joint_{str(grad_scale).replace('.', '_')}"
+    lib = torch.library.Library(namespace, "DEF")
+    lib.define("doubled_tanh(Tensor x) -> Tensor")
+    lib.impl("doubled_tanh", lambda x: torch.tanh(x) * 2, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{namespace}::doubled_tanh", torch.empty_like, lib=lib)
+    torch.library.register_autograd(
+        f"{namespace}::doubled_tanh", lambda ctx, grad: grad * 2 * (1 - torch.tanh(ctx.x) ** 2) * grad_scale,
+        setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]), lib=lib)
+    op = getattr(torch.ops, namespace).doubled_tanh
+    capability = OpCapability(op=f"{namespace}.doubled_tanh", dtypes=FLOAT_DTYPES, min_rank=0, max_rank=8,
+                              backward=f"{namespace}.doubled_tanh (test)", ge_converter=True)
+
+    def doubled_tanh(x):
+        return torch.tanh(x) * 2
+
+    def fused(x):
+        return op(x)
+
+    fusion_pass = FusionPass(name="test", fused_op=capability.op,
+                             forms=[Form(doubled_tanh, fused, dtypes=(torch.float32,))],
+                             example={"x": lambda dtype: torch.empty(4, dtype=dtype)},
+                             check=lambda site: None, anchor=lambda node: node.target is torch.ops.aten.tanh.default,
+                             explain=lambda node: None, differentiable=("x",))
+    return lib, capability, fusion_pass
+
+
+@pytest.mark.parametrize("grad_scale, verified", [(1.0, True), (1.001, False)], ids=["right", "wrong backward"])
+def test_joint_sites_verify_the_backward_too(monkeypatch, grad_scale, verified):
+    """On a joint graph the matched forward and backward nodes run against the fused op
+    and its backward, on the same inputs and incoming gradient: an op whose forward is
+    right and whose backward is 0.1% off is caught."""
+    from npu_fx_fusion.joint import trace_joint_without_decompositions
+
+    _lib, capability, fusion_pass = _doubled_tanh_fusion(grad_scale)
+    monkeypatch.setitem(capabilities.CAPABILITIES, capability.op, capability)
+    joint = trace_joint_without_decompositions(lambda x: (torch.tanh(x) * 2).exp(), [torch.randn(3, 5, requires_grad=True)])
+    result = fusion_pass.apply_joint(joint, verify=True)
+    if verified:
+        (site,) = result.sites
+        assert site.verified.startswith("verified: max error"), site.verified
+    else:
+        assert result.sites == []
+        (miss,) = result.near_misses
+        # output 0 is the forward result (right); output 1 the gradient of x
+        assert miss.reason.startswith("verification failed: output 1: error"), miss.reason
+
+
 # ---- cost estimate --------------------------------------------------------------------------
 def test_cost_counts_computing_ops_and_their_bytes():
     def f(x, w):

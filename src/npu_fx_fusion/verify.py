@@ -63,8 +63,76 @@ def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args
     canonical: puts both output lists in one canonical form before they are compared
     (Form.canonical_outputs).
     """
-    inputs = {}
     generator = torch.Generator().manual_seed(SEED)
+    inputs = _inputs(argnames, args, arg_nodes, make_input, generator)
+    if isinstance(inputs, Verdict):
+        return inputs
+    try:
+        original = _run_subgraph(nodes, outputs, arg_nodes, inputs)
+    except _NotExtractable as exc:
+        return Verdict(True, f"not verified: {exc}")
+    with torch.no_grad():
+        fused = replace(*[inputs[n] for n in argnames])
+    fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
+    if canonical is not None:
+        original, fused = canonical(original, inputs), canonical(fused, inputs)
+    return _compare(original, fused, fused_op)
+
+
+def verify_joint_match(*args: Any, **kwargs: Any) -> Verdict:
+    """_verify_joint_match on real tensors (see verify_match)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _verify_joint_match(*args, **kwargs)
+
+
+def _verify_joint_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args: Mapping[str, Any],
+                        arg_nodes: Mapping[str, Any], tangent_nodes: Mapping[str, Node], replace: Callable,
+                        argnames: Sequence[str], fused_op: str,
+                        make_input: Optional[Callable[..., Any]] = None) -> Verdict:
+    """_verify_match for a joint (forward + backward) site: the matched forward and
+    backward nodes, and the joint trace of `replace` (the fused op and its backward op),
+    run on the same inputs and the same random incoming gradients (tangent_nodes:
+    the match's tangents by name); their outputs, the forward results and the gradients
+    of the form's arguments, are compared.
+
+    Joint outputs are the search's [forward outputs..., gradient of each argument (None
+    where there is none)], so which arguments require grad is read off the match.
+    """
+    from .joint import trace_joint_without_decompositions
+
+    generator = torch.Generator().manual_seed(SEED)
+    inputs = _inputs(argnames, args, arg_nodes, make_input, generator)
+    if isinstance(inputs, Verdict):
+        return inputs
+    tangents = {}
+    for name, node in sorted(tangent_nodes.items(), key=lambda item: int(item[0].rsplit("_", 1)[1])):
+        tangent = _random_like(node.meta.get("val"), generator)
+        if tangent is None:
+            return Verdict(True, f"not verified: {name} has a symbolic or unsupported shape")
+        tangents[name] = tangent
+    try:
+        original = _run_subgraph(nodes, outputs, {**arg_nodes, **tangent_nodes}, {**inputs, **tangents})
+    except _NotExtractable as exc:
+        return Verdict(True, f"not verified: {exc}")
+    forward_count = len(outputs) - len(argnames)
+    needs_grad = {n for i, n in enumerate(argnames) if outputs[forward_count + i] is not None}
+    primals = [inputs[n].detach().requires_grad_(n in needs_grad) if isinstance(inputs[n], torch.Tensor)
+               else inputs[n] for n in argnames]
+    joint = trace_joint_without_decompositions(replace, primals)
+    with torch.no_grad():
+        # an Interpreter binds placeholders by position: joint_fwd_bwd's renamed placeholders
+        # (node primals_2 for input primals_1) make the module's generated code alias them
+        fused = list(torch.fx.Interpreter(joint).run(
+            *[p.detach() if isinstance(p, torch.Tensor) else p for p in primals], *tangents.values()))
+    return _compare(original, fused, fused_op)
+
+
+def _inputs(argnames: Sequence[str], args: Mapping[str, Any], arg_nodes: Mapping[str, Any],
+            make_input: Optional[Callable[..., Any]], generator: torch.Generator):
+    """Real inputs for the form's arguments, or a Verdict saying why there are none."""
+    inputs = {}
     for name in argnames:
         value = args.get(name)
         made = make_input(name, args, arg_nodes.get(name)) if make_input else None
@@ -77,22 +145,18 @@ def _verify_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]], args
             inputs[name] = tensor
         else:
             inputs[name] = value
-    try:
-        original = _run_subgraph(nodes, outputs, arg_nodes, inputs)
-    except _NotExtractable as exc:
-        return Verdict(True, f"not verified: {exc}")
-    with torch.no_grad():
-        fused = replace(*[inputs[n] for n in argnames])
-    fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
-    if canonical is not None:
-        original, fused = canonical(original, inputs), canonical(fused, inputs)
+    return inputs
+
+
+def _compare(original: Sequence[Any], fused: Sequence[Any], fused_op: str) -> Verdict:
     ulps_allowed = TOLERANCES.get(fused_op, DEFAULT_TOLERANCE)
     worst = 0.0
     for index, (orig, new) in enumerate(zip(original, fused)):
         if not isinstance(orig, torch.Tensor):
             continue
-        if orig.shape != new.shape or orig.dtype != new.dtype:
-            return Verdict(False, f"output {index}: {new.dtype}{list(new.shape)} vs {orig.dtype}{list(orig.shape)}")
+        if not isinstance(new, torch.Tensor) or orig.shape != new.shape or orig.dtype != new.dtype:
+            described = f"{new.dtype}{list(new.shape)}" if isinstance(new, torch.Tensor) else repr(new)
+            return Verdict(False, f"output {index}: {described} vs {orig.dtype}{list(orig.shape)}")
         if not orig.is_floating_point():
             if not torch.equal(orig, new):
                 return Verdict(False, f"output {index}: integer results differ")

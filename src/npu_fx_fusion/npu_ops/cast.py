@@ -1,4 +1,10 @@
-"""npu._npu_dtype_cast: torch_npu's spelling of a dtype conversion (`x.to(dtype)`)."""
+"""npu._npu_dtype_cast: torch_npu's spelling of a dtype conversion (`x.to(dtype)`), and
+its backward op.
+
+torch_npu differentiates it as NpuDtypeCastBackward0:
+`_npu_dtype_cast_backward(grad, self.scalar_type())` (its generated autograd code), so a
+training graph on an NPU holds that op where CPU's holds `aten._to_copy` of the gradient.
+"""
 from __future__ import annotations
 
 import torch
@@ -15,9 +21,18 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    return grad.to(ctx.input_dtype), None
+    return torch.ops.npu._npu_dtype_cast_backward(grad, ctx.input_dtype), None
 
 
 @stand_in("npu::_npu_dtype_cast", fake=_fake, backward=_backward, setup_context=_setup_context)
 def npu_dtype_cast(self, dtype):
     return self.to(dtype, copy=True)  # an op output must not alias its input
+
+
+def _backward_fake(grad, dtype):
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
+@stand_in("npu::_npu_dtype_cast_backward", fake=_backward_fake)  # the cast of a gradient
+def npu_dtype_cast_backward(grad, dtype):
+    return grad.to(dtype, copy=True)
