@@ -28,6 +28,13 @@ position t*K + k -> its row in x_g), which is what finalize's token-major mode 2
 (mode 0 would read it k-major); expert token counts (type 1, the documented one) are
 turned into the cumulative ends grouped_mm takes.
 
+Training. init_routing / finalize have no backward, npu_moe_token_permute / unpermute do,
+with the same conventions (a stable sort by expert, its inverse map). So every block
+also has a trainable form: on the joint graph it becomes permute -> the same expert
+GEMMs -> unpermute, forward and backward (grouped_matmul and swiglu then fuse the GEMMs
+and the activation with their backward). The counts are recounted from the ids as the
+model does (histc). In inference the init_routing forms come first.
+
 Why the whole block and not the dispatch alone: torch.sort is not stable, so the order of
 the rows within one expert in x_g differs from init_routing's stable order. Every row is
 computed alone and put back by the same permutation, so the block's output is the same;
@@ -106,11 +113,23 @@ def _transformers_block(gemm, act):
         y = gemm(act(gemm(x_g, w_gate_up, offsets)), w_down, offsets)
         return _finalize(y, weights, row_idx, ids)
 
+    def replace_trainable(x, ids, weights, w_gate_up, w_down, num_experts):
+        # permute's stable order instead of the model's unstable sort: the same rows per
+        # expert in another order, each computed alone, so the block's output and its
+        # gradients are the same; the offsets as the model counts them
+        x_g, src_to_dst = torch.ops.npu.npu_moe_token_permute(x, ids)
+        counts = torch.histc(ids.reshape(-1).float(), bins=num_experts, min=0, max=num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        y = gemm(act(gemm(x_g, w_gate_up, offsets)), w_down, offsets)
+        dtype = torch.promote_types(y.dtype, weights.dtype)  # as the model weights its rows
+        return torch.ops.npu.npu_moe_token_unpermute(y.to(dtype), src_to_dst, weights.to(dtype))
+
     gemm_name = "grouped_mm" if gemm is _grouped_mm else "grouped_mm_fallback"
     act_name = "npu_swiglu" if act is _swiglu_fused else "silu_mul"
     search.__name__ = f"transformers_{gemm_name}_experts_{act_name}"
     replace.__name__ = f"init_routing_finalize_{gemm_name}_{act_name}"
-    return search, replace
+    replace_trainable.__name__ = f"token_permute_unpermute_{gemm_name}_{act_name}"
+    return search, replace, replace_trainable
 
 
 def _transformers_batched_block(act):
@@ -208,25 +227,30 @@ def forms():
     gemms = [(_grouped_mm, torch.bfloat16)]
     if interop.transformers_grouped_mm_fallback() is not None:
         gemms.append((_grouped_mm_fallback, torch.float32))
-    grouped = [_FORMS[(gemm, act)] for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)]
+    grouped = [form for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)
+               for form in _FORMS[(gemm, act)]]
     torchtitan = ([_TORCHTITAN_FORM, _TORCHTITAN_TRAINABLE_FORM]
                   if interop.torchtitan_deterministic_scatter_add() is not None else [])
     return grouped + _BATCHED_FORMS + torchtitan
 
 
+# Training: init_routing / finalize have no backward; npu_moe_token_permute / unpermute do
+# (the same index conventions: a stable sort, its inverse map), so on the joint graph a
+# block becomes those, forward and backward. In inference the init_routing form comes first.
 _FORMS = {}
 for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torch.float32)):
     for _act in (_swiglu_fused, _swiglu_unfused):
-        _search, _replace = _transformers_block(_gemm, _act)
-        _FORMS[(_gemm, _act)] = Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2")
+        _search, _replace, _replace_trainable = _transformers_block(_gemm, _act)
+        _FORMS[(_gemm, _act)] = (
+            Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2"),
+            Form(_search, _replace_trainable, dtypes=(_dtype,), fused_op="npu.npu_moe_token_permute",
+                 grad_subsets=(("x", "weights", "w_gate_up", "w_down"),)))
 
 
 _search, _replace, _replace_trainable = _torchtitan_block()
 _TORCHTITAN_FORM = Form(_search, _replace, dtypes=(torch.float32, torch.bfloat16),
                         fused_op="npu.npu_moe_init_routing_v2")
-# Training: init_routing / finalize have no backward; npu_moe_token_permute / unpermute do
-# (the same index conventions: a stable sort, its inverse map), so on the joint graph the
-# block becomes those, forward and backward. In inference the form above comes first.
+# Training: permute / unpermute, as for transformers' blocks above.
 _TORCHTITAN_TRAINABLE_FORM = Form(_search, _replace_trainable, dtypes=(torch.float32, torch.bfloat16),
                                   fused_op="npu.npu_moe_token_permute",
                                   grad_subsets=(("x", "weights", "w1", "w2", "w3"),))
@@ -291,15 +315,17 @@ PASS = FusionPass(
     fused_op="npu.npu_moe_init_routing_v2",
     forms=forms,
     # the token embeddings, routing weights and expert weights train through the block
-    differentiable=("x", "weights", "w1", "w2", "w3"),
+    differentiable=("x", "weights", "w_gate_up", "w_down", "w1", "w2", "w3"),
     example={
         # T=12 tokens, K=2, H=16, E=5 experts of a gate_up of 2*8 and a down of 8 -> 16;
         # sizes multiples of 8 for _grouped_mm's alignment, and no other 5 in the trace
         "x": lambda dtype: torch.empty(12, 16, dtype=dtype),
         "ids": lambda dtype: torch.empty(12, 2, dtype=torch.int64),
         "weights": lambda dtype: torch.empty(12, 2, dtype=dtype),
-        "w_gate_up": lambda dtype: torch.empty(5, 16, 16, dtype=dtype),
-        "w_down": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
+        # transposed views of (E, out, in) storage, as transformers passes its parameters:
+        # aten._grouped_mm's weight gradient (in the joint patterns) depends on it
+        "w_gate_up": lambda dtype: torch.empty(5, 16, 16, dtype=dtype).transpose(-2, -1),
+        "w_down": lambda dtype: torch.empty(5, 16, 8, dtype=dtype).transpose(-2, -1),
         "num_experts": 5,
         # the batched forms take the parameters as stored: (E, out, in)
         "gate_up_proj": lambda dtype: torch.empty(5, 16, 16, dtype=dtype),
@@ -310,6 +336,9 @@ PASS = FusionPass(
         "w3": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
         "counts": lambda dtype: torch.empty(5, dtype=torch.int64),
     },
+    # DeepSeek weights its bf16 rows with fp32 routing weights: the same forward ops, but
+    # the joint traces differ (the gradients are cast back to each side's dtype)
+    example_variants=[{"weights": lambda dtype: torch.empty(12, 2, dtype=torch.float32)}],
     check=check,
     anchor=anchor,
     explain=explain,

@@ -245,6 +245,9 @@ def _indifferent_to_k_order(user, value):
     if is_call(user, npu.npu_moe_token_unpermute_grad_v2):
         # the backward of that sum, with the same probs and row map
         return user.args[4] is value and user.args[1] is not value
+    if is_call(user, aten.histc.default):
+        # tokens per expert (transformers' offsets, recounted by its trainable dispatch)
+        return user.args[0] is value
     if is_call(user, aten.scatter.value):
         # the one-hot routing map: the same value written at each chosen expert
         return user.args[2] is value and user.args[1] in (-1, tensor_meta(user).dim() - 1)

@@ -603,3 +603,68 @@ def test_router_whose_scores_have_a_gradient_is_not_fused():
     (gating,) = [r for r in joint.passes if r.pass_name == "moe_gating"]
     assert gating.sites == []
     assert any("gradient of their own" in m.reason for m in gating.near_misses)
+
+
+# ---- transformers' MoE blocks ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, weights_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "bf16 rows, fp32 weights (DeepSeek)"])
+def test_transformers_experts_block_trains_through_permute_and_unpermute(dtype, weights_dtype):
+    """transformers' grouped_mm experts block: on the joint graph it becomes
+    npu_moe_token_permute / unpermute around the grouped GEMMs (init_routing / finalize have
+    no backward). Its sort is not stable, permute's is: the rows of one expert come in
+    another order, each computed alone, so the block's output and every gradient are the
+    same up to the order of the k-row sums: 4 ulp at scale, in the rows' precision (fp32
+    routing weights get their gradient from bf16 rows)."""
+    from test_moe_dispatch import GroupedMmExperts, _routing
+
+    pytest.importorskip("transformers.integrations.moe")  # registers its fp32 grouped_mm op
+    torch._dynamo.reset()
+    x, ids, weights = _routing(dtype, weights_dtype=weights_dtype)
+    model = GroupedMmExperts(dtype).train()
+    reference = copy.deepcopy(model)
+    inputs = [x.requires_grad_(True), ids, weights.requires_grad_(True)]
+    inputs_ref = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    backend = _RecordingBackend(nff.FusionConfig(enable={"moe_dispatch", "swiglu", "grouped_matmul"}))
+    probe = torch.randn(x.shape)
+    _step_inputs = lambda module, args: (module(*args).float() * probe).sum().backward()  # noqa: E731
+    _step_inputs(torch.compile(model, backend=backend), inputs)
+    _step_inputs(reference, inputs_ref)
+    assert backend.report.errors == []
+    assert npu_ops(backend.graphs["forward"]) == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1,
+                                                  "npu_grouped_matmul": 2, "npu_swiglu": 1}
+    assert npu_ops(backend.graphs["backward"]) == {
+        "npu_moe_token_permute_grad_v2": 1, "npu_moe_token_unpermute_grad_v2": 1, "npu_grouped_matmul": 4,
+        "npu_swiglu_backward": 1}
+    for got, want in [(inputs[0].grad, inputs_ref[0].grad), (inputs[2].grad, inputs_ref[2].grad),
+                      *[(p.grad, p_ref.grad) for p, p_ref in zip(model.parameters(), reference.parameters())]]:
+        # fp32 routing weights get their gradient from the bf16 rows (measured: 0.5 bf16 ulp)
+        assert_close_at_scale(got, want, 4, precision=dtype)
+
+
+@pytest.mark.parametrize("name, dtype", [("qwen3_moe", torch.float32), ("qwen3_moe", torch.bfloat16),
+                                         ("deepseek_v3", torch.float32)])
+def test_hf_moe_training_step(name, dtype):
+    """Every routed block trains fused: dispatch and combine (permute / unpermute), the
+    expert GEMMs (grouped_matmul's rule) and their swiglu, and DeepSeek's sigmoid router;
+    Qwen's softmax router stays unfused (the op's backward has a sigmoid mode only).
+    bf16 DeepSeek is left out: a 1-ulp change of its layer-0 weights alone moves eager's
+    router-gate gradient by ~1e5 ulp at scale (routing flips), so no tolerance separates
+    rounding from error there."""
+    from npu_fx_fusion.tiny_models import build_hf
+
+    pytest.importorskip("transformers")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    tm = build_hf(name, dtype=dtype, num_layers=2)
+    backend = _training_step_matches_eager(tm, dtype)
+    forward, backward = npu_ops(backend.graphs["forward"]), npu_ops(backend.graphs["backward"])
+    blocks = 2 if name == "qwen3_moe" else 1  # DeepSeek's first layer is dense
+    assert forward["npu_moe_token_permute"] == forward["npu_moe_token_unpermute"] == blocks
+    assert backward["npu_moe_token_permute_grad_v2"] == backward["npu_moe_token_unpermute_grad_v2"] == blocks
+    assert forward["npu_grouped_matmul"] == 2 * blocks and backward["npu_grouped_matmul"] == 4 * blocks
+    if name == "deepseek_v3":
+        assert forward["npu_moe_gating_top_k"] == backward["npu_moe_gating_top_k_backward"] == 1
+    else:
+        assert "npu_moe_gating_top_k_softmax" not in forward
+    assert backend.report.errors == []
