@@ -137,3 +137,27 @@ def torchtitan_moe(num_experts=8, dim=64, top_k=3, **router):
 # torchtitan's DeepSeek-V3 router settings (sigmoid, node-limited groups, route_norm, scale)
 TORCHTITAN_DEEPSEEK_ROUTER = dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2,
                                   route_norm=True, route_scale=2.5)
+
+
+class RecordingBackend(EmulationBackend):
+    """EmulationBackend that keeps the graphs it compiled, by phase."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.graphs = {}
+
+    def _compile(self, phase, gm, example_inputs):
+        compiled = super()._compile(phase, gm, example_inputs)
+        self.graphs[phase] = gm
+        return compiled
+
+
+def npu_ops(gm) -> dict:
+    """{"npu_rms_norm": n, ...} of the npu ops a graph calls (not torch_npu's casts)."""
+    counts = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith("npu."):
+            name = str(node.target).split(".")[1]
+            if not name.startswith("_npu_dtype_cast"):
+                counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -29,8 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale
-from npu_fx_fusion.backend import EmulationBackend
+from helpers import RecordingBackend, assert_close_at_scale, npu_ops
 from npu_fx_fusion.capabilities import CAPABILITIES, has_backward
 from npu_fx_fusion.config import PASS_NAMES
 from npu_fx_fusion.pipeline import load_pass
@@ -187,7 +186,7 @@ def train_and_compare(cls, dtype=torch.float32, *, x_grad=True, frozen=(), confi
     x_ref = x.clone()
     x.requires_grad_(x_grad)
     x_ref.requires_grad_(x_grad)
-    backend = _RecordingBackend(config)
+    backend = RecordingBackend(config)
     out = _step(torch.compile(model, backend=backend, fullgraph=True), x,
                 probe := torch.randn(reference(x_ref).shape))
     out_ref = _step(reference, x_ref, probe)
@@ -198,30 +197,6 @@ def train_and_compare(cls, dtype=torch.float32, *, x_grad=True, frozen=(), confi
         assert grads[name] is not None, name
         assert_close_at_scale(grads[name], grads_ref[name], UNIT_ULPS[dtype])
     return backend.report, backend.graphs["forward"], backend.graphs["backward"]
-
-
-class _RecordingBackend(EmulationBackend):
-    """EmulationBackend that keeps the graphs it compiled, by phase."""
-
-    def __init__(self, config=None):
-        super().__init__(config)
-        self.graphs = {}
-
-    def _compile(self, phase, gm, example_inputs):
-        compiled = super()._compile(phase, gm, example_inputs)
-        self.graphs[phase] = gm
-        return compiled
-
-
-def npu_ops(gm) -> dict:
-    """{"npu_rms_norm": n, ...} of the npu ops a graph calls (not torch_npu's casts)."""
-    counts = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("npu."):
-            name = str(node.target).split(".")[1]
-            if not name.startswith("_npu_dtype_cast"):
-                counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 # ---- unit modules: fused forward and backward, gradients equal eager ----------------------
@@ -302,7 +277,7 @@ def _training_step_matches_eager(tm, dtype):
     model = tm.model.train()
     reference = copy.deepcopy(model)
     (ids,) = tm.example_inputs
-    backend = _RecordingBackend()
+    backend = RecordingBackend()
     compiled = torch.compile(model, backend=backend)
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
 
@@ -377,7 +352,7 @@ def test_every_joint_site_of_a_training_step_verifies(dtype):
     torch._dynamo.reset()
     torch.manual_seed(0)
     tm = build_hf("phi3", dtype=dtype, num_layers=2)
-    backend = _RecordingBackend(nff.FusionConfig(verify=True))
+    backend = RecordingBackend(nff.FusionConfig(verify=True))
     (ids,) = tm.example_inputs
     torch.compile(tm.model.train(), backend=backend)(ids).float().pow(2).mean().backward()
     joint = next(g for g in backend.report.graphs if g.name == "joint")
@@ -415,7 +390,7 @@ def test_torchtitan_deepseek_v3_training_step_is_as_accurate_as_eager():
     router.route_norm, router.route_scale = True, 2.5
     reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     # the passes whose ops have a backward; grouped_matmul stays forward-only
-    backend = _RecordingBackend(nff.FusionConfig(enable={"rms_norm", "rope", "swiglu", "moe_dispatch",
+    backend = RecordingBackend(nff.FusionConfig(enable={"rms_norm", "rope", "swiglu", "moe_dispatch",
                                                          "moe_gating"}))
     for module in (torch.compile(model, backend=backend), reference, exact):
         module(ids).double().pow(2).mean().backward()
@@ -441,7 +416,7 @@ def test_torchtitan_deepseek_v3_training_step_is_as_accurate_as_eager():
 def _dynamic_step(cls, dims):
     torch._dynamo.reset()
     model = _seeded(cls, torch.float32)
-    backend = _RecordingBackend()
+    backend = RecordingBackend()
     x = torch.randn(2, 8, HIDDEN, requires_grad=True)
     for dim in dims:
         torch._dynamo.mark_dynamic(x, dim)
@@ -513,7 +488,7 @@ def test_torchtitan_moe_block_trains_through_permute_and_unpermute():
     torch.manual_seed(2)
     x = torch.randn(2, 24, 64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    backend = _RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
     torch.compile(model, backend=backend)(x).pow(2).mean().backward()
     reference(x_ref).pow(2).mean().backward()
     assert backend.report.errors == []
@@ -533,7 +508,7 @@ def _moe_training_step(model, config, loss=lambda out: out.pow(2).mean()):
     torch.manual_seed(2)
     x = torch.randn(2, 24, 64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    backend = _RecordingBackend(config)
+    backend = RecordingBackend(config)
     loss(torch.compile(model, backend=backend)(x)).backward()
     loss(reference(x_ref)).backward()
     assert backend.report.errors == []
@@ -625,7 +600,7 @@ def test_transformers_experts_block_trains_through_permute_and_unpermute(dtype, 
     reference = copy.deepcopy(model)
     inputs = [x.requires_grad_(True), ids, weights.requires_grad_(True)]
     inputs_ref = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
-    backend = _RecordingBackend(nff.FusionConfig(enable={"moe_dispatch", "swiglu", "grouped_matmul"}))
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch", "swiglu", "grouped_matmul"}))
     probe = torch.randn(x.shape)
     _step_inputs = lambda module, args: (module(*args).float() * probe).sum().backward()  # noqa: E731
     _step_inputs(torch.compile(model, backend=backend), inputs)

@@ -32,8 +32,7 @@ import pytest
 import torch
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, near_miss_reasons
-from npu_fx_fusion.backend import EmulationBackend
+from helpers import RecordingBackend, assert_close_at_scale, near_miss_reasons, npu_ops
 from npu_fx_fusion.pipeline import load_pass
 
 pytest.importorskip("transformers")
@@ -43,28 +42,6 @@ from test_sparse_attention import AttentionLayer, MlaSparseLayer, _hidden, _mla_
 DSA = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"})
 UNIT_ULPS = {torch.float32: 8, torch.bfloat16: 4}
 MODEL_ULPS = 64
-
-
-class _RecordingBackend(EmulationBackend):
-    """EmulationBackend that keeps the graphs it compiled, by phase."""
-
-    def __init__(self, config=None):
-        super().__init__(config)
-        self.graphs = {}
-
-    def _compile(self, phase, gm, example_inputs):
-        compiled = super()._compile(phase, gm, example_inputs)
-        self.graphs[phase] = gm
-        return compiled
-
-
-def npu_ops(gm) -> dict:
-    counts = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("npu."):
-            name = str(node.target).split(".")[1]
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 def _calls(gm, name):
@@ -84,7 +61,7 @@ def _train(module, inputs, config, *, requires_grad=None):
     requires_grad = requires_grad or [t.is_floating_point() for t in inputs]
     fused_in = [t.detach().clone().requires_grad_(g) for t, g in zip(inputs, requires_grad)]
     eager_in = [t.detach().clone().requires_grad_(g) for t, g in zip(inputs, requires_grad)]
-    backend = _RecordingBackend(config)
+    backend = RecordingBackend(config)
     out = torch.compile(module, backend=backend, fullgraph=True)(*fused_in)
     torch.manual_seed(5)
     probe = torch.randn(out.shape)
@@ -186,7 +163,7 @@ def test_tiny_deepseek_v32_training_step():
     model = tm.model.train()
     reference = copy.deepcopy(model)
     (ids,) = tm.example_inputs
-    backend = _RecordingBackend(nff.FusionConfig())  # every pass
+    backend = RecordingBackend(nff.FusionConfig())  # every pass
     loss = torch.compile(model, backend=backend)(ids).float().pow(2).mean()
     loss_ref = reference(ids).float().pow(2).mean()
     loss.backward()

@@ -27,8 +27,7 @@ import torch
 import torch.nn as nn
 
 import npu_fx_fusion as nff
-from helpers import assert_within_ulps, near_miss_reasons, ulp
-from npu_fx_fusion.backend import EmulationBackend
+from helpers import RecordingBackend, assert_within_ulps, near_miss_reasons, ulp
 from npu_fx_fusion.capabilities import CAPABILITIES, has_backward
 from npu_fx_fusion.npu_ops import ensure_registered
 
@@ -36,19 +35,6 @@ ensure_registered()
 ONLY_GMM = nff.FusionConfig(enable={"grouped_matmul"})
 GMM = torch.ops.npu.npu_grouped_matmul.default
 ATEN_GMM = torch.ops.aten._grouped_mm.default
-
-
-class _RecordingBackend(EmulationBackend):
-    """EmulationBackend that keeps the graphs it compiled, by phase."""
-
-    def __init__(self, config=None):
-        super().__init__(config)
-        self.graphs = {}
-
-    def _compile(self, phase, gm, example_inputs):
-        compiled = super()._compile(phase, gm, example_inputs)
-        self.graphs[phase] = gm
-        return compiled
 
 
 def _calls(gm, target):
@@ -154,7 +140,7 @@ def test_grouped_mm_trains_through_npu_grouped_matmul(transposed):
     torch.manual_seed(1)
     x = torch.randn(32, 16).to(torch.bfloat16).requires_grad_()
     offs = torch.tensor(ENDS, dtype=torch.int32)
-    backend = _RecordingBackend(ONLY_GMM)
+    backend = RecordingBackend(ONLY_GMM)
     (dx, dw), (dx_ref, dw_ref) = _train_step(ExpertGemm(transposed=transposed), x, offs, backend)
     assert backend.report.errors == []
     joint = next(g for g in backend.report.graphs if g.name == "joint")
@@ -179,7 +165,7 @@ def test_only_the_gradients_that_are_needed(trainable, backward_types):
     module.weight.requires_grad_(trainable == "w")
     torch.manual_seed(1)
     x = torch.randn(32, 16).to(torch.bfloat16).requires_grad_(trainable == "x")
-    backend = _RecordingBackend(ONLY_GMM)
+    backend = RecordingBackend(ONLY_GMM)
     (dx, dw), (dx_ref, dw_ref) = _train_step(module, x, torch.tensor(ENDS, dtype=torch.int32), backend)
     assert _group_types(backend.graphs["forward"]) == [0]
     assert _group_types(backend.graphs["backward"]) == backward_types
@@ -231,7 +217,7 @@ def test_forms_that_would_be_wrong_stay_unfused_forward_and_backward(module, con
     offs = torch.tensor((8, 8, 20, 24), dtype=torch.int32)
     args = (x,) if isinstance(module, BatchedGemm) else (x, offs)
     reference = copy.deepcopy(module)
-    backend = _RecordingBackend(config)
+    backend = RecordingBackend(config)
     torch.compile(module, backend=backend, fullgraph=True)(*args).float().sum().backward()
     x_ref = x.detach().clone().requires_grad_()
     reference(*((x_ref,) + args[1:])).float().sum().backward()
@@ -262,7 +248,7 @@ def test_torchtitan_moe_layer_trains_through_permute_grouped_matmul_unpermute():
     torch.manual_seed(2)
     x = torch.randn(2, 24, 64, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    backend = _RecordingBackend(nff.FusionConfig(enable={"moe_dispatch", "grouped_matmul"}))
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch", "grouped_matmul"}))
     torch.compile(model, backend=backend)(x).pow(2).mean().backward()
     reference(x_ref).pow(2).mean().backward()
     assert backend.report.errors == []
@@ -294,7 +280,7 @@ def test_transformers_experts_gemms_train_fused(dtype):
     model = tm.model.train()
     reference = copy.deepcopy(model)
     (ids,) = tm.example_inputs
-    backend = _RecordingBackend(ONLY_GMM)
+    backend = RecordingBackend(ONLY_GMM)
     torch.compile(model, backend=backend)(ids).float().pow(2).mean().backward()
     reference(ids).float().pow(2).mean().backward()
     assert backend.report.errors == []
@@ -350,7 +336,7 @@ def _deepseek_router_grads(monkeypatch, experts_dtype):
     model = tm.model.train()
     reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     (ids,) = tm.example_inputs
-    backend = _RecordingBackend(nff.FusionConfig(
+    backend = RecordingBackend(nff.FusionConfig(
         enable={"rms_norm", "rope", "swiglu", "moe_dispatch", "grouped_matmul"}))
     torch.compile(model, backend=backend)(ids).double().pow(2).mean().backward()
     reference(ids).double().pow(2).mean().backward()
