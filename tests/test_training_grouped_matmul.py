@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 import npu_fx_fusion as nff
-from helpers import RecordingBackend, assert_within_ulps, near_miss_reasons, ulp
+from helpers import RecordingBackend, assert_within_ulps, near_miss_reasons, npu_ops, ulp
 from npu_fx_fusion.capabilities import CAPABILITIES, has_backward
 from npu_fx_fusion.npu_ops import ensure_registered
 
@@ -43,15 +43,6 @@ def _calls(gm, target):
 
 def _group_types(gm):
     return sorted(n.kwargs.get("group_type") for n in _calls(gm, GMM))
-
-
-def npu_ops(gm) -> dict:
-    counts = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("npu."):
-            name = str(node.target).split(".")[1]
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 def bf16_ulps_at_scale(actual, expected) -> float:

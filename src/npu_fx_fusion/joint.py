@@ -49,9 +49,12 @@ def trace_joint_without_decompositions(fn: Callable, args: Sequence[Any], **kwar
     # of the shape env of fake tensor arguments, and the matcher retraces with the graph's
     # own fake tensors, so a retrace would add guards on symbols dynamo cannot source
     # (`n_group` in a view size). They stay arguments: the pattern's placeholders are
-    # named after the search's arguments by position.
+    # named after the search's arguments by position. (SymInts, the symbolic sizes the
+    # matcher passes for dynamic shapes, are traced.)
+    traced = (torch.Tensor, torch.SymInt, torch.SymFloat)
+
     def scalars_constant(*traced_args: Any) -> Any:
-        return fn(*(t if isinstance(a, torch.Tensor) else a for a, t in zip(args, traced_args)))
+        return fn(*(t if isinstance(a, traced) else a for a, t in zip(args, traced_args)))
 
     # joint_fwd_bwd runs aot_function, which calls torch._functorch.config.joint_custom_pass
     # too: with our pass installed there (torchair route), tracing a pattern from inside
