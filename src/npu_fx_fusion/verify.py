@@ -4,7 +4,9 @@ Before a match is accepted, the subgraph it would replace and the fused replacem
 on the same random inputs of the site's shapes and dtypes, and their outputs are
 compared with the fused op's tolerance from TOLERANCES. A site that fails is not fused
 (so never silently kept) and becomes a near miss with the measured error. On CPU the
-fused ops run as the stand-in kernels, on an NPU as the real ones.
+fused ops run as the stand-in kernels, on an NPU as the real ones. A site of a training
+(joint) graph is run forward and backward, with the same random incoming gradients on
+both sides, and its gradients are compared too (verify_joint_match).
 
 Tolerances are in units of the output dtype's epsilon at the output's scale,
 |fused - original| <= ulps * eps(dtype) * max(|original|, 1 ulp): the fused ops round
