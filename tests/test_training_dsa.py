@@ -108,6 +108,17 @@ def test_transformers_attention_trains_through_the_fused_ops(index_topk):
                                         "npu.npu_sparse_flash_attention_grad": 1}
 
 
+def test_batch_1_trains_through_the_fused_ops():
+    # the pass's batch-1 example is registered joint too (torch's matmul views where it
+    # copies at batch 2, so its joint trace differs)
+    backend = _train(AttentionLayer(8).train(), [_hidden()[:1]], DSA)
+    assert npu_ops(backend.graphs["forward"]) == {"npu_lightning_indexer": 1, "npu_sparse_flash_attention": 1}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_sparse_flash_attention_grad": 1}
+    mla = _train(MlaSparseLayer(latent=32, rope=16, index_dim=16), [t[:1] for t in _mla_batch()], DSA,
+                 requires_grad=[True] * 4 + [False] * 3)
+    assert npu_ops(mla.graphs["backward"]) == {"npu_sparse_flash_attention_grad": 1}
+
+
 def test_transformers_attention_trains_in_bf16():
     backend = _train(AttentionLayer().to(torch.bfloat16).train(), [_hidden(torch.bfloat16)], DSA)
     assert npu_ops(backend.graphs["forward"]) == {"npu_lightning_indexer": 1, "npu_sparse_flash_attention": 1}
