@@ -433,8 +433,9 @@ def test_one_dynamic_size_fuses():
 
 
 @pytest.mark.xfail(strict=True, reason="joint patterns do not match a norm whose backward has two "
-                   "symbolic sizes (dynamic batch and sequence): the retrace spells them as "
-                   "sym_size of x, the graph as SymInt placeholders (docs/training.md)")
+                   "symbolic sizes (dynamic batch and sequence): torch's exact-match retrace takes "
+                   "only the first as an input (s1 != s0 is not statically known) and spells the "
+                   "second sym_size(x, 1), where the graph has a SymInt placeholder (docs/training.md)")
 def test_dynamic_batch_and_sequence_training_graph_fuses():
     backend = _dynamic_step(HFNorm, dims=(0, 1))
     assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
