@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from npu_fx_fusion.npu_ops import _library, ensure_registered
@@ -1060,16 +1061,6 @@ def _op(name):
     return getattr(npu if name.startswith("npu_") else cann, name)
 
 
-def _map_tensors(fn, value):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(fn, v) for k, v in value.items()}
-    return value
-
-
 def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -1085,7 +1076,7 @@ def test_fake_kernels_agree_with_the_real_ones(op, dtype):
     for args, kwargs in _samples(dtype)[op]:
         real = _as_tuple(_op(op)(*args, **kwargs))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = _as_tuple(_op(op)(*_map_tensors(mode.from_tensor, args), **_map_tensors(mode.from_tensor, kwargs)))
+            fake = _as_tuple(_op(op)(*tree_map_only(torch.Tensor, mode.from_tensor, args), **tree_map_only(torch.Tensor, mode.from_tensor, kwargs)))
         layout = lambda ts: [(t.shape, t.dtype) for t in ts]  # noqa: E731
         assert layout(fake) == layout(real), (op, kwargs)
 
@@ -1118,7 +1109,7 @@ def test_kernels_give_the_shapes_and_dtypes_of_the_wheels_meta_functions(wheel_m
     to_meta = lambda t: t.detach().to("meta")  # noqa: E731
     for args, kwargs in _samples(torch.bfloat16)[op]:
         real = _as_tuple(_op(op)(*args, **kwargs))
-        meta = _as_tuple(wheel_meta[op](*_map_tensors(to_meta, args), **_map_tensors(to_meta, kwargs)))
+        meta = _as_tuple(wheel_meta[op](*tree_map_only(torch.Tensor, to_meta, args), **tree_map_only(torch.Tensor, to_meta, kwargs)))
         assert [(r.shape, r.dtype) for r in real] == [(m.shape, m.dtype) for m in meta], kwargs
 
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map_only
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import ulp
@@ -1002,24 +1003,14 @@ def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _map_tensors(fn, value):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(fn, v) for k, v in value.items()}
-    return value
-
-
 @pytest.mark.parametrize("dtype", FLOAT, ids=str)
 @pytest.mark.parametrize("op", MOE_OPS)
 def test_fake_kernels_agree_with_the_real_ones(op, dtype):
     for args, kwargs in _samples(dtype)[op]:
         real = _as_tuple(getattr(npu, op)(*args, **kwargs))
         with FakeTensorMode() as mode:
-            fake = _as_tuple(getattr(npu, op)(*_map_tensors(mode.from_tensor, args),
-                                              **_map_tensors(mode.from_tensor, kwargs)))
+            fake = _as_tuple(getattr(npu, op)(*tree_map_only(torch.Tensor, mode.from_tensor, args),
+                                              **tree_map_only(torch.Tensor, mode.from_tensor, kwargs)))
         layout = lambda ts: [(t.shape, t.stride(), t.dtype) for t in ts]  # noqa: E731
         assert layout(fake) == layout(real)
 
@@ -1061,7 +1052,7 @@ def test_kernels_give_the_shapes_and_dtypes_of_the_wheels_meta_functions(wheel_m
     to_meta = lambda t: t.detach().to("meta")  # noqa: E731
     for args, kwargs in _samples(torch.bfloat16)[op]:
         real = _as_tuple(getattr(npu, op)(*args, **kwargs))
-        meta = _as_tuple(wheel_meta[op](*_map_tensors(to_meta, args), **_map_tensors(to_meta, kwargs)))
+        meta = _as_tuple(wheel_meta[op](*tree_map_only(torch.Tensor, to_meta, args), **tree_map_only(torch.Tensor, to_meta, kwargs)))
         assert len(real) == len(meta)
         for r, m in zip(real, meta):
             if m is None:  # unpermute_grad_v2 without probs: Meta says None, an op returns a Tensor
@@ -1089,5 +1080,5 @@ def test_opcheck(op):
     for args, kwargs in _samples(torch.float32, requires_grad=differentiable)[op]:
         if op == "npu_moe_gating_top_k" and not kwargs.get("out_flag"):
             # softmax mode has no backward in torch_npu: forward only
-            args = _map_tensors(lambda t: t.detach(), args)
+            args = tree_map_only(torch.Tensor, lambda t: t.detach(), args)
         torch.library.opcheck(getattr(npu, op).default, args, kwargs)
