@@ -168,6 +168,17 @@ def _key_rows(op: str, layout: str, key: torch.Tensor, lengths: Optional[torch.T
     return [torch.arange(start, start + n) for start, n in zip(starts, lens)]
 
 
+def _batches(op: str, query: torch.Tensor, layout_query: str, query_lengths: Optional[torch.Tensor],
+             query_name: str, key: torch.Tensor, layout_key: str, key_lengths: Optional[torch.Tensor],
+             key_name: str, block_table: Optional[torch.Tensor] = None):
+    """The batches with queries and keys, as (slice of the flat query rows, query rows,
+    flat key rows, key count): what every kernel here loops over."""
+    starts, lens = _query_batches(op, layout_query, query, query_lengths, query_name)
+    key_rows = _key_rows(op, layout_key, key, key_lengths, block_table, len(lens), key_name)
+    return [(slice(start, start + lq), lq, k_b, k_b.numel())
+            for start, lq, k_b in zip(starts, lens, key_rows) if lq and k_b.numel()]
+
+
 def _causal_hidden(lq: int, lk: int) -> torch.Tensor:
     """(lq, lk) True where the right-down causal mask hides key j from query row i."""
     i = torch.arange(lq).unsqueeze(1)
@@ -267,20 +278,15 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
     n1, d = query.shape[-2], query.shape[-1]
     g = n1 // n2
     acc = _compute_dtype(query)
-    q_starts, q_lens = _query_batches(op, layout_query, query, actual_seq_lengths_query,
-                                      "actual_seq_lengths_query")
-    k_rows = _key_rows(op, layout_key, key, actual_seq_lengths_key, block_table, len(q_lens),
-                       "actual_seq_lengths_key")
+    batches = _batches(op, query, layout_query, actual_seq_lengths_query, "actual_seq_lengths_query",
+                       key, layout_key, actual_seq_lengths_key, "actual_seq_lengths_key", block_table)
     q_flat, w_flat, k_flat = query.reshape(-1, n1, d), weights.reshape(-1, n1), key.reshape(-1, n2, d)
     rows = q_flat.shape[0]
     indices = torch.full((rows, n2, sparse_count), -1, dtype=torch.int32, device=query.device)
     values = torch.full((rows, n2, sparse_count), float("-inf"), dtype=acc, device=query.device)
-    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
-        lk = k_b.numel()
-        if lq == 0 or lk == 0:
-            continue
-        q = q_flat[start:start + lq].to(acc).view(lq, n2, g, d)
-        w = w_flat[start:start + lq].to(acc).view(lq, n2, g)
+    for rs, lq, k_b, lk in batches:
+        q = q_flat[rs].to(acc).view(lq, n2, g, d)
+        w = w_flat[rs].to(acc).view(lq, n2, g)
         k = k_flat[k_b].to(acc)  # (lk, n2, d)
         score = (torch.einsum("sngd,tnd->sngt", q, k).relu() * w.unsqueeze(-1)).sum(2)  # (lq, n2, lk)
         if sparse_mode == 3:
@@ -288,8 +294,8 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
         n = min(sparse_count, lk)
         vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)
         vals, idx = vals[..., :n], idx[..., :n]
-        indices[start:start + lq, :, :n] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
-        values[start:start + lq, :, :n] = vals
+        indices[rs, :, :n] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
+        values[rs, :, :n] = vals
     shape = _indexer_out_shape(query, n2, sparse_count, layout_query)
     sparse_values = values.to(query.dtype).view(shape) if return_value else query.new_empty((0,))
     return indices.view(shape), sparse_values
@@ -348,19 +354,15 @@ def npu_lightning_indexer_grad(query, key, dy, sparse_indices, weights, actual_s
     n1, d, count = query.shape[-2], query.shape[-1], sparse_indices.shape[-1]
     g = n1 // n2
     acc = _compute_dtype(query)
-    q_starts, q_lens = _query_batches(op, layout, query, actual_seq_lengths_query, "actual_seq_lengths_query")
-    k_rows = _key_rows(op, layout, key, actual_seq_lengths_key, None, len(q_lens), "actual_seq_lengths_key")
+    batches = _batches(op, query, layout, actual_seq_lengths_query, "actual_seq_lengths_query",
+                       key, layout, actual_seq_lengths_key, "actual_seq_lengths_key")
     q_flat, w_flat, k_flat = query.reshape(-1, n1, d), weights.reshape(-1, n1), key.reshape(-1, n2, d)
     idx_flat, dy_flat = sparse_indices.reshape(-1, n2, count), dy.reshape(-1, n2, count)
     grad_q = torch.zeros((q_flat.shape[0], n2, g, d), dtype=acc, device=query.device)
     grad_w = torch.zeros((q_flat.shape[0], n2, g), dtype=acc, device=query.device)
     grad_k = torch.zeros(k_flat.shape, dtype=acc, device=query.device)
     heads = torch.arange(n2).view(1, n2, 1)
-    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
-        lk = k_b.numel()
-        if lq == 0 or lk == 0:
-            continue
-        rs = slice(start, start + lq)
+    for rs, lq, k_b, lk in batches:
         slots = idx_flat[rs].long()  # (lq, n2, K)
         valid = (slots >= 0) & (slots < lk)
         if sparse_mode == 3:
@@ -529,10 +531,8 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     n1, d = query.shape[-2], query.shape[-1]
     g = n1 // n2
     acc = _compute_dtype(query)
-    q_starts, q_lens = _query_batches(op, layout_query, query, actual_seq_lengths_query,
-                                      "actual_seq_lengths_query")
-    k_rows = _key_rows(op, layout_kv, key, actual_seq_lengths_kv, block_table, len(q_lens),
-                       "actual_seq_lengths_kv")
+    batches = _batches(op, query, layout_query, actual_seq_lengths_query, "actual_seq_lengths_query",
+                       key, layout_kv, actual_seq_lengths_kv, "actual_seq_lengths_kv", block_table)
     value = key if value is None else value
     q_flat = query.reshape(-1, n1, d)
     k_flat, v_flat = key.reshape(-1, n2, d), value.reshape(-1, n2, d)
@@ -547,11 +547,8 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
     ssum = torch.zeros((rows, n2, g), dtype=torch.float32, device=query.device)
     within_block = torch.arange(sparse_block_size)
     heads = torch.arange(n2).view(1, n2, 1)
-    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
-        lk = k_b.numel()
-        if lq == 0 or lk == 0:
-            continue
-        blocks = idx_flat[start:start + lq].long()  # (lq, n2, K)
+    for rs, lq, k_b, lk in batches:
+        blocks = idx_flat[rs].long()  # (lq, n2, K)
         listed = (blocks >= 0).long().cumprod(-1).bool()  # before the first negative
         pos = blocks.unsqueeze(-1) * sparse_block_size + within_block  # (lq, n2, K, bs)
         valid = listed.unsqueeze(-1) & (pos >= 0) & (pos < lk)
@@ -562,10 +559,10 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
         rows_kv = k_b[pos]
         k_sel = k_flat[rows_kv, heads].to(acc)  # (lq, n2, P, d)
         v_sel = v_flat[rows_kv, heads].to(acc)
-        q = q_flat[start:start + lq].to(acc).view(lq, n2, g, d)
+        q = q_flat[rs].to(acc).view(lq, n2, g, d)
         scores = torch.einsum("ingd,inpd->ingp", q, k_sel)
         if qr_flat is not None:
-            qr = qr_flat[start:start + lq].to(acc).view(lq, n2, g, -1)
+            qr = qr_flat[rs].to(acc).view(lq, n2, g, -1)
             scores = scores + torch.einsum("ingd,inpd->ingp", qr, kr_flat[rows_kv, heads].to(acc))
         scores = (scores * scale_value).masked_fill(~valid.unsqueeze(2), float("-inf"))
         some = valid.any(-1).unsqueeze(-1)  # (lq, n2, 1)
@@ -573,9 +570,9 @@ def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *
         e = torch.exp(scores - m.unsqueeze(-1))  # masked: exp(-inf) = 0
         s = e.sum(-1)
         o = torch.einsum("ingp,inpd->ingd", e, v_sel) / torch.where(some, s, torch.ones((), dtype=acc)).unsqueeze(-1)
-        out[start:start + lq] = torch.where(some.unsqueeze(-1), o, torch.zeros((), dtype=acc))
-        smax[start:start + lq] = torch.where(some, m, torch.tensor(_SOFTMAX_MIN, dtype=acc)).float()
-        ssum[start:start + lq] = torch.where(some, s, torch.zeros((), dtype=acc)).float()
+        out[rs] = torch.where(some.unsqueeze(-1), o, torch.zeros((), dtype=acc))
+        smax[rs] = torch.where(some, m, torch.tensor(_SOFTMAX_MIN, dtype=acc)).float()
+        ssum[rs] = torch.where(some, s, torch.zeros((), dtype=acc)).float()
     attention_out = out.to(query.dtype).view(query.shape)
     if not return_softmax_lse:
         empty = query.new_empty((0,), dtype=torch.float32)
@@ -657,8 +654,8 @@ def npu_sparse_flash_attention_grad(query, key, value, sparse_indices, d_out, ou
     n1, d = query.shape[-2], query.shape[-1]
     g = n1 // n2
     acc = _compute_dtype(query)
-    q_starts, q_lens = _query_batches(op, layout, query, actual_seq_qlen, "actual_seq_qlen")
-    k_rows = _key_rows(op, layout, key, actual_seq_kvlen, None, len(q_lens), "actual_seq_kvlen")
+    batches = _batches(op, query, layout, actual_seq_qlen, "actual_seq_qlen", key, layout, actual_seq_kvlen,
+                       "actual_seq_kvlen")
     v_t = key if value is None else value
     q_flat, o_flat, do_flat = (t.reshape(-1, n1, d) for t in (query, out, d_out))
     k_flat, v_flat = key.reshape(-1, n2, d), v_t.reshape(-1, n2, d)
@@ -681,11 +678,7 @@ def npu_sparse_flash_attention_grad(query, key, value, sparse_indices, d_out, ou
     within_block = torch.arange(sparse_block_size)
     heads = torch.arange(n2).view(1, n2, 1)
     zero = torch.zeros((), dtype=acc)
-    for start, lq, k_b in zip(q_starts, q_lens, k_rows):
-        lk = k_b.numel()
-        if lq == 0 or lk == 0:
-            continue
-        rs = slice(start, start + lq)
+    for rs, lq, k_b, lk in batches:
         blocks = idx_flat[rs].long()  # (lq, n2, K)
         listed = (blocks >= 0).long().cumprod(-1).bool()
         pos = blocks.unsqueeze(-1) * sparse_block_size + within_block  # (lq, n2, K, bs)
