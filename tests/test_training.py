@@ -483,27 +483,17 @@ def test_torchtitan_moe_block_trains_through_permute_and_unpermute():
     summation order of each token's k rows."""
     from helpers import torchtitan_moe
 
-    torch._dynamo.reset()
-    model = torchtitan_moe().train()
-    reference = copy.deepcopy(model)
-    torch.manual_seed(2)
-    x = torch.randn(2, 24, 64, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
-    torch.compile(model, backend=backend)(x).pow(2).mean().backward()
-    reference(x_ref).pow(2).mean().backward()
-    assert backend.report.errors == []
+    backend = _moe_training_step(torchtitan_moe().train(), nff.FusionConfig(enable={"moe_dispatch"}))
     assert npu_ops(backend.graphs["forward"]) == {"npu_moe_token_permute": 1, "npu_moe_token_unpermute": 1}
     assert npu_ops(backend.graphs["backward"]) == {"npu_moe_token_permute_grad_v2": 1,
                                                    "npu_moe_token_unpermute_grad_v2": 1}
-    assert_close_at_scale(x.grad, x_ref.grad, 4)
-    for p, p_ref in zip(model.parameters(), reference.parameters()):
-        assert_close_at_scale(p.grad, p_ref.grad, 4)
 
 
 # ---- the MoE router --------------------------------------------------------------------------
 def _moe_training_step(model, config, loss=lambda out: out.pow(2).mean()):
-    """One compiled and one eager step of a torchtitan MoE module; returns the backend."""
+    """One compiled and one eager step of a torchtitan MoE module; returns the backend.
+    Every input and parameter gradient within 4 ulp at scale (each token's k rows are
+    summed in another order)."""
     torch._dynamo.reset()
     reference = copy.deepcopy(model)
     torch.manual_seed(2)
