@@ -33,6 +33,7 @@ from helpers import RecordingBackend, assert_close_at_scale, npu_ops
 from npu_fx_fusion.capabilities import CAPABILITIES, has_backward
 from npu_fx_fusion.config import PASS_NAMES
 from npu_fx_fusion.pipeline import load_pass
+from npu_fx_fusion.registry import pattern_set
 
 HIDDEN = 64
 # ulp of each gradient's dtype at its largest element (see the module docstring)
@@ -449,13 +450,13 @@ def test_no_joint_pattern_emits_an_op_without_backward():
         fusion_pass = load_pass(name)
         if fusion_pass is None or not fusion_pass.differentiable:
             continue
-        fusion_pass.joint_matcher  # registers
-        for form in fusion_pass.joint_forms:
-            ops = fusion_pass.emitted_ops[form]
+        patterns = pattern_set(fusion_pass)
+        for form in patterns.joint_forms:
+            ops = patterns.emitted_ops[form]
             assert ops and all(has_backward(op) for op in ops), (name, form, ops)
             registered += 1
     assert registered > 0
-    rope = load_pass("rope")
+    rope = pattern_set(load_pass("rope"))
     # npu_interleave_rope (inference only) is never emitted joint, its rotary_mul fallbacks are
     assert "even_odd_pairs" in {form.name for form in rope.joint_forms}
     assert not any("npu.npu_interleave_rope" in rope.emitted_ops[f] for f in rope.joint_forms)
@@ -472,7 +473,7 @@ def test_a_form_whose_op_has_no_backward_gets_no_joint_pattern(monkeypatch):
     twin = FusionPass(name="swiglu", fused_op=swiglu.fused_op, forms=swiglu.forms, example=swiglu.example,
                       check=swiglu.check, anchor=swiglu.anchor, explain=swiglu.explain,
                       differentiable=("x",))
-    assert twin.joint_matcher is None and twin.joint_forms == ()
+    assert pattern_set(twin).joint == () and pattern_set(twin).joint_forms == ()
 
 
 def test_torchtitan_moe_block_trains_through_permute_and_unpermute():

@@ -63,6 +63,11 @@ class OpCapability:
     # op-specific numeric limits read by the pattern's check ("max_head_dim": 896, ...)
     limits: Mapping[str, Any] = field(default_factory=dict)
     doc: str = ""
+    # FusionConfig(verify=True): the error a site may show against the code it replaces, in
+    # ulps of the output dtype at the output's scale. The fused ops round once where the
+    # unfused code rounds after each op: measured bounds (tests/test_<pass>.py) are 1-2 ulp,
+    # and the default leaves headroom for inputs that are random, not model activations.
+    verify_ulps: float = 4
     # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves

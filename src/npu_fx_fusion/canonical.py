@@ -1,26 +1,21 @@
-"""Joint forward+backward graphs: tracing patterns joint, and normalising the graphs.
+"""One spelling per computation: the normalisations both sides of a match get.
 
-A training graph cannot be fused well after partitioning: the forward keeps every
-intermediate autograd saved for the backward, and the backward stays unfused. So, as
-Inductor does for attention, the fusions with a backward also run on aot_autograd's
-*joint* graph, before the partitioner splits it. Their patterns are the same Forms,
-traced with `joint_fwd_bwd`: the search pattern then covers the forward nodes AND the
-autograd-derived backward nodes (a MultiOutputPattern over [out, *grads], with the
-tangents as wildcards), and the replacement brings the fused op and its backward op.
+A pattern matches only what is spelled exactly like its trace. Model code and autograd
+spell the same computation in several ways (a dim as 2 or -1, a view's size as -1, a
+gradient sum in arrival order ...), so the graphs being fused and the traces of the
+patterns' search functions are both put into one canonical spelling before matching.
+Every rewrite here keeps the computation exactly as it was.
 
-This module holds what differs from forward-only tracing:
-- `trace_joint_without_decompositions`: the trace_fn of joint patterns;
-- `canonicalize_grad_accumulation`: without it no fp32 transformer norm would match
-  (see its docstring);
-- `normalize_joint_graph`: what those traces get, done to the graph being matched.
+The bottom of the engine, beside nodes.py: it imports nothing above it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.fx
-from torch._inductor import pattern_matcher as pm
+
+from .nodes import tensor_meta
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -35,48 +30,111 @@ def is_joint_graph(graph: torch.fx.Graph) -> bool:
     return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
 
 
-def trace_joint_without_decompositions(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
-    """The joint (forward + backward) trace of a search or replace function.
+def functionalize_inplace_on_temporaries(graph: torch.fx.Graph) -> int:
+    """`add_(t, eps)` on a temporary `t` used nowhere else -> `add(t, eps)`.
 
-    `pm.joint_fwd_bwd` without Inductor's decompositions (torchair's joint graphs have
-    none), then the same normalisation the target joint graph gets (normalize_joint_graph)
-    plus the forward traces' functionalisation of in-place ops on temporaries.
+    That is what aot_autograd's functionalization makes of it (F.rms_norm's eps add), and
+    make_fx alone does not functionalize. Only this trivial case occurs in search
+    functions; anything else is left alone (and then simply will not match).
     """
-    from .matching import _functionalize_inplace_on_temporaries, canonicalize
-
-    kwargs["get_decomp_fn"] = dict
-    # Scalars are used as bound constants: aot_function turns int arguments into SymInts
-    # of the shape env of fake tensor arguments, and the matcher retraces with the graph's
-    # own fake tensors, so a retrace would add guards on symbols dynamo cannot source
-    # (`n_group` in a view size). They stay arguments: the pattern's placeholders are
-    # named after the search's arguments by position. (SymInts, the symbolic sizes the
-    # matcher passes for dynamic shapes, are traced.)
-    traced = (torch.Tensor, torch.SymInt, torch.SymFloat)
-
-    def scalars_constant(*traced_args: Any) -> Any:
-        return fn(*(t if isinstance(a, traced) else a for a, t in zip(args, traced_args)))
-
-    # joint_fwd_bwd runs aot_function, which calls torch._functorch.config.joint_custom_pass
-    # too: with our pass installed there (torchair route), tracing a pattern from inside
-    # that pass would re-enter it.
-    with torch._functorch.config.patch(joint_custom_pass=None):  # noqa: SLF001
-        gm = pm.joint_fwd_bwd(scalars_constant, args, **kwargs)
-    changed = (_functionalize_inplace_on_temporaries(gm.graph) + canonicalize(gm.graph)
-               + hoist_contiguous_copies(gm.graph) + canonicalize_grad_accumulation(gm.graph))
-    if changed:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return gm
+    changed = 0
+    for node in graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.name.endswith("_"):  # noqa: SLF001
+            continue
+        mutated = node.args[0] if node.args else None
+        if not isinstance(mutated, Node) or mutated.op == "placeholder" or len(mutated.users) != 1:
+            continue
+        packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1][:-1], None)  # noqa: SLF001
+        functional = getattr(packet, target._overloadname, None)  # noqa: SLF001
+        if functional is not None:
+            node.target = functional
+            changed += 1
+    return changed
 
 
-def trace_joint_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
-    """The joint trace with casts spelled as torch_npu records them in a training graph:
-    `_npu_dtype_cast` forward and its derivative `_npu_dtype_cast_backward` backward."""
-    from .matching import spell_casts_as_npu
 
-    return spell_casts_as_npu(trace_joint_without_decompositions(fn, args, **kwargs), is_backward)
+# op -> (index of its dim argument, whether that argument is a list of dims). The rank a
+# dim refers to is the first tensor input's (cat: the first tensor of its list).
+_DIM_ARGUMENTS = {
+    torch.ops.aten.mean.dim: (1, True),
+    torch.ops.aten.sum.dim_IntList: (1, True),
+    torch.ops.aten.amax.default: (1, True),
+    torch.ops.aten.amin.default: (1, True),
+    torch.ops.aten.slice.Tensor: (1, False),
+    torch.ops.aten.split.Tensor: (2, False),
+    torch.ops.aten.split_with_sizes.default: (2, False),
+    torch.ops.aten.cat.default: (1, False),
+    torch.ops.aten.select.int: (1, False),
+}
 
 
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Spell dims and view sizes one way: the same op, whichever way the code wrote it.
+
+    - dim arguments as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`): model code
+      says `mean(-1)`, F.rms_norm `mean([x.dim() - 1])`, dynamo turns `x[..., :h]` into
+      `slice(x, 3, 0, h)`;
+    - a -1 in a view's sizes as the size it stands for (`view(x, [2, 16, -1, 2])` ->
+      `[2, 16, 32, 2]`), where that size is a plain int: `reshape(..., -1, 2)` reaches
+      the graph with or without its -1;
+    - no `detach`: aot graphs run without autograd, where it is the identity. Joint
+      graphs detach what they save for the backward, and a search may detach an output
+      the model uses without a gradient (a router's full scores), so that its joint
+      trace has no tangent for it.
+    Search functions and matched graphs are both canonicalised. Returns the number of
+    nodes changed; the computation is unchanged.
+    """
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.detach.default and not (
+                node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
+            # (an input's detached alias leaving the graph stays: aot's runtime wrapper
+            # knows that output as a view of the input)
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
+            continue
+        if node.target in _VIEWS:
+            changed += _resolve_inferred_size(node)
+            continue
+        if node.target not in _DIM_ARGUMENTS:
+            continue
+        index, is_list = _DIM_ARGUMENTS[node.target]
+        if len(node.args) <= index:
+            continue  # the default dim (cat's 0, slice's 0): leave it
+        source = node.args[0][0] if node.target is torch.ops.aten.cat.default else node.args[0]
+        source = tensor_meta(source)
+        dims = node.args[index]
+        if source is None or source.dim() == 0 or not isinstance(dims, (int, list, tuple)):
+            continue
+        rank = source.dim()
+        canonical = ([d - rank if d >= 0 else d for d in dims] if is_list
+                     else (dims - rank if isinstance(dims, int) and dims >= 0 else dims))
+        if canonical != (list(dims) if is_list else dims):
+            node.args = (*node.args[:index], canonical, *node.args[index + 1:])
+            changed += 1
+    return changed
+
+
+def _resolve_inferred_size(view: Node) -> int:
+    out = tensor_meta(view)
+    if out is None or len(view.args) < 2 or not isinstance(view.args[1], (list, tuple)):
+        return 0
+    sizes = list(view.args[1])
+    if -1 not in sizes or len(sizes) != out.dim() or not isinstance(out.shape[sizes.index(-1)], int):
+        return 0
+    sizes[sizes.index(-1)] = out.shape[sizes.index(-1)]
+    view.args = (view.args[0], sizes, *view.args[2:])
+    return 1
+
+
+# ---- joint graphs ------------------------------------------------------------------------
 def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
     """Make a joint graph look like the joint pattern traces: what joint_fwd_bwd does to
     them (remove_noop_ops, then Inductor's early_patterns: pointless views, view pairs and
@@ -84,8 +142,6 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
     get."""
     from torch._inductor.fx_passes.joint_graph import early_patterns
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
-
-    from .matching import canonicalize
 
     gm.graph.eliminate_dead_code()  # patterns pin user counts
     # canonicalize first: a view whose sizes spell a -1 (transformers' `reshape(B, -1, S, D)`
@@ -270,41 +326,3 @@ def _leaf_key(leaf: Node, accumulated: Node, order: dict, by_seq: dict) -> tuple
     return (order.get(consumer, float("inf")), float("inf") if seq is None else seq)
 
 
-def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence[Node]) -> None:
-    """Turn into reshapes the views that the fused ops' layouts break, and only those.
-
-    The fused ops and their backward ops return contiguous tensors where the aten code
-    they replace could keep a transposed layout, and an aten.view downstream (forward or
-    backward) then fails on strides it was not traced for. Converting every view
-    downstream, as the forward-only pipeline does after its last pass, would hide the
-    remaining views from the forward-only patterns that run on the partitioned graphs
-    next (a rope whose `view` became `reshape` no longer matches). So the joint graph's
-    fake values are propagated again, with the fused ops' real output strides, and a view
-    that fails there becomes a reshape. This also leaves every node's meta["val"]
-    describing the fused graph. If the graph cannot be re-propagated, every view
-    downstream of a fused node is converted instead.
-    """
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-    fake_mode = torch._guards.detect_fake_mode(inputs)  # noqa: SLF001
-
-    class _Propagate(FakeTensorProp):
-        def run_node(self, node: Node) -> Any:
-            try:
-                return super().run_node(node)
-            except RuntimeError:
-                if node.target is not aten.view.default:
-                    raise
-                node.target = aten.reshape.default
-                return super().run_node(node)
-
-    try:
-        if fake_mode is None:
-            raise RuntimeError("the joint graph's inputs carry no fake values")
-        _Propagate(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
-    except Exception:  # noqa: BLE001 - fall back to the safe, broad conversion
-        from .pipeline import views_to_reshapes_downstream
-
-        views_to_reshapes_downstream(new_nodes)
-    gm.recompile()

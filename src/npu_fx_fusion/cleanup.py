@@ -1,0 +1,117 @@
+"""After fusion: the graph fixes that fused ops' layouts and one-site-at-a-time
+replacement make necessary. Each keeps the computation as it is.
+
+Below the matching layer: imports only nodes.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+Node = torch.fx.Node
+
+
+# Ops that only convert or re-view a tensor: pure, so two calls on the same input with the
+# same arguments are one value.
+_CONVERSIONS = frozenset({
+    torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+})
+
+
+def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """One node for each repeated conversion that fusion introduced.
+
+    Replacements are traced one site at a time, so two fused ops reading the same tensor
+    each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
+    int64 group list of each grouped matmul). A repeat is merged into the first node with
+    the same op and arguments when one of the two is new; the model's own repeats stay as
+    they are. Returns the number of nodes merged.
+    """
+    npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+    conversions = _CONVERSIONS | ({npu_cast.default} if npu_cast is not None else set())
+    first: dict[Any, Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in conversions:
+            continue
+        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        earlier = first.setdefault(key, node)
+        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+            merged += 1
+    return merged
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
+    """Make every `view` a replacement can reach a `reshape`.
+
+    A fused op's output need not have the strides of what it replaced (torch_npu's meta
+    functions return contiguous tensors where elementwise aten kept a transposed layout),
+    and aten.view fails on strides it was not traced for. torchair turns every view into
+    a reshape right after our pass anyway (_optimize_fx's view_to_reshape); doing it here
+    for the views downstream of a fusion keeps fuse() and the emulation backend correct.
+    Done once, after every pass: patterns match the graph's own views.
+    """
+    seen: set[Node] = set()
+    pending = list(new_nodes)
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+        pending.extend(node.users)
+
+
+
+def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence[Node]) -> None:
+    """Turn into reshapes the views that the fused ops' layouts break, and only those.
+
+    The fused ops and their backward ops return contiguous tensors where the aten code
+    they replace could keep a transposed layout, and an aten.view downstream (forward or
+    backward) then fails on strides it was not traced for. Converting every view
+    downstream, as the forward-only pipeline does after its last pass, would hide the
+    remaining views from the forward-only patterns that run on the partitioned graphs
+    next (a rope whose `view` became `reshape` no longer matches). So the joint graph's
+    fake values are propagated again, with the fused ops' real output strides, and a view
+    that fails there becomes a reshape. This also leaves every node's meta["val"]
+    describing the fused graph. If the graph cannot be re-propagated, every view
+    downstream of a fused node is converted instead.
+    """
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = torch._guards.detect_fake_mode(inputs)  # noqa: SLF001
+
+    class _Propagate(FakeTensorProp):
+        def run_node(self, node: Node) -> Any:
+            try:
+                return super().run_node(node)
+            except RuntimeError:
+                if node.target is not aten.view.default:
+                    raise
+                node.target = aten.reshape.default
+                return super().run_node(node)
+
+    try:
+        if fake_mode is None:
+            raise RuntimeError("the joint graph's inputs carry no fake values")
+        _Propagate(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+    except Exception:  # noqa: BLE001 - fall back to the safe, broad conversion
+        views_to_reshapes_downstream(new_nodes)
+    gm.recompile()

@@ -1,0 +1,357 @@
+"""A pass's patterns: traced from its forms, or loaded precompiled.
+
+Each form is registered once per dtype it is traced at, per example variant, per cast
+spelling (aten._to_copy on CPU, npu._npu_dtype_cast on an NPU) and, for training graphs,
+per set of arguments that require grad. Tracing all of that costs seconds per pass, so
+the patterns are precompiled: scripts/precompile_patterns.py writes each pass's patterns
+as Python (torch's PatternPrettyPrinter, as Inductor ships its attention patterns) into
+npu_fx_fusion/patterns/_precompiled/<pass>.py, together with what else registration
+learns from tracing (the ops each form emits, the keywords its search spells out).
+
+A precompiled file is used only when it provably comes from the current sources: it
+records the torch version, a hash of the pass module and of the engine modules that
+shape a trace, and which emitted ops have a backward here; any difference, or a form it
+does not know, and the pass's patterns are traced instead (a log line says so).
+tests/test_precompiled.py regenerates every file and fails on drift.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import importlib
+import importlib.util
+import itertools
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx
+from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from . import npu_ops
+from .capabilities import capability, has_backward
+from .forms import Form, FusionPass
+from .nodes import custom_ops
+from .canonical import is_backward
+from .tracing import (FORWARD, FORWARD_NPU_CAST, JOINT, JOINT_NPU_CAST, TRACERS, is_joint_kind, spell_casts_as_npu,
+                      trace_without_decompositions)
+
+log = logging.getLogger("npu_fx_fusion.registry")
+
+PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
+# The engine modules whose code decides what a trace (and so a pattern) looks like.
+_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.registry")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One pattern of a form: what the matcher looks for first, structurally (sizes and
+    scalars as wildcards); accept.py then checks each match exactly at its own shapes."""
+
+    form: Form
+    pattern: pm.PatternExpr
+    kind: str  # tracing.TRACERS key: how the form was traced, and is retraced for the exact check
+    requires_grad: tuple[str, ...] = ()  # joint kinds: the arguments traced as requiring grad
+
+
+@dataclass
+class PatternSet:
+    """Everything registration knows about one pass's current forms."""
+
+    fusion_pass: FusionPass
+    forms: tuple[Form, ...]
+    forward: tuple[Registration, ...]
+    joint_builder: Callable[[], tuple[Registration, ...]]
+    emitted_ops: dict[Form, tuple[str, ...]]  # the non-aten ops each form's replacement calls
+    keywords: dict[Form, frozenset]  # (str(op), keyword, repr(value)) its search spells out
+    source: str  # "precompiled" or "traced"
+    # exact-match patterns of static signatures, shared by every graph (accept.py)
+    exact_patterns: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def joint(self) -> tuple[Registration, ...]:
+        return self.joint_builder()
+
+    @property
+    def joint_forms(self) -> tuple[Form, ...]:
+        return tuple(dict.fromkeys(r.form for r in self.joint))
+
+    def anchors(self, registrations: Sequence[Registration]) -> set:
+        """The (op, target) pairs the matcher starts from: a graph without any of them
+        cannot match."""
+        return {(r.pattern.op, fn) for r in registrations for fn in _root_targets(r.pattern)}
+
+
+def _root_targets(pattern: pm.PatternExpr) -> list:
+    if isinstance(pattern, pm.MultiOutputPattern):
+        pattern = pattern.outputs[0]
+    return list(getattr(pattern, "fns", ()))
+
+
+def pattern_set(fusion_pass: FusionPass) -> PatternSet:
+    """The patterns of `fusion_pass`'s current forms, built on first use and kept on the pass."""
+    forms = fusion_pass.forms
+    key = tuple(form.key for form in forms)
+    found = fusion_pass.registered.get(key)
+    if found is None:
+        npu_ops.ensure_registered()
+        found = _load_precompiled(fusion_pass, forms) or _trace(fusion_pass, forms)
+        fusion_pass.registered.clear()  # only the current set of forms is kept
+        fusion_pass.registered[key] = found
+    return found
+
+
+# ---- tracing -----------------------------------------------------------------------------
+def _scalar_workaround(fusion_pass: FusionPass, form: Form) -> dict:
+    return {n: v for n, v in fusion_pass.example.items()
+            if n in form.argnames and isinstance(v, (int, float))}
+
+
+def _generic_pattern(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any],
+                     kind: str) -> tuple[pm.PatternExpr, torch.fx.GraphModule]:
+    """The structural pattern of `form` traced on `inputs` (sizes, scalars and dtypes as
+    wildcards, the scalars' example values as named arguments), and the traced graph."""
+    return pm.gen_pattern_and_search_gm(form.search, inputs, TRACERS[kind],
+                                        _scalar_workaround(fusion_pass, form))
+
+
+def _with_npu_casts(fusion_pass: FusionPass, form: Form, search_gm: torch.fx.GraphModule,
+                    joint: bool) -> Optional[pm.PatternExpr]:
+    """The pattern of a traced search with torch_npu's cast spelling, if it has casts."""
+    if not any(n.target is torch.ops.aten._to_copy.default for n in search_gm.graph.nodes):
+        return None
+    gm = spell_casts_as_npu(copy.deepcopy(search_gm), is_backward if joint else (lambda node: False))
+    # as gen_pattern_and_search_gm converts the aten spelling (tangents keep their names)
+    return pm.fx_to_pattern(gm, ignore_types=(int, float, list, torch.device, torch.dtype),
+                            argnames=form.argnames, scalar_workaround=_scalar_workaround(fusion_pass, form))
+
+
+def _keywords_of(gm: torch.fx.GraphModule) -> set:
+    return {(str(n.target), key, repr(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+
+
+def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
+    """Trace every form (the slow path: seconds per pass)."""
+    forward, keywords = [], {form: set() for form in forms}
+    with FakeTensorMode():
+        emitted = {form: _emitted_ops(fusion_pass, form) for form in forms}
+        for form in forms:
+            seen: set = set()  # a form's dtype and spelling traces often coincide
+            for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
+                inputs = [fusion_pass.example_value(n, dtype, variant) for n in form.argnames]
+                pattern, gm = _generic_pattern(fusion_pass, form, inputs, FORWARD)
+                keywords[form] |= _keywords_of(gm)
+                for kind, found in ((FORWARD, pattern), (FORWARD_NPU_CAST, _with_npu_casts(fusion_pass, form, gm, False))):
+                    if found is not None and _first_time(found, seen):
+                        forward.append(Registration(form, found, kind))
+    log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
+    return PatternSet(fusion_pass, tuple(forms), tuple(forward),
+                      functools.partial(_trace_joint, fusion_pass, tuple(forms), emitted),
+                      emitted, {f: frozenset(k) for f, k in keywords.items()}, "traced")
+
+
+def _first_time(pattern: pm.PatternExpr, seen: set) -> bool:
+    text = pm.PatternPrettyPrinter.run(pattern)
+    if text in seen:
+        return False
+    seen.add(text)
+    return True
+
+
+def _emitted_ops(fusion_pass: FusionPass, form: Form) -> tuple[str, ...]:
+    """The non-aten ops the form's replacement calls, read from a trace of it; ops the
+    search already contains (a custom op of the model the replacement keeps, an earlier
+    pass's npu op) are carried over, not emitted. Every one needs a capabilities entry."""
+    inputs = [fusion_pass.example_value(n, form.dtypes[0]) for n in form.argnames]
+    ops = sorted(custom_ops(trace_without_decompositions(form.replace, inputs))
+                 - custom_ops(trace_without_decompositions(form.search, inputs)))
+    for op in ops:
+        capability(op)  # raises for an op the table lacks
+    return tuple(ops)
+
+
+def joint_candidates(fusion_pass: FusionPass, form: Form, emitted: Sequence[str]) -> list[tuple[str, ...]]:
+    """The sets of arguments to trace `form` joint for: none unless every op it emits has a
+    backward (capabilities.has_backward: an op without one would fail the compile when
+    the replacement is traced with autograd), else one per subset of its differentiable
+    tensor arguments (the backward nodes differ: no grad_weight for a frozen weight)."""
+    if not fusion_pass.differentiable or not all(has_backward(op) for op in emitted):
+        return []
+    if form.grad_subsets is not None:
+        return [tuple(s) for s in form.grad_subsets]
+    grad_args = [n for n in fusion_pass.differentiable if n in form.argnames and not fusion_pass.is_scalar(n)]
+    return [subset for size in range(len(grad_args), 0, -1) for subset in itertools.combinations(grad_args, size)]
+
+
+def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict) -> tuple[Registration, ...]:
+    joint = []
+    with FakeTensorMode():
+        for form in forms:
+            seen: set = set()
+            for subset in joint_candidates(fusion_pass, form, emitted[form]):
+                # the variants too: an autograd formula may depend on strides (the weight
+                # gradient of _grouped_mm on a transposed weight view)
+                for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
+                    inputs = _joint_inputs(fusion_pass, form, dtype, variant, subset)
+                    try:
+                        pattern, gm = _generic_pattern(fusion_pass, form, inputs, JOINT)
+                    except Exception as exc:  # noqa: BLE001 - e.g. no input of the subset reaches an output
+                        log.debug("%s: no joint pattern for %s (%s, grads of %s): %s: %s", fusion_pass.name,
+                                  form.name, dtype, list(subset), type(exc).__name__, exc)
+                        continue
+                    for kind, found in ((JOINT, pattern), (JOINT_NPU_CAST, _with_npu_casts(fusion_pass, form, gm, True))):
+                        if found is not None and _first_time(found, seen):
+                            joint.append(Registration(form, found, kind, tuple(subset)))
+    return tuple(joint)
+
+
+def _joint_inputs(fusion_pass: FusionPass, form: Form, dtype: torch.dtype, variant: dict,
+                  requires_grad: Sequence[str]) -> list:
+    inputs = []
+    for name in form.argnames:
+        value = fusion_pass.example_value(name, dtype, variant)
+        if name in requires_grad and isinstance(value, torch.Tensor) and value.is_floating_point():
+            value = value.requires_grad_(True)
+        inputs.append(value)
+    return inputs
+
+
+# ---- precompiled patterns ----------------------------------------------------------------
+def source_hash(fusion_pass: FusionPass) -> str:
+    """What a precompiled file must have been generated from: the pass module's source and
+    the trace-shaping engine modules' sources."""
+    digest = hashlib.sha256()
+    for module in (f"npu_fx_fusion.patterns.{fusion_pass.name}", *_TRACE_SHAPING_MODULES):
+        spec = importlib.util.find_spec(module)
+        with open(spec.origin, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def _backward_map(ops: Sequence[str]) -> dict[str, bool]:
+    return {op: has_backward(op) for op in sorted(set(ops))}
+
+
+def _load_precompiled(fusion_pass: FusionPass, forms: Sequence[Form]) -> Optional[PatternSet]:
+    try:
+        module = importlib.import_module(f"{PRECOMPILED_PACKAGE}.{fusion_pass.name}")
+    except ModuleNotFoundError:
+        log.info("%s: no precompiled patterns; tracing its forms", fusion_pass.name)
+        return None
+    stale = _staleness(fusion_pass, forms, module)
+    if stale:
+        log.info("%s: precompiled patterns not used (%s); tracing its forms. "
+                 "Regenerate them with scripts/precompile_patterns.py", fusion_pass.name, stale)
+        return None
+    by_key = {form.key: form for form in forms}
+    built = {key: [] for key in ("forward", "joint")}
+    for form_key, kind, requires_grad, make in module.REGISTRATIONS:
+        form = by_key.get(form_key)
+        if form is not None:  # a form absent now (its library is not loaded) is skipped
+            built["joint" if is_joint_kind(kind) else "forward"].append(
+                Registration(form, make(), kind, tuple(requires_grad)))
+    joint = tuple(built["joint"])
+    return PatternSet(fusion_pass, tuple(forms), tuple(built["forward"]), lambda: joint,
+                      {form: tuple(module.FORMS[form.key]["emitted_ops"]) for form in forms},
+                      {form: frozenset(map(tuple, module.FORMS[form.key]["keywords"])) for form in forms},
+                      "precompiled")
+
+
+def _staleness(fusion_pass: FusionPass, forms: Sequence[Form], module: Any) -> Optional[str]:
+    """Why a precompiled module does not describe these forms here, or None."""
+    key = module.KEY
+    if key["torch"] != torch.__version__:
+        return f"generated with torch {key['torch']}, running {torch.__version__}"
+    if key["sources"] != source_hash(fusion_pass):
+        return "the pass or the engine's tracing changed since they were generated"
+    missing = [form.key for form in forms if form.key not in module.FORMS]
+    if missing:
+        return f"form {missing[0]} is not among them"
+    ops = [op for form in forms for op in module.FORMS[form.key]["emitted_ops"]]
+    differs = [op for op, here in _backward_map(ops).items() if key["backward"].get(op) != here]
+    if differs:
+        return f"whether {differs[0]} has a backward differs here (torch_npu vs the stand-ins)"
+    return None
+
+
+def import_optional_form_libraries() -> None:
+    """Import the libraries some forms exist only with (transformers' and torchtitan's
+    custom ops: interop.py), so that a pass's forms are all of them."""
+    import torchtitan.ops.scatter_add  # noqa: F401
+    import transformers.integrations.moe  # noqa: F401
+
+
+def precompiled_source(fusion_pass: FusionPass) -> str:
+    """The text of patterns/_precompiled/<pass>.py for the current sources: every form the
+    pass can have (every optional library it matches must be importable here)."""
+    npu_ops.ensure_registered()
+    forms = fusion_pass.forms
+    traced = _trace(fusion_pass, forms)
+    registrations = [*traced.forward, *traced.joint]
+    index = {form: i for i, form in enumerate(forms)}
+    ops = [op for form in forms for op in traced.emitted_ops[form]]
+    lines = [
+        f"# Generated by scripts/precompile_patterns.py from the forms of patterns/{fusion_pass.name}.py:",
+        "# do not edit. tests/test_precompiled.py fails when this no longer matches what tracing gives;",
+        "# npu_fx_fusion traces the forms instead whenever the key below does not match (registry.py).",
+        "# flake8: noqa",
+        "import operator",
+        "",
+        "import torch",
+        f"from torch._inductor.pattern_matcher import {', '.join(_PATTERN_CLASSES)}",
+        "",
+        "aten = torch.ops.aten",
+        "prims = torch.ops.prims",
+        "inf = float('inf')",
+        "",
+        f"KEY = {{'torch': {torch.__version__!r}, 'sources': {source_hash(fusion_pass)!r},",
+        f"       'backward': {_backward_map(ops)!r}}}",
+        "",
+        "FORMS = {",
+    ]
+    for form in forms:
+        lines.append(f"    {form.key!r}: {{'emitted_ops': {traced.emitted_ops[form]!r},")
+        lines.append(f"        'keywords': {sorted(traced.keywords[form])!r}}},")
+    lines += ["}", ""]
+    for number, registration in enumerate(registrations):
+        lines += ["", f"def _p{number}():  # {registration.form.name} [{registration.kind}]"]
+        body = pm.PatternPrettyPrinter.run(registration.pattern, output_name="pattern")
+        lines += ["    " + line for line in _with_namespaces(body).splitlines()]
+        lines.append("    return pattern")
+        _check_round_trip(registration.pattern, body)
+    lines += ["", "", "# (form key, kind, arguments traced as requiring grad, pattern builder)", "REGISTRATIONS = ["]
+    for number, registration in enumerate(registrations):
+        lines.append(f"    ({registration.form.key!r}, {registration.kind!r}, "
+                     f"{registration.requires_grad!r}, _p{number}),  # form {index[registration.form]}")
+    lines += ["]", ""]
+    return "\n".join(lines)
+
+
+_PATTERN_CLASSES = ("Arg", "CallFunction", "CallFunctionVarArgs", "CallMethod", "CallMethodVarArgs",
+                    "CallModule", "CallModuleVarArgs", "ExclusiveKeywordArg", "Ignored", "KeywordArg",
+                    "ListOf", "MultiOutputPattern", "RepeatedExpr")
+
+
+def _with_namespaces(body: str) -> str:
+    """PatternPrettyPrinter writes ops as `npu.npu_rms_norm.default`: bind each op
+    namespace it uses, as `aten` is bound at the top of the file."""
+    import re
+
+    namespaces = sorted(set(re.findall(r"\b([A-Za-z_][A-Za-z0-9_]*)\.[A-Za-z0-9_]+\.[A-Za-z0-9_]+\b", body))
+                        - {"aten", "prims", "torch", "operator"})
+    bindings = [f"{ns} = torch.ops.{ns}" for ns in namespaces if hasattr(torch.ops, ns)]
+    return "\n".join([*bindings, body])
+
+
+def _check_round_trip(pattern: pm.PatternExpr, body: str) -> None:
+    """The printed pattern must build a pattern that prints the same."""
+    namespace: dict = {"torch": torch, "operator": operator, "aten": torch.ops.aten,
+                       "prims": torch.ops.prims, "inf": float("inf")}
+    exec("from torch._inductor.pattern_matcher import *\n" + _with_namespaces(body), namespace)  # noqa: S102
+    again = pm.PatternPrettyPrinter.run(namespace["pattern"], output_name="pattern")
+    if again != body:
+        raise ValueError(f"a pattern does not survive printing:\n{body}\n---\n{again}")
