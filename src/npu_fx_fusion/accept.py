@@ -24,6 +24,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import operator
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -35,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .canonical import is_backward
 from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
-from .registry import PatternSet, Registration, pattern_set
+from .registry import PatternSet, Registration, anchor_of, pattern_set
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .tracing import TRACERS, is_static, signature
 
@@ -49,7 +51,7 @@ class RunContext:
     """One run of one pass over one graph."""
 
     fusion_pass: FusionPass
-    patterns: PatternSet
+    patterns: Optional[PatternSet]  # None: a run that only looks for near misses
     soc: Optional[str]
     mode: Optional[str]
     verify: bool = False
@@ -88,16 +90,18 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     run (its forward-only ones with forward_forms_on_joint), and only forward nodes anchor
     near misses; None when the pass has nothing to match there.
     """
-    patterns = pattern_set(fusion_pass)
-    ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint)
     anchors = (lambda node: not is_backward(node)) if joint else (lambda node: True)
     if fusion_pass.prefilter is not None and not fusion_pass.prefilter(gm.graph):
-        return _near_misses(ctx, gm, PassResult(fusion_pass.name), anchors)  # no form can match here
-    registrations = _registrations(fusion_pass, patterns, joint)
-    if registrations is None:
+        # no form can match here: nothing to register
+        return _near_misses(RunContext(fusion_pass, None, soc, mode), gm, PassResult(fusion_pass.name), anchors)
+    patterns = pattern_set(fusion_pass)
+    ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint)
+    which = _which_registrations(fusion_pass, patterns, joint)
+    if which is None:
         return None
-    if may_match(patterns, registrations, gm.graph):
-        count = _matcher(ctx, registrations).apply(gm)
+    if _has_anchor(patterns, which == "joint", gm.graph):
+        registrations = patterns.joint if which == "joint" else patterns.forward
+        count = _run_matcher(ctx, registrations, gm.graph)
         if count != len(ctx.sites):  # the matcher and our bookkeeping must agree
             raise RuntimeError(f"{fusion_pass.name}: matcher replaced {count} sites, accepted {len(ctx.sites)}")
         _inherit_source_meta([n for n in ctx.inserted if not n._erased])  # noqa: SLF001
@@ -113,12 +117,13 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     return _near_misses(ctx, gm, result, anchors)
 
 
-def _registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: bool) -> Optional[Sequence[Registration]]:
+def _which_registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: bool) -> Optional[str]:
+    """"forward" or "joint": the registrations to run; None: none apply to a joint graph."""
     if not joint:
-        return patterns.forward
-    if fusion_pass.differentiable and patterns.joint:
-        return patterns.joint
-    return patterns.forward if fusion_pass.forward_forms_on_joint else None
+        return "forward"
+    if fusion_pass.differentiable and patterns.anchors(joint=True):
+        return "joint"
+    return "forward" if fusion_pass.forward_forms_on_joint else None
 
 
 def may_change(fusion_pass: FusionPass, graph: torch.fx.Graph, joint: bool = False) -> bool:
@@ -127,17 +132,18 @@ def may_change(fusion_pass: FusionPass, graph: torch.fx.Graph, joint: bool = Fal
     if fusion_pass.prefilter is not None and not fusion_pass.prefilter(graph):
         return False
     patterns = pattern_set(fusion_pass)
-    registrations = _registrations(fusion_pass, patterns, joint)
-    return bool(registrations) and may_match(patterns, registrations, graph)
+    which = _which_registrations(fusion_pass, patterns, joint)
+    return which is not None and _has_anchor(patterns, which == "joint", graph)
 
 
-def may_match(patterns: PatternSet, registrations: Sequence[Registration], graph: torch.fx.Graph) -> bool:
-    """Whether `graph` has a node any of `registrations` could start a match from."""
-    return any(graph.find_nodes(op=op, target=target) for op, target in patterns.anchors(registrations))
+def _has_anchor(patterns: PatternSet, joint: bool, graph: torch.fx.Graph) -> bool:
+    """Whether `graph` has a node a registration could start a match from."""
+    return any(graph.find_nodes(op=op, target=target) for op, target in patterns.anchors(joint))
 
 
 class _Replacement(pm.ReplacementPatternEntry):
-    """torch's replacement entry, telling the run what it inserted."""
+    """torch's replacement entry, inserting with insert_replacement and telling the run
+    what it inserted."""
 
     def __init__(self, ctx: RunContext, registration: Registration):
         super().__init__(pattern=registration.pattern,
@@ -146,12 +152,87 @@ class _Replacement(pm.ReplacementPatternEntry):
         self.ctx = ctx
 
     def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
-        added = self.replace_with_graph(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs))
-        if added is None:  # torch versions that do not say what they inserted: sort anyway
-            self.ctx.out_of_order = True
-            return
+        added = insert_replacement(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs))
         self.ctx.inserted.extend(added)
         self.ctx.out_of_order = self.ctx.out_of_order or _reads_later_node(added)
+
+
+def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torch.fx.GraphModule,
+                       args: Sequence[Any]) -> list[Node]:
+    """Copy `replacement` into `graph` in place of the matched nodes; returns the nodes added.
+
+    What torch's ReplacementPatternEntry.replace_with_graph does, in time independent of
+    the graph's size: torch finds the first output of a multi-output match with
+    `list(graph.nodes).index(...)`, a walk of the whole graph per site, which made a
+    pass quadratic in the depth of the model (every decoder layer's add_rms_norm). Nodes
+    are ordered, so the first output is the least. The replacement is inserted before it;
+    a node it reads that the graph defines later is the caller's to sort out
+    (apply_pass sorts the graph then).
+    """
+    added: list[Node] = []
+    env: dict[Node, Any] = {}
+    placeholders = iter(args)
+    outputs = match.output_nodes()
+    first_output = min(n for n in outputs if isinstance(n, Node))
+    with graph.inserting_before(first_output):
+        for node in replacement.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "call_function":
+                copied = graph.call_function(node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
+                pm._transfer_meta(new_meta=copied.meta, old_node=node)  # noqa: SLF001
+                added.append(copied)
+                env[node] = copied
+            elif node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            else:
+                raise NotImplementedError(f"a replacement graph with a {node.op} node ({node})")
+    new_outputs = [result] if isinstance(result, Node) else list(result)
+    if len(outputs) != len(new_outputs):
+        if len(outputs) != 1:
+            raise RuntimeError(f"the replacement gives {len(new_outputs)} outputs for {len(outputs)}")
+        new_outputs = [new_outputs]
+    inserted = set(added)
+    for old, new in zip(outputs, new_outputs):
+        _replace_output(graph, old, new, inserted)
+    match.erase_nodes()
+    for node in reversed(added):  # replacement nodes nothing reads (an unused second output)
+        if not node.users and not node.is_impure():
+            graph.erase_node(node)
+    return [node for node in added if not node._erased]  # noqa: SLF001
+
+
+def _replace_output(graph: torch.fx.Graph, old: Optional[Node], new: Any, inserted: set) -> None:
+    """Point the users of a matched output at its replacement (as torch does, including an
+    op with several outputs replaced by a list: its getitems become the list's items)."""
+    if old is None:
+        return
+    not_inserted = lambda user: user not in inserted  # noqa: E731 - the replacement may read `old`
+    if new is None:
+        old.replace_all_uses_with(None, delete_user_cb=not_inserted)
+    elif isinstance(new, Node):
+        pm._transfer_meta(new.meta, old)  # noqa: SLF001
+        for tag in ("recompute", "ac_graph_id"):  # activation checkpointing's tags, as torch keeps them
+            if tag in old.meta:
+                _percolate_tag(new, tag, old.meta[tag], inserted)
+        old.replace_all_uses_with(new, delete_user_cb=not_inserted)
+    else:
+        for user in list(old.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                _replace_output(graph, user, new[user.args[1]], inserted)
+            else:  # as torch does
+                old.replace_all_uses_with(new)
+    if not old.users:
+        graph.erase_node(old)
+
+
+def _percolate_tag(node: Node, tag: str, value: Any, inserted: set) -> None:
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in inserted and current.meta.get(tag) != value:
+            current.meta[tag] = value
+            pending.extend(current.all_input_nodes)
 
 
 def _replacement_arguments(argnames: Sequence[str]) -> Callable[..., list]:
@@ -175,13 +256,38 @@ def _reads_later_node(added: Sequence[Node]) -> bool:
     return any(arg not in new and not arg < node for node in added for arg in node.all_input_nodes)
 
 
-def _matcher(ctx: RunContext, registrations: Sequence[Registration]) -> pm.PatternMatcherPass:
-    """A PatternMatcherPass for this run, its checks bound to `ctx` (cheap: the patterns
-    themselves are built once, in the PatternSet)."""
-    matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{ctx.fusion_pass.name}")
+def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: torch.fx.Graph) -> int:
+    """Match and replace `registrations` in `graph`; returns the number of sites replaced.
+
+    torch's PatternMatcherPass.apply, less what serves Inductor only: its test of every
+    candidate node for a CPU fallback (which asks Inductor's lowering about each node, a
+    third of this pass's time) and its graph-transform observer. As there: candidates are
+    every node a pattern can start from, latest first; a match that crosses a mutation
+    (an in-place op between its nodes) or a stream boundary is skipped.
+    """
+    entries = defaultdict(list)
     for registration in registrations:
-        _Replacement(ctx, registration).register(matcher)
-    return matcher
+        entries[anchor_of(registration.pattern)].append(_Replacement(ctx, registration))
+    if pm.should_compute_mutation_region_ids(graph):
+        pm.compute_mutation_region_ids(graph)
+    candidates = sorted(itertools.chain.from_iterable(
+        graph.find_nodes(op=op, target=target, sort=False) for op, target in entries), reverse=True)
+    count = 0
+    for node in candidates:
+        for entry in entries[(node.op, node.target)]:
+            if node._erased:  # noqa: SLF001 - replaced by an earlier match
+                break
+            match = entry.pattern.match(node)
+            if not pm.is_match(match):
+                continue
+            if len({pm.get_mutation_region_id(graph, n) for n in match.nodes}) != 1:
+                continue
+            if len({n.meta.get("custom", {}).get("stream", 0) for n in match.nodes}) != 1:
+                continue
+            if entry.extra_check(match):
+                count += 1
+                entry.apply(match, graph, node)
+    return count
 
 
 # ---- the acceptance chain ------------------------------------------------------------------
@@ -193,9 +299,9 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
         for node in match.nodes:
             ctx.inexact.setdefault(node, exact)
         return False
-    site, exact_match, args = exact
+    site, exact_match, arguments = exact
     replacement: list = []  # the replacement's trace, made by the output check
-    reason = _first_failure(ctx, registration, site, exact_match, args, replacement)
+    reason = _first_failure(ctx, registration, site, exact_match, arguments, replacement)
     if reason is not None:
         log.debug("%s: not fusing %s at %s: %s", ctx.fusion_pass.name, form.name,
                   location_of(exact_match.nodes), reason)
@@ -207,8 +313,27 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
     return True
 
 
+@dataclass
+class _Arguments:
+    """A match's arguments as traces take them: its fake values with requires_grad as the
+    registration traced them, and the symbolic sizes among their shapes and strides.
+    Made on demand: a trace kept for this signature needs none of it."""
+
+    values: list
+    requires_grad: list[bool]
+    fake_mode: Any
+    symbolic_sizes: list
+    key: Optional[tuple]
+
+    @functools.cached_property
+    def traced(self) -> list:
+        with self.fake_mode:
+            return [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
+                    if isinstance(v, torch.Tensor) else v for v, grad in zip(self.values, self.requires_grad)]
+
+
 def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
-    """(site, exact match, traced arguments) of a structural match, or why there is none.
+    """(site, exact match, arguments) of a structural match, or why there is none.
 
     The structural pattern took every size and scalar as a wildcard; here the form's search
     is traced again at the match's own shapes, dtypes and scalars, and that trace must
@@ -223,85 +348,82 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     if missing:
         return f"the pattern binds no {missing[0]}"
     arg_nodes = {name: match.kwargs[name] for name in argnames}
-    values = {name: (node.meta.get("val") if isinstance(node, Node) else node) for name, node in arg_nodes.items()}
-    if any(isinstance(arg_nodes[n], Node) and values[n] is None for n in argnames):
+    values = [arg_nodes[n].meta.get("val") if isinstance(arg_nodes[n], Node) else arg_nodes[n] for n in argnames]
+    if any(isinstance(arg_nodes[n], Node) and v is None for n, v in zip(argnames, values)):
         return "the matched nodes carry no tensor metadata (meta['val'])"
-    fake_mode = torch._guards.detect_fake_mode(list(values.values()))  # noqa: SLF001
+    fake_mode = torch._guards.detect_fake_mode(values)  # noqa: SLF001
     if fake_mode is None:
         return "the matched nodes carry no fake tensors"
-    args, sym_args = [], []
-    with fake_mode:
-        for name in argnames:
-            value = values[name]
-            if isinstance(value, torch.Tensor):
-                grad = name in registration.requires_grad
-                if grad and not value.is_floating_point():
-                    return f"{name} is {value.dtype} here, but the form takes it as differentiable"
-                value = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
-                                            device=value.device, requires_grad=grad)
-                for size in itertools.chain(value.shape, value.stride()):
-                    if isinstance(size, torch.SymInt) and all(statically_known_true(size != a) for a in sym_args):
-                        sym_args.append(size)
-            args.append(value)
-        exact = _exact_pattern(ctx, registration, args, sym_args)
+    requires_grad = [name in registration.requires_grad for name in argnames]
+    symbolic_sizes: list = []
+    for name, value, grad in zip(argnames, values, requires_grad):
+        if isinstance(value, torch.Tensor):
+            if grad and not value.is_floating_point():
+                return f"{name} is {value.dtype} here, but the form takes it as differentiable"
+            for size in itertools.chain(value.shape, value.stride()):
+                if isinstance(size, torch.SymInt) and all(statically_known_true(size != a) for a in symbolic_sizes):
+                    symbolic_sizes.append(size)
+    key = signature([*symbolic_sizes, *values], requires_grad=[False] * len(symbolic_sizes) + requires_grad)
+    arguments = _Arguments(values, requires_grad, fake_mode, symbolic_sizes, key)
+    exact = _exact_pattern(ctx, registration, arguments)
     if isinstance(exact, str):
         return exact
     exact_match = exact.match(match.output_nodes()[0])
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
-    site_args = {name: values[name] for name in argnames}
     site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
-    site = Site(form, site_args, list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode)
-    return site, exact_match, args
+    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode)
+    return site, exact_match, arguments
 
 
-def _exact_pattern(ctx: RunContext, registration: Registration, args: list, sym_args: list):
-    """The form's search traced at `args` as an exact pattern (sizes and scalars literal),
-    or why it does not trace; kept per signature (process-wide when static)."""
+def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Arguments):
+    """The form's search traced at the arguments as an exact pattern (sizes and scalars
+    literal), or why it does not trace; kept per signature (process-wide when static)."""
     form = registration.form
-    key = (registration.kind, form.key, signature([*sym_args, *args]))
-    cache = ctx.patterns.exact_patterns if key[-1] is not None and is_static(key[-1]) else ctx.exact_patterns
+    key = (registration.kind, form.key, arguments.key)
+    cache = ctx.patterns.exact_patterns if arguments.key is not None and is_static(arguments.key) else ctx.exact_patterns
     if key in cache:
         return cache[key]
     trace = TRACERS[registration.kind]
-    argnames = form.argnames
+    argnames, sizes = form.argnames, arguments.symbolic_sizes
     try:
-        if sym_args:
-            # make_fx dedupes symbolic sizes of its inputs: pass them as inputs, so the
-            # trace reads them as the graph does (its own SymInt inputs), not as sym_size
-            def search_with_sizes(*args_and_sizes: Any) -> Any:
-                return form.search(*args_and_sizes[len(sym_args):])
+        with arguments.fake_mode:
+            if sizes:
+                # make_fx dedupes symbolic sizes of its inputs: pass them as inputs, so the
+                # trace reads them as the graph does (its own SymInt inputs), not as sym_size
+                def search_with_sizes(*args_and_sizes: Any) -> Any:
+                    return form.search(*args_and_sizes[len(sizes):])
 
-            gm = trace(search_with_sizes, [*sym_args, *args])
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-            size_names = [p.target for p in placeholders[:len(sym_args)]]
-            for placeholder, name in zip(placeholders[len(sym_args):], argnames):
-                with gm.graph.inserting_after(placeholder):
-                    renamed = gm.graph.placeholder(name)
-                renamed.target = renamed.name
-                placeholder.replace_all_uses_with(renamed)
-                gm.graph.erase_node(placeholder)
-            argnames = [*size_names, *argnames]
-        else:
-            gm = trace(form.search, args)
+                gm = trace(search_with_sizes, [*sizes, *arguments.traced])
+                placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+                size_names = [p.target for p in placeholders[:len(sizes)]]
+                for placeholder, name in zip(placeholders[len(sizes):], argnames):
+                    with gm.graph.inserting_after(placeholder):
+                        renamed = gm.graph.placeholder(name)
+                    renamed.target = renamed.name
+                    placeholder.replace_all_uses_with(renamed)
+                    gm.graph.erase_node(placeholder)
+                argnames = [*size_names, *argnames]
+            else:
+                gm = trace(form.search, arguments.traced)
     except RuntimeError as exc:
         found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
     else:
         found = pm.fx_to_pattern(gm, argnames=argnames)
-    if key[-1] is not None:
+    if arguments.key is not None:
         cache[key] = found
     return found
 
 
 def _first_failure(ctx: RunContext, registration: Registration, site: Site, match: pm.Match,
-                   args: list, replacement: list) -> Reason:
+                   arguments: _Arguments, replacement: list) -> Reason:
     form = site.form
     return ((_joint_roles_swapped(match, ctx) if ctx.joint else None)
             or _argument_kinds_differ(ctx.fusion_pass, site)
             or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
             or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
             or ctx.fusion_pass.check(site)
-            or _outputs_differ(ctx, registration, site, match, args, replacement)
+            or _outputs_differ(ctx, registration, match, arguments, replacement)
             or (_verify(ctx, site, match) if ctx.verify else None))
 
 
@@ -339,24 +461,25 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
     return None
 
 
-def _replacement_graph(ctx: RunContext, registration: Registration, args: list) -> torch.fx.GraphModule:
+def _replacement_graph(ctx: RunContext, registration: Registration, arguments: _Arguments) -> torch.fx.GraphModule:
     """The replacement traced at the site's arguments, one trace per signature per graph."""
     form = registration.form
-    trace = TRACERS[registration.kind]
-    key = (registration.kind, form.key, signature(args))
-    if key[-1] is None:
-        return trace(form.replace, args)
-    if key not in ctx.replacements:
-        ctx.replacements[key] = trace(form.replace, args)
-    return ctx.replacements[key]
+    key = (registration.kind, form.key, arguments.key)
+    if arguments.key is not None and key in ctx.replacements:
+        return ctx.replacements[key]
+    with arguments.fake_mode:
+        graph = TRACERS[registration.kind](form.replace, arguments.traced)
+    if arguments.key is not None:
+        ctx.replacements[key] = graph
+    return graph
 
 
-def _outputs_differ(ctx: RunContext, registration: Registration, site: Site, match: pm.Match,
-                    args: list, replacement: list) -> Reason:
+def _outputs_differ(ctx: RunContext, registration: Registration, match: pm.Match,
+                    arguments: _Arguments, replacement: list) -> Reason:
     """The replacement must compute outputs of the shapes and dtypes the subgraph computes:
     this catches type promotion (an fp32 weight on a bf16 activation) and broadcasting,
     whatever a pattern's own check forgot."""
-    graph = _replacement_graph(ctx, registration, args)
+    graph = _replacement_graph(ctx, registration, arguments)
     replacement.append(graph)
     (output,) = graph.graph.find_nodes(op="output")
     fused = [n.meta.get("val") if isinstance(n, Node) else n for n in _flat(output.args[0])]
@@ -479,7 +602,7 @@ def _near_misses(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
     fusion_pass = ctx.fusion_pass
     for node in gm.graph.nodes:
         if anchors(node) and fusion_pass.anchor(node):
-            reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(ctx.patterns.forms)
+            reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(fusion_pass.forms)
             if node in ctx.inexact and reason.startswith("matches none of the forms"):
                 reason += f" (closest: {ctx.inexact[node]})"
             result.near_misses.append(NearMiss(fusion_pass.name, reason, location_of([node, *node.users])))

@@ -5,6 +5,7 @@ Below the matching layer: imports only nodes.py.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Any, Sequence
 
 import torch
@@ -87,31 +88,66 @@ def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence
     backward) then fails on strides it was not traced for. Converting every view
     downstream, as the forward-only pipeline does after its last pass, would hide the
     remaining views from the forward-only patterns that run on the partitioned graphs
-    next (a rope whose `view` became `reshape` no longer matches). So the joint graph's
-    fake values are propagated again, with the fused ops' real output strides, and a view
-    that fails there becomes a reshape. This also leaves every node's meta["val"]
-    describing the fused graph. If the graph cannot be re-propagated, every view
-    downstream of a fused node is converted instead.
+    next (a rope whose `view` became `reshape` no longer matches). So fake values are
+    propagated again from the fused ops' real outputs, and a view that fails there
+    becomes a reshape. Only as far as a value changes: a node whose recomputed value has
+    the shape, strides and dtype it had keeps its users as they were, so the work is
+    bounded by where the new layouts reach, not by the graph's size. Every node's
+    meta["val"] then describes the fused graph. If a value cannot be recomputed, every
+    view downstream of a fused node is converted instead.
     """
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     fake_mode = torch._guards.detect_fake_mode(inputs)  # noqa: SLF001
+    try:
+        if fake_mode is None:
+            raise RuntimeError("the joint graph's inputs carry no fake values")
+        _propagate_changes(gm, new_nodes, fake_mode)
+    except Exception:  # noqa: BLE001 - fall back to the safe, broad conversion
+        views_to_reshapes_downstream(new_nodes)
+    gm.recompile()
 
-    class _Propagate(FakeTensorProp):
-        def run_node(self, node: Node) -> Any:
+
+def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_mode: Any) -> None:
+    """Recompute meta["val"] of the users of `changed` (nodes whose values are new), and of
+    theirs, while the values differ; a view that fails becomes a reshape."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    interpreter = FakeTensorProp(gm, mode=fake_mode)
+    pending = [(order[user], user) for node in changed for user in node.users]
+    heapq.heapify(pending)
+    done: set = set()
+    with fake_mode:
+        while pending:
+            _, node = heapq.heappop(pending)
+            if node in done or node.op == "output":
+                continue
+            done.add(node)
+            for arg in node.all_input_nodes:
+                interpreter.env[arg] = arg.meta.get("val")
+            before = node.meta.get("val")
             try:
-                return super().run_node(node)
+                interpreter.run_node(node)
             except RuntimeError:
                 if node.target is not aten.view.default:
                     raise
                 node.target = aten.reshape.default
-                return super().run_node(node)
+                interpreter.run_node(node)
+            if not _same_layout(before, node.meta.get("val")):
+                for user in node.users:
+                    heapq.heappush(pending, (order[user], user))
 
-    try:
-        if fake_mode is None:
-            raise RuntimeError("the joint graph's inputs carry no fake values")
-        _Propagate(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
-    except Exception:  # noqa: BLE001 - fall back to the safe, broad conversion
-        views_to_reshapes_downstream(new_nodes)
-    gm.recompile()
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Two fake values with provably the same shapes, strides and dtypes."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        sizes = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()),
+                 (a.storage_offset(), b.storage_offset())]
+        return (a.dtype == b.dtype and a.dim() == b.dim()
+                and all(statically_known_true(x == y) for x, y in sizes))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor) and (
+        isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or a == b)

@@ -6,6 +6,7 @@ nothing (registry.py does, on first use) and runs nothing (accept.py does).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -45,7 +46,7 @@ class Form:
     def name(self) -> str:
         return self.search.__name__
 
-    @property
+    @functools.cached_property
     def argnames(self) -> list[str]:
         return list(inspect.signature(self.search).parameters)
 

@@ -211,13 +211,15 @@ class _Snapshot:
 
     Taking one costs a tuple per node, not a copy of the graph (a deep copy of a
     3000-node graph takes ~30 ms, a tenth of a second per pass at scale); only a pass
-    that fails pays for the rebuild. A pass may change nodes in place (targets, args,
-    meta keys), insert, erase and reorder them: the records hold what each was.
+    that fails pays for the rebuild. A pass may change nodes in place (targets, args),
+    insert, erase and reorder them: the records hold what each was. Meta dicts are kept,
+    not copied: what a pass writes into an existing node's meta (the matcher's mutation
+    region ids) describes the node, whatever the pass does next.
     """
 
     def __init__(self, graph: torch.fx.Graph):
         self.graph = graph
-        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta)) for n in graph.nodes]
+        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, n.meta) for n in graph.nodes]
 
     def restore(self, gm: torch.fx.GraphModule) -> dict[Node, Node]:
         """Put the graph back into `gm`; returns {node of the snapshot: its rebuilt node}."""
@@ -229,7 +231,7 @@ class _Snapshot:
         for node, op, target, args, kwargs, name, type_, meta in self.records:
             new = graph.create_node(op, target, torch.fx.node.map_arg(args, rebuilt.__getitem__),
                                     torch.fx.node.map_arg(kwargs, rebuilt.__getitem__), name, type_)
-            new.meta = meta
+            new.meta = dict(meta)
             rebuilt[node] = new
         gm.graph = graph  # the setter re-parents the graph and recompiles
         return rebuilt

@@ -44,7 +44,7 @@ log = logging.getLogger("npu_fx_fusion.registry")
 
 PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 # The engine modules whose code decides what a trace (and so a pattern) looks like.
-_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.registry")
+_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing")
 
 
 @dataclass(frozen=True)
@@ -60,36 +60,68 @@ class Registration:
 
 @dataclass
 class PatternSet:
-    """Everything registration knows about one pass's current forms."""
+    """Everything registration knows about one pass's current forms.
+
+    The registrations themselves are built on first use: a graph that has none of their
+    anchor ops (the ops a match starts from) never needs them.
+    """
 
     fusion_pass: FusionPass
     forms: tuple[Form, ...]
-    forward: tuple[Registration, ...]
-    joint_builder: Callable[[], tuple[Registration, ...]]
+    build_forward: Callable[[], tuple[Registration, ...]]
+    build_joint: Callable[[], tuple[Registration, ...]]
     emitted_ops: dict[Form, tuple[str, ...]]  # the non-aten ops each form's replacement calls
     keywords: dict[Form, frozenset]  # (str(op), keyword, repr(value)) its search spells out
     source: str  # "precompiled" or "traced"
+    # (op, target) a match can start from, when known without building the registrations
+    known_anchors: dict[str, frozenset] = field(default_factory=dict)
     # exact-match patterns of static signatures, shared by every graph (accept.py)
     exact_patterns: dict = field(default_factory=dict)
 
     @functools.cached_property
+    def forward(self) -> tuple[Registration, ...]:
+        return self.build_forward()
+
+    @functools.cached_property
     def joint(self) -> tuple[Registration, ...]:
-        return self.joint_builder()
+        return self.build_joint()
 
     @property
     def joint_forms(self) -> tuple[Form, ...]:
         return tuple(dict.fromkeys(r.form for r in self.joint))
 
-    def anchors(self, registrations: Sequence[Registration]) -> set:
+    def anchors(self, joint: bool) -> frozenset:
         """The (op, target) pairs the matcher starts from: a graph without any of them
         cannot match."""
-        return {(r.pattern.op, fn) for r in registrations for fn in _root_targets(r.pattern)}
+        which = "joint" if joint else "forward"
+        if which not in self.known_anchors:
+            self.known_anchors[which] = frozenset(
+                anchor_of(r.pattern) for r in (self.joint if joint else self.forward))
+        return self.known_anchors[which]
 
 
-def _root_targets(pattern: pm.PatternExpr) -> list:
+def anchor_of(pattern: pm.PatternExpr) -> tuple:
+    """(op, target) of the node a pattern's match starts from (its first output)."""
     if isinstance(pattern, pm.MultiOutputPattern):
         pattern = pattern.outputs[0]
-    return list(getattr(pattern, "fns", ()))
+    (target,) = pattern.fns
+    return pattern.op, target
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return str(target)
+    if getattr(operator, target.__name__, None) is target:
+        return f"operator.{target.__name__}"
+    raise ValueError(f"a pattern starts from {target!r}, which precompiled patterns cannot name")
+
+
+def _target_of(name: str) -> Any:
+    """The inverse of _target_name: "aten.mul.Tensor", "operator.getitem"."""
+    if name.startswith("operator."):
+        return getattr(operator, name.split(".", 1)[1])
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
 def pattern_set(fusion_pass: FusionPass) -> PatternSet:
@@ -149,7 +181,8 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
                     if found is not None and _first_time(found, seen):
                         forward.append(Registration(form, found, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
-    return PatternSet(fusion_pass, tuple(forms), tuple(forward),
+    forward = tuple(forward)
+    return PatternSet(fusion_pass, tuple(forms), lambda: forward,
                       functools.partial(_trace_joint, fusion_pass, tuple(forms), emitted),
                       emitted, {f: frozenset(k) for f, k in keywords.items()}, "traced")
 
@@ -248,17 +281,21 @@ def _load_precompiled(fusion_pass: FusionPass, forms: Sequence[Form]) -> Optiona
                  "Regenerate them with scripts/precompile_patterns.py", fusion_pass.name, stale)
         return None
     by_key = {form.key: form for form in forms}
-    built = {key: [] for key in ("forward", "joint")}
-    for form_key, kind, requires_grad, make in module.REGISTRATIONS:
-        form = by_key.get(form_key)
-        if form is not None:  # a form absent now (its library is not loaded) is skipped
-            built["joint" if is_joint_kind(kind) else "forward"].append(
-                Registration(form, make(), kind, tuple(requires_grad)))
-    joint = tuple(built["joint"])
-    return PatternSet(fusion_pass, tuple(forms), tuple(built["forward"]), lambda: joint,
+    # a form absent now (the library it matches is not loaded) is skipped
+    present = [(by_key[form_key], kind, tuple(requires_grad), anchor, make)
+               for form_key, kind, requires_grad, anchor, make in module.REGISTRATIONS if form_key in by_key]
+
+    def build(joint: bool) -> tuple[Registration, ...]:
+        return tuple(Registration(form, make(), kind, requires_grad)
+                     for form, kind, requires_grad, _, make in present if is_joint_kind(kind) == joint)
+
+    anchors = {which: frozenset((op, _target_of(target)) for _, kind, _, (op, target), _ in present
+                                if is_joint_kind(kind) == (which == "joint"))
+               for which in ("forward", "joint")}
+    return PatternSet(fusion_pass, tuple(forms), functools.partial(build, False), functools.partial(build, True),
                       {form: tuple(module.FORMS[form.key]["emitted_ops"]) for form in forms},
                       {form: frozenset(map(tuple, module.FORMS[form.key]["keywords"])) for form in forms},
-                      "precompiled")
+                      "precompiled", known_anchors=anchors)
 
 
 def _staleness(fusion_pass: FusionPass, forms: Sequence[Form], module: Any) -> Optional[str]:
@@ -285,12 +322,18 @@ def import_optional_form_libraries() -> None:
     import transformers.integrations.moe  # noqa: F401
 
 
-def precompiled_source(fusion_pass: FusionPass) -> str:
-    """The text of patterns/_precompiled/<pass>.py for the current sources: every form the
-    pass can have (every optional library it matches must be importable here)."""
+def trace_patterns(fusion_pass: FusionPass) -> PatternSet:
+    """The pass's patterns traced from its forms, whatever is precompiled."""
     npu_ops.ensure_registered()
-    forms = fusion_pass.forms
-    traced = _trace(fusion_pass, forms)
+    return _trace(fusion_pass, fusion_pass.forms)
+
+
+def precompiled_source(fusion_pass: FusionPass, traced: Optional[PatternSet] = None) -> str:
+    """The text of patterns/_precompiled/<pass>.py for the current sources: every form the
+    pass can have (every optional library it matches must be importable here). `traced`:
+    the pass's trace_patterns(), if already made."""
+    traced = traced or trace_patterns(fusion_pass)
+    forms = traced.forms
     registrations = [*traced.forward, *traced.joint]
     index = {form: i for i, form in enumerate(forms)}
     ops = [op for form in forms for op in traced.emitted_ops[form]]
@@ -319,16 +362,48 @@ def precompiled_source(fusion_pass: FusionPass) -> str:
     lines += ["}", ""]
     for number, registration in enumerate(registrations):
         lines += ["", f"def _p{number}():  # {registration.form.name} [{registration.kind}]"]
-        body = pm.PatternPrettyPrinter.run(registration.pattern, output_name="pattern")
+        body = _print_pattern(registration.pattern)
         lines += ["    " + line for line in _with_namespaces(body).splitlines()]
         lines.append("    return pattern")
         _check_round_trip(registration.pattern, body)
-    lines += ["", "", "# (form key, kind, arguments traced as requiring grad, pattern builder)", "REGISTRATIONS = ["]
+    lines += ["", "", "# (form key, kind, arguments traced as requiring grad, (op, target) a match starts from,",
+              "#  pattern builder)", "REGISTRATIONS = ["]
     for number, registration in enumerate(registrations):
-        lines.append(f"    ({registration.form.key!r}, {registration.kind!r}, "
-                     f"{registration.requires_grad!r}, _p{number}),  # form {index[registration.form]}")
+        op, target = anchor_of(registration.pattern)
+        lines.append(f"    ({registration.form.key!r}, {registration.kind!r}, {registration.requires_grad!r},")
+        lines.append(f"     ({op!r}, {_target_name(target)!r}), _p{number}),  # form {index[registration.form]}")
     lines += ["]", ""]
     return "\n".join(lines)
+
+
+class _Printer(pm.PatternPrettyPrinter):
+    """torch's printer, with two fixes for patterns other than Inductor's attention ones:
+    - a list argument (cat's tensors) is printed item by item (torch writes it with
+      repr(), which gives the nested patterns' debugging repr, not code);
+    - each named argument is one object, as in the pattern traced: torch writes a
+      KeywordArg anew at each use, and a multi-output pattern finds its later outputs
+      from the nodes its named arguments matched, by object (MultiOutputPattern's
+      anchors), so with copies a joint pattern matches nothing."""
+
+    def pretty_print(self, obj: Any) -> str:
+        if isinstance(obj, (list, tuple)):
+            items = ", ".join(self.pretty_print(x) for x in obj)
+            return f"[{items}]" if isinstance(obj, list) else f"({items}{',' if len(obj) == 1 else ''})"
+        if isinstance(obj, (pm.KeywordArg, pm.ExclusiveKeywordArg)):
+            if obj not in self.memoized_objs_names:
+                self.memoized_objs_names[obj] = self.namespace.create_name(f"arg_{obj.name}", None)
+                self.memoized_objs_pp[obj] = f"{type(obj).__name__}({obj.name!r})"
+            return self.memoized_objs_names[obj]
+        return super().pretty_print(obj)
+
+
+def _print_pattern(pattern: pm.PatternExpr) -> str:
+    """Python statements that build `pattern` into the name `pattern`."""
+    printer = _Printer()
+    out = pattern.pretty_print(pp=printer)
+    lines = [f"{printer.memoized_objs_names[key]} = {printer.memoized_objs_pp[key]}"
+             for key in printer.memoized_objs_names]
+    return "\n".join([*lines, f"pattern = {out}"])
 
 
 _PATTERN_CLASSES = ("Arg", "CallFunction", "CallFunctionVarArgs", "CallMethod", "CallMethodVarArgs",
@@ -348,10 +423,36 @@ def _with_namespaces(body: str) -> str:
 
 
 def _check_round_trip(pattern: pm.PatternExpr, body: str) -> None:
-    """The printed pattern must build a pattern that prints the same."""
+    """The printed pattern must build a pattern that prints the same and shares the same
+    sub-patterns (matching relies on which parts are one object)."""
     namespace: dict = {"torch": torch, "operator": operator, "aten": torch.ops.aten,
                        "prims": torch.ops.prims, "inf": float("inf")}
     exec("from torch._inductor.pattern_matcher import *\n" + _with_namespaces(body), namespace)  # noqa: S102
-    again = pm.PatternPrettyPrinter.run(namespace["pattern"], output_name="pattern")
-    if again != body:
+    built = namespace["pattern"]
+    again = _print_pattern(built)
+    if again != body or _sharing(built) != _sharing(pattern):
         raise ValueError(f"a pattern does not survive printing:\n{body}\n---\n{again}")
+
+
+def _sharing(pattern: Any) -> list:
+    """The pattern's objects in depth-first order, each as the index of its first visit:
+    two patterns with equal lists share their parts alike."""
+    seen: dict[int, int] = {}
+    order: list = []
+
+    def visit(obj: Any) -> None:
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item)
+            return
+        if not isinstance(obj, pm.PatternExpr):
+            return
+        first = id(obj) not in seen
+        order.append(seen.setdefault(id(obj), len(seen)))
+        if first:
+            for child in (*getattr(obj, "args", ()), *getattr(obj, "kwargs", {}).values(),
+                          *getattr(obj, "outputs", ())):
+                visit(child)
+
+    visit(pattern)
+    return order

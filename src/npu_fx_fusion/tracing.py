@@ -111,19 +111,21 @@ def is_joint_kind(kind: str) -> bool:
     return kind in (JOINT, JOINT_NPU_CAST)
 
 
-def signature(args: Sequence[Any]) -> Optional[tuple]:
+def signature(args: Sequence[Any], requires_grad: Optional[Sequence[bool]] = None) -> Optional[tuple]:
     """What a trace of a function depends on in `args`: shapes, strides, dtypes, devices,
-    requires_grad and scalar values; None for an argument that cannot be keyed.
+    requires_grad (the tensors' own, or `requires_grad`) and scalar values; None for an
+    argument that cannot be keyed.
 
     A symbolic size is keyed by its expression ("s0"), which names one value only within
     its shape env, i.e. within the graph being fused: callers key per-graph caches with
     these, process-wide ones only with `is_static` signatures.
     """
     parts: list[Any] = []
-    for arg in args:
+    for index, arg in enumerate(args):
         if isinstance(arg, torch.Tensor):
+            grad = arg.requires_grad if requires_grad is None else requires_grad[index]
             parts.append((tuple(_size_key(d) for d in arg.shape), tuple(_size_key(d) for d in arg.stride()),
-                          arg.dtype, arg.device.type, arg.requires_grad))
+                          arg.dtype, arg.device.type, grad))
         elif isinstance(arg, (torch.SymInt, torch.SymFloat)):
             parts.append(("sym", str(arg.node.expr)))
         elif isinstance(arg, (int, float, bool, str, type(None), torch.dtype)):
