@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3317b0f237805141',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ab075aba605f044d',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
@@ -567,39 +567,39 @@ def _p15():  # transformers_indexer [forward-npu-cast]
     return pattern
 
 
-# (form key, kind, arguments traced as requiring grad, (op, target) a match starts from,
-#  pattern builder)
+# (form key, kind, arguments traced as requiring grad, the (op, target)s a match
+#  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
 REGISTRATIONS = [
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p0),  # form 0
+     (('call_function', 'aten._to_copy.default'),), _p0),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p1),  # form 0
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p1),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p2),  # form 0
+     (('call_function', 'aten._to_copy.default'),), _p2),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p3),  # form 0
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p3),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p4),  # form 0
+     (('call_function', 'aten._to_copy.default'),), _p4),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p5),  # form 0
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p5),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p6),  # form 0
+     (('call_function', 'aten._to_copy.default'),), _p6),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p7),  # form 0
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p7),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p8),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p8),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p9),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p9),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p10),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p10),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p11),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p11),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p12),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p12),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p13),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p13),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p14),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p14),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p15),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p15),  # form 1
 ]

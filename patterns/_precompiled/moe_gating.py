@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd7adcf8f1d7c6563',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c7282478eb9a624d',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {
@@ -335,23 +335,23 @@ def _p7():  # torchtitan_sigmoid_grouped [joint]
     return pattern
 
 
-# (form key, kind, arguments traced as requiring grad, (op, target) a match starts from,
-#  pattern builder)
+# (form key, kind, arguments traced as requiring grad, the (op, target)s a match
+#  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
 REGISTRATIONS = [
     ('softmax_top_k -> npu_moe_gating_top_k_softmax @ float32', 'forward', (),
-     ('call_function', 'operator.getitem'), _p0),  # form 0
+     (('call_function', 'operator.getitem'),), _p0),  # form 0
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p1),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 1
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'forward-npu-cast', (),
-     ('call_function', 'aten.mul.Tensor'), _p2),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 1
     ('torchtitan_softmax_biased -> npu_moe_gating_top_k_softmax_biased @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p3),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 2
     ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p4),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p4),  # form 3
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'joint', ('gate_logits',),
-     ('call_function', 'aten.mul.Tensor'), _p5),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p5),  # form 1
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'joint-npu-cast', ('gate_logits',),
-     ('call_function', 'aten.mul.Tensor'), _p6),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 1
     ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'joint', ('gate_scores',),
-     ('call_function', 'aten.mul.Tensor'), _p7),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p7),  # form 3
 ]

@@ -11,13 +11,11 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3d2c22d15826b149',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'bb9e90139cab7982',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {
     'hf_llama -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32')]},
-    'weight_after_cast -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32')]},
     'weight_before_cast -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
@@ -73,7 +71,7 @@ def _p2():  # hf_llama [forward-npu-cast]
     pattern = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p3():  # weight_after_cast [forward]
+def _p3():  # weight_before_cast [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -85,48 +83,7 @@ def _p3():  # weight_after_cast [forward]
     pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
     return pattern
 
-def _p4():  # weight_after_cast [forward]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
-    arg_weight = KeywordArg('weight')
-    pattern = CallFunction(aten.mul.Tensor, _to_copy_default_1, arg_weight, _users=0)
-    return pattern
-
-def _p5():  # weight_after_cast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
-    arg_weight = KeywordArg('weight')
-    pattern = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, arg_weight, _users=0)
-    return pattern
-
-def _p6():  # weight_before_cast [forward]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
-    return pattern
-
-def _p7():  # weight_before_cast [forward]
+def _p4():  # weight_before_cast [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -140,7 +97,7 @@ def _p7():  # weight_before_cast [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
     return pattern
 
-def _p8():  # weight_before_cast [forward-npu-cast]
+def _p5():  # weight_before_cast [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -155,48 +112,48 @@ def _p8():  # weight_before_cast [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p9():  # torch_functional [forward]
+def _p6():  # torch_functional [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
     arg_weight = KeywordArg('weight')
     pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
     return pattern
 
-def _p10():  # torch_functional [forward]
+def _p7():  # torch_functional [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
     return pattern
 
-def _p11():  # torch_functional [forward-npu-cast]
+def _p8():  # torch_functional [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p12():  # divide_by_sqrt [forward]
+def _p9():  # divide_by_sqrt [forward]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -208,7 +165,7 @@ def _p12():  # divide_by_sqrt [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_weight, div_Tensor, _users=0)
     return pattern
 
-def _p13():  # divide_by_sqrt [forward]
+def _p10():  # divide_by_sqrt [forward]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -222,7 +179,7 @@ def _p13():  # divide_by_sqrt [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_weight, _to_copy_default_1, _users=0)
     return pattern
 
-def _p14():  # divide_by_sqrt [forward-npu-cast]
+def _p11():  # divide_by_sqrt [forward-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -237,7 +194,7 @@ def _p14():  # divide_by_sqrt [forward-npu-cast]
     pattern = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p15():  # gemma [forward]
+def _p12():  # gemma [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -250,7 +207,7 @@ def _p15():  # gemma [forward]
     pattern = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1, _users=0)
     return pattern
 
-def _p16():  # gemma [forward]
+def _p13():  # gemma [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -266,7 +223,7 @@ def _p16():  # gemma [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
     return pattern
 
-def _p17():  # gemma [forward-npu-cast]
+def _p14():  # gemma [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -283,7 +240,7 @@ def _p17():  # gemma [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p18():  # no_weight [forward]
+def _p15():  # no_weight [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -293,7 +250,7 @@ def _p18():  # no_weight [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=0)
     return pattern
 
-def _p19():  # no_weight [forward]
+def _p16():  # no_weight [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -305,7 +262,7 @@ def _p19():  # no_weight [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=0)
     return pattern
 
-def _p20():  # no_weight [forward-npu-cast]
+def _p17():  # no_weight [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -318,7 +275,7 @@ def _p20():  # no_weight [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=0)
     return pattern
 
-def _p21():  # hf_llama [joint]
+def _p18():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -332,18 +289,18 @@ def _p21():  # hf_llama [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
       add_Tensor_1,
@@ -352,7 +309,7 @@ def _p21():  # hf_llama [joint]
     ])
     return pattern
 
-def _p22():  # hf_llama [joint]
+def _p19():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -369,23 +326,128 @@ def _p22():  # hf_llama [joint]
     _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
       _to_copy_default_3,
       view_default,
+      None
+    ])
+    return pattern
+
+def _p20():  # hf_llama [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_weight = KeywordArg('weight')
+    arg_x = KeywordArg('x')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      npu__npu_dtype_cast_backward_default_1,
+      view_default,
+      None
+    ])
+    return pattern
+
+def _p21():  # hf_llama [joint]
+    arg_weight = KeywordArg('weight')
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, mul_Tensor)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      add_Tensor_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p22():  # hf_llama [joint]
+    arg_weight = KeywordArg('weight')
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, _to_copy_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      _to_copy_default_3,
+      None,
       None
     ])
     return pattern
@@ -401,30 +463,27 @@ def _p23():  # hf_llama [joint-npu-cast]
     add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
     rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=2)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1)
     arg_tangents_1 = KeywordArg('tangents_1')
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
       npu__npu_dtype_cast_backward_default_1,
-      view_default,
+      None,
       None
     ])
     return pattern
@@ -436,26 +495,16 @@ def _p24():  # hf_llama [joint]
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
     add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, mul_Tensor)
     arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
       None,
+      view_default,
       None
     ])
     return pattern
@@ -463,34 +512,22 @@ def _p24():  # hf_llama [joint]
 def _p25():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
     add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, _to_copy_default_1)
     arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
-      _to_copy_default_3,
       None,
+      view_default,
       None
     ])
     return pattern
@@ -499,86 +536,6 @@ def _p26():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      npu__npu_dtype_cast_backward_default_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p27():  # hf_llama [joint]
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, mul_Tensor)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p28():  # hf_llama [joint]
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_weight, _to_copy_default_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p29():  # hf_llama [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -599,7 +556,7 @@ def _p29():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p30():  # weight_after_cast [joint]
+def _p27():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -613,18 +570,18 @@ def _p30():  # weight_after_cast [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
       add_Tensor_1,
@@ -633,288 +590,7 @@ def _p30():  # weight_after_cast [joint]
     ])
     return pattern
 
-def _p31():  # weight_after_cast [joint]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      _to_copy_default_3,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p32():  # weight_after_cast [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      npu__npu_dtype_cast_backward_default_1,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p33():  # weight_after_cast [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p34():  # weight_after_cast [joint]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      _to_copy_default_3,
-      None,
-      None
-    ])
-    return pattern
-
-def _p35():  # weight_after_cast [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight)
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      npu__npu_dtype_cast_backward_default_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p36():  # weight_after_cast [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p37():  # weight_after_cast [joint]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p38():  # weight_after_cast [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p39():  # weight_before_cast [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p40():  # weight_before_cast [joint]
+def _p28():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -931,19 +607,19 @@ def _p40():  # weight_before_cast [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_1,
@@ -953,7 +629,7 @@ def _p40():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p41():  # weight_before_cast [joint-npu-cast]
+def _p29():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -971,19 +647,19 @@ def _p41():  # weight_before_cast [joint-npu-cast]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, view_default, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
@@ -993,7 +669,7 @@ def _p41():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p42():  # weight_before_cast [joint]
+def _p30():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1007,16 +683,16 @@ def _p42():  # weight_before_cast [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     pattern = MultiOutputPattern([mul_Tensor_1,
       add_Tensor_1,
       None,
@@ -1024,7 +700,7 @@ def _p42():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p43():  # weight_before_cast [joint]
+def _p31():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1041,16 +717,16 @@ def _p43():  # weight_before_cast [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_1,
       _to_copy_default_3,
@@ -1059,7 +735,7 @@ def _p43():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p44():  # weight_before_cast [joint-npu-cast]
+def _p32():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1077,16 +753,16 @@ def _p44():  # weight_before_cast [joint-npu-cast]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
       npu__npu_dtype_cast_backward_default_1,
@@ -1095,7 +771,7 @@ def _p44():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p45():  # weight_before_cast [joint]
+def _p33():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1116,7 +792,7 @@ def _p45():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p46():  # weight_before_cast [joint]
+def _p34():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1141,7 +817,7 @@ def _p46():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p47():  # weight_before_cast [joint-npu-cast]
+def _p35():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1167,13 +843,13 @@ def _p47():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p48():  # torch_functional [joint]
+def _p36():  # torch_functional [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar, _users=3)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1181,34 +857,34 @@ def _p48():  # torch_functional [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor,
+      add_Tensor_1,
       view_default,
       None
     ])
     return pattern
 
-def _p49():  # torch_functional [joint]
+def _p37():  # torch_functional [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar, _users=3)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1218,19 +894,19 @@ def _p49():  # torch_functional [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_1,
@@ -1240,15 +916,15 @@ def _p49():  # torch_functional [joint]
     ])
     return pattern
 
-def _p50():  # torch_functional [joint-npu-cast]
+def _p38():  # torch_functional [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar, _users=3)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default, _users=2)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1258,19 +934,19 @@ def _p50():  # torch_functional [joint-npu-cast]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, view_default, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
@@ -1280,13 +956,13 @@ def _p50():  # torch_functional [joint-npu-cast]
     ])
     return pattern
 
-def _p51():  # torch_functional [joint]
+def _p39():  # torch_functional [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar, _users=3)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1294,31 +970,31 @@ def _p51():  # torch_functional [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor,
+      add_Tensor_1,
       None,
       None
     ])
     return pattern
 
-def _p52():  # torch_functional [joint]
+def _p40():  # torch_functional [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar, _users=3)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1328,17 +1004,17 @@ def _p52():  # torch_functional [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_1,
       _to_copy_default_3,
       None,
@@ -1346,15 +1022,15 @@ def _p52():  # torch_functional [joint]
     ])
     return pattern
 
-def _p53():  # torch_functional [joint-npu-cast]
+def _p41():  # torch_functional [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar, _users=3)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1364,17 +1040,17 @@ def _p53():  # torch_functional [joint-npu-cast]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, arg_weight, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
       npu__npu_dtype_cast_backward_default_1,
       None,
@@ -1382,13 +1058,13 @@ def _p53():  # torch_functional [joint-npu-cast]
     ])
     return pattern
 
-def _p54():  # torch_functional [joint]
+def _p42():  # torch_functional [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1403,14 +1079,14 @@ def _p54():  # torch_functional [joint]
     ])
     return pattern
 
-def _p55():  # torch_functional [joint]
+def _p43():  # torch_functional [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1428,15 +1104,15 @@ def _p55():  # torch_functional [joint]
     ])
     return pattern
 
-def _p56():  # torch_functional [joint-npu-cast]
+def _p44():  # torch_functional [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
     arg_eps = KeywordArg('eps')
-    add_Scalar = CallFunction(aten.add.Scalar, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Scalar)
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default, _users=2)
     arg_weight = KeywordArg('weight')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
@@ -1454,7 +1130,7 @@ def _p56():  # torch_functional [joint-npu-cast]
     ])
     return pattern
 
-def _p57():  # divide_by_sqrt [joint]
+def _p45():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -1471,17 +1147,17 @@ def _p57():  # divide_by_sqrt [joint]
     div_Tensor_2 = CallFunction(aten.div.Tensor, div_Tensor_1, sqrt_default)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, neg_default, div_Tensor_2)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sqrt_default, Ignored())
-    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Scalar)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, sqrt_default, Ignored())
+    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Tensor_3)
     expand_default = CallFunction(aten.expand.default, div_Tensor_3, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    div_Tensor_4 = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_1, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    div_Tensor_4 = CallFunction(aten.div.Tensor, mul_Tensor_1, sqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, div_Tensor_4)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, arg_tangents_1, div_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_4, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_1, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor_4, mul_Tensor_4)
+    div_Tensor_5 = CallFunction(aten.div.Tensor, mul_Tensor_1, sqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, div_Tensor_5)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, div_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_6, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor,
       add_Tensor_1,
@@ -1490,7 +1166,7 @@ def _p57():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p58():  # divide_by_sqrt [joint]
+def _p46():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -1510,18 +1186,18 @@ def _p58():  # divide_by_sqrt [joint]
     div_Tensor_2 = CallFunction(aten.div.Tensor, div_Tensor_1, sqrt_default)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, neg_default, div_Tensor_2)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sqrt_default, Ignored())
-    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Scalar)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, sqrt_default, Ignored())
+    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Tensor_3)
     expand_default = CallFunction(aten.expand.default, div_Tensor_3, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    div_Tensor_4 = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_1, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    div_Tensor_4 = CallFunction(aten.div.Tensor, _to_copy_default_2, sqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, div_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_1, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor_4, mul_Tensor_4)
+    div_Tensor_5 = CallFunction(aten.div.Tensor, _to_copy_default_2, sqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, div_Tensor_5)
     _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_4, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_6, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor,
       _to_copy_default_3,
@@ -1530,7 +1206,7 @@ def _p58():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p59():  # divide_by_sqrt [joint-npu-cast]
+def _p47():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1551,18 +1227,18 @@ def _p59():  # divide_by_sqrt [joint-npu-cast]
     div_Tensor_2 = CallFunction(aten.div.Tensor, div_Tensor_1, sqrt_default)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, neg_default, div_Tensor_2)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sqrt_default, Ignored())
-    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Scalar)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, sqrt_default, Ignored())
+    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Tensor_3)
     expand_default = CallFunction(aten.expand.default, div_Tensor_3, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    div_Tensor_4 = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_1, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    div_Tensor_4 = CallFunction(aten.div.Tensor, npu__npu_dtype_cast_backward_default, sqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, div_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_1, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor_4, mul_Tensor_4)
+    div_Tensor_5 = CallFunction(aten.div.Tensor, npu__npu_dtype_cast_backward_default, sqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, div_Tensor_5)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_4, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_6, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor,
       npu__npu_dtype_cast_backward_default_1,
@@ -1571,7 +1247,7 @@ def _p59():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p60():  # divide_by_sqrt [joint]
+def _p48():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -1588,15 +1264,15 @@ def _p60():  # divide_by_sqrt [joint]
     div_Tensor_2 = CallFunction(aten.div.Tensor, div_Tensor_1, sqrt_default)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, neg_default, div_Tensor_2)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sqrt_default, Ignored())
-    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Scalar)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, sqrt_default, Ignored())
+    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Tensor_3)
     expand_default = CallFunction(aten.expand.default, div_Tensor_3, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    div_Tensor_4 = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_1, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    div_Tensor_4 = CallFunction(aten.div.Tensor, mul_Tensor_1, sqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, div_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_1, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor_4, mul_Tensor_4)
+    div_Tensor_5 = CallFunction(aten.div.Tensor, mul_Tensor_1, sqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, div_Tensor_5)
     pattern = MultiOutputPattern([mul_Tensor,
       add_Tensor_1,
       None,
@@ -1604,7 +1280,7 @@ def _p60():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p61():  # divide_by_sqrt [joint]
+def _p49():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -1624,15 +1300,15 @@ def _p61():  # divide_by_sqrt [joint]
     div_Tensor_2 = CallFunction(aten.div.Tensor, div_Tensor_1, sqrt_default)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, neg_default, div_Tensor_2)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sqrt_default, Ignored())
-    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Scalar)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, sqrt_default, Ignored())
+    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Tensor_3)
     expand_default = CallFunction(aten.expand.default, div_Tensor_3, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    div_Tensor_4 = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_1, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    div_Tensor_4 = CallFunction(aten.div.Tensor, _to_copy_default_2, sqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, div_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_1, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor_4, mul_Tensor_4)
+    div_Tensor_5 = CallFunction(aten.div.Tensor, _to_copy_default_2, sqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, div_Tensor_5)
     _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([mul_Tensor,
       _to_copy_default_3,
@@ -1641,7 +1317,7 @@ def _p61():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p62():  # divide_by_sqrt [joint-npu-cast]
+def _p50():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1662,15 +1338,15 @@ def _p62():  # divide_by_sqrt [joint-npu-cast]
     div_Tensor_2 = CallFunction(aten.div.Tensor, div_Tensor_1, sqrt_default)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, neg_default, div_Tensor_2)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sqrt_default, Ignored())
-    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Scalar)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, sqrt_default, Ignored())
+    div_Tensor_3 = CallFunction(aten.div.Tensor, sum_dim_IntList, mul_Tensor_3)
     expand_default = CallFunction(aten.expand.default, div_Tensor_3, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    div_Tensor_4 = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_1, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    div_Tensor_4 = CallFunction(aten.div.Tensor, npu__npu_dtype_cast_backward_default, sqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, div_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_1, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor_4, mul_Tensor_4)
+    div_Tensor_5 = CallFunction(aten.div.Tensor, npu__npu_dtype_cast_backward_default, sqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, div_Tensor_5)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor,
       npu__npu_dtype_cast_backward_default_1,
@@ -1679,7 +1355,7 @@ def _p62():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p63():  # divide_by_sqrt [joint]
+def _p51():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -1700,7 +1376,7 @@ def _p63():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p64():  # divide_by_sqrt [joint]
+def _p52():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -1723,7 +1399,7 @@ def _p64():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p65():  # divide_by_sqrt [joint-npu-cast]
+def _p53():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1747,7 +1423,7 @@ def _p65():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p66():  # gemma [joint]
+def _p54():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1762,18 +1438,18 @@ def _p66():  # gemma [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, add_Tensor_1, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     pattern = MultiOutputPattern([mul_Tensor_1,
       add_Tensor_2,
@@ -1782,7 +1458,7 @@ def _p66():  # gemma [joint]
     ])
     return pattern
 
-def _p67():  # gemma [joint]
+def _p55():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1801,19 +1477,19 @@ def _p67():  # gemma [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, add_Tensor_1, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     _to_copy_default_4 = CallFunction(aten._to_copy.default, add_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, _to_copy_default_3, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, _to_copy_default_3, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     _to_copy_default_5 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_2,
@@ -1823,7 +1499,7 @@ def _p67():  # gemma [joint]
     ])
     return pattern
 
-def _p68():  # gemma [joint-npu-cast]
+def _p56():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1843,19 +1519,19 @@ def _p68():  # gemma [joint-npu-cast]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, add_Tensor_1, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
     view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, view_default, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_2,
@@ -1865,7 +1541,7 @@ def _p68():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p69():  # gemma [joint]
+def _p57():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1880,16 +1556,16 @@ def _p69():  # gemma [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, add_Tensor_1, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     pattern = MultiOutputPattern([mul_Tensor_1,
       add_Tensor_2,
       None,
@@ -1897,7 +1573,7 @@ def _p69():  # gemma [joint]
     ])
     return pattern
 
-def _p70():  # gemma [joint]
+def _p58():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1916,16 +1592,16 @@ def _p70():  # gemma [joint]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, add_Tensor_1, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     _to_copy_default_4 = CallFunction(aten._to_copy.default, add_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_2,
       _to_copy_default_4,
@@ -1934,7 +1610,7 @@ def _p70():  # gemma [joint]
     ])
     return pattern
 
-def _p71():  # gemma [joint-npu-cast]
+def _p59():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1954,16 +1630,16 @@ def _p71():  # gemma [joint-npu-cast]
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, add_Tensor_1, _users=2)
     mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_4, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_2, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_2,
       npu__npu_dtype_cast_backward_default_1,
@@ -1972,7 +1648,7 @@ def _p71():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p72():  # gemma [joint]
+def _p60():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1994,7 +1670,7 @@ def _p72():  # gemma [joint]
     ])
     return pattern
 
-def _p73():  # gemma [joint]
+def _p61():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -2021,7 +1697,7 @@ def _p73():  # gemma [joint]
     ])
     return pattern
 
-def _p74():  # gemma [joint-npu-cast]
+def _p62():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -2049,7 +1725,7 @@ def _p74():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p75():  # no_weight [joint]
+def _p63():  # no_weight [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -2060,23 +1736,23 @@ def _p75():  # no_weight [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_x)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_2, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_3, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, arg_tangents_1, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, mul_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_4)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
     pattern = MultiOutputPattern([mul_Tensor,
       add_Tensor_1,
       None
     ])
     return pattern
 
-def _p76():  # no_weight [joint]
+def _p64():  # no_weight [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -2090,16 +1766,16 @@ def _p76():  # no_weight [joint]
     _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_2, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_3, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, mul_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_4)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, _to_copy_default_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
     _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([_to_copy_default_1,
       _to_copy_default_3,
@@ -2107,7 +1783,7 @@ def _p76():  # no_weight [joint]
     ])
     return pattern
 
-def _p77():  # no_weight [joint-npu-cast]
+def _p65():  # no_weight [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -2122,16 +1798,16 @@ def _p77():  # no_weight [joint-npu-cast]
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, arg_tangents_1, Ignored(), _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
-    mul_Scalar = CallFunction(aten.mul.Scalar, sum_dim_IntList, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
     pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, mul_Scalar, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_2, Ignored())
-    div_Scalar = CallFunction(aten.div.Scalar, expand_default, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_3, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
     pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Scalar_1 = CallFunction(aten.mul.Scalar, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, div_Scalar, mul_Scalar_1)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_3, mul_Tensor_4)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_4)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
       npu__npu_dtype_cast_backward_default_1,
@@ -2140,163 +1816,139 @@ def _p77():  # no_weight [joint-npu-cast]
     return pattern
 
 
-# (form key, kind, arguments traced as requiring grad, (op, target) a match starts from,
-#  pattern builder)
+# (form key, kind, arguments traced as requiring grad, the (op, target)s a match
+#  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
 REGISTRATIONS = [
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p0),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p0),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p1),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'aten.mul.Tensor'), _p2),  # form 0
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p3),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p4),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'aten.mul.Tensor'), _p5),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p6),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p7),  # form 2
+     (('call_function', 'aten._to_copy.default'),), _p4),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p8),  # form 2
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p5),  # form 1
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p9),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p10),  # form 3
+     (('call_function', 'aten._to_copy.default'),), _p7),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p11),  # form 3
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p8),  # form 2
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p12),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p9),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p13),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p10),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'aten.mul.Tensor'), _p14),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p11),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p15),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p12),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p16),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p13),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p17),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p14),  # form 4
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p18),  # form 6
+     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p15),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     ('call_function', 'aten._to_copy.default'), _p19),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p16),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward-npu-cast', (),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p20),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p17),  # form 5
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p21),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p22),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p23),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p20),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p24),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p21),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p25),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p22),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p26),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p23),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p27),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p24),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p28),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p25),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p29),  # form 0
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p30),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p31),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p32),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p33),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p34),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p35),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p36),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p37),  # form 1
-    ('weight_after_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p38),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p26),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p39),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p27),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten._to_copy.default'), _p40),  # form 2
+     (('call_function', 'aten._to_copy.default'),), _p28),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p41),  # form 2
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p42),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p30),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten._to_copy.default'), _p43),  # form 2
+     (('call_function', 'aten._to_copy.default'),), _p31),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p44),  # form 2
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p32),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p45),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p33),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten._to_copy.default'), _p46),  # form 2
+     (('call_function', 'aten._to_copy.default'),), _p34),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p47),  # form 2
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p35),  # form 1
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p48),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p36),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten._to_copy.default'), _p49),  # form 3
+     (('call_function', 'aten._to_copy.default'),), _p37),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p50),  # form 3
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p38),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p51),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p39),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten._to_copy.default'), _p52),  # form 3
+     (('call_function', 'aten._to_copy.default'),), _p40),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p53),  # form 3
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p41),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p54),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p42),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten._to_copy.default'), _p55),  # form 3
+     (('call_function', 'aten._to_copy.default'),), _p43),  # form 2
     ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p56),  # form 3
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p44),  # form 2
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p57),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p45),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p58),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p46),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p59),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p47),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p60),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p48),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p61),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p49),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p62),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p50),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p63),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p51),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p64),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p52),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p65),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p53),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten.mul.Tensor'), _p66),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p54),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     ('call_function', 'aten._to_copy.default'), _p67),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p55),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p68),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p56),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p69),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p57),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten._to_copy.default'), _p70),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p58),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p71),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p59),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten.mul.Tensor'), _p72),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p60),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     ('call_function', 'aten._to_copy.default'), _p73),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p61),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p74),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p62),  # form 4
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p75),  # form 6
+     (('call_function', 'aten.mul.Tensor'),), _p63),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     ('call_function', 'aten._to_copy.default'), _p76),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p64),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     ('call_function', 'npu._npu_dtype_cast.default'), _p77),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p65),  # form 5
 ]

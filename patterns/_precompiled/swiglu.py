@@ -11,44 +11,18 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6fc097b76753aab7',
+KEY = {'torch': '2.13.0+cpu', 'sources': '05cefac7d24acca9',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
     'chunked -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
         'keywords': []},
-    'chunked_up_first -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
-        'keywords': []},
     'sliced -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
-        'keywords': []},
-    'sliced_up_first -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
-        'keywords': []},
-    'split -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
-        'keywords': []},
-    'split_up_first -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
         'keywords': []},
 }
 
 
 def _p0():  # chunked [forward]
-    arg_x = KeywordArg('x')
-    split_Tensor = CallFunction(aten.split.Tensor, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_Tensor, 0)
-    silu_default = CallFunction(aten.silu.default, operator_getitem)
-    operator_getitem_1 = CallFunction(operator.getitem, split_Tensor, 1)
-    pattern = CallFunction(aten.mul.Tensor, silu_default, operator_getitem_1, _users=0)
-    return pattern
-
-def _p1():  # chunked_up_first [forward]
-    arg_x = KeywordArg('x')
-    split_Tensor = CallFunction(aten.split.Tensor, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_Tensor, 1)
-    operator_getitem_1 = CallFunction(operator.getitem, split_Tensor, 0)
-    silu_default = CallFunction(aten.silu.default, operator_getitem_1)
-    pattern = CallFunction(aten.mul.Tensor, operator_getitem, silu_default, _users=0)
-    return pattern
-
-def _p2():  # sliced [forward]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
     silu_default = CallFunction(aten.silu.default, slice_Tensor)
@@ -56,42 +30,23 @@ def _p2():  # sliced [forward]
     pattern = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=0)
     return pattern
 
-def _p3():  # sliced_up_first [forward]
+def _p1():  # sliced [forward]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    silu_default = CallFunction(aten.silu.default, slice_Tensor)
     slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor_1)
-    pattern = CallFunction(aten.mul.Tensor, slice_Tensor, silu_default, _users=0)
+    pattern = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=0)
     return pattern
 
-def _p4():  # split [forward]
+def _p2():  # chunked [joint]
     arg_x = KeywordArg('x')
-    split_with_sizes_default = CallFunction(aten.split_with_sizes.default, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_with_sizes_default, 0)
-    silu_default = CallFunction(aten.silu.default, operator_getitem)
-    operator_getitem_1 = CallFunction(operator.getitem, split_with_sizes_default, 1)
-    pattern = CallFunction(aten.mul.Tensor, silu_default, operator_getitem_1, _users=0)
-    return pattern
-
-def _p5():  # split_up_first [forward]
-    arg_x = KeywordArg('x')
-    split_with_sizes_default = CallFunction(aten.split_with_sizes.default, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_with_sizes_default, 1)
-    operator_getitem_1 = CallFunction(operator.getitem, split_with_sizes_default, 0)
-    silu_default = CallFunction(aten.silu.default, operator_getitem_1)
-    pattern = CallFunction(aten.mul.Tensor, operator_getitem, silu_default, _users=0)
-    return pattern
-
-def _p6():  # chunked [joint]
-    arg_x = KeywordArg('x')
-    split_Tensor = CallFunction(aten.split.Tensor, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_Tensor, 0, _users=2)
-    silu_default = CallFunction(aten.silu.default, operator_getitem, _users=2)
-    operator_getitem_1 = CallFunction(operator.getitem, split_Tensor, 1, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, operator_getitem_1)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
     arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, operator_getitem_1)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_1, operator_getitem)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, slice_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_1, slice_Tensor)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
     cat_default = CallFunction(aten.cat.default, [silu_backward_default, mul_Tensor_2], Ignored())
     pattern = MultiOutputPattern([mul_Tensor,
@@ -99,24 +54,7 @@ def _p6():  # chunked [joint]
     ])
     return pattern
 
-def _p7():  # chunked_up_first [joint]
-    arg_x = KeywordArg('x')
-    split_Tensor = CallFunction(aten.split.Tensor, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_Tensor, 1, _users=2)
-    operator_getitem_1 = CallFunction(operator.getitem, split_Tensor, 0, _users=2)
-    silu_default = CallFunction(aten.silu.default, operator_getitem_1, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, operator_getitem, silu_default)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, operator_getitem)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_1, operator_getitem_1)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
-    cat_default = CallFunction(aten.cat.default, [silu_backward_default, mul_Tensor_2], Ignored())
-    pattern = MultiOutputPattern([mul_Tensor,
-      cat_default
-    ])
-    return pattern
-
-def _p8():  # sliced [joint]
+def _p3():  # sliced [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
     silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
@@ -134,84 +72,16 @@ def _p8():  # sliced [joint]
     ])
     return pattern
 
-def _p9():  # sliced_up_first [joint]
-    arg_x = KeywordArg('x')
-    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
-    silu_default = CallFunction(aten.silu.default, slice_Tensor_1, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor, silu_default)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
-    slice_backward_default = CallFunction(aten.slice_backward.default, mul_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, slice_Tensor)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_2, slice_Tensor_1)
-    slice_backward_default_1 = CallFunction(aten.slice_backward.default, silu_backward_default, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
-    add_Tensor = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_1)
-    pattern = MultiOutputPattern([mul_Tensor,
-      add_Tensor
-    ])
-    return pattern
 
-def _p10():  # split [joint]
-    arg_x = KeywordArg('x')
-    split_with_sizes_default = CallFunction(aten.split_with_sizes.default, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_with_sizes_default, 0, _users=2)
-    silu_default = CallFunction(aten.silu.default, operator_getitem, _users=2)
-    operator_getitem_1 = CallFunction(operator.getitem, split_with_sizes_default, 1, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, operator_getitem_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, operator_getitem_1)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_1, operator_getitem)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
-    cat_default = CallFunction(aten.cat.default, [silu_backward_default, mul_Tensor_2], Ignored())
-    pattern = MultiOutputPattern([mul_Tensor,
-      cat_default
-    ])
-    return pattern
-
-def _p11():  # split_up_first [joint]
-    arg_x = KeywordArg('x')
-    split_with_sizes_default = CallFunction(aten.split_with_sizes.default, arg_x, Ignored(), Ignored(), _users=2)
-    operator_getitem = CallFunction(operator.getitem, split_with_sizes_default, 1, _users=2)
-    operator_getitem_1 = CallFunction(operator.getitem, split_with_sizes_default, 0, _users=2)
-    silu_default = CallFunction(aten.silu.default, operator_getitem_1, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, operator_getitem, silu_default)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, operator_getitem)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_1, operator_getitem_1)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
-    cat_default = CallFunction(aten.cat.default, [silu_backward_default, mul_Tensor_2], Ignored())
-    pattern = MultiOutputPattern([mul_Tensor,
-      cat_default
-    ])
-    return pattern
-
-
-# (form key, kind, arguments traced as requiring grad, (op, target) a match starts from,
-#  pattern builder)
+# (form key, kind, arguments traced as requiring grad, the (op, target)s a match
+#  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
 REGISTRATIONS = [
     ('chunked -> npu_swiglu @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p0),  # form 0
-    ('chunked_up_first -> npu_swiglu @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p1),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p0),  # form 0
     ('sliced -> npu_swiglu @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p2),  # form 2
-    ('sliced_up_first -> npu_swiglu @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p3),  # form 3
-    ('split -> npu_swiglu @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p4),  # form 4
-    ('split_up_first -> npu_swiglu @ float32', 'forward', (),
-     ('call_function', 'aten.mul.Tensor'), _p5),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 1
     ('chunked -> npu_swiglu @ float32', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p6),  # form 0
-    ('chunked_up_first -> npu_swiglu @ float32', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p7),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 0
     ('sliced -> npu_swiglu @ float32', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p8),  # form 2
-    ('sliced_up_first -> npu_swiglu @ float32', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p9),  # form 3
-    ('split -> npu_swiglu @ float32', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p10),  # form 4
-    ('split_up_first -> npu_swiglu @ float32', 'joint', ('x',),
-     ('call_function', 'aten.mul.Tensor'), _p11),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 1
 ]

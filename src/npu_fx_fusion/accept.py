@@ -39,6 +39,7 @@ from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
 from .registry import PatternSet, Registration, anchor_of, pattern_set
 from .report import FusedSite, NearMiss, PassResult, location_of
+from .spellings import respell_exact
 from .tracing import TRACERS, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -145,8 +146,8 @@ class _Replacement(pm.ReplacementPatternEntry):
     """torch's replacement entry, inserting with insert_replacement and telling the run
     what it inserted."""
 
-    def __init__(self, ctx: RunContext, registration: Registration):
-        super().__init__(pattern=registration.pattern,
+    def __init__(self, ctx: RunContext, registration: Registration, pattern: pm.PatternExpr):
+        super().__init__(pattern=pattern,
                          extra_check=lambda match: _accept(ctx, registration, match),
                          normalize_args=_replacement_arguments(registration.form.argnames))
         self.ctx = ctx
@@ -267,7 +268,8 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
     """
     entries = defaultdict(list)
     for registration in registrations:
-        entries[anchor_of(registration.pattern)].append(_Replacement(ctx, registration))
+        for pattern in registration.spelled:
+            entries[anchor_of(pattern)].append(_Replacement(ctx, registration, pattern))
     if pm.should_compute_mutation_region_ids(graph):
         pm.compute_mutation_region_ids(graph)
     candidates = sorted(itertools.chain.from_iterable(
@@ -409,7 +411,7 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
     except RuntimeError as exc:
         found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
     else:
-        found = pm.fx_to_pattern(gm, argnames=argnames)
+        found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames))
     if arguments.key is not None:
         cache[key] = found
     return found

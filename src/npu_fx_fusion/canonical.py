@@ -10,6 +10,8 @@ The bottom of the engine, beside nodes.py: it imports nothing above it.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any, Optional
 
 import torch
@@ -54,45 +56,76 @@ def functionalize_inplace_on_temporaries(graph: torch.fx.Graph) -> int:
 
 
 
-# op -> (index of its dim argument, whether that argument is a list of dims). The rank a
-# dim refers to is the first tensor input's (cat: the first tensor of its list).
+# op -> (index of its dim argument(s), name of that argument, whether it is a list of
+# dims, how many dims the output has more than the input the dim refers to). The rank a
+# dim refers to is the first tensor input's (cat, stack: the first tensor of its list).
 _DIM_ARGUMENTS = {
-    torch.ops.aten.mean.dim: (1, True),
-    torch.ops.aten.sum.dim_IntList: (1, True),
-    torch.ops.aten.amax.default: (1, True),
-    torch.ops.aten.amin.default: (1, True),
-    torch.ops.aten.slice.Tensor: (1, False),
-    torch.ops.aten.split.Tensor: (2, False),
-    torch.ops.aten.split_with_sizes.default: (2, False),
-    torch.ops.aten.cat.default: (1, False),
-    torch.ops.aten.select.int: (1, False),
+    aten.mean.dim: ((1,), "dim", True, 0),
+    aten.sum.dim_IntList: ((1,), "dim", True, 0),
+    aten.amax.default: ((1,), "dim", True, 0),
+    aten.amin.default: ((1,), "dim", True, 0),
+    aten.slice.Tensor: ((1,), "dim", False, 0),
+    aten.split.Tensor: ((2,), "dim", False, 0),
+    aten.split_with_sizes.default: ((2,), "dim", False, 0),
+    aten.cat.default: ((1,), "dim", False, 0),
+    aten.select.int: ((1,), "dim", False, 0),
+    aten._softmax.default: ((1,), "dim", False, 0),
+    aten._log_softmax.default: ((1,), "dim", False, 0),
+    aten.topk.default: ((2,), "dim", False, 0),
+    aten.sort.default: ((1,), "dim", False, 0),
+    aten.sort.stable: ((), "dim", False, 0),
+    aten.argsort.default: ((1,), "dim", False, 0),
+    aten.argsort.stable: ((), "dim", False, 0),
+    aten.cumsum.default: ((1,), "dim", False, 0),
+    aten.argmax.default: ((1,), "dim", False, 0),
+    aten.max.dim: ((1,), "dim", False, 0),
+    aten.gather.default: ((1,), "dim", False, 0),
+    aten.index_select.default: ((1,), "dim", False, 0),
+    aten.squeeze.dim: ((1,), "dim", False, 0),
+    aten.unsqueeze.default: ((1,), "dim", False, 1),
+    aten.stack.default: ((1,), "dim", False, 1),
+    aten.transpose.int: ((1, 2), None, False, 0),
+}
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+# x + 2.0 reaches a graph as add.Tensor(x, 2.0) or (F.rms_norm's eps) add.Scalar(x, 2.0):
+# one computation (a Python number is a wrapped scalar either way). Spelled .Tensor.
+_SCALAR_OVERLOADS = {
+    aten.add.Scalar: aten.add.Tensor,
+    aten.sub.Scalar: aten.sub.Tensor,
+    aten.mul.Scalar: aten.mul.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
 }
 
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
-
-
 def canonicalize(graph: torch.fx.Graph) -> int:
-    """Spell dims and view sizes one way: the same op, whichever way the code wrote it.
+    """Spell each computation one way, whichever way the code wrote it.
 
-    - dim arguments as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`): model code
-      says `mean(-1)`, F.rms_norm `mean([x.dim() - 1])`, dynamo turns `x[..., :h]` into
-      `slice(x, 3, 0, h)`;
+    - dim arguments as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`, a transpose's
+      two dims in order): model code says `mean(-1)`, F.rms_norm `mean([x.dim() - 1])`,
+      dynamo turns `x[..., :h]` into `slice(x, 3, 0, h)`;
     - a -1 in a view's sizes as the size it stands for (`view(x, [2, 16, -1, 2])` ->
       `[2, 16, 32, 2]`), where that size is a plain int: `reshape(..., -1, 2)` reaches
       the graph with or without its -1;
+    - the pieces of a split (chunk, split, split_with_sizes) as the slices they are, and
+      a slice's bounds within the dim (`x[..., h:]` ends at 2**63 - 1, the second chunk at
+      the dim's size): one view of the same elements, however it was taken;
+    - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor);
     - no `detach`: aot graphs run without autograd, where it is the identity. Joint
       graphs detach what they save for the backward, and a search may detach an output
       the model uses without a gradient (a router's full scores), so that its joint
       trace has no tangent for it.
-    Search functions and matched graphs are both canonicalised. Returns the number of
-    nodes changed; the computation is unchanged.
+    Each of these computes exactly what it replaces. Spellings that are equal in value
+    but not bit for bit (x / sqrt(v) and x * rsqrt(v)) are not rewritten: the patterns
+    accept them instead (spellings.py). Search functions and matched graphs are both
+    canonicalised. Returns the number of nodes changed.
     """
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is torch.ops.aten.detach.default and not (
+        if node.target is aten.detach.default and not (
                 node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
             # (an input's detached alias leaving the graph stays: aot's runtime wrapper
             # knows that output as a view of the input)
@@ -100,26 +133,98 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             graph.erase_node(node)
             changed += 1
             continue
+        if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
+            node.target = _SCALAR_OVERLOADS[node.target]
+            changed += 1
         if node.target in _VIEWS:
             changed += _resolve_inferred_size(node)
-            continue
-        if node.target not in _DIM_ARGUMENTS:
-            continue
-        index, is_list = _DIM_ARGUMENTS[node.target]
-        if len(node.args) <= index:
-            continue  # the default dim (cat's 0, slice's 0): leave it
-        source = node.args[0][0] if node.target is torch.ops.aten.cat.default else node.args[0]
-        source = tensor_meta(source)
-        dims = node.args[index]
-        if source is None or source.dim() == 0 or not isinstance(dims, (int, list, tuple)):
-            continue
-        rank = source.dim()
-        canonical = ([d - rank if d >= 0 else d for d in dims] if is_list
-                     else (dims - rank if isinstance(dims, int) and dims >= 0 else dims))
-        if canonical != (list(dims) if is_list else dims):
-            node.args = (*node.args[:index], canonical, *node.args[index + 1:])
-            changed += 1
+        elif node.target in _DIM_ARGUMENTS:
+            changed += _canonical_dims(node)
+        if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            changed += _split_as_slices(graph, node)
+        elif node.target is aten.slice.Tensor:
+            changed += _canonical_slice_bounds(node)
     return changed
+
+
+def _canonical_dims(node: Node) -> int:
+    indices, keyword, is_list, extra_rank = _DIM_ARGUMENTS[node.target]
+    first = node.args[0][0] if node.target in (aten.cat.default, aten.stack.default) else node.args[0]
+    source = tensor_meta(first)
+    if source is None or source.dim() == 0:
+        return 0
+    rank = source.dim() + extra_rank
+    args, kwargs = list(node.args), dict(node.kwargs)
+    spots = [("args", i) for i in indices if i < len(args)]
+    if keyword and keyword in kwargs:
+        spots.append(("kwargs", keyword))
+    if not spots:
+        return 0  # the default dim (cat's 0, slice's 0, topk's -1): leave it
+    for where, key in spots:
+        holder = args if where == "args" else kwargs
+        dims = holder[key]
+        if is_list and isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims):
+            holder[key] = [d - rank if d >= 0 else d for d in dims]
+        elif isinstance(dims, int) and not isinstance(dims, bool):
+            holder[key] = dims - rank if dims >= 0 else dims
+    if node.target is aten.transpose.int and all(isinstance(d, int) for d in args[1:3]):
+        args[1:3] = sorted(args[1:3])
+    if tuple(args) == tuple(node.args) and kwargs == dict(node.kwargs):
+        return 0
+    node.args, node.kwargs = tuple(args), kwargs
+    return 1
+
+
+def _split_as_slices(graph: torch.fx.Graph, split: Node) -> int:
+    """getitem(split(x, sizes, dim), i) -> slice(x, dim, start_i, end_i), for static sizes."""
+    source = tensor_meta(split.args[0])
+    if source is None or len(split.args) < 2 or set(split.kwargs) - {"dim"}:
+        return 0
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    length = source.shape[dim] if -source.dim() <= dim < source.dim() else None
+    sizes = split.args[1]
+    if not isinstance(length, int) or not (isinstance(sizes, int) or all(isinstance(s, int) for s in sizes)):
+        return 0
+    if isinstance(sizes, int):  # split.Tensor: pieces of `sizes`, the last one shorter
+        sizes = [min(sizes, length - start) for start in range(0, length, sizes)] if sizes > 0 else []
+    if sum(sizes) != length or not all(
+            u.op == "call_function" and u.target is operator.getitem for u in split.users):
+        return 0
+    dim = dim - source.dim() if dim >= 0 else dim
+    bounds = [(start, start + size) for start, size in zip(itertools.accumulate([0, *sizes[:-1]]), sizes)]
+    for user in list(split.users):
+        start, end = bounds[user.args[1]]
+        with graph.inserting_before(user):
+            piece = graph.call_function(aten.slice.Tensor, (split.args[0], dim, start, end))
+        piece.meta = dict(user.meta)
+        user.replace_all_uses_with(piece)
+        graph.erase_node(user)
+    graph.erase_node(split)
+    return 1
+
+
+_END = 2**63 - 1  # what `x[a:]` passes as the end of a slice
+
+
+def _canonical_slice_bounds(node: Node) -> int:
+    """slice(x, dim, start, end): start and end clamped into [0, size] when static, an
+    end at the dim's size spelled as the size, step 1 left out."""
+    source = tensor_meta(node.args[0])
+    if source is None or len(node.args) < 2 or node.kwargs:
+        return 0
+    dim = node.args[1]
+    size = source.shape[dim] if isinstance(dim, int) and -source.dim() <= dim < source.dim() else None
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else _END
+    step = node.args[4] if len(node.args) > 4 else 1
+    if not isinstance(size, int) or not all(isinstance(v, int) for v in (start, end, step)) or step != 1:
+        return 0
+    start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+    args = (node.args[0], dim, start, end)
+    if args == tuple(node.args):
+        return 0
+    node.args = args
+    return 1
 
 
 def _resolve_inferred_size(view: Node) -> int:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -36,6 +37,7 @@ from . import npu_ops
 from .capabilities import capability, has_backward
 from .forms import Form, FusionPass
 from .nodes import custom_ops
+from .spellings import respell
 from .canonical import is_backward
 from .tracing import (FORWARD, FORWARD_NPU_CAST, JOINT, JOINT_NPU_CAST, TRACERS, is_joint_kind, spell_casts_as_npu,
                       trace_without_decompositions)
@@ -44,7 +46,7 @@ log = logging.getLogger("npu_fx_fusion.registry")
 
 PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 # The engine modules whose code decides what a trace (and so a pattern) looks like.
-_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing")
+_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings")
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,19 @@ class Registration:
     scalars as wildcards); accept.py then checks each match exactly at its own shapes."""
 
     form: Form
-    pattern: pm.PatternExpr
+    pattern: pm.PatternExpr  # as traced (and precompiled)
     kind: str  # tracing.TRACERS key: how the form was traced, and is retraced for the exact check
     requires_grad: tuple[str, ...] = ()  # joint kinds: the arguments traced as requiring grad
+
+    @functools.cached_property
+    def spelled(self) -> tuple[pm.PatternExpr, ...]:
+        """The pattern accepting every spelling of each of its nodes, one per spelling of
+        its root (spellings.py): what the matcher runs."""
+        return tuple(respell(self.pattern))
+
+    @property
+    def anchors(self) -> frozenset:
+        return frozenset(anchor_of(p) for p in self.spelled)
 
 
 @dataclass
@@ -95,8 +107,7 @@ class PatternSet:
         cannot match."""
         which = "joint" if joint else "forward"
         if which not in self.known_anchors:
-            self.known_anchors[which] = frozenset(
-                anchor_of(r.pattern) for r in (self.joint if joint else self.forward))
+            self.known_anchors[which] = frozenset().union(*(r.anchors for r in (self.joint if joint else self.forward)))
         return self.known_anchors[which]
 
 
@@ -152,14 +163,45 @@ def _generic_pattern(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any],
 
 
 def _with_npu_casts(fusion_pass: FusionPass, form: Form, search_gm: torch.fx.GraphModule,
-                    joint: bool) -> Optional[pm.PatternExpr]:
-    """The pattern of a traced search with torch_npu's cast spelling, if it has casts."""
+                    joint: bool) -> Optional[tuple[pm.PatternExpr, torch.fx.GraphModule]]:
+    """The pattern and graph of a traced search with torch_npu's cast spelling, if it has casts."""
     if not any(n.target is torch.ops.aten._to_copy.default for n in search_gm.graph.nodes):
         return None
     gm = spell_casts_as_npu(copy.deepcopy(search_gm), is_backward if joint else (lambda node: False))
     # as gen_pattern_and_search_gm converts the aten spelling (tangents keep their names)
     return pm.fx_to_pattern(gm, ignore_types=(int, float, list, torch.device, torch.dtype),
-                            argnames=form.argnames, scalar_workaround=_scalar_workaround(fusion_pass, form))
+                            argnames=form.argnames, scalar_workaround=_scalar_workaround(fusion_pass, form)), gm
+
+
+def _spellings(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any], joint: bool) -> list:
+    """[(kind, pattern, traced graph)] of a form at some inputs: CPU's cast spelling, and
+    torch_npu's when the trace has casts."""
+    aten_kind, npu_kind = (JOINT, JOINT_NPU_CAST) if joint else (FORWARD, FORWARD_NPU_CAST)
+    pattern, gm = _generic_pattern(fusion_pass, form, inputs, aten_kind)
+    found = [(aten_kind, pattern, gm)]
+    npu = _with_npu_casts(fusion_pass, form, gm, joint)
+    if npu is not None:
+        found.append((npu_kind, *npu))
+    return found
+
+
+def _covered(form: Form, kind: str, gm: torch.fx.GraphModule, earlier: Sequence[Registration]) -> bool:
+    """An earlier registration with the same replacement already matches this traced
+    search, binding each argument to the same input: registering it adds nothing. (After
+    canonicalisation and with every spelling accepted, `x[..., :h]` and `x.chunk(2)`, or
+    `x / sqrt(v)` and `x * rsqrt(v)`, are one pattern; their training traces differ.)"""
+    outputs = [n for n in pytree.tree_leaves(next(iter(gm.graph.find_nodes(op="output"))).args)
+               if isinstance(n, torch.fx.Node)]
+    placeholders = {n.target: n for n in gm.graph.find_nodes(op="placeholder")}
+    for registration in earlier:
+        if registration.kind != kind or registration.form.replace is not form.replace or not outputs:
+            continue
+        for pattern in registration.spelled:
+            match = pattern.match(outputs[0])
+            if match and all(match.kwargs.get(name) is placeholders.get(name)
+                             for name in (*form.argnames, *(p for p in placeholders if p.startswith("tangents")))):
+                return True
+    return False
 
 
 def _keywords_of(gm: torch.fx.GraphModule) -> set:
@@ -172,27 +214,17 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
     with FakeTensorMode():
         emitted = {form: _emitted_ops(fusion_pass, form) for form in forms}
         for form in forms:
-            seen: set = set()  # a form's dtype and spelling traces often coincide
             for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
                 inputs = [fusion_pass.example_value(n, dtype, variant) for n in form.argnames]
-                pattern, gm = _generic_pattern(fusion_pass, form, inputs, FORWARD)
-                keywords[form] |= _keywords_of(gm)
-                for kind, found in ((FORWARD, pattern), (FORWARD_NPU_CAST, _with_npu_casts(fusion_pass, form, gm, False))):
-                    if found is not None and _first_time(found, seen):
-                        forward.append(Registration(form, found, kind))
+                for kind, pattern, gm in _spellings(fusion_pass, form, inputs, joint=False):
+                    keywords[form] |= _keywords_of(gm)
+                    if not _covered(form, kind, gm, forward):  # a form's dtypes and spellings often coincide
+                        forward.append(Registration(form, pattern, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
     forward = tuple(forward)
     return PatternSet(fusion_pass, tuple(forms), lambda: forward,
                       functools.partial(_trace_joint, fusion_pass, tuple(forms), emitted),
                       emitted, {f: frozenset(k) for f, k in keywords.items()}, "traced")
-
-
-def _first_time(pattern: pm.PatternExpr, seen: set) -> bool:
-    text = pm.PatternPrettyPrinter.run(pattern)
-    if text in seen:
-        return False
-    seen.add(text)
-    return True
 
 
 def _emitted_ops(fusion_pass: FusionPass, form: Form) -> tuple[str, ...]:
@@ -221,24 +253,26 @@ def joint_candidates(fusion_pass: FusionPass, form: Form, emitted: Sequence[str]
 
 
 def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict) -> tuple[Registration, ...]:
-    joint = []
+    joint: list[Registration] = []
     with FakeTensorMode():
         for form in forms:
-            seen: set = set()
             for subset in joint_candidates(fusion_pass, form, emitted[form]):
                 # the variants too: an autograd formula may depend on strides (the weight
                 # gradient of _grouped_mm on a transposed weight view)
                 for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
                     inputs = _joint_inputs(fusion_pass, form, dtype, variant, subset)
                     try:
-                        pattern, gm = _generic_pattern(fusion_pass, form, inputs, JOINT)
+                        found = _spellings(fusion_pass, form, inputs, joint=True)
                     except Exception as exc:  # noqa: BLE001 - e.g. no input of the subset reaches an output
                         log.debug("%s: no joint pattern for %s (%s, grads of %s): %s: %s", fusion_pass.name,
                                   form.name, dtype, list(subset), type(exc).__name__, exc)
                         continue
-                    for kind, found in ((JOINT, pattern), (JOINT_NPU_CAST, _with_npu_casts(fusion_pass, form, gm, True))):
-                        if found is not None and _first_time(found, seen):
-                            joint.append(Registration(form, found, kind, tuple(subset)))
+                    differentiable = tuple(n for n, v in zip(form.argnames, inputs)
+                                           if isinstance(v, torch.Tensor) and v.requires_grad)
+                    for kind, pattern, gm in found:
+                        same_grads = [r for r in joint if r.requires_grad == differentiable]
+                        if not _covered(form, kind, gm, same_grads):
+                            joint.append(Registration(form, pattern, kind, differentiable))
     return tuple(joint)
 
 
@@ -289,8 +323,8 @@ def _load_precompiled(fusion_pass: FusionPass, forms: Sequence[Form]) -> Optiona
         return tuple(Registration(form, make(), kind, requires_grad)
                      for form, kind, requires_grad, _, make in present if is_joint_kind(kind) == joint)
 
-    anchors = {which: frozenset((op, _target_of(target)) for _, kind, _, (op, target), _ in present
-                                if is_joint_kind(kind) == (which == "joint"))
+    anchors = {which: frozenset((op, _target_of(target)) for _, kind, _, roots, _ in present
+                                if is_joint_kind(kind) == (which == "joint") for op, target in roots)
                for which in ("forward", "joint")}
     return PatternSet(fusion_pass, tuple(forms), functools.partial(build, False), functools.partial(build, True),
                       {form: tuple(module.FORMS[form.key]["emitted_ops"]) for form in forms},
@@ -366,12 +400,13 @@ def precompiled_source(fusion_pass: FusionPass, traced: Optional[PatternSet] = N
         lines += ["    " + line for line in _with_namespaces(body).splitlines()]
         lines.append("    return pattern")
         _check_round_trip(registration.pattern, body)
-    lines += ["", "", "# (form key, kind, arguments traced as requiring grad, (op, target) a match starts from,",
-              "#  pattern builder)", "REGISTRATIONS = ["]
+    lines += ["", "", "# (form key, kind, arguments traced as requiring grad, the (op, target)s a match",
+              "#  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)",
+              "REGISTRATIONS = ["]
     for number, registration in enumerate(registrations):
-        op, target = anchor_of(registration.pattern)
+        roots = tuple(sorted((op, _target_name(target)) for op, target in registration.anchors))
         lines.append(f"    ({registration.form.key!r}, {registration.kind!r}, {registration.requires_grad!r},")
-        lines.append(f"     ({op!r}, {_target_name(target)!r}), _p{number}),  # form {index[registration.form]}")
+        lines.append(f"     {roots!r}, _p{number}),  # form {index[registration.form]}")
     lines += ["]", ""]
     return "\n".join(lines)
 
