@@ -36,34 +36,7 @@ def _p0():  # residual_add_then_norm [forward]
     ])
     return pattern
 
-def _p1():  # residual_add_then_norm [forward]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_residual = KeywordArg('residual')
-    add_Tensor = CallFunction(aten.add.Tensor, arg_x, arg_residual, _users=2)
-    arg_weight = KeywordArg('weight')
-    arg_eps = KeywordArg('eps')
-    npu_npu_rms_norm_default = CallFunction(npu.npu_rms_norm.default, add_Tensor, arg_weight, arg_eps)
-    operator_getitem = CallFunction(operator.getitem, npu_npu_rms_norm_default, 0)
-    pattern = MultiOutputPattern([operator_getitem,
-      add_Tensor
-    ])
-    return pattern
-
-def _p2():  # residual_add_then_norm_default_eps [forward]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_residual = KeywordArg('residual')
-    add_Tensor = CallFunction(aten.add.Tensor, arg_x, arg_residual, _users=2)
-    arg_weight = KeywordArg('weight')
-    npu_npu_rms_norm_default = CallFunction(npu.npu_rms_norm.default, add_Tensor, arg_weight)
-    operator_getitem = CallFunction(operator.getitem, npu_npu_rms_norm_default, 0)
-    pattern = MultiOutputPattern([operator_getitem,
-      add_Tensor
-    ])
-    return pattern
-
-def _p3():  # residual_add_then_norm_default_eps [forward]
+def _p1():  # residual_add_then_norm_default_eps [forward]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_residual = KeywordArg('residual')
@@ -82,10 +55,6 @@ def _p3():  # residual_add_then_norm_default_eps [forward]
 REGISTRATIONS = [
     ('residual_add_then_norm -> npu_add_rms_norm @ float32,bfloat16', 'forward', (),
      (('call_function', 'operator.getitem'),), _p0),  # form 0
-    ('residual_add_then_norm -> npu_add_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p1),  # form 0
     ('residual_add_then_norm_default_eps -> npu_add_rms_norm_default_eps @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p2),  # form 1
-    ('residual_add_then_norm_default_eps -> npu_add_rms_norm_default_eps @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p3),  # form 1
+     (('call_function', 'operator.getitem'),), _p1),  # form 1
 ]

@@ -29,14 +29,7 @@ def _p0():  # aten_grouped_mm [forward]
     pattern = CallFunction(aten._grouped_mm.default, arg_x, arg_w, arg_offs, _users=0)
     return pattern
 
-def _p1():  # aten_grouped_mm [forward]
-    arg_x = KeywordArg('x')
-    arg_w = KeywordArg('w')
-    arg_offs = KeywordArg('offs')
-    pattern = CallFunction(aten._grouped_mm.default, arg_x, arg_w, arg_offs, _users=0)
-    return pattern
-
-def _p2():  # transformers_grouped_mm_fallback [forward]
+def _p1():  # transformers_grouped_mm_fallback [forward]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
@@ -44,15 +37,7 @@ def _p2():  # transformers_grouped_mm_fallback [forward]
     pattern = CallFunction(transformers.grouped_mm_fallback.default, arg_x, arg_w, arg_offs, _users=0)
     return pattern
 
-def _p3():  # transformers_grouped_mm_fallback [forward]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_w = KeywordArg('w')
-    arg_offs = KeywordArg('offs')
-    pattern = CallFunction(transformers.grouped_mm_fallback.default, arg_x, arg_w, arg_offs, _users=0)
-    return pattern
-
-def _p4():  # aten_grouped_mm [joint]
+def _p2():  # aten_grouped_mm [joint]
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
     arg_offs = KeywordArg('offs')
@@ -69,7 +54,7 @@ def _p4():  # aten_grouped_mm [joint]
     ])
     return pattern
 
-def _p5():  # aten_grouped_mm [joint]
+def _p3():  # aten_grouped_mm [joint]
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
     arg_offs = KeywordArg('offs')
@@ -87,7 +72,7 @@ def _p5():  # aten_grouped_mm [joint]
     ])
     return pattern
 
-def _p6():  # aten_grouped_mm [joint]
+def _p4():  # aten_grouped_mm [joint]
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
     arg_offs = KeywordArg('offs')
@@ -102,22 +87,7 @@ def _p6():  # aten_grouped_mm [joint]
     ])
     return pattern
 
-def _p7():  # aten_grouped_mm [joint]
-    arg_x = KeywordArg('x')
-    arg_w = KeywordArg('w')
-    arg_offs = KeywordArg('offs')
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, arg_x, arg_w, arg_offs)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, arg_tangents_1, transpose_int, arg_offs)
-    pattern = MultiOutputPattern([_grouped_mm_default,
-      _grouped_mm_default_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p8():  # aten_grouped_mm [joint]
+def _p5():  # aten_grouped_mm [joint]
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
     arg_offs = KeywordArg('offs')
@@ -132,7 +102,7 @@ def _p8():  # aten_grouped_mm [joint]
     ])
     return pattern
 
-def _p9():  # aten_grouped_mm [joint]
+def _p6():  # aten_grouped_mm [joint]
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
     arg_offs = KeywordArg('offs')
@@ -148,7 +118,7 @@ def _p9():  # aten_grouped_mm [joint]
     ])
     return pattern
 
-def _p10():  # transformers_grouped_mm_fallback [joint]
+def _p7():  # transformers_grouped_mm_fallback [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
@@ -165,24 +135,7 @@ def _p10():  # transformers_grouped_mm_fallback [joint]
     ])
     return pattern
 
-def _p11():  # transformers_grouped_mm_fallback [joint]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_w = KeywordArg('w')
-    arg_offs = KeywordArg('offs')
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, arg_x, arg_w, arg_offs)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, arg_x, arg_w, arg_offs, arg_tangents_1, _users=2)
-    operator_getitem = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0)
-    operator_getitem_1 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
-    pattern = MultiOutputPattern([transformers_grouped_mm_fallback_default,
-      operator_getitem,
-      operator_getitem_1,
-      None
-    ])
-    return pattern
-
-def _p12():  # transformers_grouped_mm_fallback [joint]
+def _p8():  # transformers_grouped_mm_fallback [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
@@ -198,39 +151,7 @@ def _p12():  # transformers_grouped_mm_fallback [joint]
     ])
     return pattern
 
-def _p13():  # transformers_grouped_mm_fallback [joint]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_w = KeywordArg('w')
-    arg_offs = KeywordArg('offs')
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, arg_x, arg_w, arg_offs)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, arg_x, arg_w, arg_offs, arg_tangents_1)
-    operator_getitem = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0)
-    pattern = MultiOutputPattern([transformers_grouped_mm_fallback_default,
-      operator_getitem,
-      None,
-      None
-    ])
-    return pattern
-
-def _p14():  # transformers_grouped_mm_fallback [joint]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_w = KeywordArg('w')
-    arg_offs = KeywordArg('offs')
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, arg_x, arg_w, arg_offs)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, arg_x, arg_w, arg_offs, arg_tangents_1)
-    operator_getitem = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
-    pattern = MultiOutputPattern([transformers_grouped_mm_fallback_default,
-      None,
-      operator_getitem,
-      None
-    ])
-    return pattern
-
-def _p15():  # transformers_grouped_mm_fallback [joint]
+def _p9():  # transformers_grouped_mm_fallback [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_w = KeywordArg('w')
@@ -252,34 +173,22 @@ def _p15():  # transformers_grouped_mm_fallback [joint]
 REGISTRATIONS = [
     ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'forward', (),
      (('call_function', 'aten._grouped_mm.default'),), _p0),  # form 0
-    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'forward', (),
-     (('call_function', 'aten._grouped_mm.default'),), _p1),  # form 0
     ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'forward', (),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p2),  # form 1
-    ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'forward', (),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p3),  # form 1
+     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p1),  # form 1
     ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('x', 'w'),
+     (('call_function', 'aten._grouped_mm.default'),), _p2),  # form 0
+    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('x', 'w'),
+     (('call_function', 'aten._grouped_mm.default'),), _p3),  # form 0
+    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('x',),
      (('call_function', 'aten._grouped_mm.default'),), _p4),  # form 0
-    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('x', 'w'),
+    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('w',),
      (('call_function', 'aten._grouped_mm.default'),), _p5),  # form 0
-    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('x',),
+    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('w',),
      (('call_function', 'aten._grouped_mm.default'),), _p6),  # form 0
-    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._grouped_mm.default'),), _p7),  # form 0
-    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('w',),
-     (('call_function', 'aten._grouped_mm.default'),), _p8),  # form 0
-    ('aten_grouped_mm -> npu_grouped_matmul @ bfloat16', 'joint', ('w',),
-     (('call_function', 'aten._grouped_mm.default'),), _p9),  # form 0
     ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'joint', ('x', 'w'),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p10),  # form 1
-    ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'joint', ('x', 'w'),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p11),  # form 1
+     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p7),  # form 1
     ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'joint', ('x',),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p12),  # form 1
-    ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'joint', ('x',),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p13),  # form 1
+     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p8),  # form 1
     ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'joint', ('w',),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p14),  # form 1
-    ('transformers_grouped_mm_fallback -> npu_grouped_matmul @ float32', 'joint', ('w',),
-     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p15),  # form 1
+     (('call_function', 'transformers.grouped_mm_fallback.default'),), _p9),  # form 1
 ]

@@ -170,135 +170,7 @@ def _p3():  # transformers_grouped_mm_experts_npu_swiglu [forward-npu-cast]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p4():  # transformers_grouped_mm_experts_npu_swiglu [forward]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, _grouped_mm_default)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p5():  # transformers_grouped_mm_experts_npu_swiglu [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, _grouped_mm_default)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p6():  # transformers_grouped_mm_experts_npu_swiglu [forward]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, _grouped_mm_default)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p7():  # transformers_grouped_mm_experts_npu_swiglu [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, _grouped_mm_default)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p8():  # transformers_grouped_mm_experts_silu_mul [forward]
+def _p4():  # transformers_grouped_mm_experts_silu_mul [forward]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -332,7 +204,7 @@ def _p8():  # transformers_grouped_mm_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p9():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
+def _p5():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -367,7 +239,7 @@ def _p9():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p10():  # transformers_grouped_mm_experts_silu_mul [forward]
+def _p6():  # transformers_grouped_mm_experts_silu_mul [forward]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -401,76 +273,7 @@ def _p10():  # transformers_grouped_mm_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p11():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p12():  # transformers_grouped_mm_experts_silu_mul [forward]
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p13():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
+def _p7():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -505,76 +308,7 @@ def _p13():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p14():  # transformers_grouped_mm_experts_silu_mul [forward]
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p15():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p16():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
+def _p8():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -607,7 +341,7 @@ def _p16():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p17():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
+def _p9():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -640,7 +374,7 @@ def _p17():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p18():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
+def _p10():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -673,7 +407,7 @@ def _p18():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p19():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
+def _p11():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -706,139 +440,7 @@ def _p19():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p20():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, transformers_grouped_mm_fallback_default)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p21():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, transformers_grouped_mm_fallback_default)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p22():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, transformers_grouped_mm_fallback_default)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p23():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, transformers_grouped_mm_fallback_default)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, npu_npu_swiglu_default, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p24():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
+def _p12():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -873,7 +475,7 @@ def _p24():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p25():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
+def _p13():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -909,7 +511,7 @@ def _p25():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-ca
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p26():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
+def _p14():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -944,7 +546,7 @@ def _p26():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p27():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
+def _p15():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -980,149 +582,7 @@ def _p27():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-ca
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p28():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p29():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p30():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p31():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p32():  # transformers_batched_mm_experts_npu_swiglu [forward]
+def _p16():  # transformers_batched_mm_experts_npu_swiglu [forward]
     npu = torch.ops.npu
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
@@ -1150,35 +610,7 @@ def _p32():  # transformers_batched_mm_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
     return pattern
 
-def _p33():  # transformers_batched_mm_experts_npu_swiglu [forward]
-    npu = torch.ops.npu
-    arg_down_proj = KeywordArg('down_proj')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_down_proj, [view_default])
-    arg_gate_up_proj = KeywordArg('gate_up_proj')
-    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_gate_up_proj, [view_default])
-    arg_x = KeywordArg('x')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_x, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    view_default_1 = CallFunction(aten.view.default, clone_default, Ignored())
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, index_Tensor_1, unsqueeze_default_1)
-    squeeze_dim = CallFunction(aten.squeeze.dim, bmm_default, Ignored())
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, squeeze_dim)
-    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, npu_npu_swiglu_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, index_Tensor, unsqueeze_default_2)
-    squeeze_dim_1 = CallFunction(aten.squeeze.dim, bmm_default_1, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, squeeze_dim_1, unsqueeze_default_3)
-    view_default_3 = CallFunction(aten.view.default, mul_Tensor, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
-    return pattern
-
-def _p34():  # transformers_batched_mm_experts_silu_mul [forward]
+def _p17():  # transformers_batched_mm_experts_silu_mul [forward]
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
@@ -1208,37 +640,7 @@ def _p34():  # transformers_batched_mm_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
     return pattern
 
-def _p35():  # transformers_batched_mm_experts_silu_mul [forward]
-    arg_down_proj = KeywordArg('down_proj')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_down_proj, [view_default])
-    arg_gate_up_proj = KeywordArg('gate_up_proj')
-    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_gate_up_proj, [view_default])
-    arg_x = KeywordArg('x')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_x, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    view_default_1 = CallFunction(aten.view.default, clone_default, Ignored())
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, index_Tensor_1, unsqueeze_default_1)
-    squeeze_dim = CallFunction(aten.squeeze.dim, bmm_default, Ignored(), _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, squeeze_dim, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, squeeze_dim, Ignored(), Ignored(), Ignored())
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
-    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, mul_Tensor, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, index_Tensor, unsqueeze_default_2)
-    squeeze_dim_1 = CallFunction(aten.squeeze.dim, bmm_default_1, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, squeeze_dim_1, unsqueeze_default_3)
-    view_default_3 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
-    pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
-    return pattern
-
-def _p36():  # torchtitan_local_dispatch_grouped_experts [forward]
+def _p18():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -1277,7 +679,7 @@ def _p36():  # torchtitan_local_dispatch_grouped_experts [forward]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
-def _p37():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+def _p19():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -1317,7 +719,78 @@ def _p37():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
-def _p38():  # torchtitan_local_dispatch_grouped_experts [forward]
+def _p20():  # torchtitan_local_dispatch_grouped_experts [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w1 = KeywordArg('w1')
+    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    arg_w3 = KeywordArg('w3')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p21():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w1 = KeywordArg('w1')
+    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    arg_w3 = KeywordArg('w3')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_3)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
+    return pattern
+
+def _p22():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -1356,7 +829,7 @@ def _p38():  # torchtitan_local_dispatch_grouped_experts [forward]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
-def _p39():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+def _p23():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -1396,7 +869,7 @@ def _p39():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
-def _p40():  # torchtitan_local_dispatch_grouped_experts [forward]
+def _p24():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -1431,7 +904,7 @@ def _p40():  # torchtitan_local_dispatch_grouped_experts [forward]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
     return pattern
 
-def _p41():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+def _p25():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -1467,378 +940,7 @@ def _p41():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p42():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
-    return pattern
-
-def _p43():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_3)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
-    return pattern
-
-def _p44():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p45():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w1 = KeywordArg('w1')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w3 = KeywordArg('w3')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p46():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p47():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w1 = KeywordArg('w1')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w3 = KeywordArg('w3')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p48():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
-    return pattern
-
-def _p49():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_3)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
-    return pattern
-
-def _p50():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
-    return pattern
-
-def _p51():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_3)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
-    return pattern
-
-def _p52():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p26():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1905,7 +1007,7 @@ def _p52():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p53():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p27():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1972,7 +1074,7 @@ def _p53():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p54():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p28():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2040,7 +1142,7 @@ def _p54():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p55():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p29():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2108,7 +1210,7 @@ def _p55():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p56():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p30():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -2180,7 +1282,7 @@ def _p56():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p57():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p31():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2253,7 +1355,7 @@ def _p57():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p58():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p32():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -2326,7 +1428,7 @@ def _p58():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p59():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p33():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2400,7 +1502,7 @@ def _p59():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p60():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
+def _p34():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2464,7 +1566,7 @@ def _p60():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p61():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
+def _p35():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2528,135 +1630,7 @@ def _p61():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-ca
     ])
     return pattern
 
-def _p62():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=4)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, transformers_grouped_mm_fallback_default, _users=2)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, npu_npu_swiglu_default, arg_w_down, cumsum_default, _users=2)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, npu_npu_swiglu_default, arg_w_down, cumsum_default, mul_Tensor_1, _users=2)
-    operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0)
-    npu_npu_swiglu_backward_default = CallFunction(npu.npu_swiglu_backward.default, operator_getitem_2, transformers_grouped_mm_fallback_default)
-    transformers_grouped_mm_fallback_backward_default_1 = CallFunction(transformers.grouped_mm_fallback_backward.default, index_Tensor, arg_w_gate_up, cumsum_default, npu_npu_swiglu_backward_default, _users=2)
-    operator_getitem_3 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 0, _users=2)
-    new_zeros_default_1 = CallFunction(aten.new_zeros.default, operator_getitem_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], operator_getitem_3, True)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, transformers_grouped_mm_fallback_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
-    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
-    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
-    operator_getitem_4 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 1)
-    operator_getitem_5 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
-    pattern = MultiOutputPattern([sum_dim_IntList,
-      index_put_default_2,
-      None,
-      view_default_3,
-      operator_getitem_4,
-      operator_getitem_5,
-      None
-    ])
-    return pattern
-
-def _p63():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=4)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, transformers_grouped_mm_fallback_default, _users=2)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, npu_npu_swiglu_default, arg_w_down, cumsum_default, _users=2)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, npu_npu_swiglu_default, arg_w_down, cumsum_default, mul_Tensor_1, _users=2)
-    operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0)
-    npu_npu_swiglu_backward_default = CallFunction(npu.npu_swiglu_backward.default, operator_getitem_2, transformers_grouped_mm_fallback_default)
-    transformers_grouped_mm_fallback_backward_default_1 = CallFunction(transformers.grouped_mm_fallback_backward.default, index_Tensor, arg_w_gate_up, cumsum_default, npu_npu_swiglu_backward_default, _users=2)
-    operator_getitem_3 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 0, _users=2)
-    new_zeros_default_1 = CallFunction(aten.new_zeros.default, operator_getitem_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], operator_getitem_3, True)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, transformers_grouped_mm_fallback_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
-    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
-    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
-    operator_getitem_4 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 1)
-    operator_getitem_5 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
-    pattern = MultiOutputPattern([sum_dim_IntList,
-      index_put_default_2,
-      None,
-      view_default_3,
-      operator_getitem_4,
-      operator_getitem_5,
-      None
-    ])
-    return pattern
-
-def _p64():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
+def _p36():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2725,7 +1699,7 @@ def _p64():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p65():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
+def _p37():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2795,146 +1769,7 @@ def _p65():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast
     ])
     return pattern
 
-def _p66():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=4)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=2)
-    silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=2)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, mul_Tensor, arg_w_down, cumsum_default, mul_Tensor_2, _users=2)
-    operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, slice_Tensor_1)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, slice_Tensor)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, operator_getitem_2, silu_default)
-    cat_default = CallFunction(aten.cat.default, [silu_backward_default, mul_Tensor_4], Ignored())
-    transformers_grouped_mm_fallback_backward_default_1 = CallFunction(transformers.grouped_mm_fallback_backward.default, index_Tensor, arg_w_gate_up, cumsum_default, cat_default, _users=2)
-    operator_getitem_3 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 0, _users=2)
-    new_zeros_default_1 = CallFunction(aten.new_zeros.default, operator_getitem_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], operator_getitem_3, True)
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, transformers_grouped_mm_fallback_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
-    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
-    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
-    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
-    operator_getitem_4 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 1)
-    operator_getitem_5 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
-    pattern = MultiOutputPattern([sum_dim_IntList,
-      index_put_default_2,
-      None,
-      view_default_3,
-      operator_getitem_4,
-      operator_getitem_5,
-      None
-    ])
-    return pattern
-
-def _p67():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
-    npu = torch.ops.npu
-    transformers = torch.ops.transformers
-    arg_x = KeywordArg('x')
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
-    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w_gate_up = KeywordArg('w_gate_up')
-    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
-    arg_num_experts = KeywordArg('num_experts')
-    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
-    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=4)
-    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
-    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=2)
-    silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=2)
-    arg_w_down = KeywordArg('w_down')
-    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
-    arg_weights = KeywordArg('weights')
-    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
-    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
-    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
-    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
-    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
-    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
-    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, mul_Tensor, arg_w_down, cumsum_default, mul_Tensor_2, _users=2)
-    operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, slice_Tensor_1)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, slice_Tensor)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, operator_getitem_2, silu_default)
-    cat_default = CallFunction(aten.cat.default, [silu_backward_default, mul_Tensor_4], Ignored())
-    transformers_grouped_mm_fallback_backward_default_1 = CallFunction(transformers.grouped_mm_fallback_backward.default, index_Tensor, arg_w_gate_up, cumsum_default, cat_default, _users=2)
-    operator_getitem_3 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 0, _users=2)
-    new_zeros_default_1 = CallFunction(aten.new_zeros.default, operator_getitem_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], operator_getitem_3, True)
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, transformers_grouped_mm_fallback_default_1)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
-    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
-    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
-    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
-    operator_getitem_4 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 1)
-    operator_getitem_5 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
-    pattern = MultiOutputPattern([sum_dim_IntList,
-      index_put_default_2,
-      None,
-      view_default_3,
-      operator_getitem_4,
-      operator_getitem_5,
-      None
-    ])
-    return pattern
-
-def _p68():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p38():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -3021,7 +1856,7 @@ def _p68():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p69():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p39():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -3109,182 +1944,7 @@ def _p69():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p70():  # torchtitan_local_dispatch_grouped_experts [joint]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=3)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=3)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored(), _users=2)
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored(), _users=2)
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=9)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default, _users=2)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default, _users=2)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored(), _users=2)
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored(), _users=2)
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1, _users=2)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored(), _users=2)
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored(), _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default, _users=2)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, gather_default, view_default_3)
-    _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, transpose_int_2, Ignored(), Ignored())
-    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, _to_copy_default_6, transpose_int_3, cumsum_default, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_3, _grouped_mm_default_1)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, _grouped_mm_default, _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, transpose_int, Ignored(), Ignored())
-    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, silu_backward_default, transpose_int_4, cumsum_default)
-    _to_copy_default_7 = CallFunction(aten._to_copy.default, _grouped_mm_default_4, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_3, silu_default, _users=2)
-    transpose_int_5 = CallFunction(aten.transpose.int, transpose_int_1, Ignored(), Ignored())
-    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, mul_Tensor_4, transpose_int_5, cumsum_default)
-    _to_copy_default_8 = CallFunction(aten._to_copy.default, _grouped_mm_default_5, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    add_Tensor = CallFunction(aten.add.Tensor, _to_copy_default_7, _to_copy_default_8, _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [floor_divide_default], add_Tensor, True)
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, gather_default, _to_copy_default_5)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
-    view_default_4 = CallFunction(aten.view.default, sum_dim_IntList, Ignored(), _users=2)
-    new_zeros_default_1 = CallFunction(aten.new_zeros.default, view_default_4, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [operator_getitem], view_default_4, True)
-    view_default_5 = CallFunction(aten.view.default, index_put_default_1, Ignored())
-    transpose_int_6 = CallFunction(aten.transpose.int, silu_backward_default, Ignored(), Ignored())
-    _grouped_mm_default_6 = CallFunction(aten._grouped_mm.default, transpose_int_6, _to_copy_default, cumsum_default)
-    transpose_int_7 = CallFunction(aten.transpose.int, _grouped_mm_default_6, Ignored(), Ignored())
-    transpose_int_8 = CallFunction(aten.transpose.int, transpose_int_7, Ignored(), Ignored())
-    _to_copy_default_9 = CallFunction(aten._to_copy.default, transpose_int_8, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_9 = CallFunction(aten.transpose.int, _to_copy_default_6, Ignored(), Ignored())
-    _grouped_mm_default_7 = CallFunction(aten._grouped_mm.default, transpose_int_9, mul_Tensor, cumsum_default)
-    transpose_int_10 = CallFunction(aten.transpose.int, _grouped_mm_default_7, Ignored(), Ignored())
-    transpose_int_11 = CallFunction(aten.transpose.int, transpose_int_10, Ignored(), Ignored())
-    _to_copy_default_10 = CallFunction(aten._to_copy.default, transpose_int_11, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_12 = CallFunction(aten.transpose.int, mul_Tensor_4, Ignored(), Ignored())
-    _grouped_mm_default_8 = CallFunction(aten._grouped_mm.default, transpose_int_12, _to_copy_default_2, cumsum_default)
-    transpose_int_13 = CallFunction(aten.transpose.int, _grouped_mm_default_8, Ignored(), Ignored())
-    transpose_int_14 = CallFunction(aten.transpose.int, transpose_int_13, Ignored(), Ignored())
-    _to_copy_default_11 = CallFunction(aten._to_copy.default, transpose_int_14, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
-      index_put_default,
-      None,
-      view_default_5,
-      _to_copy_default_9,
-      _to_copy_default_10,
-      _to_copy_default_11,
-      None
-    ])
-    return pattern
-
-def _p71():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=3)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=3)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored(), _users=2)
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored(), _users=2)
-    arg_w1 = KeywordArg('w1')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored(), _users=2)
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=9)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default, _users=2)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default, _users=2)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored(), _users=2)
-    arg_w3 = KeywordArg('w3')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored(), _users=2)
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1, _users=2)
-    arg_w2 = KeywordArg('w2')
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored(), _users=2)
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored(), _users=2)
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored(), _users=2)
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
-    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default, _users=2)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, gather_default, view_default_3)
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, transpose_int_2, Ignored(), Ignored())
-    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_backward_default, transpose_int_3, cumsum_default, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_3, _grouped_mm_default_1)
-    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, _grouped_mm_default, _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, transpose_int, Ignored(), Ignored())
-    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, silu_backward_default, transpose_int_4, cumsum_default)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, _grouped_mm_default_4, Ignored())
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_3, silu_default, _users=2)
-    transpose_int_5 = CallFunction(aten.transpose.int, transpose_int_1, Ignored(), Ignored())
-    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, mul_Tensor_4, transpose_int_5, cumsum_default)
-    npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, _grouped_mm_default_5, Ignored())
-    add_Tensor = CallFunction(aten.add.Tensor, npu__npu_dtype_cast_backward_default_1, npu__npu_dtype_cast_backward_default_2, _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [floor_divide_default], add_Tensor, True)
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, gather_default, npu__npu_dtype_cast_default_5)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
-    view_default_4 = CallFunction(aten.view.default, sum_dim_IntList, Ignored(), _users=2)
-    new_zeros_default_1 = CallFunction(aten.new_zeros.default, view_default_4, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [operator_getitem], view_default_4, True)
-    view_default_5 = CallFunction(aten.view.default, index_put_default_1, Ignored())
-    transpose_int_6 = CallFunction(aten.transpose.int, silu_backward_default, Ignored(), Ignored())
-    _grouped_mm_default_6 = CallFunction(aten._grouped_mm.default, transpose_int_6, npu__npu_dtype_cast_default, cumsum_default)
-    transpose_int_7 = CallFunction(aten.transpose.int, _grouped_mm_default_6, Ignored(), Ignored())
-    transpose_int_8 = CallFunction(aten.transpose.int, transpose_int_7, Ignored(), Ignored())
-    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_8, Ignored())
-    transpose_int_9 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_backward_default, Ignored(), Ignored())
-    _grouped_mm_default_7 = CallFunction(aten._grouped_mm.default, transpose_int_9, mul_Tensor, cumsum_default)
-    transpose_int_10 = CallFunction(aten.transpose.int, _grouped_mm_default_7, Ignored(), Ignored())
-    transpose_int_11 = CallFunction(aten.transpose.int, transpose_int_10, Ignored(), Ignored())
-    npu__npu_dtype_cast_backward_default_4 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_11, Ignored())
-    transpose_int_12 = CallFunction(aten.transpose.int, mul_Tensor_4, Ignored(), Ignored())
-    _grouped_mm_default_8 = CallFunction(aten._grouped_mm.default, transpose_int_12, npu__npu_dtype_cast_default_2, cumsum_default)
-    transpose_int_13 = CallFunction(aten.transpose.int, _grouped_mm_default_8, Ignored(), Ignored())
-    transpose_int_14 = CallFunction(aten.transpose.int, transpose_int_13, Ignored(), Ignored())
-    npu__npu_dtype_cast_backward_default_5 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_14, Ignored())
-    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
-      index_put_default,
-      None,
-      view_default_5,
-      npu__npu_dtype_cast_backward_default_3,
-      npu__npu_dtype_cast_backward_default_4,
-      npu__npu_dtype_cast_backward_default_5,
-      None
-    ])
-    return pattern
-
-def _p72():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p40():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -3364,7 +2024,7 @@ def _p72():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p73():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p41():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -3445,7 +2105,7 @@ def _p73():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p74():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p42():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -3524,7 +2184,7 @@ def _p74():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p75():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p43():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -3612,152 +2272,88 @@ REGISTRATIONS = [
      (('call_function', 'aten.sum.dim_IntList'),), _p0),  # form 0
     ('transformers_grouped_mm_experts_npu_swiglu -> init_routing_finalize_grouped_mm_npu_swiglu @ bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p1),  # form 0
-    ('transformers_grouped_mm_experts_npu_swiglu -> init_routing_finalize_grouped_mm_npu_swiglu @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p2),  # form 0
-    ('transformers_grouped_mm_experts_npu_swiglu -> init_routing_finalize_grouped_mm_npu_swiglu @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p3),  # form 0
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p4),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p2),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p5),  # form 1
-    ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p6),  # form 1
-    ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p7),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p3),  # form 1
     ('transformers_grouped_mm_experts_silu_mul -> init_routing_finalize_grouped_mm_silu_mul @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p8),  # form 2
+     (('call_function', 'aten.sum.dim_IntList'),), _p4),  # form 2
     ('transformers_grouped_mm_experts_silu_mul -> init_routing_finalize_grouped_mm_silu_mul @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p9),  # form 2
-    ('transformers_grouped_mm_experts_silu_mul -> init_routing_finalize_grouped_mm_silu_mul @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p10),  # form 2
-    ('transformers_grouped_mm_experts_silu_mul -> init_routing_finalize_grouped_mm_silu_mul @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p11),  # form 2
+     (('call_function', 'aten.sum.dim_IntList'),), _p5),  # form 2
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p12),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p6),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p13),  # form 3
-    ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p14),  # form 3
-    ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p15),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p7),  # form 3
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p16),  # form 4
+     (('call_function', 'aten.sum.dim_IntList'),), _p8),  # form 4
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p17),  # form 4
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p18),  # form 4
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p19),  # form 4
+     (('call_function', 'aten.sum.dim_IntList'),), _p9),  # form 4
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p20),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p10),  # form 5
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p21),  # form 5
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p22),  # form 5
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p23),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p11),  # form 5
     ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p24),  # form 6
+     (('call_function', 'aten.sum.dim_IntList'),), _p12),  # form 6
     ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p25),  # form 6
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p26),  # form 6
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p27),  # form 6
+     (('call_function', 'aten.sum.dim_IntList'),), _p13),  # form 6
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p28),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p14),  # form 7
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p29),  # form 7
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p30),  # form 7
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p31),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p15),  # form 7
     ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p32),  # form 8
-    ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p33),  # form 8
+     (('call_function', 'aten.sum.dim_IntList'),), _p16),  # form 8
     ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p34),  # form 9
-    ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p35),  # form 9
+     (('call_function', 'aten.sum.dim_IntList'),), _p17),  # form 9
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p36),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p18),  # form 10
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p37),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p19),  # form 10
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p38),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p20),  # form 10
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p39),  # form 10
-    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p40),  # form 10
-    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p41),  # form 10
-    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p42),  # form 10
-    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p43),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p21),  # form 10
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p44),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p22),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p45),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p23),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p46),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p24),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p47),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p48),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p49),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p50),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p51),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p25),  # form 11
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p52),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p26),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p53),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p27),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p54),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p28),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p55),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p29),  # form 1
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p56),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p30),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p57),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p31),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p58),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p32),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p59),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p33),  # form 3
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p60),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p34),  # form 5
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p61),  # form 5
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p62),  # form 5
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p63),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p35),  # form 5
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p64),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p36),  # form 7
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p65),  # form 7
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p66),  # form 7
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p67),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p37),  # form 7
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p68),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p38),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p69),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p39),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p70),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p40),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p71),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p41),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p72),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p42),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p73),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p74),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p75),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p43),  # form 11
 ]

@@ -73,18 +73,6 @@ def _p2():  # hf_llama [forward-npu-cast]
 
 def _p3():  # weight_before_cast [forward]
     arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
-    return pattern
-
-def _p4():  # weight_before_cast [forward]
-    arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -97,7 +85,7 @@ def _p4():  # weight_before_cast [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
     return pattern
 
-def _p5():  # weight_before_cast [forward-npu-cast]
+def _p4():  # weight_before_cast [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -112,89 +100,7 @@ def _p5():  # weight_before_cast [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p6():  # torch_functional [forward]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
-    return pattern
-
-def _p7():  # torch_functional [forward]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
-    return pattern
-
-def _p8():  # torch_functional [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
-    return pattern
-
-def _p9():  # divide_by_sqrt [forward]
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    sqrt_default = CallFunction(aten.sqrt.default, add_Tensor)
-    div_Tensor = CallFunction(aten.div.Tensor, arg_x, sqrt_default)
-    pattern = CallFunction(aten.mul.Tensor, arg_weight, div_Tensor, _users=0)
-    return pattern
-
-def _p10():  # divide_by_sqrt [forward]
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    sqrt_default = CallFunction(aten.sqrt.default, add_Tensor)
-    div_Tensor = CallFunction(aten.div.Tensor, _to_copy_default, sqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, div_Tensor, dtype=Ignored())
-    pattern = CallFunction(aten.mul.Tensor, arg_weight, _to_copy_default_1, _users=0)
-    return pattern
-
-def _p11():  # divide_by_sqrt [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    sqrt_default = CallFunction(aten.sqrt.default, add_Tensor)
-    div_Tensor = CallFunction(aten.div.Tensor, npu__npu_dtype_cast_default, sqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, div_Tensor, Ignored())
-    pattern = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1, _users=0)
-    return pattern
-
-def _p12():  # gemma [forward]
+def _p5():  # gemma [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -207,7 +113,7 @@ def _p12():  # gemma [forward]
     pattern = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1, _users=0)
     return pattern
 
-def _p13():  # gemma [forward]
+def _p6():  # gemma [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -223,7 +129,7 @@ def _p13():  # gemma [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
     return pattern
 
-def _p14():  # gemma [forward-npu-cast]
+def _p7():  # gemma [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -240,7 +146,7 @@ def _p14():  # gemma [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p15():  # no_weight [forward]
+def _p8():  # no_weight [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -250,7 +156,7 @@ def _p15():  # no_weight [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=0)
     return pattern
 
-def _p16():  # no_weight [forward]
+def _p9():  # no_weight [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -262,7 +168,7 @@ def _p16():  # no_weight [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=0)
     return pattern
 
-def _p17():  # no_weight [forward-npu-cast]
+def _p10():  # no_weight [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -275,7 +181,7 @@ def _p17():  # no_weight [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=0)
     return pattern
 
-def _p18():  # hf_llama [joint]
+def _p11():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -309,7 +215,7 @@ def _p18():  # hf_llama [joint]
     ])
     return pattern
 
-def _p19():  # hf_llama [joint]
+def _p12():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -347,7 +253,7 @@ def _p19():  # hf_llama [joint]
     ])
     return pattern
 
-def _p20():  # hf_llama [joint-npu-cast]
+def _p13():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -386,7 +292,7 @@ def _p20():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p21():  # hf_llama [joint]
+def _p14():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -417,7 +323,7 @@ def _p21():  # hf_llama [joint]
     ])
     return pattern
 
-def _p22():  # hf_llama [joint]
+def _p15():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -452,7 +358,7 @@ def _p22():  # hf_llama [joint]
     ])
     return pattern
 
-def _p23():  # hf_llama [joint-npu-cast]
+def _p16():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -488,7 +394,7 @@ def _p23():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p24():  # hf_llama [joint]
+def _p17():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -509,7 +415,7 @@ def _p24():  # hf_llama [joint]
     ])
     return pattern
 
-def _p25():  # hf_llama [joint]
+def _p18():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -532,7 +438,7 @@ def _p25():  # hf_llama [joint]
     ])
     return pattern
 
-def _p26():  # hf_llama [joint-npu-cast]
+def _p19():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -556,41 +462,7 @@ def _p26():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p27():  # weight_before_cast [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p28():  # weight_before_cast [joint]
+def _p20():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -629,7 +501,7 @@ def _p28():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p29():  # weight_before_cast [joint-npu-cast]
+def _p21():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -669,38 +541,7 @@ def _p29():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p30():  # weight_before_cast [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p31():  # weight_before_cast [joint]
+def _p22():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -735,7 +576,7 @@ def _p31():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p32():  # weight_before_cast [joint-npu-cast]
+def _p23():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -771,28 +612,7 @@ def _p32():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p33():  # weight_before_cast [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p34():  # weight_before_cast [joint]
+def _p24():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -817,7 +637,7 @@ def _p34():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p35():  # weight_before_cast [joint-npu-cast]
+def _p25():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -843,294 +663,7 @@ def _p35():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p36():  # torch_functional [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p37():  # torch_functional [joint]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_9 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
-    pattern = MultiOutputPattern([_to_copy_default_1,
-      _to_copy_default_3,
-      _to_copy_default_4,
-      None
-    ])
-    return pattern
-
-def _p38():  # torch_functional [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, arg_tangents_1, Ignored(), _users=2)
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    mul_Tensor_9 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
-    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
-    npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, view_default, Ignored())
-    pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
-      npu__npu_dtype_cast_backward_default_1,
-      npu__npu_dtype_cast_backward_default_2,
-      None
-    ])
-    return pattern
-
-def _p39():  # torch_functional [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      add_Tensor_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p40():  # torch_functional [joint]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    pattern = MultiOutputPattern([_to_copy_default_1,
-      _to_copy_default_3,
-      None,
-      None
-    ])
-    return pattern
-
-def _p41():  # torch_functional [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, arg_tangents_1, Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, arg_weight, _users=2)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, npu__npu_dtype_cast_default)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
-    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
-    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
-    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
-    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
-    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
-    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
-    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
-    pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
-      npu__npu_dtype_cast_backward_default_1,
-      None,
-      None
-    ])
-    return pattern
-
-def _p42():  # torch_functional [joint]
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor_1,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p43():  # torch_functional [joint]
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
-    pattern = MultiOutputPattern([_to_copy_default_1,
-      None,
-      _to_copy_default_3,
-      None
-    ])
-    return pattern
-
-def _p44():  # torch_functional [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, rsqrt_default, _users=2)
-    arg_weight = KeywordArg('weight')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    arg_tangents_1 = KeywordArg('tangents_1')
-    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, arg_tangents_1, Ignored())
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, mul_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, view_default, Ignored())
-    pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
-      None,
-      npu__npu_dtype_cast_backward_default_1,
-      None
-    ])
-    return pattern
-
-def _p45():  # divide_by_sqrt [joint]
+def _p26():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -1166,7 +699,7 @@ def _p45():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p46():  # divide_by_sqrt [joint]
+def _p27():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -1206,7 +739,7 @@ def _p46():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p47():  # divide_by_sqrt [joint-npu-cast]
+def _p28():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1247,7 +780,7 @@ def _p47():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p48():  # divide_by_sqrt [joint]
+def _p29():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -1280,7 +813,7 @@ def _p48():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p49():  # divide_by_sqrt [joint]
+def _p30():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -1317,7 +850,7 @@ def _p49():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p50():  # divide_by_sqrt [joint-npu-cast]
+def _p31():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1355,75 +888,7 @@ def _p50():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p51():  # divide_by_sqrt [joint]
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    sqrt_default = CallFunction(aten.sqrt.default, add_Tensor)
-    div_Tensor = CallFunction(aten.div.Tensor, arg_x, sqrt_default, _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_weight, div_Tensor)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, div_Tensor)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p52():  # divide_by_sqrt [joint]
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    sqrt_default = CallFunction(aten.sqrt.default, add_Tensor)
-    div_Tensor = CallFunction(aten.div.Tensor, _to_copy_default, sqrt_default)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, div_Tensor, dtype=Ignored(), _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_weight, _to_copy_default_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p53():  # divide_by_sqrt [joint-npu-cast]
-    npu = torch.ops.npu
-    arg_weight = KeywordArg('weight')
-    arg_x = KeywordArg('x')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
-    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
-    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
-    arg_eps = KeywordArg('eps')
-    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
-    sqrt_default = CallFunction(aten.sqrt.default, add_Tensor)
-    div_Tensor = CallFunction(aten.div.Tensor, npu__npu_dtype_cast_default, sqrt_default)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, div_Tensor, Ignored(), _users=2)
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_weight, npu__npu_dtype_cast_default_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
-    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
-    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
-    pattern = MultiOutputPattern([mul_Tensor,
-      None,
-      view_default,
-      None
-    ])
-    return pattern
-
-def _p54():  # gemma [joint]
+def _p32():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1458,7 +923,7 @@ def _p54():  # gemma [joint]
     ])
     return pattern
 
-def _p55():  # gemma [joint]
+def _p33():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1499,7 +964,7 @@ def _p55():  # gemma [joint]
     ])
     return pattern
 
-def _p56():  # gemma [joint-npu-cast]
+def _p34():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1541,7 +1006,7 @@ def _p56():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p57():  # gemma [joint]
+def _p35():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1573,7 +1038,7 @@ def _p57():  # gemma [joint]
     ])
     return pattern
 
-def _p58():  # gemma [joint]
+def _p36():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1610,7 +1075,7 @@ def _p58():  # gemma [joint]
     ])
     return pattern
 
-def _p59():  # gemma [joint-npu-cast]
+def _p37():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1648,7 +1113,7 @@ def _p59():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p60():  # gemma [joint]
+def _p38():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1670,7 +1135,7 @@ def _p60():  # gemma [joint]
     ])
     return pattern
 
-def _p61():  # gemma [joint]
+def _p39():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1697,7 +1162,7 @@ def _p61():  # gemma [joint]
     ])
     return pattern
 
-def _p62():  # gemma [joint-npu-cast]
+def _p40():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1725,7 +1190,7 @@ def _p62():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p63():  # no_weight [joint]
+def _p41():  # no_weight [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1752,7 +1217,7 @@ def _p63():  # no_weight [joint]
     ])
     return pattern
 
-def _p64():  # no_weight [joint]
+def _p42():  # no_weight [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1783,7 +1248,7 @@ def _p64():  # no_weight [joint]
     ])
     return pattern
 
-def _p65():  # no_weight [joint-npu-cast]
+def _p43():  # no_weight [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1826,129 +1291,85 @@ REGISTRATIONS = [
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.mul.Tensor'),), _p2),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p4),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p3),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p5),  # form 1
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p7),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p8),  # form 2
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p9),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p10),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mul.Tensor'),), _p11),  # form 3
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p4),  # form 1
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p12),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p5),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p13),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p6),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p14),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p7),  # form 4
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p15),  # form 5
+     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p8),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p16),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p9),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p17),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p10),  # form 5
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p11),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p12),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p20),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p13),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p21),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p14),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p22),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p15),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p23),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p16),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p24),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p17),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p25),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p26),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p27),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p28),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p20),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p21),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p30),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p31),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p22),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p32),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p23),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p33),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p34),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p24),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p35),  # form 1
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p36),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p37),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p38),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p39),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p40),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p41),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p42),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p43),  # form 2
-    ('torch_functional -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p44),  # form 2
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p25),  # form 1
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p45),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p26),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p46),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p27),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p47),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p28),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p48),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p29),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p49),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p30),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p50),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p51),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p52),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p53),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p31),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p54),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p32),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p55),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p33),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p56),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p34),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p57),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p35),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p58),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p36),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p59),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p37),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p60),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p38),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p61),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p39),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p62),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p40),  # form 4
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p63),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p41),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p64),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p42),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p65),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p43),  # form 5
 ]

@@ -96,16 +96,17 @@ def _p3():  # rotate_half_sliced [forward]
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
-def _p4():  # rotate_half_chunked [forward]
+def _p4():  # rotate_every_two [forward]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
-    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
     neg_default = CallFunction(aten.neg.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
-    cat_default = CallFunction(aten.cat.default, [neg_default, slice_Tensor_1], Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_1], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
     arg_sin = KeywordArg('sin')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, cat_default, arg_sin)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, arg_sin)
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
@@ -123,18 +124,14 @@ def _p5():  # rotate_every_two [forward]
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
-def _p6():  # rotate_every_two [forward]
+def _p6():  # complex_multiply [forward]
     arg_x = KeywordArg('x')
-    arg_cos = KeywordArg('cos')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
-    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
-    neg_default = CallFunction(aten.neg.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
-    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_1], Ignored())
-    view_default = CallFunction(aten.view.default, stack_default, Ignored())
-    arg_sin = KeywordArg('sin')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, arg_sin)
-    pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
+    view_default = CallFunction(aten.view.default, arg_x, Ignored())
+    view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
+    arg_freqs = KeywordArg('freqs')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_as_complex_default, arg_freqs)
+    view_as_real_default = CallFunction(aten.view_as_real.default, mul_Tensor)
+    pattern = CallFunction(aten.view.default, view_as_real_default, Ignored(), _users=0)
     return pattern
 
 def _p7():  # complex_multiply [forward]
@@ -147,17 +144,7 @@ def _p7():  # complex_multiply [forward]
     pattern = CallFunction(aten.view.default, view_as_real_default, Ignored(), _users=0)
     return pattern
 
-def _p8():  # complex_multiply [forward]
-    arg_x = KeywordArg('x')
-    view_default = CallFunction(aten.view.default, arg_x, Ignored())
-    view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
-    arg_freqs = KeywordArg('freqs')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_as_complex_default, arg_freqs)
-    view_as_real_default = CallFunction(aten.view_as_real.default, mul_Tensor)
-    pattern = CallFunction(aten.view.default, view_as_real_default, Ignored(), _users=0)
-    return pattern
-
-def _p9():  # even_odd_pairs [joint]
+def _p8():  # even_odd_pairs [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored(), _users=2)
     arg_pair_cos = KeywordArg('pair_cos')
@@ -190,7 +177,7 @@ def _p9():  # even_odd_pairs [joint]
     ])
     return pattern
 
-def _p10():  # rotate_half_sliced [joint]
+def _p9():  # rotate_half_sliced [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -218,7 +205,7 @@ def _p10():  # rotate_half_sliced [joint]
     ])
     return pattern
 
-def _p11():  # rotate_half_chunked [joint]
+def _p10():  # rotate_half_chunked [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -239,6 +226,36 @@ def _p11():  # rotate_half_chunked [joint]
     add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, cat_default_1)
     pattern = MultiOutputPattern([add_Tensor,
       add_Tensor_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p11():  # rotate_every_two [joint]
+    arg_x = KeywordArg('x')
+    arg_cos = KeywordArg('cos')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_1], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_sin = KeywordArg('sin')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, arg_sin)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_cos)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_sin)
+    view_default_1 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_1)
+    pattern = MultiOutputPattern([add_Tensor,
+      add_Tensor_2,
       None,
       None
     ])
@@ -274,37 +291,7 @@ def _p12():  # rotate_every_two [joint]
     ])
     return pattern
 
-def _p13():  # rotate_every_two [joint]
-    arg_x = KeywordArg('x')
-    arg_cos = KeywordArg('cos')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
-    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
-    neg_default = CallFunction(aten.neg.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored())
-    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_1], Ignored())
-    view_default = CallFunction(aten.view.default, stack_default, Ignored())
-    arg_sin = KeywordArg('sin')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, arg_sin)
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
-    arg_tangents_1 = KeywordArg('tangents_1')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_cos)
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_sin)
-    view_default_1 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
-    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
-    neg_default_1 = CallFunction(aten.neg.default, select_int)
-    slice_backward_default = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
-    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default)
-    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
-    slice_backward_default_1 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
-    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_1)
-    pattern = MultiOutputPattern([add_Tensor,
-      add_Tensor_2,
-      None,
-      None
-    ])
-    return pattern
-
-def _p14():  # complex_multiply [joint]
+def _p13():  # complex_multiply [joint]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
@@ -326,7 +313,7 @@ def _p14():  # complex_multiply [joint]
     ])
     return pattern
 
-def _p15():  # complex_multiply [joint]
+def _p14():  # complex_multiply [joint]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
@@ -360,28 +347,26 @@ REGISTRATIONS = [
      (('call_function', 'aten.cat.default'),), _p2),  # form 2
     ('rotate_half_sliced -> rotary_mul_half @ float32', 'forward', (),
      (('call_function', 'aten.add.Tensor'),), _p3),  # form 3
-    ('rotate_half_chunked -> rotary_mul_half @ float32', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p4),  # form 4
     ('rotate_every_two -> rotary_mul_interleave @ float32', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p5),  # form 5
+     (('call_function', 'aten.add.Tensor'),), _p4),  # form 5
     ('rotate_every_two -> rotary_mul_interleave_via_half @ float32', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p6),  # form 6
+     (('call_function', 'aten.add.Tensor'),), _p5),  # form 6
     ('complex_multiply -> rotary_mul_from_complex @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p7),  # form 7
+     (('call_function', 'aten.view.default'),), _p6),  # form 7
     ('complex_multiply -> rotary_mul_from_complex_via_half @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p8),  # form 8
+     (('call_function', 'aten.view.default'),), _p7),  # form 8
     ('even_odd_pairs -> rotary_mul_half_deinterleaved_pair_angles @ float32', 'joint', ('x',),
-     (('call_function', 'aten.cat.default'),), _p9),  # form 2
+     (('call_function', 'aten.cat.default'),), _p8),  # form 2
     ('rotate_half_sliced -> rotary_mul_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p10),  # form 3
+     (('call_function', 'aten.add.Tensor'),), _p9),  # form 3
     ('rotate_half_chunked -> rotary_mul_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p11),  # form 4
+     (('call_function', 'aten.add.Tensor'),), _p10),  # form 4
     ('rotate_every_two -> rotary_mul_interleave @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p12),  # form 5
+     (('call_function', 'aten.add.Tensor'),), _p11),  # form 5
     ('rotate_every_two -> rotary_mul_interleave_via_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p13),  # form 6
+     (('call_function', 'aten.add.Tensor'),), _p12),  # form 6
     ('complex_multiply -> rotary_mul_from_complex @ float32', 'joint', ('x',),
-     (('call_function', 'aten.view.default'),), _p14),  # form 7
+     (('call_function', 'aten.view.default'),), _p13),  # form 7
     ('complex_multiply -> rotary_mul_from_complex_via_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.view.default'),), _p15),  # form 8
+     (('call_function', 'aten.view.default'),), _p14),  # form 8
 ]

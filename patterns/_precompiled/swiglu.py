@@ -30,15 +30,7 @@ def _p0():  # chunked [forward]
     pattern = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=0)
     return pattern
 
-def _p1():  # sliced [forward]
-    arg_x = KeywordArg('x')
-    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
-    silu_default = CallFunction(aten.silu.default, slice_Tensor)
-    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
-    pattern = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=0)
-    return pattern
-
-def _p2():  # chunked [joint]
+def _p1():  # chunked [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
     silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
@@ -54,7 +46,7 @@ def _p2():  # chunked [joint]
     ])
     return pattern
 
-def _p3():  # sliced [joint]
+def _p2():  # sliced [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
     silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
@@ -78,10 +70,8 @@ def _p3():  # sliced [joint]
 REGISTRATIONS = [
     ('chunked -> npu_swiglu @ float32', 'forward', (),
      (('call_function', 'aten.mul.Tensor'),), _p0),  # form 0
-    ('sliced -> npu_swiglu @ float32', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 1
     ('chunked -> npu_swiglu @ float32', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 0
     ('sliced -> npu_swiglu @ float32', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 1
 ]

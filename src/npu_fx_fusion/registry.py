@@ -185,27 +185,38 @@ def _spellings(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any], joint
     return found
 
 
-def _covered(form: Form, kind: str, gm: torch.fx.GraphModule, earlier: Sequence[Registration]) -> bool:
+def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphModule,
+             earlier: Sequence[Registration]) -> bool:
     """An earlier registration with the same replacement already matches this traced
     search, binding each argument to the same input: registering it adds nothing. (After
     canonicalisation and with every spelling accepted, `x[..., :h]` and `x.chunk(2)`, or
     `x / sqrt(v)` and `x * rsqrt(v)`, are one pattern; their training traces differ.)"""
     outputs = [n for n in pytree.tree_leaves(next(iter(gm.graph.find_nodes(op="output"))).args)
                if isinstance(n, torch.fx.Node)]
-    placeholders = {n.target: n for n in gm.graph.find_nodes(op="placeholder")}
+    # fx_to_pattern names the placeholders by position: the form's arguments, then tangents
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    names = [*form.argnames, *(str(p.target) for p in placeholders[len(form.argnames):])]
+    expected = dict(zip(names, placeholders))
     for registration in earlier:
         if registration.kind != kind or registration.form.replace is not form.replace or not outputs:
             continue
         for pattern in registration.spelled:
             match = pattern.match(outputs[0])
-            if match and all(match.kwargs.get(name) is placeholders.get(name)
-                             for name in (*form.argnames, *(p for p in placeholders if p.startswith("tangents")))):
+            if match and all(_binds(fusion_pass, match, name, node) for name, node in expected.items()):
                 return True
     return False
 
 
 def _keywords_of(gm: torch.fx.GraphModule) -> set:
     return {(str(n.target), key, repr(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+
+
+def _binds(fusion_pass: FusionPass, match: pm.Match, name: str, placeholder: torch.fx.Node) -> bool:
+    """The match binds argument `name` as the traced search has it: a tensor to its
+    placeholder, a scalar (a literal in the trace) to its example value."""
+    if name in fusion_pass.example and fusion_pass.is_scalar(name):
+        return match.kwargs.get(name, fusion_pass.example[name]) == fusion_pass.example[name]
+    return match.kwargs.get(name) is placeholder or (name.startswith("tangents") and name not in match.kwargs)
 
 
 def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
@@ -218,7 +229,7 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
                 inputs = [fusion_pass.example_value(n, dtype, variant) for n in form.argnames]
                 for kind, pattern, gm in _spellings(fusion_pass, form, inputs, joint=False):
                     keywords[form] |= _keywords_of(gm)
-                    if not _covered(form, kind, gm, forward):  # a form's dtypes and spellings often coincide
+                    if not _covered(fusion_pass, form, kind, gm, forward):  # a form's dtypes and spellings often coincide
                         forward.append(Registration(form, pattern, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
     forward = tuple(forward)
@@ -271,7 +282,7 @@ def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict) 
                                            if isinstance(v, torch.Tensor) and v.requires_grad)
                     for kind, pattern, gm in found:
                         same_grads = [r for r in joint if r.requires_grad == differentiable]
-                        if not _covered(form, kind, gm, same_grads):
+                        if not _covered(fusion_pass, form, kind, gm, same_grads):
                             joint.append(Registration(form, pattern, kind, differentiable))
     return tuple(joint)
 
