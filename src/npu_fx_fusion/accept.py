@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonical import is_backward
@@ -71,6 +72,7 @@ class RunContext:
     exact_patterns: dict = field(default_factory=dict)
     inserted: list[Node] = field(default_factory=list)
     out_of_order: bool = False  # a replacement reads a node defined after it
+    fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -96,7 +98,9 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
         # no form can match here: nothing to register
         return _near_misses(RunContext(fusion_pass, None, soc, mode), gm, PassResult(fusion_pass.name), anchors)
     patterns = pattern_set(fusion_pass)
-    ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint)
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
+                     fake_mode=torch._guards.detect_fake_mode(inputs))  # noqa: SLF001
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
@@ -153,13 +157,14 @@ class _Replacement(pm.ReplacementPatternEntry):
         self.ctx = ctx
 
     def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
-        added = insert_replacement(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs))
+        added = insert_replacement(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs),
+                                   self.ctx.fake_mode)
         self.ctx.inserted.extend(added)
         self.ctx.out_of_order = self.ctx.out_of_order or _reads_later_node(added)
 
 
 def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torch.fx.GraphModule,
-                       args: Sequence[Any]) -> list[Node]:
+                       args: Sequence[Any], fake_mode: Any = None) -> list[Node]:
     """Copy `replacement` into `graph` in place of the matched nodes; returns the nodes added.
 
     What torch's ReplacementPatternEntry.replace_with_graph does, in time independent of
@@ -168,7 +173,8 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
     pass quadratic in the depth of the model (every decoder layer's add_rms_norm). Nodes
     are ordered, so the first output is the least. The replacement is inserted before it;
     a node it reads that the graph defines later is the caller's to sort out
-    (apply_pass sorts the graph then).
+    (apply_pass sorts the graph then). The copies' fake values are made in `fake_mode`
+    (the graph's) when the replacement was traced in another one.
     """
     added: list[Node] = []
     env: dict[Node, Any] = {}
@@ -182,6 +188,8 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
             elif node.op == "call_function":
                 copied = graph.call_function(node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
                 pm._transfer_meta(new_meta=copied.meta, old_node=node)  # noqa: SLF001
+                if fake_mode is not None and "val" in copied.meta:
+                    copied.meta["val"] = _in_mode(copied.meta["val"], fake_mode)
                 added.append(copied)
                 env[node] = copied
             elif node.op == "output":
@@ -201,6 +209,17 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
         if not node.users and not node.is_impure():
             graph.erase_node(node)
     return [node for node in added if not node._erased]  # noqa: SLF001
+
+
+def _in_mode(value: Any, fake_mode: Any) -> Any:
+    """A fake value of another fake mode, made again in `fake_mode` (static sizes only:
+    replacements traced for one graph only are already in its mode)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_in_mode(v, fake_mode) for v in value)
+    if isinstance(value, FakeTensor) and value.fake_mode is not fake_mode:
+        with fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return value
 
 
 def _replace_output(graph: torch.fx.Graph, old: Optional[Node], new: Any, inserted: set) -> None:
@@ -263,8 +282,9 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
     torch's PatternMatcherPass.apply, less what serves Inductor only: its test of every
     candidate node for a CPU fallback (which asks Inductor's lowering about each node, a
     third of this pass's time) and its graph-transform observer. As there: candidates are
-    every node a pattern can start from, latest first; a match that crosses a mutation
-    (an in-place op between its nodes) or a stream boundary is skipped.
+    every node a pattern can start from, latest first (in a joint graph, forward nodes
+    only); a match that crosses a mutation (an in-place op between its nodes) or a stream
+    boundary is skipped.
     """
     entries = defaultdict(list)
     for registration in registrations:
@@ -274,6 +294,8 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
         pm.compute_mutation_region_ids(graph)
     candidates = sorted(itertools.chain.from_iterable(
         graph.find_nodes(op=op, target=target, sort=False) for op, target in entries), reverse=True)
+    if ctx.joint:  # a joint pattern starts from its forward output: never a backward node
+        candidates = [node for node in candidates if not is_backward(node)]
     count = 0
     for node in candidates:
         for entry in entries[(node.op, node.target)]:
@@ -464,15 +486,19 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
 
 
 def _replacement_graph(ctx: RunContext, registration: Registration, arguments: _Arguments) -> torch.fx.GraphModule:
-    """The replacement traced at the site's arguments, one trace per signature per graph."""
+    """The replacement traced at the site's arguments, one trace per signature: kept for
+    every graph when the signature is static (a joint trace is a whole aot_autograd run,
+    ~0.2 s; its fake values are re-made in each graph's fake mode as it is inserted:
+    insert_replacement), else for this graph (symbolic sizes name this graph's values)."""
     form = registration.form
     key = (registration.kind, form.key, arguments.key)
-    if arguments.key is not None and key in ctx.replacements:
-        return ctx.replacements[key]
+    cache = ctx.patterns.replacements if arguments.key is not None and is_static(arguments.key) else ctx.replacements
+    if arguments.key is not None and key in cache:
+        return cache[key]
     with arguments.fake_mode:
         graph = TRACERS[registration.kind](form.replace, arguments.traced)
     if arguments.key is not None:
-        ctx.replacements[key] = graph
+        cache[key] = graph
     return graph
 
 

@@ -87,8 +87,10 @@ class PatternSet:
     source: str  # "precompiled" or "traced"
     # (op, target) a match can start from, when known without building the registrations
     known_anchors: dict[str, frozenset] = field(default_factory=dict)
-    # exact-match patterns of static signatures, shared by every graph (accept.py)
+    # exact-match patterns and replacement traces of static signatures, shared by every
+    # graph (accept.py)
     exact_patterns: dict = field(default_factory=dict)
+    replacements: dict = field(default_factory=dict)
 
     @functools.cached_property
     def forward(self) -> tuple[Registration, ...]:
