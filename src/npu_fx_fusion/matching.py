@@ -30,7 +30,7 @@ import torch.fx
 from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from . import npu_ops
+from . import npu_dispatch, npu_ops
 from .capabilities import capability, has_backward, not_lowerable
 from .report import FusedSite, NearMiss, PassResult, location_of
 
@@ -453,6 +453,10 @@ class FusionPass:
                                 registered.append(form)
                                 if self._has_casts(form, dtype, variant):
                                     self._npu_cast_spelling_pending.append((form, dtype, subset, variant))
+                            # as an NPU compile records it (npu_dispatch.py), e.g. matmul_backward
+                            if self._register_joint(matcher, form, dtype, subset, npu_dispatch.traced_as_on_npu(
+                                    trace_joint_without_decompositions), variant):
+                                registered.append(form)
         self.joint_forms = tuple(dict.fromkeys(registered))
         return matcher if registered else None
 
@@ -542,6 +546,9 @@ class FusionPass:
         trace_fns = [trace_without_decompositions]
         if self._has_casts(form, dtype, variant):  # else the same pattern again
             trace_fns.append(trace_with_npu_dtype_casts)
+        # the form as an NPU compile records it (aten.matmul, softmax's _npu_dtype_cast, ...;
+        # npu_dispatch.py); a duplicate of the CPU trace where no override is involved
+        trace_fns.append(npu_dispatch.traced_as_on_npu(trace_without_decompositions))
         for trace_fn in trace_fns:
             pm.register_replacement(
                 form.search,

@@ -242,6 +242,9 @@ class FusionReport:
 
     def __init__(self) -> None:
         self.graphs: list[GraphReport] = []
+        # which graph the passes saw: an NPU compile's (torchair, or CPU emulation with the
+        # NPU dispatch reproduced) or the plain CPU trace; None: the caller's own (fuse())
+        self.graph_source: Optional[str] = None
 
     def add(self, graph: GraphReport) -> None:
         self.graphs.append(graph)
@@ -283,7 +286,7 @@ class FusionReport:
         return [(r.pass_name, r.error) for r in self._results() if r.error]
 
     def to_dict(self) -> dict:
-        return {"counts": self.counts, "fused_ops": self.fused_ops,
+        return {"graph_source": self.graph_source, "counts": self.counts, "fused_ops": self.fused_ops,
                 "graphs": [g.to_dict() for g in self.graphs]}
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -291,6 +294,8 @@ class FusionReport:
 
     def to_markdown(self) -> str:
         lines = ["# npu-fx-fusion report", ""]
+        if self.graph_source:
+            lines += [f"Graphs fused: {self.graph_source}.", ""]
         if not self.graphs:
             return "\n".join(lines + ["No graph was compiled."]) + "\n"
         lines += ["| pass | fused sites |", "|---|---|"]
