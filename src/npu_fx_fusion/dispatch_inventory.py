@@ -137,7 +137,8 @@ OVERRIDES: tuple[Override, ...] = (
              CHANGES, True),
     Override("where", "supported", "wrapper_NPU__where", "wrapper_AutogradNPU__where",
              "OP WhereKernelNpuOpApi.cpp: where(condition) is at::native::where, the composite",
-             "nonzero_numpy", "the same", SAME, True),
+             "nonzero_numpy (a data-dependent shape: no fake-tensor trace, a graph break)",
+             "the same (observed on real tensors)", SAME, True),
     Override("log_sigmoid", "supported", "wrapper_NPU__log_sigmoid", "wrapper_AutogradNPU__log_sigmoid",
              "OP LogSigmoidNpuOpApi.cpp: std::get<0>(at::log_sigmoid_forward(self))",
              "log_sigmoid_forward + getitem 0", "the same (observed)", SAME, True),
@@ -152,8 +153,10 @@ OVERRIDES: tuple[Override, ...] = (
              "multilabel_margin_loss_forward + getitem 0", "the same", SAME, True),
     Override("pdist", "supported", "wrapper_NPU__pdist", "wrapper_AutogradNPU__pdist",
              "OP PdistKernelNpuOpApi.cpp: at::_pdist_forward(self, p), without CPU's contiguous()",
-             "[clone +] _pdist_forward", "_pdist_forward (a non-contiguous input is not copied first)",
-             CHANGES, True),
+             "[clone +] _pdist_forward",
+             "_pdist_forward, the same for a contiguous input (observed); a non-contiguous one fails to trace "
+             "(torch's Meta of _pdist_forward requires contiguity, which CPU's composite makes first)",
+             SAME, True),
     Override("fft_fftshift", "supported", "wrapper_NPU__fft_fftshift", "wrapper_AutogradNPU__fft_fftshift",
              "OP FFTShiftKernelNpuOpApi.cpp: at::roll_symint(self, size / 2, dims) (ComplexFloat: rolled as an "
              "int64 reinterpretation of its storage)",
@@ -171,7 +174,8 @@ OVERRIDES: tuple[Override, ...] = (
     Override("cdist", "supported", "wrapper_NPU__cdist", "at_npu::autograd::generated::CdistBackward0",
              _FORMULA + ": x1: _cdist_backward(grad, x1, x2, p, result), x2: _cdist_backward(grad.mT().contiguous(), "
              "x2, x1, p, result.mT().contiguous())",
-             "the composite (_euclidean_dist or _cdist_forward)", "aten.cdist; backward aten._cdist_backward x2",
+             "_cdist_forward (or _euclidean_dist); backward _cdist_backward (observed)",
+             "aten.cdist; backward aten._cdist_backward x2 (the second on transposed copies) (observed)",
              CHANGES, True),
     Override("inverse", "supported", "wrapper_NPU__inverse", "at_npu::autograd::generated::InverseBackward0",
              _FORMULA + ": self: -at::matmul(result.mH(), at::matmul(grad, result.mH()))",
