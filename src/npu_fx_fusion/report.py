@@ -234,7 +234,10 @@ class GraphReport:
 
     @property
     def fused_ops(self) -> Counter:
-        return fused_op_counts(self.ops_after)
+        """The npu ops the passes added to this graph: those in it after, less those it held
+        before (torch_npu's own calls in an NPU graph, such as npu_fusion_attention_v3 for
+        SDPA; in a graph split from a fused joint graph, the joint graph's fusions)."""
+        return fused_op_counts(self.ops_after) - fused_op_counts(self.ops_before)
 
 
 class FusionReport:
@@ -263,14 +266,15 @@ class FusionReport:
 
     @property
     def fused_ops(self) -> dict[str, int]:
-        """{"npu.npu_rms_norm": n, ...}: fused-op calls in the final graphs.
+        """{"npu.npu_rms_norm": n, ...}: the fused-op calls the passes added, over all graphs.
 
-        A "joint" graph (training, before partitioning) is not final: its ops are counted
-        in the forward and backward graphs it is split into."""
+        Each is counted in the graph it was made in: a "joint" graph's (training, before
+        partitioning) are already in the forward and backward graphs it is split into. npu
+        ops the traced graph held already (torch_npu's own FlashAttention for SDPA in an NPU
+        graph, npu ops the model calls itself) are not counted."""
         total = Counter()
         for g in self.graphs:
-            if g.name != "joint":
-                total.update(g.fused_ops)
+            total.update(g.fused_ops)
         return dict(total)
 
     @property
