@@ -597,3 +597,19 @@ def test_the_inventorys_counts_are_what_the_docs_say():
         text = f.read()
     for row in inventory.OVERRIDES:
         assert f"`{row.op}`" in text, f"docs/npu-graph.md does not list {row.op}"
+
+
+@pytest.mark.parametrize("shapes", [((4,), (4,)), ((3, 4), (4,)), ((4,), (4, 5)), ((3, 4), (4, 5)),
+                                    ((2, 3, 4), (4, 5)), ((2, 3, 4), (4,)), ((3, 4), (2, 4, 5)),
+                                    ((2, 1, 3, 4), (5, 4, 6)), ((2, 3, 4), (2, 4, 5))], ids=str)
+def test_matmul_backward_rounds_as_cpus_autograd(shapes):
+    """The CPU kernel of aten.matmul_backward (an NPU graph's training op) gives CPU autograd's
+    gradients bit for bit: the same folded mm / bmm products, summed the same way."""
+    a = torch.randn(shapes[0], requires_grad=True)
+    b = torch.randn(shapes[1], requires_grad=True)
+    out = torch.matmul(a, b)
+    grad = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (a, b), grad)
+    actual = npu_dispatch.matmul_backward(grad, a.detach(), b.detach(), [True, True])
+    assert all(torch.equal(x, y) for x, y in zip(actual, expected))
+    assert npu_dispatch.matmul_backward(grad, a.detach(), b.detach(), [False, True])[0] is None

@@ -616,16 +616,18 @@ class FusionPass:
         return notes
 
     def _spelled_keywords(self, form: Form) -> frozenset:
-        """(op, keyword, value) of every keyword argument the form's search spells out:
-        torch's matcher compares those itself (argsort's stable=True)."""
+        """(op, keyword, value) of every keyword argument the form's search spells out, in any
+        of its traces (forward, joint, NPU spelling): torch's matcher compares those itself
+        (argsort's stable=True; a backward op's keyword-only tensors, such as
+        npu_fusion_attention_grad_v3's atten_mask)."""
         cached = self._keywords.get(form.name)
         if cached is None:
             with FakeTensorMode():  # registration traced this already: it comes from the cache
                 inputs = [self._example_value(n, form.dtypes[0]) for n in form.argnames]
-                traced = _trace_searches_once(trace_without_decompositions, self._search_traces,
-                                              form.search, inputs)
+                _trace_searches_once(trace_without_decompositions, self._search_traces, form.search, inputs)
+            traces = [gm for key, gm in self._search_traces.items() if key[1] is form.search]
             cached = self._keywords[form.name] = frozenset(
-                (node.target, key, repr(value)) for node in traced.graph.nodes
+                (node.target, key, _keyword_value(value)) for traced in traces for node in traced.graph.nodes
                 for key, value in node.kwargs.items())
         return cached
 
@@ -850,6 +852,13 @@ _HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_
                                 "memory_format", "keepdim"})
 
 
+def _keyword_value(value: Any) -> str:
+    """A keyword argument as _unexpected_keyword compares it: a tensor (a node) by being there,
+    since the matcher compared the node itself where the pattern has the keyword; any other
+    value by its repr."""
+    return "<node>" if isinstance(value, Node) else repr(value)
+
+
 def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset = frozenset()) -> Reason:
     """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
     _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those;
@@ -860,7 +869,7 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset = frozenset())
         defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
-            if (node.target, key, repr(value)) in spelled:
+            if (node.target, key, _keyword_value(value)) in spelled:
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"

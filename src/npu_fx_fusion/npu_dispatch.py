@@ -283,19 +283,33 @@ def composite(op: torch._ops.OpOverload) -> Callable:
 
 def matmul_backward(grad, self, other, mask):
     """aten::matmul_backward, which torch_npu implements at PrivateUse1 (wrapper_NPU__matmul_backward)
-    and CPU lacks: the gradients of matmul(self, other) for the inputs `mask` selects, as
-    CPU's matmul decomposition computes them. Also torchair's CompositeImplicitAutograd
-    registration of it (register_matmul_backward_decomp), which fake tensors evaluate."""
+    and CPU lacks: the gradients of matmul(self, other) for the inputs `mask` selects.
+
+    The mm / bmm products CPU's autograd computes through matmul's decomposition, so the
+    emulated gradients round as CPU's do: an N-D input against a matrix (a projection) is
+    folded into one 2-D product, as matmul folds it forward (torchair's decomposition folds
+    the same way); otherwise the batched product, summed over broadcast dims. Also the
+    CompositeImplicitAutograd kernel torchair registers (register_matmul_backward_decomp),
+    which fake tensors evaluate."""
     a = self.unsqueeze(0) if self.dim() == 1 else self
     b = other.unsqueeze(-1) if other.dim() == 1 else other
-    out_shape = (*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-1])
-    g = grad.reshape(out_shape)
-    grad_self = grad_other = None
-    if mask[0]:
-        grad_self = torch.matmul(g, b.transpose(-1, -2)).sum_to_size(a.shape).reshape(self.shape)
-    if mask[1]:
-        grad_other = torch.matmul(a.transpose(-1, -2), g).sum_to_size(b.shape).reshape(other.shape)
-    return grad_self, grad_other
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    g = grad.reshape(*batch, a.shape[-2], b.shape[-1])
+    grad_a = grad_b = None
+    if a.dim() >= 3 and b.dim() == 2:  # fold a's batch into its rows
+        a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        grad_a = g2.mm(b.t()).reshape(a.shape) if mask[0] else None
+        grad_b = a2.t().mm(g2) if mask[1] else None
+    elif a.dim() == 2 and b.dim() >= 3:  # fold b's batch into its columns (transposed)
+        gt = g.transpose(-1, -2).reshape(-1, g.shape[-2])
+        bt = b.transpose(-1, -2).reshape(-1, b.shape[-2])
+        grad_a = gt.t().mm(bt) if mask[0] else None
+        grad_b = gt.mm(a).reshape(*b.shape[:-2], b.shape[-1], b.shape[-2]).transpose(-1, -2) if mask[1] else None
+    else:
+        grad_a = torch.matmul(g, b.transpose(-1, -2)).sum_to_size(a.shape) if mask[0] else None
+        grad_b = torch.matmul(a.transpose(-1, -2), g).sum_to_size(b.shape) if mask[1] else None
+    return (None if grad_a is None else grad_a.reshape(self.shape),
+            None if grad_b is None else grad_b.reshape(other.shape))
 
 
 # ---- the aten ops torch_npu differentiates itself (op-plugin derivatives.yaml) ----------------
