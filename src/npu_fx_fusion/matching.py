@@ -80,8 +80,10 @@ def _functionalize_inplace_on_temporaries(graph: torch.fx.Graph) -> int:
 def trace_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
     """The same trace with each dtype conversion spelled `npu._npu_dtype_cast(x, dtype)`.
 
-    On an NPU, torch_npu records `x.to(dtype)` that way in aot graphs, where CPU records
-    `aten._to_copy(x, dtype=...)` (torchair's own patterns accept both).
+    torch_npu's kernels that convert dtypes call that op (softmax with a dtype, whose NPU
+    spelling the npu_dispatch traces give anyway), and so does model code written for an
+    NPU; `x.to(dtype)` itself is aten._to_copy on an NPU too (dispatch_inventory.DTYPE_CAST).
+    torchair's own patterns accept both spellings.
     """
     return spell_casts_as_npu(trace_without_decompositions(fn, args, **kwargs))
 

@@ -9,8 +9,9 @@ graph rewritten on CPU is op-for-op the graph that runs on an NPU.
 # namespace -> {op name -> schema}
 SCHEMAS: dict[str, dict[str, str]] = {
     "npu": {
-        # What torch_npu records for `.to(dtype)` in aot graphs, where CPU records
-        # aten._to_copy: patterns with casts are registered in both spellings.
+        # What torch_npu's kernels call to convert dtypes (softmax with a dtype); `.to(dtype)`
+        # itself is aten._to_copy in an NPU aot graph too (dispatch_inventory.DTYPE_CAST).
+        # Patterns with casts are registered in both spellings.
         "_npu_dtype_cast": "_npu_dtype_cast(Tensor self, ScalarType dtype) -> Tensor",
         # its derivative (NpuDtypeCastBackward0: `_npu_dtype_cast_backward(grad, self.scalar_type())`)
         "_npu_dtype_cast_backward": "_npu_dtype_cast_backward(Tensor grad, ScalarType dtype) -> Tensor",
