@@ -456,8 +456,9 @@ class FusionPass:
                                 if self._has_casts(form, dtype, variant):
                                     self._npu_cast_spelling_pending.append((form, dtype, subset, variant))
                             # as an NPU compile records it (npu_dispatch.py), e.g. matmul_backward
-                            if self._register_joint(matcher, form, dtype, subset, npu_dispatch.traced_as_on_npu(
-                                    trace_joint_without_decompositions), variant):
+                            if self._npu_spelling_differs(form, dtype, variant) and self._register_joint(
+                                    matcher, form, dtype, subset,
+                                    npu_dispatch.traced_as_on_npu(trace_joint_without_decompositions), variant):
                                 registered.append(form)
         self.joint_forms = tuple(dict.fromkeys(registered))
         return matcher if registered else None
@@ -564,6 +565,19 @@ class FusionPass:
                 # are its two cast spellings
                 skip_duplicates=True,
             )
+
+    def _npu_spelling_differs(self, form: Form, dtype: torch.dtype,
+                              variant: Optional[Mapping[str, Any]] = None) -> bool:
+        """Whether the form's forward traces differently as an NPU compile records it. Where it
+        does not, no emulated override was involved, and none of them changes a backward
+        without changing its forward (tests/test_npu_dispatch.py traces each both ways), so
+        the joint NPU trace would repeat the joint CPU one: it is not made (joint traces
+        are the expensive ones)."""
+        inputs = [self._example_value(n, dtype, variant) for n in form.argnames]
+        cpu = _trace_searches_once(trace_without_decompositions, self._search_traces, form.search, inputs)
+        npu = _trace_searches_once(npu_dispatch.traced_as_on_npu(trace_without_decompositions),
+                                   self._search_traces, form.search, inputs)
+        return cpu.code != npu.code
 
     def _has_casts(self, form: Form, dtype: torch.dtype, variant: Optional[Mapping[str, Any]] = None) -> bool:
         """The form's search converts dtypes at `dtype` (so it has a torch_npu spelling too)."""
