@@ -313,17 +313,10 @@ def matmul_backward(grad, self, other, mask):
 
 
 # ---- the aten ops torch_npu differentiates itself (op-plugin derivatives.yaml) ----------------
-@dataclass(frozen=True)
-class NpuAutograd:
-    """An AutogradPrivateUse1 kernel generated from op-plugin's derivatives.yaml: the
-    forward below autograd, then `backward(ctx, grad) -> grads of the inputs` recording
-    the ops the formula names."""
-
-    setup_context: Callable
-    backward: Callable
-
-
+# Each backward below is `backward(ctx, grad) -> gradients of the positional inputs` and
+# records the ops the op's formula names; the forward is the op itself, below autograd.
 def _save_inputs(ctx, inputs, output, keyword_only_inputs=None):
+    # the formulas read inputs, keyword-only inputs and the result (ints and tensors alike)
     ctx.inputs = inputs
     ctx.keyword_only_inputs = keyword_only_inputs or {}
     ctx.output = output
@@ -383,28 +376,24 @@ def _stft_backward(ctx, grad):
                               "stand-in: the emulated training graph cannot be built")
 
 
-NPU_AUTOGRAD: dict[str, NpuAutograd] = {
-    "repeat_interleave.self_int": NpuAutograd(_save_inputs, _repeat_interleave_int_backward),
-    "repeat_interleave.self_Tensor": NpuAutograd(_save_inputs, _repeat_interleave_tensor_backward),
-    "kl_div": NpuAutograd(_save_inputs, _kl_div_backward),
-    "l1_loss": NpuAutograd(_save_inputs, _l1_loss_backward),
-    "cdist": NpuAutograd(_save_inputs, _cdist_backward),
-    "inverse": NpuAutograd(_save_inputs, _inverse_backward),
-    "linalg_cholesky": NpuAutograd(_save_inputs, _linalg_cholesky_backward),
-    "stft": NpuAutograd(_save_inputs, _stft_backward),
+NPU_AUTOGRAD: dict[str, Callable] = {
+    "repeat_interleave.self_int": _repeat_interleave_int_backward,
+    "repeat_interleave.self_Tensor": _repeat_interleave_tensor_backward,
+    "kl_div": _kl_div_backward,
+    "l1_loss": _l1_loss_backward,
+    "cdist": _cdist_backward,
+    "inverse": _inverse_backward,
+    "linalg_cholesky": _linalg_cholesky_backward,
+    "stft": _stft_backward,
 }
 
 
-def _autograd_kernel(op: torch._ops.OpOverload, autograd: NpuAutograd) -> Callable:
-    """The AutogradCPU kernel of `op` running `autograd`'s formula: torch.library's own
+def _autograd_kernel(op: torch._ops.OpOverload, backward: Callable) -> Callable:
+    """The AutogradCPU kernel of `op` with op-plugin's formula `backward`: torch.library's own
     generated autograd.Function (the forward redispatches below autograd to the CPU kernel,
     so the graph records `op` itself), as npu_ops/_library.py builds it for stand-ins."""
     impl = torch._library.autograd  # noqa: SLF001 - torch 2.13 private API, the version is pinned
-
-    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
-        autograd.setup_context(ctx, inputs, output, keyword_only_inputs)
-
-    return impl.make_autograd_impl(op, impl.Info(autograd.backward, setup_context))
+    return impl.make_autograd_impl(op, impl.Info(backward, _save_inputs))
 
 
 # =====================================================================================
