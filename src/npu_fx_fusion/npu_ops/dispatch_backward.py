@@ -77,9 +77,11 @@ def kl_div_target_backward(grad_output, self, target, reduction=_MEAN, *, log_ta
     _check_reduction("kl_div_target_backward", reduction)
     if log_target:
         dloss = target.exp() * (target - self + 1)
-    else:  # d/dt [t log t - t x] = log t + 1 - x, 0 where t == 0 (xlogy)
-        dloss = torch.where(target > 0, target.clamp_min(torch.finfo(target.dtype).tiny).log() + 1 - self,
-                            torch.zeros((), dtype=target.dtype))
+    else:
+        # the derivative of kl_div's composite xlogy(t, t) - t * x as torch's autograd takes it:
+        # xlogy(t != 0, t) + t / t - x, log(t) + 1 - x where t > 0 and NaN where t == 0 (the
+        # NPU kernel's value there is not documented [not established])
+        dloss = torch.xlogy((target != 0).to(target.dtype), target) + target / target - self
     return _reduced(grad_output, dloss.expand_as(target), reduction).to(target.dtype)
 
 
