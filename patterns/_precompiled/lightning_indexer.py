@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ab075aba605f044d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '573c931dadb24ec7',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
@@ -89,7 +89,29 @@ def _p1():  # transformers_indexer [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
     return pattern
 
-def _p2():  # transformers_indexer [forward]
+def _p2():  # transformers_indexer [forward-npu]
+    arg_weights = KeywordArg('weights')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
+    matmul_default = CallFunction(aten.matmul.default, arg_query, unsqueeze_default_1)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
+    relu_default = CallFunction(aten.relu.default, mul_Tensor)
+    matmul_default_1 = CallFunction(aten.matmul.default, unsqueeze_default, relu_default)
+    squeeze_dim = CallFunction(aten.squeeze.dim, matmul_default_1, Ignored())
+    arg_mask = KeywordArg('mask')
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
+    arg_index_topk = KeywordArg('index_topk')
+    topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 1)
+    pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p3():  # transformers_indexer [forward]
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
@@ -121,7 +143,7 @@ def _p2():  # transformers_indexer [forward]
     pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
     return pattern
 
-def _p3():  # transformers_indexer [forward-npu-cast]
+def _p4():  # transformers_indexer [forward-npu-cast]
     npu = torch.ops.npu
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
@@ -154,7 +176,7 @@ def _p3():  # transformers_indexer [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
     return pattern
 
-def _p4():  # transformers_indexer [forward]
+def _p5():  # transformers_indexer [forward]
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
@@ -189,7 +211,7 @@ def _p4():  # transformers_indexer [forward]
     pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
     return pattern
 
-def _p5():  # transformers_indexer [forward-npu-cast]
+def _p6():  # transformers_indexer [forward-npu-cast]
     npu = torch.ops.npu
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
@@ -225,31 +247,21 @@ def _p5():  # transformers_indexer [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
     return pattern
 
-def _p6():  # transformers_indexer [forward]
+def _p7():  # transformers_indexer [forward-npu]
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, _to_copy_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     _to_copy_default_1 = CallFunction(aten._to_copy.default, transpose_int, dtype=Ignored())
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
-    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    matmul_default = CallFunction(aten.matmul.default, _to_copy_default, unsqueeze_default_1)
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
     relu_default = CallFunction(aten.relu.default, mul_Tensor)
-    expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_5, Ignored())
+    matmul_default_1 = CallFunction(aten.matmul.default, unsqueeze_default, relu_default)
+    squeeze_dim = CallFunction(aten.squeeze.dim, matmul_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
@@ -257,41 +269,6 @@ def _p6():  # transformers_indexer [forward]
     topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
     operator_getitem = CallFunction(operator.getitem, topk_default, 1)
     pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p7():  # transformers_indexer [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_weights = KeywordArg('weights')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
-    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, transpose_int, Ignored())
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, npu__npu_dtype_cast_default_1, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
-    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
-    relu_default = CallFunction(aten.relu.default, mul_Tensor)
-    expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_5, Ignored())
-    arg_mask = KeywordArg('mask')
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
-    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
-    arg_index_topk = KeywordArg('index_topk')
-    topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
-    operator_getitem = CallFunction(operator.getitem, topk_default, 1)
-    pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
     return pattern
 
 def _p8():  # transformers_indexer [forward]
@@ -300,24 +277,25 @@ def _p8():  # transformers_indexer [forward]
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
     view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_query = KeywordArg('query')
-    expand_default_1 = CallFunction(aten.expand.default, arg_query, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, _to_copy_default, Ignored())
     view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, transpose_int, dtype=Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_2, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
     relu_default = CallFunction(aten.relu.default, mul_Tensor)
     expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_3)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_4, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_5, Ignored())
     arg_mask = KeywordArg('mask')
     bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
@@ -334,24 +312,25 @@ def _p9():  # transformers_indexer [forward-npu-cast]
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
     view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_query = KeywordArg('query')
-    expand_default_1 = CallFunction(aten.expand.default, arg_query, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default, Ignored())
     view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, transpose_int, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, npu__npu_dtype_cast_default_1, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_2, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
     relu_default = CallFunction(aten.relu.default, mul_Tensor)
     expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_3)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_4, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_5, Ignored())
     arg_mask = KeywordArg('mask')
     bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
@@ -373,17 +352,18 @@ def _p10():  # transformers_indexer [forward]
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
-    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default_2, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
     relu_default = CallFunction(aten.relu.default, mul_Tensor)
     expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_5, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_3)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_4, Ignored())
     arg_mask = KeywordArg('mask')
     bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
@@ -406,6 +386,94 @@ def _p11():  # transformers_indexer [forward-npu-cast]
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default_2, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
+    relu_default = CallFunction(aten.relu.default, mul_Tensor)
+    expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_3)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_4, Ignored())
+    arg_mask = KeywordArg('mask')
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
+    arg_index_topk = KeywordArg('index_topk')
+    topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 1)
+    pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
+    return pattern
+
+def _p12():  # transformers_indexer [forward-npu]
+    arg_weights = KeywordArg('weights')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
+    matmul_default = CallFunction(aten.matmul.default, arg_query, unsqueeze_default_1)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
+    relu_default = CallFunction(aten.relu.default, mul_Tensor)
+    matmul_default_1 = CallFunction(aten.matmul.default, unsqueeze_default, relu_default)
+    squeeze_dim = CallFunction(aten.squeeze.dim, matmul_default_1, Ignored())
+    arg_mask = KeywordArg('mask')
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
+    arg_index_topk = KeywordArg('index_topk')
+    topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 1)
+    pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p13():  # transformers_indexer [forward]
+    arg_weights = KeywordArg('weights')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_query = KeywordArg('query')
+    expand_default_1 = CallFunction(aten.expand.default, arg_query, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    relu_default = CallFunction(aten.relu.default, mul_Tensor)
+    expand_default_3 = CallFunction(aten.expand.default, relu_default, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_5, Ignored())
+    arg_mask = KeywordArg('mask')
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
+    arg_index_topk = KeywordArg('index_topk')
+    topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 1)
+    pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p14():  # transformers_indexer [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_weights = KeywordArg('weights')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_query = KeywordArg('query')
+    expand_default_1 = CallFunction(aten.expand.default, arg_query, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, transpose_int, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
     view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
     bmm_default = CallFunction(aten.bmm.default, view_default_1, view_default_2)
     view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
@@ -426,7 +494,7 @@ def _p11():  # transformers_indexer [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
     return pattern
 
-def _p12():  # transformers_indexer [forward]
+def _p15():  # transformers_indexer [forward]
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
@@ -461,7 +529,7 @@ def _p12():  # transformers_indexer [forward]
     pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
     return pattern
 
-def _p13():  # transformers_indexer [forward-npu-cast]
+def _p16():  # transformers_indexer [forward-npu-cast]
     npu = torch.ops.npu
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
@@ -497,7 +565,31 @@ def _p13():  # transformers_indexer [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, operator_getitem, Ignored(), _users=0)
     return pattern
 
-def _p14():  # transformers_indexer [forward]
+def _p17():  # transformers_indexer [forward-npu]
+    arg_weights = KeywordArg('weights')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, transpose_int, dtype=Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    matmul_default = CallFunction(aten.matmul.default, _to_copy_default, unsqueeze_default_1)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
+    relu_default = CallFunction(aten.relu.default, mul_Tensor)
+    matmul_default_1 = CallFunction(aten.matmul.default, unsqueeze_default, relu_default)
+    squeeze_dim = CallFunction(aten.squeeze.dim, matmul_default_1, Ignored())
+    arg_mask = KeywordArg('mask')
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, arg_mask)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, squeeze_dim, bitwise_not_default, Ignored())
+    arg_index_topk = KeywordArg('index_topk')
+    topk_default = CallFunction(aten.topk.default, masked_fill_Scalar, arg_index_topk)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 1)
+    pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p18():  # transformers_indexer [forward]
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
@@ -531,7 +623,7 @@ def _p14():  # transformers_indexer [forward]
     pattern = CallFunction(aten._to_copy.default, operator_getitem, dtype=Ignored(), _users=0)
     return pattern
 
-def _p15():  # transformers_indexer [forward-npu-cast]
+def _p19():  # transformers_indexer [forward-npu-cast]
     npu = torch.ops.npu
     arg_weights = KeywordArg('weights')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_weights, Ignored())
@@ -574,32 +666,40 @@ REGISTRATIONS = [
      (('call_function', 'aten._to_copy.default'),), _p0),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'npu._npu_dtype_cast.default'),), _p1),  # form 0
-    ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
+    ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu', (),
      (('call_function', 'aten._to_copy.default'),), _p2),  # form 0
-    ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p3),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p4),  # form 0
+     (('call_function', 'aten._to_copy.default'),), _p3),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p5),  # form 0
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p4),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p6),  # form 0
+     (('call_function', 'aten._to_copy.default'),), _p5),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p7),  # form 0
-    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p8),  # form 1
-    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p9),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p6),  # form 0
+    ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten._to_copy.default'),), _p7),  # form 0
+    ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten._to_copy.default'),), _p8),  # form 0
+    ('transformers_indexer -> npu_lightning_indexer_causal @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p9),  # form 0
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
      (('call_function', 'aten._to_copy.default'),), _p10),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'npu._npu_dtype_cast.default'),), _p11),  # form 1
-    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
+    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu', (),
      (('call_function', 'aten._to_copy.default'),), _p12),  # form 1
-    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p13),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p14),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p13),  # form 1
     ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p15),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p14),  # form 1
+    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten._to_copy.default'),), _p15),  # form 1
+    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p16),  # form 1
+    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten._to_copy.default'),), _p17),  # form 1
+    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten._to_copy.default'),), _p18),  # form 1
+    ('transformers_indexer -> npu_lightning_indexer_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p19),  # form 1
 ]

@@ -11,26 +11,26 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '13e269bda3d80689',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c6a54316b340922b',
        'backward': {'npu.npu_grouped_matmul': True, 'npu.npu_moe_finalize_routing': False, 'npu.npu_moe_init_routing_v2': False, 'npu.npu_moe_token_permute': True, 'npu.npu_moe_token_unpermute': True}}
 
 FORMS = {
     'transformers_grouped_mm_experts_npu_swiglu -> init_routing_finalize_grouped_mm_npu_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_experts_silu_mul -> init_routing_finalize_grouped_mm_silu_mul @ bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_grouped_matmul', 'npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
     'transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32': {'emitted_ops': ('npu.npu_grouped_matmul', 'npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
@@ -38,7 +38,7 @@ FORMS = {
     'torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
     'torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
 }
 
 
@@ -610,7 +610,32 @@ def _p16():  # transformers_batched_mm_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
     return pattern
 
-def _p17():  # transformers_batched_mm_experts_silu_mul [forward]
+def _p17():  # transformers_batched_mm_experts_npu_swiglu [forward-npu]
+    npu = torch.ops.npu
+    arg_down_proj = KeywordArg('down_proj')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_down_proj, [view_default])
+    arg_gate_up_proj = KeywordArg('gate_up_proj')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_gate_up_proj, [view_default])
+    arg_x = KeywordArg('x')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_x, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, index_Tensor_1, unsqueeze_default)
+    squeeze_dim = CallFunction(aten.squeeze.dim, bmm_default, Ignored())
+    npu_npu_swiglu_default = CallFunction(npu.npu_swiglu.default, squeeze_dim)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, npu_npu_swiglu_default, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, index_Tensor, unsqueeze_default_1)
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, bmm_default_1, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, view_default_1, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, squeeze_dim_1, unsqueeze_default_2)
+    view_default_2 = CallFunction(aten.view.default, mul_Tensor, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p18():  # transformers_batched_mm_experts_silu_mul [forward]
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
@@ -640,7 +665,34 @@ def _p17():  # transformers_batched_mm_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
     return pattern
 
-def _p18():  # torchtitan_local_dispatch_grouped_experts [forward]
+def _p19():  # transformers_batched_mm_experts_silu_mul [forward-npu]
+    arg_down_proj = KeywordArg('down_proj')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_down_proj, [view_default])
+    arg_gate_up_proj = KeywordArg('gate_up_proj')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_gate_up_proj, [view_default])
+    arg_x = KeywordArg('x')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_x, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, index_Tensor_1, unsqueeze_default)
+    squeeze_dim = CallFunction(aten.squeeze.dim, bmm_default, Ignored(), _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, squeeze_dim, Ignored(), Ignored(), Ignored())
+    silu_default = CallFunction(aten.silu.default, slice_Tensor)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, squeeze_dim, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, mul_Tensor, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, index_Tensor, unsqueeze_default_1)
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, bmm_default_1, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, view_default_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, squeeze_dim_1, unsqueeze_default_2)
+    view_default_2 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p20():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -677,81 +729,6 @@ def _p18():  # torchtitan_local_dispatch_grouped_experts [forward]
     view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p19():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w1 = KeywordArg('w1')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w3 = KeywordArg('w3')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p20():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
     return pattern
 
 def _p21():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
@@ -767,6 +744,120 @@ def _p21():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
     expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
     index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
+    arg_w1 = KeywordArg('w1')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
+    arg_w3 = KeywordArg('w3')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p22():  # torchtitan_local_dispatch_grouped_experts [forward-npu]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w1 = KeywordArg('w1')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w3 = KeywordArg('w3')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p23():  # torchtitan_local_dispatch_grouped_experts [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w1 = KeywordArg('w1')
+    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    arg_w3 = KeywordArg('w3')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p24():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
     arg_w1 = KeywordArg('w1')
     transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
     arg_counts = KeywordArg('counts')
@@ -790,7 +881,7 @@ def _p21():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p22():  # torchtitan_local_dispatch_grouped_experts [forward]
+def _p25():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -829,7 +920,7 @@ def _p22():  # torchtitan_local_dispatch_grouped_experts [forward]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
-def _p23():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+def _p26():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -869,7 +960,46 @@ def _p23():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
-def _p24():  # torchtitan_local_dispatch_grouped_experts [forward]
+def _p27():  # torchtitan_local_dispatch_grouped_experts [forward-npu]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w1 = KeywordArg('w1')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w3 = KeywordArg('w3')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p28():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -904,7 +1034,7 @@ def _p24():  # torchtitan_local_dispatch_grouped_experts [forward]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
     return pattern
 
-def _p25():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+def _p29():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -940,7 +1070,7 @@ def _p25():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p26():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p30():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1007,7 +1137,7 @@ def _p26():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p27():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p31():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1074,7 +1204,7 @@ def _p27():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p28():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p32():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1142,7 +1272,7 @@ def _p28():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p29():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p33():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1210,7 +1340,7 @@ def _p29():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p30():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p34():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -1282,7 +1412,7 @@ def _p30():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p31():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p35():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1355,7 +1485,7 @@ def _p31():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p32():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p36():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -1428,7 +1558,7 @@ def _p32():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p33():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p37():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1502,7 +1632,7 @@ def _p33():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p34():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
+def _p38():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -1566,7 +1696,7 @@ def _p34():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p35():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
+def _p39():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -1630,7 +1760,7 @@ def _p35():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-ca
     ])
     return pattern
 
-def _p36():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
+def _p40():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1699,7 +1829,7 @@ def _p36():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p37():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
+def _p41():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -1769,7 +1899,7 @@ def _p37():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast
     ])
     return pattern
 
-def _p38():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p42():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -1856,7 +1986,7 @@ def _p38():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p39():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p43():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -1944,7 +2074,94 @@ def _p39():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p40():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p44():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=3)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=3)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored(), _users=2)
+    arg_w1 = KeywordArg('w1')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored(), _users=2)
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=9)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default, _users=2)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default, _users=2)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored(), _users=2)
+    arg_w3 = KeywordArg('w3')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored(), _users=2)
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1, _users=2)
+    arg_w2 = KeywordArg('w2')
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored(), _users=2)
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, gather_default, view_default_3)
+    _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, transpose_int_2, Ignored(), Ignored())
+    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, _to_copy_default_6, transpose_int_3, cumsum_default, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_3, _grouped_mm_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, _grouped_mm_default, _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, transpose_int, Ignored(), Ignored())
+    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, silu_backward_default, transpose_int_4, cumsum_default)
+    _to_copy_default_7 = CallFunction(aten._to_copy.default, _grouped_mm_default_4, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_3, silu_default, _users=2)
+    transpose_int_5 = CallFunction(aten.transpose.int, transpose_int_1, Ignored(), Ignored())
+    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, mul_Tensor_4, transpose_int_5, cumsum_default)
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, _grouped_mm_default_5, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, _to_copy_default_7, _to_copy_default_8, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [floor_divide_default], add_Tensor, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, gather_default, _to_copy_default_5)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    view_default_4 = CallFunction(aten.view.default, sum_dim_IntList, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, view_default_4, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [operator_getitem], view_default_4, True)
+    view_default_5 = CallFunction(aten.view.default, index_put_default_1, Ignored())
+    transpose_int_6 = CallFunction(aten.transpose.int, silu_backward_default, Ignored(), Ignored())
+    _grouped_mm_default_6 = CallFunction(aten._grouped_mm.default, transpose_int_6, _to_copy_default, cumsum_default)
+    transpose_int_7 = CallFunction(aten.transpose.int, _grouped_mm_default_6, Ignored(), Ignored())
+    transpose_int_8 = CallFunction(aten.transpose.int, transpose_int_7, Ignored(), Ignored())
+    _to_copy_default_9 = CallFunction(aten._to_copy.default, transpose_int_8, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    transpose_int_9 = CallFunction(aten.transpose.int, _to_copy_default_6, Ignored(), Ignored())
+    _grouped_mm_default_7 = CallFunction(aten._grouped_mm.default, transpose_int_9, mul_Tensor, cumsum_default)
+    transpose_int_10 = CallFunction(aten.transpose.int, _grouped_mm_default_7, Ignored(), Ignored())
+    transpose_int_11 = CallFunction(aten.transpose.int, transpose_int_10, Ignored(), Ignored())
+    _to_copy_default_10 = CallFunction(aten._to_copy.default, transpose_int_11, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    transpose_int_12 = CallFunction(aten.transpose.int, mul_Tensor_4, Ignored(), Ignored())
+    _grouped_mm_default_8 = CallFunction(aten._grouped_mm.default, transpose_int_12, _to_copy_default_2, cumsum_default)
+    transpose_int_13 = CallFunction(aten.transpose.int, _grouped_mm_default_8, Ignored(), Ignored())
+    transpose_int_14 = CallFunction(aten.transpose.int, transpose_int_13, Ignored(), Ignored())
+    _to_copy_default_11 = CallFunction(aten._to_copy.default, transpose_int_14, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
+      index_put_default,
+      None,
+      view_default_5,
+      _to_copy_default_9,
+      _to_copy_default_10,
+      _to_copy_default_11,
+      None
+    ])
+    return pattern
+
+def _p45():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -2024,7 +2241,7 @@ def _p40():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p41():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p46():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -2105,7 +2322,7 @@ def _p41():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p42():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p47():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -2184,7 +2401,7 @@ def _p42():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p43():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p48():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -2302,58 +2519,68 @@ REGISTRATIONS = [
      (('call_function', 'aten.sum.dim_IntList'),), _p15),  # form 7
     ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p16),  # form 8
+    ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward-npu', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p17),  # form 8
     ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward', (),
-     (('call_function', 'aten.sum.dim_IntList'),), _p17),  # form 9
-    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p18),  # form 10
-    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p19),  # form 10
+     (('call_function', 'aten.sum.dim_IntList'),), _p18),  # form 9
+    ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward-npu', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p19),  # form 9
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p20),  # form 10
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p21),  # form 10
+    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p22),  # form 10
+    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p23),  # form 10
+    ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p24),  # form 10
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p22),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p23),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p24),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p25),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p26),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p27),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p28),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p29),  # form 11
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p26),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p30),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p27),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p31),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p28),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p32),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p29),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p33),  # form 1
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p30),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p34),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p31),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p35),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p32),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p36),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p33),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p37),  # form 3
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p34),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p38),  # form 5
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p35),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p39),  # form 5
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p36),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p40),  # form 7
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p37),  # form 7
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p38),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p39),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p40),  # form 11
-    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p41),  # form 11
+     (('call_function', 'aten.sum.dim_IntList'),), _p41),  # form 7
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p42),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p43),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu', ('x', 'weights', 'w1', 'w2', 'w3'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p44),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p45),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p46),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p47),  # form 11
+    ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p48),  # form 11
 ]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c7282478eb9a624d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9893dc30641a6e3f',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {

@@ -11,22 +11,22 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bb9e90139cab7982',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5ba4185ef54d0d49',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {
     'hf_llama -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'weight_before_cast -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'torch_functional -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'divide_by_sqrt -> npu_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'gemma -> npu_rms_norm_gemma @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
 }
 
 
@@ -100,7 +100,21 @@ def _p4():  # weight_before_cast [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p5():  # gemma [forward]
+def _p5():  # weight_before_cast [forward-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p6():  # gemma [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -113,7 +127,7 @@ def _p5():  # gemma [forward]
     pattern = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1, _users=0)
     return pattern
 
-def _p6():  # gemma [forward]
+def _p7():  # gemma [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -129,7 +143,7 @@ def _p6():  # gemma [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=0)
     return pattern
 
-def _p7():  # gemma [forward-npu-cast]
+def _p8():  # gemma [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -146,7 +160,23 @@ def _p7():  # gemma [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored(), _users=0)
     return pattern
 
-def _p8():  # no_weight [forward]
+def _p9():  # gemma [forward-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
+    arg_weight = KeywordArg('weight')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_weight, dtype=Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1)
+    pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p10():  # no_weight [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -156,7 +186,7 @@ def _p8():  # no_weight [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=0)
     return pattern
 
-def _p9():  # no_weight [forward]
+def _p11():  # no_weight [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -168,7 +198,7 @@ def _p9():  # no_weight [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=0)
     return pattern
 
-def _p10():  # no_weight [forward-npu-cast]
+def _p12():  # no_weight [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -181,7 +211,7 @@ def _p10():  # no_weight [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=0)
     return pattern
 
-def _p11():  # hf_llama [joint]
+def _p13():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -215,7 +245,7 @@ def _p11():  # hf_llama [joint]
     ])
     return pattern
 
-def _p12():  # hf_llama [joint]
+def _p14():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -253,7 +283,7 @@ def _p12():  # hf_llama [joint]
     ])
     return pattern
 
-def _p13():  # hf_llama [joint-npu-cast]
+def _p15():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -292,7 +322,7 @@ def _p13():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p14():  # hf_llama [joint]
+def _p16():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -323,7 +353,7 @@ def _p14():  # hf_llama [joint]
     ])
     return pattern
 
-def _p15():  # hf_llama [joint]
+def _p17():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -358,7 +388,7 @@ def _p15():  # hf_llama [joint]
     ])
     return pattern
 
-def _p16():  # hf_llama [joint-npu-cast]
+def _p18():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -394,7 +424,7 @@ def _p16():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p17():  # hf_llama [joint]
+def _p19():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -415,7 +445,7 @@ def _p17():  # hf_llama [joint]
     ])
     return pattern
 
-def _p18():  # hf_llama [joint]
+def _p20():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -438,7 +468,7 @@ def _p18():  # hf_llama [joint]
     ])
     return pattern
 
-def _p19():  # hf_llama [joint-npu-cast]
+def _p21():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -462,7 +492,7 @@ def _p19():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p20():  # weight_before_cast [joint]
+def _p22():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -501,7 +531,7 @@ def _p20():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p21():  # weight_before_cast [joint-npu-cast]
+def _p23():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -541,7 +571,46 @@ def _p21():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p22():  # weight_before_cast [joint]
+def _p24():  # weight_before_cast [joint-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    pattern = MultiOutputPattern([_to_copy_default_1,
+      _to_copy_default_3,
+      _to_copy_default_4,
+      None
+    ])
+    return pattern
+
+def _p25():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -576,7 +645,7 @@ def _p22():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p23():  # weight_before_cast [joint-npu-cast]
+def _p26():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -612,7 +681,42 @@ def _p23():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p24():  # weight_before_cast [joint]
+def _p27():  # weight_before_cast [joint-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, arg_weight, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, add_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([_to_copy_default_1,
+      _to_copy_default_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p28():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -637,7 +741,7 @@ def _p24():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p25():  # weight_before_cast [joint-npu-cast]
+def _p29():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -663,7 +767,32 @@ def _p25():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p26():  # divide_by_sqrt [joint]
+def _p30():  # weight_before_cast [joint-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, mul_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    pattern = MultiOutputPattern([_to_copy_default_1,
+      None,
+      _to_copy_default_3,
+      None
+    ])
+    return pattern
+
+def _p31():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -699,7 +828,7 @@ def _p26():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p27():  # divide_by_sqrt [joint]
+def _p32():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -739,7 +868,7 @@ def _p27():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p28():  # divide_by_sqrt [joint-npu-cast]
+def _p33():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -780,7 +909,7 @@ def _p28():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p29():  # divide_by_sqrt [joint]
+def _p34():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -813,7 +942,7 @@ def _p29():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p30():  # divide_by_sqrt [joint]
+def _p35():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -850,7 +979,7 @@ def _p30():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p31():  # divide_by_sqrt [joint-npu-cast]
+def _p36():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -888,7 +1017,7 @@ def _p31():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p32():  # gemma [joint]
+def _p37():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -923,7 +1052,7 @@ def _p32():  # gemma [joint]
     ])
     return pattern
 
-def _p33():  # gemma [joint]
+def _p38():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -964,7 +1093,7 @@ def _p33():  # gemma [joint]
     ])
     return pattern
 
-def _p34():  # gemma [joint-npu-cast]
+def _p39():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1006,7 +1135,48 @@ def _p34():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p35():  # gemma [joint]
+def _p40():  # gemma [joint-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
+    arg_weight = KeywordArg('weight')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_weight, dtype=Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, add_Tensor_1, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, add_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, _to_copy_default_3, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([_to_copy_default_2,
+      _to_copy_default_4,
+      _to_copy_default_5,
+      None
+    ])
+    return pattern
+
+def _p41():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1038,7 +1208,7 @@ def _p35():  # gemma [joint]
     ])
     return pattern
 
-def _p36():  # gemma [joint]
+def _p42():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1075,7 +1245,7 @@ def _p36():  # gemma [joint]
     ])
     return pattern
 
-def _p37():  # gemma [joint-npu-cast]
+def _p43():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1113,7 +1283,44 @@ def _p37():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p38():  # gemma [joint]
+def _p44():  # gemma [joint-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default)
+    arg_weight = KeywordArg('weight')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_weight, dtype=Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, add_Tensor_1, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, add_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([_to_copy_default_2,
+      _to_copy_default_4,
+      None,
+      None
+    ])
+    return pattern
+
+def _p45():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1135,7 +1342,7 @@ def _p38():  # gemma [joint]
     ])
     return pattern
 
-def _p39():  # gemma [joint]
+def _p46():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1162,7 +1369,7 @@ def _p39():  # gemma [joint]
     ])
     return pattern
 
-def _p40():  # gemma [joint-npu-cast]
+def _p47():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1190,7 +1397,34 @@ def _p40():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p41():  # no_weight [joint]
+def _p48():  # gemma [joint-npu]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, rsqrt_default, _users=2)
+    arg_weight = KeywordArg('weight')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_weight, dtype=Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, add_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_tangents_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, mul_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([_to_copy_default_2,
+      None,
+      _to_copy_default_4,
+      None
+    ])
+    return pattern
+
+def _p49():  # no_weight [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1217,7 +1451,7 @@ def _p41():  # no_weight [joint]
     ])
     return pattern
 
-def _p42():  # no_weight [joint]
+def _p50():  # no_weight [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1248,7 +1482,7 @@ def _p42():  # no_weight [joint]
     ])
     return pattern
 
-def _p43():  # no_weight [joint-npu-cast]
+def _p51():  # no_weight [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1294,82 +1528,98 @@ REGISTRATIONS = [
      (('call_function', 'aten._to_copy.default'),), _p3),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'npu._npu_dtype_cast.default'),), _p4),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten._to_copy.default'),), _p5),  # form 1
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p5),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p6),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p7),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p7),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p8),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten._to_copy.default'),), _p9),  # form 4
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p8),  # form 5
+     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p10),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p9),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p11),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p10),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p12),  # form 5
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p11),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p12),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p13),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p14),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p15),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p16),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p17),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p20),  # form 0
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p21),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p20),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p21),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten._to_copy.default'),), _p22),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'npu._npu_dtype_cast.default'),), _p23),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
      (('call_function', 'aten._to_copy.default'),), _p24),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten._to_copy.default'),), _p25),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p26),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten._to_copy.default'),), _p27),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p28),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p25),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p30),  # form 1
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p26),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p27),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p28),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p29),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p30),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p31),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
+     (('call_function', 'aten.mul.Tensor'),), _p32),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+     (('call_function', 'aten.mul.Tensor'),), _p33),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p34),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p35),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p36),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p32),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p37),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p33),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p38),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p34),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p39),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
+     (('call_function', 'aten._to_copy.default'),), _p40),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p35),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p41),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p36),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p42),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p37),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p43),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten._to_copy.default'),), _p44),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p38),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p45),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p39),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p46),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p40),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p47),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p48),  # form 4
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p41),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p49),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p42),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p50),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p43),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p51),  # form 5
 ]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1ecfac9b4c1512a2',
+KEY = {'torch': '2.13.0+cpu', 'sources': '012436c50df31122',
        'backward': {'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a27b2da48a6d16e6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '640ed8e34d410a2c',
        'backward': {'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm': False, 'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata': False}}
 
 FORMS = {
@@ -215,7 +215,8 @@ def _p2():  # softmax_head_sum_div[bsnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p3():  # softmax_head_sum_div[bsnd,dense,given] [forward]
+def _p3():  # softmax_head_sum_div[bsnd,dense,compressed] [forward-npu]
+    npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -233,9 +234,23 @@ def _p3():  # softmax_head_sum_div[bsnd,dense,given] [forward]
     view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
-    arg_mask = KeywordArg('mask')
-    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_mask, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, masked_fill_Scalar, Ignored(), False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    add_Tensor = CallFunction(aten.add.Tensor, arange_default, Ignored())
+    arg_ratio = KeywordArg('ratio')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, add_Tensor, arg_ratio)
+    arg_cmp_residual = KeywordArg('cmp_residual')
+    add_Tensor_1 = CallFunction(aten.add.Tensor, arg_cmp_residual, Ignored())
+    sub_Tensor = CallFunction(aten.sub.Tensor, add_Tensor_1, Ignored())
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_5 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, view_default_4, view_default_5)
+    add_Tensor_3 = CallFunction(aten.add.Tensor, add_Tensor_2, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, mul_Tensor_1, add_Tensor_3)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, gt_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
@@ -260,13 +275,38 @@ def _p4():  # softmax_head_sum_div[bsnd,dense,given] [forward]
     mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
     arg_mask = KeywordArg('mask')
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_mask, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, masked_fill_Scalar, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p5():  # softmax_head_sum_div[bsnd,dense,given] [forward]
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_mask = KeywordArg('mask')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_mask, Ignored())
     _to_copy_default = CallFunction(aten._to_copy.default, masked_fill_Scalar, dtype=Ignored(), layout=torch.strided, device=Ignored())
     _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
     sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p5():  # softmax_head_sum_div[bsnd,dense,given] [forward-npu-cast]
+def _p6():  # softmax_head_sum_div[bsnd,dense,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -293,7 +333,34 @@ def _p5():  # softmax_head_sum_div[bsnd,dense,given] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p6():  # softmax_head_sum_div[bsnd,dense,none] [forward]
+def _p7():  # softmax_head_sum_div[bsnd,dense,given] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_mask = KeywordArg('mask')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_mask, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p8():  # softmax_head_sum_div[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -316,7 +383,7 @@ def _p6():  # softmax_head_sum_div[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p7():  # softmax_head_sum_div[bsnd,dense,none] [forward]
+def _p9():  # softmax_head_sum_div[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -340,7 +407,7 @@ def _p7():  # softmax_head_sum_div[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p8():  # softmax_head_sum_div[bsnd,dense,none] [forward-npu-cast]
+def _p10():  # softmax_head_sum_div[bsnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -365,7 +432,32 @@ def _p8():  # softmax_head_sum_div[bsnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p9():  # softmax_head_sum_div[bsnd,sparse,given] [forward]
+def _p11():  # softmax_head_sum_div[bsnd,dense,none] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p12():  # softmax_head_sum_div[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -393,7 +485,7 @@ def _p9():  # softmax_head_sum_div[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p10():  # softmax_head_sum_div[bsnd,sparse,given] [forward]
+def _p13():  # softmax_head_sum_div[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -422,7 +514,7 @@ def _p10():  # softmax_head_sum_div[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p11():  # softmax_head_sum_div[bsnd,sparse,given] [forward-npu-cast]
+def _p14():  # softmax_head_sum_div[bsnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -452,7 +544,37 @@ def _p11():  # softmax_head_sum_div[bsnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p12():  # softmax_head_sum_div[tnd,dense,compressed] [forward]
+def _p15():  # softmax_head_sum_div[bsnd,sparse,given] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored())
+    arg_sparse_indices = KeywordArg('sparse_indices')
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, arg_sparse_indices])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    arg_slot_mask = KeywordArg('slot_mask')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_slot_mask, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p16():  # softmax_head_sum_div[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -511,7 +633,7 @@ def _p12():  # softmax_head_sum_div[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p13():  # softmax_head_sum_div[tnd,dense,compressed] [forward]
+def _p17():  # softmax_head_sum_div[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -571,7 +693,7 @@ def _p13():  # softmax_head_sum_div[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p14():  # softmax_head_sum_div[tnd,dense,compressed] [forward-npu-cast]
+def _p18():  # softmax_head_sum_div[tnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -632,7 +754,68 @@ def _p14():  # softmax_head_sum_div[tnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p15():  # softmax_head_sum_div[tnd,dense,causal] [forward]
+def _p19():  # softmax_head_sum_div[tnd,dense,compressed] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv_packed, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor_1 = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_k, arange_default_1, right=True)
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, searchsorted_Tensor_1, Ignored(), _users=2)
+    ne_Tensor = CallFunction(aten.ne.Tensor, view_default_4, sub_Tensor_1)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor_1])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, arange_default_1, index_Tensor)
+    add_Tensor = CallFunction(aten.add.Tensor, sub_Tensor_2, Ignored())
+    arg_ratio = KeywordArg('ratio')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, add_Tensor, arg_ratio)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_1)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    arg_ratio_1 = KeywordArg('ratio')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sub_Tensor_4, arg_ratio_1)
+    arg_cmp_residual = KeywordArg('cmp_residual')
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, arg_cmp_residual)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_5 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_6 = CallFunction(aten.sub.Tensor, add_Tensor_1, sub_Tensor_5)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, sub_Tensor_6, [sub_Tensor])
+    add_Tensor_2 = CallFunction(aten.add.Tensor, sub_Tensor_3, index_Tensor_2)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor_2, Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, view_default_5, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, mul_Tensor_1, add_Tensor_3)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, ne_Tensor, gt_Tensor)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p20():  # softmax_head_sum_div[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -683,7 +866,7 @@ def _p15():  # softmax_head_sum_div[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p16():  # softmax_head_sum_div[tnd,dense,causal] [forward]
+def _p21():  # softmax_head_sum_div[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -735,7 +918,7 @@ def _p16():  # softmax_head_sum_div[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p17():  # softmax_head_sum_div[tnd,dense,causal] [forward-npu-cast]
+def _p22():  # softmax_head_sum_div[tnd,dense,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -788,7 +971,60 @@ def _p17():  # softmax_head_sum_div[tnd,dense,causal] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p18():  # softmax_head_sum_div[tnd,dense,none] [forward]
+def _p23():  # softmax_head_sum_div[tnd,dense,causal] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv_packed, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor_1 = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_k, arange_default_1, right=True)
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, searchsorted_Tensor_1, Ignored(), _users=2)
+    ne_Tensor = CallFunction(aten.ne.Tensor, view_default_4, sub_Tensor_1)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor_1])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, arange_default_1, index_Tensor)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_1)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_5 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_6 = CallFunction(aten.sub.Tensor, sub_Tensor_4, sub_Tensor_5)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, sub_Tensor_6, [sub_Tensor])
+    add_Tensor = CallFunction(aten.add.Tensor, sub_Tensor_3, index_Tensor_2)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, sub_Tensor_2, view_default_5)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, ne_Tensor, gt_Tensor)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p24():  # softmax_head_sum_div[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -823,7 +1059,7 @@ def _p18():  # softmax_head_sum_div[tnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p19():  # softmax_head_sum_div[tnd,dense,none] [forward]
+def _p25():  # softmax_head_sum_div[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -859,7 +1095,7 @@ def _p19():  # softmax_head_sum_div[tnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p20():  # softmax_head_sum_div[tnd,dense,none] [forward-npu-cast]
+def _p26():  # softmax_head_sum_div[tnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -896,7 +1132,44 @@ def _p20():  # softmax_head_sum_div[tnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p21():  # softmax_head_sum_div[tnd,sparse,compressed] [forward]
+def _p27():  # softmax_head_sum_div[tnd,dense,none] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv_packed, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored())
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
+    searchsorted_Tensor_1 = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_k, arange_default_1, right=True)
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, searchsorted_Tensor_1, Ignored())
+    ne_Tensor = CallFunction(aten.ne.Tensor, view_default_4, sub_Tensor_1)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, ne_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p28():  # softmax_head_sum_div[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -953,7 +1226,7 @@ def _p21():  # softmax_head_sum_div[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p22():  # softmax_head_sum_div[tnd,sparse,compressed] [forward]
+def _p29():  # softmax_head_sum_div[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1011,7 +1284,7 @@ def _p22():  # softmax_head_sum_div[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p23():  # softmax_head_sum_div[tnd,sparse,compressed] [forward-npu-cast]
+def _p30():  # softmax_head_sum_div[tnd,sparse,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -1070,7 +1343,66 @@ def _p23():  # softmax_head_sum_div[tnd,sparse,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p24():  # softmax_head_sum_div[tnd,sparse,causal] [forward]
+def _p31():  # softmax_head_sum_div[tnd,sparse,compressed] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor])
+    view_default_1 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    arg_indices_packed = KeywordArg('indices_packed')
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, arg_indices_packed)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_kv_packed, [add_Tensor])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices_packed, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, arg_indices_packed, Ignored())
+    arg_ratio = KeywordArg('ratio')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, add_Tensor_1, arg_ratio)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    arg_ratio_1 = KeywordArg('ratio')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sub_Tensor_2, arg_ratio_1)
+    arg_cmp_residual = KeywordArg('cmp_residual')
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_2, arg_cmp_residual)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, add_Tensor_2, sub_Tensor_3)
+    index_Tensor_3 = CallFunction(aten.index.Tensor, sub_Tensor_4, [sub_Tensor])
+    add_Tensor_3 = CallFunction(aten.add.Tensor, sub_Tensor_1, index_Tensor_3)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor_3, Ignored())
+    add_Tensor_4 = CallFunction(aten.add.Tensor, view_default_5, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, mul_Tensor_1, add_Tensor_4)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_2, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p32():  # softmax_head_sum_div[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1119,7 +1451,7 @@ def _p24():  # softmax_head_sum_div[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p25():  # softmax_head_sum_div[tnd,sparse,causal] [forward]
+def _p33():  # softmax_head_sum_div[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1169,7 +1501,7 @@ def _p25():  # softmax_head_sum_div[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p26():  # softmax_head_sum_div[tnd,sparse,causal] [forward-npu-cast]
+def _p34():  # softmax_head_sum_div[tnd,sparse,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -1220,7 +1552,58 @@ def _p26():  # softmax_head_sum_div[tnd,sparse,causal] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p27():  # softmax_head_sum_div[tnd,sparse,given] [forward]
+def _p35():  # softmax_head_sum_div[tnd,sparse,causal] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor])
+    view_default_1 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    arg_indices_packed = KeywordArg('indices_packed')
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, arg_indices_packed)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_kv_packed, [add_Tensor])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices_packed, Ignored())
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, sub_Tensor_2, sub_Tensor_3)
+    index_Tensor_3 = CallFunction(aten.index.Tensor, sub_Tensor_4, [sub_Tensor])
+    add_Tensor_1 = CallFunction(aten.add.Tensor, sub_Tensor_1, index_Tensor_3)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor_1, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices_packed, view_default_5)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_2, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p36():  # softmax_head_sum_div[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1254,7 +1637,7 @@ def _p27():  # softmax_head_sum_div[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p28():  # softmax_head_sum_div[tnd,sparse,given] [forward]
+def _p37():  # softmax_head_sum_div[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1289,7 +1672,7 @@ def _p28():  # softmax_head_sum_div[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p29():  # softmax_head_sum_div[tnd,sparse,given] [forward-npu-cast]
+def _p38():  # softmax_head_sum_div[tnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -1325,7 +1708,43 @@ def _p29():  # softmax_head_sum_div[tnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p30():  # softmax_head_mean[bsnd,dense,compressed] [forward]
+def _p39():  # softmax_head_sum_div[tnd,sparse,given] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor])
+    view_default_1 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    arg_indices_packed = KeywordArg('indices_packed')
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, arg_indices_packed)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_kv_packed, [add_Tensor])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    arg_slot_mask_packed = KeywordArg('slot_mask_packed')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_slot_mask_packed, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, _softmax_default, Ignored())
+    pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
+    return pattern
+
+def _p40():  # softmax_head_mean[bsnd,dense,compressed] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1362,7 +1781,7 @@ def _p30():  # softmax_head_mean[bsnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p31():  # softmax_head_mean[bsnd,dense,compressed] [forward]
+def _p41():  # softmax_head_mean[bsnd,dense,compressed] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1400,7 +1819,7 @@ def _p31():  # softmax_head_mean[bsnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p32():  # softmax_head_mean[bsnd,dense,compressed] [forward-npu-cast]
+def _p42():  # softmax_head_mean[bsnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -1439,7 +1858,46 @@ def _p32():  # softmax_head_mean[bsnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p33():  # softmax_head_mean[bsnd,dense,given] [forward]
+def _p43():  # softmax_head_mean[bsnd,dense,compressed] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    add_Tensor = CallFunction(aten.add.Tensor, arange_default, Ignored())
+    arg_ratio = KeywordArg('ratio')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, add_Tensor, arg_ratio)
+    arg_cmp_residual = KeywordArg('cmp_residual')
+    add_Tensor_1 = CallFunction(aten.add.Tensor, arg_cmp_residual, Ignored())
+    sub_Tensor = CallFunction(aten.sub.Tensor, add_Tensor_1, Ignored())
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_5 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, view_default_4, view_default_5)
+    add_Tensor_3 = CallFunction(aten.add.Tensor, add_Tensor_2, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, mul_Tensor_1, add_Tensor_3)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, gt_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p44():  # softmax_head_mean[bsnd,dense,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1463,7 +1921,7 @@ def _p33():  # softmax_head_mean[bsnd,dense,given] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p34():  # softmax_head_mean[bsnd,dense,given] [forward]
+def _p45():  # softmax_head_mean[bsnd,dense,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1488,7 +1946,7 @@ def _p34():  # softmax_head_mean[bsnd,dense,given] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p35():  # softmax_head_mean[bsnd,dense,given] [forward-npu-cast]
+def _p46():  # softmax_head_mean[bsnd,dense,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -1514,7 +1972,33 @@ def _p35():  # softmax_head_mean[bsnd,dense,given] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p36():  # softmax_head_mean[bsnd,dense,none] [forward]
+def _p47():  # softmax_head_mean[bsnd,dense,given] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_mask = KeywordArg('mask')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_mask, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p48():  # softmax_head_mean[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1536,7 +2020,7 @@ def _p36():  # softmax_head_mean[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p37():  # softmax_head_mean[bsnd,dense,none] [forward]
+def _p49():  # softmax_head_mean[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1559,7 +2043,7 @@ def _p37():  # softmax_head_mean[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p38():  # softmax_head_mean[bsnd,dense,none] [forward-npu-cast]
+def _p50():  # softmax_head_mean[bsnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -1583,7 +2067,31 @@ def _p38():  # softmax_head_mean[bsnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p39():  # softmax_head_mean[bsnd,sparse,given] [forward]
+def _p51():  # softmax_head_mean[bsnd,dense,none] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p52():  # softmax_head_mean[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1610,7 +2118,7 @@ def _p39():  # softmax_head_mean[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p40():  # softmax_head_mean[bsnd,sparse,given] [forward]
+def _p53():  # softmax_head_mean[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1638,7 +2146,7 @@ def _p40():  # softmax_head_mean[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p41():  # softmax_head_mean[bsnd,sparse,given] [forward-npu-cast]
+def _p54():  # softmax_head_mean[bsnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -1667,7 +2175,36 @@ def _p41():  # softmax_head_mean[bsnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p42():  # softmax_head_mean[tnd,dense,compressed] [forward]
+def _p55():  # softmax_head_mean[bsnd,sparse,given] [forward-npu]
+    npu = torch.ops.npu
+    arg_q = KeywordArg('q')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored())
+    arg_sparse_indices = KeywordArg('sparse_indices')
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, arg_sparse_indices])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    arg_slot_mask = KeywordArg('slot_mask')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_slot_mask, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p56():  # softmax_head_mean[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1725,7 +2262,7 @@ def _p42():  # softmax_head_mean[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p43():  # softmax_head_mean[tnd,dense,compressed] [forward]
+def _p57():  # softmax_head_mean[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1784,7 +2321,7 @@ def _p43():  # softmax_head_mean[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p44():  # softmax_head_mean[tnd,dense,compressed] [forward-npu-cast]
+def _p58():  # softmax_head_mean[tnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -1844,7 +2381,67 @@ def _p44():  # softmax_head_mean[tnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p45():  # softmax_head_mean[tnd,dense,causal] [forward]
+def _p59():  # softmax_head_mean[tnd,dense,compressed] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv_packed, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor_1 = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_k, arange_default_1, right=True)
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, searchsorted_Tensor_1, Ignored(), _users=2)
+    ne_Tensor = CallFunction(aten.ne.Tensor, view_default_4, sub_Tensor_1)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor_1])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, arange_default_1, index_Tensor)
+    add_Tensor = CallFunction(aten.add.Tensor, sub_Tensor_2, Ignored())
+    arg_ratio = KeywordArg('ratio')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, add_Tensor, arg_ratio)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_1)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    arg_ratio_1 = KeywordArg('ratio')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sub_Tensor_4, arg_ratio_1)
+    arg_cmp_residual = KeywordArg('cmp_residual')
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, arg_cmp_residual)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_5 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_6 = CallFunction(aten.sub.Tensor, add_Tensor_1, sub_Tensor_5)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, sub_Tensor_6, [sub_Tensor])
+    add_Tensor_2 = CallFunction(aten.add.Tensor, sub_Tensor_3, index_Tensor_2)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor_2, Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, view_default_5, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, mul_Tensor_1, add_Tensor_3)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, ne_Tensor, gt_Tensor)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p60():  # softmax_head_mean[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1894,7 +2491,7 @@ def _p45():  # softmax_head_mean[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p46():  # softmax_head_mean[tnd,dense,causal] [forward]
+def _p61():  # softmax_head_mean[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1945,7 +2542,7 @@ def _p46():  # softmax_head_mean[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p47():  # softmax_head_mean[tnd,dense,causal] [forward-npu-cast]
+def _p62():  # softmax_head_mean[tnd,dense,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -1997,7 +2594,59 @@ def _p47():  # softmax_head_mean[tnd,dense,causal] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p48():  # softmax_head_mean[tnd,dense,none] [forward]
+def _p63():  # softmax_head_mean[tnd,dense,causal] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv_packed, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor_1 = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_k, arange_default_1, right=True)
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, searchsorted_Tensor_1, Ignored(), _users=2)
+    ne_Tensor = CallFunction(aten.ne.Tensor, view_default_4, sub_Tensor_1)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor_1])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, arange_default_1, index_Tensor)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_1)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_5 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_6 = CallFunction(aten.sub.Tensor, sub_Tensor_4, sub_Tensor_5)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, sub_Tensor_6, [sub_Tensor])
+    add_Tensor = CallFunction(aten.add.Tensor, sub_Tensor_3, index_Tensor_2)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, sub_Tensor_2, view_default_5)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, ne_Tensor, gt_Tensor)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p64():  # softmax_head_mean[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2031,7 +2680,7 @@ def _p48():  # softmax_head_mean[tnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p49():  # softmax_head_mean[tnd,dense,none] [forward]
+def _p65():  # softmax_head_mean[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2066,7 +2715,7 @@ def _p49():  # softmax_head_mean[tnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p50():  # softmax_head_mean[tnd,dense,none] [forward-npu-cast]
+def _p66():  # softmax_head_mean[tnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -2102,7 +2751,43 @@ def _p50():  # softmax_head_mean[tnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p51():  # softmax_head_mean[tnd,sparse,compressed] [forward]
+def _p67():  # softmax_head_mean[tnd,dense,none] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_kv_packed, Ignored())
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, unsqueeze_default_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_1 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_2, Ignored())
+    view_default_3 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_3, arg_scale)
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored())
+    view_default_4 = CallFunction(aten.view.default, sub_Tensor, Ignored())
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
+    searchsorted_Tensor_1 = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_k, arange_default_1, right=True)
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, searchsorted_Tensor_1, Ignored())
+    ne_Tensor = CallFunction(aten.ne.Tensor, view_default_4, sub_Tensor_1)
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, ne_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_3, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p68():  # softmax_head_mean[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2158,7 +2843,7 @@ def _p51():  # softmax_head_mean[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p52():  # softmax_head_mean[tnd,sparse,compressed] [forward]
+def _p69():  # softmax_head_mean[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2215,7 +2900,7 @@ def _p52():  # softmax_head_mean[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p53():  # softmax_head_mean[tnd,sparse,compressed] [forward-npu-cast]
+def _p70():  # softmax_head_mean[tnd,sparse,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -2273,7 +2958,65 @@ def _p53():  # softmax_head_mean[tnd,sparse,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p54():  # softmax_head_mean[tnd,sparse,causal] [forward]
+def _p71():  # softmax_head_mean[tnd,sparse,compressed] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor])
+    view_default_1 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    arg_indices_packed = KeywordArg('indices_packed')
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, arg_indices_packed)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_kv_packed, [add_Tensor])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices_packed, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, arg_indices_packed, Ignored())
+    arg_ratio = KeywordArg('ratio')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, add_Tensor_1, arg_ratio)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    arg_ratio_1 = KeywordArg('ratio')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sub_Tensor_2, arg_ratio_1)
+    arg_cmp_residual = KeywordArg('cmp_residual')
+    add_Tensor_2 = CallFunction(aten.add.Tensor, mul_Tensor_2, arg_cmp_residual)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, add_Tensor_2, sub_Tensor_3)
+    index_Tensor_3 = CallFunction(aten.index.Tensor, sub_Tensor_4, [sub_Tensor])
+    add_Tensor_3 = CallFunction(aten.add.Tensor, sub_Tensor_1, index_Tensor_3)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor_3, Ignored())
+    add_Tensor_4 = CallFunction(aten.add.Tensor, view_default_5, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, mul_Tensor_1, add_Tensor_4)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_2, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p72():  # softmax_head_mean[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2321,7 +3064,7 @@ def _p54():  # softmax_head_mean[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p55():  # softmax_head_mean[tnd,sparse,causal] [forward]
+def _p73():  # softmax_head_mean[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2370,7 +3113,7 @@ def _p55():  # softmax_head_mean[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p56():  # softmax_head_mean[tnd,sparse,causal] [forward-npu-cast]
+def _p74():  # softmax_head_mean[tnd,sparse,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -2420,7 +3163,57 @@ def _p56():  # softmax_head_mean[tnd,sparse,causal] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p57():  # softmax_head_mean[tnd,sparse,given] [forward]
+def _p75():  # softmax_head_mean[tnd,sparse,causal] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False, _users=2)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored(), _users=3)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor])
+    view_default_1 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    arg_indices_packed = KeywordArg('indices_packed')
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, arg_indices_packed)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_kv_packed, [add_Tensor])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices_packed, Ignored())
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_cu_seqlens_q, [sub_Tensor])
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, arange_default, index_Tensor_2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_k, Ignored(), Ignored(), Ignored())
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, slice_Tensor, slice_Tensor_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, arg_cu_seqlens_q, Ignored(), Ignored(), Ignored())
+    sub_Tensor_3 = CallFunction(aten.sub.Tensor, slice_Tensor_2, slice_Tensor_3)
+    sub_Tensor_4 = CallFunction(aten.sub.Tensor, sub_Tensor_2, sub_Tensor_3)
+    index_Tensor_3 = CallFunction(aten.index.Tensor, sub_Tensor_4, [sub_Tensor])
+    add_Tensor_1 = CallFunction(aten.add.Tensor, sub_Tensor_1, index_Tensor_3)
+    view_default_5 = CallFunction(aten.view.default, add_Tensor_1, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices_packed, view_default_5)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_2, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p76():  # softmax_head_mean[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2453,7 +3246,7 @@ def _p57():  # softmax_head_mean[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p58():  # softmax_head_mean[tnd,sparse,given] [forward]
+def _p77():  # softmax_head_mean[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2487,7 +3280,7 @@ def _p58():  # softmax_head_mean[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p59():  # softmax_head_mean[tnd,sparse,given] [forward-npu-cast]
+def _p78():  # softmax_head_mean[tnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -2522,7 +3315,42 @@ def _p59():  # softmax_head_mean[tnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
     return pattern
 
-def _p60():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward]
+def _p79():  # softmax_head_mean[tnd,sparse,given] [forward-npu]
+    npu = torch.ops.npu
+    arg_q_packed = KeywordArg('q_packed')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv_packed = KeywordArg('kv_packed')
+    arg_cu_seqlens_k = KeywordArg('cu_seqlens_k')
+    arg_cu_seqlens_q = KeywordArg('cu_seqlens_q')
+    arange_default = CallFunction(aten.arange.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
+    searchsorted_Tensor = CallFunction(aten.searchsorted.Tensor, arg_cu_seqlens_q, arange_default, right=True)
+    sub_Tensor = CallFunction(aten.sub.Tensor, searchsorted_Tensor, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_cu_seqlens_k, [sub_Tensor])
+    view_default_1 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    arg_indices_packed = KeywordArg('indices_packed')
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, arg_indices_packed)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_kv_packed, [add_Tensor])
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_4, arg_scale)
+    arg_slot_mask_packed = KeywordArg('slot_mask_packed')
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, arg_slot_mask_packed, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    pattern = CallFunction(aten.mean.dim, _softmax_default, Ignored(), _users=0)
+    return pattern
+
+def _p80():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2563,7 +3391,7 @@ def _p60():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p61():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward]
+def _p81():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2605,7 +3433,7 @@ def _p61():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p62():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward-npu-cast]
+def _p82():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -2648,7 +3476,7 @@ def _p62():  # exp_lse_head_sum_div[bsnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p63():  # exp_lse_head_sum_div[bsnd,dense,given] [forward]
+def _p83():  # exp_lse_head_sum_div[bsnd,dense,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2676,7 +3504,7 @@ def _p63():  # exp_lse_head_sum_div[bsnd,dense,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p64():  # exp_lse_head_sum_div[bsnd,dense,given] [forward]
+def _p84():  # exp_lse_head_sum_div[bsnd,dense,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2705,7 +3533,7 @@ def _p64():  # exp_lse_head_sum_div[bsnd,dense,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p65():  # exp_lse_head_sum_div[bsnd,dense,given] [forward-npu-cast]
+def _p85():  # exp_lse_head_sum_div[bsnd,dense,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -2735,7 +3563,7 @@ def _p65():  # exp_lse_head_sum_div[bsnd,dense,given] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p66():  # exp_lse_head_sum_div[bsnd,dense,none] [forward]
+def _p86():  # exp_lse_head_sum_div[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2761,7 +3589,7 @@ def _p66():  # exp_lse_head_sum_div[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p67():  # exp_lse_head_sum_div[bsnd,dense,none] [forward]
+def _p87():  # exp_lse_head_sum_div[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2788,7 +3616,7 @@ def _p67():  # exp_lse_head_sum_div[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p68():  # exp_lse_head_sum_div[bsnd,dense,none] [forward-npu-cast]
+def _p88():  # exp_lse_head_sum_div[bsnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -2816,7 +3644,7 @@ def _p68():  # exp_lse_head_sum_div[bsnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p69():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward]
+def _p89():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2847,7 +3675,7 @@ def _p69():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p70():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward]
+def _p90():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2879,7 +3707,7 @@ def _p70():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p71():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward-npu-cast]
+def _p91():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -2912,7 +3740,7 @@ def _p71():  # exp_lse_head_sum_div[bsnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p72():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward]
+def _p92():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2974,7 +3802,7 @@ def _p72():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p73():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward]
+def _p93():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3037,7 +3865,7 @@ def _p73():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p74():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward-npu-cast]
+def _p94():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -3101,7 +3929,7 @@ def _p74():  # exp_lse_head_sum_div[tnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p75():  # exp_lse_head_sum_div[tnd,dense,causal] [forward]
+def _p95():  # exp_lse_head_sum_div[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3155,7 +3983,7 @@ def _p75():  # exp_lse_head_sum_div[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p76():  # exp_lse_head_sum_div[tnd,dense,causal] [forward]
+def _p96():  # exp_lse_head_sum_div[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3210,7 +4038,7 @@ def _p76():  # exp_lse_head_sum_div[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p77():  # exp_lse_head_sum_div[tnd,dense,causal] [forward-npu-cast]
+def _p97():  # exp_lse_head_sum_div[tnd,dense,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -3266,7 +4094,7 @@ def _p77():  # exp_lse_head_sum_div[tnd,dense,causal] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p78():  # exp_lse_head_sum_div[tnd,dense,none] [forward]
+def _p98():  # exp_lse_head_sum_div[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3304,7 +4132,7 @@ def _p78():  # exp_lse_head_sum_div[tnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p79():  # exp_lse_head_sum_div[tnd,dense,none] [forward]
+def _p99():  # exp_lse_head_sum_div[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3343,7 +4171,7 @@ def _p79():  # exp_lse_head_sum_div[tnd,dense,none] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p80():  # exp_lse_head_sum_div[tnd,dense,none] [forward-npu-cast]
+def _p100():  # exp_lse_head_sum_div[tnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -3383,7 +4211,7 @@ def _p80():  # exp_lse_head_sum_div[tnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p81():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward]
+def _p101():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3443,7 +4271,7 @@ def _p81():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p82():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward]
+def _p102():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3504,7 +4332,7 @@ def _p82():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p83():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward-npu-cast]
+def _p103():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -3566,7 +4394,7 @@ def _p83():  # exp_lse_head_sum_div[tnd,sparse,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p84():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward]
+def _p104():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3618,7 +4446,7 @@ def _p84():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p85():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward]
+def _p105():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3671,7 +4499,7 @@ def _p85():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p86():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward-npu-cast]
+def _p106():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -3725,7 +4553,7 @@ def _p86():  # exp_lse_head_sum_div[tnd,sparse,causal] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p87():  # exp_lse_head_sum_div[tnd,sparse,given] [forward]
+def _p107():  # exp_lse_head_sum_div[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3762,7 +4590,7 @@ def _p87():  # exp_lse_head_sum_div[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p88():  # exp_lse_head_sum_div[tnd,sparse,given] [forward]
+def _p108():  # exp_lse_head_sum_div[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3800,7 +4628,7 @@ def _p88():  # exp_lse_head_sum_div[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p89():  # exp_lse_head_sum_div[tnd,sparse,given] [forward-npu-cast]
+def _p109():  # exp_lse_head_sum_div[tnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -3839,7 +4667,7 @@ def _p89():  # exp_lse_head_sum_div[tnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.div.Tensor, sum_dim_IntList, Ignored(), _users=0)
     return pattern
 
-def _p90():  # exp_lse_head_mean[bsnd,dense,compressed] [forward]
+def _p110():  # exp_lse_head_mean[bsnd,dense,compressed] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3879,7 +4707,7 @@ def _p90():  # exp_lse_head_mean[bsnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p91():  # exp_lse_head_mean[bsnd,dense,compressed] [forward]
+def _p111():  # exp_lse_head_mean[bsnd,dense,compressed] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3920,7 +4748,7 @@ def _p91():  # exp_lse_head_mean[bsnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p92():  # exp_lse_head_mean[bsnd,dense,compressed] [forward-npu-cast]
+def _p112():  # exp_lse_head_mean[bsnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -3962,7 +4790,7 @@ def _p92():  # exp_lse_head_mean[bsnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p93():  # exp_lse_head_mean[bsnd,dense,given] [forward]
+def _p113():  # exp_lse_head_mean[bsnd,dense,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3989,7 +4817,7 @@ def _p93():  # exp_lse_head_mean[bsnd,dense,given] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p94():  # exp_lse_head_mean[bsnd,dense,given] [forward]
+def _p114():  # exp_lse_head_mean[bsnd,dense,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4017,7 +4845,7 @@ def _p94():  # exp_lse_head_mean[bsnd,dense,given] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p95():  # exp_lse_head_mean[bsnd,dense,given] [forward-npu-cast]
+def _p115():  # exp_lse_head_mean[bsnd,dense,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -4046,7 +4874,7 @@ def _p95():  # exp_lse_head_mean[bsnd,dense,given] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p96():  # exp_lse_head_mean[bsnd,dense,none] [forward]
+def _p116():  # exp_lse_head_mean[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4071,7 +4899,7 @@ def _p96():  # exp_lse_head_mean[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p97():  # exp_lse_head_mean[bsnd,dense,none] [forward]
+def _p117():  # exp_lse_head_mean[bsnd,dense,none] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4097,7 +4925,7 @@ def _p97():  # exp_lse_head_mean[bsnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p98():  # exp_lse_head_mean[bsnd,dense,none] [forward-npu-cast]
+def _p118():  # exp_lse_head_mean[bsnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -4124,7 +4952,7 @@ def _p98():  # exp_lse_head_mean[bsnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p99():  # exp_lse_head_mean[bsnd,sparse,given] [forward]
+def _p119():  # exp_lse_head_mean[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4154,7 +4982,7 @@ def _p99():  # exp_lse_head_mean[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p100():  # exp_lse_head_mean[bsnd,sparse,given] [forward]
+def _p120():  # exp_lse_head_mean[bsnd,sparse,given] [forward]
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4185,7 +5013,7 @@ def _p100():  # exp_lse_head_mean[bsnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p101():  # exp_lse_head_mean[bsnd,sparse,given] [forward-npu-cast]
+def _p121():  # exp_lse_head_mean[bsnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q = KeywordArg('q')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q, Ignored())
@@ -4217,7 +5045,7 @@ def _p101():  # exp_lse_head_mean[bsnd,sparse,given] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p102():  # exp_lse_head_mean[tnd,dense,compressed] [forward]
+def _p122():  # exp_lse_head_mean[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4278,7 +5106,7 @@ def _p102():  # exp_lse_head_mean[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p103():  # exp_lse_head_mean[tnd,dense,compressed] [forward]
+def _p123():  # exp_lse_head_mean[tnd,dense,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4340,7 +5168,7 @@ def _p103():  # exp_lse_head_mean[tnd,dense,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p104():  # exp_lse_head_mean[tnd,dense,compressed] [forward-npu-cast]
+def _p124():  # exp_lse_head_mean[tnd,dense,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -4403,7 +5231,7 @@ def _p104():  # exp_lse_head_mean[tnd,dense,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p105():  # exp_lse_head_mean[tnd,dense,causal] [forward]
+def _p125():  # exp_lse_head_mean[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4456,7 +5284,7 @@ def _p105():  # exp_lse_head_mean[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p106():  # exp_lse_head_mean[tnd,dense,causal] [forward]
+def _p126():  # exp_lse_head_mean[tnd,dense,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4510,7 +5338,7 @@ def _p106():  # exp_lse_head_mean[tnd,dense,causal] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p107():  # exp_lse_head_mean[tnd,dense,causal] [forward-npu-cast]
+def _p127():  # exp_lse_head_mean[tnd,dense,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -4565,7 +5393,7 @@ def _p107():  # exp_lse_head_mean[tnd,dense,causal] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p108():  # exp_lse_head_mean[tnd,dense,none] [forward]
+def _p128():  # exp_lse_head_mean[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4602,7 +5430,7 @@ def _p108():  # exp_lse_head_mean[tnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p109():  # exp_lse_head_mean[tnd,dense,none] [forward]
+def _p129():  # exp_lse_head_mean[tnd,dense,none] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4640,7 +5468,7 @@ def _p109():  # exp_lse_head_mean[tnd,dense,none] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p110():  # exp_lse_head_mean[tnd,dense,none] [forward-npu-cast]
+def _p130():  # exp_lse_head_mean[tnd,dense,none] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -4679,7 +5507,7 @@ def _p110():  # exp_lse_head_mean[tnd,dense,none] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p111():  # exp_lse_head_mean[tnd,sparse,compressed] [forward]
+def _p131():  # exp_lse_head_mean[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4738,7 +5566,7 @@ def _p111():  # exp_lse_head_mean[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p112():  # exp_lse_head_mean[tnd,sparse,compressed] [forward]
+def _p132():  # exp_lse_head_mean[tnd,sparse,compressed] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4798,7 +5626,7 @@ def _p112():  # exp_lse_head_mean[tnd,sparse,compressed] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p113():  # exp_lse_head_mean[tnd,sparse,compressed] [forward-npu-cast]
+def _p133():  # exp_lse_head_mean[tnd,sparse,compressed] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -4859,7 +5687,7 @@ def _p113():  # exp_lse_head_mean[tnd,sparse,compressed] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p114():  # exp_lse_head_mean[tnd,sparse,causal] [forward]
+def _p134():  # exp_lse_head_mean[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4910,7 +5738,7 @@ def _p114():  # exp_lse_head_mean[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p115():  # exp_lse_head_mean[tnd,sparse,causal] [forward]
+def _p135():  # exp_lse_head_mean[tnd,sparse,causal] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4962,7 +5790,7 @@ def _p115():  # exp_lse_head_mean[tnd,sparse,causal] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p116():  # exp_lse_head_mean[tnd,sparse,causal] [forward-npu-cast]
+def _p136():  # exp_lse_head_mean[tnd,sparse,causal] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -5015,7 +5843,7 @@ def _p116():  # exp_lse_head_mean[tnd,sparse,causal] [forward-npu-cast]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p117():  # exp_lse_head_mean[tnd,sparse,given] [forward]
+def _p137():  # exp_lse_head_mean[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5051,7 +5879,7 @@ def _p117():  # exp_lse_head_mean[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p118():  # exp_lse_head_mean[tnd,sparse,given] [forward]
+def _p138():  # exp_lse_head_mean[tnd,sparse,given] [forward]
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5088,7 +5916,7 @@ def _p118():  # exp_lse_head_mean[tnd,sparse,given] [forward]
     pattern = CallFunction(aten.mean.dim, exp_default, Ignored(), _users=0)
     return pattern
 
-def _p119():  # exp_lse_head_mean[tnd,sparse,given] [forward-npu-cast]
+def _p139():  # exp_lse_head_mean[tnd,sparse,given] [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_packed = KeywordArg('q_packed')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_packed, Ignored())
@@ -5136,238 +5964,278 @@ REGISTRATIONS = [
      (('call_function', 'aten.div.Tensor'),), _p1),  # form 0
     ('softmax_head_sum_div[bsnd,dense,compressed] -> fused_softmax_head_sum_div[bsnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.div.Tensor'),), _p2),  # form 0
-    ('softmax_head_sum_div[bsnd,dense,given] -> fused_softmax_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p3),  # form 1
+    ('softmax_head_sum_div[bsnd,dense,compressed] -> fused_softmax_head_sum_div[bsnd,dense,compressed] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p3),  # form 0
     ('softmax_head_sum_div[bsnd,dense,given] -> fused_softmax_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
      (('call_function', 'aten.div.Tensor'),), _p4),  # form 1
-    ('softmax_head_sum_div[bsnd,dense,given] -> fused_softmax_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward-npu-cast', (),
+    ('softmax_head_sum_div[bsnd,dense,given] -> fused_softmax_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
      (('call_function', 'aten.div.Tensor'),), _p5),  # form 1
+    ('softmax_head_sum_div[bsnd,dense,given] -> fused_softmax_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.div.Tensor'),), _p6),  # form 1
+    ('softmax_head_sum_div[bsnd,dense,given] -> fused_softmax_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p7),  # form 1
     ('softmax_head_sum_div[bsnd,dense,none] -> fused_softmax_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p6),  # form 2
-    ('softmax_head_sum_div[bsnd,dense,none] -> fused_softmax_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p7),  # form 2
-    ('softmax_head_sum_div[bsnd,dense,none] -> fused_softmax_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.div.Tensor'),), _p8),  # form 2
+    ('softmax_head_sum_div[bsnd,dense,none] -> fused_softmax_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.div.Tensor'),), _p9),  # form 2
+    ('softmax_head_sum_div[bsnd,dense,none] -> fused_softmax_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.div.Tensor'),), _p10),  # form 2
+    ('softmax_head_sum_div[bsnd,dense,none] -> fused_softmax_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p11),  # form 2
     ('softmax_head_sum_div[bsnd,sparse,given] -> fused_softmax_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p9),  # form 3
+     (('call_function', 'aten.div.Tensor'),), _p12),  # form 3
     ('softmax_head_sum_div[bsnd,sparse,given] -> fused_softmax_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p10),  # form 3
+     (('call_function', 'aten.div.Tensor'),), _p13),  # form 3
     ('softmax_head_sum_div[bsnd,sparse,given] -> fused_softmax_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p11),  # form 3
+     (('call_function', 'aten.div.Tensor'),), _p14),  # form 3
+    ('softmax_head_sum_div[bsnd,sparse,given] -> fused_softmax_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p15),  # form 3
     ('softmax_head_sum_div[tnd,dense,compressed] -> fused_softmax_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p12),  # form 4
+     (('call_function', 'aten.div.Tensor'),), _p16),  # form 4
     ('softmax_head_sum_div[tnd,dense,compressed] -> fused_softmax_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p13),  # form 4
+     (('call_function', 'aten.div.Tensor'),), _p17),  # form 4
     ('softmax_head_sum_div[tnd,dense,compressed] -> fused_softmax_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p14),  # form 4
+     (('call_function', 'aten.div.Tensor'),), _p18),  # form 4
+    ('softmax_head_sum_div[tnd,dense,compressed] -> fused_softmax_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p19),  # form 4
     ('softmax_head_sum_div[tnd,dense,causal] -> fused_softmax_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p15),  # form 5
+     (('call_function', 'aten.div.Tensor'),), _p20),  # form 5
     ('softmax_head_sum_div[tnd,dense,causal] -> fused_softmax_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p16),  # form 5
+     (('call_function', 'aten.div.Tensor'),), _p21),  # form 5
     ('softmax_head_sum_div[tnd,dense,causal] -> fused_softmax_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p17),  # form 5
+     (('call_function', 'aten.div.Tensor'),), _p22),  # form 5
+    ('softmax_head_sum_div[tnd,dense,causal] -> fused_softmax_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p23),  # form 5
     ('softmax_head_sum_div[tnd,dense,none] -> fused_softmax_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p18),  # form 6
+     (('call_function', 'aten.div.Tensor'),), _p24),  # form 6
     ('softmax_head_sum_div[tnd,dense,none] -> fused_softmax_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p19),  # form 6
+     (('call_function', 'aten.div.Tensor'),), _p25),  # form 6
     ('softmax_head_sum_div[tnd,dense,none] -> fused_softmax_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p20),  # form 6
+     (('call_function', 'aten.div.Tensor'),), _p26),  # form 6
+    ('softmax_head_sum_div[tnd,dense,none] -> fused_softmax_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p27),  # form 6
     ('softmax_head_sum_div[tnd,sparse,compressed] -> fused_softmax_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p21),  # form 7
+     (('call_function', 'aten.div.Tensor'),), _p28),  # form 7
     ('softmax_head_sum_div[tnd,sparse,compressed] -> fused_softmax_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p22),  # form 7
+     (('call_function', 'aten.div.Tensor'),), _p29),  # form 7
     ('softmax_head_sum_div[tnd,sparse,compressed] -> fused_softmax_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p23),  # form 7
+     (('call_function', 'aten.div.Tensor'),), _p30),  # form 7
+    ('softmax_head_sum_div[tnd,sparse,compressed] -> fused_softmax_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p31),  # form 7
     ('softmax_head_sum_div[tnd,sparse,causal] -> fused_softmax_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p24),  # form 8
+     (('call_function', 'aten.div.Tensor'),), _p32),  # form 8
     ('softmax_head_sum_div[tnd,sparse,causal] -> fused_softmax_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p25),  # form 8
+     (('call_function', 'aten.div.Tensor'),), _p33),  # form 8
     ('softmax_head_sum_div[tnd,sparse,causal] -> fused_softmax_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p26),  # form 8
+     (('call_function', 'aten.div.Tensor'),), _p34),  # form 8
+    ('softmax_head_sum_div[tnd,sparse,causal] -> fused_softmax_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p35),  # form 8
     ('softmax_head_sum_div[tnd,sparse,given] -> fused_softmax_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p27),  # form 9
+     (('call_function', 'aten.div.Tensor'),), _p36),  # form 9
     ('softmax_head_sum_div[tnd,sparse,given] -> fused_softmax_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p28),  # form 9
+     (('call_function', 'aten.div.Tensor'),), _p37),  # form 9
     ('softmax_head_sum_div[tnd,sparse,given] -> fused_softmax_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p29),  # form 9
+     (('call_function', 'aten.div.Tensor'),), _p38),  # form 9
+    ('softmax_head_sum_div[tnd,sparse,given] -> fused_softmax_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.div.Tensor'),), _p39),  # form 9
     ('softmax_head_mean[bsnd,dense,compressed] -> fused_softmax_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p30),  # form 10
+     (('call_function', 'aten.mean.dim'),), _p40),  # form 10
     ('softmax_head_mean[bsnd,dense,compressed] -> fused_softmax_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p31),  # form 10
+     (('call_function', 'aten.mean.dim'),), _p41),  # form 10
     ('softmax_head_mean[bsnd,dense,compressed] -> fused_softmax_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p32),  # form 10
+     (('call_function', 'aten.mean.dim'),), _p42),  # form 10
+    ('softmax_head_mean[bsnd,dense,compressed] -> fused_softmax_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p43),  # form 10
     ('softmax_head_mean[bsnd,dense,given] -> fused_softmax_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p33),  # form 11
+     (('call_function', 'aten.mean.dim'),), _p44),  # form 11
     ('softmax_head_mean[bsnd,dense,given] -> fused_softmax_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p34),  # form 11
+     (('call_function', 'aten.mean.dim'),), _p45),  # form 11
     ('softmax_head_mean[bsnd,dense,given] -> fused_softmax_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p35),  # form 11
+     (('call_function', 'aten.mean.dim'),), _p46),  # form 11
+    ('softmax_head_mean[bsnd,dense,given] -> fused_softmax_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p47),  # form 11
     ('softmax_head_mean[bsnd,dense,none] -> fused_softmax_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p36),  # form 12
+     (('call_function', 'aten.mean.dim'),), _p48),  # form 12
     ('softmax_head_mean[bsnd,dense,none] -> fused_softmax_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p37),  # form 12
+     (('call_function', 'aten.mean.dim'),), _p49),  # form 12
     ('softmax_head_mean[bsnd,dense,none] -> fused_softmax_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p38),  # form 12
+     (('call_function', 'aten.mean.dim'),), _p50),  # form 12
+    ('softmax_head_mean[bsnd,dense,none] -> fused_softmax_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p51),  # form 12
     ('softmax_head_mean[bsnd,sparse,given] -> fused_softmax_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p39),  # form 13
+     (('call_function', 'aten.mean.dim'),), _p52),  # form 13
     ('softmax_head_mean[bsnd,sparse,given] -> fused_softmax_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p40),  # form 13
+     (('call_function', 'aten.mean.dim'),), _p53),  # form 13
     ('softmax_head_mean[bsnd,sparse,given] -> fused_softmax_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p41),  # form 13
+     (('call_function', 'aten.mean.dim'),), _p54),  # form 13
+    ('softmax_head_mean[bsnd,sparse,given] -> fused_softmax_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p55),  # form 13
     ('softmax_head_mean[tnd,dense,compressed] -> fused_softmax_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p42),  # form 14
+     (('call_function', 'aten.mean.dim'),), _p56),  # form 14
     ('softmax_head_mean[tnd,dense,compressed] -> fused_softmax_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p43),  # form 14
+     (('call_function', 'aten.mean.dim'),), _p57),  # form 14
     ('softmax_head_mean[tnd,dense,compressed] -> fused_softmax_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p44),  # form 14
+     (('call_function', 'aten.mean.dim'),), _p58),  # form 14
+    ('softmax_head_mean[tnd,dense,compressed] -> fused_softmax_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p59),  # form 14
     ('softmax_head_mean[tnd,dense,causal] -> fused_softmax_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p45),  # form 15
+     (('call_function', 'aten.mean.dim'),), _p60),  # form 15
     ('softmax_head_mean[tnd,dense,causal] -> fused_softmax_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p46),  # form 15
+     (('call_function', 'aten.mean.dim'),), _p61),  # form 15
     ('softmax_head_mean[tnd,dense,causal] -> fused_softmax_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p47),  # form 15
+     (('call_function', 'aten.mean.dim'),), _p62),  # form 15
+    ('softmax_head_mean[tnd,dense,causal] -> fused_softmax_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p63),  # form 15
     ('softmax_head_mean[tnd,dense,none] -> fused_softmax_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p48),  # form 16
+     (('call_function', 'aten.mean.dim'),), _p64),  # form 16
     ('softmax_head_mean[tnd,dense,none] -> fused_softmax_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p49),  # form 16
+     (('call_function', 'aten.mean.dim'),), _p65),  # form 16
     ('softmax_head_mean[tnd,dense,none] -> fused_softmax_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p50),  # form 16
+     (('call_function', 'aten.mean.dim'),), _p66),  # form 16
+    ('softmax_head_mean[tnd,dense,none] -> fused_softmax_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p67),  # form 16
     ('softmax_head_mean[tnd,sparse,compressed] -> fused_softmax_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p51),  # form 17
+     (('call_function', 'aten.mean.dim'),), _p68),  # form 17
     ('softmax_head_mean[tnd,sparse,compressed] -> fused_softmax_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p52),  # form 17
+     (('call_function', 'aten.mean.dim'),), _p69),  # form 17
     ('softmax_head_mean[tnd,sparse,compressed] -> fused_softmax_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p53),  # form 17
+     (('call_function', 'aten.mean.dim'),), _p70),  # form 17
+    ('softmax_head_mean[tnd,sparse,compressed] -> fused_softmax_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p71),  # form 17
     ('softmax_head_mean[tnd,sparse,causal] -> fused_softmax_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p54),  # form 18
+     (('call_function', 'aten.mean.dim'),), _p72),  # form 18
     ('softmax_head_mean[tnd,sparse,causal] -> fused_softmax_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p55),  # form 18
+     (('call_function', 'aten.mean.dim'),), _p73),  # form 18
     ('softmax_head_mean[tnd,sparse,causal] -> fused_softmax_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p56),  # form 18
+     (('call_function', 'aten.mean.dim'),), _p74),  # form 18
+    ('softmax_head_mean[tnd,sparse,causal] -> fused_softmax_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p75),  # form 18
     ('softmax_head_mean[tnd,sparse,given] -> fused_softmax_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p57),  # form 19
+     (('call_function', 'aten.mean.dim'),), _p76),  # form 19
     ('softmax_head_mean[tnd,sparse,given] -> fused_softmax_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p58),  # form 19
+     (('call_function', 'aten.mean.dim'),), _p77),  # form 19
     ('softmax_head_mean[tnd,sparse,given] -> fused_softmax_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p59),  # form 19
+     (('call_function', 'aten.mean.dim'),), _p78),  # form 19
+    ('softmax_head_mean[tnd,sparse,given] -> fused_softmax_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.mean.dim'),), _p79),  # form 19
     ('exp_lse_head_sum_div[bsnd,dense,compressed] -> fused_exp_lse_head_sum_div[bsnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p60),  # form 20
+     (('call_function', 'aten.div.Tensor'),), _p80),  # form 20
     ('exp_lse_head_sum_div[bsnd,dense,compressed] -> fused_exp_lse_head_sum_div[bsnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p61),  # form 20
+     (('call_function', 'aten.div.Tensor'),), _p81),  # form 20
     ('exp_lse_head_sum_div[bsnd,dense,compressed] -> fused_exp_lse_head_sum_div[bsnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p62),  # form 20
+     (('call_function', 'aten.div.Tensor'),), _p82),  # form 20
     ('exp_lse_head_sum_div[bsnd,dense,given] -> fused_exp_lse_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p63),  # form 21
+     (('call_function', 'aten.div.Tensor'),), _p83),  # form 21
     ('exp_lse_head_sum_div[bsnd,dense,given] -> fused_exp_lse_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p64),  # form 21
+     (('call_function', 'aten.div.Tensor'),), _p84),  # form 21
     ('exp_lse_head_sum_div[bsnd,dense,given] -> fused_exp_lse_head_sum_div[bsnd,dense,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p65),  # form 21
+     (('call_function', 'aten.div.Tensor'),), _p85),  # form 21
     ('exp_lse_head_sum_div[bsnd,dense,none] -> fused_exp_lse_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p66),  # form 22
+     (('call_function', 'aten.div.Tensor'),), _p86),  # form 22
     ('exp_lse_head_sum_div[bsnd,dense,none] -> fused_exp_lse_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p67),  # form 22
+     (('call_function', 'aten.div.Tensor'),), _p87),  # form 22
     ('exp_lse_head_sum_div[bsnd,dense,none] -> fused_exp_lse_head_sum_div[bsnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p68),  # form 22
+     (('call_function', 'aten.div.Tensor'),), _p88),  # form 22
     ('exp_lse_head_sum_div[bsnd,sparse,given] -> fused_exp_lse_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p69),  # form 23
+     (('call_function', 'aten.div.Tensor'),), _p89),  # form 23
     ('exp_lse_head_sum_div[bsnd,sparse,given] -> fused_exp_lse_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p70),  # form 23
+     (('call_function', 'aten.div.Tensor'),), _p90),  # form 23
     ('exp_lse_head_sum_div[bsnd,sparse,given] -> fused_exp_lse_head_sum_div[bsnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p71),  # form 23
+     (('call_function', 'aten.div.Tensor'),), _p91),  # form 23
     ('exp_lse_head_sum_div[tnd,dense,compressed] -> fused_exp_lse_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p72),  # form 24
+     (('call_function', 'aten.div.Tensor'),), _p92),  # form 24
     ('exp_lse_head_sum_div[tnd,dense,compressed] -> fused_exp_lse_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p73),  # form 24
+     (('call_function', 'aten.div.Tensor'),), _p93),  # form 24
     ('exp_lse_head_sum_div[tnd,dense,compressed] -> fused_exp_lse_head_sum_div[tnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p74),  # form 24
+     (('call_function', 'aten.div.Tensor'),), _p94),  # form 24
     ('exp_lse_head_sum_div[tnd,dense,causal] -> fused_exp_lse_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p75),  # form 25
+     (('call_function', 'aten.div.Tensor'),), _p95),  # form 25
     ('exp_lse_head_sum_div[tnd,dense,causal] -> fused_exp_lse_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p76),  # form 25
+     (('call_function', 'aten.div.Tensor'),), _p96),  # form 25
     ('exp_lse_head_sum_div[tnd,dense,causal] -> fused_exp_lse_head_sum_div[tnd,dense,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p77),  # form 25
+     (('call_function', 'aten.div.Tensor'),), _p97),  # form 25
     ('exp_lse_head_sum_div[tnd,dense,none] -> fused_exp_lse_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p78),  # form 26
+     (('call_function', 'aten.div.Tensor'),), _p98),  # form 26
     ('exp_lse_head_sum_div[tnd,dense,none] -> fused_exp_lse_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p79),  # form 26
+     (('call_function', 'aten.div.Tensor'),), _p99),  # form 26
     ('exp_lse_head_sum_div[tnd,dense,none] -> fused_exp_lse_head_sum_div[tnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p80),  # form 26
+     (('call_function', 'aten.div.Tensor'),), _p100),  # form 26
     ('exp_lse_head_sum_div[tnd,sparse,compressed] -> fused_exp_lse_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p81),  # form 27
+     (('call_function', 'aten.div.Tensor'),), _p101),  # form 27
     ('exp_lse_head_sum_div[tnd,sparse,compressed] -> fused_exp_lse_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p82),  # form 27
+     (('call_function', 'aten.div.Tensor'),), _p102),  # form 27
     ('exp_lse_head_sum_div[tnd,sparse,compressed] -> fused_exp_lse_head_sum_div[tnd,sparse,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p83),  # form 27
+     (('call_function', 'aten.div.Tensor'),), _p103),  # form 27
     ('exp_lse_head_sum_div[tnd,sparse,causal] -> fused_exp_lse_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p84),  # form 28
+     (('call_function', 'aten.div.Tensor'),), _p104),  # form 28
     ('exp_lse_head_sum_div[tnd,sparse,causal] -> fused_exp_lse_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p85),  # form 28
+     (('call_function', 'aten.div.Tensor'),), _p105),  # form 28
     ('exp_lse_head_sum_div[tnd,sparse,causal] -> fused_exp_lse_head_sum_div[tnd,sparse,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p86),  # form 28
+     (('call_function', 'aten.div.Tensor'),), _p106),  # form 28
     ('exp_lse_head_sum_div[tnd,sparse,given] -> fused_exp_lse_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p87),  # form 29
+     (('call_function', 'aten.div.Tensor'),), _p107),  # form 29
     ('exp_lse_head_sum_div[tnd,sparse,given] -> fused_exp_lse_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'),), _p88),  # form 29
+     (('call_function', 'aten.div.Tensor'),), _p108),  # form 29
     ('exp_lse_head_sum_div[tnd,sparse,given] -> fused_exp_lse_head_sum_div[tnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.div.Tensor'),), _p89),  # form 29
+     (('call_function', 'aten.div.Tensor'),), _p109),  # form 29
     ('exp_lse_head_mean[bsnd,dense,compressed] -> fused_exp_lse_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p90),  # form 30
+     (('call_function', 'aten.mean.dim'),), _p110),  # form 30
     ('exp_lse_head_mean[bsnd,dense,compressed] -> fused_exp_lse_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p91),  # form 30
+     (('call_function', 'aten.mean.dim'),), _p111),  # form 30
     ('exp_lse_head_mean[bsnd,dense,compressed] -> fused_exp_lse_head_mean[bsnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p92),  # form 30
+     (('call_function', 'aten.mean.dim'),), _p112),  # form 30
     ('exp_lse_head_mean[bsnd,dense,given] -> fused_exp_lse_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p93),  # form 31
+     (('call_function', 'aten.mean.dim'),), _p113),  # form 31
     ('exp_lse_head_mean[bsnd,dense,given] -> fused_exp_lse_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p94),  # form 31
+     (('call_function', 'aten.mean.dim'),), _p114),  # form 31
     ('exp_lse_head_mean[bsnd,dense,given] -> fused_exp_lse_head_mean[bsnd,dense,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p95),  # form 31
+     (('call_function', 'aten.mean.dim'),), _p115),  # form 31
     ('exp_lse_head_mean[bsnd,dense,none] -> fused_exp_lse_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p96),  # form 32
+     (('call_function', 'aten.mean.dim'),), _p116),  # form 32
     ('exp_lse_head_mean[bsnd,dense,none] -> fused_exp_lse_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p97),  # form 32
+     (('call_function', 'aten.mean.dim'),), _p117),  # form 32
     ('exp_lse_head_mean[bsnd,dense,none] -> fused_exp_lse_head_mean[bsnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p98),  # form 32
+     (('call_function', 'aten.mean.dim'),), _p118),  # form 32
     ('exp_lse_head_mean[bsnd,sparse,given] -> fused_exp_lse_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p99),  # form 33
+     (('call_function', 'aten.mean.dim'),), _p119),  # form 33
     ('exp_lse_head_mean[bsnd,sparse,given] -> fused_exp_lse_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p100),  # form 33
+     (('call_function', 'aten.mean.dim'),), _p120),  # form 33
     ('exp_lse_head_mean[bsnd,sparse,given] -> fused_exp_lse_head_mean[bsnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p101),  # form 33
+     (('call_function', 'aten.mean.dim'),), _p121),  # form 33
     ('exp_lse_head_mean[tnd,dense,compressed] -> fused_exp_lse_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p102),  # form 34
+     (('call_function', 'aten.mean.dim'),), _p122),  # form 34
     ('exp_lse_head_mean[tnd,dense,compressed] -> fused_exp_lse_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p103),  # form 34
+     (('call_function', 'aten.mean.dim'),), _p123),  # form 34
     ('exp_lse_head_mean[tnd,dense,compressed] -> fused_exp_lse_head_mean[tnd,dense,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p104),  # form 34
+     (('call_function', 'aten.mean.dim'),), _p124),  # form 34
     ('exp_lse_head_mean[tnd,dense,causal] -> fused_exp_lse_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p105),  # form 35
+     (('call_function', 'aten.mean.dim'),), _p125),  # form 35
     ('exp_lse_head_mean[tnd,dense,causal] -> fused_exp_lse_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p106),  # form 35
+     (('call_function', 'aten.mean.dim'),), _p126),  # form 35
     ('exp_lse_head_mean[tnd,dense,causal] -> fused_exp_lse_head_mean[tnd,dense,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p107),  # form 35
+     (('call_function', 'aten.mean.dim'),), _p127),  # form 35
     ('exp_lse_head_mean[tnd,dense,none] -> fused_exp_lse_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p108),  # form 36
+     (('call_function', 'aten.mean.dim'),), _p128),  # form 36
     ('exp_lse_head_mean[tnd,dense,none] -> fused_exp_lse_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p109),  # form 36
+     (('call_function', 'aten.mean.dim'),), _p129),  # form 36
     ('exp_lse_head_mean[tnd,dense,none] -> fused_exp_lse_head_mean[tnd,dense,none] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p110),  # form 36
+     (('call_function', 'aten.mean.dim'),), _p130),  # form 36
     ('exp_lse_head_mean[tnd,sparse,compressed] -> fused_exp_lse_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p111),  # form 37
+     (('call_function', 'aten.mean.dim'),), _p131),  # form 37
     ('exp_lse_head_mean[tnd,sparse,compressed] -> fused_exp_lse_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p112),  # form 37
+     (('call_function', 'aten.mean.dim'),), _p132),  # form 37
     ('exp_lse_head_mean[tnd,sparse,compressed] -> fused_exp_lse_head_mean[tnd,sparse,compressed] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p113),  # form 37
+     (('call_function', 'aten.mean.dim'),), _p133),  # form 37
     ('exp_lse_head_mean[tnd,sparse,causal] -> fused_exp_lse_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p114),  # form 38
+     (('call_function', 'aten.mean.dim'),), _p134),  # form 38
     ('exp_lse_head_mean[tnd,sparse,causal] -> fused_exp_lse_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p115),  # form 38
+     (('call_function', 'aten.mean.dim'),), _p135),  # form 38
     ('exp_lse_head_mean[tnd,sparse,causal] -> fused_exp_lse_head_mean[tnd,sparse,causal] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p116),  # form 38
+     (('call_function', 'aten.mean.dim'),), _p136),  # form 38
     ('exp_lse_head_mean[tnd,sparse,given] -> fused_exp_lse_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p117),  # form 39
+     (('call_function', 'aten.mean.dim'),), _p137),  # form 39
     ('exp_lse_head_mean[tnd,sparse,given] -> fused_exp_lse_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.mean.dim'),), _p118),  # form 39
+     (('call_function', 'aten.mean.dim'),), _p138),  # form 39
     ('exp_lse_head_mean[tnd,sparse,given] -> fused_exp_lse_head_mean[tnd,sparse,given] @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.mean.dim'),), _p119),  # form 39
+     (('call_function', 'aten.mean.dim'),), _p139),  # form 39
 ]

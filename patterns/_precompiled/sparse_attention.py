@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cb7f945b40f280d1',
+KEY = {'torch': '2.13.0+cpu', 'sources': '04dd9188a6a85cf9',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {
@@ -20,9 +20,9 @@ FORMS = {
     'transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32')]},
     'transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
     'transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
     'transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32')]},
     'transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
@@ -31,10 +31,26 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
     'transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
+    'transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('npu.npu_fusion_attention_grad_v3.default', 'atten_mask', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'attention_in', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'inner_precise', '2'), ('npu.npu_fusion_attention_grad_v3.default', 'offset', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'scale_value', '0.125'), ('npu.npu_fusion_attention_grad_v3.default', 'seed', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_in', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_max', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_sum', '<node>')]},
+    'transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('npu.npu_fusion_attention_grad_v3.default', 'atten_mask', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'attention_in', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'inner_precise', '2'), ('npu.npu_fusion_attention_grad_v3.default', 'offset', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'scale_value', '0.125'), ('npu.npu_fusion_attention_grad_v3.default', 'seed', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_in', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_max', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_sum', '<node>')]},
+    'transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False')]},
+    'transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False')]},
+    'transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('npu.npu_fusion_attention_grad.default', 'atten_mask', '<node>'), ('npu.npu_fusion_attention_grad.default', 'attention_in', '<node>'), ('npu.npu_fusion_attention_grad.default', 'inner_precise', '2'), ('npu.npu_fusion_attention_grad.default', 'scale_value', '0.125'), ('npu.npu_fusion_attention_grad.default', 'softmax_in', '<node>'), ('npu.npu_fusion_attention_grad.default', 'softmax_max', '<node>'), ('npu.npu_fusion_attention_grad.default', 'softmax_sum', '<node>')]},
+    'transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('npu.npu_fusion_attention_grad.default', 'atten_mask', '<node>'), ('npu.npu_fusion_attention_grad.default', 'attention_in', '<node>'), ('npu.npu_fusion_attention_grad.default', 'inner_precise', '2'), ('npu.npu_fusion_attention_grad.default', 'scale_value', '0.125'), ('npu.npu_fusion_attention_grad.default', 'softmax_in', '<node>'), ('npu.npu_fusion_attention_grad.default', 'softmax_max', '<node>'), ('npu.npu_fusion_attention_grad.default', 'softmax_sum', '<node>')]},
+    'transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False')]},
+    'transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False')]},
     'mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
 }
 
 
@@ -119,7 +135,36 @@ def _p1():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p2():  # transformers_sdpa_top_k_mask_bsnd [forward]
+def _p2():  # transformers_sdpa_top_k_mask_bsnd [forward-npu]
+    arg_query = KeywordArg('query')
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value)
+    view_default = CallFunction(aten.view.default, matmul_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p3():  # transformers_sdpa_top_k_mask_bsnd [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -158,7 +203,7 @@ def _p2():  # transformers_sdpa_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p3():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
+def _p4():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -198,7 +243,7 @@ def _p3():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p4():  # transformers_sdpa_top_k_mask_bsnd [forward]
+def _p5():  # transformers_sdpa_top_k_mask_bsnd [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -238,7 +283,7 @@ def _p4():  # transformers_sdpa_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p5():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
+def _p6():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -279,7 +324,36 @@ def _p5():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p6():  # transformers_sdpa_top_k_mask_bsnd [forward]
+def _p7():  # transformers_sdpa_top_k_mask_bsnd [forward-npu]
+    arg_query = KeywordArg('query')
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value)
+    view_default = CallFunction(aten.view.default, matmul_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p8():  # transformers_sdpa_top_k_mask_bsnd [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -318,7 +392,7 @@ def _p6():  # transformers_sdpa_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p7():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
+def _p9():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -358,7 +432,7 @@ def _p7():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p8():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
+def _p10():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -399,94 +473,6 @@ def _p8():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored())
     view_default_5 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p9():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored())
-    view_default_5 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p10():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored())
-    view_default_6 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
@@ -525,6 +511,127 @@ def _p11():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored())
+    view_default_5 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p12():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, _to_copy_default_3)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored())
+    view_default = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p13():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored())
+    view_default_6 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p14():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
     view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
     bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
     view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
@@ -534,7 +641,7 @@ def _p11():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p12():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
+def _p15():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -578,7 +685,7 @@ def _p12():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p13():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
+def _p16():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -623,7 +730,40 @@ def _p13():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p14():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
+def _p17():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, _to_copy_default_3)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored())
+    view_default = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p18():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -666,7 +806,7 @@ def _p14():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p15():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
+def _p19():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -708,154 +848,6 @@ def _p15():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     view_default_6 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p16():  # transformers_sdpa_top_k_mask [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p17():  # transformers_sdpa_top_k_mask [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p18():  # transformers_sdpa_top_k_mask [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p19():  # transformers_sdpa_top_k_mask [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
 def _p20():  # transformers_sdpa_top_k_mask [forward]
@@ -933,7 +925,33 @@ def _p21():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p22():  # transformers_sdpa_top_k_mask [forward]
+def _p22():  # transformers_sdpa_top_k_mask [forward-npu]
+    arg_query = KeywordArg('query')
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
+    return pattern
+
+def _p23():  # transformers_sdpa_top_k_mask [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -969,7 +987,7 @@ def _p22():  # transformers_sdpa_top_k_mask [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p23():  # transformers_sdpa_top_k_mask [forward-npu-cast]
+def _p24():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -1006,16 +1024,14 @@ def _p23():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p24():  # transformers_sdpa_top_k_mask_upcast [forward]
+def _p25():  # transformers_sdpa_top_k_mask [forward]
     arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
     view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
@@ -1025,8 +1041,8 @@ def _p24():  # transformers_sdpa_top_k_mask_upcast [forward]
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
     bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
@@ -1038,26 +1054,22 @@ def _p24():  # transformers_sdpa_top_k_mask_upcast [forward]
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
     view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
     clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
     _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
     bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
+    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p25():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+def _p26():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
     view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
@@ -1067,8 +1079,8 @@ def _p25():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
     bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
@@ -1080,25 +1092,47 @@ def _p25():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
     view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
     clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
     _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
     bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
+    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p26():  # transformers_sdpa_top_k_mask_upcast [forward]
+def _p27():  # transformers_sdpa_top_k_mask [forward-npu]
     arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
+    return pattern
+
+def _p28():  # transformers_sdpa_top_k_mask [forward]
+    arg_query = KeywordArg('query')
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
     view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
@@ -1108,8 +1142,8 @@ def _p26():  # transformers_sdpa_top_k_mask_upcast [forward]
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
     bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
@@ -1121,25 +1155,21 @@ def _p26():  # transformers_sdpa_top_k_mask_upcast [forward]
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
     view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
     view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
     bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
+    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p27():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+def _p29():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
     view_default = CallFunction(aten.view.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
@@ -1149,8 +1179,8 @@ def _p27():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
     bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
@@ -1162,95 +1192,10 @@ def _p27():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
     view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
     view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
     bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
-    return pattern
-
-def _p28():  # transformers_sdpa_top_k_mask_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p29():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
+    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
 def _p30():  # transformers_sdpa_top_k_mask_upcast [forward]
@@ -1287,10 +1232,11 @@ def _p30():  # transformers_sdpa_top_k_mask_upcast [forward]
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
+    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
     return pattern
 
 def _p31():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
@@ -1328,13 +1274,647 @@ def _p31():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
+    return pattern
+
+def _p32():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, _to_copy_default_3)
+    pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p33():  # transformers_sdpa_top_k_mask_upcast [forward]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p34():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
     view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
     bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
     view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
     pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
     return pattern
 
-def _p32():  # mla_gathered_top_k_causal [forward]
+def _p35():  # transformers_sdpa_top_k_mask_upcast [forward]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p36():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
+    return pattern
+
+def _p37():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, _to_copy_default_3)
+    pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p38():  # transformers_sdpa_top_k_mask_upcast [forward]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
+    return pattern
+
+def _p39():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
+    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    arg_key = KeywordArg('key')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
+    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
+    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
+    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
+    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
+    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    arg_value = KeywordArg('value')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
+    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
+    return pattern
+
+def _p40():  # transformers_fa_v3_top_k_mask_bsnd [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p41():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p42():  # transformers_fa_v3_top_k_mask_bsnd [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p43():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p44():  # transformers_fa_v3_top_k_mask [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
+    return pattern
+
+def _p45():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
+    return pattern
+
+def _p46():  # transformers_fa_v3_top_k_mask [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
+    return pattern
+
+def _p47():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
+    return pattern
+
+def _p48():  # transformers_fa_top_k_mask_bsnd [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p49():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p50():  # transformers_fa_top_k_mask_bsnd [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p51():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0)
+    view_default = CallFunction(aten.view.default, operator_getitem, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
+    return pattern
+
+def _p52():  # transformers_fa_top_k_mask [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
+    return pattern
+
+def _p53():  # transformers_fa_top_k_mask [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
+    return pattern
+
+def _p54():  # transformers_fa_top_k_mask [forward]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
+    return pattern
+
+def _p55():  # transformers_fa_top_k_mask [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
+    return pattern
+
+def _p56():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1395,7 +1975,7 @@ def _p32():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p33():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p57():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -1457,7 +2037,7 @@ def _p33():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p34():  # mla_gathered_top_k_causal [forward]
+def _p58():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1519,7 +2099,7 @@ def _p34():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p35():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p59():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -1582,7 +2162,7 @@ def _p35():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p36():  # mla_gathered_top_k_causal [forward]
+def _p60():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1645,7 +2225,7 @@ def _p36():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p37():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p61():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -1709,7 +2289,71 @@ def _p37():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p38():  # mla_gathered_top_k_causal [forward]
+def _p62():  # mla_gathered_top_k_causal [forward-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=2)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, permute_default_5, Ignored())
+    view_default_5 = CallFunction(aten.view.default, permute_default_6, Ignored())
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, permute_default_7, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_8, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_9, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_9 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices, view_default_9)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, unsqueeze_default_5, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    view_default_10 = CallFunction(aten.view.default, permute_default_11, Ignored())
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, unsqueeze_default_6, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    view_default_11 = CallFunction(aten.view.default, permute_default_13, Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_10, view_default_11)
+    view_default_12 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_14 = CallFunction(aten.permute.default, view_default_12, Ignored())
+    pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
+    return pattern
+
+def _p63():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1773,7 +2417,7 @@ def _p38():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p39():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p64():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -1838,7 +2482,72 @@ def _p39():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p40():  # mla_gathered_top_k [forward]
+def _p65():  # mla_gathered_top_k_causal [forward-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=2)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, permute_default_5, Ignored())
+    view_default_5 = CallFunction(aten.view.default, permute_default_6, Ignored())
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, permute_default_7, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_8, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_9, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_9 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, view_default_9, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices, add_Tensor_1)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, unsqueeze_default_5, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    view_default_10 = CallFunction(aten.view.default, permute_default_11, Ignored())
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, unsqueeze_default_6, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    view_default_11 = CallFunction(aten.view.default, permute_default_13, Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_10, view_default_11)
+    view_default_12 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_14 = CallFunction(aten.permute.default, view_default_12, Ignored())
+    pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
+    return pattern
+
+def _p66():  # mla_gathered_top_k [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1895,7 +2604,7 @@ def _p40():  # mla_gathered_top_k [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p41():  # mla_gathered_top_k [forward-npu-cast]
+def _p67():  # mla_gathered_top_k [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -1953,7 +2662,7 @@ def _p41():  # mla_gathered_top_k [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p42():  # mla_gathered_top_k [forward]
+def _p68():  # mla_gathered_top_k [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2012,7 +2721,7 @@ def _p42():  # mla_gathered_top_k [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p43():  # mla_gathered_top_k [forward-npu-cast]
+def _p69():  # mla_gathered_top_k [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2072,7 +2781,67 @@ def _p43():  # mla_gathered_top_k [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p44():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p70():  # mla_gathered_top_k [forward-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored())
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=2)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, permute_default_5, Ignored())
+    view_default_5 = CallFunction(aten.view.default, permute_default_6, Ignored())
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, permute_default_7, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_8, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_9, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, lt_Scalar, Ignored())
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, unsqueeze_default_5, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    view_default_9 = CallFunction(aten.view.default, permute_default_11, Ignored())
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, unsqueeze_default_6, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    view_default_10 = CallFunction(aten.view.default, permute_default_13, Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_9, view_default_10)
+    view_default_11 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_14 = CallFunction(aten.permute.default, view_default_11, Ignored())
+    pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
+    return pattern
+
+def _p71():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -2142,7 +2911,7 @@ def _p44():  # transformers_sdpa_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p45():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p72():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -2213,7 +2982,57 @@ def _p45():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p46():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p73():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
+    arg_query = KeywordArg('query')
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale, _users=2)
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1, _users=2)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=3)
+    arg_value = KeywordArg('value')
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value)
+    transpose_int_1 = CallFunction(aten.transpose.int, matmul_default_1, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    matmul_backward_default = CallFunction(aten.matmul_backward.default, transpose_int_2, _safe_softmax_default, arg_value, [True, True], _users=2)
+    operator_getitem = CallFunction(operator.getitem, matmul_backward_default, 0)
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, operator_getitem, _safe_softmax_default, Ignored(), Ignored())
+    matmul_backward_default_1 = CallFunction(aten.matmul_backward.default, _softmax_backward_data_default, mul_Tensor, mul_Tensor_1, [True, True], _users=2)
+    operator_getitem_1 = CallFunction(operator.getitem, matmul_backward_default_1, 0)
+    arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, operator_getitem_1, arg_sqrt_scale_2)
+    operator_getitem_2 = CallFunction(operator.getitem, matmul_backward_default_1, 1)
+    arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, arg_sqrt_scale_3)
+    transpose_int_3 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
+    operator_getitem_3 = CallFunction(operator.getitem, matmul_backward_default, 1)
+    pattern = MultiOutputPattern([clone_default,
+      mul_Tensor_2,
+      transpose_int_3,
+      operator_getitem_3,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p74():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -2281,7 +3100,7 @@ def _p46():  # transformers_sdpa_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p47():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p75():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -2350,7 +3169,7 @@ def _p47():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p48():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p76():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -2420,7 +3239,7 @@ def _p48():  # transformers_sdpa_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p49():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p77():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -2491,7 +3310,57 @@ def _p49():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p50():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p78():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
+    arg_query = KeywordArg('query')
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale, _users=2)
+    arg_key = KeywordArg('key')
+    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1, _users=2)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=3)
+    arg_value = KeywordArg('value')
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value)
+    transpose_int_1 = CallFunction(aten.transpose.int, matmul_default_1, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    matmul_backward_default = CallFunction(aten.matmul_backward.default, transpose_int_2, _safe_softmax_default, arg_value, [True, True], _users=2)
+    operator_getitem = CallFunction(operator.getitem, matmul_backward_default, 0)
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, operator_getitem, _safe_softmax_default, Ignored(), Ignored())
+    matmul_backward_default_1 = CallFunction(aten.matmul_backward.default, _softmax_backward_data_default, mul_Tensor, mul_Tensor_1, [True, True], _users=2)
+    operator_getitem_1 = CallFunction(operator.getitem, matmul_backward_default_1, 0)
+    arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, operator_getitem_1, arg_sqrt_scale_2)
+    operator_getitem_2 = CallFunction(operator.getitem, matmul_backward_default_1, 1)
+    arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, arg_sqrt_scale_3)
+    transpose_int_3 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
+    operator_getitem_3 = CallFunction(operator.getitem, matmul_backward_default, 1)
+    pattern = MultiOutputPattern([clone_default,
+      mul_Tensor_2,
+      transpose_int_3,
+      operator_getitem_3,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p79():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -2559,7 +3428,7 @@ def _p50():  # transformers_sdpa_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p51():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p80():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -2628,7 +3497,7 @@ def _p51():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p52():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p81():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -2706,7 +3575,7 @@ def _p52():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p53():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p82():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -2785,7 +3654,65 @@ def _p53():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p54():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p83():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale, _users=2)
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1, _users=2)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=3)
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored(), _users=2)
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, _to_copy_default_3)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, transpose_int_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    matmul_backward_default = CallFunction(aten.matmul_backward.default, _to_copy_default_5, _safe_softmax_default, _to_copy_default_3, [True, True], _users=2)
+    operator_getitem = CallFunction(operator.getitem, matmul_backward_default, 0)
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, operator_getitem, _safe_softmax_default, Ignored(), Ignored())
+    matmul_backward_default_1 = CallFunction(aten.matmul_backward.default, _softmax_backward_data_default, mul_Tensor, mul_Tensor_1, [True, True], _users=2)
+    operator_getitem_1 = CallFunction(operator.getitem, matmul_backward_default_1, 0)
+    arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, operator_getitem_1, arg_sqrt_scale_2)
+    _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    operator_getitem_2 = CallFunction(operator.getitem, matmul_backward_default_1, 1)
+    arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, arg_sqrt_scale_3)
+    transpose_int_3 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
+    _to_copy_default_7 = CallFunction(aten._to_copy.default, transpose_int_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    operator_getitem_3 = CallFunction(operator.getitem, matmul_backward_default, 1)
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, operator_getitem_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([clone_default,
+      _to_copy_default_6,
+      _to_copy_default_7,
+      _to_copy_default_8,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p84():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -2861,7 +3788,7 @@ def _p54():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p55():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p85():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -2938,7 +3865,7 @@ def _p55():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p56():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p86():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -3016,7 +3943,7 @@ def _p56():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p57():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p87():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -3095,7 +4022,65 @@ def _p57():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p58():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p88():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
+    arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
+    arg_sqrt_scale = KeywordArg('sqrt_scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale, _users=2)
+    arg_key = KeywordArg('key')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1, _users=2)
+    matmul_default = CallFunction(aten.matmul.default, mul_Tensor, mul_Tensor_1)
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
+    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, matmul_default, where_self)
+    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=3)
+    arg_value = KeywordArg('value')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored(), _users=2)
+    matmul_default_1 = CallFunction(aten.matmul.default, _safe_softmax_default, _to_copy_default_3)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, transpose_int_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    matmul_backward_default = CallFunction(aten.matmul_backward.default, _to_copy_default_5, _safe_softmax_default, _to_copy_default_3, [True, True], _users=2)
+    operator_getitem = CallFunction(operator.getitem, matmul_backward_default, 0)
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, operator_getitem, _safe_softmax_default, Ignored(), Ignored())
+    matmul_backward_default_1 = CallFunction(aten.matmul_backward.default, _softmax_backward_data_default, mul_Tensor, mul_Tensor_1, [True, True], _users=2)
+    operator_getitem_1 = CallFunction(operator.getitem, matmul_backward_default_1, 0)
+    arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, operator_getitem_1, arg_sqrt_scale_2)
+    _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    operator_getitem_2 = CallFunction(operator.getitem, matmul_backward_default_1, 1)
+    arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, arg_sqrt_scale_3)
+    transpose_int_3 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
+    _to_copy_default_7 = CallFunction(aten._to_copy.default, transpose_int_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    operator_getitem_3 = CallFunction(operator.getitem, matmul_backward_default, 1)
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, operator_getitem_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([clone_default,
+      _to_copy_default_6,
+      _to_copy_default_7,
+      _to_copy_default_8,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p89():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -3171,7 +4156,7 @@ def _p58():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p59():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p90():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -3248,7 +4233,327 @@ def _p59():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p60():  # mla_gathered_top_k_causal [joint]
+def _p91():  # transformers_fa_v3_top_k_mask_bsnd [joint]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=6)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 4)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 5)
+    npu_npu_fusion_attention_grad_v3_default = CallFunction(npu.npu_fusion_attention_grad_v3.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), seed=operator_getitem_4, offset=operator_getitem_5, _users=3)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 0)
+    operator_getitem_7 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 1)
+    operator_getitem_8 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_6,
+      operator_getitem_7,
+      operator_getitem_8,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p92():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=6)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 4)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 5)
+    npu_npu_fusion_attention_grad_v3_default = CallFunction(npu.npu_fusion_attention_grad_v3.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), seed=operator_getitem_4, offset=operator_getitem_5, _users=3)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 0)
+    operator_getitem_7 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 1)
+    operator_getitem_8 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_6,
+      operator_getitem_7,
+      operator_getitem_8,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p93():  # transformers_fa_v3_top_k_mask_bsnd [joint]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=6)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 4)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 5)
+    npu_npu_fusion_attention_grad_v3_default = CallFunction(npu.npu_fusion_attention_grad_v3.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), seed=operator_getitem_4, offset=operator_getitem_5, _users=3)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 0)
+    operator_getitem_7 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 1)
+    operator_getitem_8 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_6,
+      operator_getitem_7,
+      operator_getitem_8,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p94():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=6)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 4)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 5)
+    npu_npu_fusion_attention_grad_v3_default = CallFunction(npu.npu_fusion_attention_grad_v3.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), seed=operator_getitem_4, offset=operator_getitem_5, _users=3)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 0)
+    operator_getitem_7 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 1)
+    operator_getitem_8 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_v3_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_6,
+      operator_getitem_7,
+      operator_getitem_8,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p95():  # transformers_fa_top_k_mask_bsnd [joint]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=4)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    npu_npu_fusion_attention_grad_default = CallFunction(npu.npu_fusion_attention_grad.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), _users=3)
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 0)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 1)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_4,
+      operator_getitem_5,
+      operator_getitem_6,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p96():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=4)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    npu_npu_fusion_attention_grad_default = CallFunction(npu.npu_fusion_attention_grad.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), _users=3)
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 0)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 1)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_4,
+      operator_getitem_5,
+      operator_getitem_6,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p97():  # transformers_fa_top_k_mask_bsnd [joint]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=4)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    npu_npu_fusion_attention_grad_default = CallFunction(npu.npu_fusion_attention_grad.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), _users=3)
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 0)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 1)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_4,
+      operator_getitem_5,
+      operator_getitem_6,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p98():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_mask = KeywordArg('mask')
+    arg_indices = KeywordArg('indices')
+    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
+    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
+    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
+    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
+    logical_not_default = CallFunction(aten.logical_not.default, bitwise_and_Tensor, _users=2)
+    arg_scale = KeywordArg('scale')
+    npu_npu_fusion_attention_default = CallFunction(npu.npu_fusion_attention.default, arg_query, arg_key, arg_value, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), _users=4)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, operator_getitem, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 1)
+    operator_getitem_2 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 2)
+    operator_getitem_3 = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 3)
+    arg_scale_1 = KeywordArg('scale')
+    npu_npu_fusion_attention_grad_default = CallFunction(npu.npu_fusion_attention_grad.default, arg_query, arg_key, arg_value, transpose_int_1, Ignored(), 'BNSD', atten_mask=logical_not_default, softmax_max=operator_getitem_1, softmax_sum=operator_getitem_2, softmax_in=operator_getitem_3, attention_in=operator_getitem, scale_value=arg_scale_1, inner_precise=Ignored(), _users=3)
+    operator_getitem_4 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 0)
+    operator_getitem_5 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 1)
+    operator_getitem_6 = CallFunction(operator.getitem, npu_npu_fusion_attention_grad_default, 2)
+    pattern = MultiOutputPattern([clone_default,
+      operator_getitem_4,
+      operator_getitem_5,
+      operator_getitem_6,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p99():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -3356,7 +4661,7 @@ def _p60():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p61():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p100():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -3465,7 +4770,7 @@ def _p61():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p62():  # mla_gathered_top_k_causal [joint]
+def _p101():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -3590,7 +4895,7 @@ def _p62():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p63():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p102():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -3716,7 +5021,7 @@ def _p63():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p64():  # mla_gathered_top_k_causal [joint]
+def _p103():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -3825,7 +5130,7 @@ def _p64():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p65():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p104():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -3935,7 +5240,7 @@ def _p65():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p66():  # mla_gathered_top_k_causal [joint]
+def _p105():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4059,7 +5364,7 @@ def _p66():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p67():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p106():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -4184,7 +5489,7 @@ def _p67():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p68():  # mla_gathered_top_k_causal [joint]
+def _p107():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -4296,7 +5601,7 @@ def _p68():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p69():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p108():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -4409,7 +5714,120 @@ def _p69():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p70():  # mla_gathered_top_k_causal [joint]
+def _p109():  # mla_gathered_top_k_causal [joint-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=4)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=4)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_2, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    view_default_5 = CallFunction(aten.view.default, unsqueeze_default_2, Ignored(), _users=2)
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, permute_default_3, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_4, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_5, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_9 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices, view_default_9)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored(), _users=2)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    view_default_10 = CallFunction(aten.view.default, unsqueeze_default_5, Ignored(), _users=2)
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    view_default_11 = CallFunction(aten.view.default, unsqueeze_default_6, Ignored(), _users=2)
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_10, view_default_11)
+    view_default_12 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, view_default_12, Ignored())
+    view_default_13 = CallFunction(aten.view.default, permute_default_6, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    view_default_14 = CallFunction(aten.view.default, arg_tangents_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, view_default_14, Ignored())
+    view_default_15 = CallFunction(aten.view.default, permute_default_7, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, view_default_11, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_15, transpose_int)
+    view_default_16 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_16, Ignored())
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, squeeze_dim, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, _to_copy_default_2, _softmax_default, Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, _softmax_backward_data_default, Ignored())
+    masked_fill_Scalar_1 = CallFunction(aten.masked_fill.Scalar, npu__npu_dtype_cast_backward_default, unsqueeze_default_4, Ignored())
+    arg_scale_1 = KeywordArg('scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, masked_fill_Scalar_1, arg_scale_1, _users=2)
+    view_default_17 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, view_default_17, Ignored())
+    view_default_18 = CallFunction(aten.view.default, permute_default_8, Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, view_default_18, transpose_int_1)
+    view_default_19 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, view_default_19, Ignored())
+    view_default_20 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_20, Ignored())
+    view_default_21 = CallFunction(aten.view.default, permute_default_9, Ignored(), _users=2)
+    transpose_int_2 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, view_default_21, transpose_int_2)
+    view_default_22 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    squeeze_dim_2 = CallFunction(aten.squeeze.dim, view_default_22, Ignored())
+    transpose_int_3 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    bmm_default_6 = CallFunction(aten.bmm.default, transpose_int_3, view_default_18)
+    view_default_23 = CallFunction(aten.view.default, bmm_default_6, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, view_default_23, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    squeeze_dim_3 = CallFunction(aten.squeeze.dim, permute_default_11, Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, view_default_10, Ignored(), Ignored())
+    bmm_default_7 = CallFunction(aten.bmm.default, transpose_int_4, view_default_15)
+    view_default_24 = CallFunction(aten.view.default, bmm_default_7, Ignored())
+    squeeze_dim_4 = CallFunction(aten.squeeze.dim, view_default_24, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, squeeze_dim_3, squeeze_dim_4, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [view_default_1, _to_copy_default], add_Tensor_1, True)
+    transpose_int_5 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    bmm_default_8 = CallFunction(aten.bmm.default, transpose_int_5, view_default_21)
+    view_default_25 = CallFunction(aten.view.default, bmm_default_8, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, view_default_25, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_13, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, _to_copy_default], squeeze_dim_5, True)
+    pattern = MultiOutputPattern([view_default_13,
+      squeeze_dim_1,
+      squeeze_dim_2,
+      index_put_default,
+      index_put_default_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p110():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4538,7 +5956,7 @@ def _p70():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p71():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p111():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -4668,7 +6086,137 @@ def _p71():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p72():  # mla_gathered_top_k_causal [joint]
+def _p112():  # mla_gathered_top_k_causal [joint-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored(), _users=2)
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=4)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=4)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, permute_default_5, Ignored())
+    view_default_5 = CallFunction(aten.view.default, permute_default_6, Ignored(), _users=2)
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, permute_default_7, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_8, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_9, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_9 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, view_default_9, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices, add_Tensor_1)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored(), _users=2)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, unsqueeze_default_5, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    view_default_10 = CallFunction(aten.view.default, permute_default_11, Ignored(), _users=2)
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, unsqueeze_default_6, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    view_default_11 = CallFunction(aten.view.default, permute_default_13, Ignored(), _users=2)
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_10, view_default_11)
+    view_default_12 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_14 = CallFunction(aten.permute.default, view_default_12, Ignored())
+    view_default_13 = CallFunction(aten.view.default, permute_default_14, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    view_default_14 = CallFunction(aten.view.default, arg_tangents_1, Ignored())
+    permute_default_15 = CallFunction(aten.permute.default, view_default_14, Ignored())
+    view_default_15 = CallFunction(aten.view.default, permute_default_15, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, view_default_11, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_15, transpose_int)
+    view_default_16 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    permute_default_16 = CallFunction(aten.permute.default, view_default_16, Ignored())
+    permute_default_17 = CallFunction(aten.permute.default, permute_default_16, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, permute_default_17, Ignored())
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, squeeze_dim, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, _to_copy_default_2, _softmax_default, Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, _softmax_backward_data_default, Ignored())
+    masked_fill_Scalar_1 = CallFunction(aten.masked_fill.Scalar, npu__npu_dtype_cast_backward_default, unsqueeze_default_4, Ignored())
+    arg_scale_1 = KeywordArg('scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, masked_fill_Scalar_1, arg_scale_1, _users=2)
+    view_default_17 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_18 = CallFunction(aten.permute.default, view_default_17, Ignored())
+    view_default_18 = CallFunction(aten.view.default, permute_default_18, Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, view_default_18, transpose_int_1)
+    view_default_19 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    permute_default_19 = CallFunction(aten.permute.default, view_default_19, Ignored())
+    permute_default_20 = CallFunction(aten.permute.default, permute_default_19, Ignored())
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, permute_default_20, Ignored())
+    view_default_20 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_21 = CallFunction(aten.permute.default, view_default_20, Ignored())
+    view_default_21 = CallFunction(aten.view.default, permute_default_21, Ignored(), _users=2)
+    transpose_int_2 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, view_default_21, transpose_int_2)
+    view_default_22 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    permute_default_22 = CallFunction(aten.permute.default, view_default_22, Ignored())
+    permute_default_23 = CallFunction(aten.permute.default, permute_default_22, Ignored())
+    squeeze_dim_2 = CallFunction(aten.squeeze.dim, permute_default_23, Ignored())
+    transpose_int_3 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    bmm_default_6 = CallFunction(aten.bmm.default, transpose_int_3, view_default_18)
+    view_default_23 = CallFunction(aten.view.default, bmm_default_6, Ignored())
+    permute_default_24 = CallFunction(aten.permute.default, view_default_23, Ignored())
+    permute_default_25 = CallFunction(aten.permute.default, permute_default_24, Ignored())
+    squeeze_dim_3 = CallFunction(aten.squeeze.dim, permute_default_25, Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, view_default_10, Ignored(), Ignored())
+    bmm_default_7 = CallFunction(aten.bmm.default, transpose_int_4, view_default_15)
+    view_default_24 = CallFunction(aten.view.default, bmm_default_7, Ignored())
+    permute_default_26 = CallFunction(aten.permute.default, view_default_24, Ignored())
+    permute_default_27 = CallFunction(aten.permute.default, permute_default_26, Ignored())
+    squeeze_dim_4 = CallFunction(aten.squeeze.dim, permute_default_27, Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, squeeze_dim_3, squeeze_dim_4, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor_2, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [view_default_1, _to_copy_default], add_Tensor_2, True)
+    transpose_int_5 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    bmm_default_8 = CallFunction(aten.bmm.default, transpose_int_5, view_default_21)
+    view_default_25 = CallFunction(aten.view.default, bmm_default_8, Ignored())
+    permute_default_28 = CallFunction(aten.permute.default, view_default_25, Ignored())
+    permute_default_29 = CallFunction(aten.permute.default, permute_default_28, Ignored())
+    squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_29, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, _to_copy_default], squeeze_dim_5, True)
+    pattern = MultiOutputPattern([view_default_13,
+      squeeze_dim_1,
+      squeeze_dim_2,
+      index_put_default,
+      index_put_default_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p113():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -4781,7 +6329,7 @@ def _p72():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p73():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p114():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -4895,7 +6443,121 @@ def _p73():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p74():  # mla_gathered_top_k_causal [joint]
+def _p115():  # mla_gathered_top_k_causal [joint-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=4)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=4)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_2, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    view_default_5 = CallFunction(aten.view.default, unsqueeze_default_2, Ignored(), _users=2)
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, permute_default_3, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_4, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_5, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_9 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, view_default_9, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices, add_Tensor_1)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored(), _users=2)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    view_default_10 = CallFunction(aten.view.default, unsqueeze_default_5, Ignored(), _users=2)
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    view_default_11 = CallFunction(aten.view.default, unsqueeze_default_6, Ignored(), _users=2)
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_10, view_default_11)
+    view_default_12 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, view_default_12, Ignored())
+    view_default_13 = CallFunction(aten.view.default, permute_default_6, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    view_default_14 = CallFunction(aten.view.default, arg_tangents_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, view_default_14, Ignored())
+    view_default_15 = CallFunction(aten.view.default, permute_default_7, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, view_default_11, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_15, transpose_int)
+    view_default_16 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_16, Ignored())
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, squeeze_dim, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, _to_copy_default_2, _softmax_default, Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, _softmax_backward_data_default, Ignored())
+    masked_fill_Scalar_1 = CallFunction(aten.masked_fill.Scalar, npu__npu_dtype_cast_backward_default, unsqueeze_default_4, Ignored())
+    arg_scale_1 = KeywordArg('scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, masked_fill_Scalar_1, arg_scale_1, _users=2)
+    view_default_17 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, view_default_17, Ignored())
+    view_default_18 = CallFunction(aten.view.default, permute_default_8, Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, view_default_18, transpose_int_1)
+    view_default_19 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, view_default_19, Ignored())
+    view_default_20 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_20, Ignored())
+    view_default_21 = CallFunction(aten.view.default, permute_default_9, Ignored(), _users=2)
+    transpose_int_2 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, view_default_21, transpose_int_2)
+    view_default_22 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    squeeze_dim_2 = CallFunction(aten.squeeze.dim, view_default_22, Ignored())
+    transpose_int_3 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    bmm_default_6 = CallFunction(aten.bmm.default, transpose_int_3, view_default_18)
+    view_default_23 = CallFunction(aten.view.default, bmm_default_6, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, view_default_23, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    squeeze_dim_3 = CallFunction(aten.squeeze.dim, permute_default_11, Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, view_default_10, Ignored(), Ignored())
+    bmm_default_7 = CallFunction(aten.bmm.default, transpose_int_4, view_default_15)
+    view_default_24 = CallFunction(aten.view.default, bmm_default_7, Ignored())
+    squeeze_dim_4 = CallFunction(aten.squeeze.dim, view_default_24, Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, squeeze_dim_3, squeeze_dim_4, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor_2, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [view_default_1, _to_copy_default], add_Tensor_2, True)
+    transpose_int_5 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    bmm_default_8 = CallFunction(aten.bmm.default, transpose_int_5, view_default_21)
+    view_default_25 = CallFunction(aten.view.default, bmm_default_8, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, view_default_25, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_13, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, _to_copy_default], squeeze_dim_5, True)
+    pattern = MultiOutputPattern([view_default_13,
+      squeeze_dim_1,
+      squeeze_dim_2,
+      index_put_default,
+      index_put_default_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p116():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5023,7 +6685,7 @@ def _p74():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p75():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p117():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5152,7 +6814,136 @@ def _p75():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p76():  # mla_gathered_top_k [joint]
+def _p118():  # mla_gathered_top_k_causal [joint-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored(), _users=2)
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=4)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=4)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, permute_default_5, Ignored())
+    view_default_5 = CallFunction(aten.view.default, permute_default_6, Ignored(), _users=2)
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, permute_default_7, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_8, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_9, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_9 = CallFunction(aten.view.default, arange_default_1, Ignored())
+    gt_Tensor = CallFunction(aten.gt.Tensor, arg_indices, view_default_9)
+    bitwise_or_Tensor = CallFunction(aten.bitwise_or.Tensor, lt_Scalar, gt_Tensor)
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, bitwise_or_Tensor, Ignored(), _users=2)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, unsqueeze_default_5, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    view_default_10 = CallFunction(aten.view.default, permute_default_11, Ignored(), _users=2)
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, unsqueeze_default_6, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    view_default_11 = CallFunction(aten.view.default, permute_default_13, Ignored(), _users=2)
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_10, view_default_11)
+    view_default_12 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_14 = CallFunction(aten.permute.default, view_default_12, Ignored())
+    view_default_13 = CallFunction(aten.view.default, permute_default_14, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    view_default_14 = CallFunction(aten.view.default, arg_tangents_1, Ignored())
+    permute_default_15 = CallFunction(aten.permute.default, view_default_14, Ignored())
+    view_default_15 = CallFunction(aten.view.default, permute_default_15, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, view_default_11, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_15, transpose_int)
+    view_default_16 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    permute_default_16 = CallFunction(aten.permute.default, view_default_16, Ignored())
+    permute_default_17 = CallFunction(aten.permute.default, permute_default_16, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, permute_default_17, Ignored())
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, squeeze_dim, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, _to_copy_default_2, _softmax_default, Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, _softmax_backward_data_default, Ignored())
+    masked_fill_Scalar_1 = CallFunction(aten.masked_fill.Scalar, npu__npu_dtype_cast_backward_default, unsqueeze_default_4, Ignored())
+    arg_scale_1 = KeywordArg('scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, masked_fill_Scalar_1, arg_scale_1, _users=2)
+    view_default_17 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_18 = CallFunction(aten.permute.default, view_default_17, Ignored())
+    view_default_18 = CallFunction(aten.view.default, permute_default_18, Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, view_default_18, transpose_int_1)
+    view_default_19 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    permute_default_19 = CallFunction(aten.permute.default, view_default_19, Ignored())
+    permute_default_20 = CallFunction(aten.permute.default, permute_default_19, Ignored())
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, permute_default_20, Ignored())
+    view_default_20 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_21 = CallFunction(aten.permute.default, view_default_20, Ignored())
+    view_default_21 = CallFunction(aten.view.default, permute_default_21, Ignored(), _users=2)
+    transpose_int_2 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, view_default_21, transpose_int_2)
+    view_default_22 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    permute_default_22 = CallFunction(aten.permute.default, view_default_22, Ignored())
+    permute_default_23 = CallFunction(aten.permute.default, permute_default_22, Ignored())
+    squeeze_dim_2 = CallFunction(aten.squeeze.dim, permute_default_23, Ignored())
+    transpose_int_3 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    bmm_default_6 = CallFunction(aten.bmm.default, transpose_int_3, view_default_18)
+    view_default_23 = CallFunction(aten.view.default, bmm_default_6, Ignored())
+    permute_default_24 = CallFunction(aten.permute.default, view_default_23, Ignored())
+    permute_default_25 = CallFunction(aten.permute.default, permute_default_24, Ignored())
+    squeeze_dim_3 = CallFunction(aten.squeeze.dim, permute_default_25, Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, view_default_10, Ignored(), Ignored())
+    bmm_default_7 = CallFunction(aten.bmm.default, transpose_int_4, view_default_15)
+    view_default_24 = CallFunction(aten.view.default, bmm_default_7, Ignored())
+    permute_default_26 = CallFunction(aten.permute.default, view_default_24, Ignored())
+    permute_default_27 = CallFunction(aten.permute.default, permute_default_26, Ignored())
+    squeeze_dim_4 = CallFunction(aten.squeeze.dim, permute_default_27, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, squeeze_dim_3, squeeze_dim_4, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [view_default_1, _to_copy_default], add_Tensor_1, True)
+    transpose_int_5 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    bmm_default_8 = CallFunction(aten.bmm.default, transpose_int_5, view_default_21)
+    view_default_25 = CallFunction(aten.view.default, bmm_default_8, Ignored())
+    permute_default_28 = CallFunction(aten.permute.default, view_default_25, Ignored())
+    permute_default_29 = CallFunction(aten.permute.default, permute_default_28, Ignored())
+    squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_29, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, _to_copy_default], squeeze_dim_5, True)
+    pattern = MultiOutputPattern([view_default_13,
+      squeeze_dim_1,
+      squeeze_dim_2,
+      index_put_default,
+      index_put_default_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p119():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -5256,7 +7047,7 @@ def _p76():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p77():  # mla_gathered_top_k [joint-npu-cast]
+def _p120():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5361,7 +7152,7 @@ def _p77():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p78():  # mla_gathered_top_k [joint]
+def _p121():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5481,7 +7272,7 @@ def _p78():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p79():  # mla_gathered_top_k [joint-npu-cast]
+def _p122():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5602,7 +7393,7 @@ def _p79():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p80():  # mla_gathered_top_k [joint]
+def _p123():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -5710,7 +7501,7 @@ def _p80():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p81():  # mla_gathered_top_k [joint-npu-cast]
+def _p124():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5819,7 +7610,116 @@ def _p81():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p82():  # mla_gathered_top_k [joint]
+def _p125():  # mla_gathered_top_k [joint-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=4)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=4)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_2, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    view_default_5 = CallFunction(aten.view.default, unsqueeze_default_2, Ignored(), _users=2)
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, permute_default_3, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_4, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_5, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, lt_Scalar, Ignored(), _users=2)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    view_default_9 = CallFunction(aten.view.default, unsqueeze_default_5, Ignored(), _users=2)
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    view_default_10 = CallFunction(aten.view.default, unsqueeze_default_6, Ignored(), _users=2)
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_9, view_default_10)
+    view_default_11 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, view_default_11, Ignored())
+    view_default_12 = CallFunction(aten.view.default, permute_default_6, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    view_default_13 = CallFunction(aten.view.default, arg_tangents_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, view_default_13, Ignored())
+    view_default_14 = CallFunction(aten.view.default, permute_default_7, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, view_default_10, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_14, transpose_int)
+    view_default_15 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, view_default_15, Ignored())
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, squeeze_dim, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, _to_copy_default_2, _softmax_default, Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, _softmax_backward_data_default, Ignored())
+    masked_fill_Scalar_1 = CallFunction(aten.masked_fill.Scalar, npu__npu_dtype_cast_backward_default, unsqueeze_default_4, Ignored())
+    arg_scale_1 = KeywordArg('scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, masked_fill_Scalar_1, arg_scale_1, _users=2)
+    view_default_16 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, view_default_16, Ignored())
+    view_default_17 = CallFunction(aten.view.default, permute_default_8, Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, view_default_17, transpose_int_1)
+    view_default_18 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, view_default_18, Ignored())
+    view_default_19 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_19, Ignored())
+    view_default_20 = CallFunction(aten.view.default, permute_default_9, Ignored(), _users=2)
+    transpose_int_2 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, view_default_20, transpose_int_2)
+    view_default_21 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    squeeze_dim_2 = CallFunction(aten.squeeze.dim, view_default_21, Ignored())
+    transpose_int_3 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    bmm_default_6 = CallFunction(aten.bmm.default, transpose_int_3, view_default_17)
+    view_default_22 = CallFunction(aten.view.default, bmm_default_6, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, view_default_22, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    squeeze_dim_3 = CallFunction(aten.squeeze.dim, permute_default_11, Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, view_default_9, Ignored(), Ignored())
+    bmm_default_7 = CallFunction(aten.bmm.default, transpose_int_4, view_default_14)
+    view_default_23 = CallFunction(aten.view.default, bmm_default_7, Ignored())
+    squeeze_dim_4 = CallFunction(aten.squeeze.dim, view_default_23, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, squeeze_dim_3, squeeze_dim_4, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [view_default_1, _to_copy_default], add_Tensor_1, True)
+    transpose_int_5 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    bmm_default_8 = CallFunction(aten.bmm.default, transpose_int_5, view_default_20)
+    view_default_24 = CallFunction(aten.view.default, bmm_default_8, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, view_default_24, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_13, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, _to_copy_default], squeeze_dim_5, True)
+    pattern = MultiOutputPattern([view_default_12,
+      squeeze_dim_1,
+      squeeze_dim_2,
+      index_put_default,
+      index_put_default_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p126():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5943,7 +7843,7 @@ def _p82():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p83():  # mla_gathered_top_k [joint-npu-cast]
+def _p127():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6058,6 +7958,131 @@ def _p83():  # mla_gathered_top_k [joint-npu-cast]
     squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_29, Ignored(), _users=2)
     new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
     index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, npu__npu_dtype_cast_default], squeeze_dim_5, True)
+    pattern = MultiOutputPattern([view_default_12,
+      squeeze_dim_1,
+      squeeze_dim_2,
+      index_put_default,
+      index_put_default_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p128():  # mla_gathered_top_k [joint-npu]
+    npu = torch.ops.npu
+    arg_q_nope = KeywordArg('q_nope')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
+    permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
+    permute_default_1 = CallFunction(aten.permute.default, permute_default, Ignored())
+    view_default = CallFunction(aten.view.default, permute_default_1, Ignored(), _users=2)
+    arg_kv = KeywordArg('kv')
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    view_default_1 = CallFunction(aten.view.default, arange_default, Ignored(), _users=4)
+    arg_indices = KeywordArg('indices')
+    clamp_default = CallFunction(aten.clamp.default, arg_indices, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, clamp_default, dtype=Ignored(), _users=4)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_kv, [view_default_1, _to_copy_default], _users=2)
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_2 = CallFunction(aten.permute.default, unsqueeze_default_1, Ignored())
+    permute_default_3 = CallFunction(aten.permute.default, permute_default_2, Ignored())
+    view_default_2 = CallFunction(aten.view.default, permute_default_3, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_2)
+    view_default_3 = CallFunction(aten.view.default, bmm_default, Ignored())
+    permute_default_4 = CallFunction(aten.permute.default, view_default_3, Ignored())
+    view_default_4 = CallFunction(aten.view.default, permute_default_4, Ignored())
+    arg_q_rope = KeywordArg('q_rope')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_q_rope, Ignored())
+    permute_default_5 = CallFunction(aten.permute.default, unsqueeze_default_2, Ignored())
+    permute_default_6 = CallFunction(aten.permute.default, permute_default_5, Ignored())
+    view_default_5 = CallFunction(aten.view.default, permute_default_6, Ignored(), _users=2)
+    arg_k_rope = KeywordArg('k_rope')
+    index_Tensor_1 = CallFunction(aten.index.Tensor, arg_k_rope, [view_default_1, _to_copy_default])
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    permute_default_7 = CallFunction(aten.permute.default, unsqueeze_default_3, Ignored())
+    permute_default_8 = CallFunction(aten.permute.default, permute_default_7, Ignored())
+    view_default_6 = CallFunction(aten.view.default, permute_default_8, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, view_default_5, view_default_6)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    permute_default_9 = CallFunction(aten.permute.default, view_default_7, Ignored())
+    view_default_8 = CallFunction(aten.view.default, permute_default_9, Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, view_default_4, view_default_8)
+    arg_scale = KeywordArg('scale')
+    mul_Tensor = CallFunction(aten.mul.Tensor, add_Tensor, arg_scale)
+    lt_Scalar = CallFunction(aten.lt.Scalar, arg_indices, Ignored())
+    unsqueeze_default_4 = CallFunction(aten.unsqueeze.default, lt_Scalar, Ignored(), _users=2)
+    masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, mul_Tensor, unsqueeze_default_4, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, masked_fill_Scalar, Ignored())
+    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
+    unsqueeze_default_5 = CallFunction(aten.unsqueeze.default, _to_copy_default_1, Ignored())
+    permute_default_10 = CallFunction(aten.permute.default, unsqueeze_default_5, Ignored())
+    permute_default_11 = CallFunction(aten.permute.default, permute_default_10, Ignored())
+    view_default_9 = CallFunction(aten.view.default, permute_default_11, Ignored(), _users=2)
+    unsqueeze_default_6 = CallFunction(aten.unsqueeze.default, index_Tensor, Ignored())
+    permute_default_12 = CallFunction(aten.permute.default, unsqueeze_default_6, Ignored())
+    permute_default_13 = CallFunction(aten.permute.default, permute_default_12, Ignored())
+    view_default_10 = CallFunction(aten.view.default, permute_default_13, Ignored(), _users=2)
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_9, view_default_10)
+    view_default_11 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    permute_default_14 = CallFunction(aten.permute.default, view_default_11, Ignored())
+    view_default_12 = CallFunction(aten.view.default, permute_default_14, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    view_default_13 = CallFunction(aten.view.default, arg_tangents_1, Ignored())
+    permute_default_15 = CallFunction(aten.permute.default, view_default_13, Ignored())
+    view_default_14 = CallFunction(aten.view.default, permute_default_15, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, view_default_10, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_14, transpose_int)
+    view_default_15 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    permute_default_16 = CallFunction(aten.permute.default, view_default_15, Ignored())
+    permute_default_17 = CallFunction(aten.permute.default, permute_default_16, Ignored())
+    squeeze_dim = CallFunction(aten.squeeze.dim, permute_default_17, Ignored())
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, squeeze_dim, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, _to_copy_default_2, _softmax_default, Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, _softmax_backward_data_default, Ignored())
+    masked_fill_Scalar_1 = CallFunction(aten.masked_fill.Scalar, npu__npu_dtype_cast_backward_default, unsqueeze_default_4, Ignored())
+    arg_scale_1 = KeywordArg('scale')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, masked_fill_Scalar_1, arg_scale_1, _users=2)
+    view_default_16 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_18 = CallFunction(aten.permute.default, view_default_16, Ignored())
+    view_default_17 = CallFunction(aten.view.default, permute_default_18, Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, view_default_17, transpose_int_1)
+    view_default_18 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    permute_default_19 = CallFunction(aten.permute.default, view_default_18, Ignored())
+    permute_default_20 = CallFunction(aten.permute.default, permute_default_19, Ignored())
+    squeeze_dim_1 = CallFunction(aten.squeeze.dim, permute_default_20, Ignored())
+    view_default_19 = CallFunction(aten.view.default, mul_Tensor_1, Ignored())
+    permute_default_21 = CallFunction(aten.permute.default, view_default_19, Ignored())
+    view_default_20 = CallFunction(aten.view.default, permute_default_21, Ignored(), _users=2)
+    transpose_int_2 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, view_default_20, transpose_int_2)
+    view_default_21 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    permute_default_22 = CallFunction(aten.permute.default, view_default_21, Ignored())
+    permute_default_23 = CallFunction(aten.permute.default, permute_default_22, Ignored())
+    squeeze_dim_2 = CallFunction(aten.squeeze.dim, permute_default_23, Ignored())
+    transpose_int_3 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
+    bmm_default_6 = CallFunction(aten.bmm.default, transpose_int_3, view_default_17)
+    view_default_22 = CallFunction(aten.view.default, bmm_default_6, Ignored())
+    permute_default_24 = CallFunction(aten.permute.default, view_default_22, Ignored())
+    permute_default_25 = CallFunction(aten.permute.default, permute_default_24, Ignored())
+    squeeze_dim_3 = CallFunction(aten.squeeze.dim, permute_default_25, Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, view_default_9, Ignored(), Ignored())
+    bmm_default_7 = CallFunction(aten.bmm.default, transpose_int_4, view_default_14)
+    view_default_23 = CallFunction(aten.view.default, bmm_default_7, Ignored())
+    permute_default_26 = CallFunction(aten.permute.default, view_default_23, Ignored())
+    permute_default_27 = CallFunction(aten.permute.default, permute_default_26, Ignored())
+    squeeze_dim_4 = CallFunction(aten.squeeze.dim, permute_default_27, Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, squeeze_dim_3, squeeze_dim_4, _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, add_Tensor_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [view_default_1, _to_copy_default], add_Tensor_1, True)
+    transpose_int_5 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    bmm_default_8 = CallFunction(aten.bmm.default, transpose_int_5, view_default_20)
+    view_default_24 = CallFunction(aten.view.default, bmm_default_8, Ignored())
+    permute_default_28 = CallFunction(aten.permute.default, view_default_24, Ignored())
+    permute_default_29 = CallFunction(aten.permute.default, permute_default_28, Ignored())
+    squeeze_dim_5 = CallFunction(aten.squeeze.dim, permute_default_29, Ignored(), _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, squeeze_dim_5, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default_1, [view_default_1, _to_copy_default], squeeze_dim_5, True)
     pattern = MultiOutputPattern([view_default_12,
       squeeze_dim_1,
       squeeze_dim_2,
@@ -6076,168 +8101,258 @@ REGISTRATIONS = [
      (('call_function', 'aten.clone.default'),), _p0),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward-npu-cast', (),
      (('call_function', 'aten.clone.default'),), _p1),  # form 0
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward', (),
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward-npu', (),
      (('call_function', 'aten.clone.default'),), _p2),  # form 0
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward-npu-cast', (),
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward', (),
      (('call_function', 'aten.clone.default'),), _p3),  # form 0
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p4),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p4),  # form 1
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu-cast', (),
      (('call_function', 'aten.clone.default'),), _p5),  # form 1
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p6),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p6),  # form 1
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu', (),
      (('call_function', 'aten.clone.default'),), _p7),  # form 1
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p8),  # form 2
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p9),  # form 2
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p8),  # form 1
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p9),  # form 1
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward', (),
      (('call_function', 'aten.clone.default'),), _p10),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
      (('call_function', 'aten.clone.default'),), _p11),  # form 2
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu', (),
+     (('call_function', 'aten.clone.default'),), _p12),  # form 2
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p13),  # form 2
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p14),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p12),  # form 3
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p13),  # form 3
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p14),  # form 3
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
      (('call_function', 'aten.clone.default'),), _p15),  # form 3
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p16),  # form 3
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu', (),
+     (('call_function', 'aten.clone.default'),), _p17),  # form 3
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p18),  # form 3
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p19),  # form 3
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p16),  # form 4
+     (('call_function', 'aten.view.default'),), _p20),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p17),  # form 4
+     (('call_function', 'aten.view.default'),), _p21),  # form 4
+    ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward-npu', (),
+     (('call_function', 'aten.matmul.default'),), _p22),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p18),  # form 4
+     (('call_function', 'aten.view.default'),), _p23),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p19),  # form 4
+     (('call_function', 'aten.view.default'),), _p24),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p20),  # form 5
+     (('call_function', 'aten.view.default'),), _p25),  # form 5
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p21),  # form 5
+     (('call_function', 'aten.view.default'),), _p26),  # form 5
+    ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward-npu', (),
+     (('call_function', 'aten.matmul.default'),), _p27),  # form 5
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p22),  # form 5
+     (('call_function', 'aten.view.default'),), _p28),  # form 5
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p23),  # form 5
+     (('call_function', 'aten.view.default'),), _p29),  # form 5
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p24),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p30),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p25),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p31),  # form 6
+    ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward-npu', (),
+     (('call_function', 'aten._to_copy.default'),), _p32),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p26),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p33),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p27),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p34),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p28),  # form 7
+     (('call_function', 'aten._to_copy.default'),), _p35),  # form 7
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 7
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p36),  # form 7
+    ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward-npu', (),
+     (('call_function', 'aten._to_copy.default'),), _p37),  # form 7
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p30),  # form 7
+     (('call_function', 'aten._to_copy.default'),), _p38),  # form 7
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p31),  # form 7
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p39),  # form 7
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p40),  # form 8
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p41),  # form 8
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p42),  # form 9
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p43),  # form 9
+    ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p44),  # form 10
+    ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'operator.getitem'),), _p45),  # form 10
+    ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p46),  # form 11
+    ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'operator.getitem'),), _p47),  # form 11
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p48),  # form 12
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p49),  # form 12
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.clone.default'),), _p50),  # form 13
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.clone.default'),), _p51),  # form 13
+    ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p52),  # form 14
+    ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'operator.getitem'),), _p53),  # form 14
+    ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p54),  # form 15
+    ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'operator.getitem'),), _p55),  # form 15
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p32),  # form 8
+     (('call_function', 'aten.view.default'),), _p56),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p33),  # form 8
+     (('call_function', 'aten.view.default'),), _p57),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p34),  # form 8
+     (('call_function', 'aten.view.default'),), _p58),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p35),  # form 8
+     (('call_function', 'aten.view.default'),), _p59),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p36),  # form 8
+     (('call_function', 'aten.view.default'),), _p60),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p37),  # form 8
+     (('call_function', 'aten.view.default'),), _p61),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.view.default'),), _p62),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p38),  # form 8
+     (('call_function', 'aten.view.default'),), _p63),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p39),  # form 8
+     (('call_function', 'aten.view.default'),), _p64),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.view.default'),), _p65),  # form 16
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p40),  # form 9
+     (('call_function', 'aten.view.default'),), _p66),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p41),  # form 9
+     (('call_function', 'aten.view.default'),), _p67),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p42),  # form 9
+     (('call_function', 'aten.view.default'),), _p68),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p43),  # form 9
+     (('call_function', 'aten.view.default'),), _p69),  # form 17
+    ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.view.default'),), _p70),  # form 17
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p44),  # form 0
+     (('call_function', 'aten.clone.default'),), _p71),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p45),  # form 0
+     (('call_function', 'aten.clone.default'),), _p72),  # form 0
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint-npu', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p73),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p46),  # form 0
+     (('call_function', 'aten.clone.default'),), _p74),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p47),  # form 0
+     (('call_function', 'aten.clone.default'),), _p75),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p48),  # form 1
+     (('call_function', 'aten.clone.default'),), _p76),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p49),  # form 1
+     (('call_function', 'aten.clone.default'),), _p77),  # form 1
+    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint-npu', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p78),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p50),  # form 1
+     (('call_function', 'aten.clone.default'),), _p79),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p51),  # form 1
+     (('call_function', 'aten.clone.default'),), _p80),  # form 1
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p52),  # form 2
+     (('call_function', 'aten.clone.default'),), _p81),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p53),  # form 2
+     (('call_function', 'aten.clone.default'),), _p82),  # form 2
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint-npu', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p83),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p54),  # form 2
+     (('call_function', 'aten.clone.default'),), _p84),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p55),  # form 2
+     (('call_function', 'aten.clone.default'),), _p85),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p56),  # form 3
+     (('call_function', 'aten.clone.default'),), _p86),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p57),  # form 3
+     (('call_function', 'aten.clone.default'),), _p87),  # form 3
+    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint-npu', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p88),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p58),  # form 3
+     (('call_function', 'aten.clone.default'),), _p89),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p59),  # form 3
+     (('call_function', 'aten.clone.default'),), _p90),  # form 3
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p91),  # form 8
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p92),  # form 8
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p93),  # form 9
+    ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p94),  # form 9
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p95),  # form 12
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p96),  # form 12
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p97),  # form 13
+    ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
+     (('call_function', 'aten.clone.default'),), _p98),  # form 13
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p60),  # form 8
+     (('call_function', 'aten.view.default'),), _p99),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p61),  # form 8
+     (('call_function', 'aten.view.default'),), _p100),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p62),  # form 8
+     (('call_function', 'aten.view.default'),), _p101),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p63),  # form 8
+     (('call_function', 'aten.view.default'),), _p102),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p64),  # form 8
+     (('call_function', 'aten.view.default'),), _p103),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p65),  # form 8
+     (('call_function', 'aten.view.default'),), _p104),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p66),  # form 8
+     (('call_function', 'aten.view.default'),), _p105),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p67),  # form 8
+     (('call_function', 'aten.view.default'),), _p106),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p68),  # form 8
+     (('call_function', 'aten.view.default'),), _p107),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p69),  # form 8
+     (('call_function', 'aten.view.default'),), _p108),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p109),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p70),  # form 8
+     (('call_function', 'aten.view.default'),), _p110),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p71),  # form 8
+     (('call_function', 'aten.view.default'),), _p111),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p112),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p72),  # form 8
+     (('call_function', 'aten.view.default'),), _p113),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p73),  # form 8
+     (('call_function', 'aten.view.default'),), _p114),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p115),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p74),  # form 8
+     (('call_function', 'aten.view.default'),), _p116),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p75),  # form 8
+     (('call_function', 'aten.view.default'),), _p117),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p118),  # form 16
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p76),  # form 9
+     (('call_function', 'aten.view.default'),), _p119),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p77),  # form 9
+     (('call_function', 'aten.view.default'),), _p120),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p78),  # form 9
+     (('call_function', 'aten.view.default'),), _p121),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p79),  # form 9
+     (('call_function', 'aten.view.default'),), _p122),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p80),  # form 9
+     (('call_function', 'aten.view.default'),), _p123),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p81),  # form 9
+     (('call_function', 'aten.view.default'),), _p124),  # form 17
+    ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p125),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p82),  # form 9
+     (('call_function', 'aten.view.default'),), _p126),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p83),  # form 9
+     (('call_function', 'aten.view.default'),), _p127),  # form 17
+    ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p128),  # form 17
 ]

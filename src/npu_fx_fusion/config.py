@@ -69,6 +69,12 @@ class FusionConfig:
               site's shapes and compare (OpCapability.verify_ulps); a site that fails is not
               fused and is reported. Costs one eager run of both per site.
     strict:   re-raise a pass's exception instead of reverting that pass and reporting it.
+    npu_dispatch: CPU emulation only (no effect on an NPU, whose graphs are NPU graphs):
+              trace the model as an NPU compile does, with torch_npu 2.13's and torchair's
+              dispatch overrides and transformers' NPU branches reproduced for `soc`
+              (None: Ascend910B), so the passes see the graph an NPU compile holds
+              (SDPA as npu_fusion_attention_v3, aten.matmul, ...; npu_dispatch.py,
+              docs/npu-graph.md). False: the plain CPU trace, to compare with.
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
@@ -81,6 +87,7 @@ class FusionConfig:
     dump_dir: Optional[str] = None
     strict: bool = False
     verify: bool = False
+    npu_dispatch: bool = True
 
     def __post_init__(self) -> None:
         if self.enable is not None:

@@ -39,8 +39,8 @@ from .forms import Form, FusionPass
 from .nodes import custom_ops
 from .spellings import respell
 from .canonical import is_backward
-from .tracing import (FORWARD, FORWARD_NPU_CAST, JOINT, JOINT_NPU_CAST, TRACERS, is_joint_kind, spell_casts_as_npu,
-                      trace_without_decompositions)
+from .tracing import (FORWARD, FORWARD_NPU, FORWARD_NPU_CAST, JOINT, JOINT_NPU, JOINT_NPU_CAST, TRACERS,
+                      is_joint_kind, spell_casts_as_npu, trace_without_decompositions)
 
 log = logging.getLogger("npu_fx_fusion.registry")
 
@@ -176,15 +176,29 @@ def _with_npu_casts(fusion_pass: FusionPass, form: Form, search_gm: torch.fx.Gra
 
 
 def _spellings(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any], joint: bool) -> list:
-    """[(kind, pattern, traced graph)] of a form at some inputs: CPU's cast spelling, and
-    torch_npu's when the trace has casts."""
-    aten_kind, npu_kind = (JOINT, JOINT_NPU_CAST) if joint else (FORWARD, FORWARD_NPU_CAST)
+    """[(kind, pattern, traced graph)] of a form at some inputs: as CPU traces it; with
+    torch_npu's cast spelling when the trace has casts; and as an NPU compile records it
+    (npu_dispatch.py) where that differs (the joint trace only where the forward one does:
+    no emulated override changes a backward without its forward, tests/test_npu_dispatch.py,
+    and joint traces are the costly ones)."""
+    aten_kind, cast_kind, npu_kind = (JOINT, JOINT_NPU_CAST, JOINT_NPU) if joint else \
+        (FORWARD, FORWARD_NPU_CAST, FORWARD_NPU)
     pattern, gm = _generic_pattern(fusion_pass, form, inputs, aten_kind)
     found = [(aten_kind, pattern, gm)]
-    npu = _with_npu_casts(fusion_pass, form, gm, joint)
-    if npu is not None:
-        found.append((npu_kind, *npu))
+    casts = _with_npu_casts(fusion_pass, form, gm, joint)
+    if casts is not None:
+        found.append((cast_kind, *casts))
+    if _npu_spelling_differs(fusion_pass, form, inputs):
+        found.append((npu_kind, *_generic_pattern(fusion_pass, form, inputs, npu_kind)))
     return found
+
+
+def _npu_spelling_differs(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any]) -> bool:
+    """Whether the form's forward traces differently as an NPU compile records it."""
+    forward = [i.detach() if isinstance(i, torch.Tensor) else i for i in inputs]
+    cpu = TRACERS[FORWARD](form.search, forward)
+    npu = TRACERS[FORWARD_NPU](form.search, forward)
+    return cpu.code != npu.code
 
 
 def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphModule,
@@ -210,7 +224,15 @@ def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphM
 
 
 def _keywords_of(gm: torch.fx.GraphModule) -> set:
-    return {(str(n.target), key, repr(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+    return {(str(n.target), key, keyword_value(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+
+
+def keyword_value(value: Any) -> str:
+    """A keyword argument as the unexpected-keyword check compares it (accept.py): a tensor
+    (a node) by being there, since the matcher compared the node itself where the pattern
+    has the keyword (a backward op's keyword-only tensors: npu_fusion_attention_grad_v3's
+    atten_mask); any other value by its repr."""
+    return "<node>" if isinstance(value, torch.fx.Node) else repr(value)
 
 
 def _binds(fusion_pass: FusionPass, match: pm.Match, name: str, placeholder: torch.fx.Node) -> bool:
@@ -235,9 +257,18 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
                         forward.append(Registration(form, pattern, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
     forward = tuple(forward)
-    return PatternSet(fusion_pass, tuple(forms), lambda: forward,
-                      functools.partial(_trace_joint, fusion_pass, tuple(forms), emitted),
-                      emitted, {f: frozenset(k) for f, k in keywords.items()}, "traced")
+    # the keywords of the joint traces join the forms' when those are made (lazily)
+    spelled = {f: set(k) for f, k in keywords.items()}
+    patterns = PatternSet(fusion_pass, tuple(forms), lambda: forward, lambda: (), emitted, {}, "traced")
+
+    def joint() -> tuple[Registration, ...]:
+        found = _trace_joint(fusion_pass, tuple(forms), emitted, spelled)
+        patterns.keywords.update({f: frozenset(k) for f, k in spelled.items()})
+        return found
+
+    patterns.build_joint = joint
+    patterns.keywords.update({f: frozenset(k) for f, k in spelled.items()})
+    return patterns
 
 
 def _emitted_ops(fusion_pass: FusionPass, form: Form) -> tuple[str, ...]:
@@ -265,7 +296,9 @@ def joint_candidates(fusion_pass: FusionPass, form: Form, emitted: Sequence[str]
     return [subset for size in range(len(grad_args), 0, -1) for subset in itertools.combinations(grad_args, size)]
 
 
-def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict) -> tuple[Registration, ...]:
+def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict,
+                 keywords: dict) -> tuple[Registration, ...]:
+    """The joint registrations; the keywords their traces spell out are added to `keywords`."""
     joint: list[Registration] = []
     with FakeTensorMode():
         for form in forms:
@@ -283,6 +316,7 @@ def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict) 
                     differentiable = tuple(n for n, v in zip(form.argnames, inputs)
                                            if isinstance(v, torch.Tensor) and v.requires_grad)
                     for kind, pattern, gm in found:
+                        keywords[form] |= _keywords_of(gm)
                         same_grads = [r for r in joint if r.requires_grad == differentiable]
                         if not _covered(fusion_pass, form, kind, gm, same_grads):
                             joint.append(Registration(form, pattern, kind, differentiable))

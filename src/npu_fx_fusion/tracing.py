@@ -1,12 +1,14 @@
 """Tracing search and replacement functions into the aten torchair's graphs contain.
 
-Four ways to trace one function, one per kind of pattern (TRACERS):
+The ways to trace one function, one per kind of pattern (TRACERS):
 - "forward": make_fx without decompositions, functionalized as aot_autograd's graphs are;
-- "forward-npu-cast": the same with each dtype conversion spelled as torch_npu records it
-  (`npu._npu_dtype_cast`; CPU records `aten._to_copy`);
-- "joint": the forward + backward trace (`joint_fwd_bwd`) of a training graph;
-- "joint-npu-cast": the joint trace with the NPU cast spelling (`_npu_dtype_cast_backward`
-  in the backward).
+- "forward-npu-cast": the same with each dtype conversion spelled `npu._npu_dtype_cast`
+  (torch_npu's kernels that convert call it, and so does model code written for an NPU;
+  `x.to(dtype)` itself is aten._to_copy on an NPU too: dispatch_inventory.py);
+- "forward-npu": traced as an NPU compile records it, with torch_npu's dispatch overrides
+  emulated (aten.matmul, softmax's cast ...; npu_dispatch.py);
+- "joint", "joint-npu-cast", "joint-npu": the same for the forward + backward trace
+  (`joint_fwd_bwd`) of a training graph.
 Every trace gets the canonicalisations the matched graphs get (canonical.py).
 
 Two decisions matter for correctness:
@@ -25,6 +27,7 @@ from torch._inductor import pattern_matcher as pm
 
 from .canonical import (canonicalize, canonicalize_grad_accumulation, functionalize_inplace_on_temporaries,
                         hoist_contiguous_copies, is_backward)
+from .npu_dispatch import traced_as_on_npu
 
 Node = torch.fx.Node
 
@@ -98,17 +101,20 @@ def trace_joint_with_npu_dtype_casts(fn: Callable, args: Sequence[Any], **kwargs
     return spell_casts_as_npu(trace_joint_without_decompositions(fn, args, **kwargs), is_backward)
 
 
-FORWARD, FORWARD_NPU_CAST, JOINT, JOINT_NPU_CAST = "forward", "forward-npu-cast", "joint", "joint-npu-cast"
+FORWARD, FORWARD_NPU_CAST, FORWARD_NPU = "forward", "forward-npu-cast", "forward-npu"
+JOINT, JOINT_NPU_CAST, JOINT_NPU = "joint", "joint-npu-cast", "joint-npu"
 TRACERS: dict[str, Callable[..., torch.fx.GraphModule]] = {
     FORWARD: trace_without_decompositions,
     FORWARD_NPU_CAST: trace_with_npu_dtype_casts,
+    FORWARD_NPU: traced_as_on_npu(trace_without_decompositions),
     JOINT: trace_joint_without_decompositions,
     JOINT_NPU_CAST: trace_joint_with_npu_dtype_casts,
+    JOINT_NPU: traced_as_on_npu(trace_joint_without_decompositions),
 }
 
 
 def is_joint_kind(kind: str) -> bool:
-    return kind in (JOINT, JOINT_NPU_CAST)
+    return kind in (JOINT, JOINT_NPU_CAST, JOINT_NPU)
 
 
 def signature(args: Sequence[Any], requires_grad: Optional[Sequence[bool]] = None) -> Optional[tuple]:
