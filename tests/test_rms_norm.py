@@ -295,3 +295,41 @@ def test_a_float_argument_stays_a_runtime_input():
             torch.testing.assert_close(compiled(x, w, eps), norm(x, w, eps))
     assert len(backend.report.graphs) == 1 and backend.report.counts["rms_norm"] == 0
     assert any("eps" in reason for reason in near_miss_reasons(backend.report, "rms_norm"))
+
+
+# ---- a half-precision norm written without the fp32 upcast ---------------------------------
+class InInputDtype(Norm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_norm_without_upcast_fuses_and_rounds_once(dtype):
+    # npu_rms_norm computes in fp32 and rounds once: within 1 ulp of the exact result
+    # (0.5 but where fp32 error meets a rounding tie), where the code's chain rounds at
+    # every step (up to ~3 ulp: measured 2.9 over random sizes and scales); the site's
+    # note says so
+    module = InInputDtype(dim=256).to(dtype)
+    x = _inputs(dtype, shape=(4, 16, 256))
+    out, ref, report = compile_and_run(module, x, config=ONLY_RMS)
+    assert report.fused_ops == {"npu.npu_rms_norm": 1}
+    (site,) = report.sites
+    assert "rounded once" in site.note and "3 ulp" in site.note
+    exact = module.double()(x.double())
+    assert_within_ulps(out, exact.to(dtype), 1)
+    assert_within_ulps(out, ref, 3)
+    with pytest.raises(AssertionError):  # the chain itself is further off
+        assert_within_ulps(ref, exact.to(dtype), 1)
+
+
+def test_keep_intermediate_rounding_leaves_it_unfused_and_says_why():
+    module = InInputDtype().to(torch.bfloat16)
+    config = nff.FusionConfig(enable={"rms_norm"}, keep_intermediate_rounding=True)
+    out, ref, report = compile_and_run(module, _inputs(torch.bfloat16), config=config)
+    assert report.counts["rms_norm"] == 0
+    (reason,) = near_miss_reasons(report, "rms_norm")
+    assert "keep_intermediate_rounding" in reason
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # an fp32 norm computes what it fuses into: the switch does not touch it
+    out, ref, report = compile_and_run(InInputDtype(), _inputs(torch.float32), config=config)
+    assert report.counts["rms_norm"] == 1
