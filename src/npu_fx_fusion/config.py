@@ -12,6 +12,15 @@ from typing import AbstractSet, Iterable, Optional
 # Pipeline order. rms_norm runs before add_rms_norm because add_rms_norm folds a residual
 # add into the npu_rms_norm calls that rms_norm produced (or that the model calls itself).
 PASS_NAMES: tuple[str, ...] = (
+    # the latent cache first: it folds DeepSeek's kv RMSNorm and k RoPE into its op, so it
+    # must see them unfused (rms_norm and rope would otherwise take them one by one)
+    "kv_rmsnorm_rope_cache",
+    # attention passes before rope: a fused rope's output is contiguous (torch_npu's meta),
+    # where the model's was a transposed view, and the matmuls of eager / math attention
+    # recorded for the latter would no longer retrace from it. sparse_attention first:
+    # DeepSeek-V3.2's top-k attention is dense attention under an arbitrary mask too
+    "sparse_attention",
+    "attention",
     "rms_norm",
     "add_rms_norm",
     "rope",
@@ -21,11 +30,12 @@ PASS_NAMES: tuple[str, ...] = (
     "moe_dispatch",
     "moe_gating",
     "grouped_matmul",
-    # sparse attention first: the fused indexer pads its indices with -1, which only the
+    # after sparse_attention: the fused indexer pads its indices with -1, which only the
     # fused sparse attention reads as the model's attention reads its own indices
-    "sparse_attention",
     "lightning_indexer",
     "softmax_l1_norm",
+    # after kv_rmsnorm_rope_cache, whose op takes the latent caches' writes itself
+    "kv_cache",
 )
 
 ENV_SWITCH = "NPU_FX_FUSION"  # "0" turns every pass off

@@ -131,12 +131,21 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       graphs detach what they save for the backward, and a search may detach an output
       the model uses without a gradient (a router's full scores), so that its joint
       trace has no tangent for it.
+    - no clone that copies a tensor into one of the same metadata (eager attention's
+      `dropout(p=0)` in eval reaches aot graphs as one): torch's fwd_only, which traces the
+      search functions, removes those as no-ops (remove_noop_ops), so a pattern never has
+      one. A clone of a graph input stays (the input may be written back by a copy_).
     Search functions and matched graphs are both canonicalised. Returns the number of
     nodes changed; the computation is unchanged.
     """
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        if _is_noop_clone(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
             continue
         if node.target is torch.ops.aten.detach.default and not (
                 node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
@@ -166,6 +175,17 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             node.args = (*node.args[:index], canonical, *node.args[index + 1:])
             changed += 1
     return changed
+
+
+def _is_noop_clone(node: Node) -> bool:
+    from torch._inductor.fx_passes.post_grad import same_meta
+
+    if node.target is not torch.ops.aten.clone.default or node.kwargs.get(
+            "memory_format", torch.preserve_format) is not torch.preserve_format:
+        return False
+    source = node.args[0]
+    return (isinstance(source, Node) and source.op != "placeholder"
+            and not any(user.op == "output" for user in node.users) and same_meta(node, source))
 
 
 def _resolve_inferred_size(view: Node) -> int:
@@ -609,8 +629,9 @@ class FusionPass:
         return notes
 
     def _spelled_keywords(self, form: Form) -> frozenset:
-        """(op, keyword, value) of every keyword argument the form's search spells out:
-        torch's matcher compares those itself (argsort's stable=True)."""
+        """(op, keyword) of every keyword argument the form's search spells out: torch's
+        matcher compares those itself (argsort's stable=True literally, in its exact second
+        match), or binds them to the form's arguments (SDPA's attn_mask=, scale=)."""
         cached = self._keywords.get(form.name)
         if cached is None:
             with FakeTensorMode():  # registration traced this already: it comes from the cache
@@ -618,8 +639,7 @@ class FusionPass:
                 traced = _trace_searches_once(trace_without_decompositions, self._search_traces,
                                               form.search, inputs)
             cached = self._keywords[form.name] = frozenset(
-                (node.target, key, repr(value)) for node in traced.graph.nodes
-                for key, value in node.kwargs.items())
+                (node.target, key) for node in traced.graph.nodes for key in node.kwargs)
         return cached
 
     def _site(self, form: Form, match: pm.Match, soc: Optional[str], mode: Optional[str]) -> Site:
@@ -846,14 +866,14 @@ _HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_
 def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset = frozenset()) -> Reason:
     """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
     _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those;
-    `spelled` are the (op, keyword, value) the pattern has, and the matcher compared."""
+    `spelled` are the (op, keyword) the pattern has, which the matcher compared or bound."""
     for node in nodes:
         if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
             continue
         defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
-            if (node.target, key, repr(value)) in spelled:
+            if (node.target, key) in spelled:
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"

@@ -169,7 +169,13 @@ def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
     a reshape right after our pass anyway (_optimize_fx's view_to_reshape); doing it here
     for the views downstream of a fusion keeps fuse() and the emulation backend correct.
     Done once, after every pass: patterns match the graph's own views.
+
+    A view of a graph input or of a replacement's own node that is contiguous stays a
+    view: their metadata is exact (an input's, or the replacement's fake kernels'), a view
+    of a contiguous tensor cannot fail, and torchair's recover_view_inplace_pattern needs
+    `placeholder -> aten.view -> scatter_update -> aten.view -> copy_` (kv_cache's writes).
     """
+    new = set(new_nodes)
     seen: set[Node] = set()
     pending = list(new_nodes)
     while pending:
@@ -177,9 +183,20 @@ def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
         if node in seen:
             continue
         seen.add(node)
-        if node.target is torch.ops.aten.view.default:
+        if node.target is torch.ops.aten.view.default and not _views_exact_contiguous(node, new):
             node.target = torch.ops.aten.reshape.default
         pending.extend(node.users)
+
+
+def _views_exact_contiguous(view: torch.fx.Node, new: set) -> bool:
+    source = view.args[0]
+    if not isinstance(source, torch.fx.Node) or not (source.op == "placeholder" or source in new):
+        return False
+    value = source.meta.get("val")
+    try:
+        return isinstance(value, torch.Tensor) and bool(value.is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic strides: undecidable, reshape it
+        return False
 
 
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
