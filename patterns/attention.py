@@ -302,7 +302,11 @@ def check(site):
     if value.shape[-1] > dim:
         return (f"value head dim {value.shape[-1]} > query/key's {dim}: FIA takes key and value of one shape, "
                 "and padding the key would change the scores")
-    reason = _mask_reason(site, batch, queries, keys)
+    # every replacement's conditions first (the mask's form, the hardware), then the proof
+    # that picks the replacement: the reason a site reports is then the real one
+    reason = (_mask_form_reason(site, batch, queries, keys)
+              or site.hardware_limits(_hardware_reasons(site, batch, heads, kv_heads, queries, keys, dim))
+              or _mask_reason(site, queries, keys))
     if reason:
         return reason
     if value.shape[-1] < dim:
@@ -315,17 +319,13 @@ def check(site):
             "and the cache length is a device tensor (StaticCache.cumulative_length), which the graph cannot "
             "pass without a sync (torchair.ops.npu_fused_infer_attention_score takes it as a tensor, in "
             "max-autotune only)")
-    return site.hardware_limits(_hardware_reasons(site, batch, heads, kv_heads, queries, keys, dim))
+    return None
 
 
-def _mask_reason(site, batch, queries, keys):
-    wanted = _MODE[site.form.replace]
-    if wanted == _TOP_LEFT:
-        site.notes.append("is_causal=True: sparse_mode "
-                          + ("3 (top-left and right-down causal agree, S_q = S_kv)" if queries == keys
-                             else "2 (top-left causal)"))
+def _mask_form_reason(site, batch, queries, keys):
+    """Whether the mask is one FIA can take at all (whatever the proof picks)."""
+    if _MODE[site.form.replace] == _TOP_LEFT:
         return None
-    # what every replacement needs first, so that the reason reported is the real one
     mask = site.args.get("mask", site.args.get("bias"))
     if "bias" in site.args and _additive_mask_condition(site.arg_nodes["bias"]) is None:
         return ("the additive mask is not where(mask, 0, -inf or the dtype's minimum): values in between "
@@ -335,6 +335,17 @@ def _mask_reason(site, batch, queries, keys):
     if tuple(mask.shape) not in _fia_mask_shapes(batch, queries, keys):
         return (f"the mask has shape {list(mask.shape)}; FIA takes (B, 1, S_q, S_kv), (1, 1, S_q, S_kv), "
                 "(1, S_q, S_kv) or (S_q, S_kv): no per-head mask")
+    return None
+
+
+def _mask_reason(site, queries, keys):
+    """The proof behind the replacement's sparse_mode (None: it holds)."""
+    wanted = _MODE[site.form.replace]
+    if wanted == _TOP_LEFT:
+        site.notes.append("is_causal=True: sparse_mode "
+                          + ("3 (top-left and right-down causal agree, S_q = S_kv)" if queries == keys
+                             else "2 (top-left causal)"))
+        return None
     mode, why = _mask_proof(site)
     if wanted == _CAUSAL:
         return None if mode == 3 else f"{why}: not sparse_mode 3"
