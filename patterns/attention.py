@@ -19,9 +19,8 @@ The mask decides the sparse_mode (FIA's mask is True where a key is NOT attended
 opposite of SDPA's bool mask):
 - proven right-down causal at compile time (built from aranges only, constants.sparse_mode_of):
   sparse_mode 3 with the compressed mask triu(ones(2048, 2048), 1);
-- proven to mask nothing: no mask;
 - otherwise (a static cache's mask depends on its cumulative_length, an input; a caller's
-  padding mask; a sliding window) the mask itself: logical_not(mask), sparse_mode 0, with
+  padding mask; a sliding window; a mask that masks nothing) the mask itself: logical_not(mask), sparse_mode 0, with
   the invalid-row correction (inner_precise 2) when S_q > 1, as torch_npu's own SDPA does.
   That is exact whatever the mask is; the site's note says it could not be proven causal;
 - is_causal=True: torch's top-left causal mask, sparse_mode 2 (= 3 when S_q = S_kv).
@@ -159,10 +158,6 @@ def fia_right_down_causal(query, key, value, mask, scale):
     return _fia(query, key, value, scale, _compressed_mask(query), sparse_mode=3)
 
 
-def fia_unmasked(query, key, value, mask, scale):
-    return _fia(query, key, value, scale)
-
-
 def fia_explicit_mask(query, key, value, mask, scale):
     return _fia(query, key, value, scale, torch.logical_not(mask))
 
@@ -171,20 +166,12 @@ def fia_right_down_causal_math(query, key, value, mask, sqrt_scale):
     return _fia(query, key, value, sqrt_scale * sqrt_scale, _compressed_mask(query), sparse_mode=3)
 
 
-def fia_unmasked_math(query, key, value, mask, sqrt_scale):
-    return _fia(query, key, value, sqrt_scale * sqrt_scale)
-
-
 def fia_explicit_mask_math(query, key, value, mask, sqrt_scale):
     return _fia(query, key, value, sqrt_scale * sqrt_scale, torch.logical_not(mask))
 
 
 def fia_right_down_causal_additive(query, key, value, bias, scale):
     return _fia(query, key, value, scale, _compressed_mask(query), sparse_mode=3)
-
-
-def fia_unmasked_additive(query, key, value, bias, scale):
-    return _fia(query, key, value, scale)
 
 
 def fia_explicit_additive_mask(query, key, value, bias, scale):
@@ -198,15 +185,15 @@ def fia_top_left_causal(query, key, value, scale):
     return _fia(query, key, value, scale, _compressed_mask(query), sparse_mode=mode)
 
 
-_CAUSAL, _UNMASKED, _EXPLICIT, _TOP_LEFT = "right-down causal", "unmasked", "explicit mask", "top-left causal"
-_MODE = {fia_right_down_causal: _CAUSAL, fia_unmasked: _UNMASKED, fia_explicit_mask: _EXPLICIT,
-         fia_right_down_causal_math: _CAUSAL, fia_unmasked_math: _UNMASKED, fia_explicit_mask_math: _EXPLICIT,
-         fia_right_down_causal_additive: _CAUSAL, fia_unmasked_additive: _UNMASKED,
-         fia_explicit_additive_mask: _EXPLICIT, fia_top_left_causal: _TOP_LEFT}
+_CAUSAL, _EXPLICIT, _TOP_LEFT = "right-down causal", "explicit mask", "top-left causal"
+_MODE = {fia_right_down_causal: _CAUSAL, fia_explicit_mask: _EXPLICIT,
+         fia_right_down_causal_math: _CAUSAL, fia_explicit_mask_math: _EXPLICIT,
+         fia_right_down_causal_additive: _CAUSAL, fia_explicit_additive_mask: _EXPLICIT,
+         fia_top_left_causal: _TOP_LEFT}
 _BY_MASK = {
-    "bool": (fia_right_down_causal, fia_unmasked, fia_explicit_mask),
-    "math": (fia_right_down_causal_math, fia_unmasked_math, fia_explicit_mask_math),
-    "additive": (fia_right_down_causal_additive, fia_unmasked_additive, fia_explicit_additive_mask),
+    "bool": (fia_right_down_causal, fia_explicit_mask),
+    "math": (fia_right_down_causal_math, fia_explicit_mask_math),
+    "additive": (fia_right_down_causal_additive, fia_explicit_additive_mask),
 }
 
 
@@ -276,10 +263,8 @@ def _mask_proof(site):
 
 
 def _fia_mask_shapes(batch, queries, keys):
-    shapes = {(queries, keys), (1, queries, keys), (batch, 1, queries, keys), (1, 1, queries, keys)}
-    if queries == 1:
-        shapes.add((batch, keys))
-    return shapes
+    shapes = [[queries, keys], [1, queries, keys], [batch, 1, queries, keys], [1, 1, queries, keys]]
+    return shapes + [[batch, keys]] if queries == 1 else shapes  # lists: the sizes may be symbolic
 
 
 def _qkv(site):
@@ -332,7 +317,7 @@ def _mask_form_reason(site, batch, queries, keys):
                 "(a bias) are not a mask FIA can take")
     if "mask" in site.args and mask.dtype != torch.bool:
         return f"the mask is {str(mask.dtype)[6:]}, not bool"
-    if tuple(mask.shape) not in _fia_mask_shapes(batch, queries, keys):
+    if list(mask.shape) not in _fia_mask_shapes(batch, queries, keys):
         return (f"the mask has shape {list(mask.shape)}; FIA takes (B, 1, S_q, S_kv), (1, 1, S_q, S_kv), "
                 "(1, S_q, S_kv) or (S_q, S_kv): no per-head mask")
     return None
@@ -349,8 +334,6 @@ def _mask_reason(site, queries, keys):
     mode, why = _mask_proof(site)
     if wanted == _CAUSAL:
         return None if mode == 3 else f"{why}: not sparse_mode 3"
-    if wanted == _UNMASKED:
-        return None if mode == 0 else f"{why}: not maskless"
     site.notes.append("explicit mask (" + ("bias != 0" if "bias" in site.args else "logical_not(mask)")
                       + ", sparse_mode 0" + (", invalid-row correction)" if queries > 1 else ")"))
     if "bias" in site.args and queries > 1:
@@ -420,9 +403,14 @@ def explain(node):
             return "SDPA's mask is not a bool mask made additive (where(mask, 0, -inf)): a float bias FIA cannot take"
         return None
     probs_users = [u for u in node.users]
+    dropout = next((u for u in probs_users if is_call(u, aten.native_dropout.default, aten.dropout.default)), None)
+    if dropout is not None:
+        return f"dropout (p={dropout.args[1]}) on the attention probabilities: FIA has no dropout"
     if any(u.op == "output" for u in probs_users) or len(probs_users) > 1:
         return ("the attention probabilities are used outside the attention (returned, or saved for a "
                 "backward): FIA does not give them")
+    if is_call(node, aten._safe_softmax.default):  # SDPA's math path: q and k^T scaled before the product
+        return None
     scores = node.args[0]
     while is_call(scores, aten._to_copy.default):
         scores = scores.args[0]

@@ -37,6 +37,8 @@ says so; keeping start + S <= max_cache_len is the caller's job, as with the rea
 """
 import torch
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
@@ -66,12 +68,38 @@ def scatter_update_write(cache, update, start):
     return written.view(batch, heads, length, dim), position
 
 
-FORMS = [Form(static_cache_write, scatter_update_write, dtypes=(torch.float32,))]  # no casts: one trace
+def static_cache_write_at(cache, position, update):
+    """The same write with its positions an argument, proven `arange(S) + start` by the check:
+    with a symbolic S torch's retrace of the first form spells arange(sym_size(update)),
+    where dynamo's graph reads S from a SymInt input."""
+    return cache.index_copy(2, position, update)
+
+
+def scatter_update_write_at(cache, position, update):
+    batch, heads, length, dim = cache.shape
+    rows = batch * heads
+    offsets = position.narrow(0, 0, 1).expand(rows)  # position[0] = start, for every row (views)
+    written = torch.ops.npu.scatter_update(cache.view(rows, length, dim), offsets,
+                                           update.reshape(rows, update.shape[2], dim), -2)
+    return written.view(batch, heads, length, dim)
+
+
+FORMS = [
+    Form(static_cache_write, scatter_update_write, dtypes=(torch.float32,)),  # no casts: one trace
+    Form(static_cache_write_at, scatter_update_write_at, dtypes=(torch.float32,)),
+]
 
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
-    start, cache, update = site["start"], site["cache"], site["update"]
+    cache, update = site["cache"], site["update"]
+    if "position" in site.args:
+        reason = _positions_reason(site.arg_nodes["position"], update)
+        if reason:
+            return reason
+        start = tensor_meta(site.arg_nodes["position"].args[1])
+    else:
+        start = site["start"]
     if start.dim() != 0 or start.dtype not in SCATTER_UPDATE.limits["indices_dtypes"]:
         return (f"the write starts at a {str(start.dtype)[6:]}{list(start.shape)} tensor, not a 0-d int32/int64 "
                 "position shared by the whole batch")
@@ -88,6 +116,20 @@ def check(site):
     site.notes.append("scatter_update does not check bounds: start + S must stay within max_cache_len "
                       "(eager index_copy raises past it)")
     site.notes.append(_reinplace_note(site.arg_nodes["cache"]))
+    return None
+
+
+def _positions_reason(position, update):
+    """Why `position` is not proven to be arange(S) + a 0-d start, S the update's length."""
+    if not _is_arange_plus_start(position):
+        return ("the write positions are not proven contiguous: the index is not arange(S) + a 0-d start "
+                f"({getattr(position, 'target', position)}), so every batch row may write elsewhere")
+    length = position.args[0].args[0]
+    length = length.meta.get("val") if isinstance(length, torch.fx.Node) else length
+    if update is None:
+        return None
+    if len(position.args[0].args) > 1 or not statically_known_true(sym_eq(length, update.shape[2])):
+        return f"the positions are arange({length}), the update has {update.shape[2]} of them"
     return None
 
 
@@ -123,10 +165,7 @@ def explain(node):
         return (f"the write runs along dim {dim} of a {rank}-d cache: the form is transformers' (B, N, "
                 f"max_len, D) cache written along dim {SEQUENCE_DIM} (scatter_update writes along its last "
                 "two dims, with offsets over dim 0)")
-    if not _is_arange_plus_start(index):
-        return ("the write positions are not proven contiguous: the index is not arange(S) + a 0-d start "
-                f"({getattr(index, 'target', index)}), so every batch row may write elsewhere")
-    return None
+    return _positions_reason(index, tensor_meta(node.args[3]))
 
 
 PASS = FusionPass(
@@ -138,6 +177,7 @@ PASS = FusionPass(
         "cache": lambda dtype: torch.empty(2, 3, 8, 4, dtype=dtype),
         "update": lambda dtype: torch.empty(2, 3, 2, 4, dtype=dtype),
         "start": lambda dtype: torch.empty((), dtype=torch.int64),
+        "position": lambda dtype: torch.empty(2, dtype=torch.int64),
     },
     check=check,
     anchor=anchor,
