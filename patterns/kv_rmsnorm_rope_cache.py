@@ -107,7 +107,8 @@ def check(site):
             f"{LATENT.limits['rope_dim']} only"
             if (rank, rope) != (LATENT.limits["rms_dim"], LATENT.limits["rope_dim"])
             and (site.soc is None or site.soc in fixed) else None)
-    return site.hardware_limits([unsupported(LATENT_OP, site.soc, x=kv), dims])
+    # the op's kv is the projection viewed (B, 1, S, rank + rope)
+    return site.hardware_limits([unsupported(LATENT_OP, site.soc, x=kv.unsqueeze(1)), dims])
 
 
 # ---- near misses --------------------------------------------------------------------------
