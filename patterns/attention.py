@@ -139,6 +139,8 @@ def _fia(query, key, value, scale, atten_mask=None, sparse_mode=0):
     torchair's remove_noop_ops."""
     heads, kv_heads = query.shape[1], key.shape[1]
     dim, dim_v = query.shape[-1], value.shape[-1]
+    if scale is None:  # SDPA's default (scale=None reaches its CPU op as is): 1 / sqrt(E)
+        scale = 1.0 / math.sqrt(dim)
     if dim_v < dim:  # FIA takes key and value of one shape: zero columns add zero outputs
         value = F.pad(value, (0, dim - dim_v))
     q, k, v = (t.contiguous() for t in (query, key, value))

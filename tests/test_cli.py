@@ -113,3 +113,25 @@ def test_console_script_runs_as_a_process(tmp_path):
     assert "**rope**: 2 fused" in proc.stdout
     assert (tmp_path / "report.md").is_file()
     assert any(p.name == "after.py" for p in tmp_path.rglob("*"))
+
+
+# ---- --phase prefill|decode: one generation step over a StaticCache ------------------------
+def test_report_decode_step_per_layer(capsys):
+    code, out, _ = _run(capsys, "report", "hf:llama", "--phase", "decode", "--max-cache-len", "24",
+                        "--format", "json")
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["target"] == "hf-llama-fp32-decode-static24"
+    assert doc["vs_eager"]["logits"]["ok"] and doc["vs_eager"]["cache"]["ok"]
+    # every layer: its attention call and both cache writes fused
+    assert doc["per_layer"] == {str(layer): {"attention": [1, 0], "cache_writes": [2, 0], "fused_ops": [
+        "npu.npu_fused_infer_attention_score", "npu.scatter_update", "npu.scatter_update"]} for layer in (0, 1)}
+    (graph,) = doc["report"]["graphs"]  # the compiled step is the decode step
+    assert graph["ops_before"]["aten._scaled_dot_product_flash_attention_for_cpu.default"] == 2
+
+
+def test_phase_needs_an_hf_target_and_room_in_the_cache(capsys):
+    code, _, err = _run(capsys, "report", "torchtitan:llama3", "--phase", "prefill")
+    assert code == 2 and "--phase needs an hf:MODEL_TYPE target" in err
+    code, _, err = _run(capsys, "report", "hf:llama", "--phase", "prefill", "--max-cache-len", "8")
+    assert code == 2 and "cannot hold the 16-token prompt" in err

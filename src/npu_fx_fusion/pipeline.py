@@ -127,8 +127,16 @@ _CONVERSIONS = frozenset({
 })
 
 
+# The masks fused attention ops take, built by each site's replacement from the same model
+# mask (or from nothing: the compressed causal mask) and equally pure: one per graph.
+_MASKS = frozenset({
+    torch.ops.aten.ones.default, torch.ops.aten.triu.default, torch.ops.aten.logical_not.default,
+    torch.ops.aten.ne.Scalar,
+})
+
+
 def _merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """One node for each repeated conversion that fusion introduced.
+    """One node for each repeated conversion (or attention mask, _MASKS) that fusion introduced.
 
     Replacements are traced one site at a time, so two fused ops reading the same tensor
     each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
@@ -137,7 +145,7 @@ def _merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> i
     they are. Returns the number of nodes merged.
     """
     npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-    conversions = _CONVERSIONS | ({npu_cast.default} if npu_cast is not None else set())
+    conversions = _CONVERSIONS | _MASKS | ({npu_cast.default} if npu_cast is not None else set())
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
