@@ -474,6 +474,22 @@ VARIANTS = [
        **_masks(2, queries, 6)} for queries in (3, 1)),
 ]
 
+def verification_input(name, args):
+    """Masks as the models make them, for FusionConfig(verify=True): a random bool mask
+    with every query row keeping a key (a row masking everything is a documented difference,
+    not one to verify), and an additive mask where(mask, 0, the dtype's minimum)."""
+    if name not in ("mask", "bias"):
+        return None
+    shape = [int(s) for s in args[name].shape]
+    generator = torch.Generator().manual_seed(0)
+    keep = torch.rand(shape, generator=generator) > 0.3
+    keep[..., 0] = True
+    if name == "mask":
+        return keep
+    dtype = args["bias"].dtype
+    return torch.where(keep, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+
+
 PASS = FusionPass(
     name="attention",
     fused_op="npu.npu_fused_infer_attention_score",
@@ -483,5 +499,6 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    verify_input=verification_input,
     prefilter=could_match,
 )

@@ -182,6 +182,15 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
-    # verification: a start that keeps the write inside the cache (random integers would not)
-    verify_input=lambda name, args: torch.zeros((), dtype=args["start"].dtype) if name == "start" else None,
+    verify_input=lambda name, args: _verification_positions(name, args),
 )
+
+
+def _verification_positions(name, args):
+    """For FusionConfig(verify=True): a write inside the cache, at the positions the check
+    proved (random integers would write anywhere)."""
+    if name == "start":
+        return torch.ones((), dtype=args["start"].dtype)
+    if name == "position":
+        return torch.arange(int(args["position"].shape[0]), dtype=args["position"].dtype) + 1
+    return None

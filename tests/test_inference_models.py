@@ -132,7 +132,11 @@ def _check(model_type, dtype, **kwargs):
 
 # default run: one GQA model in fp32 and DeepSeek-V3's latent path in bf16
 def test_llama_static_cache_generation_fuses_prefill_and_decode():
-    report = _check("llama", torch.float32)
+    from npu_fx_fusion import FusionConfig
+
+    report = _check("llama", torch.float32, config=FusionConfig(verify=True))
+    assert all(s.verified.startswith("verified: max error") for s in report.sites), \
+        [(s.pass_name, s.verified) for s in report.sites if not s.verified.startswith("verified")]
     prefill, decode = report.graphs
     # the static cache's mask depends on its cumulative_length (an input): an explicit mask
     notes = [s.note for r in prefill.passes if r.pass_name == "attention" for s in r.sites]

@@ -384,3 +384,11 @@ def test_latent_cache_fake():
         fake = npu.npu_kv_rmsnorm_rope_cache_v2_functional(*(mode.from_tensor(t) for t in inputs))
     for r, f in zip(real, fake):
         assert (r.shape, r.dtype) == (f.shape, f.dtype)
+
+
+def test_latent_cache_v1_is_defined_but_not_computed():
+    # its schema hides the in-place cache write: defined (torchair's converter module needs
+    # it), never emitted, and it says what to use instead
+    inputs = _latent_inputs()
+    with pytest.raises(NotImplementedError, match="_v2_functional"):
+        npu.npu_kv_rmsnorm_rope_cache(*inputs)

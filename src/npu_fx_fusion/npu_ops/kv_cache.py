@@ -163,3 +163,24 @@ def npu_kv_rmsnorm_rope_cache_v2_functional(kv, gamma, cos, sin, index, k_cache,
             k_cache[b, 0, position] = k[b, 0, s].to(k_cache.dtype)
             ckv_cache[b, 0, position] = y[b, 0, s].to(ckv_cache.dtype)
     return k.to(kv.dtype), y.to(kv.dtype), k_cache, ckv_cache
+
+
+# ---- npu_kv_rmsnorm_rope_cache (v1): defined, never computed --------------------------------
+def _latent_v1_fake(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
+                    k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
+                    is_output_kv=False):
+    lead = tuple(kv.shape[:-1])  # the Meta function's: (k_cache', ckv_cache', k_embed, y)
+    return (torch.empty_like(k_cache), torch.empty_like(ckv_cache), kv.new_empty((*lead, cos.shape[3])),
+            kv.new_empty((*lead, gamma.shape[0])))
+
+
+@stand_in("npu::npu_kv_rmsnorm_rope_cache", fake=_latent_v1_fake)
+def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None,
+                              c_kv_scale=None, k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5,
+                              cache_mode="Norm", is_output_kv=False):
+    # The kernel writes k_cache and ckv_cache in place although the schema does not say so
+    # ("本质in-place更新"): a functional graph holding it would be wrong, so no pass emits it
+    # and the stand-in does not pretend to be it. It exists as on an NPU, where torchair's
+    # converter module (custom/npu_kv_rmsnorm_rope_cache.py) registers it before _v2_functional.
+    raise NotImplementedError("npu_kv_rmsnorm_rope_cache (v1) hides its in-place cache write in its schema; "
+                              "use npu_kv_rmsnorm_rope_cache_v2_functional (what the passes emit)")

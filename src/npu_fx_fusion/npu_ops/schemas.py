@@ -182,6 +182,15 @@ SCHEMAS["npu"].update({
     "scatter_update_": (
         "scatter_update_(Tensor(a!) self, Tensor indices, Tensor updates, int axis) -> Tensor(a!)"
     ),
+    # v1 is never emitted (its schema hides its in-place cache write); it is defined because
+    # torchair's converter module for the family registers v1 first, and fails to import
+    # (taking _v2_functional's converter with it) where the op does not exist
+    "npu_kv_rmsnorm_rope_cache": (
+        "npu_kv_rmsnorm_rope_cache(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor k_cache, "
+        "Tensor ckv_cache, *, Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, "
+        "Tensor? c_kv_offset=None, Tensor? v=None, float epsilon=1e-5, str cache_mode='Norm', "
+        "bool is_output_kv=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
     "npu_kv_rmsnorm_rope_cache_v2_functional": (
         "npu_kv_rmsnorm_rope_cache_v2_functional(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, "
         "Tensor index, Tensor k_cache, Tensor ckv_cache, *, Tensor? k_rope_scale=None, "
