@@ -501,4 +501,7 @@ PASS = FusionPass(
     explain=explain,
     verify_input=verification_input,
     prefilter=could_match,
+    # DeepSeek-V3.2's top-k attention is dense attention under an arbitrary mask too:
+    # sparse_attention takes it first
+    after=("sparse_attention",),
 )

@@ -183,6 +183,8 @@ PASS = FusionPass(
     anchor=anchor,
     explain=explain,
     verify_input=lambda name, args: _verification_positions(name, args),
+    # kv_rmsnorm_rope_cache's op takes the latent caches' writes itself
+    after=("kv_rmsnorm_rope_cache",),
 )
 
 

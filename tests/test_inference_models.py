@@ -32,7 +32,7 @@ import torch
 
 from helpers import assert_close_at_scale, near_miss_reasons
 from npu_fx_fusion.backend import EmulationBackend
-from npu_fx_fusion.pipeline import load_pass
+from npu_fx_fusion.catalog import load_pass
 from npu_fx_fusion.tiny_models import CacheStep, build_hf, static_cache
 
 PROMPT, DECODE_STEPS, MAX_CACHE_LEN = 5, 4, 16

@@ -17,6 +17,9 @@ log = logging.getLogger("npu_fx_fusion.npu_ops")
 
 # One module per op family; each declares its kernels with @stand_in at import.
 _FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe", "attention",
+                   # the NPU dispatch block (npu_dispatch.py): what torch_npu's own kernels call
+                   "fusion_attention", "dispatch_backward",
+                   # the inference attention block (issue 18)
                    "infer_attention", "kv_cache")
 
 # Namespaces that belong to a package of their own rather than to torch_npu. Their
