@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_call, sdpa_as_on_npu, tensor_meta
 
 aten = torch.ops.aten
 FIA = CAPABILITIES["npu.npu_fused_infer_attention_score"]
@@ -90,6 +90,36 @@ def sdpa_cpu_causal(query, key, value, scale):
 def sdpa_cpu_causal_gqa(query, grouped_key, grouped_value, scale):
     groups = query.shape[1] // grouped_key.shape[1]
     return sdpa_cpu_causal(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), scale)
+
+
+# SDPA as an A2/A3 compile records it (torch_npu's own kernel, reproduced by the NPU dispatch
+# emulation, docs/npu-graph.md): the bool mask as Ascend's (logical_not) or, for is_causal,
+# ones/triu with sparse_mode 2, into npu_fusion_attention_v3, output 0. The forms call the
+# emulation's kernel itself, so they spell exactly what it records (the same FA-v3 spelling
+# sparse_attention matches). Ascend950 records npu_fusion_attention, for which FIA is not
+# emitted (capability table): those calls are anchors with that reason (explain).
+_NPU_SDPA = sdpa_as_on_npu("Ascend910B")
+
+
+def sdpa_npu_masked(query, key, value, mask, scale):
+    """F.scaled_dot_product_attention(q, k, v, attn_mask=bool_mask, scale=s) on an NPU."""
+    return _NPU_SDPA(query, key, value, attn_mask=mask, scale=scale)
+
+
+def sdpa_npu_masked_gqa(query, grouped_key, grouped_value, mask, scale):
+    groups = query.shape[1] // grouped_key.shape[1]
+    return sdpa_npu_masked(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), mask, scale)
+
+
+def sdpa_npu_causal(query, key, value, scale):
+    """F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s) on an NPU; with fewer
+    key heads too (transformers' enable_gqa without a mask: FA takes N_kv itself)."""
+    return _NPU_SDPA(query, key, value, is_causal=True, scale=scale)
+
+
+def sdpa_npu_causal_gqa(query, grouped_key, grouped_value, scale):
+    groups = query.shape[1] // grouped_key.shape[1]
+    return sdpa_npu_causal(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), scale)
 
 
 def _sdpa_math(query, key, value, mask, sqrt_scale, mask_dtype):
@@ -208,7 +238,12 @@ def _forms(search, mask_kind, dtypes):
 FP32 = (torch.float32,)  # no casts in the search: one trace matches every dtype
 HALF = (torch.bfloat16,)  # the upcast forms (their casts are dtype-blind in the pattern)
 FORMS = [
-    # GQA first: the repeat_kv copies are part of it
+    # GQA first: the repeat_kv copies are part of it. The NPU spelling first: an NPU graph
+    # (FusionConfig(npu_dispatch=True), the default) holds it; FA-v3 takes every dtype itself
+    *_forms(sdpa_npu_masked_gqa, "bool", FP32),
+    *_forms(sdpa_npu_masked, "bool", FP32),
+    Form(sdpa_npu_causal_gqa, fia_top_left_causal, dtypes=FP32),
+    Form(sdpa_npu_causal, fia_top_left_causal, dtypes=FP32),
     *_forms(sdpa_cpu_masked_gqa, "bool", FP32),
     *_forms(sdpa_cpu_masked, "bool", FP32),
     Form(sdpa_cpu_causal_gqa, fia_top_left_causal, dtypes=FP32),
@@ -218,9 +253,6 @@ FORMS = [
     *_forms(eager_attention_gqa, "additive", (torch.float32, torch.bfloat16)),
     *_forms(eager_attention, "additive", (torch.float32, torch.bfloat16)),
 ]
-# What an NPU graph holds instead of the SDPA forms (attention_inference.md 2.2) is
-# npu_fusion_attention_v3 behind ones/triu or logical_not: its Form comes with the NPU
-# dispatch emulation (docs/passes/attention.md, "On an NPU").
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -361,18 +393,27 @@ def _hardware_reasons(site, batch, heads, kv_heads, queries, keys, dim):
 
 
 # ---- near misses: an attention no form consumed -----------------------------------------------
-def _fusion_attention_v3():
-    packet = getattr(torch.ops.npu, "npu_fusion_attention_v3", None)
-    return () if packet is None else (packet,)
+def _flash_attention_ops():
+    """torch_npu's FlashAttention ops its SDPA records: v3 below Ascend950, the plain one on it."""
+    return tuple(packet for packet in (getattr(torch.ops.npu, name, None)
+                                       for name in ("npu_fusion_attention_v3", "npu_fusion_attention"))
+                 if packet is not None)
+
+
+def _casts():
+    # a cast as CPU records it, and as torch_npu's softmax(dtype=) records it (npu_dispatch.py)
+    npu_cast = getattr(torch.ops.npu, "_npu_dtype_cast", None)
+    return (aten._to_copy.default, *((npu_cast.default,) if npu_cast is not None else ()))
 
 
 def _scores_source(softmax):
-    """The bmm under a softmax's input (through casts, the mask add and the scale), or None."""
+    """The query @ key^T under a softmax's input (through casts, the mask add and the scale),
+    or None: a bmm on CPU, aten.matmul on an NPU graph (torch_npu keeps matmul whole)."""
     node = softmax.args[0]
     for _ in range(6):
-        if is_call(node, aten.bmm.default):
+        if is_call(node, aten.bmm.default, aten.matmul.default):
             return node
-        if is_call(node, aten.view.default, aten._unsafe_view.default, aten._to_copy.default,
+        if is_call(node, aten.view.default, aten._unsafe_view.default, *_casts(),
                    aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor):
             node = node.args[0]
         else:
@@ -381,7 +422,7 @@ def _scores_source(softmax):
 
 
 def anchor(node):
-    if is_call(node, aten._scaled_dot_product_flash_attention_for_cpu.default, *_fusion_attention_v3()):
+    if is_call(node, aten._scaled_dot_product_flash_attention_for_cpu.default, *_flash_attention_ops()):
         return True
     if is_call(node, aten._softmax.default, aten._safe_softmax.default):
         return _scores_source(node) is not None
@@ -389,9 +430,8 @@ def anchor(node):
 
 
 def explain(node):
-    if is_call(node, *_fusion_attention_v3()):
-        return ("npu_fusion_attention_v3 (SDPA as torch_npu records it on an NPU) is not matched yet: its "
-                "Form comes with the NPU dispatch emulation")
+    if is_call(node, *_flash_attention_ops()):
+        return _explain_flash_attention(node)
     if is_call(node, aten._scaled_dot_product_flash_attention_for_cpu.default):
         extra = [u for u in node.users if not (u.target.__name__ == "getitem" and u.args[1] == 0)]
         if extra:
@@ -414,7 +454,7 @@ def explain(node):
     if is_call(node, aten._safe_softmax.default):  # SDPA's math path: q and k^T scaled before the product
         return None
     scores = node.args[0]
-    while is_call(scores, aten._to_copy.default):
+    while is_call(scores, *_casts()):
         scores = scores.args[0]
     if is_call(scores, aten.add.Tensor):
         scores = scores.args[0]
@@ -424,9 +464,35 @@ def explain(node):
     return None
 
 
+def _explain_flash_attention(node):
+    """Why torch_npu's FlashAttention call (its SDPA on an NPU) is not one of the forms."""
+    name = node.target.__name__.split(".")[0]
+    if name == "npu_fusion_attention":
+        query = tensor_meta(node.args[0])
+        refused = query is not None and unsupported("npu.npu_fused_infer_attention_score", "Ascend950", x=query)
+        return ("npu_fusion_attention is SDPA as Ascend950 records it: "
+                + (refused or "FIA is not emitted for Ascend950 (it has FIA v2)"))
+    if any(not (u.target.__name__ == "getitem" and u.args[1] == 0) for u in node.users):
+        return (f"{name}'s softmax statistics are used (saved for the backward of a training graph): FIA has no "
+                "backward, so training keeps the FlashAttention op")
+    keep_prob = node.args[9] if len(node.args) > 9 else node.kwargs.get("keep_prob", 1.0)
+    if keep_prob != 1.0:
+        return f"{name} with keep_prob={keep_prob} (dropout): FIA has no dropout"
+    layout = node.args[4] if len(node.args) > 4 else None
+    if layout != "BNSD":
+        return f"{name} in layout {layout!r}: the forms are SDPA's BNSD call"
+    # (position in the schema: pse 5, padding_mask 6, prefix 13, actual_seq_qlen 14, _kvlen 15)
+    extras = [arg for index, arg in ((5, "pse"), (6, "padding_mask"), (13, "prefix"), (14, "actual_seq_qlen"),
+                                     (15, "actual_seq_kvlen"))
+              if (node.args[index] if len(node.args) > index else node.kwargs.get(arg)) is not None]
+    if extras:
+        return f"{name} with {', '.join(extras)}: not SDPA's call, which passes none of them"
+    return None
+
+
 def could_match(graph):
-    """Whether the graph holds an op every form needs (SDPA's CPU op, a softmax after a bmm);
-    the forms take a few seconds to register."""
+    """Whether the graph holds an op every form needs (SDPA's CPU op or torch_npu's
+    FlashAttention, a softmax after a bmm); the forms take a few seconds to register."""
     return any(node.op == "call_function" and anchor(node) for node in graph.nodes)
 
 

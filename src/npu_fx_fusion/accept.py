@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .canonical import is_backward
 from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
-from .registry import PatternSet, Registration, anchor_of, keyword_value, pattern_set
+from .registry import BOUND_KEYWORD, PatternSet, Registration, anchor_of, keyword_value, pattern_set
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import respell_exact
 from .tracing import TRACERS, is_static, signature
@@ -471,14 +471,15 @@ _HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_
 def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
     """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
     _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those;
-    `spelled` are the (op, keyword, value) the form's search has, and the matcher compared."""
+    `spelled` are the (op, keyword, value) the form's search has, and the matcher compared
+    (or bound to a scalar argument of the form, whatever its value: registry.BOUND_KEYWORD)."""
     for node in nodes:
         if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
             continue
         defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
-            if (str(node.target), key, keyword_value(value)) in spelled:
+            if {(str(node.target), key, keyword_value(value)), (str(node.target), key, BOUND_KEYWORD)} & spelled:
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"

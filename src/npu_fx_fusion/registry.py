@@ -46,7 +46,9 @@ log = logging.getLogger("npu_fx_fusion.registry")
 
 PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 # The engine modules whose code decides what a trace (and so a pattern) looks like.
-_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings")
+# (npu_dispatch: the forward-npu traces run its kernels, and forms call its SDPA)
+_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings",
+                          "npu_fx_fusion.npu_dispatch")
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,22 @@ def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphM
     return False
 
 
-def _keywords_of(gm: torch.fx.GraphModule) -> set:
-    return {(str(n.target), key, keyword_value(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+# A keyword the pattern binds to one of the form's scalar arguments (SDPA's `scale=`): the
+# matcher accepts any value there and hands it to the replacement, so any value is computed.
+BOUND_KEYWORD = "<argument>"
+
+
+def _keywords_of(gm: torch.fx.GraphModule, scalars: Optional[dict] = None) -> set:
+    """(op, keyword, value) of every keyword argument of a traced search; a value equal to a
+    scalar argument's example is that argument (gen_pattern's scalar_workaround makes it a
+    KeywordArg by value, fx_to_pattern's process_arg), recorded as BOUND_KEYWORD."""
+    bound = set((scalars or {}).values())
+
+    def spelled(value: Any) -> str:
+        is_scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return BOUND_KEYWORD if is_scalar and value in bound else keyword_value(value)
+
+    return {(str(n.target), key, spelled(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
 
 
 def keyword_value(value: Any) -> str:
@@ -252,7 +268,7 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
             for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
                 inputs = [fusion_pass.example_value(n, dtype, variant) for n in form.argnames]
                 for kind, pattern, gm in _spellings(fusion_pass, form, inputs, joint=False):
-                    keywords[form] |= _keywords_of(gm)
+                    keywords[form] |= _keywords_of(gm, _scalar_workaround(fusion_pass, form))
                     if not _covered(fusion_pass, form, kind, gm, forward):  # a form's dtypes and spellings often coincide
                         forward.append(Registration(form, pattern, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
@@ -316,7 +332,7 @@ def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict,
                     differentiable = tuple(n for n, v in zip(form.argnames, inputs)
                                            if isinstance(v, torch.Tensor) and v.requires_grad)
                     for kind, pattern, gm in found:
-                        keywords[form] |= _keywords_of(gm)
+                        keywords[form] |= _keywords_of(gm, _scalar_workaround(fusion_pass, form))
                         same_grads = [r for r in joint if r.requires_grad == differentiable]
                         if not _covered(fusion_pass, form, kind, gm, same_grads):
                             joint.append(Registration(form, pattern, kind, differentiable))
