@@ -22,7 +22,7 @@ The pass emits the _v2_functional variant: v1's schema does not say it writes it
 arguments, which would be wrong in a functional graph. torchair re-inplaces _v2_functional
 in its ACL modes (graph_pass.py, mutated arguments 5 and 6); its GE converter copies both
 caches (TensorMove) before KvRmsNormRopeCache. It runs before rms_norm and rope
-(config.PASS_NAMES), which would otherwise take the norm and the rotation one by one.
+(rms_norm and rope declare after=("kv_rmsnorm_rope_cache", ...)), which would otherwise take the norm and the rotation one by one.
 
 Real kernels take hidden = 512 + 64 on Atlas A2/A3 (torch_npu docs) and fp16/bf16 only;
 the tiny test configs are emulation-only: such sites fuse with a note, and are refused
