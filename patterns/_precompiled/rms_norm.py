@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5ba4185ef54d0d49',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c9c542bb421eff9c',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {
