@@ -408,11 +408,15 @@ def _casts():
 
 def _scores_source(softmax):
     """The query @ key^T under a softmax's input (through casts, the mask add and the scale),
-    or None: a bmm on CPU, aten.matmul on an NPU graph (torch_npu keeps matmul whole)."""
+    or None: a bmm on CPU, aten.matmul on an NPU graph (torch_npu keeps matmul whole), of
+    two batched operands (not a router's linear: activations @ a 2-d weight)."""
     node = softmax.args[0]
     for _ in range(6):
-        if is_call(node, aten.bmm.default, aten.matmul.default):
+        if is_call(node, aten.bmm.default):
             return node
+        if is_call(node, aten.matmul.default):
+            operands = [tensor_meta(arg) for arg in node.args[:2]]
+            return node if all(t is not None and t.dim() >= 3 for t in operands) else None
         if is_call(node, aten.view.default, aten._unsafe_view.default, *_casts(),
                    aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor):
             node = node.args[0]

@@ -132,9 +132,10 @@ def _single_head_write(node):
 
 
 def anchor(node):
-    """kv_b_proj over the fused latent cache (where npu_mla_prolog_v3 would have to start);
-    a pair of single-head cache writes at one position (DeepSeek's latent and rope caches)."""
-    if is_call(node, aten.mm.default):
+    """kv_b_proj over the fused latent cache (where npu_mla_prolog_v3 would have to start: an
+    mm on CPU, aten.matmul on an NPU graph, where torch_npu keeps a bias-free linear's matmul
+    whole); a pair of single-head cache writes at one position (DeepSeek's latent and rope caches)."""
+    if is_call(node, aten.mm.default, aten.matmul.default):
         return _latent_op_output(node.args[0])
     if _single_head_write(node):
         others = [u for u in node.args[2].users if u is not node and _single_head_write(u)]
@@ -143,7 +144,7 @@ def anchor(node):
 
 
 def explain(node):
-    if is_call(node, aten.mm.default):
+    if is_call(node, aten.mm.default, aten.matmul.default):
         return MLA_PROLOG
     return ("a pair of single-head cache writes, but not of RMSNorm(kv_nope) and the interleaved RoPE of k_rot "
             "split from one projection (transformers' DeepseekV3Attention)")
