@@ -20,11 +20,14 @@ ops round once where the model rounds after each op (RMSNorm, RoPE, the latent o
 and rotation), a few ulps per site; the next layers and steps carry them on, so logits are
 compared by cosine (as test_models.py) and caches within a few ulps at their scale.
 
-Not covered here: the NPU's own spelling of SDPA (npu_fusion_attention_v3 under torch_npu's
-dispatch), which comes with the NPU dispatch emulation.
+Every model runs both ways: on the NPU graph (FusionConfig(npu_dispatch=True), the default:
+SDPA is torch_npu's npu_fusion_attention_v3 behind logical_not / ones+triu, matmul stays
+aten.matmul, softmax casts with npu._npu_dtype_cast) and on the plain CPU graph (SDPA's CPU
+op, or its math path). The same sites must fuse in both.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -67,11 +70,17 @@ def _prompt(vocab, batch=2):
     return torch.randint(3, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(1))
 
 
+GRAPHS = pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu-graph", "cpu-graph"])
+
+
 def generate(model_type, dtype, *, attn_implementation="sdpa", allocate=True, steps=DECODE_STEPS,
-             config=None, **config_overrides):
+             config=None, npu_dispatch=True, **config_overrides):
     """Eager and compiled generation side by side; returns (report, per-step comparisons).
 
     Each comparison is (logits, expected logits, [(cache tensor, expected), ...])."""
+    from npu_fx_fusion import FusionConfig
+
+    config = dataclasses.replace(config or FusionConfig(), npu_dispatch=npu_dispatch)
     tiny = build_hf(model_type, dtype=dtype, attn_implementation=attn_implementation, **config_overrides)
     lm = tiny.model.lm
     step = CacheStep(lm)
@@ -118,23 +127,24 @@ def _assert_fused(report, model):
         assert len(prolog) == model.prolog_near_misses and len(misses) == len(prolog), misses
         ops = graph.ops_after
         for unfused in ("aten.index_copy.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
-                        "aten._safe_softmax.default", "aten.rsqrt.default"):
+                        "npu.npu_fusion_attention_v3.default", "aten._safe_softmax.default", "aten.rsqrt.default"):
             assert ops[unfused] == 0, (unfused, ops[unfused])
         assert graph.cost_after.launches < graph.cost_before.launches
 
 
-def _check(model_type, dtype, **kwargs):
-    report, compared = generate(model_type, dtype, **kwargs)
+def _check(model_type, dtype, npu_dispatch=True, **kwargs):
+    report, compared = generate(model_type, dtype, npu_dispatch=npu_dispatch, **kwargs)
     _assert_steps_match(compared, dtype)
     _assert_fused(report, MODELS[model_type])
     return report
 
 
 # default run: one GQA model in fp32 and DeepSeek-V3's latent path in bf16
-def test_llama_static_cache_generation_fuses_prefill_and_decode():
+@GRAPHS
+def test_llama_static_cache_generation_fuses_prefill_and_decode(npu_dispatch):
     from npu_fx_fusion import FusionConfig
 
-    report = _check("llama", torch.float32, config=FusionConfig(verify=True))
+    report = _check("llama", torch.float32, npu_dispatch, config=FusionConfig(verify=True))
     assert all(s.verified.startswith("verified: max error") for s in report.sites), \
         [(s.pass_name, s.verified) for s in report.sites if not s.verified.startswith("verified")]
     prefill, decode = report.graphs
@@ -147,39 +157,45 @@ def test_llama_static_cache_generation_fuses_prefill_and_decode():
     assert all("scatter_update_ in place" in n for n in writes), writes
 
 
-def test_deepseek_v3_latent_cache_in_bf16():
-    _check("deepseek_v3", torch.bfloat16)
+@GRAPHS
+def test_deepseek_v3_latent_cache_in_bf16(npu_dispatch):
+    _check("deepseek_v3", torch.bfloat16, npu_dispatch)
 
 
 @pytest.mark.slow
+@GRAPHS
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v3"])
-def test_fp32(model_type):
-    _check(model_type, torch.float32)
+def test_fp32(model_type, npu_dispatch):
+    _check(model_type, torch.float32, npu_dispatch)
 
 
 @pytest.mark.slow
+@GRAPHS
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen3_moe"])
-def test_bf16(model_type):
-    _check(model_type, torch.bfloat16)
+def test_bf16(model_type, npu_dispatch):
+    _check(model_type, torch.bfloat16, npu_dispatch)
 
 
 @pytest.mark.slow
+@GRAPHS
 @pytest.mark.parametrize("model_type", list(MODELS))
-def test_fp16(model_type):
-    _check(model_type, torch.float16)
+def test_fp16(model_type, npu_dispatch):
+    _check(model_type, torch.float16, npu_dispatch)
 
 
 @pytest.mark.slow
 def test_eager_attention_fuses_too():
+    # eager attention is the same on both graphs but for aten.matmul (NPU) / bmm (CPU)
     _check("llama", torch.float32, attn_implementation="eager")
 
 
-def test_prefill_into_a_fresh_cache_is_proven_causal():
+@GRAPHS
+def test_prefill_into_a_fresh_cache_is_proven_causal(npu_dispatch):
     """A first prefill whose cache the step itself allocates: transformers then knows the
     cache is empty, slices the keys to the prompt and calls SDPA with is_causal=True, which
     the pass maps to sparse_mode 3 (top-left = right-down causal, S_q = S_kv). The caches are
     allocated in the graph (zeros), not inputs: the writes stay functional, and say so."""
-    report, compared = generate("llama", torch.float32, allocate=False, steps=0)
+    report, compared = generate("llama", torch.float32, allocate=False, steps=0, npu_dispatch=npu_dispatch)
     _assert_steps_match(compared, torch.float32)
     (prefill,) = report.graphs
     sites = {r.pass_name: r.sites for r in prefill.passes}
