@@ -212,6 +212,8 @@ def per_layer_summary(fusion_report: Any) -> dict:
             row["attention"][1] += 1
         elif miss.pass_name == "kv_cache":
             row["cache_writes"][1] += 1
+    for row in layers.values():  # by name: the sites come in pass order, which the passes' declarations set
+        row["fused_ops"].sort()
     return dict(sorted(layers.items()))
 
 
