@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
-FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer")
+FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer", "cann_ops_nn")
 
 
 @dataclass(frozen=True)
