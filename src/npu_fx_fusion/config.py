@@ -12,6 +12,10 @@ from typing import AbstractSet, Iterable, Optional
 # Pipeline order. rms_norm runs before add_rms_norm because add_rms_norm folds a residual
 # add into the npu_rms_norm calls that rms_norm produced (or that the model calls itself).
 PASS_NAMES: tuple[str, ...] = (
+    # DeepSeek-V4's hyper-connections first: mhc_pre's form contains an unweighted RMSNorm that
+    # rms_norm would otherwise take alone
+    "mhc_pre",
+    "mhc_post",
     "rms_norm",
     "add_rms_norm",
     "rope",
