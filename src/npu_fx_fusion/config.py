@@ -25,6 +25,9 @@ PASS_NAMES: tuple[str, ...] = (
     "moe_dispatch",
     "moe_gating",
     "grouped_matmul",
+    # DeepSeek-V4's attention (its CSA form takes the lightning indexer along): after rope, whose
+    # fused calls feed it
+    "sparse_mla",
     # sparse attention first: the fused indexer pads its indices with -1, which only the
     # fused sparse attention reads as the model's attention reads its own indices
     "sparse_attention",

@@ -867,10 +867,14 @@ def _non_empty_subsets(names: Sequence[str]) -> list[tuple[str, ...]]:
 
 
 def _custom_ops(gm: torch.fx.GraphModule) -> set[str]:
-    """The non-aten ops a traced function calls ("npu.npu_rms_norm", ...)."""
-    return {_op_name(n.target) for n in gm.graph.nodes
-            if isinstance(n.target, torch._ops.OpOverload)  # noqa: SLF001
-            and n.target.namespace not in ("aten", "prims")}
+    """The non-aten ops a traced function calls ("npu.npu_rms_norm", ...); a mutating op that
+    is called functionally (auto_functionalized_v2) counts as the op it wraps."""
+    from .report import functional_target
+
+    targets = [functional_target(n) for n in gm.graph.nodes if n.op == "call_function"]
+    return {_op_name(t) for t in targets
+            if isinstance(t, torch._ops.OpOverload)  # noqa: SLF001
+            and t.namespace not in ("aten", "prims")}
 
 
 def _op_name(target: torch._ops.OpOverload) -> str:  # noqa: SLF001

@@ -124,7 +124,17 @@ class PassResult:
 
 def op_counts(graph: torch.fx.Graph) -> Counter:
     """call_function targets by name ("aten.mul.Tensor", "npu.npu_rms_norm.default", ...)."""
-    return Counter(_target_name(n.target) for n in graph.nodes if n.op == "call_function")
+    return Counter(_target_name(functional_target(n)) for n in graph.nodes if n.op == "call_function")
+
+
+def functional_target(node: torch.fx.Node):
+    """The op a node runs: its target, or for a mutating op in a functional graph (the
+    higher-order op auto_functionalized(_v2) torch and torchair spell it with) the op it wraps."""
+    name = getattr(node.target, "__name__", "")
+    if name in ("auto_functionalized", "auto_functionalized_v2") and node.args \
+            and isinstance(node.args[0], torch._ops.OpOverload):  # noqa: SLF001
+        return node.args[0]
+    return node.target
 
 
 def _target_name(target) -> str:

@@ -181,15 +181,16 @@ _HF_MODELS: dict[str, tuple[dict[str, Any], bool, str]] = {
 # ---- DeepSeek-V4 (transformers 5.24 deepseek_v4) ----------------------------------------
 # Three layers, one of each attention kind (sliding window, compressed sparse attention
 # with its lightning indexer, heavily compressed attention) and both MoE kinds (hash-routed
-# first, then top-k). Sizes keep every mechanism live at seq_len 18: a window of 8 (the
-# band mask hides keys), CSA's 4:1 compression gives 4 blocks (+ a remainder of 2) of
-# which the indexer keeps 3, HCA's 8:1 gives 2 (+ 2); mHC over 4 streams with V4's 20
-# Sinkhorn iterations; the partial RoPE rotates the last 8 of 32 channels. The real
-# kernels' limits (head_dim 512, window 128, ratios 4 / 128, top-k 512 / 1024) are not
-# met: the passes fuse in emulation and note them on each site.
+# first, then top-k). Sizes keep every mechanism live at seq_len 18: CSA's 4:1 compression
+# gives 4 blocks (+ a remainder of 2) of which the indexer keeps 3, HCA's 8:1 gives 2 (+ 2);
+# mHC over 4 streams with V4's 20 Sinkhorn iterations; the partial RoPE rotates the last 8
+# of 32 channels. The sliding window is V4's 128 (the only one sparse_flash_mla takes), so at
+# 18 tokens the sliding part of every mask is the causal mask. The real kernels' other limits
+# (head_dim 512, HCA ratio 128, top-k 512 / 1024, bf16 only) are not met: the passes fuse in
+# emulation and note them on each site.
 _DEEPSEEK_V4 = dict(
     num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=32,
-    o_groups=2, o_lora_rank=16, sliding_window=8,
+    o_groups=2, o_lora_rank=16, sliding_window=128,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     index_n_heads=4, index_head_dim=16, index_topk=3, hc_mult=4, hc_sinkhorn_iters=20,
     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
