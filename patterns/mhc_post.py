@@ -19,7 +19,7 @@ the extension's Python MhcPostFunction, mirrored by MhcPost below (mhc_post_back
 """
 import torch
 
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -79,7 +79,7 @@ def check(site):
         return "post / comb are not floating point"
     cap = NPU_POST if site.form.fused_op == "npu.npu_mhc_post" else COT_POST
     return site.hardware_limits([
-        unsupported(cap.op, site.soc, x=x),
+        unsupported(cap.op, site.soc, x=x) or (only_on(cap.op) if site.soc is None and cap is NPU_POST else None),
         f"{n} streams: {cap.op} takes n in {cap.limits['streams']}" if n not in cap.limits["streams"] else None,
     ])
 

@@ -34,7 +34,7 @@ mhc_pre_sinkhorn(outFlag=True) and mhc_pre_sinkhorn_backward explicitly.
 import torch
 import torch.nn.functional as F
 
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -180,7 +180,10 @@ def check(site):
     n, d = x.shape[2], x.shape[3]
     if site.form.fused_op == "cann_ops_transformer.mhc_pre_sinkhorn":
         limits = PRE_SINKHORN.limits
-        if site.soc == "Ascend950":
+        if site.soc is None:  # emulation: both SoC families' rule
+            dim_reason = (f"C = {d}: mhc_pre_sinkhorn takes C 128-aligned on A2/A3, C in {limits['dims_950']} "
+                          "on Ascend950" if d % limits["a2_a3_dim_multiple"] or d not in limits["dims_950"] else None)
+        elif site.soc == "Ascend950":
             dim_reason = (f"C = {d}: on Ascend950 mhc_pre_sinkhorn takes C in {limits['dims_950']}"
                           if d not in limits["dims_950"] else None)
         else:
@@ -195,7 +198,7 @@ def check(site):
         ])
     low, high = SINKHORN.limits["iterations"]
     return site.hardware_limits([
-        unsupported("npu.npu_mhc_pre", site.soc, x=x),
+        unsupported("npu.npu_mhc_pre", site.soc, x=x) or (only_on("npu.npu_mhc_pre") if site.soc is None else None),
         unsupported("npu.npu_mhc_sinkhorn", site.soc, x=x.new_empty((*x.shape[:2], n, n), dtype=torch.float32)),
         f"{n} streams: npu_mhc_pre takes n in {MHC_PRE.limits['streams']}" if n not in MHC_PRE.limits["streams"]
         else None,

@@ -59,6 +59,12 @@ def gemma(x, weight, eps):
     return (h * (1.0 + weight.float())).type_as(x)
 
 
+def rstd_in_input_dtype(x, eps):
+    # DeepSeek-V4 DeepseekV4UnweightedRMSNorm (q_b_norm, the mHC input norms): the rstd is rounded
+    # to x's dtype and multiplies x in it (in fp32 this is no_weight's trace)
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def no_weight(x, eps):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -88,6 +94,7 @@ FORMS = [
     Form(torch_functional, npu_rms_norm),
     Form(divide_by_sqrt, npu_rms_norm),
     Form(gemma, npu_rms_norm_gemma),
+    Form(rstd_in_input_dtype, npu_rms_norm_unit_weight, dtypes=(torch.bfloat16, torch.float16)),
     Form(no_weight, npu_rms_norm_unit_weight),  # last: it is a sub-pattern of the others
 ]
 

@@ -336,8 +336,12 @@ def could_match(graph):
     _safe_softmax (transformers), or the clamp and gather of the keys (absorbed MLA). Its
     many forms (joint ones especially) take seconds to register."""
     targets = {node.target for node in graph.nodes if node.op == "call_function"}
-    return ({aten.scatter.value, aten._safe_softmax.default} <= targets
-            or {aten.clamp.default, aten.index.Tensor} <= targets)
+    if {aten.scatter.value, aten._safe_softmax.default} <= targets:
+        return True
+    # the gathered form clamps INTEGER indices (an activation clamp, DeepSeek-V4's SwiGLU, is no sign)
+    return aten.index.Tensor in targets and any(
+        is_call(node, aten.clamp.default) and tensor_meta(node) is not None
+        and not tensor_meta(node).is_floating_point() for node in graph.nodes)
 
 
 PASS = FusionPass(

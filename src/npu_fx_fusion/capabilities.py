@@ -981,4 +981,12 @@ CAPABILITIES["npu.npu_moe_gating_top_k"] = OpCapability(
     **{**_GATING.__dict__,
        "limits": {**_GATING.limits, "norm_types": (0, 1, 2), "norm_type_socs": {2: ("Ascend950",)},
                   "norm_type_2_torch_npu_docs": "undocumented (0 / 1 only)"}})
+
+
+def only_on(op: str) -> Optional[str]:
+    """For a SoC-restricted op: "<op> runs on <SoCs> only" (a site's note in emulation, where no
+    SoC is known), else None."""
+    cap = CAPABILITIES[op]
+    socs = [soc for soc in SOCS if cap.socs.get(soc, SocLimits()).supported]
+    return f"{op} runs on {', '.join(socs)} only" if len(socs) < len(SOCS) else None
 # ---- end of the DeepSeek-V4 block ----

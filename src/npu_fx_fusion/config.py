@@ -24,6 +24,10 @@ PASS_NAMES: tuple[str, ...] = (
     # feed a fused dispatch, which does not depend on their order
     "moe_dispatch",
     "moe_gating",
+    # DeepSeek-V4's clamped SwiGLU with the routed score folded in: inside the fused experts
+    # block (after moe_dispatch, and after moe_gating, which accepts the combine's weights only
+    # there), on the grouped GEMMs before grouped_matmul fuses them
+    "swiglu_group",
     "grouped_matmul",
     # DeepSeek-V4's attention (its CSA form takes the lightning indexer along): after rope, whose
     # fused calls feed it
