@@ -67,6 +67,9 @@ class OpCapability:
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves
     autograd_rule: Optional[str] = None
+    # nothing flows back through it: the passes use only integer outputs of it (top-k indices,
+    # tiling metadata), so a training graph may emit it although nothing differentiates it
+    gradient_free: bool = False
 
 
 CAPABILITIES: dict[str, OpCapability] = {
@@ -421,11 +424,14 @@ def capability(op: str) -> OpCapability:
 def has_backward(op: str) -> bool:
     """Whether a training graph may emit `op`: torch_npu differentiates it (`backward`)
     and, where the CPU stand-ins serve, the stand-in implements that backward too; or our
-    own `autograd_rule` differentiates it (the same on an NPU and with the stand-ins).
+    own `autograd_rule` differentiates it (the same on an NPU and with the stand-ins); or it is
+    `gradient_free` (only its integer outputs are used).
 
     Joint-graph patterns are registered only for forms whose emitted ops all pass this:
     an op without one would fail the whole compile when its replacement is traced."""
     cap = capability(op)
+    if cap.gradient_free:
+        return True
     if cap.backward is None:
         return cap.autograd_rule is not None
     from .npu_ops import real_torch_npu_available, stand_in_differentiable
@@ -884,7 +890,7 @@ CAPABILITIES.update({
         ),
         OpCapability(
             op="cann_ops_transformer.sparse_flash_mla_metadata", dtypes=frozenset({torch.int32}), min_rank=1,
-            max_rank=1, backward=None, ge_converter=False, socs=_A2_A3_950,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
             limits={"package": "cann_ops_transformer", "output": "int32[1024], shape-only tiling"},
             doc="sparse_flash_mla's AICPU tiling metadata (COT ops/sparse_flash_mla.py); its GE converter raises",
         ),
@@ -898,7 +904,7 @@ CAPABILITIES.update({
         ),
         OpCapability(
             op="cann_ops_transformer.sparse_flash_mla_grad_metadata", dtypes=frozenset({torch.int32}), min_rank=1,
-            max_rank=1, backward=None, ge_converter=False, socs=_A2_A3_950,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
             limits={"package": "cann_ops_transformer"},
             doc="sparse_flash_mla_grad's tiling metadata (COT ops/sparse_flash_mla_grad.py)",
         ),
@@ -908,6 +914,7 @@ CAPABILITIES.update({
             min_rank=3,
             max_rank=4,
             backward=None,  # returns indices: no gradient
+            gradient_free=True,  # the CSA form uses its int32 indices only (return_value False)
             ge_converter=False,  # graph_convert_lightning_indexer.py: the metadata op only, and it raises
             socs=_A2_A3_950,
             limits={
@@ -924,7 +931,7 @@ CAPABILITIES.update({
         ),
         OpCapability(
             op="cann_ops_transformer.lightning_indexer_metadata", dtypes=frozenset({torch.int32}), min_rank=1,
-            max_rank=1, backward=None, ge_converter=False, socs=_A2_A3_950,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
             limits={"package": "cann_ops_transformer"},
             doc="lightning_indexer's tiling metadata (COT ops/lightning_indexer.py); its GE converter raises",
         ),

@@ -18,10 +18,12 @@ Two decisions matter for correctness:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -38,6 +40,34 @@ log = logging.getLogger("npu_fx_fusion.matching")
 
 Node = torch.fx.Node
 Reason = Optional[str]  # None: fine; a string: why not
+
+
+# Deep patterns (DeepSeek-V4's 20-iteration Sinkhorn: ~200 nodes in a chain forward, twice that
+# joint) need two things torch's matcher does not give them: a recursion limit above Python's
+# 1000 (pattern building and matching recurse once per pattern node, a few frames each), and a
+# duplicate check that does not print list arguments (cat's) with repr, which recurses through
+# shared sub-patterns without PatternPrettyPrinter's memo: exponential in a chain's length.
+_PATTERN_RECURSION_LIMIT = 10000
+
+
+@contextlib.contextmanager
+def _deep_pattern_support():
+    limit = sys.getrecursionlimit()
+    original = pm.PatternPrettyPrinter.pretty_print
+
+    def pretty_print(printer, obj):
+        if isinstance(obj, (list, tuple)):
+            inner = ", ".join(pretty_print(printer, item) for item in obj)
+            return f"[{inner}]" if isinstance(obj, list) else f"({inner})"
+        return original(printer, obj)
+
+    sys.setrecursionlimit(max(limit, _PATTERN_RECURSION_LIMIT))
+    pm.PatternPrettyPrinter.pretty_print = pretty_print
+    try:
+        yield
+    finally:
+        pm.PatternPrettyPrinter.pretty_print = original
+        sys.setrecursionlimit(limit)
 
 
 def trace_without_decompositions(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
@@ -400,7 +430,7 @@ class FusionPass:
     def matcher(self) -> pm.PatternMatcherPass:
         npu_ops.ensure_registered()
         matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}")
-        with FakeTensorMode():
+        with FakeTensorMode(), _deep_pattern_support():
             for form in self.forms:
                 # Duplicates are skipped within a form (its dtype and cast-spelling traces
                 # often coincide) but not across forms: two forms may share a search
@@ -435,7 +465,7 @@ class FusionPass:
         matcher = pm.PatternMatcherPass(pass_name=f"npu_fx_fusion.{self.name}.joint")
         registered = []
         self._npu_cast_spelling_pending = []
-        with FakeTensorMode():
+        with FakeTensorMode(), _deep_pattern_support():
             for form in self.forms:
                 if not all(has_backward(op) for op in self.emitted_ops[form]):
                     continue
@@ -461,7 +491,7 @@ class FusionPass:
         from .joint import trace_joint_with_npu_dtype_casts
 
         pending, self._npu_cast_spelling_pending = self._npu_cast_spelling_pending, []
-        with FakeTensorMode():
+        with FakeTensorMode(), _deep_pattern_support():
             for form, dtype, subset, variant in pending:
                 matcher.seen_patterns.clear()
                 self._register_joint(matcher, form, dtype, subset, trace_joint_with_npu_dtype_casts, variant)
@@ -759,7 +789,8 @@ class FusionPass:
         self._run = run
         existing = set(gm.graph.nodes)
         try:
-            count = matcher.apply(gm) if matcher is not None else 0
+            with _deep_pattern_support():
+                count = matcher.apply(gm) if matcher is not None else 0
         finally:
             self._run = None
         _inherit_source_meta([n for n in gm.graph.nodes if n not in existing])
