@@ -49,13 +49,15 @@ replacement per convention, chosen by SoC (in emulation: with metadata).
 
 Training: the extension has no autograd for sparse_flash_mla; SparseFlashMla below asks
 for its lse and calls sparse_flash_mla_grad (dq, dori_kv, dcmp_kv, dsinks). The indexer has
-no gradient (it selects).
+no gradient (it selects). The joint forms do not match transformers' training graphs yet
+(TRAINING_REASON: an engine canonicalisation is missing); their sites are near misses.
 """
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason
+from npu_fx_fusion.joint import is_joint_graph
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -361,7 +363,13 @@ def _indexer_shape_reason(site):
 
 
 def check(site):
-    reason = _metadata_reason(site) or _attention_reason(site)
+    # the metadata convention last: a site refused by the kernel's limits is reported with
+    # them, not with the convention of the form that happened to be tried first
+    return _site_reason(site) or _metadata_reason(site)
+
+
+def _site_reason(site):
+    reason = _attention_reason(site)
     if reason:
         return reason
     if site.form.search is deepseek_v4_sliding_attention:
@@ -392,12 +400,29 @@ def anchor(node):
     return _sink_softmax(node)
 
 
+# Training graphs: DeepseekV4Attention transposes its output back for the inverse RoPE, so the
+# gradient reaching the output's `.contiguous()` is the transpose of a (B, H, S, D)-contiguous
+# one and autograd reshapes it for the bmm backward with a view; a joint pattern is traced with
+# a tangent in the output's own layout, whose reshape copies (clone + _unsafe_view). Same
+# values, other nodes: matching needs one canonical spelling of a reshape in backward graphs
+# (an engine canonicalisation; with it all three kinds train fused, see docs/passes/sparse_mla.md).
+TRAINING_REASON = (
+    "DeepSeek-V4's attention in a training graph: its backward reshapes the output gradient with a view "
+    "where the traced joint pattern copies (clone + _unsafe_view), because the inverse RoPE hands back a "
+    "(B, H, S, D)-contiguous gradient; joint matching needs the engine to spell both as one reshape")
+
+
 def explain(node):
-    logits = node.args[0].args[0].args[0][0]
-    meta = tensor_meta(logits)
+    values = tensor_meta(node)
+    if values is not None and any(isinstance(size, torch.SymInt) for size in values.shape):
+        # the sliding mask is evaluated at compile time, the metadata op takes int sizes
+        return ("DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from "
+                "static sizes and the metadata ops take static ones")
+    if is_joint_graph(node.graph):
+        return TRAINING_REASON
     return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
             "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
-            f"its masks and, for CSA, the lightning indexer in the same graph){'' if meta is None else ''}")
+            "its masks and, for CSA, the lightning indexer in the same graph)")
 
 
 PASS = FusionPass(

@@ -13,7 +13,7 @@ in front of W2, into swiglu_group's per-row weight (hicann/ops-nn aclnnSwigluGro
 clamps, then `y * weight`). That is what torchtitan-npu's npu_swiglu_group does, and what this
 pass does where moe_dispatch has already fused the block (it runs after moe_dispatch and
 moe_gating): the block's combine then sums unweighted, finalize_routing(scales=None) in
-inference, npu_moe_token_unpermute(probs=None) in training. The check proves what the move
+inference, npu_moe_token_unpermute with probs of ones in training (None would mean top-1). The check proves what the move
 needs: the down GEMM is a grouped GEMM with no bias, and the score multiplies whole rows (one
 per token-expert pair, the combine's own weights, put in the rows' order by the routing's own
 row map).
@@ -124,7 +124,9 @@ def _forms_for(gemm, gemm_name, dtype):
 
     def permute_block_folded(x_g, w_gate_up, w_down, offsets, weights, src_to_dst, swiglu_limit, swiglu_min):
         h = _swiglu_group_folded(gemm(x_g, w_gate_up, offsets), _folded_weight(weights, src_to_dst), swiglu_limit)
-        return torch.ops.npu.npu_moe_token_unpermute(gemm(h, w_down, offsets), src_to_dst, None)
+        # probs of ones, not None: unpermute reads top-k from probs (None is top-1, one row per
+        # token); multiplying by 1 is exact, the op's fp32 sum over the K rows stays
+        return torch.ops.npu.npu_moe_token_unpermute(gemm(h, w_down, offsets), src_to_dst, torch.ones_like(weights))
 
     init_routing_block.__name__ = f"init_routing_{gemm_name}_clamped_swiglu_finalize"
     permute_block.__name__ = f"token_permute_{gemm_name}_clamped_swiglu_unpermute"
