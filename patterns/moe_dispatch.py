@@ -134,7 +134,7 @@ def _transformers_block(gemm, act):
 
 def _v4_clamped_swiglu(h, swiglu_limit, swiglu_min):
     # transformers DeepseekV4Experts._apply_gate (the grouped_mm / batched_mm experts call it):
-    # the gate capped at the limit, up clamped to [-limit, limit] (check: swiglu_min == -swiglu_limit)
+    # the gate capped at the limit, up clamped to [swiglu_min, limit] (transformers: min = -limit)
     gate, up = h.chunk(2, dim=-1)
     gate = gate.clamp(max=swiglu_limit)
     up = up.clamp(min=swiglu_min, max=swiglu_limit)
@@ -143,8 +143,9 @@ def _v4_clamped_swiglu(h, swiglu_limit, swiglu_min):
 
 def _deepseek_v4_block(gemm):
     """transformers' grouped_mm experts block around DeepSeek-V4's clamped SwiGLU: the same
-    routing as _transformers_block, the activation's two clamp limits captured (the swiglu_group
-    pass fuses the activation, with the routed score, inside the fused block)."""
+    routing as _transformers_block, the activation's two clamp limits captured and replayed as
+    they are (any pair: the replacement keeps the activation; the swiglu_group pass, which needs
+    [-limit, limit], fuses it with the routed score inside the fused block)."""
 
     def search(x, ids, weights, w_gate_up, w_down, num_experts, swiglu_limit, swiglu_min):
         top_k, tokens, hidden = ids.size(-1), x.size(0), x.size(-1)
@@ -315,9 +316,6 @@ _TORCHTITAN_TRAINABLE_FORM = Form(_search, _replace_trainable, dtypes=(torch.flo
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
     x, ids, weights = site["x"], site["ids"], site["weights"]
-    if "swiglu_limit" in site.args and site["swiglu_min"] != -site["swiglu_limit"]:
-        return (f"up is clamped to [{site['swiglu_min']}, {site['swiglu_limit']}]: DeepSeek-V4's clamped SwiGLU "
-                "(and swiglu_group / npu_clipped_swiglu) clamp it to [-limit, limit]")
     experts = _expert_count(site.args)
     ops = (("npu.npu_moe_token_permute", "npu.npu_moe_token_unpermute")
            if site.form.fused_op == "npu.npu_moe_token_permute"
