@@ -57,8 +57,7 @@ import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason
-from npu_fx_fusion.joint import is_joint_graph
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_call, is_joint_graph, tensor_meta
 
 aten = torch.ops.aten
 cot = torch.ops.cann_ops_transformer
@@ -427,6 +426,8 @@ def explain(node):
 
 PASS = FusionPass(
     name="sparse_mla",
+    # its forms read the fused partial RoPE calls
+    after=("rope",),
     fused_op="cann_ops_transformer.sparse_flash_mla",
     forms=FORMS,
     example={

@@ -232,6 +232,9 @@ def explain(mul):
 
 PASS = FusionPass(
     name="swiglu_group",
+    # inside the fused experts block (moe_dispatch), reading the combine's weights, which
+    # moe_gating accepts only there
+    after=("moe_dispatch", "moe_gating"),
     fused_op="cann_ops_nn.swiglu_group",
     forms=forms,
     example={
