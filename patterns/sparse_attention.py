@@ -408,12 +408,8 @@ def could_match(graph):
     many forms (joint ones especially) take seconds to register."""
     targets = {node.target for node in graph.nodes if node.op == "call_function"}
     flash = {torch.ops.npu.npu_fusion_attention_v3.default, torch.ops.npu.npu_fusion_attention.default}
-    if aten.scatter.value in targets and (aten._safe_softmax.default in targets or flash & targets):
-        return True
-    # the gathered form clamps INTEGER indices (an activation clamp, DeepSeek-V4's SwiGLU, is no sign)
-    return aten.index.Tensor in targets and any(
-        is_call(node, aten.clamp.default) and tensor_meta(node) is not None
-        and not tensor_meta(node).is_floating_point() for node in graph.nodes)
+    return ((aten.scatter.value in targets and (aten._safe_softmax.default in targets or flash & targets))
+            or {aten.clamp.default, aten.index.Tensor} <= targets)
 
 
 PASS = FusionPass(

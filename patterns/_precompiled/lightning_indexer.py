@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '573c931dadb24ec7',
+KEY = {'torch': '2.13.0+cpu', 'sources': '85e389905149bf10',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

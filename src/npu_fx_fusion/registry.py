@@ -16,6 +16,7 @@ tests/test_precompiled.py regenerates every file and fails on drift.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import importlib.util
 import itertools
 import logging
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -48,6 +50,24 @@ PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 # The engine modules whose code decides what a trace (and so a pattern) looks like.
 _TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings")
 
+# Deep patterns (DeepSeek-V4's 20-iteration Sinkhorn, patterns/mhc_pre.py: a chain of ~200
+# nodes forward, twice that joint) recurse once per pattern node, a few frames each, in torch's
+# pattern building (fx_to_pattern), printing (PatternPrettyPrinter.memoize), respelling and
+# matching (PatternExpr.match): past Python's default limit of 1000 frames.
+PATTERN_RECURSION_LIMIT = 10000
+
+
+@contextlib.contextmanager
+def deep_patterns():
+    """Raise the recursion limit to PATTERN_RECURSION_LIMIT while building, printing or
+    matching patterns (usable as a decorator)."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, PATTERN_RECURSION_LIMIT))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(limit)
+
 
 @dataclass(frozen=True)
 class Registration:
@@ -60,6 +80,7 @@ class Registration:
     requires_grad: tuple[str, ...] = ()  # joint kinds: the arguments traced as requiring grad
 
     @functools.cached_property
+    @deep_patterns()
     def spelled(self) -> tuple[pm.PatternExpr, ...]:
         """The pattern accepting every spelling of each of its nodes, one per spelling of
         its root (spellings.py): what the matcher runs."""
@@ -93,10 +114,12 @@ class PatternSet:
     replacements: dict = field(default_factory=dict)
 
     @functools.cached_property
+    @deep_patterns()
     def forward(self) -> tuple[Registration, ...]:
         return self.build_forward()
 
     @functools.cached_property
+    @deep_patterns()
     def joint(self) -> tuple[Registration, ...]:
         return self.build_joint()
 
@@ -137,6 +160,7 @@ def _target_of(name: str) -> Any:
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+@deep_patterns()
 def pattern_set(fusion_pass: FusionPass) -> PatternSet:
     """The patterns of `fusion_pass`'s current forms, built on first use and kept on the pass."""
     forms = fusion_pass.forms
@@ -403,12 +427,14 @@ def import_optional_form_libraries() -> None:
     import transformers.integrations.moe  # noqa: F401
 
 
+@deep_patterns()
 def trace_patterns(fusion_pass: FusionPass) -> PatternSet:
     """The pass's patterns traced from its forms, whatever is precompiled."""
     npu_ops.ensure_registered()
     return _trace(fusion_pass, fusion_pass.forms)
 
 
+@deep_patterns()
 def precompiled_source(fusion_pass: FusionPass, traced: Optional[PatternSet] = None) -> str:
     """The text of patterns/_precompiled/<pass>.py for the current sources: every form the
     pass can have (every optional library it matches must be importable here). `traced`:
