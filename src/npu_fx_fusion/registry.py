@@ -56,16 +56,48 @@ _TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "n
 # matching (PatternExpr.match): past Python's default limit of 1000 frames.
 PATTERN_RECURSION_LIMIT = 10000
 
+# A multi-output pattern finds its later outputs by walking each one's sub-patterns down to
+# a node the first output matched (torch's _TargetArgsExpr.find_anchor_nodes). The walk has
+# no memo, so through a chain whose steps read the step before twice (Sinkhorn's
+# x / x.sum(-1)) it takes 2**steps paths: a graph with another iteration count than the
+# pattern's never finishes. Expanding each sub-pattern once per search yields the same
+# candidates: a second expansion can only yield nodes the first already put in `searched`
+# (the match state is restored between candidates, and in a DAG the first expansion ends
+# before the second begins). {id(searched): (searched, expanded patterns)}, while matching.
+_ORIGINAL_FIND_ANCHOR_NODES = pm._TargetArgsExpr.find_anchor_nodes  # noqa: SLF001
+_EXPANDED: dict[int, tuple[Any, set]] = {}
+_DEEP_PATTERN_DEPTH = [0]
+
+
+def _find_anchor_nodes_once(self: Any, ctx: Any, searched: Any):
+    if self in ctx.pattern_to_node:
+        yield ctx.pattern_to_node[self]
+        return
+    entry = _EXPANDED.get(id(searched))
+    if entry is None or entry[0] is not searched:
+        entry = _EXPANDED[id(searched)] = (searched, set())  # holds `searched`: its id stays its own
+    if self in entry[1]:
+        return
+    entry[1].add(self)
+    yield from _ORIGINAL_FIND_ANCHOR_NODES(self, ctx, searched)
+
 
 @contextlib.contextmanager
 def deep_patterns():
-    """Raise the recursion limit to PATTERN_RECURSION_LIMIT while building, printing or
-    matching patterns (usable as a decorator)."""
+    """While building, printing or matching patterns (usable as a decorator): the recursion
+    limit raised to PATTERN_RECURSION_LIMIT, and each multi-output search expanding a
+    sub-pattern once."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, PATTERN_RECURSION_LIMIT))
+    _DEEP_PATTERN_DEPTH[0] += 1
+    pm._TargetArgsExpr.find_anchor_nodes = _find_anchor_nodes_once  # noqa: SLF001
     try:
         yield
     finally:
+        _DEEP_PATTERN_DEPTH[0] -= 1
+        if not _DEEP_PATTERN_DEPTH[0]:
+            pm._TargetArgsExpr.find_anchor_nodes = _ORIGINAL_FIND_ANCHOR_NODES  # noqa: SLF001
+            _EXPANDED.clear()
         sys.setrecursionlimit(limit)
 
 
