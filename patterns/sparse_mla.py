@@ -392,7 +392,17 @@ def _sink_softmax(node):
     shifted = node.args[0]
     if not is_call(shifted, aten.sub.Tensor) or not is_call(shifted.args[0], aten.cat.default):
         return False
-    return any(is_call(u, aten.slice.Tensor) and u.args[-1] == -1 for u in node.users)
+    return any(is_call(u, aten.slice.Tensor) and _drops_last_column(u) for u in node.users)
+
+
+def _drops_last_column(slice_node):
+    """slice(p, -1, 0, -1): `[..., :-1]`, whose end the engine's canonicalisation spells as
+    the dim's size - 1 (canonical._canonical_slice_bounds)."""
+    values = tensor_meta(slice_node.args[0])
+    if values is None or len(slice_node.args) < 4 or slice_node.args[1] not in (-1, values.dim() - 1):
+        return False
+    end = slice_node.args[3]
+    return end == -1 or (isinstance(end, int) and end == values.shape[-1] - 1)
 
 
 def anchor(node):
