@@ -49,15 +49,18 @@ replacement per convention, chosen by SoC (in emulation: with metadata).
 
 Training: the extension has no autograd for sparse_flash_mla; SparseFlashMla below asks
 for its lse and calls sparse_flash_mla_grad (dq, dori_kv, dcmp_kv, dsinks). The indexer has
-no gradient (it selects). The joint forms do not match transformers' training graphs yet
-(TRAINING_REASON: an engine canonicalisation is missing); their sites are near misses.
+no gradient (it selects). In transformers' training graphs the output gradient reaches the
+bmm backward through a view (the inverse RoPE hands back a (B, H, S, D)-contiguous gradient)
+where the traced joint pattern copies (clone + _unsafe_view); the engine's joint-graph
+canonicalisation (canonical.normalize_joint_graph) spells both alike, so the joint forms match
+(tests/test_sparse_mla.py trains SWA, HCA and CSA through sparse_flash_mla_grad).
 """
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason
-from npu_fx_fusion.matching import Form, FusionPass, is_call, is_joint_graph, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
 cot = torch.ops.cann_ops_transformer
@@ -409,26 +412,12 @@ def anchor(node):
     return _sink_softmax(node)
 
 
-# Training graphs: DeepseekV4Attention transposes its output back for the inverse RoPE, so the
-# gradient reaching the output's `.contiguous()` is the transpose of a (B, H, S, D)-contiguous
-# one and autograd reshapes it for the bmm backward with a view; a joint pattern is traced with
-# a tangent in the output's own layout, whose reshape copies (clone + _unsafe_view). Same
-# values, other nodes: matching needs one canonical spelling of a reshape in backward graphs
-# (an engine canonicalisation; with it all three kinds train fused, see docs/passes/sparse_mla.md).
-TRAINING_REASON = (
-    "DeepSeek-V4's attention in a training graph: its backward reshapes the output gradient with a view "
-    "where the traced joint pattern copies (clone + _unsafe_view), because the inverse RoPE hands back a "
-    "(B, H, S, D)-contiguous gradient; joint matching needs the engine to spell both as one reshape")
-
-
 def explain(node):
     values = tensor_meta(node)
     if values is not None and any(isinstance(size, torch.SymInt) for size in values.shape):
         # the sliding mask is evaluated at compile time, the metadata op takes int sizes
         return ("DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from "
                 "static sizes and the metadata ops take static ones")
-    if is_joint_graph(node.graph):
-        return TRAINING_REASON
     return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
             "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
             "its masks and, for CSA, the lightning indexer in the same graph)")
