@@ -93,7 +93,8 @@ def _transposed_bmm_operand(node):
 
 def anchor(node):
     """`post * o + comb^T @ X` candidates: an add of a broadcast product and a bmm over (n, n)
-    matrices of a transposed comb."""
+    matrices of a transposed comb (an aten.matmul in an NPU graph, which keeps it unsplit:
+    npu_dispatch.py)."""
     if not is_call(node, aten.add.Tensor) or len(node.args) < 2:
         return False
     out = tensor_meta(node)
@@ -101,7 +102,7 @@ def anchor(node):
         return False
     for operand in node.args[:2]:
         mixed = operand.args[0] if is_call(operand, aten.view.default) else operand
-        if is_call(mixed, aten.bmm.default):
+        if is_call(mixed, aten.bmm.default, aten.matmul.default):
             left = _transposed_bmm_operand(mixed.args[0])
             meta = tensor_meta(left)
             if is_call(left, aten.transpose.int) and meta is not None and meta.shape[-1] == meta.shape[-2] \

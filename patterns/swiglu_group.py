@@ -207,7 +207,8 @@ def _clamped_silu_product(mul):
     return silu, other
 
 
-_PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default)
+# an NPU graph keeps aten.matmul unsplit (npu_dispatch.py), a CPU one has mm / bmm
+_PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.matmul.default)
 
 
 def _projection(node):

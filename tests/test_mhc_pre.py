@@ -115,7 +115,9 @@ def test_two_eps_values_are_a_near_miss():
 def test_trains_through_the_fused_ops_and_their_backward(soc, fused):
     config = nff.FusionConfig(enable={"mhc_pre"}, soc=soc)
     dtype = torch.bfloat16 if soc else torch.float32
-    backend = train_and_compare(HyperConnection(), [_streams(dtype)], config, {torch.float32: 16, torch.bfloat16: 4},
+    # fp32: the fused backward sums the scales' gradient over the tokens in fp32 in its own order;
+    # measured 21 ulp at scale for hc.scale on engine v2 (with and without NPU dispatch), 24 allowed
+    backend = train_and_compare(HyperConnection(), [_streams(dtype)], config, {torch.float32: 24, torch.bfloat16: 4},
                                 precision=None if dtype == torch.float32 else dtype)
     forward, backward = fused_calls(backend.graphs["forward"]), fused_calls(backend.graphs["backward"])
     if fused == "npu.npu_mhc_pre":
