@@ -31,6 +31,8 @@ torch's clamp passes it): they differ only on exact ties.
 Not fused, and reported: the shared expert's separate gate and up projections (DeepseekV4MLP)
 would need their outputs concatenated for either op (swiglu_group's input is one [.., 2I]).
 """
+import functools
+
 import torch
 
 from npu_fx_fusion import interop
@@ -100,6 +102,9 @@ def _swiglu_group_folded(h, weight, swiglu_limit):
     return torch.ops.cann_ops_nn.swiglu_group(h.contiguous(), weight=weight, clamp_limit=swiglu_limit)
 
 
+# made once per op: forms() is asked at every run, and a pass's forms are compared by identity
+# (its registrations, the precompiled patterns)
+@functools.cache
 def _forms_for(gemm, gemm_name, dtype):
     experts = _experts(gemm, _clamped_swiglu)
 
@@ -133,9 +138,9 @@ def _forms_for(gemm, gemm_name, dtype):
     init_routing_block_folded.__name__ = "swiglu_group_score_before_w2_finalize"
     permute_block_folded.__name__ = "swiglu_group_score_before_w2_unpermute"
     common = dict(dtypes=(dtype,), fused_op="cann_ops_nn.swiglu_group")
-    return [Form(init_routing_block, init_routing_block_folded, grad_subsets=(), **common),
+    return (Form(init_routing_block, init_routing_block_folded, grad_subsets=(), **common),
             Form(permute_block, permute_block_folded, grad_subsets=(("x_g", "w_gate_up", "w_down", "weights"),),
-                 **common)]
+                 **common))
 
 
 def deepseek_v4_clamped_swiglu(h, swiglu_limit, swiglu_min):
@@ -155,7 +160,7 @@ _CLIPPED_FORM = Form(deepseek_v4_clamped_swiglu, npu_clipped_swiglu, dtypes=(tor
 def forms():
     """The fp32 block runs transformers' grouped_mm_fallback op: its forms exist once
     transformers is imported (asked at every apply)."""
-    found = _forms_for(_grouped_mm, "grouped_mm", torch.bfloat16)
+    found = list(_forms_for(_grouped_mm, "grouped_mm", torch.bfloat16))
     if interop.transformers_grouped_mm_fallback() is not None:
         found += _forms_for(_grouped_mm_fallback, "grouped_mm_fallback", torch.float32)
     return found + [_CLIPPED_FORM]

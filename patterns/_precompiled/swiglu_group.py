@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5ec8bdb2da335c81',
+KEY = {'torch': '2.13.0+cpu', 'sources': '90608c94189ba384',
        'backward': {'cann_ops_nn.swiglu_group': True, 'npu.npu_clipped_swiglu': False}}
 
 FORMS = {
