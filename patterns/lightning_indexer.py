@@ -190,8 +190,10 @@ def explain(topk):
 PASS = FusionPass(
     name="lightning_indexer",
     # the fused indexer pads its indices with -1, which only the fused sparse attention
-    # reads as the model's attention reads its own indices
-    after=("sparse_attention",),
+    # reads as the model's attention reads its own indices. sparse_mla: DeepSeek-V4's CSA form
+    # spans its indexer (the threshold is shared by the indexer's mask and the attention's), to
+    # cann_ops_transformer.lightning_indexer, whose cmp_ratio npu_lightning_indexer lacks
+    after=("sparse_attention", "sparse_mla"),
     fused_op="npu.npu_lightning_indexer",
     forms=FORMS,
     example={

@@ -132,6 +132,55 @@ def _transformers_block(gemm, act):
     return search, replace, replace_trainable
 
 
+def _v4_clamped_swiglu(h, swiglu_limit, swiglu_min):
+    # transformers DeepseekV4Experts._apply_gate (the grouped_mm / batched_mm experts call it):
+    # the gate capped at the limit, up clamped to [swiglu_min, limit] (transformers: min = -limit)
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=swiglu_limit)
+    up = up.clamp(min=swiglu_min, max=swiglu_limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _deepseek_v4_block(gemm):
+    """transformers' grouped_mm experts block around DeepSeek-V4's clamped SwiGLU: the same
+    routing as _transformers_block, the activation's two clamp limits captured and replayed as
+    they are (any pair: the replacement keeps the activation; the swiglu_group pass, which needs
+    [-limit, limit], fuses it with the routed score inside the fused block)."""
+
+    def search(x, ids, weights, w_gate_up, w_down, num_experts, swiglu_limit, swiglu_min):
+        top_k, tokens, hidden = ids.size(-1), x.size(0), x.size(-1)
+        sample_weights = weights.reshape(-1)
+        expert_ids_g, perm = torch.sort(ids.reshape(-1))
+        x_g = x[perm // top_k]
+        w_g = sample_weights[perm]
+        counts = torch.histc(expert_ids_g.float(), bins=num_experts, min=0, max=num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        y = gemm(_v4_clamped_swiglu(gemm(x_g, w_gate_up, offsets), swiglu_limit, swiglu_min), w_down, offsets)
+        weighted = y * w_g.unsqueeze(-1)
+        inv = torch.empty_like(perm).index_put((perm,), torch.arange(perm.size(0), device=perm.device))
+        return weighted[inv].view(tokens, top_k, hidden).sum(dim=1)
+
+    def replace(x, ids, weights, w_gate_up, w_down, num_experts, swiglu_limit, swiglu_min):
+        x_g, row_idx, counts, _ = _init_routing(x, ids, num_experts)
+        offsets = counts.cumsum(0).to(torch.int32)
+        y = gemm(_v4_clamped_swiglu(gemm(x_g, w_gate_up, offsets), swiglu_limit, swiglu_min), w_down, offsets)
+        return _finalize(y, weights, row_idx, ids)
+
+    def replace_trainable(x, ids, weights, w_gate_up, w_down, num_experts, swiglu_limit, swiglu_min):
+        x_g, src_to_dst = torch.ops.npu.npu_moe_token_permute(x, ids)
+        counts = torch.histc(ids.reshape(-1).float(), bins=num_experts, min=0, max=num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        y = gemm(_v4_clamped_swiglu(gemm(x_g, w_gate_up, offsets), swiglu_limit, swiglu_min), w_down, offsets)
+        dtype = torch.promote_types(y.dtype, weights.dtype)
+        return torch.ops.npu.npu_moe_token_unpermute(y.to(dtype), src_to_dst, weights.to(dtype))
+
+    gemm_name = "grouped_mm" if gemm is _grouped_mm else "grouped_mm_fallback"
+    search.__name__ = f"transformers_{gemm_name}_experts_deepseek_v4_clamped_swiglu"
+    replace.__name__ = f"init_routing_finalize_{gemm_name}_clamped_swiglu"
+    replace_trainable.__name__ = f"token_permute_unpermute_{gemm_name}_clamped_swiglu"
+    return search, replace, replace_trainable
+
+
 def _transformers_batched_block(act):
     """transformers' batched_mm experts: each token repeated k times, a weight gathered per
     (token, expert) pair and a bmm, no sort at all. The weights are the parameters as
@@ -227,7 +276,7 @@ def forms():
     gemms = [(_grouped_mm, torch.bfloat16)]
     if interop.transformers_grouped_mm_fallback() is not None:
         gemms.append((_grouped_mm_fallback, torch.float32))
-    grouped = [form for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused)
+    grouped = [form for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused, _v4_clamped_swiglu)
                for form in _FORMS[(gemm, act)]]
     torchtitan = ([_TORCHTITAN_FORM, _TORCHTITAN_TRAINABLE_FORM]
                   if interop.torchtitan_deterministic_scatter_add() is not None else [])
@@ -245,6 +294,14 @@ for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torc
             Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2"),
             Form(_search, _replace_trainable, dtypes=(_dtype,), fused_op="npu.npu_moe_token_permute",
                  grad_subsets=(("x", "weights", "w_gate_up", "w_down"),)))
+
+
+for _gemm, _dtype in ((_grouped_mm, torch.bfloat16), (_grouped_mm_fallback, torch.float32)):
+    _search, _replace, _replace_trainable = _deepseek_v4_block(_gemm)
+    _FORMS[(_gemm, _v4_clamped_swiglu)] = (
+        Form(_search, _replace, dtypes=(_dtype,), fused_op="npu.npu_moe_init_routing_v2"),
+        Form(_search, _replace_trainable, dtypes=(_dtype,), fused_op="npu.npu_moe_token_permute",
+             grad_subsets=(("x", "weights", "w_gate_up", "w_down"),)))
 
 
 _search, _replace, _replace_trainable = _torchtitan_block()
@@ -337,6 +394,9 @@ PASS = FusionPass(
         "w2": lambda dtype: torch.empty(5, 16, 8, dtype=dtype),
         "w3": lambda dtype: torch.empty(5, 8, 16, dtype=dtype),
         "counts": lambda dtype: torch.empty(5, dtype=torch.int64),
+        # DeepSeek-V4's clamped SwiGLU limits (swiglu_limit, -swiglu_limit)
+        "swiglu_limit": 1.75,
+        "swiglu_min": -1.75,
     },
     # DeepSeek weights its bf16 rows with fp32 routing weights: the same forward ops, but
     # the joint traces differ (the gradients are cast back to each side's dtype)

@@ -157,6 +157,39 @@ def npu_moe_gating_top_k_sigmoid_grouped(gate_scores, bias, top_k, n_group, topk
                          routed_scaling_factor=routed_scaling_factor)
 
 
+# ---- DeepSeek-V4's routers: sqrt(softplus) scores (norm_type 2), top-k or hash-routed ----------
+def deepseek_v4_sqrt_softplus_top_k(gate_logits, bias, top_k, routed_scaling_factor):
+    """transformers DeepseekV4TopKRouter after its gate GEMM (ACT2FN["sqrtsoftplus"])."""
+    scores = torch.nn.functional.softplus(gate_logits).sqrt()
+    ids = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + EPS)
+    return weights * routed_scaling_factor, ids
+
+
+def deepseek_v4_hash_routing(gate_logits, input_ids, tid2eid, routed_scaling_factor):
+    """transformers DeepseekV4HashRouter: the experts come from a frozen token -> experts table."""
+    scores = torch.nn.functional.softplus(gate_logits).sqrt()
+    ids = tid2eid[input_ids.reshape(-1)].long()
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + EPS)
+    return weights * routed_scaling_factor, ids
+
+
+def npu_moe_gating_top_k_sqrt_softplus(gate_logits, bias, top_k, routed_scaling_factor):
+    weights, ids, _ = _gating_top_k(gate_logits, bias, top_k, norm_type=2,
+                                    routed_scaling_factor=routed_scaling_factor)
+    return weights, ids
+
+
+def npu_moe_gating_top_k_hash(gate_logits, input_ids, tid2eid, routed_scaling_factor):
+    # hash mode (input_ids with tid2eid): expert_idx = tid2eid[input_ids], the table's order
+    weights, ids, _ = torch.ops.npu.npu_moe_gating_top_k(
+        gate_logits, tid2eid.shape[1], input_ids=input_ids.reshape(-1), tid2eid=tid2eid, norm_type=2,
+        routed_scaling_factor=routed_scaling_factor, eps=EPS)
+    return weights, ids.to(torch.int64)
+
+
 def in_expert_order(outputs, inputs):
     """(weights, ids, ...) with each token's k pairs sorted by expert id: the order-free view
     of an unsorted top-k, under which the unfused and fused routers are compared."""
@@ -178,11 +211,46 @@ FORMS = [
     # npu_moe_gating_top_k_backward differentiates the sigmoid mode only: no joint pattern
     _biased(torchtitan_softmax_biased, npu_moe_gating_top_k_softmax_biased, grad_subsets=()),
     _biased(torchtitan_sigmoid_grouped, npu_moe_gating_top_k_sigmoid_grouped),
+    # DeepSeek-V4 (norm_type 2: no backward in torch_npu, so no joint patterns). Hash routing keeps
+    # the table's order: nothing to canonicalise, and bf16 scores are fine (no selection)
+    _biased(deepseek_v4_sqrt_softplus_top_k, npu_moe_gating_top_k_sqrt_softplus, grad_subsets=()),
+    Form(deepseek_v4_hash_routing, npu_moe_gating_top_k_hash, dtypes=(torch.float32, torch.bfloat16),
+         fused_op="npu.npu_moe_gating_top_k", grad_subsets=()),
 ]
 
 
 # ---- checks -------------------------------------------------------------------------------
+def _sqrt_softplus_reason(site):
+    """norm_type 2 is Ascend 950's (CANN README); the torch_npu docstring lists 0 / 1 only."""
+    socs = GROUPED.limits["norm_type_socs"][2]
+    return site.hardware_limits([
+        f"sqrt-softplus scores (norm_type 2) are {', '.join(socs)} only (and undocumented in torch_npu)"
+        if site.soc not in socs else None])
+
+
+def _check_hash(site):
+    logits, input_ids, table = site["gate_logits"], site["input_ids"], site["tid2eid"]
+    reason = unsupported("npu.npu_moe_gating_top_k", site.soc, x=logits)
+    if reason:
+        return reason
+    if logits.dim() != 2 or input_ids.numel() != logits.shape[0]:
+        return f"{input_ids.numel()} token ids for {list(logits.shape)} logits"
+    if table.dim() != 2 or table.dtype not in (torch.int32, torch.int64) or input_ids.dtype not in (torch.int32,
+                                                                                                  torch.int64):
+        return f"tid2eid {table.dtype}{list(table.shape)} / input_ids {input_ids.dtype}: the op takes int32/int64"
+    k = table.shape[1]
+    if not 1 <= k <= min(logits.shape[-1], GROUPED.limits["hash_mode_max_k"]):
+        return f"{k} experts per token from the table: hash mode takes 1..{GROUPED.limits['hash_mode_max_k']}"
+    if logits.shape[-1] > GROUPED.limits["max_experts"]:
+        return f"{logits.shape[-1]} experts: npu_moe_gating_top_k takes at most {GROUPED.limits['max_experts']}"
+    return _sqrt_softplus_reason(site)
+
+
 def check(site):
+    if site.form.search is deepseek_v4_hash_routing:
+        return _check_hash(site)
+    if site.form.search is deepseek_v4_sqrt_softplus_top_k:
+        return _check_biased(site) or _sqrt_softplus_reason(site)
     if site.form.fused_op == "npu.npu_moe_gating_top_k":
         return _check_biased(site)
     logits, k = site["router_logits"], site["k"]
@@ -300,11 +368,15 @@ def order_dependent_use(site, top_k):
 
 
 # ---- near misses: a router top-k left unfused ---------------------------------------------
+def _is_sqrt_softplus(node):
+    return is_call(node, aten.sqrt.default) and is_call(node.args[0], aten.softplus.default)
+
+
 def _router_scores(node):
-    """The softmax / sigmoid a top-k selects experts from (through masks and bias adds)."""
+    """The softmax / sigmoid / sqrt(softplus) a top-k selects experts from (through masks and bias adds)."""
     seen = 0
     while isinstance(node, torch.fx.Node) and seen < 8:
-        if is_call(node, aten._softmax.default, aten.sigmoid.default):
+        if is_call(node, aten._softmax.default, aten.sigmoid.default) or _is_sqrt_softplus(node):
             return node
         if not node.all_input_nodes:
             return None
@@ -312,9 +384,20 @@ def _router_scores(node):
     return None
 
 
+def _hash_lookup(gather):
+    """A gather of router scores at experts read from a table (tid2eid[input_ids]): the lookup."""
+    ids = gather.args[2] if len(gather.args) > 2 else None
+    while is_call(ids, aten._to_copy.default, aten.view.default):
+        ids = ids.args[0]
+    return ids if is_call(ids, aten.index.Tensor) else None
+
+
 def anchor(node):
     """A top-k over one score per expert: its input is as wide as the softmax / sigmoid it
-    comes from (noaux_tc's top-k over groups, or within a group, is narrower)."""
+    comes from (noaux_tc's top-k over groups, or within a group, is narrower); or a hash
+    router's gather of its scores at a table's experts."""
+    if is_call(node, aten.gather.default):
+        return _router_scores(node.args[0]) is node.args[0] and _hash_lookup(node) is not None
     if not is_call(node, aten.topk.default):
         return False
     scores, chosen_from = _router_scores(node.args[0]), tensor_meta(node.args[0])
@@ -329,6 +412,12 @@ def explain(topk):
         reason = _training_reason(scores)
         if reason:
             return reason
+    if is_call(topk, aten.gather.default):
+        return ("a hash router (scores gathered at tid2eid[input_ids]) other than transformers' "
+                "DeepseekV4HashRouter (sqrt-softplus scores, renormalised with 1e-20, scaled)")
+    if _is_sqrt_softplus(scores):
+        return ("a sqrt-softplus router that matches neither DeepSeek-V4 form (biased unsorted top-k, "
+                "the chosen unbiased scores renormalised with 1e-20 and scaled)")
     if is_call(scores, aten.sigmoid.default):
         return ("a sigmoid router that matches none of the biased forms (transformers noaux_tc, "
                 "torchtitan's grouped router): npu_moe_gating_top_k's sigmoid mode always "
@@ -345,6 +434,9 @@ def explain(topk):
 
 def _training_reason(scores):
     """Why a router in a training (joint) graph cannot train through the fused op, if so."""
+    if _is_sqrt_softplus(scores):
+        return ("a sqrt-softplus router in training (DeepSeek-V4): npu_moe_gating_top_k_backward "
+                "differentiates the sigmoid mode only (norm_type 1), not norm_type 2")
     if is_call(scores, aten._softmax.default):
         return ("a softmax router in training: npu_moe_gating_top_k_backward differentiates the "
                 "sigmoid mode only, and npu_moe_gating_top_k_softmax has no backward")
@@ -371,6 +463,9 @@ PASS = FusionPass(
         "gate_scores": lambda dtype: torch.empty(2, 7, 24, dtype=dtype),
         "bias": lambda dtype: torch.empty(24, dtype=dtype),
         "top_k": 5, "n_group": 4, "topk_group": 3, "routed_scaling_factor": 2.5,
+        # DeepSeek-V4's hash router: (B=1, S=7) token ids into an 11-token table of 2 experts each
+        "input_ids": lambda dtype: torch.empty(1, 7, dtype=torch.int64),
+        "tid2eid": lambda dtype: torch.empty(11, 2, dtype=torch.int64),
     },
     check=check,
     anchor=anchor,

@@ -66,6 +66,12 @@ def in_input_dtype(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def rstd_in_input_dtype(x, eps):
+    # DeepSeek-V4 DeepseekV4UnweightedRMSNorm (q_b_norm, the mHC input norms): the rstd is rounded
+    # to x's dtype and multiplies x in it (in fp32 this is no_weight's trace)
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def no_weight(x, eps):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -102,6 +108,7 @@ FORMS = [
     Form(divide_by_sqrt, npu_rms_norm),
     Form(gemma, npu_rms_norm_gemma),
     Form(in_input_dtype, npu_rms_norm_once, dtypes=(torch.bfloat16,)),
+    Form(rstd_in_input_dtype, npu_rms_norm_unit_weight, dtypes=(torch.bfloat16, torch.float16)),
     Form(no_weight, npu_rms_norm_unit_weight),  # last: it is a sub-pattern of the others
 ]
 
@@ -173,6 +180,10 @@ def explain(root):
 
 PASS = FusionPass(
     name="rms_norm",
+    # DeepSeek-V4's hyper-connections: mhc_pre's form holds an unweighted RMSNorm over the n*D
+    # streams, which this pass would otherwise take alone; kv_rmsnorm_rope_cache folds
+    # DeepSeek's kv RMSNorm into its op: both must see their norms unfused
+    after=("mhc_pre", "kv_rmsnorm_rope_cache"),
     fused_op="npu.npu_rms_norm",
     forms=FORMS,
     example={
@@ -186,6 +197,4 @@ PASS = FusionPass(
     explain=explain,
     # training graphs: x and the weight may need gradients (npu_rms_norm_backward gives both)
     differentiable=("x", "weight"),
-    # kv_rmsnorm_rope_cache folds DeepSeek's kv RMSNorm into its op: it must see it unfused
-    after=("kv_rmsnorm_rope_cache",),
 )

@@ -32,6 +32,7 @@ from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, users
 aten = torch.ops.aten
 ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
 INTERLEAVE_ROPE = CAPABILITIES["npu.npu_interleave_rope"]
+PARTIAL_ROTARY = CAPABILITIES["cann_ops_transformer.inplace_partial_rotary_mul"]
 
 
 # ---- rotations, as model code writes them ------------------------------------------------
@@ -147,6 +148,96 @@ def rotary_mul_from_complex_via_half(x, freqs):
     return rotary_mul_interleave_via_half(x, *_tables_from_complex(freqs))
 
 
+# ---- DeepSeek-V4: interleaved pairs on the last channels only (partial RoPE) -------------------
+def deepseek_v4_partial_rope(x, angle_cos, angle_sin):
+    # transformers DeepSeek-V4 apply_rotary_pos_emb (unsqueeze_dim=1): the tables hold one angle
+    # per pair, repeated for both channels of the pair; the LAST 2 * len(angles) channels rotate
+    cos = angle_cos.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = angle_sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated = ((rope.float() * cos) + (_rotate_every_two(rope).float() * sin)).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+class InplacePartialRotaryMul(torch.autograd.Function):
+    """The extension's InplacePartialRotaryMulFn (COT ops/inplace_partial_rotary_mul.py), on a
+    copy: forward rotates x[..., start:end] in place, backward rotates the gradient back in place
+    with inplace_partial_rotary_mul_backward; no gradients for r1 / r2 (capabilities.py: the op's
+    autograd_rule). Traced into a joint graph, both in-place calls are functionalised
+    (auto_functionalized_v2), as torchair expects mutating ops."""
+
+    @staticmethod
+    def forward(ctx, x, r1, r2, partial_slice):
+        ctx.save_for_backward(r1, r2)
+        ctx.partial_slice = partial_slice
+        out = x.clone()
+        torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(out, r1, r2, rotary_mode="interleave",
+                                                                  partial_slice=partial_slice)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        r1, r2 = ctx.saved_tensors
+        grad = grad.contiguous().clone()
+        torch.ops.cann_ops_transformer.inplace_partial_rotary_mul_backward(grad, r1, r2, rotary_mode="interleave",
+                                                                           partial_slice=ctx.partial_slice)
+        return grad, None, None, None
+
+
+def _pair_tables_bsnd(angles, x_bsnd, heads):
+    """(b, S, rd/2) angles -> (B, S, heads, rd) contiguous tables, each angle per pair."""
+    table = angles.repeat_interleave(2, dim=-1).unsqueeze(2)
+    return table.expand(x_bsnd.shape[0], x_bsnd.shape[1], heads, table.shape[-1]).contiguous()
+
+
+def _inplace_partial_rotary_mul(x, angle_cos, angle_sin, table_heads):
+    # x is (B, N, S, D) as transformers rotates it; the op takes BSND and rotates in place
+    rope_dim, dim = 2 * angle_cos.shape[-1], x.shape[-1]
+    x_bsnd = x.transpose(1, 2).contiguous()
+    heads = x_bsnd.shape[2] if table_heads else 1
+    r1, r2 = _pair_tables_bsnd(angle_cos, x_bsnd, heads), _pair_tables_bsnd(angle_sin, x_bsnd, heads)
+    partial_slice = [dim - rope_dim, dim]
+    if torch.is_grad_enabled() and x.requires_grad:  # the joint replacement
+        out = InplacePartialRotaryMul.apply(x_bsnd, r1, r2, partial_slice)
+    else:  # functional, as aot_autograd spells a mutating op (torchair lowers auto_functionalized_v2)
+        out = torch.ops.higher_order.auto_functionalized_v2(
+            torch.ops.cann_ops_transformer.inplace_partial_rotary_mul.default, r1=r1, r2=r2,
+            rotary_mode="interleave", partial_slice=partial_slice, _x_base_index=0, _all_bases=[x_bsnd])[1]
+    # contiguous (B, N, S, D), as transformers' cat returns it: the passes after this one (the
+    # attention's matmuls) then see the graph they see unfused
+    return out.transpose(1, 2).contiguous()
+
+
+def inplace_partial_rotary_mul_bs1d(x, angle_cos, angle_sin):
+    # tables (B, S, 1, rd): the BS1D broadcast Atlas A2/A3 take
+    return _inplace_partial_rotary_mul(x, angle_cos, angle_sin, table_heads=False)
+
+
+def inplace_partial_rotary_mul_bsnd(x, angle_cos, angle_sin):
+    # tables (B, S, N, rd): 950 takes BSND / B1ND / B11D / 111D, not BS1D
+    return _inplace_partial_rotary_mul(x, angle_cos, angle_sin, table_heads=True)
+
+
+def rotary_mul_on_rope_slice(x, angle_cos, angle_sin):
+    # npu_rotary_mul in interleave mode on the rotated slice, the rest concatenated back
+    cos = angle_cos.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = angle_sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    rope_dim = cos.shape[-1]
+    rotated = torch.ops.npu.npu_rotary_mul(x[..., -rope_dim:], cos, sin, "interleave")
+    return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+
+
+_V4_PARTIAL = dict(dtypes=(torch.float32, torch.bfloat16))
+_V4_INPLACE = dict(_V4_PARTIAL, fused_op="cann_ops_transformer.inplace_partial_rotary_mul")
+V4_FORMS = [
+    # the in-place COT op first (per SoC's table layout), npu_rotary_mul on the slice after
+    Form(deepseek_v4_partial_rope, inplace_partial_rotary_mul_bs1d, **_V4_INPLACE),
+    Form(deepseek_v4_partial_rope, inplace_partial_rotary_mul_bsnd, **_V4_INPLACE),
+    Form(deepseek_v4_partial_rope, rotary_mul_on_rope_slice, **_V4_PARTIAL),
+]
+
+
 # The rotary forms have no casts, so one trace per form matches every dtype.
 _INTERLEAVE_ROPE_FORMS = dict(fused_op="npu.npu_interleave_rope", dtypes=(torch.bfloat16,))
 
@@ -154,6 +245,7 @@ _ROTATE_EVERY_TWO = _apply_form(_rotate_every_two, "rotate_every_two")
 
 FORMS = [
     # larger forms first: they contain a rotate_half the smaller forms would take alone
+    *V4_FORMS,
     Form(deepseek_deinterleave_then_rotate_half, interleave_rope, **_INTERLEAVE_ROPE_FORMS),
     Form(even_odd_pairs, interleave_rope_pair_angles, **_INTERLEAVE_ROPE_FORMS),
     Form(even_odd_pairs, rotary_mul_half_deinterleaved_pair_angles, dtypes=(torch.float32,)),
@@ -199,6 +291,10 @@ def _rotary_tables(site):
         shape = (*freqs.shape[:-1], 2 * freqs.shape[-1])
         real = x.new_empty(shape, dtype=freqs.real.dtype) if freqs.is_complex() else freqs
         return real, real
+    if "angle_cos" in site.args:  # DeepSeek-V4: one angle per pair, repeated per channel, (b, 1, S, rd)
+        cos, sin = site["angle_cos"], site["angle_sin"]
+        shape = (cos.shape[0], 1, cos.shape[1], 2 * cos.shape[-1])
+        return cos.new_empty(shape), sin.new_empty(shape)
     if "pair_cos" in site.args:  # one angle per pair -> cat(angles, angles)
         cos, sin = site["pair_cos"], site["pair_sin"]
         return (cos.new_empty((*cos.shape[:-1], 2 * cos.shape[-1])),
@@ -281,13 +377,67 @@ def _check_interleave_rope(site):
     return None
 
 
+def _v4_partial_reason(site):
+    """The first reason the V4 form's shapes are not a partial rotation of x's last channels."""
+    x, cos, sin = site["x"], site["angle_cos"], site["angle_sin"]
+    if x.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return f"x {list(x.shape)} and angles {list(cos.shape)} / {list(sin.shape)} are not (B, N, S, D) and (b, S, pairs)"
+    rope_dim = 2 * cos.shape[-1]
+    if rope_dim > x.shape[-1] or cos.shape[1] != x.shape[2] or cos.shape[0] not in (1, x.shape[0]):
+        return f"angles {list(cos.shape)} do not rotate the last channels of x {list(x.shape)}"
+    return None
+
+
+def _check_inplace_partial(site):
+    reason = _v4_partial_reason(site)
+    if reason:
+        return reason
+    x, cos = site["x"], site["angle_cos"]
+    limits = PARTIAL_ROTARY.limits
+    dim, rope_dim = x.shape[-1], 2 * cos.shape[-1]
+    tables_bsnd = site.form.replace is inplace_partial_rotary_mul_bsnd
+    if site.soc is not None:  # one table layout per SoC (capabilities: table_layouts_*)
+        if site.soc == "Ascend950" and not tables_bsnd:
+            return f"on Ascend950 the tables are {'/'.join(limits['table_layouts_950'])}, not BS1D"
+        if site.soc != "Ascend950" and tables_bsnd:
+            return f"on {site.soc} the tables are {'/'.join(limits['table_layouts_a2_a3'])}"
+    elif tables_bsnd:
+        return "the BS1D tables of the previous form serve in emulation"
+    if cos.dtype != site["angle_sin"].dtype:
+        return "the cos and sin tables differ in dtype: the op takes one"
+    return site.hardware_limits([
+        unsupported(PARTIAL_ROTARY.op, site.soc, x=x),
+        f"head_dim {dim} > {limits['max_head_dim']}" if dim > limits["max_head_dim"] else None,
+        f"head_dim {dim} or rope dim {rope_dim} is odd" if dim % 2 or rope_dim % 2 else None,
+    ])
+
+
 def check(site):
     replace = site.form.replace
+    if replace in (inplace_partial_rotary_mul_bs1d, inplace_partial_rotary_mul_bsnd):
+        return _check_inplace_partial(site)
+    if replace is rotary_mul_on_rope_slice:
+        reason = _v4_partial_reason(site)
+        if reason:
+            return reason
+        rope_x = site["x"].new_empty((*site["x"].shape[:-1], 2 * site["angle_cos"].shape[-1]))
+        return _check_rotary_mul(_SliceSite(site, rope_x), "interleave")
     if replace in (interleave_rope, interleave_rope_pair_angles):
         return _check_interleave_rope(site)
     if replace in (rotary_mul_interleave, rotary_mul_from_complex):
         return _check_rotary_mul(site, "interleave")
     return _check_rotary_mul(site, "half")
+
+
+class _SliceSite:
+    """A site seen as npu_rotary_mul on the rotated slice: x is the slice, the tables its own."""
+
+    def __init__(self, site, rope_x):
+        self._site, self.args = site, dict(site.args, x=rope_x)
+        self.soc, self.mode, self.notes = site.soc, site.mode, site.notes
+
+    def __getitem__(self, name):
+        return self.args[name]
 
 
 # ---- near misses: a rotation no form consumed --------------------------------------------
@@ -372,6 +522,10 @@ PASS = FusionPass(
         "pair_sin": lambda dtype: torch.empty(2, 1, 5, 4, dtype=dtype),
         # torchtitan: x is [B, S, N, D] in fp32, freqs_cis [1, S, 1, D/2] complex64
         "freqs": lambda dtype: torch.empty(1, 3, 1, 4, dtype=torch.complex64),
+        # DeepSeek-V4: (b, S, rd/2) angles (the model's position_ids are (1, S)); x's last 4 of
+        # its 8 channels rotate
+        "angle_cos": lambda dtype: torch.empty(1, 5, 2, dtype=dtype),
+        "angle_sin": lambda dtype: torch.empty(1, 5, 2, dtype=dtype),
     },
     check=check,
     anchor=anchor,

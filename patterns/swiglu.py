@@ -100,12 +100,21 @@ def anchor(node):
     return is_call(node, aten.mul.Tensor) and _silu_and_other(node) is not None
 
 
+def _unclamped(node):
+    return node.args[0] if is_call(node, aten.clamp.default) else node
+
+
 def explain(mul):
     silu, other = _silu_and_other(mul)
-    gate_source, gate_half = _piece_of(silu.args[0])
-    up_source, up_half = _piece_of(other)
+    clamped = is_call(silu.args[0], aten.clamp.default) and is_call(other, aten.clamp.default)
+    gate, up = _unclamped(silu.args[0]), _unclamped(other)
+    gate_source, gate_half = _piece_of(gate)
+    up_source, up_half = _piece_of(up)
+    if clamped and gate_source is not None and gate_source is up_source:
+        return ("gate and up are clamped (DeepSeek-V4's clamped SwiGLU): npu_swiglu has no clamp; the "
+                "swiglu_group pass fuses it (cann_ops_nn.swiglu_group / npu_clipped_swiglu)")
     if gate_source is None or up_source is None or gate_source is not up_source:
-        if _is_projection(silu.args[0]) and _is_projection(other):
+        if _is_projection(gate) and _is_projection(up):
             return ("gate and up come from separate projections: npu_swiglu needs them as the two "
                     "halves of one tensor (one gate_up projection), and concatenating them would "
                     "add a copy per step")

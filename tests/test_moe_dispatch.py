@@ -221,3 +221,51 @@ def test_torchtitan_variants_the_rewrite_does_not_cover_stay_unfused(monkeypatch
     (miss,) = near_miss_reasons(report, "moe_dispatch")
     assert "torchtitan's local dispatcher" in miss, miss
     torch.testing.assert_close(out, ref)
+
+
+# ---- DeepSeek-V4: transformers' grouped_mm experts around the clamped SwiGLU --------------------
+# DeepseekV4Experts runs transformers' grouped_mm block with its own _apply_gate (clamped
+# SwiGLU): the limits are captured and replayed. Tolerance: the same rows, their k-sum in the
+# op's fp32 (a few ulps at the output's scale).
+def _v4_moe(dtype=torch.float32, **config):
+    from v4_modules import MoeBlock
+
+    torch.manual_seed(8)
+    return MoeBlock("topk", dtype=dtype, **config), torch.randn(2, 9, 64).to(dtype), torch.randint(0, 100, (2, 9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_v4_experts_block_fuses(dtype):
+    module, hidden, ids = _v4_moe(dtype)
+    out, ref, report = compile_and_run(module, hidden, ids, config=nff.FusionConfig(enable={"moe_dispatch"}))
+    assert report.counts["moe_dispatch"] == 1
+    assert report.fused_ops == {"npu.npu_moe_init_routing_v2": 1, "npu.npu_moe_finalize_routing": 1}
+    assert_close_at_scale(out, ref, 4 if dtype == torch.float32 else 2)
+
+
+def test_deepseek_v4_clamp_limits_are_replayed_as_captured():
+    # up clamped to [-2L, L]: not transformers' _apply_gate, but the replacement keeps the
+    # activation, so the block still fuses and computes the same
+    import types
+
+    module, hidden, ids = _v4_moe(swiglu_limit=0.5)
+    experts = module.block.experts
+
+    def asymmetric(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-2 * self.limit, max=self.limit)
+
+    experts._apply_gate = types.MethodType(asymmetric, experts)
+    out, ref, report = compile_and_run(module, hidden, ids, config=nff.FusionConfig(enable={"moe_dispatch"}))
+    assert report.counts["moe_dispatch"] == 1
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_deepseek_v4_experts_block_trains_through_permute_and_unpermute():
+    from v4_modules import fused_calls, train_and_compare
+
+    module, hidden, ids = _v4_moe()
+    backend = train_and_compare(module, [hidden, ids], nff.FusionConfig(enable={"moe_dispatch"}), {torch.float32: 16})
+    assert fused_calls(backend.graphs["forward"]) == {"npu.npu_moe_token_permute": 1, "npu.npu_moe_token_unpermute": 1}
+    assert fused_calls(backend.graphs["backward"]) == {"npu.npu_moe_token_permute_grad_v2": 1,
+                                                      "npu.npu_moe_token_unpermute_grad_v2": 1}

@@ -325,3 +325,61 @@ def test_an_unsorted_softmax_top_k_fuses_in_front_of_the_fused_dispatch():
     assert near_miss_reasons(report, "moe_gating") == []
     # each token's k rows summed in the op's (descending) order: fp32 rounding of a sum
     assert_close_at_scale(out, ref, 4)
+
+
+# ---- DeepSeek-V4: sqrt-softplus scores (norm_type 2), top-k and hash routers --------------------
+# transformers' DeepseekV4SparseMoeBlock (grouped_mm experts) with moe_dispatch, as in the
+# pipeline: the top-k router's unsorted k experts only fuse where the dispatch consumes them
+# order-free. Tolerance as for noaux_tc above: the same rows summed in another order.
+V4_GATING = nff.FusionConfig(enable={"moe_gating", "moe_dispatch"})
+
+
+def _v4_block(kind, dtype=torch.float32, **config):
+    from v4_modules import MoeBlock
+
+    torch.manual_seed(7)
+    return MoeBlock(kind, dtype=dtype, **config), torch.randn(2, 9, 64).to(dtype), torch.randint(0, 100, (2, 9))
+
+
+@pytest.mark.parametrize("kind, dtype", [("topk", torch.float32), ("hash", torch.float32), ("hash", torch.bfloat16)])
+def test_deepseek_v4_router_fuses_with_norm_type_2(kind, dtype):
+    module, hidden, ids = _v4_block(kind, dtype)
+    out, ref, report = compile_and_run(module, hidden, ids, config=V4_GATING)
+    assert report.counts["moe_gating"] == 1 and report.counts["moe_dispatch"] == 1
+    assert report.fused_ops["npu.npu_moe_gating_top_k"] == 1
+    assert_close_at_scale(out, ref, 4 if dtype == torch.float32 else 2)
+
+
+def test_deepseek_v4_scaling_factor_is_captured():
+    module, hidden, ids = _v4_block("topk", routed_scaling_factor=2.5)
+    out, ref, report = compile_and_run(module, hidden, ids, config=V4_GATING)
+    assert report.counts["moe_gating"] == 1
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_deepseek_v4_bf16_top_k_router_is_refused_for_near_ties():
+    module, hidden, ids = _v4_block("topk", torch.bfloat16)
+    _, _, report = compile_and_run(module, hidden, ids, config=V4_GATING)
+    assert report.counts["moe_gating"] == 0
+    assert ("scores over bfloat16 logits: npu_moe_gating_top_k ranks fp32 scores and could choose other experts "
+            "in near ties") in near_miss_reasons(report, "moe_gating")
+
+
+@pytest.mark.parametrize("kind", ["topk", "hash"])
+def test_deepseek_v4_router_is_950_only(kind):
+    module, hidden, ids = _v4_block(kind)
+    config = nff.FusionConfig(enable={"moe_gating", "moe_dispatch"}, soc="Ascend910B")
+    _, _, report = compile_and_run(module, hidden, ids, config=config)
+    assert report.counts["moe_gating"] == 0
+    assert ("sqrt-softplus scores (norm_type 2) are Ascend950 only (and undocumented in torch_npu)"
+            in near_miss_reasons(report, "moe_gating"))
+
+
+def test_deepseek_v4_router_in_training_says_why():
+    from v4_modules import train_and_compare
+
+    module, hidden, ids = _v4_block("topk")
+    backend = train_and_compare(module, [hidden, ids], V4_GATING, {torch.float32: 16})
+    assert backend.report.counts["moe_gating"] == 0
+    assert ("a sqrt-softplus router in training (DeepSeek-V4): npu_moe_gating_top_k_backward differentiates the "
+            "sigmoid mode only (norm_type 1), not norm_type 2") in near_miss_reasons(backend.report, "moe_gating")

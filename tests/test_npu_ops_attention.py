@@ -1143,3 +1143,205 @@ def test_opcheck_with_gradients():
         args = tuple(_leaf(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
         kwargs = _requiring_grad(kwargs, {"query_rope", "key_rope"})
         torch.library.opcheck(_op(op).default, args, kwargs)
+
+
+# =====================================================================================
+# DeepSeek-V4: cann_ops_transformer.sparse_flash_mla (+ grad) and lightning_indexer, against
+# transformers' eager_attention_forward with sinks and its sliding / CSA / HCA masks
+# =====================================================================================
+def v4_masks(seq, window, compressed, ratio, indices=None):
+    """transformers' additive masks, as bools (True = visible) over [S window keys, T compressed]:
+    the sliding window (q - window < j <= q), then HCA's `w < (t + 1) // ratio` or, with the
+    indexer's indices (-1 = none), CSA's scatter of the listed blocks."""
+    i = torch.arange(seq).unsqueeze(1)
+    j = torch.arange(seq).unsqueeze(0)
+    sliding = (j > i - window) & (j <= i)
+    if compressed == 0:
+        return sliding
+    if indices is None:
+        block = torch.arange(compressed).unsqueeze(0) < (i + 1) // ratio
+        return torch.cat([sliding, block], -1)
+    b = indices.shape[0]
+    block = torch.zeros(b, seq, compressed + 1, dtype=torch.bool)
+    block.scatter_(-1, torch.where(indices >= 0, indices, compressed), True)
+    return torch.cat([sliding.expand(b, -1, -1), block[..., :compressed]], -1)
+
+
+def v4_eager_attention(q, kv, sinks, visible, scale):
+    """eager_attention_forward (transformers deepseek_v4) in float64: q (B, H, S, D), kv (B, 1, L, D)
+    shared key and value, visible (.., S, L); returns (B, S, H, D)."""
+    logits = q.double() @ kv.double().transpose(-1, -2) * scale
+    logits = logits.masked_fill(~visible.view(visible.shape[0] if visible.dim() == 3 else 1, 1, *visible.shape[-2:]),
+                                float("-inf"))
+    b, h, s, _ = q.shape
+    sink = sinks.double().reshape(1, -1, 1, 1).expand(b, -1, s, -1)
+    combined = torch.cat([logits, sink], -1)
+    combined = combined - combined.max(-1, keepdim=True).values
+    probs = torch.softmax(combined, -1)[..., :-1]
+    return (probs @ kv.double()).transpose(1, 2)
+
+
+def _v4_attention_inputs(kind, dtype=torch.float64, b=2, s=18, h=4, d=16, window=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ratio = {"swa": 1, "csa": 4, "hca": 8}[kind]
+    t = s // ratio if kind != "swa" else 0
+    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64).to(dtype)
+    ori = torch.randn(b, 1, s, d, generator=g, dtype=torch.float64).to(dtype)
+    cmp = torch.randn(b, 1, t, d, generator=g, dtype=torch.float64).to(dtype)
+    sinks = torch.randn(h, generator=g, dtype=torch.float64)
+    indices = None
+    if kind == "csa":  # what the V4 indexer returns: top-3 of the causally visible blocks, -1 past them
+        k = 3
+        visible = (torch.arange(s) + 1) // ratio
+        rows = []
+        for _ in range(b * s):
+            rows.append(torch.randperm(t, generator=g))
+        perm = torch.stack(rows).view(b, s, t)
+        order = torch.where(perm < visible.view(1, s, 1), perm, t + perm)  # visible ids first
+        chosen = order.sort(-1).values[..., :k]
+        indices = torch.where(chosen < t, chosen, -1)
+    return SimpleNamespace(q=q, ori=ori, cmp=cmp, sinks=sinks, indices=indices, ratio=ratio, t=t, s=s,
+                           window=window, scale=d ** -0.5, residual=s - t * ratio)
+
+
+def _smla(x, **overrides):
+    kwargs = dict(ori_kv=x.ori.transpose(1, 2), sinks=x.sinks.float() if x.q.dtype != torch.float64 else x.sinks,
+                  softmax_scale=x.scale, cmp_ratio=x.ratio, ori_mask_mode=4, cmp_mask_mode=3,
+                  ori_win_left=x.window - 1, ori_win_right=0)
+    if x.t:
+        kwargs.update(cmp_kv=x.cmp.transpose(1, 2),
+                      cmp_residual_kv=torch.full((x.q.shape[0],), x.residual, dtype=torch.int32))
+    if x.indices is not None:
+        kwargs["cmp_sparse_indices"] = x.indices.to(torch.int32).unsqueeze(2)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _v4_reference(x, **leaves):
+    q, ori, cmp, sinks = (leaves.get(n, getattr(x, n)) for n in ("q", "ori", "cmp", "sinks"))
+    visible = v4_masks(x.s, x.window, x.t, x.ratio, x.indices)
+    kv = torch.cat([ori, cmp], 2) if x.t else ori
+    return v4_eager_attention(q, kv, sinks, visible, x.scale)
+
+
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+def test_sparse_flash_mla_is_v4s_eager_attention_with_sinks(kind):
+    x = _v4_attention_inputs(kind)
+    out, lse = cann.sparse_flash_mla(x.q.transpose(1, 2), **_smla(x), return_softmax_lse=True)
+    torch.testing.assert_close(out, _v4_reference(x))
+    # lse includes the sink: logsumexp over the visible logits and the sink
+    visible = v4_masks(x.s, x.window, x.t, x.ratio, x.indices)
+    kv = torch.cat([x.ori, x.cmp], 2) if x.t else x.ori
+    logits = (x.q @ kv.transpose(-1, -2) * x.scale).masked_fill(~visible.view(-1, 1, *visible.shape[-2:]),
+                                                                float("-inf"))
+    expected = torch.cat([logits, x.sinks.view(1, -1, 1, 1).expand(2, -1, x.s, -1)], -1).logsumexp(-1)
+    torch.testing.assert_close(lse.squeeze(1), expected.transpose(1, 2))  # (B, N2=1, S, G=H)
+    assert lse.shape == (2, 1, x.s, 4)
+
+
+def test_sparse_flash_mla_mix_ups():
+    x = _v4_attention_inputs("csa")
+    expected = _v4_reference(x)
+    q = x.q.transpose(1, 2)
+    # ori_win_left is the window minus one (the query itself is in the window)
+    assert not torch.allclose(cann.sparse_flash_mla(q, **_smla(x, ori_win_left=x.window))[0], expected)
+    # the compressed keys' visibility counts the residual: S = T * ratio + residual
+    assert not torch.allclose(cann.sparse_flash_mla(
+        q, **_smla(x, cmp_residual_kv=torch.zeros(2, dtype=torch.int32), cmp_sparse_indices=None))[0],
+        cann.sparse_flash_mla(q, **_smla(x, cmp_sparse_indices=None))[0])
+    # the sinks are per query head, in the softmax's denominator only
+    assert not torch.allclose(cann.sparse_flash_mla(q, **_smla(x, sinks=None))[0], expected)
+    # the indices choose compressed keys (CSA); without them every visible block counts (HCA)
+    assert not torch.allclose(cann.sparse_flash_mla(q, **_smla(x, cmp_sparse_indices=None))[0], expected)
+
+
+def test_sparse_flash_mla_reads_indices_up_to_the_first_minus_one():
+    # the late queries see every block: list [0, -1, 2] and [0, -1, -1] alike (the kernel stops at
+    # the first -1), unlike [0, 2, -1]
+    x = _v4_attention_inputs("csa")
+    q = x.q.transpose(1, 2)
+
+    def attend(row):
+        indices = torch.tensor(row, dtype=torch.int32).expand(2, x.s, 1, 3).contiguous()
+        return cann.sparse_flash_mla(q, **_smla(x, cmp_sparse_indices=indices))[0][:, -4:]
+
+    torch.testing.assert_close(attend([0, -1, 2]), attend([0, -1, -1]))
+    assert not torch.allclose(attend([0, 2, -1]), attend([0, -1, -1]))
+
+
+def test_sparse_flash_mla_bf16_and_metadata():
+    x = _v4_attention_inputs("hca", dtype=torch.bfloat16)
+    metadata = cann.sparse_flash_mla_metadata(4, 1, 16, batch_size=2, max_seqlen_q=x.s, cmp_ratio=8,
+                                              ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=x.window - 1,
+                                              ori_win_right=0, layout_q="BSND", layout_kv="BSND")
+    assert metadata.shape == (1024,) and metadata.dtype == torch.int32
+    out, lse = cann.sparse_flash_mla(x.q.transpose(1, 2), **_smla(x), metadata=metadata)
+    assert out.dtype == torch.bfloat16 and lse.shape == ()
+    torch.testing.assert_close(out.double(), _v4_reference(x), atol=2e-2, rtol=2e-2)  # bf16 P before P @ V
+    wrong = cann.sparse_flash_mla_metadata(4, 1, 16, batch_size=2, max_seqlen_q=x.s, cmp_ratio=4, ori_mask_mode=4,
+                                           cmp_mask_mode=3, ori_win_left=x.window - 1, ori_win_right=0)
+    with pytest.raises(RuntimeError, match="metadata was made for another call"):
+        cann.sparse_flash_mla(x.q.transpose(1, 2), **_smla(x), metadata=wrong)
+
+
+@pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
+def test_sparse_flash_mla_grad_against_autograd(kind):
+    x = _v4_attention_inputs(kind, s=10, window=4)
+    leaves = {n: getattr(x, n).clone().requires_grad_() for n in ("q", "ori", "cmp", "sinks")}
+    ref = _v4_reference(x, **leaves)
+    dout = torch.randn_like(ref)
+    names = ["q", "ori", "sinks"] + (["cmp"] if x.t else [])
+    expected = dict(zip(names, torch.autograd.grad(ref, [leaves[n] for n in names], dout)))
+    q = x.q.transpose(1, 2)
+    out, lse = cann.sparse_flash_mla(q, **_smla(x), return_softmax_lse=True)
+    kw = _smla(x)
+    dq, dori, dcmp, dsinks, _, l1 = cann.sparse_flash_mla_grad(
+        q, dout, out, lse, kw.pop("ori_kv"), kw.pop("cmp_kv", None), None, kw.pop("cmp_sparse_indices", None),
+        cmp_residual_kv=kw.pop("cmp_residual_kv", None), sinks=kw.pop("sinks"), **kw)
+    torch.testing.assert_close(dq.transpose(1, 2), expected["q"])
+    torch.testing.assert_close(dori.transpose(1, 2), expected["ori"])
+    torch.testing.assert_close(dsinks, expected["sinks"])
+    if x.t:
+        torch.testing.assert_close(dcmp.transpose(1, 2), expected["cmp"])
+    if kind == "csa":  # the head-mean probability at each listed block, 0 at the -1 slots
+        assert l1.shape == x.indices.unsqueeze(2).shape and l1.dtype == torch.float64
+        assert not l1[x.indices.unsqueeze(2) < 0].any() and (l1[x.indices.unsqueeze(2) >= 0] > 0).all()
+    else:
+        assert l1.numel() == 0
+
+
+def v4_indexer(q, k, weights, ratio, topk):
+    """DeepseekV4Indexer's scoring and selection after its projections, in float64: q (B, S, H, D)
+    rotated, k (B, T, D) compressed, weights (B, S, H) already scaled; returns (B, S, k) ids, -1
+    past the causally visible blocks."""
+    scores = torch.relu(q.double() @ k.double().transpose(-1, -2).unsqueeze(1))  # (B, S, H, T)
+    index_scores = (scores * weights.double().unsqueeze(-1)).sum(2)
+    threshold = (torch.arange(q.shape[1]) + 1) // ratio
+    future = torch.arange(k.shape[1]).view(1, 1, -1) >= threshold.view(1, -1, 1)
+    top = index_scores.masked_fill(future, float("-inf")).topk(min(topk, k.shape[1]), -1).indices
+    return torch.where(top >= threshold.view(1, -1, 1), -1, top)
+
+
+def test_cann_lightning_indexer_is_v4s_indexer():
+    g = torch.Generator().manual_seed(7)
+    b, s, h, d, ratio = 2, 18, 4, 16, 4
+    t = s // ratio
+    q = torch.randn(b, s, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, t, d, generator=g, dtype=torch.float64)
+    w = torch.randn(b, s, h, generator=g, dtype=torch.float64)
+    expected = v4_indexer(q, k, w, ratio, 3)
+    indices, values = cann.lightning_indexer(q, k.unsqueeze(2), w, 3, mask_mode=3, cmp_ratio=ratio,
+                                             cmp_residual_k=torch.full((b,), s % ratio, dtype=torch.int32),
+                                             return_value=1)
+    assert indices.shape == (b, s, 1, 3) and indices.dtype == torch.int32
+    assert torch.equal(indices.squeeze(2).long().sort(-1).values, expected.sort(-1).values)
+    # -1 (and -inf values) only past the visible blocks, which come first
+    assert torch.equal(torch.isneginf(values.squeeze(2)), indices.squeeze(2) < 0)
+    # mix-up: without the residual the pre-compression length is T * ratio, a shorter causal reach
+    other, _ = cann.lightning_indexer(q, k.unsqueeze(2), w, 3, mask_mode=3, cmp_ratio=ratio,
+                                      cmp_residual_k=torch.zeros(b, dtype=torch.int32))
+    assert not torch.equal(other, indices)
+    # cmp_ratio 1 is npu_lightning_indexer's right-down causal mask
+    plain, _ = cann.lightning_indexer(q.float(), k.unsqueeze(2).float(), w.float(), 3, mask_mode=3)
+    npu_plain, _ = npu.npu_lightning_indexer(q.float(), k.unsqueeze(2).float(), w.float(), sparse_count=3)
+    assert torch.equal(plain, npu_plain)

@@ -160,6 +160,8 @@ def grouped_topk_loop_ref(x, k, bias=None, k_group=1, group_count=1, group_selec
         xt = [v.item() for v in x[t].double()]
         if norm_type == 1:
             s = [1 / (1 + math.exp(-v)) for v in xt]
+        elif norm_type == 2:  # sqrt(softplus)
+            s = [math.sqrt(math.log1p(math.exp(v))) for v in xt]
         else:
             m = max(xt)
             ex = [math.exp(v - m) for v in xt]
@@ -172,7 +174,7 @@ def grouped_topk_loop_ref(x, k, bias=None, k_group=1, group_count=1, group_selec
         groups = sorted(range(group_count), key=lambda g: -group_scores[g])[:k_group]
         chosen = sorted((i for i in range(e) if i // size in groups), key=lambda i: -sel[i])[:k]
         w = [s[i] for i in chosen]  # from the UNBIASED scores
-        if norm_type == 1 or renorm == 1:
+        if norm_type in (1, 2) or renorm == 1:
             total = sum(w) + eps
             w = [v / total for v in w]
         weights.append([v * routed_scaling_factor for v in w])
@@ -327,8 +329,8 @@ def test_gating_top_k_refuses_what_it_cannot_compute():
         npu.npu_moe_gating_top_k(x, 2, group_count=3)
     with pytest.raises(RuntimeError, match=r"k must be in \[1, k_group"):
         npu.npu_moe_gating_top_k(x, 5, k_group=1, group_count=4)
-    with pytest.raises(NotImplementedError, match="norm_type=2"):
-        npu.npu_moe_gating_top_k(x, 2, norm_type=2)
+    with pytest.raises(RuntimeError, match="norm_type must be 0"):
+        npu.npu_moe_gating_top_k(x, 2, norm_type=3)
 
 
 # =====================================================================================
@@ -1082,3 +1084,57 @@ def test_opcheck(op):
             # softmax mode has no backward in torch_npu: forward only
             args = tree_map_only(torch.Tensor, lambda t: t.detach(), args)
         torch.library.opcheck(getattr(npu, op).default, args, kwargs)
+
+
+# =====================================================================================
+# npu_moe_gating_top_k, DeepSeek-V4: sqrt-softplus (norm_type 2) and hash routing
+# =====================================================================================
+def hf_deepseek_v4_router(logits, bias, top_k, routed_scaling_factor, tid2eid=None, input_ids=None):
+    """transformers DeepseekV4TopKRouter / DeepseekV4HashRouter after the gate GEMM, in float64."""
+    scores = torch.nn.functional.softplus(logits.double()).sqrt()
+    if tid2eid is None:
+        ids = torch.topk(scores + bias.double(), top_k, dim=-1, sorted=False).indices
+    else:
+        ids = tid2eid[input_ids.reshape(-1)].long()
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def test_gating_top_k_sqrt_softplus_equals_hf_deepseek_v4_router():
+    g = torch.Generator().manual_seed(3)
+    logits, bias = torch.randn(9, 16, generator=g, dtype=torch.float64), torch.randn(16, generator=g) * 0.1
+    y, idx, norm_out = npu.npu_moe_gating_top_k(logits, 3, bias=bias.double(), norm_type=2, out_flag=True,
+                                               routed_scaling_factor=1.5)
+    ref_y, ref_idx = hf_deepseek_v4_router(logits, bias, 3, 1.5)
+    order = ref_idx.sort(-1)  # HF's top-k is unsorted: compare per token in expert order
+    torch.testing.assert_close(y.gather(1, idx.long().sort(-1).indices), ref_y.gather(1, order.indices))
+    assert torch.equal(idx.long().sort(-1).values, order.values)
+    torch.testing.assert_close(norm_out.double(), torch.nn.functional.softplus(logits).sqrt(), rtol=1e-6, atol=1e-6)
+    loop_y, loop_idx = grouped_topk_loop_ref(logits, 3, bias=bias, norm_type=2, routed_scaling_factor=1.5)
+    torch.testing.assert_close(y, loop_y)
+    assert torch.equal(idx.long(), loop_idx)
+
+
+def test_gating_top_k_hash_mode_keeps_the_tables_order():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    tid2eid = torch.stack([torch.randperm(16, generator=g)[:2] for _ in range(32)])
+    input_ids = torch.randint(0, 32, (6,), generator=g)
+    y, idx, _ = npu.npu_moe_gating_top_k(logits, 2, input_ids=input_ids, tid2eid=tid2eid, norm_type=2,
+                                         routed_scaling_factor=1.5)
+    ref_y, ref_idx = hf_deepseek_v4_router(logits, None, 2, 1.5, tid2eid=tid2eid, input_ids=input_ids)
+    assert torch.equal(idx.long(), ref_idx)  # the table's order, not the scores'
+    torch.testing.assert_close(y, ref_y)
+    # mix-up: the bias steers only a top-k selection, never hash routing's table
+    y_biased, idx_biased, _ = npu.npu_moe_gating_top_k(logits, 2, bias=torch.randn(16, dtype=torch.float64) * 10,
+                                                       input_ids=input_ids, tid2eid=tid2eid, norm_type=2,
+                                                       routed_scaling_factor=1.5)
+    assert torch.equal(idx_biased, idx) and torch.equal(y_biased, y)
+
+
+def test_gating_top_k_sqrt_softplus_has_no_backward():
+    x = torch.randn(4, 16, requires_grad=True)
+    y, _, _ = npu.npu_moe_gating_top_k(x, 2, norm_type=2, out_flag=True)
+    with pytest.raises(RuntimeError, match="supports norm_type=1"):
+        y.sum().backward()

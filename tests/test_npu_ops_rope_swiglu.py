@@ -412,3 +412,145 @@ def test_opcheck(op):
 def test_opcheck_rotary_mul_with_rotate():
     x, (cos, sin) = _randn(2, 3, 4, 16), _tables((1, 1, 4, 16))
     torch.library.opcheck(npu.npu_rotary_mul.default, (x, cos, sin, "half", _randn(16, 16, seed=6)))
+
+
+# =====================================================================================
+# DeepSeek-V4: in-place partial RoPE, clamped SwiGLU (npu_clipped_swiglu, cann_ops_nn.swiglu_group)
+# =====================================================================================
+def v4_partial_rope(x, cos, sin):
+    """transformers DeepseekV4 apply_rotary_pos_emb in float64: interleaved pairs on the LAST
+    2 * cos.shape[-1] channels; cos/sin one angle per pair (repeat_interleave(2))."""
+    cos, sin = cos.double().repeat_interleave(2, -1), sin.double().repeat_interleave(2, -1)
+    rd = cos.shape[-1]
+    nope, rope = x[..., :-rd].double(), x[..., -rd:].double()
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), -1).flatten(-2)
+    return torch.cat([nope, rope * cos + rotated * sin], -1)
+
+
+def _partial_rope_inputs(dtype=torch.float64):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 5, 3, 16, generator=g, dtype=torch.float64).to(dtype)  # BSND, rope on the last 8
+    angles = torch.rand(2, 5, 1, 4, generator=g, dtype=torch.float64) * 6
+    return x, angles.cos(), angles.sin()
+
+
+def test_inplace_partial_rotary_mul_is_v4s_partial_rope():
+    x, cos, sin = _partial_rope_inputs()
+    out = x.clone()
+    result = torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(
+        out, cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), rotary_mode="interleave",
+        partial_slice=[8, 16])
+    assert result is None  # in place
+    torch.testing.assert_close(out, v4_partial_rope(x, cos, sin))
+    assert torch.equal(out[..., :8], x[..., :8])
+
+
+def test_inplace_partial_rotary_mul_mix_ups():
+    x, cos, sin = _partial_rope_inputs()
+    expected = v4_partial_rope(x, cos, sin)
+    # the slice is [start, end) of the LAST dim: the first 8 channels are another rotation
+    first = x.clone()
+    torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(first, cos.repeat_interleave(2, -1),
+                                                              sin.repeat_interleave(2, -1), partial_slice=[0, 8])
+    assert not torch.allclose(first, expected)
+    # r1 is cos, r2 sin
+    swapped = x.clone()
+    torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(swapped, sin.repeat_interleave(2, -1),
+                                                              cos.repeat_interleave(2, -1), partial_slice=[8, 16])
+    assert not torch.allclose(swapped, expected)
+    # interleaved pairs, not halves: cos/sin duplicated per pair, not cat(angles, angles)
+    halves = x.clone()
+    torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(halves, torch.cat([cos, cos], -1),
+                                                              torch.cat([sin, sin], -1), partial_slice=[8, 16])
+    assert not torch.allclose(halves, expected)
+
+
+def test_inplace_partial_rotary_mul_backward_is_the_transpose():
+    x, cos, sin = _partial_rope_inputs()
+    r1, r2 = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    leaf = x.clone().requires_grad_()
+    ref = v4_partial_rope(leaf, cos, sin)
+    grad = torch.randn_like(x)
+    (expected,) = torch.autograd.grad(ref, leaf, grad)
+    g = grad.clone()
+    torch.ops.cann_ops_transformer.inplace_partial_rotary_mul_backward(g, r1, r2, partial_slice=[8, 16])
+    torch.testing.assert_close(g, expected)
+
+
+def test_inplace_partial_rotary_mul_bf16_rounds_once_and_refuses_bad_slices():
+    x, cos, sin = _partial_rope_inputs(torch.bfloat16)
+    out = x.clone()
+    torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(
+        out, cos.float().repeat_interleave(2, -1), sin.float().repeat_interleave(2, -1), partial_slice=[8, 16])
+    assert torch.equal(out, v4_partial_rope(x, cos, sin).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="even length"):
+        torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(x.clone(), cos, sin, partial_slice=[9, 16])
+    with pytest.raises(RuntimeError, match="only supports 'interleave'"):
+        torch.ops.cann_ops_transformer.inplace_partial_rotary_mul(x.clone(), cos, sin, rotary_mode="half",
+                                                                  partial_slice=[12, 16])
+
+
+def v4_apply_gate(gate_up, limit, weight=None):
+    """transformers DeepseekV4Experts._apply_gate in float64 (then the routed score, if any)."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    y = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return y if weight is None else y * weight.double().reshape(-1, 1)
+
+
+def _gate_up(rows=12, width=16, dtype=torch.float64):
+    g = torch.Generator().manual_seed(6)
+    return (torch.randn(rows, width, generator=g, dtype=torch.float64) * 8).to(dtype)  # many values past the limit
+
+
+def test_swiglu_group_is_v4s_clamped_gate_with_the_score():
+    h = _gate_up()
+    w = torch.rand(12, dtype=torch.float64)
+    torch.testing.assert_close(torch.ops.cann_ops_nn.swiglu_group(h, clamp_limit=10.0), v4_apply_gate(h, 10.0))
+    torch.testing.assert_close(torch.ops.cann_ops_nn.swiglu_group(h, weight=w, clamp_limit=10.0),
+                               v4_apply_gate(h, 10.0, w))
+    # -1.0 disables the clamp; group_index counts the rows computed
+    torch.testing.assert_close(torch.ops.cann_ops_nn.swiglu_group(h), v4_apply_gate(h, float("inf")))
+    part = torch.ops.cann_ops_nn.swiglu_group(h, group_index=torch.tensor([3, 4]), clamp_limit=10.0)
+    torch.testing.assert_close(part[:7], v4_apply_gate(h, 10.0)[:7])
+    assert not part[7:].any()
+
+
+def test_swiglu_group_mix_ups():
+    h = _gate_up()
+    # the gate is the FIRST half and is clamped above only; up is clamped on both sides
+    y = torch.ops.cann_ops_nn.swiglu_group(h, clamp_limit=10.0)
+    gate, up = h.chunk(2, -1)
+    swapped = torch.nn.functional.silu(up.clamp(max=10.0)) * gate.clamp(-10.0, 10.0)
+    assert not torch.allclose(y, swapped)
+    symmetric = torch.nn.functional.silu(gate.clamp(-10.0, 10.0)) * up.clamp(-10.0, 10.0)
+    assert not torch.allclose(y, symmetric)
+
+
+def test_swiglu_group_backward_against_autograd():
+    h = _gate_up()
+    w = torch.rand(12, 1, dtype=torch.float64)
+    leaves = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = v4_apply_gate(leaves[0], 10.0, leaves[1])
+    grad = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, leaves, grad)
+    y_origin = torch.ops.cann_ops_nn.swiglu_group(h, clamp_limit=10.0)  # without the weight (SwigluGroupFn)
+    grad_x, grad_w = torch.ops.cann_ops_nn.swiglu_group_backward(grad, h, weight=w, y_origin=y_origin,
+                                                                 clamp_limit=10.0)
+    torch.testing.assert_close(grad_x, expected[0])
+    torch.testing.assert_close(grad_w, expected[1])
+    grad_x, empty = torch.ops.cann_ops_nn.swiglu_group_backward(grad, h, clamp_limit=10.0)
+    torch.testing.assert_close(grad_x, torch.autograd.grad(v4_apply_gate(leaves[0], 10.0), leaves[0], grad)[0])
+    assert empty.numel() == 0
+    with pytest.raises(RuntimeError, match="provided together"):
+        torch.ops.cann_ops_nn.swiglu_group_backward(grad, h, weight=w, clamp_limit=10.0)
+
+
+def test_npu_clipped_swiglu_with_v4s_arguments():
+    h = _gate_up()
+    y = npu.npu_clipped_swiglu(h, alpha=1.0, limit=10.0, bias=0.0, interleaved=False)
+    torch.testing.assert_close(y, v4_apply_gate(h, 10.0))
+    # its defaults are gpt-oss's (alpha 1.702, limit 7, bias 1, interleaved pairs): another function
+    assert not torch.allclose(npu.npu_clipped_swiglu(h), y)
+    g = h.double()
+    a, b = g[:, 0::2].clamp(max=7.0), g[:, 1::2].clamp(-7.0, 7.0)
+    torch.testing.assert_close(npu.npu_clipped_swiglu(h), a * torch.sigmoid(1.702 * a) * (b + 1.0))

@@ -333,3 +333,31 @@ def test_keep_intermediate_rounding_leaves_it_unfused_and_says_why():
     # an fp32 norm computes what it fuses into: the switch does not touch it
     out, ref, report = compile_and_run(InInputDtype(), _inputs(torch.float32), config=config)
     assert report.counts["rms_norm"] == 1
+
+
+# ---- DeepSeek-V4's two norms -------------------------------------------------------------------
+def test_deepseek_v4_norm_with_its_fp32_weight_fuses_in_fp32():
+    # DeepseekV4RMSNorm keeps its weight fp32 and multiplies before the one cast back: the
+    # fp32 core fuses between the model's casts, on every SoC (no mixed-gamma mode needed)
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+    module = DeepseekV4RMSNorm(64, eps=2.0**-10)
+    with torch.no_grad():
+        module.weight.normal_()
+    x = _inputs(torch.bfloat16)
+    out, ref, report = compile_and_run(module, x, config=nff.FusionConfig(enable={"rms_norm"}, soc="Ascend950"))
+    assert report.counts["rms_norm"] == 1 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype, form, ulps", [(torch.float32, "no_weight", 0), (torch.bfloat16, "rstd_in_input_dtype", 1)])
+def test_deepseek_v4_unweighted_norm(dtype, form, ulps):
+    # DeepseekV4UnweightedRMSNorm (q_b_norm's, the compressor's): x * rsqrt(..).to(x.dtype).
+    # bf16: the model rounds the rstd to bf16, then the product; the op rounds once (1 ulp)
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4UnweightedRMSNorm
+
+    module = DeepseekV4UnweightedRMSNorm(eps=2.0**-12)
+    out, ref, report = compile_and_run(module, _inputs(dtype), config=ONLY_RMS)
+    assert [s.form for s in report.sites] == [form]
+    assert report.fused_ops == {"npu.npu_rms_norm": 1}
+    assert_within_ulps(out, ref, ulps)

@@ -335,3 +335,68 @@ def test_report_names_the_source_line():
     assert "**rope**: 2 fused" in text
     assert "return x * cos + self.rotate(x) * sin" in text
     assert not math.isnan(report.graphs[0].seconds)
+
+
+# ---- DeepSeek-V4: partial interleaved RoPE (transformers' DeepseekV4Attention) -------------------
+# The tiny attention rotates the last 8 of 32 channels of q, the kv head and (inverse, -sin) the
+# output; CSA adds the compressor's keys and the indexer's q / k. Tolerances as above: fp32 1 ulp
+# per element is the same three operations; the attention around them is measured at scale.
+def _v4_attention(kind, dtype):
+    from v4_modules import Attention
+
+    module = Attention(kind, dtype=dtype)
+    torch.manual_seed(6)
+    return module, torch.randn(2, 18, module.config.hidden_size).to(dtype)
+
+
+def _v4_table_heads(gm):
+    """The head dim of every inplace_partial_rotary_mul call's r1 table (BS1D: 1, BSND: N)."""
+    op = torch.ops.cann_ops_transformer.inplace_partial_rotary_mul.default
+    return [node.kwargs["r1"].meta["val"].shape[2] for node in gm.graph.nodes
+            if node.op == "call_function" and node.args[:1] == (op,)]
+
+
+@pytest.mark.parametrize("kind, sites", [("swa", 3), ("csa", 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_v4_partial_rope_fuses_in_place(kind, sites, dtype):
+    module, hidden = _v4_attention(kind, dtype)
+    out, ref, report = compile_and_run(module, hidden, config=ONLY_ROPE)
+    assert report.counts["rope"] == sites
+    assert report.fused_ops == {"cann_ops_transformer.inplace_partial_rotary_mul": sites}
+    assert_close_at_scale(out, ref, 2)
+
+
+@pytest.mark.parametrize("soc, heads", [("Ascend910B", {1}), ("Ascend950", {1, 4})])
+def test_deepseek_v4_rope_tables_take_the_soc_layout(soc, heads):
+    # A2/A3 take BS1D tables, 950 does not (BSND: one table row per head; the kv head has 1)
+    from helpers import RecordingBackend
+
+    module, hidden = _v4_attention("swa", torch.bfloat16)
+    backend = RecordingBackend(nff.FusionConfig(enable={"rope"}, soc=soc))
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(hidden)
+        ref = module(hidden)
+    assert backend.report.counts["rope"] == 3
+    assert set(_v4_table_heads(backend.graphs["inference"])) == heads
+    assert_close_at_scale(out, ref, 2)
+
+
+def test_deepseek_v4_rope_trains_through_the_backward_op():
+    from v4_modules import fused_calls, train_and_compare
+
+    module, hidden = _v4_attention("swa", torch.float32)
+    backend = train_and_compare(module, [hidden], ONLY_ROPE, {torch.float32: 4})
+    assert fused_calls(backend.graphs["forward"]) == {"cann_ops_transformer.inplace_partial_rotary_mul": 3}
+    assert fused_calls(backend.graphs["backward"]) == {"cann_ops_transformer.inplace_partial_rotary_mul_backward": 3}
+
+
+def test_deepseek_v4_rope_dim_is_read_from_the_tables():
+    # partial_rotary_factor 0.5: 16 of 32 channels rotate; a baked-in 8 would rotate the wrong ones
+    from v4_modules import Attention
+
+    module = Attention("swa", partial_rotary_factor=0.5)
+    torch.manual_seed(6)
+    hidden = torch.randn(2, 18, module.config.hidden_size)
+    out, ref, report = compile_and_run(module, hidden, config=ONLY_ROPE)
+    assert report.counts["rope"] == 3
+    assert_close_at_scale(out, ref, 2)

@@ -38,7 +38,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .canonical import is_backward
 from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
-from .registry import SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, keyword_value, pattern_set
+from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
+                       pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import respell_exact
 from .tracing import TRACERS, is_static, signature
@@ -83,6 +84,7 @@ class RunContext:
         return self.rejections[node][1] if node in self.rejections else None
 
 
+@deep_patterns()  # matching and the exact retraces recurse per pattern node
 def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
                mode: Optional[str] = None, verify: bool = False, joint: bool = False,
                keep_intermediate_rounding: bool = False) -> Optional[PassResult]:

@@ -72,6 +72,9 @@ class OpCapability:
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves
     autograd_rule: Optional[str] = None
+    # nothing flows back through it: the passes use only integer outputs of it (top-k indices,
+    # tiling metadata), so a training graph may emit it although nothing differentiates it
+    gradient_free: bool = False
 
 
 CAPABILITIES: dict[str, OpCapability] = {
@@ -426,11 +429,14 @@ def capability(op: str) -> OpCapability:
 def has_backward(op: str) -> bool:
     """Whether a training graph may emit `op`: torch_npu differentiates it (`backward`)
     and, where the CPU stand-ins serve, the stand-in implements that backward too; or our
-    own `autograd_rule` differentiates it (the same on an NPU and with the stand-ins).
+    own `autograd_rule` differentiates it (the same on an NPU and with the stand-ins); or it is
+    `gradient_free` (only its integer outputs are used).
 
     Joint-graph patterns are registered only for forms whose emitted ops all pass this:
     an op without one would fail the whole compile when its replacement is traced."""
     cap = capability(op)
+    if cap.gradient_free:
+        return True
     if cap.backward is None:
         return cap.autograd_rule is not None
     from .npu_ops import real_torch_npu_available, stand_in_differentiable
@@ -676,6 +682,326 @@ CAPABILITIES.update({
     )
 })
 # ---- end of the DeepSeek-V3.2 sparse attention block ----
+
+
+# ---- DeepSeek-V4 (npu_ops/mhc.py, rope.py, activation.py, attention.py, moe.py) ---------------
+# Appended as a block of its own. shared/reference/deepseek_v4.md, checked against the torch-npu
+# 2.13.0 wheel (_op_plugin_docs.py, meta registrations, torchair's converters), the CANN
+# ops-transformer extension at mirror-cann/ops-transformer 3a280bc (COT: torch_extension/
+# cann_ops_transformer/{docs/zh,ops,ops/graph_convert}) and hicann/ops-nn (CON). `x` of
+# unsupported() is the op's first tensor input.
+#
+# GE converters of the extension ops: torchair 2.13 has none; an extension registers its own
+# (graph_convert_*.py) when it is imported, which it must be for its ops to exist at all. So
+# `ge_converter` is True where the extension's converter builds a real GE op, and
+# limits["ge_converter_source"] names that file (tests/test_capabilities.py checks the npu ops
+# against torchair and these against this column); converters that only raise count as none.
+_ONLY_950 = {soc: SocLimits(supported=soc == "Ascend950") for soc in SOCS}
+_A2_A3_950 = {"Ascend310P": SocLimits(supported=False)}
+_A2_A3_INFERENCE = {"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)}
+_HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+CAPABILITIES.update({
+    cap.op: cap
+    for cap in (
+        # -- mHC ------------------------------------------------------------------------------
+        OpCapability(
+            op="npu.npu_mhc_pre",
+            dtypes=_HALF_DTYPES,  # x; phi / alpha / bias / gamma fp32
+            min_rank=3,  # [T, n, D]
+            max_rank=4,  # [B, S, n, D]
+            backward="npu.npu_mhc_pre_backward",
+            ge_converter=False,  # torchair 2.13: none (its docs show reduce-overhead only)
+            socs=_ONLY_950,
+            limits={
+                "streams": (4, 6, 8),  # n
+                "max_dim": 16384, "dim_multiple": 16,  # D in 1..16384, 16-aligned
+                "backward_needs_out_flag": True,  # the backward reads inv_rms / h_mix / h_pre
+                "phi_dtype": torch.float32,
+            },
+            doc="deepseek_v4.md 3.2 / torch_npu docstring npu_mhc_pre (_op_plugin_docs.py): Ascend 950 only; x "
+            "bf16/fp16 [B, S, n, D] or [T, n, D], phi fp32 [n^2 + 2n, nD], alpha [3] (or [2]: two mappings), "
+            "bias [n^2 + 2n], gamma fp32 [n, D]; n 4 / 6 / 8, D <= 16384 and 16-aligned; h_res returned BEFORE "
+            "Sinkhorn; autograd NpuMhcPreBackward0 (needs out_flag=1); no GE converter in torchair 2.13",
+        ),
+        OpCapability(
+            op="npu.npu_mhc_pre_backward", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
+            ge_converter=False, socs=_ONLY_950,
+            doc="npu_mhc_pre's backward (NpuMhcPreBackward0): grads of x, phi, alpha, bias, gamma from those of "
+            "h_in, h_post and the pre-Sinkhorn h_res; Ascend 950; no GE converter",
+        ),
+        OpCapability(
+            op="npu.npu_mhc_sinkhorn",
+            dtypes=frozenset({torch.float32}),
+            min_rank=3,
+            max_rank=4,
+            backward="npu.npu_mhc_sinkhorn_backward",
+            ge_converter=False,
+            socs=_ONLY_950,
+            limits={"streams": (4, 6, 8), "iterations": (1, 100), "backward_needs_out_flag": True},
+            doc="deepseek_v4.md 3.2 / torch_npu docstring npu_mhc_sinkhorn: fp32 [B, S, n, n] or [T, n, n], n 4 / 6 / "
+            "8, num_iters 1..100; softmax + eps, a column normalisation, then num_iters - 1 row / column "
+            "normalisations (each + eps): transformers' loop exactly; 'Atlas A5' (950) only; autograd "
+            "NpuMhcSinkhornBackward0 (needs out_flag=1); no GE converter",
+        ),
+        OpCapability(
+            op="npu.npu_mhc_sinkhorn_backward", dtypes=frozenset({torch.float32}), min_rank=3, max_rank=4,
+            backward=None, ge_converter=False, socs=_ONLY_950,
+            doc="npu_mhc_sinkhorn's backward, from its norm_out / sum_out; Ascend 950; no GE converter",
+        ),
+        OpCapability(
+            op="npu.npu_mhc_post",
+            dtypes=_HALF_DTYPES,  # x and h_out; h_res / h_post fp32
+            min_rank=3,
+            max_rank=4,
+            backward="npu.npu_mhc_post_backward",
+            ge_converter=False,
+            socs=_ONLY_950,
+            limits={"streams": (4, 6, 8), "h_res_none_socs": ("Ascend950",)},
+            doc="deepseek_v4.md 4.2 / torch_npu docstring npu_mhc_post: y = h_res^T x + h_out (x) h_post; x, h_out "
+            "bf16/fp16 (one dtype), h_res, h_post fp32; n 4 / 6 / 8; 950 only; autograd NpuMhcPostBackward0; no GE "
+            "converter",
+        ),
+        OpCapability(
+            op="npu.npu_mhc_post_backward", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
+            ge_converter=False, socs=_ONLY_950,
+            doc="npu_mhc_post's backward (NpuMhcPostBackward0); Ascend 950; no GE converter",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.mhc_pre_sinkhorn",
+            dtypes=frozenset({torch.bfloat16}),  # x; phi / alpha / bias fp32
+            min_rank=4,
+            max_rank=4,  # (B, S, N, C) only: the Meta reads four sizes
+            backward=None,  # no dispatcher autograd: the extension's MhcPreSinkhornFunction ...
+            autograd_rule="npu_fx_fusion.patterns.mhc_pre.MhcPreSinkhorn",  # ... mirrored by ours
+            ge_converter=True,
+            socs=_A2_A3_950,
+            limits={
+                "package": "cann_ops_transformer",
+                "ge_converter_source": "ops/graph_convert/graph_convert_mhc_pre_sinkhorn.py (GE MhcPreSinkhorn)",
+                "backward_op": "cann_ops_transformer.mhc_pre_sinkhorn_backward",
+                "streams": (4,),  # N = 4 only
+                "iterations": (20,),  # numIters = 20 only
+                "a2_a3_dim_multiple": 128, "a2_a3_max_dim": 100000,  # C on A2/A3
+                "dims_950": (4096, 7168),  # C on 950
+            },
+            doc="deepseek_v4.md 3.3 / COT docs/zh/mhc_pre_sinkhorn.md: 950, A2, A3; x bf16 (B, S, N, C), N = 4 and "
+            "numIters = 20 only, C 128-aligned in [1, 100000] on A2/A3 and 4096 / 7168 on 950; positional "
+            "(hcMult, numIters, hcEps, normEps, outFlag); training through MhcPreSinkhornFunction "
+            "(mhc_pre_sinkhorn_backward); COT GE converter MhcPreSinkhorn",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.mhc_pre_sinkhorn_backward", dtypes=frozenset({torch.bfloat16}), min_rank=4,
+            max_rank=4, backward=None, ge_converter=True, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer",
+                    "ge_converter_source": "ops/graph_convert/graph_convert_mhc_pre_sinkhorn_backward.py "
+                                           "(GE MhcPreSinkhornBackward)"},
+            doc="mhc_pre_sinkhorn's backward (COT ops/mhc_pre_sinkhorn_backward.py): dx, dphi, dalpha, dbias",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.mhc_post",
+            dtypes=_HALF_DTYPES,
+            min_rank=3,
+            max_rank=4,
+            backward=None,  # the extension's MhcPostFunction (mhc_post_backward), mirrored by ours
+            autograd_rule="npu_fx_fusion.patterns.mhc_post.MhcPost",
+            ge_converter=False,  # the extension has no converter for it
+            # The 950 conflict (deepseek_v4.md 16.3): the extension doc (docs/zh/mhc_post.md) says 950
+            # "不支持"; the kernel's own README (mhc/mhc_post/README.md) lists 950 as supported, the
+            # kernel has arch35 (950) sources (op_kernel/arch35/mhc_post*.h, op_tiling/arch35/*) and
+            # torchtitan-npu calls it on A5. Decided from the kernel: supported on 950 (the
+            # extension doc read as stale); npu_mhc_post is preferred there anyway (patterns/mhc_post.py).
+            socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer", "backward_op": "cann_ops_transformer.mhc_post_backward",
+                    "streams": (4, 6, 8),
+                    "950_evidence": "kernel README and arch35 kernel sources: supported (extension doc: not)"},
+            doc="deepseek_v4.md 4.2 / COT docs/zh/mhc_post.md: x, h_out bf16/fp16, h_res (required) and h_post "
+            "fp32, (B, S, n, D) or (T, n, D); A2 / A3 (and 950, see the socs comment); training through "
+            "MhcPostFunction (mhc_post_backward); no GE converter",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.mhc_post_backward", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
+            ge_converter=False, socs=_A2_A3_950, limits={"package": "cann_ops_transformer"},
+            doc="mhc_post's backward (COT ops/mhc_post_backward.py); no GE converter",
+        ),
+        # -- partial RoPE ---------------------------------------------------------------------
+        OpCapability(
+            op="cann_ops_transformer.inplace_partial_rotary_mul",
+            dtypes=FLOAT_DTYPES,
+            min_rank=4,
+            max_rank=4,  # BSND
+            backward=None,  # the extension's InplacePartialRotaryMulFn (mark_dirty), mirrored by ours
+            autograd_rule="npu_fx_fusion.patterns.rope.InplacePartialRotaryMul",
+            ge_converter=True,
+            socs=_A2_A3_950,
+            limits={
+                "package": "cann_ops_transformer",
+                "ge_converter_source": "ops/graph_convert/graph_convert_inplace_partial_rotary_mul.py "
+                                       "(GE InplacePartialRotaryMul)",
+                "backward_op": "cann_ops_transformer.inplace_partial_rotary_mul_backward",
+                "max_head_dim": 1024, "head_dim_multiple": 2, "slice_multiple": 2,
+                "contiguous": True,
+                # r1 / r2 as x's letters (1: broadcast), per SoC
+                "table_layouts_950": ("BSND", "B1ND", "B11D", "111D"),
+                "table_layouts_a2_a3": ("BS1D", "B11D"),
+                # torchtitan-npu's pre-AOT pattern README says "A5 only"; the COT doc and the kernel's
+                # binary configs (ascend910b, ascend910_93, ascend950) list all three
+                "socs_evidence": "COT doc and kernel configs: 950, A2, A3 (torchtitan-npu README: A5 only)",
+            },
+            doc="deepseek_v4.md 6.2 / COT docs/zh/inplace_partial_rotary_mul.md: x (B, S, N, D) fp16/bf16/fp32, "
+            "contiguous, D <= 1024 and even; partial_slice [start, end) of D, even length = r1/r2's last dim; r1/r2 "
+            "one dtype, broadcast BSND/B1ND/B11D/111D (950) or BS1D/B11D (A2/A3); in place; training through "
+            "InplacePartialRotaryMulFn (no r1/r2 grads); COT GE converter InplacePartialRotaryMul",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.inplace_partial_rotary_mul_backward", dtypes=FLOAT_DTYPES, min_rank=4,
+            max_rank=4, backward=None, ge_converter=True, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer",
+                    "ge_converter_source": "ops/graph_convert/graph_convert_inplace_partial_rotary_mul_backward.py "
+                                           "(GE InplacePartialRotaryMulGrad)"},
+            doc="inplace_partial_rotary_mul's backward: grad_output rotated back in place",
+        ),
+        # -- compressed sparse MLA attention and its indexer ------------------------------------
+        OpCapability(
+            op="cann_ops_transformer.sparse_flash_mla",
+            dtypes=_HALF_DTYPES,  # q, ori_kv, cmp_kv one dtype; sinks fp32
+            min_rank=3,  # TND
+            max_rank=4,  # BSND
+            backward=None,  # none in the extension (torchtitan-npu wraps it); ours calls sparse_flash_mla_grad
+            autograd_rule="npu_fx_fusion.patterns.sparse_mla.SparseFlashMla",
+            ge_converter=False,  # graph_convert_sparse_flash_mla.py: the metadata op only, and it raises
+            socs=_A2_A3_950,
+            limits={
+                "package": "cann_ops_transformer",
+                "backward_op": "cann_ops_transformer.sparse_flash_mla_grad",
+                "head_dim": 512,
+                "key_heads": 1,
+                "query_heads": (1, 2, 4, 8, 16, 32, 64, 128),  # 950: not 1
+                "query_heads_950": (2, 4, 8, 16, 32, 64, 128),
+                "ori_mask_modes_a2_a3": (4,), "ori_mask_modes_950": (0, 3, 4),
+                "cmp_mask_modes": (3,),
+                "ori_win_left": (127,), "ori_win_right": (0,),
+                "cmp_ratios_a2_a3": (1, 4, 128), "max_cmp_ratio": 128,
+                "csa_topk_a2_a3": (512, 1024),
+                "sinks_required_a2_a3": True,
+                "metadata": {"Ascend950": "required", "Ascend910B": "none", "Ascend910_93": "none"},
+                "layouts": ("BSND", "TND"),  # q and kv alike (PA_BBND kv too: not emitted)
+            },
+            doc="deepseek_v4.md 9.2 / COT docs/zh/sparse_flash_mla.md: 950, A2, A3; q/ori_kv/cmp_kv bf16/fp16, D = 512, "
+            "N2 = 1, N1 in {1, 2, 4, ..., 128} (950: not 1); ori_mask_mode 4 with ori_win_left 127 / ori_win_right 0 "
+            "only (A2/A3), cmp_mask_mode 3, cmp_ratio 1 / 4 / 128 on A2/A3, CSA top-k 512 or 1024 (A2/A3); sinks fp32 "
+            "[N1]; cmp_residual_kv for CSA/HCA; metadata required on 950, none on A2/A3; no autograd in the "
+            "extension; no GE converter (aclgraph only)",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.sparse_flash_mla_metadata", dtypes=frozenset({torch.int32}), min_rank=1,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer", "output": "int32[1024], shape-only tiling"},
+            doc="sparse_flash_mla's AICPU tiling metadata (COT ops/sparse_flash_mla.py); its GE converter raises",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.sparse_flash_mla_grad", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4,
+            backward=None, ge_converter=False, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer", "metadata": {"Ascend950": "required"}},
+            doc="deepseek_v4.md 9.2 / COT docs/zh/sparse_flash_mla_grad.md: (dq, dori_kv, dcmp_kv, dsinks, "
+            "ori_softmax_l1norm, cmp_softmax_l1norm); A2/A3: no seqused / topk_length / metadata, the forward's "
+            "mask limits; no GE converter",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.sparse_flash_mla_grad_metadata", dtypes=frozenset({torch.int32}), min_rank=1,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer"},
+            doc="sparse_flash_mla_grad's tiling metadata (COT ops/sparse_flash_mla_grad.py)",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.lightning_indexer",
+            dtypes=_HALF_DTYPES,  # q and k; w fp32
+            min_rank=3,
+            max_rank=4,
+            backward=None,  # returns indices: no gradient
+            gradient_free=True,  # the CSA form uses its int32 indices only (return_value False)
+            ge_converter=False,  # graph_convert_lightning_indexer.py: the metadata op only, and it raises
+            socs=_A2_A3_950,
+            limits={
+                "package": "cann_ops_transformer",
+                "head_dim": 128, "key_heads": 1, "max_query_heads": 64, "metadata_query_heads": (32, 64),
+                "max_topk": 2048, "large_topks": (3072, 4096, 5120, 6144, 7168, 8192),
+                "mask_modes": (0, 3), "max_cmp_ratio": 128,
+                "weights_dtype": torch.float32,
+            },
+            doc="deepseek_v4.md 8.2 / COT docs/zh/lightning_indexer.md: 950, A2, A3; q (B, S1, N1, 128) / (T1, N1, "
+            "128), k one head, w fp32 (B, S1, N1); topk 1..2048 (+ 3072..8192); mask_mode 3 with cmp_ratio and "
+            "cmp_residual_k: the compressed right-down causal mask; indices int32 (-1 padded); no autograd; no GE "
+            "converter",
+        ),
+        OpCapability(
+            op="cann_ops_transformer.lightning_indexer_metadata", dtypes=frozenset({torch.int32}), min_rank=1,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer"},
+            doc="lightning_indexer's tiling metadata (COT ops/lightning_indexer.py); its GE converter raises",
+        ),
+        # -- clamped SwiGLU -------------------------------------------------------------------------
+        OpCapability(
+            op="cann_ops_nn.swiglu_group",
+            dtypes=FLOAT_DTYPES,
+            min_rank=1,
+            max_rank=8,
+            backward=None,  # SwigluGroupFn in the extension, mirrored by ours (swiglu_group_backward)
+            autograd_rule="npu_fx_fusion.patterns.swiglu_group.SwigluGroup",
+            ge_converter=False,  # CON has converters for the backward and the quant ops, not this one
+            socs=_ONLY_950,
+            limits={"package": "cann_ops_nn", "backward_op": "cann_ops_nn.swiglu_group_backward",
+                    "weight_dtype": torch.float32, "contiguous": True, "clamp_off": -1.0},
+            doc="deepseek_v4.md 12.2 / CON aclnnSwigluGroup.md and activation/swiglu_group/torch_extension/"
+            "swiglu_group.py: Ascend 950 only; x fp16/bf16/fp32 1-8 dims, contiguous; weight fp32, one per row; "
+            "clamp_limit > 0 clamps the gate above and up both ways (-1.0: off); training through SwigluGroupFn "
+            "(swiglu_group_backward); no forward GE converter found",
+        ),
+        OpCapability(
+            op="cann_ops_nn.swiglu_group_backward", dtypes=FLOAT_DTYPES, min_rank=2, max_rank=3, backward=None,
+            ge_converter=True, socs=_ONLY_950,
+            limits={"package": "cann_ops_nn",
+                    "ge_converter_source": "torch_extension/cann_ops_nn/ops/activation/swiglu_group_backward/"
+                                           "graph_convert_swiglu_group_backward.py"},
+            doc="CON swiglu_group_backward.md: grad_output / x 2-D or 3-D, weight (.., 1) fp32 with y_origin (the "
+            "unweighted forward), clamp_limit >= 0 (0: off), open-interval clamp masks; Ascend 950",
+        ),
+        OpCapability(
+            op="npu.npu_clipped_swiglu",
+            dtypes=FLOAT_DTYPES,
+            min_rank=2,
+            max_rank=8,
+            backward=None,  # none in torch_npu: inference only
+            ge_converter=True,  # custom/npu_clipped_swiglu.py -> GE ClippedSwiglu
+            # torch_npu's docstring lists Atlas A2 / A3 inference series only (ops-nn ships kernel
+            # configs for ascend950 too; the torch_npu API's docs are followed)
+            socs=_A2_A3_INFERENCE,
+            limits={"contiguous": True, "group_index_dtype": torch.int64},
+            doc="deepseek_v4.md 12.3 / torch_npu docstring npu_clipped_swiglu: fp16/bf16/fp32, > 1 dim, contiguous, "
+            "dim even; A = min(A, limit), B = clamp(B, -limit, limit), y = A sigmoid(alpha A) (B + bias), halves or "
+            "even/odd; Atlas A2/A3 inference series; no autograd; GE converter ClippedSwiglu",
+        ),
+    )
+})
+
+# npu_moe_gating_top_k's sqrt-softplus mode (norm_type 2, DeepSeek-V4's routers): CANN README
+# (mirror-cann/ops-transformer 3a280bc moe/moe_gating_top_k/README.md) "仅Ascend 950PR/Ascend
+# 950DT支持"; the torch_npu docstring documents 0 / 1 only, so whether its host path passes 2
+# through is unverified (deepseek_v4.md 11.2). No backward (sigmoid only).
+_GATING = CAPABILITIES["npu.npu_moe_gating_top_k"]
+CAPABILITIES["npu.npu_moe_gating_top_k"] = OpCapability(
+    **{**_GATING.__dict__,
+       "limits": {**_GATING.limits, "norm_types": (0, 1, 2), "norm_type_socs": {2: ("Ascend950",)},
+                  "norm_type_2_torch_npu_docs": "undocumented (0 / 1 only)"}})
+
+
+def only_on(op: str) -> Optional[str]:
+    """For a SoC-restricted op: "<op> runs on <SoCs> only" (a site's note in emulation, where no
+    SoC is known), else None."""
+    cap = CAPABILITIES[op]
+    socs = [soc for soc in SOCS if cap.socs.get(soc, SocLimits()).supported]
+    return f"{op} runs on {', '.join(socs)} only" if len(socs) < len(SOCS) else None
+# ---- end of the DeepSeek-V4 block ----
 
 # ---- NPU dispatch block: the FlashAttention ops torch_npu's own SDPA kernel calls ----
 # (npu_dispatch.py, npu_ops/fusion_attention.py). Appended as a block of its own. Limits from

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (demo, report):
         sub.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                          help="parameter dtype of hf:/torchtitan: targets")
-        sub.add_argument("--layers", type=int, default=2, help="layers of hf:/torchtitan: targets")
+        sub.add_argument("--layers", type=int, default=None,
+                         help="layers of hf:/torchtitan: targets (default: 2; hf:deepseek_v4 3)")
         sub.add_argument("--disable", default="", help=f"comma-separated passes to turn off: {', '.join(PASS_NAMES)}")
         sub.add_argument("--soc", default=None, choices=SOCS, help="Ascend SoC whose limits to honour")
         sub.add_argument("--mode", default=None, choices=MODES,
@@ -69,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_target(target: str, dtype: torch.dtype, layers: int) -> tuple[str, torch.nn.Module, tuple]:
+def load_target(target: str, dtype: torch.dtype, layers: Optional[int]) -> tuple[str, torch.nn.Module, tuple]:
     """(name, model, example_inputs) for a TARGET string; TargetError if it names nothing."""
     kind, sep, rest = target.partition(":")
     if not sep or not rest:
@@ -84,7 +85,7 @@ def load_target(target: str, dtype: torch.dtype, layers: int) -> tuple[str, torc
     if kind == "torchtitan":
         from .tiny_models import build_torchtitan
 
-        tiny = build_torchtitan(rest, dtype=dtype, num_layers=layers)
+        tiny = build_torchtitan(rest, dtype=dtype, num_layers=2 if layers is None else layers)
         return tiny.name, tiny.model, tuple(tiny.example_inputs)
     factory = _import_factory(kind, rest)
     built = factory()

@@ -108,3 +108,50 @@ def _sparse_mode(value: Optional[torch.Tensor], visible_when: str) -> tuple[Opti
         return 3, "the attention mask is right-down causal"
     return None, ("the attention mask is neither right-down causal nor empty (padding, packed "
                   "sequences or upper-left causal): the op's sparse_mode 0 / 3 cannot express it")
+
+
+def band_mask_reason(mask_node: Any, window: int) -> Optional[str]:
+    """None if an additive attention mask (0 where a key is visible) depends on no graph input
+    and shows each query row i of S exactly the keys in (t - window, t], t = (keys - S) + i (the
+    right-down sliding window of `window` keys, the query's own included); else why not.
+
+    Hidden entries must be -inf or at most -1e30 (transformers' finfo.min): adding them to a
+    logit leaves exp() exactly 0, so the mask hides what a kernel's band hides.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        value = evaluate_constant(mask_node)
+        if value is None:
+            return ("the attention mask is computed from graph inputs (or symbolic sizes), so it cannot be "
+                    "proven to be a sliding window at compile time")
+        if value.dim() < 2 or not value.is_floating_point():
+            return f"the attention mask is {value.dtype}{list(value.shape)}, not an additive (.., S, T) mask"
+        visible = value == 0
+        if not bool((value[~visible] <= -1e30).all()):
+            return "the attention mask holds values that neither show (0) nor hide (-inf) a key"
+        queries, keys = visible.shape[-2:]
+        i = torch.arange(queries).unsqueeze(-1) + (keys - queries)
+        j = torch.arange(keys).unsqueeze(0)
+        if bool((visible == ((j <= i) & (j > i - window))).all()):
+            return None
+        widths = visible.sum(-1)
+        widest = int(widths.max())
+        if bool((visible == ((j <= i) & (j > i - widest))).all()):
+            return f"the attention mask is a {widest}-key sliding window, the kernel's is {window} keys"
+        return (f"the attention mask is not a right-down sliding window of {window} keys (padding, packed "
+                "sequences or another mask)")
+
+
+def arange_positions_reason(node: Any) -> Optional[str]:
+    """None if `node` is (1 or B, S) positions 0..S-1 in every row, known at compile time (a
+    prefill without cache); else why not."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        value = evaluate_constant(node)
+        if value is None or value.dim() != 2:
+            return "the positions are computed from graph inputs (a cache offset?), not a compile-time 0..S-1"
+        if not bool((value == torch.arange(value.shape[-1])).all()):
+            return "the positions are not 0..S-1 (a cache offset or packed sequences)"
+    return None

@@ -70,8 +70,21 @@ def op_name(target: Any) -> str:
     return f"{target.namespace}.{target._schema.name.split('::')[-1]}"  # noqa: SLF001
 
 
+def functional_target(node: Node) -> Any:
+    """The op a node runs: its target, or for a mutating op in a functional graph (the
+    higher-order op auto_functionalized(_v2) torch and torchair spell it with: DeepSeek-V4's
+    in-place partial RoPE) the op it wraps."""
+    name = getattr(node.target, "__name__", "")
+    if name in ("auto_functionalized", "auto_functionalized_v2") and node.args \
+            and isinstance(node.args[0], torch._ops.OpOverload):  # noqa: SLF001
+        return node.args[0]
+    return node.target
+
+
 def custom_ops(gm: torch.fx.GraphModule) -> set[str]:
-    """The non-aten ops a traced function calls ("npu.npu_rms_norm", ...)."""
-    return {op_name(n.target) for n in gm.graph.nodes
-            if isinstance(n.target, torch._ops.OpOverload)  # noqa: SLF001
-            and n.target.namespace not in ("aten", "prims")}
+    """The non-aten ops a traced function calls ("npu.npu_rms_norm", ...); a mutating op that
+    is called functionally (auto_functionalized_v2) counts as the op it wraps."""
+    targets = [functional_target(n) for n in gm.graph.nodes if n.op == "call_function"]
+    return {op_name(t) for t in targets
+            if isinstance(t, torch._ops.OpOverload)  # noqa: SLF001
+            and t.namespace not in ("aten", "prims")}

@@ -16,6 +16,7 @@ tests/test_precompiled.py regenerates every file and fails on drift.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import importlib.util
 import itertools
 import logging
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -50,6 +52,56 @@ PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 _TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings",
                           "npu_fx_fusion.npu_dispatch")
 
+# Deep patterns (DeepSeek-V4's 20-iteration Sinkhorn, patterns/mhc_pre.py: a chain of ~200
+# nodes forward, twice that joint) recurse once per pattern node, a few frames each, in torch's
+# pattern building (fx_to_pattern), printing (PatternPrettyPrinter.memoize), respelling and
+# matching (PatternExpr.match): past Python's default limit of 1000 frames.
+PATTERN_RECURSION_LIMIT = 10000
+
+# A multi-output pattern finds its later outputs by walking each one's sub-patterns down to
+# a node the first output matched (torch's _TargetArgsExpr.find_anchor_nodes). The walk has
+# no memo, so through a chain whose steps read the step before twice (Sinkhorn's
+# x / x.sum(-1)) it takes 2**steps paths: a graph with another iteration count than the
+# pattern's never finishes. Expanding each sub-pattern once per search yields the same
+# candidates: a second expansion can only yield nodes the first already put in `searched`
+# (the match state is restored between candidates, and in a DAG the first expansion ends
+# before the second begins). {id(searched): (searched, expanded patterns)}, while matching.
+_ORIGINAL_FIND_ANCHOR_NODES = pm._TargetArgsExpr.find_anchor_nodes  # noqa: SLF001
+_EXPANDED: dict[int, tuple[Any, set]] = {}
+_DEEP_PATTERN_DEPTH = [0]
+
+
+def _find_anchor_nodes_once(self: Any, ctx: Any, searched: Any):
+    if self in ctx.pattern_to_node:
+        yield ctx.pattern_to_node[self]
+        return
+    entry = _EXPANDED.get(id(searched))
+    if entry is None or entry[0] is not searched:
+        entry = _EXPANDED[id(searched)] = (searched, set())  # holds `searched`: its id stays its own
+    if self in entry[1]:
+        return
+    entry[1].add(self)
+    yield from _ORIGINAL_FIND_ANCHOR_NODES(self, ctx, searched)
+
+
+@contextlib.contextmanager
+def deep_patterns():
+    """While building, printing or matching patterns (usable as a decorator): the recursion
+    limit raised to PATTERN_RECURSION_LIMIT, and each multi-output search expanding a
+    sub-pattern once."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, PATTERN_RECURSION_LIMIT))
+    _DEEP_PATTERN_DEPTH[0] += 1
+    pm._TargetArgsExpr.find_anchor_nodes = _find_anchor_nodes_once  # noqa: SLF001
+    try:
+        yield
+    finally:
+        _DEEP_PATTERN_DEPTH[0] -= 1
+        if not _DEEP_PATTERN_DEPTH[0]:
+            pm._TargetArgsExpr.find_anchor_nodes = _ORIGINAL_FIND_ANCHOR_NODES  # noqa: SLF001
+            _EXPANDED.clear()
+        sys.setrecursionlimit(limit)
+
 
 @dataclass(frozen=True)
 class Registration:
@@ -62,6 +114,7 @@ class Registration:
     requires_grad: tuple[str, ...] = ()  # joint kinds: the arguments traced as requiring grad
 
     @functools.cached_property
+    @deep_patterns()
     def spelled(self) -> tuple[pm.PatternExpr, ...]:
         """The pattern accepting every spelling of each of its nodes, one per spelling of
         its root (spellings.py): what the matcher runs."""
@@ -95,10 +148,12 @@ class PatternSet:
     replacements: dict = field(default_factory=dict)
 
     @functools.cached_property
+    @deep_patterns()
     def forward(self) -> tuple[Registration, ...]:
         return self.build_forward()
 
     @functools.cached_property
+    @deep_patterns()
     def joint(self) -> tuple[Registration, ...]:
         return self.build_joint()
 
@@ -139,6 +194,7 @@ def _target_of(name: str) -> Any:
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
 
 
+@deep_patterns()
 def pattern_set(fusion_pass: FusionPass) -> PatternSet:
     """The patterns of `fusion_pass`'s current forms, built on first use and kept on the pass."""
     forms = fusion_pass.forms
@@ -417,12 +473,14 @@ def import_optional_form_libraries() -> None:
     import transformers.integrations.moe  # noqa: F401
 
 
+@deep_patterns()
 def trace_patterns(fusion_pass: FusionPass) -> PatternSet:
     """The pass's patterns traced from its forms, whatever is precompiled."""
     npu_ops.ensure_registered()
     return _trace(fusion_pass, fusion_pass.forms)
 
 
+@deep_patterns()
 def precompiled_source(fusion_pass: FusionPass, traced: Optional[PatternSet] = None) -> str:
     """The text of patterns/_precompiled/<pass>.py for the current sources: every form the
     pass can have (every optional library it matches must be importable here). `traced`:

@@ -16,8 +16,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.fx
 
+from .nodes import functional_target
+
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
-FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer")
+FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer", "cann_ops_nn")
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class PassResult:
 
 def op_counts(graph: torch.fx.Graph) -> Counter:
     """call_function targets by name ("aten.mul.Tensor", "npu.npu_rms_norm.default", ...)."""
-    return Counter(_target_name(n.target) for n in graph.nodes if n.op == "call_function")
+    return Counter(_target_name(functional_target(n)) for n in graph.nodes if n.op == "call_function")
 
 
 def _target_name(target) -> str:

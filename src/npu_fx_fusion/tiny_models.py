@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -178,6 +178,73 @@ _HF_MODELS: dict[str, tuple[dict[str, Any], bool, str]] = {
     ),
 }
 
+# ---- DeepSeek-V4 (transformers 5.24 deepseek_v4) ----------------------------------------
+# Three layers, one of each attention kind (sliding window, compressed sparse attention
+# with its lightning indexer, heavily compressed attention) and both MoE kinds (hash-routed
+# first, then top-k). Sizes keep every mechanism live at seq_len 18: CSA's 4:1 compression
+# gives 4 blocks (+ a remainder of 2) of which the indexer keeps 3, HCA's 8:1 gives 2 (+ 2);
+# mHC over 4 streams with V4's 20 Sinkhorn iterations; the partial RoPE rotates the last 8
+# of 32 channels. The sliding window is V4's 128 (the only one sparse_flash_mla takes), so at
+# 18 tokens the sliding part of every mask is the causal mask. The real kernels' other limits
+# (head_dim 512, HCA ratio 128, top-k 512 / 1024, bf16 only) are not met: the passes fuse in
+# emulation and note them on each site.
+_DEEPSEEK_V4 = dict(
+    num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=32,
+    o_groups=2, o_lora_rank=16, sliding_window=128,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    index_n_heads=4, index_head_dim=16, index_topk=3, hc_mult=4, hc_sinkhorn_iters=20,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+    intermediate_size=32,  # V4's attribute_map: the experts' (and shared expert's) moe_intermediate_size
+)
+_DEEPSEEK_V4_LAYERS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_DEEPSEEK_V4_MLPS = ("hash_moe", "moe", "moe")
+_HF_MODELS["deepseek_v4"] = (
+    _DEEPSEEK_V4, True,
+    "DeepSeek-V4: mHC pre/post over 4 streams, sliding / CSA (+ indexer) / HCA attention with sinks, "
+    "partial interleaved RoPE, hash and sqrt-softplus routers, clamped SwiGLU experts",
+)
+# per-model defaults where the common ones do not apply: V4 has eager attention only, and
+# its layer schedule is three layers long
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v4": dict(attn_implementation="eager", num_layers=3, seq_len=18),
+}
+
+
+def _deepseek_v4_layer_config(num_layers: int) -> dict[str, Any]:
+    return dict(layer_types=[_DEEPSEEK_V4_LAYERS[i % 3] for i in range(num_layers)],
+                mlp_layer_types=[_DEEPSEEK_V4_MLPS[i % 3] for i in range(num_layers)])
+
+
+def _init_deepseek_v4(lm: nn.Module, generator: torch.Generator) -> None:
+    """Give V4's zero-initialised buffers and parameters the values a checkpoint has.
+
+    transformers zero-initialises them (real values come from the checkpoint), which would
+    make several mechanisms degenerate: tid2eid all 0 routes every token twice to expert 0,
+    zero sinks and position biases hide their own code paths, a zero correction bias and
+    unit mHC scales hide operand mix-ups. Each hash-table row lists distinct experts.
+    """
+    for name, module in lm.named_modules():
+        kind = type(module).__name__
+        if kind == "DeepseekV4HashRouter":
+            experts, k = module.num_experts, module.top_k
+            rows = [torch.randperm(experts, generator=generator)[:k] for _ in range(module.tid2eid.shape[0])]
+            module.tid2eid.copy_(torch.stack(rows))
+        elif kind == "DeepseekV4TopKRouter":
+            module.e_score_correction_bias.normal_(std=0.1, generator=generator)
+        elif kind == "DeepseekV4Attention":
+            module.sinks.data.normal_(std=1.0, generator=generator)
+        elif kind == "DeepseekV4HyperConnection":
+            module.base.data.normal_(std=0.5, generator=generator)
+            module.scale.data.uniform_(0.5, 1.5, generator=generator)
+        elif kind == "DeepseekV4HyperHead":
+            module.hc_base.data.normal_(std=0.5, generator=generator)
+        elif kind in ("DeepseekV4HCACompressor", "DeepseekV4CSACompressor", "DeepseekV4Indexer"):
+            module.position_bias.data.normal_(std=0.5, generator=generator)
+
+
+_HF_POST_INIT = {"deepseek_v4": _init_deepseek_v4}
+# ---- end of the DeepSeek-V4 block --------------------------------------------------------
+
 HF_MODEL_TYPES: tuple[str, ...] = tuple(_HF_MODELS)
 
 
@@ -200,12 +267,12 @@ def build_hf(
     model_type: str,
     *,
     dtype: torch.dtype = torch.float32,
-    num_layers: int = 2,
-    seq_len: int = 16,
+    num_layers: Optional[int] = None,
+    seq_len: Optional[int] = None,
     batch: int = 2,
     seed: int = 0,
     experts_implementation: str = "grouped_mm",
-    attn_implementation: str = "sdpa",
+    attn_implementation: Optional[str] = None,
     **config_overrides: Any,
 ) -> TinyModel:
     """Build a tiny random-weight HF transformers causal LM.
@@ -213,15 +280,15 @@ def build_hf(
     Args:
         model_type: one of :data:`HF_MODEL_TYPES` (an HF ``model_type`` string).
         dtype: parameter dtype (fp32, bf16 or fp16).
-        num_layers: number of decoder layers.
-        seq_len, batch: shape of the example ``input_ids``.
+        num_layers: number of decoder layers (None: 2; deepseek_v4 3, one per attention kind).
+        seq_len, batch: shape of the example ``input_ids`` (seq_len None: 16; deepseek_v4 18).
         seed: seeds weights and inputs; the same arguments give the same model.
         experts_implementation: MoE models only. ``"grouped_mm"`` (HF default, one
             graph), ``"batched_mm"`` (one graph, bmm per token-expert pair) or
             ``"eager"`` (Python loop over experts: graph breaks). Ignored for dense
             models.
-        attn_implementation: ``"sdpa"`` (default) or ``"eager"`` (explicit
-            matmul/softmax attention).
+        attn_implementation: ``"sdpa"`` (None: the default, but ``"eager"`` for
+            deepseek_v4, which has no other) or ``"eager"`` (explicit matmul/softmax attention).
         **config_overrides: any HF config field, overriding the tiny defaults.
     """
     if model_type not in _HF_MODELS:
@@ -231,8 +298,14 @@ def build_hf(
     tag = _dtype_tag(dtype)  # validate before the (slow) import and build
     transformers = _import_optional("transformers", _HF_INSTALL_HINT)
     extra, is_moe, desc = _HF_MODELS[model_type]
+    defaults = {"attn_implementation": "sdpa", "num_layers": 2, "seq_len": 16, **_HF_DEFAULTS.get(model_type, {})}
+    num_layers = defaults["num_layers"] if num_layers is None else num_layers
+    seq_len = defaults["seq_len"] if seq_len is None else seq_len
+    attn_implementation = attn_implementation or defaults["attn_implementation"]
 
     cfg_kwargs = {**_HF_COMMON, **extra, "num_hidden_layers": num_layers}
+    if model_type == "deepseek_v4":
+        cfg_kwargs.update(_deepseek_v4_layer_config(num_layers))
     cfg_kwargs.update(config_overrides)
     config = transformers.AutoConfig.for_model(model_type, **cfg_kwargs)
 
@@ -246,6 +319,9 @@ def build_hf(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         lm = transformers.AutoModelForCausalLM.from_config(config, **model_kwargs)
+        if model_type in _HF_POST_INIT:
+            with torch.no_grad():
+                _HF_POST_INIT[model_type](lm, torch.Generator().manual_seed(seed))
         ids = _random_ids(config.vocab_size, batch, seq_len)
     lm.eval()
 

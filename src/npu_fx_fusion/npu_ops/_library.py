@@ -20,12 +20,14 @@ _FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe", "attention",
                    # the NPU dispatch block (npu_dispatch.py): what torch_npu's own kernels call
                    "fusion_attention", "dispatch_backward",
                    # the inference attention block (issue 18)
-                   "infer_attention", "kv_cache")
+                   "infer_attention", "kv_cache",
+                   # DeepSeek-V4's hyper-connections
+                   "mhc")
 
 # Namespaces that belong to a package of their own rather than to torch_npu. Their
 # stand-ins are registered only when that package is not installed (then its real ops
 # are the ones to use, on an NPU, and defining look-alikes here would shadow them).
-_NAMESPACE_PACKAGES = {"cann_ops_transformer": "cann_ops_transformer"}
+_NAMESPACE_PACKAGES = {"cann_ops_transformer": "cann_ops_transformer", "cann_ops_nn": "cann_ops_nn"}
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,11 @@ class StandIn:
     # query_rope / key_rope): autograd tracks them too, and `backward` returns their
     # gradients after the positional ones, in this order
     differentiable_kwargs: tuple[str, ...] = ()
+    # The extension packages (cann_ops_transformer, cann_ops_nn) differentiate their ops with a
+    # Python torch.autograd.Function in their public wrapper, not at the dispatcher: the raw op
+    # has no autograd. This names that Function, for the error a backward through the raw op
+    # raises (a pass emits the forward and backward ops itself, through its own Function).
+    python_autograd: Optional[str] = None
 
     @property
     def qualname(self) -> str:
@@ -57,11 +64,12 @@ _LIBRARIES: dict[str, torch.library.Library] = {}
 
 def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = None,
              setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None,
-             differentiable_kwargs: tuple[str, ...] = ()):
+             differentiable_kwargs: tuple[str, ...] = (), python_autograd: Optional[str] = None):
     """Declare the CPU reference kernel of `namespace::op` (decorator on the kernel).
 
     `missing_backward`: the op torch_npu's autograd calls, when it has no stand-in yet.
     `differentiable_kwargs`: keyword-only tensor arguments with a gradient (see StandIn).
+    `python_autograd`: the extension's autograd.Function that differentiates the op (see StandIn).
     """
     namespace, name = qualname.split("::")
     if name not in SCHEMAS.get(namespace, {}):
@@ -75,7 +83,7 @@ def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = No
 
     def declare(kernel: Callable) -> Callable:
         _DECLARED[qualname] = StandIn(namespace, name, kernel, fake, backward, setup_context,
-                                      missing_backward, tuple(differentiable_kwargs))
+                                      missing_backward, tuple(differentiable_kwargs), python_autograd)
         return kernel
 
     return declare
@@ -123,11 +131,15 @@ def _save_nothing(ctx, inputs, output=None, keyword_only_inputs=None) -> None:
     pass
 
 
-def _no_backward(qualname: str) -> Callable:
+def _no_backward(qualname: str, python_autograd: Optional[str] = None) -> Callable:
     namespace = qualname.split("::")[0]
     owner = "torch_npu" if namespace == "npu" else namespace
 
     def backward(ctx, *grads):
+        if python_autograd is not None:
+            raise RuntimeError(f"{qualname} has no dispatcher autograd: {owner} differentiates it with the Python "
+                               f"autograd.Function {python_autograd}, around the raw op; call the backward op "
+                               "explicitly (as the passes' own autograd rules do)")
         raise RuntimeError(f"{qualname} has no backward in {owner}: it is for inference graphs only")
 
     return backward
@@ -267,7 +279,13 @@ def ensure_registered() -> tuple[str, ...]:
         if op.missing_backward is not None:
             backward, setup_context = _missing_backward(op), _save_nothing
         elif backward is None:  # fail loudly, as a missing NPU backward would, never drop grads
-            backward, setup_context = _no_backward(op.qualname), _save_nothing
+            backward, setup_context = _no_backward(op.qualname, op.python_autograd), _save_nothing
+        # an op that mutates its input (Tensor(a!) ... -> ()) cannot carry an autograd formula
+        # (torch.library refuses it); it is called on tensors that need no grad, or through
+        # the extension's / our own autograd.Function
+        if getattr(getattr(torch.ops, op.namespace), op.name).default._schema.is_mutable:  # noqa: SLF001
+            _REGISTERED.append(op.qualname)
+            continue
         _register_autograd(lib, op, backward, setup_context)
         _REGISTERED.append(op.qualname)
     log.info("registered CPU stand-ins: %s", ", ".join(_REGISTERED))

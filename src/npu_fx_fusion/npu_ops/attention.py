@@ -947,3 +947,518 @@ def sparse_flash_mla_softmax_l1_norm(q, k, softmax_lse, *, sparse_indices=None, 
         p = p.masked_fill(~valid.unsqueeze(2), 0.0)
         out[rs] = p.sum(2) / g
     return out.to(torch.float32).view(out_shape)
+
+
+# =====================================================================================
+# DeepSeek-V4: cann_ops_transformer.sparse_flash_mla (+ _metadata, _grad, _grad_metadata) and
+# cann_ops_transformer.lightning_indexer (+ _metadata)
+# =====================================================================================
+# Sources (mirror-cann/ops-transformer at 3a280bc, shared/reference/deepseek_v4.md 8.2 / 9.2):
+# the extension's docs (torch_extension/cann_ops_transformer/docs/zh/sparse_flash_mla*.md,
+# lightning_indexer.md), Meta functions (ops/sparse_flash_mla*.py, ops/lightning_indexer.py)
+# and the forward golden (attention/sparse_flash_mla/tests/pytest/sparse_flash_mla_golden.py).
+#
+# sparse_flash_mla, per batch b and query row i (of Sq rows; the ori keys are the batch's
+# Sori uncompressed keys, K = V, one key head shared by the G query heads):
+#   ori part  ori_mask_mode 4 (band): keys [max(t - ori_win_left - 1, 0), t + ori_win_right)
+#             with t = Sori - Sq + i + 1 (win_left -1: from 0); 3: [0, t + ori_win_right);
+#             0: all. In modes 3 / 4 a row i < Sq - Sori sees nothing (zeros).
+#   cmp part  visible count c = floor((S - Sq + i + 1) / cmp_ratio) (cmp_mask_mode 3) or
+#             floor(S / cmp_ratio) (0), capped at the batch's T compressed keys, with
+#             S = T * cmp_ratio + cmp_residual_kv[b] (the docs' definition of the residual;
+#             the golden uses Sori, the same for a prefill whose ori keys are all S tokens).
+#             Without cmp_sparse_indices (HCA): keys [0, c). With them (CSA): the first
+#             min(K, c) slots, up to the first -1, skipping ids >= c; a listed id counts as
+#             often as it is listed (the golden extends its key list).
+#   softmax   over [ori keys, cmp keys] and the sink: m = max(sinks[h], max l), l = q.k * scale,
+#             sum = exp(sinks[h] - m) + sum exp(l - m); out = (round_q(exp(l - m)) @ V) / sum
+#             (the golden's RUN_MODE 1: the unnormalised probabilities rounded to q's dtype
+#             before the P @ V matmul, in one S2 tile); lse = m + log(sum) (the golden adds
+#             1e-10 inside the log, below fp32's resolution of sum >= 1: left out).
+# Not computed here (NotImplementedError): paged kv (block tables), ori_sparse_indices, the
+# *_topk_length inputs, absent ori_kv (950 only), topk_value_mode != 1.
+_SMLA_METADATA_SIZE = 1024  # SMLA_METADATA_SIZE / SMLAG_METADATA_SIZE / LI_METADATA_SIZE
+# The metadata ops are AICPU tiling helpers whose int32[1024] layout is undocumented. The
+# stand-ins write a header of the arguments the main op must agree with (a stand-in
+# convention, not the kernel's layout) and the main ops check it: a pass that builds
+# metadata for other sizes or modes than it calls the op with fails here as it would on the NPU.
+_SMLA_HEADER = ("num_heads_q", "num_heads_kv", "head_dim", "batch_size", "max_seqlen_q", "cmp_ratio",
+                "ori_mask_mode", "cmp_mask_mode", "ori_win_left", "ori_win_right", "has_ori_kv", "has_cmp_kv")
+_LI_HEADER = ("num_heads_q", "num_heads_k", "head_dim", "topk", "batch_size", "max_seqlen_q", "mask_mode",
+              "cmp_ratio")
+
+
+def _metadata_header(values: dict, names: Sequence[str]) -> torch.Tensor:
+    metadata = torch.zeros((_SMLA_METADATA_SIZE,), dtype=torch.int32)
+    metadata[:len(names)] = torch.tensor([int(values[name]) for name in names], dtype=torch.int32)
+    return metadata
+
+
+def _check_metadata_header(op: str, metadata: Optional[torch.Tensor], values: dict, names: Sequence[str]) -> None:
+    if metadata is None:
+        return  # A2 / A3 take none (the docs); whether a 950 kernel needs it is capabilities.py's business
+    meta = metadata.reshape(-1)
+    if meta.numel() != _SMLA_METADATA_SIZE or meta.dtype != torch.int32:
+        raise RuntimeError(f"{op}: metadata must be the int32[{_SMLA_METADATA_SIZE}] of its _metadata op")
+    got = {name: int(meta[i]) for i, name in enumerate(names)}
+    wrong = {name: (got[name], int(values[name])) for name in names if got[name] != int(values[name])}
+    if wrong:
+        raise RuntimeError(f"{op}: metadata was made for another call: {wrong} (metadata value, this call)")
+
+
+def _cu_lengths(op: str, name: str, cu: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The extension's cu_seqlens (B + 1 entries, leading 0) as this module's cumulative lengths."""
+    if cu is None:
+        return None
+    values = _ints(op, name, cu)
+    if not values or values[0] != 0:
+        raise RuntimeError(f"{op}: {name} must start with 0 (B + 1 prefix sums), got {values}")
+    return cu[1:]
+
+
+def _smla_lengths(op, layout, cu, seqused, name):
+    """The per-batch lengths argument of _query_batches / _key_rows: TND cumulative, BSND per batch."""
+    if layout == "TND":
+        if seqused is not None:
+            raise NotImplementedError(f"{op}: seqused with TND has no CPU reference")
+        return _cu_lengths(op, f"cu_seqlens_{name}", cu)
+    return seqused
+
+
+def _smla_plan(op, q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, ori_block_table, cmp_block_table,
+               cu_seqlens_q, cu_seqlens_ori_kv, cu_seqlens_cmp_kv, seqused_q, seqused_ori_kv, seqused_cmp_kv,
+               cmp_residual_kv, ori_topk_length, cmp_topk_length, sinks, cmp_ratio, ori_mask_mode, cmp_mask_mode,
+               layout_q, layout_kv):
+    """Validate a sparse_flash_mla(_grad) call; return (n2, batches) with batches of
+    (query row slice, rows, ori key rows, cmp key rows or None, S = T*ratio + residual)."""
+    _check_layouts(op, layout_q, layout_kv, "layout_kv", key_layouts=LAYOUTS)
+    if ori_kv is None:
+        raise NotImplementedError(f"{op}: without ori_kv (Ascend 950 only) there is no CPU reference")
+    if ori_block_table is not None or cmp_block_table is not None:
+        raise NotImplementedError(f"{op}: paged kv (block tables) has no CPU reference")
+    if ori_sparse_indices is not None or ori_topk_length is not None or cmp_topk_length is not None:
+        raise NotImplementedError(f"{op}: ori_sparse_indices and the *_topk_length inputs (Ascend 950) have no CPU "
+                                  "reference")
+    _check_rank(op, "q", q, layout_q)
+    _check_rank(op, "ori_kv", ori_kv, layout_kv)
+    _check_float_pair(op, "q", q, "ori_kv", ori_kv)
+    if ori_kv.shape[-1] != q.shape[-1]:
+        raise RuntimeError(f"{op}: q and ori_kv head dims differ: {q.shape[-1]} and {ori_kv.shape[-1]}")
+    n2 = ori_kv.shape[-2]
+    _check_heads(op, q.shape[-2], n2)
+    if cmp_kv is not None:
+        _check_rank(op, "cmp_kv", cmp_kv, layout_kv)
+        _check_float_pair(op, "q", q, "cmp_kv", cmp_kv)
+        if cmp_kv.shape[-2:] != ori_kv.shape[-2:]:
+            raise RuntimeError(f"{op}: cmp_kv {tuple(cmp_kv.shape)} and ori_kv {tuple(ori_kv.shape)} differ in heads "
+                               "or head dim")
+    elif cmp_sparse_indices is not None:
+        raise RuntimeError(f"{op}: cmp_sparse_indices without cmp_kv (SWA takes neither)")
+    if cmp_sparse_indices is not None:
+        expected = _shape(q)[:-2] + (n2,)
+        if cmp_sparse_indices.dtype != torch.int32 or _shape(cmp_sparse_indices)[:-1] != expected \
+                or cmp_sparse_indices.dim() != len(expected) + 1:
+            raise RuntimeError(f"{op}: cmp_sparse_indices must be int32 {expected + ('K',)}, got "
+                               f"{cmp_sparse_indices.dtype} {_shape(cmp_sparse_indices)}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[-2]):
+        raise RuntimeError(f"{op}: sinks must be ({q.shape[-2]},) (one per query head), got {_shape(sinks)}")
+    if ori_mask_mode not in (0, 3, 4) or cmp_mask_mode not in (0, 3):
+        raise RuntimeError(f"{op}: ori_mask_mode must be 0 / 3 / 4 and cmp_mask_mode 0 / 3, got {ori_mask_mode} "
+                           f"and {cmp_mask_mode}")
+    if not 1 <= cmp_ratio <= 128:
+        raise RuntimeError(f"{op}: cmp_ratio must be in [1, 128], got {cmp_ratio}")
+    starts, lens = _query_batches(op, layout_q, q, _smla_lengths(op, layout_q, cu_seqlens_q, seqused_q, "q"),
+                                  "query lengths")
+    ori_rows = _key_rows(op, layout_kv, ori_kv, _smla_lengths(op, layout_kv, cu_seqlens_ori_kv, seqused_ori_kv,
+                                                               "ori_kv"), None, len(lens), "ori_kv lengths")
+    cmp_rows = ([None] * len(lens) if cmp_kv is None else
+                _key_rows(op, layout_kv, cmp_kv, _smla_lengths(op, layout_kv, cu_seqlens_cmp_kv, seqused_cmp_kv,
+                                                               "cmp_kv"), None, len(lens), "cmp_kv lengths"))
+    if cmp_kv is not None and cmp_mask_mode == 3 and cmp_residual_kv is None:
+        raise RuntimeError(f"{op}: cmp_mask_mode 3 with cmp_kv needs cmp_residual_kv (S % cmp_ratio per batch)")
+    residual = _per_batch(op, "cmp_residual_kv", cmp_residual_kv, len(lens), [0] * len(lens))
+    if any(not 0 <= r < cmp_ratio for r in residual) and cmp_kv is not None:
+        raise RuntimeError(f"{op}: cmp_residual_kv must be in [0, cmp_ratio), got {residual}")
+    batches = []
+    for b, (start, lq) in enumerate(zip(starts, lens)):
+        if lq == 0:
+            continue
+        full = (cmp_rows[b].numel() * cmp_ratio + residual[b]) if cmp_rows[b] is not None else ori_rows[b].numel()
+        batches.append((slice(start, start + lq), lq, ori_rows[b], cmp_rows[b], full))
+    return n2, batches
+
+
+def _smla_selection(lq, lo, cmp_count, full, indices, cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left,
+                    ori_win_right):
+    """Per query row: the ori key mask (lq, lo) and the cmp key positions (lq, P) with their
+    validity (positions into the batch's cmp keys; P = K with indices, else cmp_count)."""
+    i = torch.arange(lq).unsqueeze(1)
+    j = torch.arange(lo).unsqueeze(0)
+    t = lo - lq + i + 1
+    if ori_mask_mode == 4:
+        begin = torch.clamp(t - ori_win_left - 1, min=0) if ori_win_left != -1 else torch.zeros_like(t)
+        ori = (j >= begin) & (j < t + ori_win_right)
+    elif ori_mask_mode == 3:
+        ori = j < t + ori_win_right
+    else:
+        ori = torch.ones((lq, lo), dtype=torch.bool)
+    if ori_mask_mode in (3, 4):
+        ori &= (i >= lq - lo)  # a row before the ori keys' causal start sees nothing
+    if cmp_count is None:
+        return ori, None, None
+    visible = (full - lq + i + 1) // cmp_ratio if cmp_mask_mode == 3 else torch.full_like(i, full // cmp_ratio)
+    visible = visible.clamp(min=0, max=cmp_count)  # (lq, 1)
+    if indices is None:  # every visible compressed key, in order
+        pos = torch.arange(cmp_count).unsqueeze(0).expand(lq, -1)
+        return ori, pos, pos < visible
+    slots = indices.long()  # (lq, K)
+    listed = (slots >= 0).long().cumprod(-1).bool()  # up to the first -1
+    looked_at = torch.arange(slots.shape[-1]).unsqueeze(0) < visible  # the first min(K, c) slots
+    valid = listed & looked_at & (slots < visible)
+    return ori, slots.clamp(0, max(cmp_count - 1, 0)), valid
+
+
+def _smla_logits(q_b, ori_b, cmp_b, ori_mask, cmp_pos, cmp_valid, scale):
+    """Scaled logits (lq, n2, G, lo [+ P]) over [ori keys, selected cmp keys], -inf where hidden,
+    and the gathered keys (lq, n2, lo [+ P], D)."""
+    lq = q_b.shape[0]
+    keys = ori_b.unsqueeze(0).expand(lq, -1, -1, -1)  # (lq, lo, n2, D)
+    mask = ori_mask
+    if cmp_pos is not None:
+        keys = torch.cat([keys, cmp_b[cmp_pos]], 1)  # (lq, lo + P, n2, D)
+        mask = torch.cat([ori_mask, cmp_valid], 1)
+    keys = keys.transpose(1, 2)  # (lq, n2, L, D)
+    logits = torch.einsum("ingd,inld->ingl", q_b, keys) * scale
+    return logits.masked_fill(~mask.view(lq, 1, 1, -1), float("-inf")), keys, mask
+
+
+def _sink_logits(sinks, n2, g, acc):
+    return sinks.to(acc).view(1, n2, g) if sinks is not None else None
+
+
+def _smla_lse_shape(q, n2, layout_q):
+    g = q.shape[-2] // n2
+    return (q.shape[0], n2, q.shape[1], g) if layout_q == "BSND" else (n2, q.shape[0], g)
+
+
+def _sparse_flash_mla_metadata_fake(num_heads_q, num_heads_kv, head_dim, **kwargs):
+    return torch.empty((_SMLA_METADATA_SIZE,), dtype=torch.int32)
+
+
+def _smla_metadata_values(num_heads_q, num_heads_kv, head_dim, batch_size, max_seqlen_q, cmp_ratio, ori_mask_mode,
+                          cmp_mask_mode, ori_win_left, ori_win_right, has_ori_kv, has_cmp_kv):
+    # the defaults of the extension's PrivateUse1 wrapper (ops/sparse_flash_mla.py): 0 / 1 / -1 / True
+    return dict(num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim, batch_size=batch_size or 0,
+                max_seqlen_q=max_seqlen_q or 0, cmp_ratio=1 if cmp_ratio is None else cmp_ratio,
+                ori_mask_mode=0 if ori_mask_mode is None else ori_mask_mode,
+                cmp_mask_mode=0 if cmp_mask_mode is None else cmp_mask_mode,
+                ori_win_left=-1 if ori_win_left is None else ori_win_left,
+                ori_win_right=-1 if ori_win_right is None else ori_win_right,
+                has_ori_kv=True if has_ori_kv is None else has_ori_kv,
+                has_cmp_kv=True if has_cmp_kv is None else has_cmp_kv)
+
+
+def _smla_metadata_kernel(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                          cu_seqlens_cmp_kv=None, seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
+                          cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, batch_size=None,
+                          max_seqlen_q=None, max_seqlen_ori_kv=None, max_seqlen_cmp_kv=None, ori_topk=None,
+                          cmp_topk=None, cmp_ratio=None, ori_mask_mode=None, cmp_mask_mode=None, ori_win_left=None,
+                          ori_win_right=None, layout_q=None, layout_kv=None, has_ori_kv=None, has_cmp_kv=None):
+    if num_heads_q <= 0 or head_dim <= 0:
+        raise RuntimeError(f"sparse_flash_mla_metadata: num_heads_q and head_dim must be positive, got {num_heads_q} "
+                           f"and {head_dim}")
+    _check_heads("sparse_flash_mla_metadata", num_heads_q, num_heads_kv)
+    values = _smla_metadata_values(num_heads_q, num_heads_kv, head_dim, batch_size, max_seqlen_q, cmp_ratio,
+                                   ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right, has_ori_kv, has_cmp_kv)
+    return _metadata_header(values, _SMLA_HEADER)
+
+
+stand_in("cann_ops_transformer::sparse_flash_mla_metadata", fake=_sparse_flash_mla_metadata_fake)(
+    _smla_metadata_kernel)  # no autograd: shape-only tiling
+stand_in("cann_ops_transformer::sparse_flash_mla_grad_metadata", fake=_sparse_flash_mla_metadata_fake)(
+    _smla_metadata_kernel)  # the same arguments for the backward's tiling
+
+
+def _smla_call_values(q, ori_kv, cmp_kv, cmp_ratio, ori_mask_mode, cmp_mask_mode, ori_win_left, ori_win_right,
+                      layout_q):
+    bsnd = layout_q == "BSND"
+    return dict(num_heads_q=q.shape[-2], num_heads_kv=ori_kv.shape[-2] if ori_kv is not None else 1,
+                head_dim=q.shape[-1], batch_size=q.shape[0] if bsnd else 0, max_seqlen_q=q.shape[1] if bsnd else 0,
+                cmp_ratio=cmp_ratio, ori_mask_mode=ori_mask_mode, cmp_mask_mode=cmp_mask_mode,
+                ori_win_left=ori_win_left, ori_win_right=ori_win_right, has_ori_kv=ori_kv is not None,
+                has_cmp_kv=cmp_kv is not None)
+
+
+def _sparse_flash_mla_fake(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
+                           ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                           cu_seqlens_cmp_kv=None, seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
+                           cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, sinks=None,
+                           metadata=None, softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=4, cmp_mask_mode=3,
+                           ori_win_left=127, ori_win_right=0, layout_q="BSND", layout_kv="BSND", topk_value_mode=1,
+                           return_softmax_lse=False):
+    n2 = ori_kv.shape[-2] if ori_kv is not None else 1
+    # the extension's Meta: lse (B, N2, S1, G) / (N2, T1, G) with return_softmax_lse, else a 0-dim tensor
+    lse = q.new_empty(_smla_lse_shape(q, n2, layout_q) if return_softmax_lse else (), dtype=torch.float32)
+    return torch.empty_like(q), lse
+
+
+@stand_in("cann_ops_transformer::sparse_flash_mla", fake=_sparse_flash_mla_fake,
+          python_autograd="none in the extension (torchtitan-npu's npu_smla wraps it with sparse_flash_mla_grad)")
+def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
+                     ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                     cu_seqlens_cmp_kv=None, seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
+                     cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None,
+                     softmax_scale=1.0, cmp_ratio=1, ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=127,
+                     ori_win_right=0, layout_q="BSND", layout_kv="BSND", topk_value_mode=1, return_softmax_lse=False):
+    # the block comment above; fp32 (float64 stays float64), the output rounded once to q's dtype
+    op = "sparse_flash_mla"
+    if topk_value_mode != 1:
+        raise NotImplementedError(f"{op}: topk_value_mode {topk_value_mode} is undocumented (only 1 has a reference)")
+    n2, batches = _smla_plan(op, q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, ori_block_table,
+                             cmp_block_table, cu_seqlens_q, cu_seqlens_ori_kv, cu_seqlens_cmp_kv, seqused_q,
+                             seqused_ori_kv, seqused_cmp_kv, cmp_residual_kv, ori_topk_length, cmp_topk_length,
+                             sinks, cmp_ratio, ori_mask_mode, cmp_mask_mode, layout_q, layout_kv)
+    _check_metadata_header(op, metadata, _smla_call_values(q, ori_kv, cmp_kv, cmp_ratio, ori_mask_mode, cmp_mask_mode,
+                                                           ori_win_left, ori_win_right, layout_q), _SMLA_HEADER)
+    n1, d = q.shape[-2], q.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(q)
+    q_flat = q.reshape(-1, n2, g, d)
+    ori_flat = ori_kv.reshape(-1, n2, d)
+    cmp_flat = cmp_kv.reshape(-1, n2, d) if cmp_kv is not None else None
+    idx_flat = cmp_sparse_indices.reshape(-1, n2, cmp_sparse_indices.shape[-1]) if cmp_sparse_indices is not None \
+        else None
+    out = torch.zeros(q_flat.shape, dtype=acc, device=q.device)
+    lse = torch.zeros(q_flat.shape[:-1], dtype=torch.float32 if acc == torch.float32 else acc, device=q.device)
+    sink = _sink_logits(sinks, n2, g, acc)
+    for rs, lq, ori_b, cmp_b, full in batches:
+        if n2 != 1 and idx_flat is not None:
+            raise NotImplementedError(f"{op}: sparse indices with {n2} key heads (the op has one) have no reference")
+        indices = idx_flat[rs, 0] if idx_flat is not None else None
+        ori_mask, cmp_pos, cmp_valid = _smla_selection(lq, ori_b.numel(), None if cmp_b is None else cmp_b.numel(),
+                                                       full, indices, cmp_ratio, ori_mask_mode, cmp_mask_mode,
+                                                       ori_win_left, ori_win_right)
+        logits, keys, _ = _smla_logits(q_flat[rs].to(acc), ori_flat[ori_b].to(acc),
+                                       cmp_flat[cmp_b].to(acc) if cmp_b is not None else None,
+                                       ori_mask, cmp_pos, cmp_valid, softmax_scale)
+        m = logits.amax(-1)
+        if sink is not None:
+            m = torch.maximum(m, sink.expand_as(m))
+        m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # a row with no key and no sink
+        e = torch.exp(logits - m.unsqueeze(-1))
+        total = e.sum(-1) + (torch.exp(sink - m) if sink is not None else 0)
+        p = e.to(q.dtype).to(acc)  # rounded to q's dtype before P @ V (the golden)
+        o = torch.einsum("ingl,inld->ingd", p, keys) / torch.where(total > 0, total, 1).unsqueeze(-1)
+        out[rs] = o
+        lse[rs] = (m + torch.log(total)).to(lse.dtype)
+    attention = out.to(q.dtype).view(q.shape)
+    if not return_softmax_lse:
+        return attention, q.new_empty((), dtype=torch.float32)
+    if layout_q == "BSND":  # rows (B*S1, N2, G) -> (B, N2, S1, G)
+        lse = lse.view(q.shape[0], q.shape[1], n2, g).transpose(1, 2)
+    else:  # (T1, N2, G) -> (N2, T1, G)
+        lse = lse.transpose(0, 1)
+    return attention, lse.contiguous().to(torch.float32 if acc == torch.float32 else acc)
+
+
+def _sparse_flash_mla_grad_fake(q, dout, attn_out, softmax_lse, ori_kv=None, cmp_kv=None, ori_sparse_indices=None,
+                                cmp_sparse_indices=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
+                                cu_seqlens_cmp_kv=None, seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
+                                cmp_residual_kv=None, ori_topk_length=None, cmp_topk_length=None, sinks=None,
+                                metadata=None, softmax_scale=None, cmp_ratio=None, ori_mask_mode=0, cmp_mask_mode=0,
+                                ori_win_left=-1, ori_win_right=-1, layout_q="BSND", layout_kv="BSND"):
+    # the extension's Meta, with an empty (0,) where it returns None (the schema's outputs are
+    # Tensors); the l1-norm outputs fp32 as the docs say (the Meta copies the indices' int32)
+    empty = q.new_empty((0,))
+
+    def like(t, dtype=None):
+        return t.new_empty(t.shape, dtype=dtype or t.dtype) if t is not None else empty
+
+    l1 = (lambda idx: idx.new_empty(idx.shape, dtype=torch.float32) if idx is not None else empty)
+    return (torch.empty_like(q), like(ori_kv), like(cmp_kv), like(sinks), l1(ori_sparse_indices),
+            l1(cmp_sparse_indices))
+
+
+@stand_in("cann_ops_transformer::sparse_flash_mla_grad", fake=_sparse_flash_mla_grad_fake)
+def sparse_flash_mla_grad(q, dout, attn_out, softmax_lse, ori_kv=None, cmp_kv=None, ori_sparse_indices=None,
+                          cmp_sparse_indices=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
+                          seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None,
+                          ori_topk_length=None, cmp_topk_length=None, sinks=None, metadata=None, softmax_scale=None,
+                          cmp_ratio=None, ori_mask_mode=0, cmp_mask_mode=0, ori_win_left=-1, ori_win_right=-1,
+                          layout_q="BSND", layout_kv="BSND"):
+    # docs/zh/sparse_flash_mla_grad.md, over the forward's selection (same masks and sinks):
+    #   P  = exp(l - lse)  (SimpleSoftmax: the forward's lse, which includes the sink)
+    #   dP = dO . v        D = rowsum(dO * O)         dS = P (dP - D)
+    #   dq = scale * dS @ K            dkv = scale * dS^T @ q + P^T @ dO   (K = V: both parts)
+    #   dsinks[h] = -sum over rows of P_sink * D, P_sink = exp(sinks[h] - lse)  (the sink is a
+    #       logit with no value; the doc's "ReduceSum(-P x dP x SimpleSoftmax(sinks, lse))" read
+    #       as this, which is the gradient of transformers' cat([logits, sink]) softmax)
+    #   cmp_softmax_l1norm (with cmp_sparse_indices): the mean over the G heads of P at each
+    #       index slot, 0 at invalid slots (B, S1, N2, K); ori_softmax_l1norm needs
+    #       ori_sparse_indices (not computed: empty)
+    # softmax_scale None: 1 / sqrt(D) (the doc's default). fp32 accumulation, each gradient
+    # rounded once to its input's dtype; dsinks fp32.
+    op = "sparse_flash_mla_grad"
+    cmp_ratio = 1 if cmp_ratio is None else cmp_ratio
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    n2, batches = _smla_plan(op, q, ori_kv, cmp_kv, ori_sparse_indices, cmp_sparse_indices, None, None, cu_seqlens_q,
+                             cu_seqlens_ori_kv, cu_seqlens_cmp_kv, seqused_q, seqused_ori_kv, seqused_cmp_kv,
+                             cmp_residual_kv, ori_topk_length, cmp_topk_length, sinks, cmp_ratio, ori_mask_mode,
+                             cmp_mask_mode, layout_q, layout_kv)
+    _check_metadata_header(op, metadata, _smla_call_values(q, ori_kv, cmp_kv, cmp_ratio, ori_mask_mode, cmp_mask_mode,
+                                                           ori_win_left, ori_win_right, layout_q), _SMLA_HEADER)
+    for name, t in (("dout", dout), ("attn_out", attn_out)):
+        if _shape(t) != _shape(q):
+            raise RuntimeError(f"{op}: {name} must have q's shape {_shape(q)}, got {_shape(t)}")
+    lse_shape = _smla_lse_shape(q, n2, layout_q)
+    if _shape(softmax_lse) != lse_shape:
+        raise RuntimeError(f"{op}: softmax_lse must be the forward's {lse_shape} (return_softmax_lse=True), got "
+                           f"{_shape(softmax_lse)}")
+    n1, d = q.shape[-2], q.shape[-1]
+    g = n1 // n2
+    acc = _compute_dtype(q)
+    q_flat, do_flat, o_flat = (t.reshape(-1, n2, g, d) for t in (q, dout, attn_out))
+    lse_rows = (softmax_lse.transpose(1, 2) if layout_q == "BSND" else softmax_lse.transpose(0, 1)).reshape(-1, n2, g)
+    ori_flat = ori_kv.reshape(-1, n2, d)
+    cmp_flat = cmp_kv.reshape(-1, n2, d) if cmp_kv is not None else None
+    idx_flat = cmp_sparse_indices.reshape(-1, n2, cmp_sparse_indices.shape[-1]) if cmp_sparse_indices is not None \
+        else None
+    grad_q = torch.zeros(q_flat.shape, dtype=acc)
+    grad_ori = torch.zeros(ori_flat.shape, dtype=acc)
+    grad_cmp = torch.zeros(cmp_flat.shape, dtype=acc) if cmp_flat is not None else None
+    grad_sinks = torch.zeros((n2, g), dtype=acc)
+    l1 = torch.zeros(idx_flat.shape, dtype=acc) if idx_flat is not None else None
+    sink = _sink_logits(sinks, n2, g, acc)
+    for rs, lq, ori_b, cmp_b, full in batches:
+        if n2 != 1 and idx_flat is not None:
+            raise NotImplementedError(f"{op}: sparse indices with {n2} key heads (the op has one) have no reference")
+        indices = idx_flat[rs, 0] if idx_flat is not None else None
+        lo = ori_b.numel()
+        ori_mask, cmp_pos, cmp_valid = _smla_selection(lq, lo, None if cmp_b is None else cmp_b.numel(), full,
+                                                       indices, cmp_ratio, ori_mask_mode, cmp_mask_mode,
+                                                       ori_win_left, ori_win_right)
+        qb = q_flat[rs].to(acc)
+        logits, keys, mask = _smla_logits(qb, ori_flat[ori_b].to(acc),
+                                          cmp_flat[cmp_b].to(acc) if cmp_b is not None else None,
+                                          ori_mask, cmp_pos, cmp_valid, scale)
+        lse_b = lse_rows[rs].to(acc).unsqueeze(-1)
+        p = torch.exp(logits - lse_b)  # (lq, n2, G, L); hidden keys: exp(-inf) = 0
+        do = do_flat[rs].to(acc)
+        delta = (do * o_flat[rs].to(acc)).sum(-1, keepdim=True)
+        dp = torch.einsum("ingd,inld->ingl", do, keys)
+        ds = p * (dp - delta)
+        grad_q[rs] = torch.einsum("ingl,inld->ingd", ds, keys) * scale
+        grad_keys = torch.einsum("ingl,ingd->inld", ds, qb) * scale + torch.einsum("ingl,ingd->inld", p, do)
+        grad_keys = grad_keys.transpose(1, 2)  # (lq, L, n2, D)
+        grad_ori.index_add_(0, ori_b, grad_keys[:, :lo].sum(0))
+        if cmp_pos is not None:
+            rows = cmp_b[cmp_pos]  # (lq, P) rows of cmp_flat
+            grad_cmp.index_put_((rows,), grad_keys[:, lo:] * cmp_valid.unsqueeze(-1).unsqueeze(-1), accumulate=True)
+            if l1 is not None:
+                l1[rs, 0] = p[:, 0, :, lo:].mean(1) * cmp_valid  # n2 == 1
+        if sink is not None:
+            p_sink = torch.exp(sink.unsqueeze(-1) - lse_b)  # (lq, n2, G, 1)
+            grad_sinks += (-p_sink * delta).sum((0, 3))
+    empty = q.new_empty((0,))
+    return (grad_q.to(q.dtype).view(q.shape), grad_ori.to(ori_kv.dtype).view(ori_kv.shape),
+            grad_cmp.to(cmp_kv.dtype).view(cmp_kv.shape) if grad_cmp is not None else empty,
+            grad_sinks.reshape(-1).to(sinks.dtype) if sinks is not None else empty, empty,
+            l1.to(torch.float32 if acc == torch.float32 else acc).view(cmp_sparse_indices.shape) if l1 is not None
+            else empty)
+
+
+# ---- cann_ops_transformer.lightning_indexer (+ _metadata) --------------------------------
+# docs/zh/lightning_indexer.md: for query row i and key j (one key head, its G query heads)
+#   score[i, j] = sum_h w[i, h] * relu(q[i, h] . k[j])       (fp32, no scale argument)
+#   mask_mode 3: key j visible iff j < floor((S - Sq + i + 1) / cmp_ratio), S = Sk * cmp_ratio +
+#   cmp_residual_k[b] (pre-compression length; cmp_ratio 1 and no residual: the right-down
+#   causal mask of npu_lightning_indexer's sparse_mode 3); 0: no mask
+#   sparse_indices = the top `topk` visible keys, descending; -1 (values -inf) past them.
+# Ties go to the lower key (a stable sort: the order within the top-k is unspecified).
+def _lightning_indexer_metadata_fake(num_heads_q, num_heads_k, head_dim, topk, **kwargs):
+    return torch.empty((_SMLA_METADATA_SIZE,), dtype=torch.int32)
+
+
+def _li_values(num_heads_q, num_heads_k, head_dim, topk, batch_size, max_seqlen_q, mask_mode, cmp_ratio):
+    return dict(num_heads_q=num_heads_q, num_heads_k=num_heads_k, head_dim=head_dim, topk=topk,
+                batch_size=batch_size or 0, max_seqlen_q=max_seqlen_q if max_seqlen_q not in (None, -1) else 0,
+                mask_mode=mask_mode or 0, cmp_ratio=1 if cmp_ratio is None else cmp_ratio)
+
+
+@stand_in("cann_ops_transformer::lightning_indexer_metadata", fake=_lightning_indexer_metadata_fake)  # no autograd
+def lightning_indexer_metadata(num_heads_q, num_heads_k, head_dim, topk, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                               seqused_q=None, seqused_k=None, cmp_residual_k=None, batch_size=None, max_seqlen_q=None,
+                               max_seqlen_k=None, layout_q=None, layout_k=None, mask_mode=None, cmp_ratio=None):
+    _check_heads("lightning_indexer_metadata", num_heads_q, num_heads_k)
+    return _metadata_header(_li_values(num_heads_q, num_heads_k, head_dim, topk, batch_size, max_seqlen_q, mask_mode,
+                                       cmp_ratio), _LI_HEADER)
+
+
+def _cann_indexer_out_shape(q, n2, topk, layout_q):
+    return (q.shape[0], q.shape[1], n2, topk) if layout_q == "BSND" else (q.shape[0], n2, topk)
+
+
+def _cann_lightning_indexer_fake(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                                 seqused_k=None, cmp_residual_k=None, block_table=None, output_idx_offset=None,
+                                 metadata=None, max_seqlen_q=-1, layout_q="BSND", layout_k="BSND", mask_mode=0,
+                                 cmp_ratio=1, return_value=0):
+    shape = _cann_indexer_out_shape(q, k.shape[-2], topk, layout_q)
+    values = q.new_empty(shape, dtype=torch.float32) if return_value else q.new_empty((0,), dtype=torch.float32)
+    return q.new_empty(shape, dtype=torch.int32), values
+
+
+@stand_in("cann_ops_transformer::lightning_indexer", fake=_cann_lightning_indexer_fake,
+          python_autograd="none in the extension (it returns indices)")
+def cann_lightning_indexer(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                           cmp_residual_k=None, block_table=None, output_idx_offset=None, metadata=None,
+                           max_seqlen_q=-1, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1,
+                           return_value=0):
+    op = "lightning_indexer"
+    _check_layouts(op, layout_q, layout_k, "layout_k", key_layouts=LAYOUTS)
+    if block_table is not None or output_idx_offset is not None:
+        raise NotImplementedError(f"{op}: paged keys and output_idx_offset have no CPU reference")
+    _check_rank(op, "q", q, layout_q)
+    _check_rank(op, "k", k, layout_k)
+    _check_float_pair(op, "q", q, "k", k)
+    if k.shape[-1] != q.shape[-1] or _shape(w) != _shape(q)[:-1]:
+        raise RuntimeError(f"{op}: k's head dim must be q's and w q's shape without D, got {_shape(k)} and {_shape(w)}")
+    n1, n2, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    g = _check_heads(op, n1, n2)
+    if topk <= 0 or mask_mode not in (0, 3) or not 1 <= cmp_ratio <= 128:
+        raise RuntimeError(f"{op}: topk > 0, mask_mode 0 / 3 and cmp_ratio in [1, 128] expected, got {topk}, "
+                           f"{mask_mode} and {cmp_ratio}")
+    if mask_mode == 3 and cmp_ratio != 1 and cmp_residual_k is None:
+        raise RuntimeError(f"{op}: mask_mode 3 with cmp_ratio {cmp_ratio} needs cmp_residual_k")
+    bsnd = layout_q == "BSND"
+    _check_metadata_header(op, metadata, _li_values(n1, n2, d, topk, q.shape[0] if bsnd else 0,
+                                                    q.shape[1] if bsnd else 0, mask_mode, cmp_ratio), _LI_HEADER)
+    starts, lens = _query_batches(op, layout_q, q, _smla_lengths(op, layout_q, cu_seqlens_q, seqused_q, "q"), "q lengths")
+    key_rows = _key_rows(op, layout_k, k, _smla_lengths(op, layout_k, cu_seqlens_k, seqused_k, "k"), None, len(lens),
+                         "k lengths")
+    residual = _per_batch(op, "cmp_residual_k", cmp_residual_k, len(lens), [0] * len(lens))
+    acc = _compute_dtype(q)
+    q_flat, w_flat, k_flat = q.reshape(-1, n2, g, d), w.reshape(-1, n2, g), k.reshape(-1, n2, d)
+    rows = q_flat.shape[0]
+    indices = torch.full((rows, n2, topk), -1, dtype=torch.int32)
+    values = torch.full((rows, n2, topk), float("-inf"), dtype=acc)
+    for b, (start, lq) in enumerate(zip(starts, lens)):
+        k_b = key_rows[b]
+        lk = k_b.numel()
+        if lq == 0 or lk == 0:
+            continue
+        rs = slice(start, start + lq)
+        score = (torch.einsum("ingd,jnd->ingj", q_flat[rs].to(acc), k_flat[k_b].to(acc)).relu()
+                 * w_flat[rs].to(acc).unsqueeze(-1)).sum(2)  # (lq, n2, lk)
+        if mask_mode == 3:
+            full = lk * cmp_ratio + residual[b]
+            visible = (full - lq + torch.arange(lq) + 1) // cmp_ratio  # keys j < visible
+            score = score.masked_fill(torch.arange(lk).view(1, 1, -1) >= visible.view(-1, 1, 1), float("-inf"))
+        n = min(topk, lk)
+        vals, idx = torch.sort(score, dim=-1, descending=True, stable=True)
+        vals, idx = vals[..., :n], idx[..., :n]
+        indices[rs, :, :n] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
+        values[rs, :, :n] = vals
+    shape = _cann_indexer_out_shape(q, n2, topk, layout_q)
+    sparse_values = values.to(torch.float32 if acc == torch.float32 else acc).view(shape) if return_value \
+        else q.new_empty((0,), dtype=torch.float32)
+    return indices.view(shape), sparse_values

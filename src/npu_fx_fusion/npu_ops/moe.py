@@ -107,9 +107,8 @@ def _check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, gr
         raise RuntimeError(f"{op}: bias must have shape ({num_experts},), got {tuple(bias.shape)}")
     if (input_ids is None) != (tid2eid is None):
         raise RuntimeError(f"{op}: input_ids and tid2eid must be both provided or both omitted")
-    if norm_type not in (0, 1):
-        raise NotImplementedError(f"{op}: norm_type={norm_type} has no CPU reference (0 softmax and "
-                                  "1 sigmoid do; newer CANN adds 2, sqrt-softplus)")
+    if norm_type not in (0, 1, 2):
+        raise RuntimeError(f"{op}: norm_type must be 0 (softmax), 1 (sigmoid) or 2 (sqrt-softplus), got {norm_type}")
     if renorm not in (0, 1):
         raise RuntimeError(f"{op}: renorm must be 0 or 1, got {renorm}")
     if input_ids is not None:
@@ -182,11 +181,21 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
     # README above defines it (softmax mode: renormalise; sigmoid: no effect), used here.
     # Hash mode (input_ids, tid2eid): expert_idx = tid2eid[input_ids], no selection [README;
     # op_semantics 11.1 marks it inferred].
+    # norm_type 2 (CANN README, mirror-cann/ops-transformer 3a280bc moe/moe_gating_top_k, Ascend 950
+    # only): norm_out = sqrt(softplus(x)), renormalised like sigmoid; DeepSeek-V4's router. The
+    # README's TopK-mode renorm divides by ReduceSum(normOut) (every expert) where its hash mode
+    # divides by the gathered k: the gathered k are used in both, as for sigmoid (and as V4 and
+    # the backward do) [the README's TopK line read as a slip, deepseek_v4.md 11.2].
     _check_gating_top_k(x, k, bias, input_ids, tid2eid, k_group, group_count, group_select_mode,
                         renorm, norm_type)
     acc = _compute_dtype(x)
     xf = x.to(acc)
-    scores = torch.softmax(xf, dim=-1) if norm_type == 0 else torch.sigmoid(xf)
+    if norm_type == 0:
+        scores = torch.softmax(xf, dim=-1)
+    elif norm_type == 1:
+        scores = torch.sigmoid(xf)
+    else:
+        scores = torch.nn.functional.softplus(xf).sqrt()
     if input_ids is not None:
         idx = tid2eid[input_ids.long()].long()
     else:
@@ -202,7 +211,7 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
             sel = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(x.shape[0], -1)
         _, idx = _topk_desc(sel, k)
     y = scores.gather(1, idx)
-    if norm_type == 1 or renorm == 1:
+    if norm_type in (1, 2) or renorm == 1:
         y = y / (y.sum(dim=-1, keepdim=True) + eps)
     y = y * routed_scaling_factor
     # norm_out is (N, E) fp32 in every case (Meta); without out_flag the NPU leaves it

@@ -145,3 +145,72 @@ def npu_interleave_rope(x, cos, sin):
     acc = _compute_dtype(x)
     q = _deinterleave(x.to(acc))
     return (q * cos.to(acc) + _rot(q, "half") * sin.to(acc)).to(x.dtype).contiguous()
+
+
+# =====================================================================================
+# cann_ops_transformer.inplace_partial_rotary_mul (+ backward): DeepSeek-V4's partial RoPE
+# =====================================================================================
+# COT docs (torch_extension/cann_ops_transformer/docs/zh/inplace_partial_rotary_mul.md) and
+# the extension's Meta (ops/inplace_partial_rotary_mul*.py, mirror-cann/ops-transformer
+# 3a280bc): x is 4-D BSND, rotated IN PLACE on x[..., start:end] only; r1 = cos, r2 = sin,
+# already one entry per channel of the slice (each pair's angle twice), broadcasting to
+# the slice. The doc writes the rotation as `cat(-x[..., 1::2], x[..., ::2])`, every caller
+# and torchtitan-npu's CPU double (bitwise equal to the A3 kernel in its device smoke test,
+# deepseek_v4.md 6.2) as the interleave `stack(-x_odd, x_even).flatten(-2)`: the latter is
+# implemented (open in the reference; `_rot(x, "interleave")`). fp32 inside, one rounding.
+# No autograd at the dispatcher: the extension's InplacePartialRotaryMulFn (mark_dirty)
+# differentiates it with the backward op, which rotates grad_output in place by the
+# transpose rotation (no gradients for r1 / r2).
+def _check_partial_rotary(op: str, x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str,
+                          partial_slice) -> tuple[int, int]:
+    if x.dim() != 4:
+        raise RuntimeError(f"{op}: x must be 4-D (B, S, N, D), it has {x.dim()} dims")
+    if rotary_mode != "interleave":
+        raise RuntimeError(f"{op}: rotary_mode only supports 'interleave', got {rotary_mode!r}")
+    if len(partial_slice) != 2:
+        raise RuntimeError(f"{op}: partial_slice must contain exactly two integers, got {list(partial_slice)}")
+    start, end = partial_slice
+    if not 0 <= start <= end <= x.shape[-1] or (end - start) % 2:
+        raise RuntimeError(f"{op}: partial_slice [{start}, {end}) must lie in [0, {x.shape[-1]}] with an even "
+                           "length")
+    if r1.dtype != r2.dtype or r1.shape != r2.shape or r1.dim() != 4 or r1.shape[-1] != end - start:
+        raise RuntimeError(f"{op}: r1 and r2 must be 4-D of one shape and dtype with last dim {end - start}, got "
+                           f"{r1.dtype}{tuple(r1.shape)} and {r2.dtype}{tuple(r2.shape)}")
+    sliced = (*x.shape[:-1], end - start)
+    if torch.broadcast_shapes(sliced, r1.shape) != torch.Size(sliced):
+        raise RuntimeError(f"{op}: r1/r2 {tuple(r1.shape)} do not broadcast to x[..., start:end] {sliced}")
+    return start, end
+
+
+def _partial_rotary_fake(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    _check_partial_rotary("inplace_partial_rotary_mul", x, r1, r2, rotary_mode, partial_slice)
+
+
+@stand_in("cann_ops_transformer::inplace_partial_rotary_mul", fake=_partial_rotary_fake,
+          python_autograd="cann_ops_transformer.ops.inplace_partial_rotary_mul.InplacePartialRotaryMulFn")
+def inplace_partial_rotary_mul(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    start, end = _check_partial_rotary("inplace_partial_rotary_mul", x, r1, r2, rotary_mode, partial_slice)
+    if start == end:
+        return None
+    acc = _compute_dtype(x)
+    part = x[..., start:end].to(acc)
+    x[..., start:end] = (part * r1.to(acc) + _rot(part, "interleave") * r2.to(acc)).to(x.dtype)
+    return None
+
+
+def _partial_rotary_backward_fake(grad_output, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    _check_partial_rotary("inplace_partial_rotary_mul_backward", grad_output, r1, r2, rotary_mode, partial_slice)
+
+
+@stand_in("cann_ops_transformer::inplace_partial_rotary_mul_backward", fake=_partial_rotary_backward_fake)
+def inplace_partial_rotary_mul_backward(grad_output, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
+    # out = x*r1 + R(x)*r2 on the slice, so dx = r1*g + R^T(r2*g) = r1*g - R(r2*g) (R antisymmetric,
+    # as npu_rotary_mul_backward); the other channels pass their gradient through unchanged
+    start, end = _check_partial_rotary("inplace_partial_rotary_mul_backward", grad_output, r1, r2, rotary_mode,
+                                       partial_slice)
+    if start == end:
+        return None
+    acc = _compute_dtype(grad_output)
+    g = grad_output[..., start:end].to(acc)
+    grad_output[..., start:end] = (r1.to(acc) * g - _rot(r2.to(acc) * g, "interleave")).to(grad_output.dtype)
+    return None

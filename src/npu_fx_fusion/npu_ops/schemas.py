@@ -156,6 +156,151 @@ SCHEMAS["cann_ops_transformer"] = {
 }
 # ---- end of the DeepSeek-V3.2 sparse attention block ----
 
+# ---- DeepSeek-V4 (shared/reference/deepseek_v4.md; npu_ops/mhc.py, rope.py, activation.py,
+# attention.py) ------------------------------------------------------------------------------
+# Appended as a block of its own. The npu ops are torch_npu 2.13.0's (yaml lines 46 / 49
+# mhc_pre and its backward, 557 / 560 mhc_post and its backward, 832 clipped_swiglu, 878 / 880
+# mhc_sinkhorn and its backward), compared with the wheel by tests/test_schemas.py.
+SCHEMAS["npu"].update({
+    "npu_mhc_pre": (
+        "npu_mhc_pre(Tensor x, Tensor phi, Tensor alpha, Tensor bias, *, Tensor? gamma=None, float norm_eps=1e-6, "
+        "float hc_eps=1e-6, int out_flag=0, int inner_precise=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_mhc_pre_backward": (
+        "npu_mhc_pre_backward(Tensor x, Tensor phi, Tensor alpha, Tensor grad_h_in, Tensor grad_h_post, "
+        "Tensor grad_h_res, Tensor inv_rms, Tensor h_mix, Tensor h_pre, Tensor h_post, Tensor? gamma=None, "
+        "float hc_eps=1e-6, Tensor? grad_x_post=None, int inner_precise=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_mhc_sinkhorn": (
+        "npu_mhc_sinkhorn(Tensor x, *, float eps=1e-6, SymInt num_iters=20, int out_flag=0) -> (Tensor, Tensor, Tensor)"
+    ),
+    "npu_mhc_sinkhorn_backward": "npu_mhc_sinkhorn_backward(Tensor grad_y, Tensor norm, Tensor sum) -> Tensor",
+    "npu_mhc_post": "npu_mhc_post(Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) -> Tensor",
+    "npu_mhc_post_backward": (
+        "npu_mhc_post_backward(Tensor grad_y, Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) "
+        "-> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_clipped_swiglu": (
+        "npu_clipped_swiglu(Tensor x, *, Tensor? group_index=None, int dim=-1, float alpha=1.702, float limit=7.0, "
+        "float bias=1.0, bool interleaved=True) -> Tensor"
+    ),
+})
+
+# cann_ops_transformer (CANN ops-transformer PyTorch extension; not on the package index):
+# copied character for character from each op's OpBuilder.schema() in
+# torch_extension/cann_ops_transformer/ops/{mhc_pre_sinkhorn, mhc_pre_sinkhorn_backward, mhc_post,
+# mhc_post_backward, inplace_partial_rotary_mul, inplace_partial_rotary_mul_backward, sparse_flash_mla,
+# sparse_flash_mla_grad, lightning_indexer}.py of mirror-cann/ops-transformer at 3a280bc (2026-07-21),
+# spaces (and their absence) included.
+SCHEMAS["cann_ops_transformer"].update({
+    "mhc_pre_sinkhorn": (
+        "mhc_pre_sinkhorn(Tensor x, Tensor phi, Tensor alpha, Tensor bias, int hcMult, int numIters, float hcEps, "
+        "float normEps, bool outFlag) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "mhc_pre_sinkhorn_backward": (
+        "mhc_pre_sinkhorn_backward(Tensor gradHin, Tensor gradHPost, Tensor gradHRes, Tensor x, Tensor phi, "
+        "Tensor alpha, Tensor bias, Tensor hPre, Tensor hcBeforeNorm, Tensor invRms, Tensor sumOut, Tensor normOut, "
+        "float hcEps) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "mhc_post": "mhc_post(Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> Tensor",
+    "mhc_post_backward": (
+        "mhc_post_backward(Tensor gradOutput, Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> "
+        "(Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "inplace_partial_rotary_mul": (
+        "inplace_partial_rotary_mul(Tensor(a!) x, Tensor r1, Tensor r2, *, "
+        'str rotary_mode="interleave", int[2] partial_slice=[0, 0]) -> ()'
+    ),
+    "inplace_partial_rotary_mul_backward": (
+        "inplace_partial_rotary_mul_backward(Tensor(a!) grad_output, Tensor r1, Tensor r2, *, "
+        'str rotary_mode="interleave", int[2] partial_slice=[0, 0]) -> ()'
+    ),
+    "sparse_flash_mla_metadata": (
+        "sparse_flash_mla_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
+        "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, "
+        "Tensor? seqused_q=None, Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, "
+        "Tensor? cmp_residual_kv=None, Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, "
+        "int? batch_size=None, int? max_seqlen_q=None, int? max_seqlen_ori_kv=None, int? max_seqlen_cmp_kv=None,"
+        "int? ori_topk=None, int? cmp_topk=None, int? cmp_ratio=None, int? ori_mask_mode=None,"
+        "int? cmp_mask_mode=None, int? ori_win_left=None, int? ori_win_right=None, str? layout_q=None,"
+        "str? layout_kv=None, bool? has_ori_kv=None, bool? has_cmp_kv=None) -> Tensor"
+    ),
+    "sparse_flash_mla": (
+        "sparse_flash_mla(Tensor q, *,"
+        "Tensor? ori_kv=None, Tensor? cmp_kv=None, "
+        "Tensor? ori_sparse_indices=None, Tensor? cmp_sparse_indices=None, "
+        "Tensor? ori_block_table=None, Tensor? cmp_block_table=None, "
+        "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, "
+        "Tensor? cu_seqlens_cmp_kv=None, Tensor? seqused_q=None, "
+        "Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, "
+        "Tensor? cmp_residual_kv=None, "
+        "Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, "
+        "Tensor? sinks=None, Tensor? metadata=None, "
+        "float softmax_scale=1.0, int cmp_ratio=1, "
+        "int ori_mask_mode=4, int cmp_mask_mode=3, "
+        "int ori_win_left=127, int ori_win_right=0, "
+        'str layout_q="BSND", str layout_kv="BSND", '
+        "int topk_value_mode=1, bool return_softmax_lse=False) -> (Tensor, Tensor)"
+    ),
+    "sparse_flash_mla_grad_metadata": (
+        "sparse_flash_mla_grad_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
+        "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, "
+        "Tensor? seqused_q=None, Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, "
+        "Tensor? cmp_residual_kv=None, Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, "
+        "int? batch_size=None, int? max_seqlen_q=None, int? max_seqlen_ori_kv=None, int? max_seqlen_cmp_kv=None,"
+        "int? ori_topk=None, int? cmp_topk=None, int? cmp_ratio=None, int? ori_mask_mode=None,"
+        "int? cmp_mask_mode=None, int? ori_win_left=None, int? ori_win_right=None, str? layout_q=None,"
+        "str? layout_kv=None, bool? has_ori_kv=None, bool? has_cmp_kv=None) -> Tensor"
+    ),
+    # all positional (no `*`), as the extension declares it
+    "sparse_flash_mla_grad": (
+        "sparse_flash_mla_grad(Tensor q, Tensor dout, Tensor attn_out, Tensor softmax_lse,"
+        "Tensor? ori_kv=None, Tensor? cmp_kv=None, Tensor? ori_sparse_indices=None, "
+        "Tensor? cmp_sparse_indices=None, Tensor?cu_seqlens_q=None,"
+        "Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, Tensor? seqused_q=None,"
+        "Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, Tensor? cmp_residual_kv=None,"
+        "Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, Tensor? sinks=None,"
+        "Tensor? metadata=None,"
+        "float softmax_scale=None, int cmp_ratio=None, int ori_mask_mode=0, int cmp_mask_mode=0,"
+        "int ori_win_left=-1, int ori_win_right=-1,"
+        'str layout_q="BSND", str layout_kv="BSND")->'
+        "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "lightning_indexer_metadata": (
+        "lightning_indexer_metadata(int num_heads_q, int num_heads_k, int head_dim, int topk, *, "
+        "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None, "
+        "Tensor? cmp_residual_k=None, int? batch_size=None, int? max_seqlen_q=None, int? max_seqlen_k=None, "
+        "str? layout_q=None, str? layout_k=None, int? mask_mode=None, int? cmp_ratio=None) -> Tensor"
+    ),
+    "lightning_indexer": (
+        "lightning_indexer(Tensor q, Tensor k, Tensor w, "
+        "int topk, *, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None,"
+        "Tensor? seqused_q=None, Tensor? seqused_k=None, "
+        "Tensor? cmp_residual_k=None, Tensor? block_table=None, "
+        "Tensor? output_idx_offset=None, Tensor? metadata=None, int max_seqlen_q=-1,"
+        'str layout_q="BSND", str layout_k="BSND", int mask_mode=0, '
+        "int cmp_ratio=1,"
+        "int return_value=0) -> (Tensor, Tensor)"
+    ),
+})
+
+# cann_ops_nn (CANN ops-nn PyTorch extension; not on the package index): the OpBuilder.schema() of
+# hicann/ops-nn activation/swiglu_group/torch_extension/swiglu_group.py (at 3caf360) and
+# torch_extension/cann_ops_nn/ops/activation/swiglu_group_backward/swiglu_group_backward.py (at 0188283,
+# the revision whose clamp_limit default is 0.0, "no clamp", and whose weight is (.., 1); an older one
+# defaults it to -1.0).
+SCHEMAS["cann_ops_nn"] = {
+    "swiglu_group": (
+        "swiglu_group(Tensor x, *, Tensor? weight=None, Tensor? group_index=None, "
+        "float clamp_limit=-1.0) -> Tensor"
+    ),
+    "swiglu_group_backward": (
+        "swiglu_group_backward(Tensor grad_output, Tensor x, *, Tensor? weight=None, "
+        "Tensor? y_origin=None, Tensor? group_index=None, float clamp_limit=0.0) "
+        "-> (Tensor, Tensor?)"
+    ),
+}
+# ---- end of the DeepSeek-V4 block ----
 
 # ---- NPU dispatch (npu_dispatch.py): the ops torch_npu's own aten kernels call ----
 # Appended as a block of its own. What an NPU aot graph holds where CPU's holds a

@@ -1,0 +1,457 @@
+"""sparse_mla: DeepSeek-V4's attention with sinks over sliding + compressed keys ->
+cann_ops_transformer.sparse_flash_mla (+ its _metadata; the CSA indexer -> lightning_indexer).
+
+transformers' DeepseekV4Attention (modeling_deepseek_v4.py L812-882) with its only attention,
+eager_attention_forward (L727): one KV head that is also the value, repeated to the H query
+heads; a per-head learnable sink logit in the softmax's denominator; the keys are the S
+tokens under a sliding window, then (CSA / HCA layers) the layer's compressed keys:
+
+    w = q @ k^T * scaling + mask;  p = softmax(cat([w, sink]))[..., :-1];  out = (p @ v)^T
+
+    SWA  mask = the sliding-window causal mask                        (no compressed keys)
+    HCA  mask = cat(sliding, block_bias): compressed key w is visible to query t iff
+         w < (t + 1) // m (DeepseekV4HCACompressor's masked_fill, m = compress_rate)
+    CSA  mask = cat(sliding, block_bias): only the blocks the lightning indexer chose
+         (DeepseekV4CSACompressor's new_full(-inf).scatter_(indices, 0)); the indexer
+         scores sum_h w_h relu(q_h . k_w) * index_scale, masks w >= (t + 1) // m, keeps the
+         top-k and writes -1 for the picks past the threshold (DeepseekV4Indexer)
+
+sparse_flash_mla computes exactly that (npu_ops/attention.py, the COT golden): ori_kv the S
+keys under its band mask (ori_mask_mode 4, ori_win_left 127 / ori_win_right 0: a 128-key
+window incl. the query), cmp_kv the compressed keys under the compressed causal mask
+(cmp_mask_mode 3: visible w < (S - S + t + 1) // cmp_ratio with S = T * m + cmp_residual_kv),
+CSA with cmp_sparse_indices (read up to the first -1), and the sinks. So each layer kind is
+one form, and everything the op is told is proven from the graph at compile time:
+
+  - the sliding part of the mask is evaluated (it depends on no input) and must be the
+    128-key window, the only one the kernel has (constants.band_mask_reason); transformers
+    builds it with finfo.min, which hides exactly as -inf does;
+  - m and (CSA) k, index_scale, weights_scale and scaling are captured scalars;
+  - the positions the thresholds are computed from must be 0..S-1 (a prefill), and
+    T = S // m (transformers drops the remainder S - T*m, which is cmp_residual_kv);
+  - CSA: the indexer's picks are sorted (topk's default) over scores masked to -inf past the
+    threshold, so its -1 slots are trailing, as the kernel reads them; the block bias only
+    tests membership, so the fused indexer's order of equally-scored picks does not matter.
+
+The CSA form therefore spans the indexer too: its threshold is shared by the indexer's
+mask and its -1 rewrite, so indexer and attention are one site, and become
+cann_ops_transformer.lightning_indexer (mask_mode 3 with cmp_ratio and cmp_residual_k: the
+compressed causal mask torch_npu's npu_lightning_indexer cannot express) feeding
+sparse_flash_mla. The indexer's scale goes into its weights (relu(s x) = s relu(x), s > 0).
+
+Layouts: transformers keeps q as (B, H, S, D); the op takes BSND, and returns what
+transformers returns after its `transpose(1, 2).contiguous()`. Kernel limits the tiny
+models miss (D 512, H in {1, 2, ..., 128}, bf16 / fp16, A2/A3's m in {1, 4, 128} and CSA
+top-k of 512 / 1024) are notes in emulation and refusals with a SoC (Site.hardware_limits).
+
+Metadata: 950 needs the _metadata op's tiling, A2 / A3 take none (COT docs): one
+replacement per convention, chosen by SoC (in emulation: with metadata).
+
+Training: the extension has no autograd for sparse_flash_mla; SparseFlashMla below asks
+for its lse and calls sparse_flash_mla_grad (dq, dori_kv, dcmp_kv, dsinks). The indexer has
+no gradient (it selects). In transformers' training graphs the output gradient reaches the
+bmm backward through a view (the inverse RoPE hands back a (B, H, S, D)-contiguous gradient)
+where the traced joint pattern copies (clone + _unsafe_view); the engine's joint-graph
+canonicalisation (canonical.normalize_joint_graph) spells both alike, so the joint forms match
+(tests/test_sparse_mla.py trains SWA, HCA and CSA through sparse_flash_mla_grad).
+"""
+import torch
+import torch.nn.functional as F
+
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+
+aten = torch.ops.aten
+cot = torch.ops.cann_ops_transformer
+SMLA = CAPABILITIES["cann_ops_transformer.sparse_flash_mla"]
+INDEXER = CAPABILITIES["cann_ops_transformer.lightning_indexer"]
+WINDOW = SMLA.limits["ori_win_left"][0] + 1  # the kernel's only window: 127 keys back and the query
+
+
+# ---- the unfused forms, as transformers writes them -------------------------------------------
+def _repeat_kv(hidden_states, n_rep):
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def _eager_attention_with_sinks(query, kv, sinks, attention_mask, scaling):
+    # deepseek_v4 eager_attention_forward (dropout 0, eval) with key = value = kv
+    heads = query.shape[1]
+    key_states = _repeat_kv(kv, heads)
+    value_states = _repeat_kv(kv, heads)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    attn_weights = attn_weights + attention_mask
+    sinks = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+    combined_logits = torch.cat([attn_weights, sinks], dim=-1)
+    combined_logits = combined_logits - combined_logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined_logits, dim=-1, dtype=combined_logits.dtype)
+    scores = probs[..., :-1]
+    attn_weights = F.dropout(scores, p=0.0, training=False).to(value_states.dtype)
+    attn_output = torch.matmul(attn_weights, value_states)
+    return attn_output.transpose(1, 2).contiguous()
+
+
+def deepseek_v4_sliding_attention(query, kv, sinks, sliding_mask, scaling):
+    return _eager_attention_with_sinks(query, kv, sinks, sliding_mask, scaling)
+
+
+def deepseek_v4_hca_attention(query, kv, compressed_kv, sinks, sliding_mask, position_ids, compress_rate, scaling):
+    # DeepseekV4HCACompressor's block bias, then DeepseekV4Attention's concatenations
+    batch, seq_len, compressed_len = query.shape[0], query.shape[2], compressed_kv.shape[2]
+    entry_indices = torch.arange(compressed_len, device=compressed_kv.device)
+    causal_threshold = (position_ids + 1) // compress_rate
+    block_bias = compressed_kv.new_zeros((batch, 1, seq_len, compressed_len))
+    block_bias = block_bias.masked_fill(
+        entry_indices.view(1, 1, 1, -1) >= causal_threshold.unsqueeze(1).unsqueeze(-1), float("-inf"))
+    keys = torch.cat([kv, compressed_kv], dim=2)
+    attention_mask = torch.cat([sliding_mask, block_bias.to(sliding_mask.dtype)], dim=-1)
+    return _eager_attention_with_sinks(query, keys, sinks, attention_mask, scaling)
+
+
+def deepseek_v4_csa_attention(query, kv, compressed_kv, sinks, sliding_mask, index_query, index_keys,
+                              index_weights, position_ids, compress_rate, index_topk, index_scale,
+                              weights_scale, scaling):
+    # DeepseekV4IndexerScorer on the indexer's rotated queries (B, S, Hi, Di), its compressed keys
+    # (B, T, Di) and weights_proj's output (B, S, Hi)
+    scores = torch.matmul(index_query.float(), index_keys.transpose(-1, -2).float().unsqueeze(1))
+    scores = F.relu(scores) * index_scale
+    weights = index_weights.float() * weights_scale
+    index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)
+    # DeepseekV4Indexer's causal selection
+    causal_threshold = (position_ids + 1) // compress_rate
+    entry_indices = torch.arange(index_keys.shape[1], device=index_scores.device)
+    future_mask = entry_indices.view(1, 1, -1) >= causal_threshold.unsqueeze(-1)
+    index_scores = index_scores.masked_fill(future_mask, float("-inf"))
+    top_k_indices = index_scores.topk(index_topk, dim=-1).indices
+    invalid = top_k_indices >= causal_threshold.unsqueeze(-1)
+    top_k_indices = torch.where(invalid, torch.full_like(top_k_indices, -1), top_k_indices)
+    # DeepseekV4CSACompressor's block bias
+    batch, seq_len, compressed_len = query.shape[0], query.shape[2], compressed_kv.shape[2]
+    valid = top_k_indices >= 0
+    safe_indices = torch.where(valid, top_k_indices, torch.full_like(top_k_indices, compressed_len))
+    block_bias = compressed_kv.new_full((batch, 1, seq_len, compressed_len + 1), float("-inf"))
+    block_bias = block_bias.scatter(-1, safe_indices.unsqueeze(1), 0.0)[..., :compressed_len]
+    keys = torch.cat([kv, compressed_kv], dim=2)
+    attention_mask = torch.cat([sliding_mask, block_bias.to(sliding_mask.dtype)], dim=-1)
+    return _eager_attention_with_sinks(query, keys, sinks, attention_mask, scaling)
+
+
+# ---- the fused calls -------------------------------------------------------------------------
+def _training(*tensors):
+    """Whether autograd records this call (the joint replacement): then the forward returns its
+    lse for sparse_flash_mla_grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class SparseFlashMla(torch.autograd.Function):
+    """sparse_flash_mla with the backward the extension leaves to its callers (torchtitan-npu's
+    npu_smla): the forward keeps its lse, the backward calls sparse_flash_mla_grad (with its own
+    _grad_metadata where the forward had metadata). capabilities.py: the op's autograd_rule.
+    forward(q (B, S, H, D), ori_kv (B, S, 1, D), cmp_kv or None, cmp_sparse_indices or None,
+    sinks (H,) fp32, metadata or None, options: the op's scalar keywords) -> (B, S, H, D)."""
+
+    @staticmethod
+    def forward(ctx, q, ori_kv, cmp_kv, cmp_sparse_indices, sinks, cmp_residual_kv, metadata, options):
+        out, lse = cot.sparse_flash_mla(q, ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=cmp_sparse_indices,
+                                        cmp_residual_kv=cmp_residual_kv, sinks=sinks, metadata=metadata,
+                                        return_softmax_lse=True, **options)
+        ctx.save_for_backward(q, ori_kv, cmp_kv, cmp_sparse_indices, sinks, cmp_residual_kv, out, lse)
+        ctx.options, ctx.with_metadata = options, metadata is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, ori_kv, cmp_kv, cmp_sparse_indices, sinks, cmp_residual_kv, out, lse = ctx.saved_tensors
+        o = ctx.options
+        metadata = None
+        if ctx.with_metadata:
+            metadata = cot.sparse_flash_mla_grad_metadata(
+                q.shape[2], 1, q.shape[3], cmp_residual_kv=cmp_residual_kv, batch_size=q.shape[0],
+                max_seqlen_q=q.shape[1], max_seqlen_ori_kv=ori_kv.shape[1],
+                max_seqlen_cmp_kv=cmp_kv.shape[1] if cmp_kv is not None else 0,
+                cmp_topk=cmp_sparse_indices.shape[-1] if cmp_sparse_indices is not None else 0,
+                cmp_ratio=o["cmp_ratio"], ori_mask_mode=o["ori_mask_mode"], cmp_mask_mode=o["cmp_mask_mode"],
+                ori_win_left=o["ori_win_left"], ori_win_right=o["ori_win_right"], layout_q="BSND",
+                layout_kv="BSND", has_ori_kv=True, has_cmp_kv=cmp_kv is not None)
+        dq, dori, dcmp, dsinks, _, _ = cot.sparse_flash_mla_grad(
+            q, dout.contiguous(), out, lse, ori_kv, cmp_kv, None, cmp_sparse_indices, None, None, None, None, None,
+            None, cmp_residual_kv, None, None, sinks, metadata, o["softmax_scale"], o["cmp_ratio"],
+            o["ori_mask_mode"], o["cmp_mask_mode"], o["ori_win_left"], o["ori_win_right"], "BSND", "BSND")
+        return dq, dori, (dcmp if cmp_kv is not None else None), None, dsinks, None, None, None
+
+
+def _sparse_flash_mla(query, kv, compressed_kv, sinks, scaling, cmp_ratio, indices, with_metadata):
+    """(B, H, S, D) query, (B, 1, S, D) kv, (B, 1, T, D) compressed kv or None, int32 (B, S, 1, K)
+    indices or None -> (B, S, H, D), the op in BSND."""
+    batch, heads, seq_len, dim = query.shape
+    q = query.transpose(1, 2).contiguous()
+    ori_kv = kv.transpose(1, 2)
+    cmp_kv = compressed_kv.transpose(1, 2) if compressed_kv is not None else None
+    residual = None
+    if cmp_kv is not None:  # transformers drops the last S - T*m tokens from the compression
+        residual = torch.full((batch,), seq_len - cmp_kv.shape[1] * cmp_ratio, dtype=torch.int32,
+                              device=query.device)
+    options = dict(softmax_scale=scaling, cmp_ratio=cmp_ratio, ori_mask_mode=4, cmp_mask_mode=3,
+                   ori_win_left=WINDOW - 1, ori_win_right=0, layout_q="BSND", layout_kv="BSND")
+    metadata = None
+    if with_metadata:
+        metadata = cot.sparse_flash_mla_metadata(
+            heads, 1, dim, cmp_residual_kv=residual, batch_size=batch, max_seqlen_q=seq_len,
+            max_seqlen_ori_kv=seq_len, max_seqlen_cmp_kv=cmp_kv.shape[1] if cmp_kv is not None else 0,
+            cmp_topk=indices.shape[-1] if indices is not None else 0, cmp_ratio=cmp_ratio, ori_mask_mode=4,
+            cmp_mask_mode=3, ori_win_left=WINDOW - 1, ori_win_right=0, layout_q="BSND", layout_kv="BSND",
+            has_ori_kv=True, has_cmp_kv=cmp_kv is not None)
+    sinks = sinks.float()
+    if _training(query, kv, compressed_kv, sinks):
+        return SparseFlashMla.apply(q, ori_kv, cmp_kv, indices, sinks, residual, metadata, options)
+    out, _ = cot.sparse_flash_mla(q, ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=indices,
+                                  cmp_residual_kv=residual, sinks=sinks, metadata=metadata, **options)
+    return out
+
+
+def _lightning_indexer(index_query, index_keys, index_weights, compress_rate, index_topk, index_scale,
+                       weights_scale, with_metadata):
+    """The fused indexer: int32 (B, S, 1, k) picks, -1 past the visible blocks."""
+    batch, seq_len, heads, dim = index_query.shape
+    compressed_len = index_keys.shape[1]
+    residual = torch.full((batch,), seq_len - compressed_len * compress_rate, dtype=torch.int32,
+                          device=index_query.device)
+    weights = index_weights.float() * (weights_scale * index_scale)  # relu(s x) = s relu(x), s > 0
+    metadata = None
+    if with_metadata:
+        metadata = cot.lightning_indexer_metadata(
+            heads, 1, dim, index_topk, cmp_residual_k=residual, batch_size=batch, max_seqlen_q=seq_len,
+            max_seqlen_k=compressed_len, layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=compress_rate)
+    indices, _ = cot.lightning_indexer(index_query, index_keys.unsqueeze(2), weights, index_topk,
+                                       cmp_residual_k=residual, metadata=metadata, layout_q="BSND",
+                                       layout_k="BSND", mask_mode=3, cmp_ratio=compress_rate)
+    return indices
+
+
+def _replacements(with_metadata):
+    suffix = "with_metadata" if with_metadata else "without_metadata"
+
+    def sliding(query, kv, sinks, sliding_mask, scaling):
+        return _sparse_flash_mla(query, kv, None, sinks, scaling, 1, None, with_metadata)
+
+    def hca(query, kv, compressed_kv, sinks, sliding_mask, position_ids, compress_rate, scaling):
+        return _sparse_flash_mla(query, kv, compressed_kv, sinks, scaling, compress_rate, None, with_metadata)
+
+    def csa(query, kv, compressed_kv, sinks, sliding_mask, index_query, index_keys, index_weights, position_ids,
+            compress_rate, index_topk, index_scale, weights_scale, scaling):
+        indices = _lightning_indexer(index_query, index_keys, index_weights, compress_rate, index_topk,
+                                     index_scale, weights_scale, with_metadata)
+        return _sparse_flash_mla(query, kv, compressed_kv, sinks, scaling, compress_rate, indices, with_metadata)
+
+    for fn, kind in ((sliding, "swa"), (hca, "hca"), (csa, "csa_with_lightning_indexer")):
+        fn.__name__ = f"sparse_flash_mla_{kind}_{suffix}"
+    return sliding, hca, csa
+
+
+_WITH, _WITHOUT = _replacements(True), _replacements(False)
+_TRAINABLE = {"swa": (("query", "kv", "sinks"),), "compressed": (("query", "kv", "compressed_kv", "sinks"),)}
+_SMLA_OP = dict(fused_op="cann_ops_transformer.sparse_flash_mla")
+
+FORMS = [
+    # the largest first (each contains the eager attention the SWA form is); per kind the
+    # 950 convention (metadata) first, A2/A3's (none) where the SoC says so
+    Form(deepseek_v4_csa_attention, _WITH[2], grad_subsets=_TRAINABLE["compressed"], **_SMLA_OP),
+    Form(deepseek_v4_csa_attention, _WITHOUT[2], grad_subsets=_TRAINABLE["compressed"], **_SMLA_OP),
+    Form(deepseek_v4_hca_attention, _WITH[1], grad_subsets=_TRAINABLE["compressed"], **_SMLA_OP),
+    Form(deepseek_v4_hca_attention, _WITHOUT[1], grad_subsets=_TRAINABLE["compressed"], **_SMLA_OP),
+    Form(deepseek_v4_sliding_attention, _WITH[0], grad_subsets=_TRAINABLE["swa"], **_SMLA_OP),
+    Form(deepseek_v4_sliding_attention, _WITHOUT[0], grad_subsets=_TRAINABLE["swa"], **_SMLA_OP),
+]
+_WITH_METADATA = frozenset(_WITH)
+
+
+# ---- checks -------------------------------------------------------------------------------
+def _metadata_reason(site):
+    """950 needs metadata, A2 / A3 take none; in emulation the metadata forms serve."""
+    with_metadata = site.form.replace in _WITH_METADATA
+    wanted = SMLA.limits["metadata"].get(site.soc, "required") if site.soc else "required"
+    if with_metadata and wanted == "none":
+        return f"on {site.soc} sparse_flash_mla takes no metadata"
+    if not with_metadata and wanted == "required":
+        return f"on {site.soc or 'Ascend950 (emulation)'} sparse_flash_mla needs its metadata"
+    return None
+
+
+def _attention_reason(site):
+    query, kv, sinks = site["query"], site["kv"], site["sinks"]
+    if query.dim() != 4 or kv.dim() != 4:
+        return f"query {list(query.shape)} / kv {list(kv.shape)} are not (B, H, S, D) / (B, 1, S, D)"
+    batch, heads, seq_len, dim = query.shape
+    if tuple(kv.shape) != (batch, 1, seq_len, dim):
+        return f"kv {list(kv.shape)} is not one (key = value) head of the {seq_len} queries' tokens"
+    if tuple(sinks.shape) != (heads,):
+        return f"sinks {list(sinks.shape)}: the op takes one per query head ({heads})"
+    if site["scaling"] <= 0:
+        return f"scaling {site['scaling']} <= 0"
+    if kv.dtype != query.dtype or ("compressed_kv" in site.args and site["compressed_kv"].dtype != query.dtype):
+        return "query, kv and compressed kv differ in dtype: the op takes one"
+    mask = site["sliding_mask"]
+    if mask.shape[-2:] != (seq_len, seq_len):
+        return f"the sliding mask {list(mask.shape)} does not cover the {seq_len} tokens' keys"
+    return band_mask_reason(site.arg_nodes["sliding_mask"], WINDOW)
+
+
+def _compressed_reason(site):
+    """The compressed keys' mask conditions: prefill positions, T = S // m."""
+    query, compressed = site["query"], site["compressed_kv"]
+    ratio = site["compress_rate"]
+    seq_len = query.shape[2]
+    if compressed.dim() != 4 or compressed.shape[1] != 1 or compressed.shape[0] != query.shape[0]:
+        return f"compressed kv {list(compressed.shape)} is not (B, 1, T, D)"
+    if ratio < 1 or compressed.shape[2] != seq_len // ratio or compressed.shape[2] == 0:
+        return (f"{compressed.shape[2]} compressed keys for {seq_len} tokens at ratio {ratio}: the op's "
+                "residual S - T * ratio must lie in [0, ratio)")
+    return arange_positions_reason(site.arg_nodes["position_ids"])
+
+
+def _hardware_reasons(site, indices_width=None):
+    query = site["query"]
+    heads, dim = query.shape[1], query.shape[3]
+    limits = SMLA.limits
+    ratio = site.args.get("compress_rate", 1)
+    heads_ok = limits["query_heads_950"] if site.soc == "Ascend950" else limits["query_heads"]
+    reasons = [
+        unsupported(SMLA.op, site.soc, x=query),
+        f"head dim {dim}, the kernel takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
+        f"{heads} query heads, the kernel takes {heads_ok}" if heads not in heads_ok else None,
+    ]
+    if site.soc != "Ascend950":
+        reasons.append(f"compress ratio {ratio}: A2/A3 take {limits['cmp_ratios_a2_a3']}"
+                       if ratio not in limits["cmp_ratios_a2_a3"] else None)
+        if indices_width is not None:
+            reasons.append(f"top-{indices_width} compressed blocks: A2/A3 take {limits['csa_topk_a2_a3']}"
+                           if indices_width not in limits["csa_topk_a2_a3"] else None)
+    elif not 1 <= ratio <= limits["max_cmp_ratio"]:
+        reasons.append(f"compress ratio {ratio} is not in 1..{limits['max_cmp_ratio']}")
+    return reasons
+
+
+def _indexer_reasons(site):
+    iq, ik, iw = site["index_query"], site["index_keys"], site["index_weights"]
+    limits = INDEXER.limits
+    heads, dim = iq.shape[2], iq.shape[3]
+    count = site["index_topk"]
+    return [
+        unsupported(INDEXER.op, site.soc, x=iq),
+        f"indexer head dim {dim}, the kernel takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
+        f"{heads} indexer heads, the metadata takes {limits['metadata_query_heads']}"
+        if heads not in limits["metadata_query_heads"] else None,
+        f"index top-k {count} > {limits['max_topk']}"
+        if count > limits["max_topk"] and count not in limits["large_topks"] else None,
+    ]
+
+
+def _indexer_shape_reason(site):
+    query, iq, ik, iw = site["query"], site["index_query"], site["index_keys"], site["index_weights"]
+    batch, _, seq_len, _ = query.shape
+    if iq.dim() != 4 or tuple(iq.shape[:2]) != (batch, seq_len) or ik.dim() != 3 or ik.shape[-1] != iq.shape[-1] \
+            or tuple(iw.shape) != tuple(iq.shape[:3]):
+        return (f"indexer query {list(iq.shape)}, keys {list(ik.shape)}, weights {list(iw.shape)} are not "
+                "(B, S, Hi, Di), (B, T, Di), (B, S, Hi)")
+    if ik.shape[1] != site["compressed_kv"].shape[2]:
+        return f"the indexer compresses to {ik.shape[1]} blocks, the attention to {site['compressed_kv'].shape[2]}"
+    if site["index_scale"] <= 0:
+        return f"index scale {site['index_scale']} <= 0: relu(s x) is not s relu(x)"
+    if not 0 < site["index_topk"] <= ik.shape[1]:
+        return f"top-{site['index_topk']} of {ik.shape[1]} blocks"
+    return None
+
+
+def check(site):
+    # the metadata convention last: a site refused by the kernel's limits is reported with
+    # them, not with the convention of the form that happened to be tried first
+    return _site_reason(site) or _metadata_reason(site)
+
+
+def _site_reason(site):
+    reason = _attention_reason(site)
+    if reason:
+        return reason
+    if site.form.search is deepseek_v4_sliding_attention:
+        return site.hardware_limits(_hardware_reasons(site))
+    reason = _compressed_reason(site)
+    if reason:
+        return reason
+    if site.form.search is deepseek_v4_hca_attention:
+        return site.hardware_limits(_hardware_reasons(site))
+    reason = _indexer_shape_reason(site)
+    if reason:
+        return reason
+    return site.hardware_limits(_hardware_reasons(site, site["index_topk"]) + _indexer_reasons(site))
+
+
+# ---- near misses: a softmax over logits with a sink column ------------------------------------
+def _sink_softmax(node):
+    """_softmax(cat([logits, sinks]) - max) whose last column is dropped: the sink softmax."""
+    if not is_call(node, aten._softmax.default):
+        return False
+    shifted = node.args[0]
+    if not is_call(shifted, aten.sub.Tensor) or not is_call(shifted.args[0], aten.cat.default):
+        return False
+    return any(is_call(u, aten.slice.Tensor) and _drops_last_column(u) for u in node.users)
+
+
+def _drops_last_column(slice_node):
+    """slice(p, -1, 0, -1): `[..., :-1]`, whose end the engine's canonicalisation spells as
+    the dim's size - 1 (canonical._canonical_slice_bounds)."""
+    values = tensor_meta(slice_node.args[0])
+    if values is None or len(slice_node.args) < 4 or slice_node.args[1] not in (-1, values.dim() - 1):
+        return False
+    end = slice_node.args[3]
+    return end == -1 or (isinstance(end, int) and end == values.shape[-1] - 1)
+
+
+def anchor(node):
+    return _sink_softmax(node)
+
+
+def explain(node):
+    values = tensor_meta(node)
+    if values is not None and any(isinstance(size, torch.SymInt) for size in values.shape):
+        # the sliding mask is evaluated at compile time, the metadata op takes int sizes
+        return ("DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from "
+                "static sizes and the metadata ops take static ones")
+    return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
+            "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
+            "its masks and, for CSA, the lightning indexer in the same graph)")
+
+
+PASS = FusionPass(
+    name="sparse_mla",
+    # its forms read the fused partial RoPE calls
+    after=("rope",),
+    fused_op="cann_ops_transformer.sparse_flash_mla",
+    forms=FORMS,
+    example={
+        # B=2, H=5 heads of D=16, S=47 tokens; 7 compressed blocks (ratio 6, residual 5); an
+        # indexer of 2 heads of 8 keeping 4. The scalars differ from every int in the traces
+        # (B*H = 10 and the other view sizes included).
+        "query": lambda dtype: torch.empty(2, 5, 47, 16, dtype=dtype),
+        "kv": lambda dtype: torch.empty(2, 1, 47, 16, dtype=dtype),
+        "compressed_kv": lambda dtype: torch.empty(2, 1, 7, 16, dtype=dtype),
+        "sinks": lambda dtype: torch.empty(5, dtype=torch.float32),  # V4 keeps them in fp32
+        "sliding_mask": lambda dtype: torch.empty(2, 1, 47, 47, dtype=dtype),
+        "position_ids": lambda dtype: torch.empty(1, 47, dtype=torch.int64),
+        # transformers rotates the indexer's queries as (B, Hi, S, Di) and transposes them back
+        "index_query": lambda dtype: torch.empty(2, 2, 47, 8, dtype=dtype).transpose(1, 2),
+        "index_keys": lambda dtype: torch.empty(2, 7, 8, dtype=dtype),
+        "index_weights": lambda dtype: torch.empty(2, 47, 2, dtype=dtype),
+        "compress_rate": 6,
+        "index_topk": 4,
+        "index_scale": 2.0**-3,
+        "weights_scale": 2.0**-4,
+        "scaling": 2.0**-5,
+    },
+    check=check,
+    anchor=anchor,
+    explain=explain,
+    differentiable=("query", "kv", "compressed_kv", "sinks"),
+    prefilter=lambda graph: any(_sink_softmax(n) for n in graph.nodes if n.op == "call_function"),
+)

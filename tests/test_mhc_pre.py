@@ -1,0 +1,128 @@
+"""mhc_pre on transformers' DeepseekV4HyperConnection.
+
+Numerics: the fused ops compute the same fp32 formula as the module in another order (the
+mixes as (x @ fn^T) * rsqrt(..) where transformers scales x first), so post and comb agree
+to a few fp32 ulps at their scale, and collapsed (rounded once from fp32 in both) to one
+ulp of its dtype; the 20-iteration Sinkhorn is contracting, it does not amplify rounding.
+"""
+import pytest
+import torch
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+from v4_modules import HyperConnection, fused_calls, train_and_compare
+
+MHC = nff.FusionConfig(enable={"mhc_pre"})
+ULPS = {torch.float32: 8, torch.bfloat16: 2}
+
+
+def _streams(dtype=torch.float32, b=2, s=5, n=4, d=64):
+    torch.manual_seed(1)
+    return torch.randn(b, s, n, d).to(dtype)
+
+
+def _check(out, ref):
+    for got, want in zip(out, ref):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert_close_at_scale(got, want, ULPS[got.dtype] if got.dtype != torch.float32 else ULPS[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hyper_connection_fuses_into_one_op(dtype):
+    module = HyperConnection()
+    out, ref, report = compile_and_run(module, _streams(dtype), config=MHC)
+    assert report.counts["mhc_pre"] == 1
+    assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+    _check(out, ref)
+    # the kernel limits the tiny module misses are on the site, not hidden
+    note = report.sites[0].note
+    assert "C = 64" in note and (dtype == torch.bfloat16 or "does not support float32" in note)
+
+
+def test_soc_picks_the_op_pair_on_ascend950():
+    # 950's mhc_pre_sinkhorn takes C in {4096, 7168} only: the torch_npu pair serves there
+    module = HyperConnection()
+    config = nff.FusionConfig(enable={"mhc_pre"}, soc="Ascend950")
+    out, ref, report = compile_and_run(module, _streams(torch.bfloat16), config=config)
+    assert report.fused_ops == {"npu.npu_mhc_pre": 1, "npu.npu_mhc_sinkhorn": 1}
+    assert "instead of mhc_pre_sinkhorn: C = 64: on Ascend950 mhc_pre_sinkhorn takes C in (4096, 7168)" in \
+        report.sites[0].note
+    _check(out, ref)
+
+
+def test_soc_refuses_what_neither_op_takes():
+    # A2: the COT op wants C 128-aligned, the torch_npu ops are 950's
+    config = nff.FusionConfig(enable={"mhc_pre"}, soc="Ascend910B")
+    _, _, report = compile_and_run(HyperConnection(), _streams(torch.bfloat16), config=config)
+    assert report.counts["mhc_pre"] == 0
+    (reason,) = near_miss_reasons(report, "mhc_pre")
+    assert "C = 64: on A2/A3 mhc_pre_sinkhorn takes C 128-aligned" in reason
+    _, _, report = compile_and_run(HyperConnection(hidden_size=128), _streams(torch.bfloat16, d=128), config=config)
+    assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+
+
+def test_another_iteration_count_is_a_near_miss_naming_it():
+    module = HyperConnection(hc_sinkhorn_iters=3)
+    out, ref, report = compile_and_run(module, _streams(), config=MHC)
+    assert report.counts["mhc_pre"] == 0
+    (reason,) = near_miss_reasons(report, "mhc_pre")
+    assert "a Sinkhorn loop of 3 iterations: forms are registered for 20" in reason
+    _check(out, ref)
+
+
+def test_eps_values_are_captured_not_assumed():
+    module = HyperConnection(rms_norm_eps=2.0**-10, hc_eps=2.0**-12)
+    out, ref, report = compile_and_run(module, _streams(), config=MHC)
+    assert report.counts["mhc_pre"] == 1
+    _check(out, ref)
+
+
+class TwoEpsHyperConnection(HyperConnection):
+    """transformers' forward with the pre mapping's eps different from the Sinkhorn's: one
+    captured hc_eps cannot be both, so the form does not match (never a fused op with one eps)."""
+
+    def forward(self, streams):
+        hc = self.hc
+        n = hc.hc_mult
+        b, s = streams.shape[:2]
+        flat = hc.input_norm(streams.view(b, s, -1).float())
+        flat = torch.nn.functional.linear(flat, hc.fn.float())
+        pre_w, post_w, comb_w = flat.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = hc.scale.unbind(0)
+        comb_w, comb_b = comb_w.view(*comb_w.shape[:-1], n, n), comb_b.view(n, n)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + 2 * hc.hc_eps  # <- another eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w * comb_s + comb_b, dim=-1) + hc.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+        for _ in range(hc.hc_sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+        return post, comb, (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+
+
+def test_two_eps_values_are_a_near_miss():
+    module = TwoEpsHyperConnection()
+    out, ref, report = compile_and_run(module, _streams(), config=MHC)
+    assert report.counts["mhc_pre"] == 0
+    (reason,) = near_miss_reasons(report, "mhc_pre")
+    assert "not transformers' DeepseekV4HyperConnection" in reason
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("soc, fused", [(None, "cann_ops_transformer.mhc_pre_sinkhorn"),
+                                        ("Ascend950", "npu.npu_mhc_pre")])
+def test_trains_through_the_fused_ops_and_their_backward(soc, fused):
+    config = nff.FusionConfig(enable={"mhc_pre"}, soc=soc)
+    dtype = torch.bfloat16 if soc else torch.float32
+    # fp32: the fused backward sums the scales' gradient over the tokens in fp32 in its own order;
+    # measured 21 ulp at scale for hc.scale on engine v2 (with and without NPU dispatch), 24 allowed
+    backend = train_and_compare(HyperConnection(), [_streams(dtype)], config, {torch.float32: 24, torch.bfloat16: 4},
+                                precision=None if dtype == torch.float32 else dtype)
+    forward, backward = fused_calls(backend.graphs["forward"]), fused_calls(backend.graphs["backward"])
+    if fused == "npu.npu_mhc_pre":
+        assert forward == {"npu.npu_mhc_pre": 1, "npu.npu_mhc_sinkhorn": 1}
+        assert backward == {"npu.npu_mhc_pre_backward": 1, "npu.npu_mhc_sinkhorn_backward": 1}
+    else:
+        assert forward == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+        assert backward == {"cann_ops_transformer.mhc_pre_sinkhorn_backward": 1}

@@ -1,0 +1,136 @@
+"""sparse_mla on transformers' DeepseekV4Attention (sliding / HCA / CSA + indexer).
+
+Numerics: the stand-ins compute the COT golden (fp32 softmax with the sinks, P rounded to the
+query dtype before P @ V, as transformers' eager path rounds its probabilities), so the fused
+attention agrees with transformers to a few ulps at the output's scale (fp32: the same sums
+in another order; bf16: one rounding of the output apart). The rope pass runs too, as in the
+pipeline (its partial RoPE sits around the attention).
+"""
+import pytest
+import torch
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+from v4_modules import Attention, fused_calls, train_and_compare
+
+SMLA = nff.FusionConfig(enable={"rope", "sparse_mla"})
+ULPS = {torch.float32: 8, torch.bfloat16: 2}
+OPS = {
+    "swa": {"cann_ops_transformer.sparse_flash_mla": 1, "cann_ops_transformer.sparse_flash_mla_metadata": 1},
+    "hca": {"cann_ops_transformer.sparse_flash_mla": 1, "cann_ops_transformer.sparse_flash_mla_metadata": 1},
+    "csa": {"cann_ops_transformer.sparse_flash_mla": 1, "cann_ops_transformer.sparse_flash_mla_metadata": 1,
+            "cann_ops_transformer.lightning_indexer": 1, "cann_ops_transformer.lightning_indexer_metadata": 1},
+}
+
+
+def _hidden(module, dtype=torch.float32, batch=2, seq=18):
+    torch.manual_seed(3)
+    return torch.randn(batch, seq, module.config.hidden_size).to(dtype)
+
+
+def _smla_ops(report):
+    return {op: n for op, n in report.fused_ops.items() if "rotary" not in op}
+
+
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+def test_each_layer_kind_fuses(kind):
+    module = Attention(kind)
+    out, ref, report = compile_and_run(module, _hidden(module), config=SMLA)
+    assert report.counts["sparse_mla"] == 1
+    assert _smla_ops(report) == OPS[kind]
+    assert_close_at_scale(out, ref, ULPS[torch.float32])
+    # the kernel limits the tiny module misses are on the site (emulation), not hidden
+    (site,) = [s for s in report.sites if s.pass_name == "sparse_mla"]
+    assert "head dim 32, the kernel takes 512" in site.note
+
+
+def test_csa_in_bf16():
+    module = Attention("csa", dtype=torch.bfloat16)
+    out, ref, report = compile_and_run(module, _hidden(module, torch.bfloat16), config=SMLA)
+    assert _smla_ops(report) == OPS["csa"]
+    assert_close_at_scale(out, ref, ULPS[torch.bfloat16])
+
+
+def test_compress_rate_is_captured():
+    # ratio 6 over 18 tokens: 3 blocks, no residual; a baked-in 8 would hide the wrong keys
+    module = Attention("hca", compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 6})
+    out, ref, report = compile_and_run(module, _hidden(module), config=SMLA)
+    assert report.counts["sparse_mla"] == 1
+    assert_close_at_scale(out, ref, ULPS[torch.float32])
+
+
+def test_the_window_is_proven_over_more_tokens_than_it_spans():
+    # 130 tokens: the 128-key band really cuts off the first keys of the last queries
+    module = Attention("swa")
+    out, ref, report = compile_and_run(module, _hidden(module, seq=130), config=SMLA)
+    assert report.counts["sparse_mla"] == 1
+    assert_close_at_scale(out, ref, ULPS[torch.float32])
+
+
+def test_another_window_is_a_near_miss_naming_it():
+    module = Attention("swa", sliding_window=8)
+    out, ref, report = compile_and_run(module, _hidden(module), config=SMLA)
+    assert report.counts["sparse_mla"] == 0
+    (reason,) = near_miss_reasons(report, "sparse_mla")
+    assert "the attention mask is a 8-key sliding window, the kernel's is 128 keys" in reason
+    assert_close_at_scale(out, ref, 0)
+
+
+# ---- per SoC: the metadata convention and the kernel limits ------------------------------------
+def _npu_sized(kind):
+    """D = 512 (the kernel's only head dim), 4 heads, bf16."""
+    return Attention(kind, dtype=torch.bfloat16, head_dim=512)
+
+
+@pytest.mark.parametrize("soc, metadata", [("Ascend950", True), ("Ascend910B", False)])
+def test_soc_picks_the_metadata_convention(soc, metadata):
+    module = _npu_sized("swa")
+    out, ref, report = compile_and_run(module, _hidden(module, torch.bfloat16),
+                                       config=nff.FusionConfig(enable={"sparse_mla"}, soc=soc))
+    assert report.counts["sparse_mla"] == 1
+    assert ("cann_ops_transformer.sparse_flash_mla_metadata" in report.fused_ops) == metadata
+    assert_close_at_scale(out, ref, ULPS[torch.bfloat16])
+
+
+def test_a2_refuses_what_its_kernel_does_not_take():
+    module = _npu_sized("hca")  # compress rate 8: 950 takes 1..128, A2 / A3 only 1, 4, 128
+    hidden = _hidden(module, torch.bfloat16)
+    _, _, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend910B"))
+    assert report.counts["sparse_mla"] == 0
+    (reason,) = near_miss_reasons(report, "sparse_mla")
+    assert "compress ratio 8: A2/A3 take (1, 4, 128)" in reason
+    torch._dynamo.reset()
+    out, ref, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend950"))
+    assert report.counts["sparse_mla"] == 1
+    assert_close_at_scale(out, ref, ULPS[torch.bfloat16])
+
+
+def test_the_tiny_head_dim_is_refused_on_an_npu():
+    module = Attention("swa", dtype=torch.bfloat16)
+    _, _, report = compile_and_run(module, _hidden(module, torch.bfloat16),
+                                   config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend950"))
+    assert report.counts["sparse_mla"] == 0
+    assert "head dim 32, the kernel takes 512" in near_miss_reasons(report, "sparse_mla")[0]
+
+
+# ---- dynamic shapes and training --------------------------------------------------------------
+def test_symbolic_sizes_are_reported_not_fused():
+    module = Attention("swa")
+    hidden = _hidden(module)
+    torch._dynamo.mark_dynamic(hidden, 0)
+    out, ref, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}))
+    assert report.counts["sparse_mla"] == 0
+    assert near_miss_reasons(report, "sparse_mla") == [
+        "DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from static sizes "
+        "and the metadata ops take static ones"]
+    assert_close_at_scale(out, ref, 0)
+
+
+# the joint forms match transformers' training graphs (canonical.normalize_joint_graph spells the
+# output gradient's view and the traced clone + _unsafe_view alike); HCA and CSA take longer
+@pytest.mark.parametrize("kind", ["swa", pytest.param("hca", marks=pytest.mark.slow),
+                                  pytest.param("csa", marks=pytest.mark.slow)])
+def test_trains_through_sparse_flash_mla_grad(kind):
+    module = Attention(kind)
+    backend = train_and_compare(module, [_hidden(module)], SMLA, {torch.float32: 16})
+    assert fused_calls(backend.graphs["backward"]).get("cann_ops_transformer.sparse_flash_mla_grad") == 1
