@@ -11,50 +11,50 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6481ce49e63c1530',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ae04041770003042',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {
     'sdpa_npu_masked_gqa -> fia_right_down_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': []},
     'sdpa_npu_masked_gqa -> fia_explicit_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': []},
     'sdpa_npu_masked -> fia_right_down_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': []},
     'sdpa_npu_masked -> fia_explicit_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': []},
     'sdpa_npu_causal_gqa -> fia_top_left_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.ones.default', 'device', "device(type='cpu')"), ('aten.ones.default', 'dtype', 'torch.bool'), ('aten.ones.default', 'pin_memory', 'False')]},
+        'keywords': [('aten.ones.default', 'device', "device(type='cpu')"), ('aten.ones.default', 'dtype', 'torch.bool'), ('aten.ones.default', 'pin_memory', 'False')]},
     'sdpa_npu_causal -> fia_top_left_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.ones.default', 'device', "device(type='cpu')"), ('aten.ones.default', 'dtype', 'torch.bool'), ('aten.ones.default', 'pin_memory', 'False')]},
     'sdpa_cpu_masked_gqa -> fia_right_down_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<argument>'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_cpu_masked_gqa -> fia_explicit_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<argument>'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_cpu_masked -> fia_right_down_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_cpu_masked -> fia_explicit_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_cpu_causal_gqa -> fia_top_left_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<argument>'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
     'sdpa_cpu_causal -> fia_top_left_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<argument>')]},
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
     'sdpa_math_masked -> fia_right_down_causal_math @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_math_masked -> fia_explicit_mask_math @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'eager_attention -> fia_right_down_causal_additive @ float32,bfloat16': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'eager_attention -> fia_explicit_additive_mask @ float32,bfloat16': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
-        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
 }
 
 
@@ -64,17 +64,15 @@ def _p0():  # sdpa_npu_masked_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     logical_not_default = CallFunction(aten.logical_not.default, arg_mask)
     arg_scale = KeywordArg('scale')
-    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, reshape_default, reshape_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
@@ -84,17 +82,15 @@ def _p1():  # sdpa_npu_masked_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     logical_not_default = CallFunction(aten.logical_not.default, arg_mask)
     arg_scale = KeywordArg('scale')
-    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale)
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, reshape_default, reshape_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale)
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
@@ -104,17 +100,15 @@ def _p2():  # sdpa_npu_masked_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     logical_not_default = CallFunction(aten.logical_not.default, arg_mask)
     arg_scale = KeywordArg('scale')
-    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, reshape_default, reshape_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored())
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
@@ -124,17 +118,15 @@ def _p3():  # sdpa_npu_masked_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     logical_not_default = CallFunction(aten.logical_not.default, arg_mask)
     arg_scale = KeywordArg('scale')
-    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale)
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, reshape_default, reshape_default_1, Ignored(), 'BNSD', None, None, logical_not_default, arg_scale)
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
@@ -192,17 +184,15 @@ def _p8():  # sdpa_npu_causal_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     ones_default = CallFunction(aten.ones.default, Ignored(), dtype=Ignored(), device=Ignored(), pin_memory=False)
     triu_default = CallFunction(aten.triu.default, ones_default, Ignored())
     arg_scale = KeywordArg('scale')
-    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, Ignored(), 'BNSD', None, None, triu_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), None, None, None, Ignored())
+    npu_npu_fusion_attention_v3_default = CallFunction(npu.npu_fusion_attention_v3.default, arg_query, reshape_default, reshape_default_1, Ignored(), 'BNSD', None, None, triu_default, arg_scale, Ignored(), Ignored(), Ignored(), Ignored(), None, None, None, Ignored())
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
@@ -223,19 +213,17 @@ def _p10():  # sdpa_cpu_masked_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
     arg_scale = KeywordArg('scale')
-    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, attn_mask=where_self, scale=arg_scale)
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, reshape_default, reshape_default_1, attn_mask=where_self, scale=arg_scale)
     pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
     return pattern
 
@@ -244,19 +232,17 @@ def _p11():  # sdpa_cpu_masked_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
     arg_scale = KeywordArg('scale')
-    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, attn_mask=where_self, scale=arg_scale)
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, reshape_default, reshape_default_1, attn_mask=where_self, scale=arg_scale)
     pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
     return pattern
 
@@ -291,15 +277,13 @@ def _p14():  # sdpa_cpu_causal_gqa [forward]
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
     arg_scale = KeywordArg('scale')
-    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, _unsafe_view_default, _unsafe_view_default_1, Ignored(), True, scale=arg_scale)
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, reshape_default, reshape_default_1, Ignored(), True, scale=arg_scale)
     pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
     return pattern
 
@@ -317,28 +301,27 @@ def _p16():  # sdpa_math_masked [forward]
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
@@ -366,45 +349,14 @@ def _p18():  # sdpa_math_masked [forward]
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p19():  # sdpa_math_masked [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
@@ -413,76 +365,15 @@ def _p19():  # sdpa_math_masked [forward]
     add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p20():  # sdpa_math_masked [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p21():  # sdpa_math_masked [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p22():  # sdpa_math_masked [forward-npu]
+def _p19():  # sdpa_math_masked [forward-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -501,50 +392,21 @@ def _p22():  # sdpa_math_masked [forward-npu]
     pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
     return pattern
 
-def _p23():  # sdpa_math_masked [forward]
+def _p20():  # sdpa_math_masked_upcast [forward]
     arg_query = KeywordArg('query')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p24():  # sdpa_math_masked [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
@@ -553,115 +415,51 @@ def _p24():  # sdpa_math_masked [forward]
     add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p25():  # sdpa_math_masked [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p26():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p27():  # sdpa_math_masked_upcast [forward-npu-cast]
+def _p21():  # sdpa_math_masked_upcast [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored(), _users=0)
     return pattern
 
-def _p28():  # sdpa_math_masked_upcast [forward-npu]
+def _p22():  # sdpa_math_masked_upcast [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -684,90 +482,21 @@ def _p28():  # sdpa_math_masked_upcast [forward-npu]
     pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p29():  # sdpa_math_masked_upcast [forward]
+def _p23():  # sdpa_math_masked_upcast [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p30():  # sdpa_math_masked_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
-    return pattern
-
-def _p31():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
@@ -776,35 +505,32 @@ def _p31():  # sdpa_math_masked_upcast [forward]
     add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    view_default_2 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_2, dtype=Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p32():  # sdpa_math_masked_upcast [forward-npu-cast]
+def _p24():  # sdpa_math_masked_upcast [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
@@ -813,156 +539,17 @@ def _p32():  # sdpa_math_masked_upcast [forward-npu-cast]
     add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    view_default_2 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_2, Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored(), _users=0)
     return pattern
 
-def _p33():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p34():  # sdpa_math_masked_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
-    return pattern
-
-def _p35():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p36():  # sdpa_math_masked_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_1, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
-    return pattern
-
-def _p37():  # sdpa_math_masked_upcast [forward-npu]
+def _p25():  # sdpa_math_masked_upcast [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -985,256 +572,43 @@ def _p37():  # sdpa_math_masked_upcast [forward-npu]
     pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p38():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p39():  # sdpa_math_masked_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
-    return pattern
-
-def _p40():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
-    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    view_default_2 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_2, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p41():  # sdpa_math_masked_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
-    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    view_default_2 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_2, Ignored(), _users=0)
-    return pattern
-
-def _p42():  # sdpa_math_masked_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_2, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p43():  # sdpa_math_masked_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, arg_mask, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_2, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
-    return pattern
-
-def _p44():  # eager_attention_gqa [forward]
+def _p26():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default_1, Ignored(), Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
     expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_2)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
     expand_default_3 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_4 = CallFunction(aten.reshape.default, expand_default_4, Ignored())
+    expand_default_5 = CallFunction(aten.expand.default, reshape_default_4, Ignored())
+    reshape_default_5 = CallFunction(aten.reshape.default, expand_default_5, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_3, reshape_default_5)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p45():  # eager_attention_gqa [forward-npu]
+def _p27():  # eager_attention_gqa [forward-npu]
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
     matmul_default = CallFunction(aten.matmul.default, arg_query, transpose_int)
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
@@ -1244,123 +618,83 @@ def _p45():  # eager_attention_gqa [forward-npu]
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    pattern = CallFunction(aten.matmul.default, _softmax_default, _unsafe_view_default_1, _users=0)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    pattern = CallFunction(aten.matmul.default, _softmax_default, reshape_default_1, _users=0)
     return pattern
 
-def _p46():  # eager_attention_gqa [forward]
+def _p28():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
     expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_2)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_3 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    arg_grouped_value = KeywordArg('grouped_value')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
-    expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_1, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p47():  # eager_attention_gqa [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_grouped_key = KeywordArg('grouped_key')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default_1, Ignored(), Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
     _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
     _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_4 = CallFunction(aten.reshape.default, expand_default_4, Ignored())
+    expand_default_5 = CallFunction(aten.expand.default, reshape_default_4, Ignored())
+    reshape_default_5 = CallFunction(aten.reshape.default, expand_default_5, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_3, reshape_default_5)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p48():  # eager_attention_gqa [forward-npu-cast]
+def _p29():  # eager_attention_gqa [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default_1, Ignored(), Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
     expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_2)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
     _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_4 = CallFunction(aten.reshape.default, expand_default_4, Ignored())
+    expand_default_5 = CallFunction(aten.expand.default, reshape_default_4, Ignored())
+    reshape_default_5 = CallFunction(aten.reshape.default, expand_default_5, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_3, reshape_default_5)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p49():  # eager_attention_gqa [forward-npu]
+def _p30():  # eager_attention_gqa [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
     matmul_default = CallFunction(aten.matmul.default, arg_query, transpose_int)
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
@@ -1372,121 +706,47 @@ def _p49():  # eager_attention_gqa [forward-npu]
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    pattern = CallFunction(aten.matmul.default, _to_copy_default, _unsafe_view_default_1, _users=0)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    pattern = CallFunction(aten.matmul.default, _to_copy_default, reshape_default_1, _users=0)
     return pattern
 
-def _p50():  # eager_attention_gqa [forward]
+def _p31():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
     expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_2)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    arg_grouped_value = KeywordArg('grouped_value')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
-    expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_1, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p51():  # eager_attention_gqa [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_grouped_key = KeywordArg('grouped_key')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    arg_grouped_value = KeywordArg('grouped_value')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
-    expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_1, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p52():  # eager_attention_gqa [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_grouped_key = KeywordArg('grouped_key')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default_1, Ignored(), Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
     expand_default_3 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_4 = CallFunction(aten.reshape.default, expand_default_4, Ignored())
+    expand_default_5 = CallFunction(aten.expand.default, reshape_default_4, Ignored())
+    reshape_default_5 = CallFunction(aten.reshape.default, expand_default_5, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_3, reshape_default_5)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p53():  # eager_attention_gqa [forward-npu]
+def _p32():  # eager_attention_gqa [forward-npu]
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
     matmul_default = CallFunction(aten.matmul.default, arg_query, transpose_int)
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
@@ -1496,123 +756,83 @@ def _p53():  # eager_attention_gqa [forward-npu]
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    pattern = CallFunction(aten.matmul.default, _softmax_default, _unsafe_view_default_1, _users=0)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    pattern = CallFunction(aten.matmul.default, _softmax_default, reshape_default_1, _users=0)
     return pattern
 
-def _p54():  # eager_attention_gqa [forward]
+def _p33():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
     expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_2)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_3 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    arg_grouped_value = KeywordArg('grouped_value')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
-    expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_1, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p55():  # eager_attention_gqa [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_grouped_key = KeywordArg('grouped_key')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default_1, Ignored(), Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
     _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
     _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_4 = CallFunction(aten.reshape.default, expand_default_4, Ignored())
+    expand_default_5 = CallFunction(aten.expand.default, reshape_default_4, Ignored())
+    reshape_default_5 = CallFunction(aten.reshape.default, expand_default_5, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_3, reshape_default_5)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p56():  # eager_attention_gqa [forward-npu-cast]
+def _p34():  # eager_attention_gqa [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default_1, Ignored(), Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
     expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_2)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
     _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_3, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_2, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_4 = CallFunction(aten.reshape.default, expand_default_4, Ignored())
+    expand_default_5 = CallFunction(aten.expand.default, reshape_default_4, Ignored())
+    reshape_default_5 = CallFunction(aten.reshape.default, expand_default_5, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_3, reshape_default_5)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p57():  # eager_attention_gqa [forward-npu]
+def _p35():  # eager_attention_gqa [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
     matmul_default = CallFunction(aten.matmul.default, arg_query, transpose_int)
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, matmul_default, arg_scale)
@@ -1624,106 +844,35 @@ def _p57():  # eager_attention_gqa [forward-npu]
     arg_grouped_value = KeywordArg('grouped_value')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
     expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    pattern = CallFunction(aten.matmul.default, _to_copy_default, _unsafe_view_default_1, _users=0)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    pattern = CallFunction(aten.matmul.default, _to_copy_default, reshape_default_1, _users=0)
     return pattern
 
-def _p58():  # eager_attention_gqa [forward]
+def _p36():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_grouped_key = KeywordArg('grouped_key')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    arg_grouped_value = KeywordArg('grouped_value')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
-    expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_1, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p59():  # eager_attention_gqa [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_grouped_key = KeywordArg('grouped_key')
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    arg_grouped_value = KeywordArg('grouped_value')
-    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
-    expand_default_4 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_4, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    expand_default_5 = CallFunction(aten.expand.default, _unsafe_view_default_1, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_5, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p60():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
     expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p61():  # eager_attention [forward-npu]
+def _p37():  # eager_attention [forward-npu]
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
@@ -1737,138 +886,60 @@ def _p61():  # eager_attention [forward-npu]
     pattern = CallFunction(aten.matmul.default, _softmax_default, arg_value, _users=0)
     return pattern
 
-def _p62():  # eager_attention [forward]
+def _p38():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p63():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p64():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p65():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
     _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
     _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p66():  # eager_attention [forward-npu-cast]
+def _p39():  # eager_attention [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
     _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p67():  # eager_attention [forward-npu]
+def _p40():  # eager_attention [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1885,199 +956,31 @@ def _p67():  # eager_attention [forward-npu]
     pattern = CallFunction(aten.matmul.default, _to_copy_default, arg_value, _users=0)
     return pattern
 
-def _p68():  # eager_attention [forward]
+def _p41():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p69():  # eager_attention [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p70():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p71():  # eager_attention [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
-    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p72():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p73():  # eager_attention [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p74():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
     expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p75():  # eager_attention [forward-npu]
+def _p42():  # eager_attention [forward-npu]
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
@@ -2091,138 +994,60 @@ def _p75():  # eager_attention [forward-npu]
     pattern = CallFunction(aten.matmul.default, _softmax_default, arg_value, _users=0)
     return pattern
 
-def _p76():  # eager_attention [forward]
+def _p43():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p77():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
     view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p78():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _softmax_default = CallFunction(aten._softmax.default, add_Tensor, Ignored(), False)
-    expand_default_2 = CallFunction(aten.expand.default, _softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p79():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
     _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
     _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p80():  # eager_attention [forward-npu-cast]
+def _p44():  # eager_attention [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, view_default)
-    view_default_1 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_1, arg_scale)
+    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
     arg_bias = KeywordArg('bias')
     add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
     _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_2 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_2, view_default_3)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p81():  # eager_attention [forward-npu]
+def _p45():  # eager_attention [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -2237,173 +1062,6 @@ def _p81():  # eager_attention [forward-npu]
     _to_copy_default = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
     arg_value = KeywordArg('value')
     pattern = CallFunction(aten.matmul.default, _to_copy_default, arg_value, _users=0)
-    return pattern
-
-def _p82():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p83():  # eager_attention [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p84():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
-    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p85():  # eager_attention [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, _unsafe_view_default, _unsafe_view_default_1)
-    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default_2 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_1, _unsafe_view_default_2)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p86():  # eager_attention [forward]
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    _to_copy_default = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, _to_copy_default, Ignored(), False)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, _softmax_default, dtype=Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _to_copy_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p87():  # eager_attention [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    expand_default_1 = CallFunction(aten.expand.default, transpose_int, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_scale = KeywordArg('scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, view_default_2, arg_scale)
-    arg_bias = KeywordArg('bias')
-    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, arg_bias)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
-    _softmax_default = CallFunction(aten._softmax.default, npu__npu_dtype_cast_default, Ignored(), False)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, _softmax_default, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_1, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
 
@@ -2446,144 +1104,60 @@ REGISTRATIONS = [
      (('call_function', 'aten.view.default'),), _p16),  # form 12
     ('sdpa_math_masked -> fia_right_down_causal_math @ float32', 'forward-npu', (),
      (('call_function', 'aten.matmul.default'),), _p17),  # form 12
-    ('sdpa_math_masked -> fia_right_down_causal_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p18),  # form 12
-    ('sdpa_math_masked -> fia_right_down_causal_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p19),  # form 12
-    ('sdpa_math_masked -> fia_right_down_causal_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p20),  # form 12
     ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p21),  # form 13
+     (('call_function', 'aten.view.default'),), _p18),  # form 13
     ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p22),  # form 13
-    ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p23),  # form 13
-    ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p24),  # form 13
-    ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p25),  # form 13
+     (('call_function', 'aten.matmul.default'),), _p19),  # form 13
     ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p26),  # form 14
+     (('call_function', 'aten._to_copy.default'),), _p20),  # form 14
     ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p27),  # form 14
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p21),  # form 14
     ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu', (),
-     (('call_function', 'aten._to_copy.default'),), _p28),  # form 14
-    ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p29),  # form 14
-    ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p30),  # form 14
-    ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p31),  # form 14
-    ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p32),  # form 14
-    ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p33),  # form 14
-    ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p34),  # form 14
+     (('call_function', 'aten._to_copy.default'),), _p22),  # form 14
     ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p35),  # form 15
+     (('call_function', 'aten._to_copy.default'),), _p23),  # form 15
     ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p36),  # form 15
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p24),  # form 15
     ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu', (),
-     (('call_function', 'aten._to_copy.default'),), _p37),  # form 15
-    ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p38),  # form 15
-    ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p39),  # form 15
-    ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p40),  # form 15
-    ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p41),  # form 15
-    ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p42),  # form 15
-    ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p43),  # form 15
+     (('call_function', 'aten._to_copy.default'),), _p25),  # form 15
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p44),  # form 16
+     (('call_function', 'aten.view.default'),), _p26),  # form 16
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p45),  # form 16
+     (('call_function', 'aten.matmul.default'),), _p27),  # form 16
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p46),  # form 16
-    ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p47),  # form 16
+     (('call_function', 'aten.view.default'),), _p28),  # form 16
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p48),  # form 16
+     (('call_function', 'aten.view.default'),), _p29),  # form 16
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p49),  # form 16
-    ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p50),  # form 16
-    ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p51),  # form 16
+     (('call_function', 'aten.matmul.default'),), _p30),  # form 16
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p52),  # form 17
+     (('call_function', 'aten.view.default'),), _p31),  # form 17
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p53),  # form 17
+     (('call_function', 'aten.matmul.default'),), _p32),  # form 17
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p54),  # form 17
-    ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p55),  # form 17
+     (('call_function', 'aten.view.default'),), _p33),  # form 17
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p56),  # form 17
+     (('call_function', 'aten.view.default'),), _p34),  # form 17
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p57),  # form 17
-    ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p58),  # form 17
-    ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p59),  # form 17
+     (('call_function', 'aten.matmul.default'),), _p35),  # form 17
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p60),  # form 18
+     (('call_function', 'aten.view.default'),), _p36),  # form 18
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p61),  # form 18
+     (('call_function', 'aten.matmul.default'),), _p37),  # form 18
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p62),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p63),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p64),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p65),  # form 18
+     (('call_function', 'aten.view.default'),), _p38),  # form 18
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p66),  # form 18
+     (('call_function', 'aten.view.default'),), _p39),  # form 18
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p67),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p68),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p69),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p70),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p71),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p72),  # form 18
-    ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p73),  # form 18
+     (('call_function', 'aten.matmul.default'),), _p40),  # form 18
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p74),  # form 19
+     (('call_function', 'aten.view.default'),), _p41),  # form 19
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p75),  # form 19
+     (('call_function', 'aten.matmul.default'),), _p42),  # form 19
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p76),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p77),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p78),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p79),  # form 19
+     (('call_function', 'aten.view.default'),), _p43),  # form 19
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p80),  # form 19
+     (('call_function', 'aten.view.default'),), _p44),  # form 19
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p81),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p82),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p83),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p84),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p85),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p86),  # form 19
-    ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p87),  # form 19
+     (('call_function', 'aten.matmul.default'),), _p45),  # form 19
 ]

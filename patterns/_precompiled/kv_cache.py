@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9daa33cfaee00b48',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e257f296e64c9f8d',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3e46a3117d8c1789',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5d16cb712a6fde8d',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

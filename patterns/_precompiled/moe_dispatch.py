@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0ea43cddda28babb',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ad323d1c1538d8db',
        'backward': {'npu.npu_grouped_matmul': True, 'npu.npu_moe_finalize_routing': False, 'npu.npu_moe_init_routing_v2': False, 'npu.npu_moe_token_permute': True, 'npu.npu_moe_token_unpermute': True}}
 
 FORMS = {
@@ -23,6 +23,10 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
+    'transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> init_routing_finalize_grouped_mm_clamped_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
+    'transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
@@ -31,6 +35,10 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
+    'transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> init_routing_finalize_grouped_mm_fallback_clamped_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
+    'transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_grouped_matmul', 'npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
     'transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32': {'emitted_ops': ('npu.npu_grouped_matmul', 'npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
@@ -308,7 +316,165 @@ def _p7():  # transformers_grouped_mm_experts_silu_mul [forward-npu-cast]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p8():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
+def _p8():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [forward]
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p9():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p10():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [forward]
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p11():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p12():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -341,7 +507,7 @@ def _p8():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p9():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
+def _p13():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -374,7 +540,7 @@ def _p9():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-c
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p10():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
+def _p14():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -407,7 +573,7 @@ def _p10():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p11():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
+def _p15():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -440,7 +606,7 @@ def _p11():  # transformers_grouped_mm_fallback_experts_npu_swiglu [forward-npu-
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p12():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
+def _p16():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -475,7 +641,7 @@ def _p12():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p13():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
+def _p17():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -511,7 +677,7 @@ def _p13():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-ca
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p14():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
+def _p18():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -546,7 +712,7 @@ def _p14():  # transformers_grouped_mm_fallback_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p15():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
+def _p19():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -582,7 +748,169 @@ def _p15():  # transformers_grouped_mm_fallback_experts_silu_mul [forward-npu-ca
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p16():  # transformers_batched_mm_experts_npu_swiglu [forward]
+def _p20():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [forward]
+    transformers = torch.ops.transformers
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p21():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [forward-npu-cast]
+    npu = torch.ops.npu
+    transformers = torch.ops.transformers
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p22():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [forward]
+    transformers = torch.ops.transformers
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p23():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [forward-npu-cast]
+    npu = torch.ops.npu
+    transformers = torch.ops.transformers
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=4)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=2)
+    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit)
+    silu_default = CallFunction(aten.silu.default, clamp_default)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored())
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1)
+    arg_w_down = KeywordArg('w_down')
+    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
+    return pattern
+
+def _p24():  # transformers_batched_mm_experts_npu_swiglu [forward]
     npu = torch.ops.npu
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
@@ -610,7 +938,7 @@ def _p16():  # transformers_batched_mm_experts_npu_swiglu [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
     return pattern
 
-def _p17():  # transformers_batched_mm_experts_npu_swiglu [forward-npu]
+def _p25():  # transformers_batched_mm_experts_npu_swiglu [forward-npu]
     npu = torch.ops.npu
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
@@ -635,7 +963,7 @@ def _p17():  # transformers_batched_mm_experts_npu_swiglu [forward-npu]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p18():  # transformers_batched_mm_experts_silu_mul [forward]
+def _p26():  # transformers_batched_mm_experts_silu_mul [forward]
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
@@ -665,7 +993,7 @@ def _p18():  # transformers_batched_mm_experts_silu_mul [forward]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_3, Ignored(), _users=0)
     return pattern
 
-def _p19():  # transformers_batched_mm_experts_silu_mul [forward-npu]
+def _p27():  # transformers_batched_mm_experts_silu_mul [forward-npu]
     arg_down_proj = KeywordArg('down_proj')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored(), _users=2)
@@ -692,313 +1020,6 @@ def _p19():  # transformers_batched_mm_experts_silu_mul [forward-npu]
     pattern = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored(), _users=0)
     return pattern
 
-def _p20():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p21():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w1 = KeywordArg('w1')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w3 = KeywordArg('w3')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p22():  # torchtitan_local_dispatch_grouped_experts [forward-npu]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p23():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
-    return pattern
-
-def _p24():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_3)
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
-    return pattern
-
-def _p25():  # torchtitan_local_dispatch_grouped_experts [forward]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p26():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
-    npu = torch.ops.npu
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w1 = KeywordArg('w1')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
-    arg_w3 = KeywordArg('w3')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
-def _p27():  # torchtitan_local_dispatch_grouped_experts [forward-npu]
-    torchtitan = torch.ops.torchtitan
-    arg_x = KeywordArg('x')
-    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
-    arg_ids = KeywordArg('ids')
-    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
-    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
-    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
-    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
-    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
-    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
-    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
-    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w1 = KeywordArg('w1')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_counts = KeywordArg('counts')
-    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
-    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
-    arg_w3 = KeywordArg('w3')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
-    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
-    arg_w2 = KeywordArg('w2')
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
-    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
-    arg_weights = KeywordArg('weights')
-    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
-    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
-    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
-    return pattern
-
 def _p28():  # torchtitan_local_dispatch_grouped_experts [forward]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -1011,27 +1032,31 @@ def _p28():  # torchtitan_local_dispatch_grouped_experts [forward]
     view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
     expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
     index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
     arg_w1 = KeywordArg('w1')
-    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_counts = KeywordArg('counts')
     cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
-    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
     silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
     arg_w3 = KeywordArg('w3')
-    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
-    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
     mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
     arg_w2 = KeywordArg('w2')
-    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
     _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
-    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
     arg_weights = KeywordArg('weights')
     view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
     index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
     view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
-    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
     return pattern
 
 def _p29():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
@@ -1047,6 +1072,120 @@ def _p29():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
     expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
     index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
+    arg_w1 = KeywordArg('w1')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
+    arg_w3 = KeywordArg('w3')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p30():  # torchtitan_local_dispatch_grouped_experts [forward-npu]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w1 = KeywordArg('w1')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w3 = KeywordArg('w3')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p31():  # torchtitan_local_dispatch_grouped_experts [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w1 = KeywordArg('w1')
+    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    arg_w3 = KeywordArg('w3')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p32():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
     arg_w1 = KeywordArg('w1')
     transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
     arg_counts = KeywordArg('counts')
@@ -1070,7 +1209,196 @@ def _p29():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p30():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p33():  # torchtitan_local_dispatch_grouped_experts [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w1 = KeywordArg('w1')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w3 = KeywordArg('w3')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p34():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
+    arg_w1 = KeywordArg('w1')
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_w1, Ignored())
+    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, index_Tensor, Ignored())
+    arg_w3 = KeywordArg('w3')
+    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_w3, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, arg_w2, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    npu__npu_dtype_cast_default_5 = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p35():  # torchtitan_local_dispatch_grouped_experts [forward-npu]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    _to_copy_default = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w1 = KeywordArg('w1')
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_w1, dtype=Ignored())
+    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, _to_copy_default, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, index_Tensor, dtype=Ignored())
+    arg_w3 = KeywordArg('w3')
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_w3, dtype=Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, _to_copy_default_2, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, arg_w2, dtype=Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_5, view_default_3)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p36():  # torchtitan_local_dispatch_grouped_experts [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w1 = KeywordArg('w1')
+    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    arg_w3 = KeywordArg('w3')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    _to_copy_default = CallFunction(aten._to_copy.default, _grouped_mm_default_2, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_3)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p37():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    view_default_1 = CallFunction(aten.view.default, floor_divide_default, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default_1, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w1 = KeywordArg('w1')
+    transpose_int = CallFunction(aten.transpose.int, arg_w1, Ignored(), Ignored())
+    arg_counts = KeywordArg('counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_counts, Ignored(), dtype=Ignored(), _users=3)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int, cumsum_default)
+    silu_default = CallFunction(aten.silu.default, _grouped_mm_default)
+    arg_w3 = KeywordArg('w3')
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w3, Ignored(), Ignored())
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, index_Tensor, transpose_int_1, cumsum_default)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, _grouped_mm_default_1)
+    arg_w2 = KeywordArg('w2')
+    transpose_int_2 = CallFunction(aten.transpose.int, arg_w2, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor, transpose_int_2, cumsum_default)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _grouped_mm_default_2, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_2 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_2, [operator_getitem])
+    view_default_3 = CallFunction(aten.view.default, index_Tensor_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_3)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor_1, Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
+    return pattern
+
+def _p38():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1136,7 +1464,7 @@ def _p30():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p31():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p39():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1202,7 +1530,7 @@ def _p31():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p32():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p40():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1269,7 +1597,7 @@ def _p32():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p33():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p41():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1336,7 +1664,7 @@ def _p33():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p34():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p42():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -1407,7 +1735,7 @@ def _p34():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p35():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p43():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1479,7 +1807,7 @@ def _p35():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p36():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p44():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -1551,7 +1879,7 @@ def _p36():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p37():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p45():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1624,7 +1952,367 @@ def _p37():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p38():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
+def _p46():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint]
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=6)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=2)
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit, _users=2)
+    silu_default = CallFunction(aten.silu.default, clamp_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1, _users=2)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
+    arg_swiglu_limit_2 = KeywordArg('swiglu_limit')
+    le_Scalar = CallFunction(aten.le.Scalar, slice_Tensor, arg_swiglu_limit_2)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor_2, transpose_int, cumsum_default, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, clamp_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, clamp_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self = CallFunction(aten.where.self, le_Scalar, silu_backward_default, scalar_tensor_default)
+    arg_swiglu_min_1 = KeywordArg('swiglu_min')
+    ge_Scalar = CallFunction(aten.ge.Scalar, slice_Tensor_1, arg_swiglu_min_1)
+    arg_swiglu_limit_3 = KeywordArg('swiglu_limit')
+    le_Scalar_1 = CallFunction(aten.le.Scalar, slice_Tensor_1, arg_swiglu_limit_3)
+    logical_and_default = CallFunction(aten.logical_and.default, ge_Scalar, le_Scalar_1)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, silu_default)
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self_1 = CallFunction(aten.where.self, logical_and_default, mul_Tensor_4, scalar_tensor_default_1)
+    cat_default = CallFunction(aten.cat.default, [where_self, where_self_1], Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w_gate_up, Ignored(), Ignored())
+    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, cat_default, transpose_int_1, cumsum_default, _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, _grouped_mm_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], _grouped_mm_default_3, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, _grouped_mm_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
+    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
+    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, cat_default, Ignored(), Ignored())
+    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, transpose_int_2, index_Tensor, cumsum_default)
+    transpose_int_3 = CallFunction(aten.transpose.int, _grouped_mm_default_4, Ignored(), Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, mul_Tensor_2, Ignored(), Ignored())
+    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, transpose_int_4, mul_Tensor, cumsum_default)
+    transpose_int_5 = CallFunction(aten.transpose.int, _grouped_mm_default_5, Ignored(), Ignored())
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_put_default_2,
+      None,
+      view_default_3,
+      transpose_int_3,
+      transpose_int_5,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p47():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=6)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=2)
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit, _users=2)
+    silu_default = CallFunction(aten.silu.default, clamp_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1, _users=2)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
+    arg_swiglu_limit_2 = KeywordArg('swiglu_limit')
+    le_Scalar = CallFunction(aten.le.Scalar, slice_Tensor, arg_swiglu_limit_2)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default, _users=2)
+    transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor_2, transpose_int, cumsum_default, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, clamp_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, clamp_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self = CallFunction(aten.where.self, le_Scalar, silu_backward_default, scalar_tensor_default)
+    arg_swiglu_min_1 = KeywordArg('swiglu_min')
+    ge_Scalar = CallFunction(aten.ge.Scalar, slice_Tensor_1, arg_swiglu_min_1)
+    arg_swiglu_limit_3 = KeywordArg('swiglu_limit')
+    le_Scalar_1 = CallFunction(aten.le.Scalar, slice_Tensor_1, arg_swiglu_limit_3)
+    logical_and_default = CallFunction(aten.logical_and.default, ge_Scalar, le_Scalar_1)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, silu_default)
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self_1 = CallFunction(aten.where.self, logical_and_default, mul_Tensor_4, scalar_tensor_default_1)
+    cat_default = CallFunction(aten.cat.default, [where_self, where_self_1], Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w_gate_up, Ignored(), Ignored())
+    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, cat_default, transpose_int_1, cumsum_default, _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, _grouped_mm_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], _grouped_mm_default_3, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, _grouped_mm_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
+    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
+    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, cat_default, Ignored(), Ignored())
+    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, transpose_int_2, index_Tensor, cumsum_default)
+    transpose_int_3 = CallFunction(aten.transpose.int, _grouped_mm_default_4, Ignored(), Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, mul_Tensor_2, Ignored(), Ignored())
+    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, transpose_int_4, mul_Tensor, cumsum_default)
+    transpose_int_5 = CallFunction(aten.transpose.int, _grouped_mm_default_5, Ignored(), Ignored())
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_put_default_2,
+      None,
+      view_default_3,
+      transpose_int_3,
+      transpose_int_5,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p48():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint]
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=6)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=2)
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit, _users=2)
+    silu_default = CallFunction(aten.silu.default, clamp_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1, _users=2)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
+    arg_swiglu_limit_2 = KeywordArg('swiglu_limit')
+    le_Scalar = CallFunction(aten.le.Scalar, slice_Tensor, arg_swiglu_limit_2)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, _to_copy_default_1, transpose_int, cumsum_default, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, clamp_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, clamp_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self = CallFunction(aten.where.self, le_Scalar, silu_backward_default, scalar_tensor_default)
+    arg_swiglu_min_1 = KeywordArg('swiglu_min')
+    ge_Scalar = CallFunction(aten.ge.Scalar, slice_Tensor_1, arg_swiglu_min_1)
+    arg_swiglu_limit_3 = KeywordArg('swiglu_limit')
+    le_Scalar_1 = CallFunction(aten.le.Scalar, slice_Tensor_1, arg_swiglu_limit_3)
+    logical_and_default = CallFunction(aten.logical_and.default, ge_Scalar, le_Scalar_1)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, silu_default)
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self_1 = CallFunction(aten.where.self, logical_and_default, mul_Tensor_4, scalar_tensor_default_1)
+    cat_default = CallFunction(aten.cat.default, [where_self, where_self_1], Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w_gate_up, Ignored(), Ignored())
+    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, cat_default, transpose_int_1, cumsum_default, _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, _grouped_mm_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], _grouped_mm_default_3, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, _grouped_mm_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
+    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
+    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, cat_default, Ignored(), Ignored())
+    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, transpose_int_2, index_Tensor, cumsum_default)
+    transpose_int_3 = CallFunction(aten.transpose.int, _grouped_mm_default_4, Ignored(), Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
+    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, transpose_int_4, mul_Tensor, cumsum_default)
+    transpose_int_5 = CallFunction(aten.transpose.int, _grouped_mm_default_5, Ignored(), Ignored())
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_put_default_2,
+      None,
+      view_default_3,
+      transpose_int_3,
+      transpose_int_5,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p49():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=6)
+    _grouped_mm_default = CallFunction(aten._grouped_mm.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=2)
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit, _users=2)
+    silu_default = CallFunction(aten.silu.default, clamp_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, _grouped_mm_default, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1, _users=2)
+    arg_w_down = KeywordArg('w_down')
+    _grouped_mm_default_1 = CallFunction(aten._grouped_mm.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _grouped_mm_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
+    arg_swiglu_limit_2 = KeywordArg('swiglu_limit')
+    le_Scalar = CallFunction(aten.le.Scalar, slice_Tensor, arg_swiglu_limit_2)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
+    transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
+    _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, npu__npu_dtype_cast_backward_default, transpose_int, cumsum_default, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, clamp_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, clamp_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self = CallFunction(aten.where.self, le_Scalar, silu_backward_default, scalar_tensor_default)
+    arg_swiglu_min_1 = KeywordArg('swiglu_min')
+    ge_Scalar = CallFunction(aten.ge.Scalar, slice_Tensor_1, arg_swiglu_min_1)
+    arg_swiglu_limit_3 = KeywordArg('swiglu_limit')
+    le_Scalar_1 = CallFunction(aten.le.Scalar, slice_Tensor_1, arg_swiglu_limit_3)
+    logical_and_default = CallFunction(aten.logical_and.default, ge_Scalar, le_Scalar_1)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, _grouped_mm_default_2, silu_default)
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self_1 = CallFunction(aten.where.self, logical_and_default, mul_Tensor_4, scalar_tensor_default_1)
+    cat_default = CallFunction(aten.cat.default, [where_self, where_self_1], Ignored(), _users=2)
+    transpose_int_1 = CallFunction(aten.transpose.int, arg_w_gate_up, Ignored(), Ignored())
+    _grouped_mm_default_3 = CallFunction(aten._grouped_mm.default, cat_default, transpose_int_1, cumsum_default, _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, _grouped_mm_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], _grouped_mm_default_3, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, _grouped_mm_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
+    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
+    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
+    transpose_int_2 = CallFunction(aten.transpose.int, cat_default, Ignored(), Ignored())
+    _grouped_mm_default_4 = CallFunction(aten._grouped_mm.default, transpose_int_2, index_Tensor, cumsum_default)
+    transpose_int_3 = CallFunction(aten.transpose.int, _grouped_mm_default_4, Ignored(), Ignored())
+    transpose_int_4 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_backward_default, Ignored(), Ignored())
+    _grouped_mm_default_5 = CallFunction(aten._grouped_mm.default, transpose_int_4, mul_Tensor, cumsum_default)
+    transpose_int_5 = CallFunction(aten.transpose.int, _grouped_mm_default_5, Ignored(), Ignored())
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_put_default_2,
+      None,
+      view_default_3,
+      transpose_int_3,
+      transpose_int_5,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p50():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -1687,7 +2375,7 @@ def _p38():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p39():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
+def _p51():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -1750,7 +2438,7 @@ def _p39():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-ca
     ])
     return pattern
 
-def _p40():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
+def _p52():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1818,7 +2506,7 @@ def _p40():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p41():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
+def _p53():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -1887,7 +2575,180 @@ def _p41():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast
     ])
     return pattern
 
-def _p42():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p54():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [joint]
+    transformers = torch.ops.transformers
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    _to_copy_default = CallFunction(aten._to_copy.default, operator_getitem_1, dtype=Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, _to_copy_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=4)
+    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=2)
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit, _users=2)
+    silu_default = CallFunction(aten.silu.default, clamp_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1, _users=2)
+    arg_w_down = KeywordArg('w_down')
+    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
+    arg_swiglu_limit_2 = KeywordArg('swiglu_limit')
+    le_Scalar = CallFunction(aten.le.Scalar, slice_Tensor, arg_swiglu_limit_2)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
+    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, mul_Tensor, arg_w_down, cumsum_default, mul_Tensor_2, _users=2)
+    operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, clamp_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, clamp_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self = CallFunction(aten.where.self, le_Scalar, silu_backward_default, scalar_tensor_default)
+    arg_swiglu_min_1 = KeywordArg('swiglu_min')
+    ge_Scalar = CallFunction(aten.ge.Scalar, slice_Tensor_1, arg_swiglu_min_1)
+    arg_swiglu_limit_3 = KeywordArg('swiglu_limit')
+    le_Scalar_1 = CallFunction(aten.le.Scalar, slice_Tensor_1, arg_swiglu_limit_3)
+    logical_and_default = CallFunction(aten.logical_and.default, ge_Scalar, le_Scalar_1)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, operator_getitem_2, silu_default)
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self_1 = CallFunction(aten.where.self, logical_and_default, mul_Tensor_4, scalar_tensor_default_1)
+    cat_default = CallFunction(aten.cat.default, [where_self, where_self_1], Ignored())
+    transformers_grouped_mm_fallback_backward_default_1 = CallFunction(transformers.grouped_mm_fallback_backward.default, index_Tensor, arg_w_gate_up, cumsum_default, cat_default, _users=2)
+    operator_getitem_3 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 0, _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, operator_getitem_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], operator_getitem_3, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, transformers_grouped_mm_fallback_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
+    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
+    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
+    operator_getitem_4 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 1)
+    operator_getitem_5 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_put_default_2,
+      None,
+      view_default_3,
+      operator_getitem_4,
+      operator_getitem_5,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p55():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
+    npu = torch.ops.npu
+    transformers = torch.ops.transformers
+    arg_x = KeywordArg('x')
+    arg_ids = KeywordArg('ids')
+    view_default = CallFunction(aten.view.default, arg_ids, Ignored())
+    sort_default = CallFunction(aten.sort.default, view_default, _users=2)
+    operator_getitem = CallFunction(operator.getitem, sort_default, 1, _users=5)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default], _users=2)
+    arg_w_gate_up = KeywordArg('w_gate_up')
+    operator_getitem_1 = CallFunction(operator.getitem, sort_default, 0)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, operator_getitem_1, Ignored())
+    arg_num_experts = KeywordArg('num_experts')
+    histc_default = CallFunction(aten.histc.default, npu__npu_dtype_cast_default, arg_num_experts, Ignored(), Ignored())
+    cumsum_default = CallFunction(aten.cumsum.default, histc_default, Ignored(), dtype=Ignored(), _users=4)
+    transformers_grouped_mm_fallback_default = CallFunction(transformers.grouped_mm_fallback.default, index_Tensor, arg_w_gate_up, cumsum_default, _users=2)
+    slice_Tensor = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=2)
+    arg_swiglu_limit = KeywordArg('swiglu_limit')
+    clamp_default = CallFunction(aten.clamp.default, slice_Tensor, None, arg_swiglu_limit, _users=2)
+    silu_default = CallFunction(aten.silu.default, clamp_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, transformers_grouped_mm_fallback_default, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_swiglu_min = KeywordArg('swiglu_min')
+    arg_swiglu_limit_1 = KeywordArg('swiglu_limit')
+    clamp_default_1 = CallFunction(aten.clamp.default, slice_Tensor_1, arg_swiglu_min, arg_swiglu_limit_1, _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, silu_default, clamp_default_1, _users=2)
+    arg_w_down = KeywordArg('w_down')
+    transformers_grouped_mm_fallback_default_1 = CallFunction(transformers.grouped_mm_fallback.default, mul_Tensor, arg_w_down, cumsum_default, _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    index_Tensor_1 = CallFunction(aten.index.Tensor, view_default_1, [operator_getitem])
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, index_Tensor_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transformers_grouped_mm_fallback_default_1, unsqueeze_default)
+    empty_like_default = CallFunction(aten.empty_like.default, operator_getitem, pin_memory=False)
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    index_put_default = CallFunction(aten.index_put.default, empty_like_default, [operator_getitem], arange_default, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, mul_Tensor_1, [index_put_default])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor_2, Ignored())
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_2, Ignored())
+    arg_swiglu_limit_2 = KeywordArg('swiglu_limit')
+    le_Scalar = CallFunction(aten.le.Scalar, slice_Tensor, arg_swiglu_limit_2)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
+    transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, mul_Tensor, arg_w_down, cumsum_default, mul_Tensor_2, _users=2)
+    operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, operator_getitem_2, clamp_default_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, clamp_default)
+    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self = CallFunction(aten.where.self, le_Scalar, silu_backward_default, scalar_tensor_default)
+    arg_swiglu_min_1 = KeywordArg('swiglu_min')
+    ge_Scalar = CallFunction(aten.ge.Scalar, slice_Tensor_1, arg_swiglu_min_1)
+    arg_swiglu_limit_3 = KeywordArg('swiglu_limit')
+    le_Scalar_1 = CallFunction(aten.le.Scalar, slice_Tensor_1, arg_swiglu_limit_3)
+    logical_and_default = CallFunction(aten.logical_and.default, ge_Scalar, le_Scalar_1)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, operator_getitem_2, silu_default)
+    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    where_self_1 = CallFunction(aten.where.self, logical_and_default, mul_Tensor_4, scalar_tensor_default_1)
+    cat_default = CallFunction(aten.cat.default, [where_self, where_self_1], Ignored())
+    transformers_grouped_mm_fallback_backward_default_1 = CallFunction(transformers.grouped_mm_fallback_backward.default, index_Tensor, arg_w_gate_up, cumsum_default, cat_default, _users=2)
+    operator_getitem_3 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 0, _users=2)
+    new_zeros_default_1 = CallFunction(aten.new_zeros.default, operator_getitem_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_2 = CallFunction(aten.index_put.default, new_zeros_default_1, [floor_divide_default], operator_getitem_3, True)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, index_put_default_1, transformers_grouped_mm_fallback_default_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_5, Ignored(), True)
+    squeeze_dim = CallFunction(aten.squeeze.dim, sum_dim_IntList_1, Ignored(), _users=2)
+    new_zeros_default_2 = CallFunction(aten.new_zeros.default, squeeze_dim, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_3 = CallFunction(aten.index_put.default, new_zeros_default_2, [operator_getitem], squeeze_dim, True)
+    view_default_3 = CallFunction(aten.view.default, index_put_default_3, Ignored())
+    operator_getitem_4 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default_1, 1)
+    operator_getitem_5 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 1)
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_put_default_2,
+      None,
+      view_default_3,
+      operator_getitem_4,
+      operator_getitem_5,
+      None,
+      None,
+      None
+    ])
+    return pattern
+
+def _p56():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -1974,7 +2835,7 @@ def _p42():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p43():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p57():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -2062,7 +2923,7 @@ def _p43():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p44():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
+def _p58():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -2149,7 +3010,7 @@ def _p44():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
     ])
     return pattern
 
-def _p45():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p59():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -2229,7 +3090,7 @@ def _p45():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p46():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p60():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -2310,7 +3171,7 @@ def _p46():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p47():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p61():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -2389,7 +3250,7 @@ def _p47():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p48():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p62():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -2489,86 +3350,114 @@ REGISTRATIONS = [
      (('call_function', 'aten.sum.dim_IntList'),), _p6),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p7),  # form 3
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> init_routing_finalize_grouped_mm_clamped_swiglu @ bfloat16', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p8),  # form 4
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> init_routing_finalize_grouped_mm_clamped_swiglu @ bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p9),  # form 4
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p10),  # form 5
-    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p11),  # form 5
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
+    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p12),  # form 6
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
+    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p13),  # form 6
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
+    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p14),  # form 7
-    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
+    ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p15),  # form 7
-    ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward', (),
+    ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p16),  # form 8
-    ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward-npu', (),
+    ('transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p17),  # form 8
-    ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward', (),
+    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p18),  # form 9
-    ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward-npu', (),
+    ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'forward-npu-cast', (),
      (('call_function', 'aten.sum.dim_IntList'),), _p19),  # form 9
+    ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> init_routing_finalize_grouped_mm_fallback_clamped_swiglu @ float32', 'forward', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p20),  # form 10
+    ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> init_routing_finalize_grouped_mm_fallback_clamped_swiglu @ float32', 'forward-npu-cast', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p21),  # form 10
+    ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32', 'forward', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p22),  # form 11
+    ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32', 'forward-npu-cast', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p23),  # form 11
+    ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p24),  # form 12
+    ('transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32', 'forward-npu', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p25),  # form 12
+    ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p26),  # form 13
+    ('transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32', 'forward-npu', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p27),  # form 13
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p20),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p28),  # form 14
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p21),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p29),  # form 14
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p22),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p30),  # form 14
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p23),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p31),  # form 14
     ('torchtitan_local_dispatch_grouped_experts -> init_routing_grouped_mm_finalize @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p24),  # form 10
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p32),  # form 14
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p25),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p33),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p26),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p34),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p27),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p35),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p28),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p36),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p29),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p37),  # form 15
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p30),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p38),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p31),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p39),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p32),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p40),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p33),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p41),  # form 1
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p34),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p42),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p35),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p43),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p36),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p44),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p37),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p45),  # form 3
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
+     (('call_function', 'aten.sum.dim_IntList'),), _p46),  # form 5
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
+     (('call_function', 'aten.sum.dim_IntList'),), _p47),  # form 5
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
+     (('call_function', 'aten.sum.dim_IntList'),), _p48),  # form 5
+    ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
+     (('call_function', 'aten.sum.dim_IntList'),), _p49),  # form 5
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p38),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p50),  # form 7
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p39),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p51),  # form 7
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p40),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p52),  # form 9
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p41),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p53),  # form 9
+    ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
+     (('call_function', 'aten.sum.dim_IntList'),), _p54),  # form 11
+    ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
+     (('call_function', 'aten.sum.dim_IntList'),), _p55),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p42),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p56),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p43),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p57),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p44),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p58),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p45),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p59),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p46),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p60),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p47),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p61),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p48),  # form 11
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p62),  # form 15
 ]

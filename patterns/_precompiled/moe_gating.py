@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bbee120ca6ec339e',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c4c39086ee83ae41',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {
@@ -25,6 +25,10 @@ FORMS = {
         'keywords': []},
     'torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
         'keywords': [('aten.ones_like.default', 'dtype', 'torch.bool'), ('aten.ones_like.default', 'pin_memory', 'False')]},
+    'deepseek_v4_sqrt_softplus_top_k -> npu_moe_gating_top_k_sqrt_softplus @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
+        'keywords': []},
+    'deepseek_v4_hash_routing -> npu_moe_gating_top_k_hash @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
+        'keywords': []},
 }
 
 
@@ -175,7 +179,46 @@ def _p5():  # torchtitan_sigmoid_grouped [forward]
     ])
     return pattern
 
-def _p6():  # deepseek_noaux_tc [joint]
+def _p6():  # deepseek_v4_sqrt_softplus_top_k [forward]
+    arg_gate_logits = KeywordArg('gate_logits')
+    softplus_default = CallFunction(aten.softplus.default, arg_gate_logits)
+    sqrt_default = CallFunction(aten.sqrt.default, softplus_default, _users=2)
+    arg_bias = KeywordArg('bias')
+    add_Tensor = CallFunction(aten.add.Tensor, sqrt_default, arg_bias)
+    arg_top_k = KeywordArg('top_k')
+    topk_default = CallFunction(aten.topk.default, add_Tensor, arg_top_k, Ignored(), True, False)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 1, _users=2)
+    gather_default = CallFunction(aten.gather.default, sqrt_default, Ignored(), operator_getitem, _users=2)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, gather_default, Ignored(), True)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, sum_dim_IntList, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, gather_default, add_Tensor_1)
+    arg_routed_scaling_factor = KeywordArg('routed_scaling_factor')
+    mul_Tensor = CallFunction(aten.mul.Tensor, div_Tensor, arg_routed_scaling_factor)
+    pattern = MultiOutputPattern([mul_Tensor,
+      operator_getitem
+    ])
+    return pattern
+
+def _p7():  # deepseek_v4_hash_routing [forward]
+    arg_gate_logits = KeywordArg('gate_logits')
+    softplus_default = CallFunction(aten.softplus.default, arg_gate_logits)
+    sqrt_default = CallFunction(aten.sqrt.default, softplus_default)
+    arg_tid2eid = KeywordArg('tid2eid')
+    arg_input_ids = KeywordArg('input_ids')
+    view_default = CallFunction(aten.view.default, arg_input_ids, Ignored())
+    index_Tensor = CallFunction(aten.index.Tensor, arg_tid2eid, [view_default], _users=2)
+    gather_default = CallFunction(aten.gather.default, sqrt_default, Ignored(), index_Tensor, _users=2)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, gather_default, Ignored(), True)
+    add_Tensor = CallFunction(aten.add.Tensor, sum_dim_IntList, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, gather_default, add_Tensor)
+    arg_routed_scaling_factor = KeywordArg('routed_scaling_factor')
+    mul_Tensor = CallFunction(aten.mul.Tensor, div_Tensor, arg_routed_scaling_factor)
+    pattern = MultiOutputPattern([mul_Tensor,
+      index_Tensor
+    ])
+    return pattern
+
+def _p8():  # deepseek_noaux_tc [joint]
     arg_gate_logits = KeywordArg('gate_logits')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_logits, _users=3)
     arg_bias = KeywordArg('bias')
@@ -232,7 +275,7 @@ def _p6():  # deepseek_noaux_tc [joint]
     ])
     return pattern
 
-def _p7():  # deepseek_noaux_tc [joint-npu-cast]
+def _p9():  # deepseek_noaux_tc [joint-npu-cast]
     npu = torch.ops.npu
     arg_gate_logits = KeywordArg('gate_logits')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_logits, _users=3)
@@ -290,7 +333,7 @@ def _p7():  # deepseek_noaux_tc [joint-npu-cast]
     ])
     return pattern
 
-def _p8():  # torchtitan_sigmoid_grouped [joint]
+def _p10():  # torchtitan_sigmoid_grouped [joint]
     arg_gate_scores = KeywordArg('gate_scores')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_scores, _users=4)
     arg_bias = KeywordArg('bias')
@@ -360,10 +403,14 @@ REGISTRATIONS = [
      (('call_function', 'aten.mul.Tensor'),), _p4),  # form 3
     ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'forward', (),
      (('call_function', 'aten.mul.Tensor'),), _p5),  # form 4
+    ('deepseek_v4_sqrt_softplus_top_k -> npu_moe_gating_top_k_sqrt_softplus @ float32', 'forward', (),
+     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 5
+    ('deepseek_v4_hash_routing -> npu_moe_gating_top_k_hash @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.mul.Tensor'),), _p7),  # form 6
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'joint', ('gate_logits',),
-     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p8),  # form 2
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'joint-npu-cast', ('gate_logits',),
-     (('call_function', 'aten.mul.Tensor'),), _p7),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p9),  # form 2
     ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'joint', ('gate_scores',),
-     (('call_function', 'aten.mul.Tensor'),), _p8),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p10),  # form 4
 ]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '04262a3ec61a7fed',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e39ef06309f0ae06',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {
@@ -27,6 +27,8 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'in_input_dtype -> npu_rms_norm_once @ bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': []},
+    'rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16': {'emitted_ops': ('npu.npu_rms_norm',),
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
 }
@@ -190,7 +192,32 @@ def _p10():  # in_input_dtype [forward]
     pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
     return pattern
 
-def _p11():  # no_weight [forward]
+def _p11():  # rstd_in_input_dtype [forward]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored())
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, rsqrt_default, dtype=Ignored())
+    pattern = CallFunction(aten.mul.Tensor, arg_x, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p12():  # rstd_in_input_dtype [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored())
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, rsqrt_default, Ignored())
+    pattern = CallFunction(aten.mul.Tensor, arg_x, npu__npu_dtype_cast_default_1, _users=0)
+    return pattern
+
+def _p13():  # no_weight [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -200,7 +227,7 @@ def _p11():  # no_weight [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=0)
     return pattern
 
-def _p12():  # no_weight [forward]
+def _p14():  # no_weight [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -212,7 +239,7 @@ def _p12():  # no_weight [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=0)
     return pattern
 
-def _p13():  # no_weight [forward-npu-cast]
+def _p15():  # no_weight [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -225,7 +252,7 @@ def _p13():  # no_weight [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=0)
     return pattern
 
-def _p14():  # hf_llama [joint]
+def _p16():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -259,7 +286,7 @@ def _p14():  # hf_llama [joint]
     ])
     return pattern
 
-def _p15():  # hf_llama [joint]
+def _p17():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -297,7 +324,7 @@ def _p15():  # hf_llama [joint]
     ])
     return pattern
 
-def _p16():  # hf_llama [joint-npu-cast]
+def _p18():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -336,7 +363,7 @@ def _p16():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p17():  # hf_llama [joint]
+def _p19():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -367,7 +394,7 @@ def _p17():  # hf_llama [joint]
     ])
     return pattern
 
-def _p18():  # hf_llama [joint]
+def _p20():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -402,7 +429,7 @@ def _p18():  # hf_llama [joint]
     ])
     return pattern
 
-def _p19():  # hf_llama [joint-npu-cast]
+def _p21():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -438,7 +465,7 @@ def _p19():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p20():  # hf_llama [joint]
+def _p22():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -459,7 +486,7 @@ def _p20():  # hf_llama [joint]
     ])
     return pattern
 
-def _p21():  # hf_llama [joint]
+def _p23():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -482,7 +509,7 @@ def _p21():  # hf_llama [joint]
     ])
     return pattern
 
-def _p22():  # hf_llama [joint-npu-cast]
+def _p24():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -506,7 +533,7 @@ def _p22():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p23():  # weight_before_cast [joint]
+def _p25():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -545,7 +572,7 @@ def _p23():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p24():  # weight_before_cast [joint-npu-cast]
+def _p26():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -585,7 +612,7 @@ def _p24():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p25():  # weight_before_cast [joint-npu]
+def _p27():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -624,7 +651,7 @@ def _p25():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p26():  # weight_before_cast [joint]
+def _p28():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -659,7 +686,7 @@ def _p26():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p27():  # weight_before_cast [joint-npu-cast]
+def _p29():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -695,7 +722,7 @@ def _p27():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p28():  # weight_before_cast [joint-npu]
+def _p30():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -730,7 +757,7 @@ def _p28():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p29():  # weight_before_cast [joint]
+def _p31():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -755,7 +782,7 @@ def _p29():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p30():  # weight_before_cast [joint-npu-cast]
+def _p32():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -781,7 +808,7 @@ def _p30():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p31():  # weight_before_cast [joint-npu]
+def _p33():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -806,7 +833,7 @@ def _p31():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p32():  # divide_by_sqrt [joint]
+def _p34():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -842,7 +869,7 @@ def _p32():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p33():  # divide_by_sqrt [joint]
+def _p35():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -882,7 +909,7 @@ def _p33():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p34():  # divide_by_sqrt [joint-npu-cast]
+def _p36():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -923,7 +950,7 @@ def _p34():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p35():  # divide_by_sqrt [joint]
+def _p37():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -956,7 +983,7 @@ def _p35():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p36():  # divide_by_sqrt [joint]
+def _p38():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -993,7 +1020,7 @@ def _p36():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p37():  # divide_by_sqrt [joint-npu-cast]
+def _p39():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1031,7 +1058,7 @@ def _p37():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p38():  # gemma [joint]
+def _p40():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1066,7 +1093,7 @@ def _p38():  # gemma [joint]
     ])
     return pattern
 
-def _p39():  # gemma [joint]
+def _p41():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1107,7 +1134,7 @@ def _p39():  # gemma [joint]
     ])
     return pattern
 
-def _p40():  # gemma [joint-npu-cast]
+def _p42():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1149,7 +1176,7 @@ def _p40():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p41():  # gemma [joint-npu]
+def _p43():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1190,7 +1217,7 @@ def _p41():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p42():  # gemma [joint]
+def _p44():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1222,7 +1249,7 @@ def _p42():  # gemma [joint]
     ])
     return pattern
 
-def _p43():  # gemma [joint]
+def _p45():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1259,7 +1286,7 @@ def _p43():  # gemma [joint]
     ])
     return pattern
 
-def _p44():  # gemma [joint-npu-cast]
+def _p46():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1297,7 +1324,7 @@ def _p44():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p45():  # gemma [joint-npu]
+def _p47():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1334,7 +1361,7 @@ def _p45():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p46():  # gemma [joint]
+def _p48():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1356,7 +1383,7 @@ def _p46():  # gemma [joint]
     ])
     return pattern
 
-def _p47():  # gemma [joint]
+def _p49():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1383,7 +1410,7 @@ def _p47():  # gemma [joint]
     ])
     return pattern
 
-def _p48():  # gemma [joint-npu-cast]
+def _p50():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1411,7 +1438,7 @@ def _p48():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p49():  # gemma [joint-npu]
+def _p51():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1438,7 +1465,7 @@ def _p49():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p50():  # in_input_dtype [joint]
+def _p52():  # in_input_dtype [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1472,7 +1499,7 @@ def _p50():  # in_input_dtype [joint]
     ])
     return pattern
 
-def _p51():  # in_input_dtype [joint]
+def _p53():  # in_input_dtype [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1503,7 +1530,7 @@ def _p51():  # in_input_dtype [joint]
     ])
     return pattern
 
-def _p52():  # in_input_dtype [joint]
+def _p54():  # in_input_dtype [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1524,7 +1551,70 @@ def _p52():  # in_input_dtype [joint]
     ])
     return pattern
 
-def _p53():  # no_weight [joint]
+def _p55():  # rstd_in_input_dtype [joint]
+    arg_x = KeywordArg('x')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, rsqrt_default, dtype=Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, _to_copy_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_x)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, sum_dim_IntList, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_3, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_4)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, mul_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, _to_copy_default_1)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_3, mul_Tensor_6)
+    pattern = MultiOutputPattern([mul_Tensor,
+      add_Tensor_1,
+      None
+    ])
+    return pattern
+
+def _p56():  # rstd_in_input_dtype [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=2)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, rsqrt_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, npu__npu_dtype_cast_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_x)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, sum_dim_IntList, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_3, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, npu__npu_dtype_cast_default, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_4)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_5, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, npu__npu_dtype_cast_default_1)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, npu__npu_dtype_cast_backward_default_1, mul_Tensor_6)
+    pattern = MultiOutputPattern([mul_Tensor,
+      add_Tensor_1,
+      None
+    ])
+    return pattern
+
+def _p57():  # no_weight [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1551,7 +1641,7 @@ def _p53():  # no_weight [joint]
     ])
     return pattern
 
-def _p54():  # no_weight [joint]
+def _p58():  # no_weight [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1582,7 +1672,7 @@ def _p54():  # no_weight [joint]
     ])
     return pattern
 
-def _p55():  # no_weight [joint-npu-cast]
+def _p59():  # no_weight [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1640,94 +1730,102 @@ REGISTRATIONS = [
      (('call_function', 'aten._to_copy.default'),), _p9),  # form 4
     ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'forward', (),
      (('call_function', 'aten.mul.Tensor'),), _p10),  # form 5
+    ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'forward', (),
+     (('call_function', 'aten.mul.Tensor'),), _p11),  # form 6
+    ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'forward-npu-cast', (),
+     (('call_function', 'aten.mul.Tensor'),), _p12),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p11),  # form 6
+     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p13),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p12),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p14),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p13),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p15),  # form 7
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p14),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p15),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p16),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p17),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p20),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p21),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p22),  # form 0
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p23),  # form 0
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p24),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p23),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p24),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
      (('call_function', 'aten._to_copy.default'),), _p25),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p26),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
+     (('call_function', 'aten._to_copy.default'),), _p27),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p26),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p27),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x',),
      (('call_function', 'aten._to_copy.default'),), _p28),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten._to_copy.default'),), _p30),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p29),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p30),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('weight',),
      (('call_function', 'aten._to_copy.default'),), _p31),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p32),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p33),  # form 1
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p32),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p33),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p34),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p35),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p36),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p37),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p38),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p39),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p38),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p40),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p39),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p40),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
      (('call_function', 'aten._to_copy.default'),), _p41),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p42),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p42),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
      (('call_function', 'aten._to_copy.default'),), _p43),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p44),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x',),
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p44),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten._to_copy.default'),), _p45),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p46),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p46),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x',),
      (('call_function', 'aten._to_copy.default'),), _p47),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p48),  # form 4
-    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('weight',),
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p48),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten._to_copy.default'),), _p49),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p50),  # form 4
+    ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p51),  # form 4
     ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p50),  # form 5
-    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p51),  # form 5
-    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p52),  # form 5
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p53),  # form 5
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p54),  # form 5
+    ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p55),  # form 6
+    ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p56),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p53),  # form 6
+     (('call_function', 'aten.mul.Tensor'),), _p57),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p54),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p58),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p55),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p59),  # form 7
 ]

@@ -11,10 +11,16 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2efd5ecbf8457a4d',
-       'backward': {'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
+KEY = {'torch': '2.13.0+cpu', 'sources': 'fa8f632b81747731',
+       'backward': {'cann_ops_transformer.inplace_partial_rotary_mul': True, 'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {
+    'deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16': {'emitted_ops': ('cann_ops_transformer.inplace_partial_rotary_mul',),
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+    'deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16': {'emitted_ops': ('cann_ops_transformer.inplace_partial_rotary_mul',),
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
+    'deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16': {'emitted_ops': ('npu.npu_rotary_mul',),
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
     'deepseek_deinterleave_then_rotate_half -> interleave_rope @ bfloat16': {'emitted_ops': ('npu.npu_interleave_rope',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
     'even_odd_pairs -> interleave_rope_pair_angles @ bfloat16': {'emitted_ops': ('npu.npu_interleave_rope',),
@@ -36,7 +42,406 @@ FORMS = {
 }
 
 
-def _p0():  # deepseek_deinterleave_then_rotate_half [forward]
+def _p0():  # deepseek_v4_partial_rope [forward]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored(), _users=0)
+    return pattern
+
+def _p1():  # deepseek_v4_partial_rope [forward-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored(), _users=0)
+    return pattern
+
+def _p2():  # deepseek_v4_partial_rope [forward]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p3():  # deepseek_v4_partial_rope [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, slice_Tensor_1, Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, npu__npu_dtype_cast_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p4():  # deepseek_v4_partial_rope [forward-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p5():  # deepseek_v4_partial_rope [forward]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored(), _users=0)
+    return pattern
+
+def _p6():  # deepseek_v4_partial_rope [forward-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored(), _users=0)
+    return pattern
+
+def _p7():  # deepseek_v4_partial_rope [forward]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p8():  # deepseek_v4_partial_rope [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, slice_Tensor_1, Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, npu__npu_dtype_cast_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p9():  # deepseek_v4_partial_rope [forward-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p10():  # deepseek_v4_partial_rope [forward]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored(), _users=0)
+    return pattern
+
+def _p11():  # deepseek_v4_partial_rope [forward-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored(), _users=0)
+    return pattern
+
+def _p12():  # deepseek_v4_partial_rope [forward]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p13():  # deepseek_v4_partial_rope [forward-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, slice_Tensor_1, Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, npu__npu_dtype_cast_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p14():  # deepseek_v4_partial_rope [forward-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    pattern = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored(), _users=0)
+    return pattern
+
+def _p15():  # deepseek_deinterleave_then_rotate_half [forward]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     transpose_int = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
@@ -53,7 +458,7 @@ def _p0():  # deepseek_deinterleave_then_rotate_half [forward]
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
-def _p1():  # even_odd_pairs [forward]
+def _p16():  # even_odd_pairs [forward]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored(), _users=2)
     arg_pair_cos = KeywordArg('pair_cos')
@@ -68,7 +473,7 @@ def _p1():  # even_odd_pairs [forward]
     pattern = CallFunction(aten.cat.default, [sub_Tensor, add_Tensor], Ignored(), _users=0)
     return pattern
 
-def _p2():  # even_odd_pairs [forward]
+def _p17():  # even_odd_pairs [forward]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored(), _users=2)
     arg_pair_cos = KeywordArg('pair_cos')
@@ -83,7 +488,7 @@ def _p2():  # even_odd_pairs [forward]
     pattern = CallFunction(aten.cat.default, [sub_Tensor, add_Tensor], Ignored(), _users=0)
     return pattern
 
-def _p3():  # rotate_half_sliced [forward]
+def _p18():  # rotate_half_sliced [forward]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -96,7 +501,7 @@ def _p3():  # rotate_half_sliced [forward]
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
-def _p4():  # rotate_every_two [forward]
+def _p19():  # rotate_every_two [forward]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -110,7 +515,7 @@ def _p4():  # rotate_every_two [forward]
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
-def _p5():  # rotate_every_two [forward]
+def _p20():  # rotate_every_two [forward]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -124,7 +529,7 @@ def _p5():  # rotate_every_two [forward]
     pattern = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1, _users=0)
     return pattern
 
-def _p6():  # complex_multiply [forward]
+def _p21():  # complex_multiply [forward]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
@@ -134,7 +539,7 @@ def _p6():  # complex_multiply [forward]
     pattern = CallFunction(aten.view.default, view_as_real_default, Ignored(), _users=0)
     return pattern
 
-def _p7():  # complex_multiply [forward]
+def _p22():  # complex_multiply [forward]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
@@ -144,7 +549,748 @@ def _p7():  # complex_multiply [forward]
     pattern = CallFunction(aten.view.default, view_as_real_default, Ignored(), _users=0)
     return pattern
 
-def _p8():  # even_odd_pairs [joint]
+def _p23():  # deepseek_v4_partial_rope [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_1)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_3)
+    view_default_3 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p24():  # deepseek_v4_partial_rope [joint-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_1)
+    view_default_1 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p25():  # deepseek_v4_partial_rope [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, slice_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_1)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_3)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, mul_Tensor_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    view_default_3 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_4, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p26():  # deepseek_v4_partial_rope [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, slice_Tensor_1, Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, npu__npu_dtype_cast_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, slice_Tensor_5, Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, unsqueeze_default_1)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, unsqueeze_default_3)
+    npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_3, Ignored())
+    view_default_3 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default_2, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, npu__npu_dtype_cast_backward_default_1, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p27():  # deepseek_v4_partial_rope [joint-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, slice_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_1)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, mul_Tensor_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    view_default_1 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_4, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p28():  # deepseek_v4_partial_rope [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_1)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_3)
+    view_default_3 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p29():  # deepseek_v4_partial_rope [joint-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_1)
+    view_default_1 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p30():  # deepseek_v4_partial_rope [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, slice_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_1)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_3)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, mul_Tensor_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    view_default_3 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_4, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p31():  # deepseek_v4_partial_rope [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, slice_Tensor_1, Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, npu__npu_dtype_cast_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, slice_Tensor_5, Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, unsqueeze_default_1)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, unsqueeze_default_3)
+    npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_3, Ignored())
+    view_default_3 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default_2, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, npu__npu_dtype_cast_backward_default_1, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p32():  # deepseek_v4_partial_rope [joint-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, slice_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_1)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, mul_Tensor_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    view_default_1 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_4, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p33():  # deepseek_v4_partial_rope [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_1)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_3)
+    view_default_3 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p34():  # deepseek_v4_partial_rope [joint-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor_1, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, view_default, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, add_Tensor], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, slice_Tensor_5, unsqueeze_default_1)
+    view_default_1 = CallFunction(aten.view.default, mul_Tensor_3, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_2, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p35():  # deepseek_v4_partial_rope [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, slice_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_1)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_3)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, mul_Tensor_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    view_default_3 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_4, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p36():  # deepseek_v4_partial_rope [joint-npu-cast]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, slice_Tensor_1, Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_angle_cos, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
+    view_default = CallFunction(aten.view.default, clone_default, Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, view_default, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, unsqueeze_default_1)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default_1 = CallFunction(aten.view.default, stack_default, Ignored())
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    unsqueeze_default_2 = CallFunction(aten.unsqueeze.default, arg_angle_sin, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_2, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, expand_default_1, memory_format=torch.contiguous_format)
+    view_default_2 = CallFunction(aten.view.default, clone_default_1, Ignored())
+    unsqueeze_default_3 = CallFunction(aten.unsqueeze.default, view_default_2, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default_1, unsqueeze_default_3)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, add_Tensor, Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, npu__npu_dtype_cast_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, slice_Tensor_5, Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, unsqueeze_default_1)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, unsqueeze_default_3)
+    npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_3, Ignored())
+    view_default_3 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default_2, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, npu__npu_dtype_cast_backward_default_1, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_3, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p37():  # deepseek_v4_partial_rope [joint-npu]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    _to_copy_default = CallFunction(aten._to_copy.default, slice_Tensor_1, dtype=Ignored())
+    arg_angle_cos = KeywordArg('angle_cos')
+    repeat_interleave_self_int = CallFunction(aten.repeat_interleave.self_int, arg_angle_cos, Ignored(), Ignored())
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, unsqueeze_default)
+    slice_Tensor_2 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    neg_default = CallFunction(aten.neg.default, slice_Tensor_2)
+    slice_Tensor_3 = CallFunction(aten.slice.Tensor, slice_Tensor_1, Ignored(), Ignored(), Ignored(), Ignored())
+    stack_default = CallFunction(aten.stack.default, [neg_default, slice_Tensor_3], Ignored())
+    view_default = CallFunction(aten.view.default, stack_default, Ignored())
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, view_default, dtype=Ignored())
+    arg_angle_sin = KeywordArg('angle_sin')
+    repeat_interleave_self_int_1 = CallFunction(aten.repeat_interleave.self_int, arg_angle_sin, Ignored(), Ignored())
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, repeat_interleave_self_int_1, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_1, unsqueeze_default_1)
+    add_Tensor = CallFunction(aten.add.Tensor, mul_Tensor, mul_Tensor_1)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, add_Tensor, dtype=Ignored())
+    cat_default = CallFunction(aten.cat.default, [slice_Tensor, _to_copy_default_2], Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    slice_Tensor_4 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    slice_backward_default = CallFunction(aten.slice_backward.default, slice_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    slice_Tensor_5 = CallFunction(aten.slice.Tensor, arg_tangents_1, Ignored(), Ignored(), Ignored())
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, slice_Tensor_5, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, _to_copy_default_3, unsqueeze_default_1)
+    _to_copy_default_5 = CallFunction(aten._to_copy.default, mul_Tensor_3, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    view_default_1 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    select_int = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    neg_default_1 = CallFunction(aten.neg.default, select_int)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, neg_default_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, _to_copy_default_4, slice_backward_default_1)
+    select_int_1 = CallFunction(aten.select.int, view_default_1, Ignored(), Ignored())
+    slice_backward_default_2 = CallFunction(aten.slice_backward.default, select_int_1, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_2 = CallFunction(aten.add.Tensor, add_Tensor_1, slice_backward_default_2)
+    slice_backward_default_3 = CallFunction(aten.slice_backward.default, add_Tensor_2, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_3 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_3)
+    pattern = MultiOutputPattern([cat_default,
+      add_Tensor_3,
+      None,
+      None
+    ])
+    return pattern
+
+def _p38():  # even_odd_pairs [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), Ignored(), _users=2)
     arg_pair_cos = KeywordArg('pair_cos')
@@ -177,7 +1323,7 @@ def _p8():  # even_odd_pairs [joint]
     ])
     return pattern
 
-def _p9():  # rotate_half_sliced [joint]
+def _p39():  # rotate_half_sliced [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -205,7 +1351,7 @@ def _p9():  # rotate_half_sliced [joint]
     ])
     return pattern
 
-def _p10():  # rotate_half_chunked [joint]
+def _p40():  # rotate_half_chunked [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -231,7 +1377,7 @@ def _p10():  # rotate_half_chunked [joint]
     ])
     return pattern
 
-def _p11():  # rotate_every_two [joint]
+def _p41():  # rotate_every_two [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -261,7 +1407,7 @@ def _p11():  # rotate_every_two [joint]
     ])
     return pattern
 
-def _p12():  # rotate_every_two [joint]
+def _p42():  # rotate_every_two [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -291,7 +1437,7 @@ def _p12():  # rotate_every_two [joint]
     ])
     return pattern
 
-def _p13():  # complex_multiply [joint]
+def _p43():  # complex_multiply [joint]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
@@ -313,7 +1459,7 @@ def _p13():  # complex_multiply [joint]
     ])
     return pattern
 
-def _p14():  # complex_multiply [joint]
+def _p44():  # complex_multiply [joint]
     arg_x = KeywordArg('x')
     view_default = CallFunction(aten.view.default, arg_x, Ignored())
     view_as_complex_default = CallFunction(aten.view_as_complex.default, view_default)
@@ -339,34 +1485,94 @@ def _p14():  # complex_multiply [joint]
 # (form key, kind, arguments traced as requiring grad, the (op, target)s a match
 #  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
 REGISTRATIONS = [
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.cat.default'),), _p0),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.cat.default'),), _p1),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.cat.default'),), _p2),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.cat.default'),), _p3),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.cat.default'),), _p4),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.cat.default'),), _p5),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.cat.default'),), _p6),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.cat.default'),), _p7),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.cat.default'),), _p8),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.cat.default'),), _p9),  # form 1
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.cat.default'),), _p10),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.cat.default'),), _p11),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.cat.default'),), _p12),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'aten.cat.default'),), _p13),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.cat.default'),), _p14),  # form 2
     ('deepseek_deinterleave_then_rotate_half -> interleave_rope @ bfloat16', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p0),  # form 0
+     (('call_function', 'aten.add.Tensor'),), _p15),  # form 3
     ('even_odd_pairs -> interleave_rope_pair_angles @ bfloat16', 'forward', (),
-     (('call_function', 'aten.cat.default'),), _p1),  # form 1
+     (('call_function', 'aten.cat.default'),), _p16),  # form 4
     ('even_odd_pairs -> rotary_mul_half_deinterleaved_pair_angles @ float32', 'forward', (),
-     (('call_function', 'aten.cat.default'),), _p2),  # form 2
+     (('call_function', 'aten.cat.default'),), _p17),  # form 5
     ('rotate_half_sliced -> rotary_mul_half @ float32', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p3),  # form 3
+     (('call_function', 'aten.add.Tensor'),), _p18),  # form 6
     ('rotate_every_two -> rotary_mul_interleave @ float32', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p4),  # form 5
+     (('call_function', 'aten.add.Tensor'),), _p19),  # form 8
     ('rotate_every_two -> rotary_mul_interleave_via_half @ float32', 'forward', (),
-     (('call_function', 'aten.add.Tensor'),), _p5),  # form 6
+     (('call_function', 'aten.add.Tensor'),), _p20),  # form 9
     ('complex_multiply -> rotary_mul_from_complex @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p6),  # form 7
+     (('call_function', 'aten.view.default'),), _p21),  # form 10
     ('complex_multiply -> rotary_mul_from_complex_via_half @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p7),  # form 8
+     (('call_function', 'aten.view.default'),), _p22),  # form 11
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.cat.default'),), _p23),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten.cat.default'),), _p24),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.cat.default'),), _p25),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.cat.default'),), _p26),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bs1d @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten.cat.default'),), _p27),  # form 0
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.cat.default'),), _p28),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten.cat.default'),), _p29),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.cat.default'),), _p30),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.cat.default'),), _p31),  # form 1
+    ('deepseek_v4_partial_rope -> inplace_partial_rotary_mul_bsnd @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten.cat.default'),), _p32),  # form 1
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.cat.default'),), _p33),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten.cat.default'),), _p34),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.cat.default'),), _p35),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.cat.default'),), _p36),  # form 2
+    ('deepseek_v4_partial_rope -> rotary_mul_on_rope_slice @ float32,bfloat16', 'joint-npu', ('x',),
+     (('call_function', 'aten.cat.default'),), _p37),  # form 2
     ('even_odd_pairs -> rotary_mul_half_deinterleaved_pair_angles @ float32', 'joint', ('x',),
-     (('call_function', 'aten.cat.default'),), _p8),  # form 2
+     (('call_function', 'aten.cat.default'),), _p38),  # form 5
     ('rotate_half_sliced -> rotary_mul_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p9),  # form 3
+     (('call_function', 'aten.add.Tensor'),), _p39),  # form 6
     ('rotate_half_chunked -> rotary_mul_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p10),  # form 4
+     (('call_function', 'aten.add.Tensor'),), _p40),  # form 7
     ('rotate_every_two -> rotary_mul_interleave @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p11),  # form 5
+     (('call_function', 'aten.add.Tensor'),), _p41),  # form 8
     ('rotate_every_two -> rotary_mul_interleave_via_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.add.Tensor'),), _p12),  # form 6
+     (('call_function', 'aten.add.Tensor'),), _p42),  # form 9
     ('complex_multiply -> rotary_mul_from_complex @ float32', 'joint', ('x',),
-     (('call_function', 'aten.view.default'),), _p13),  # form 7
+     (('call_function', 'aten.view.default'),), _p43),  # form 10
     ('complex_multiply -> rotary_mul_from_complex_via_half @ float32', 'joint', ('x',),
-     (('call_function', 'aten.view.default'),), _p14),  # form 8
+     (('call_function', 'aten.view.default'),), _p44),  # form 11
 ]

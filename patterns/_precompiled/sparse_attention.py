@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1a5a16ae1fe0d782',
+KEY = {'torch': '2.13.0+cpu', 'sources': '58b6e0e7199fd2c3',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {
