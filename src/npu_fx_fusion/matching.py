@@ -716,7 +716,15 @@ class FusionPass:
         if self.prefilter is not None and not self.prefilter(gm.graph):  # near misses only
             return self._apply(None, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
-        return self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
+        result = self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
+        if result.sites:
+            # torch inserts a replacement before the first of the matched outputs; a form whose
+            # outputs are spread over the graph (the expert-parallel dispatch's counts come
+            # long before the tokens it reorders) can then read an input defined after that
+            # point: sort (stable: the rest keeps its order), as apply_joint does
+            pm.stable_topological_sort(gm.graph)
+            gm.recompile()
+        return result
 
     def apply_joint(self, gm: torch.fx.GraphModule, soc: Optional[str] = None,
                     mode: Optional[str] = None, verify: bool = False) -> Optional[PassResult]:
@@ -854,6 +862,11 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset = frozenset())
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
             if (node.target, key, repr(value)) in spelled:
+                continue
+            if isinstance(value, Node) and any(entry[:2] == (node.target, key) for entry in spelled):
+                # a data-dependent size (repeat_interleave's output_size after an all-to-all):
+                # the form spells this keyword, at its example's size, and torch's exact retrace
+                # at the match's own sizes compared the symbol
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
