@@ -53,6 +53,7 @@ from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
 aten = torch.ops.aten
+npu = torch.ops.npu
 INIT = CAPABILITIES["npu.npu_moe_init_routing_v2"]
 
 
@@ -289,9 +290,9 @@ _TORCHTITAN_TRAINABLE_FORM = Form(_search, _replace_trainable, dtypes=(torch.flo
 #   the GEMMs       -> npu_grouped_matmul (grouped_matmul, which runs later)
 #   combine         -> npu_moe_finalize_routing                  after the reverse one
 #
-# In training, npu_moe_token_permute, re_routing through our own autograd rule (ReRouting,
-# whose backward is npu_moe_token_unpermute, as torchtitan-npu's NPUMoeReRouting) and
-# npu_moe_token_unpermute instead.
+# In training, npu_moe_token_permute and npu_moe_token_unpermute instead of init_routing /
+# finalize; re_routing goes through our own autograd rule everywhere (ReRouting, whose
+# backward is npu_moe_token_unpermute, as torchtitan-npu's NPUMoeReRouting).
 def _torchtitan_ep_local_reorder():
     """_local_reorder in front of the token exchange, with the routing map the counts come from.
 
@@ -388,17 +389,13 @@ def _torchtitan_ep_permute():
         return received[permuted_indices, :], permuted_indices, per_rank.sum(0)
 
     def replace(received, received_counts, ranks):
-        permuted, _, idx, per_expert = torch.ops.npu.npu_moe_re_routing(received, received_counts.view(ranks, -1))
-        return permuted, idx.to(torch.int64), per_expert
-
-    def replace_trainable(received, received_counts, ranks):
+        # through our autograd rule in every graph: in inference it is the op alone
         permuted, idx, per_expert = ReRouting.apply(received, received_counts.view(ranks, -1))
         return permuted, idx.to(torch.int64), per_expert
 
     search.__name__ = "torchtitan_ep_permute"
     replace.__name__ = "re_routing_after_the_token_all_to_all"
-    replace_trainable.__name__ = "re_routing_with_token_unpermute_backward"
-    return search, replace, replace_trainable
+    return search, replace
 
 
 def _torchtitan_ep_combine():
@@ -441,9 +438,9 @@ def _ep_forms():
         Form(reorder[0], reorder[1], dtypes=both, fused_op="npu.npu_moe_init_routing_v2"),
         Form(reorder[0], reorder[2], dtypes=both, fused_op="npu.npu_moe_token_permute",
              grad_subsets=(("x",),)),
-        # the received rows are exchanged in the model's dtype (the op: fp16/bf16/int8)
-        Form(permute[0], permute[1], dtypes=(torch.bfloat16,), fused_op="npu.npu_moe_re_routing"),
-        Form(permute[0], permute[2], dtypes=(torch.bfloat16,), fused_op="npu.npu_moe_re_routing",
+        # the received rows are exchanged in the model's dtype (the op: fp16/bf16/int8); one
+        # form for inference and training (ReRouting: our backward, npu_moe_token_unpermute)
+        Form(permute[0], permute[1], dtypes=(torch.bfloat16,), fused_op="npu.npu_moe_re_routing",
              grad_subsets=(("received",),)),
         Form(combine[0], combine[1], dtypes=both, fused_op="npu.npu_moe_finalize_routing"),
         Form(combine[0], combine[2], dtypes=both, fused_op="npu.npu_moe_token_unpermute",
@@ -498,7 +495,7 @@ def _batched_gemm_reason(site, experts):
 
 # ---- expert parallel: the graph facts the checks prove ----------------------------------------
 RE_ROUTING = CAPABILITIES["npu.npu_moe_re_routing"]
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_WAIT = "_c10d_functional::wait_tensor"
 _FUNCTIONAL_ALL_TO_ALL = "_c10d_functional::all_to_all_single"
 # torchair's spelling: its default decompositions (torchair._utils.get_npu_default_decompositions)
 # turn the functional collective into this op during aot tracing, so a torchair graph holds it
@@ -522,7 +519,7 @@ class AllToAll:
 
 def all_to_all_of(node) -> Optional[AllToAll]:
     """The all-to-all `node` is the output of (through wait_tensor), or None."""
-    while is_call(node, _WAIT):
+    while _schema_name(node) == _WAIT:
         node = node.args[0]
     schema = getattr(getattr(node, "target", None), "_schema", None)
     if not isinstance(node, torch.fx.Node) or schema is None:
@@ -537,6 +534,13 @@ def all_to_all_of(node) -> Optional[AllToAll]:
         row = 1 if meta is None or meta.dim() < 2 else int(math.prod(meta.shape[1:]))
         return AllToAll(node, source, recv_counts, send_counts, row, ("ranks", tag, tuple(ranks)), group_size)
     return None
+
+
+def _schema_name(node) -> Optional[str]:
+    """"namespace::op" of a call node (matched by name: torch builds without distributed lack
+    the collectives, and torchair's op exists only once torchair is imported)."""
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    return schema.name if isinstance(node, torch.fx.Node) and schema is not None else None
 
 
 def _group_size(group_name) -> Optional[int]:
@@ -672,7 +676,7 @@ def _ep_local_reorder_check(site):
     gathers = [n for n in site.nodes if is_call(n, aten.index.Tensor) and n.args[0] is site.arg_nodes["x"]]
     if not any(all_to_all_of(user) is not None for gather in gathers for user in gather.users):
         # a local block: it fuses whole (init_routing through finalize) or not at all
-        return explain(None)
+        return _not_a_known_block()
     return None
 
 
@@ -707,8 +711,14 @@ def _stable_expert_sort_of(perm):
     return sort.args[0].args[0]
 
 
-# ---- near misses: a sort of flattened expert ids that no form consumed --------------------
+# ---- near misses: a sort of flattened expert ids that no form consumed; in expert-parallel
+# graphs also a gather of received tokens, a combine of returned rows, and the token exchange
+# itself (MC2) ------------------------------------------------------------------------------
 def anchor(node):
+    return _sorts_expert_ids(node) or _ep_anchor(node) is not None
+
+
+def _sorts_expert_ids(node):
     if not is_call(node, aten.sort.default, aten.sort.stable):
         return False
     ids = tensor_meta(node.args[0])
@@ -717,13 +727,133 @@ def anchor(node):
                     for u in node.users for u2 in u.users))
 
 
-def explain(sort):
+def _ep_anchor(node):
+    """Which expert-parallel candidate `node` is ("regroup", "combine", "exchange"), or None."""
+    if is_call(node, aten.index.Tensor) and all_to_all_of(node.args[0]) is not None:
+        meta = tensor_meta(node.args[0])
+        # a regroup computes its gather index from the counts (a repeat_interleave of the
+        # buckets); a backward gathers gradients by a saved index (_unpermute's backward)
+        computed = node.args[1] and _computed_from(node.args[1][0], aten.repeat_interleave.Tensor, 5)
+        return "regroup" if meta is not None and meta.dim() == 2 and computed else None
+    scatter_add = interop.torchtitan_deterministic_scatter_add()
+    if scatter_add is not None and node.target is scatter_add and _returned_by_all_to_all(node.args[2]):
+        return "combine"
+    exchange = all_to_all_of(node) if _schema_name(node) != _WAIT else None
+    if exchange is not None and exchange.output_splits is not None and _reordered_tokens(exchange.input):
+        return "exchange"
+    return None
+
+
+def _computed_from(node, target, depth):
+    """`node` is computed by a `target` call at most `depth` ops upstream."""
+    if is_call(node, target):
+        return True
+    return depth > 0 and isinstance(node, torch.fx.Node) and any(
+        _computed_from(a, target, depth - 1) for a in node.all_input_nodes)
+
+
+def _returned_by_all_to_all(rows):
+    """The rows are an all-to-all's output, through the casts and the score multiply."""
+    for _ in range(6):
+        if all_to_all_of(rows) is not None:
+            return True
+        if not is_call(rows, aten._to_copy.default, aten.mul.Tensor, npu._npu_dtype_cast.default):
+            return False
+        rows = rows.args[0]
+    return False
+
+
+def _reordered_tokens(node):
+    """The local dispatch's rows: x[perm // K], or what a fused dispatch gathered."""
+    if is_call(node, aten.index.Tensor):
+        index = node.args[1][0] if node.args[1] else None
+        return is_call(index, aten.floor_divide.default)
+    return (is_call(node, operator.getitem) and node.args[1] == 0
+            and is_call(node.args[0], npu.npu_moe_init_routing_v2, npu.npu_moe_token_permute))
+
+
+def explain(node):
+    kind = _ep_anchor(node) if not _sorts_expert_ids(node) else None
+    if kind == "regroup":
+        return ("tokens received by an all-to-all are gathered, but not by torchtitan's _permute "
+                "(rank-major buckets to expert-major, from the received (ranks, local experts) "
+                "counts), which becomes npu_moe_re_routing")
+    if kind == "combine":
+        return ("rows returned by an all-to-all are scatter-added to their tokens, but not as "
+                "torchtitan's combine (rows in the local sort's order, times the scores in that "
+                "order in fp32, to token perm // K), which becomes npu_moe_finalize_routing")
+    if kind == "exchange":
+        return mc2_reason(node)
+    return _not_a_known_block()
+
+
+def _not_a_known_block():
     return ("the tokens are sorted by expert, but the code around it is neither transformers' "
             "grouped_mm experts block (sort, gather, histc offsets, two grouped GEMMs, the "
             "weighted inverse-permutation combine) nor torchtitan's local dispatcher (stable "
             "argsort, three grouped GEMMs, weighted scatter-add), which this pass rewrites "
             "whole, nor torchtitan's expert-parallel dispatch (the stable argsort's rows sent "
             "by an all-to-all); other dispatchers (Megatron's) are not handled in this version")
+
+
+# ---- MC2: why the exchange stays an all-to-all -----------------------------------------------
+MC2_DISPATCH = CAPABILITIES["npu.npu_moe_distribute_dispatch_v2"]
+
+
+def mc2_reason(exchange_node):
+    """Why this token exchange (with the dispatch before and the combine after it) is not
+    npu_moe_distribute_dispatch_v2 / combine_v2, every condition that fails.
+
+    MC2 fuses the whole dispatch (the count exchange, the .tolist() sync, the token
+    exchange, the regroup) and combine into two communicating kernels. Its documented
+    conditions (capabilities: npu.npu_moe_distribute_dispatch_v2): inference only;
+    group_ep the name of an HCCL communicator; an EP domain that carries no other
+    operator; K <= 16, BS <= 256 (A2) / 512 (A3), H within the SoC's range.
+    """
+    exchange = all_to_all_of(exchange_node)
+    reasons = []
+    backend = _group_backend(exchange)
+    if backend != "hccl":
+        reasons.append(f"the EP group {_describe_group(exchange)} runs on {backend or 'a group this process cannot resolve'}: "
+                       "group_ep must name an HCCL communicator (an NPU's)")
+    # the one condition no graph can prove: a graph shows its own collectives only
+    reasons.append("a graph cannot prove that the EP group carries no other communication (other "
+                   "compiled graphs, eager code, FSDP on an overlapping group), which MC2 requires of it")
+    if any(str(p.target).startswith("tangents") for p in exchange_node.graph.find_nodes(op="placeholder")):
+        reasons.append("this is a training graph: MC2 has no backward")
+    reasons += _mc2_shape_reasons(exchange)
+    return ("npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) would replace this whole dispatch and "
+            "combine, but: " + "; ".join(reasons))
+
+
+def _describe_group(exchange):
+    return repr(exchange.group[1]) if exchange.group[0] == "name" else f"of ranks {list(exchange.group[2])}"
+
+
+def _mc2_shape_reasons(exchange):
+    """The batch / hidden / top-k limits, read from the local dispatch in front of it."""
+    rows = exchange.input
+    if is_call(rows, operator.getitem):  # a fused dispatch: its x and expert ids
+        x, ids = (tensor_meta(a) for a in rows.args[0].args[:2])
+        top_k = ids.shape[-1] if ids is not None else None
+    else:
+        x, divide = tensor_meta(rows.args[0]), rows.args[1][0]
+        top_k = divide.args[1]
+    if x is None or top_k is None:
+        return []
+    tokens, hidden = x.shape[0], x.shape[-1]
+    limits, reasons = MC2_DISPATCH.limits, []
+    if isinstance(top_k, int) and top_k > limits["max_top_k"]:
+        reasons.append(f"top-{top_k} is above MC2's K <= {limits['max_top_k']}")
+    batch = [f"{soc} {n}" for soc, n in limits["max_batch"].items() if isinstance(tokens, int) and tokens > n]
+    if batch:
+        reasons.append(f"{tokens} tokens per rank exceed MC2's batch limit ({', '.join(batch)}): a decode-sized "
+                       "batch only")
+    for soc, (low, high, multiple) in limits["hidden"].items():
+        if isinstance(hidden, int) and not (low <= hidden <= high and hidden % multiple == 0):
+            reasons.append(f"hidden size {hidden} is outside {soc}'s [{low}, {high}]"
+                           + (f" in multiples of {multiple}" if multiple > 1 else ""))
+    return reasons
 
 
 PASS = FusionPass(

@@ -190,7 +190,15 @@ def _plain_add(node: Any) -> bool:
     vals = [a.meta.get("val") if isinstance(a, Node) else None for a in node.args]
     out = node.meta.get("val")
     return all(isinstance(v, torch.Tensor) for v in (*vals, out)) and all(
-        v.shape == out.shape and v.dtype == out.dtype for v in vals)
+        _same_shape(v, out) and v.dtype == out.dtype for v in vals)
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Provably the same shape. `a.shape == b.shape` guards on symbolic sizes, and raises
+    on data-dependent ones (the rows an expert-parallel all-to-all received)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
 
 
 def _chain(root: Node) -> tuple[list[Node], list[Node]]:
@@ -256,7 +264,7 @@ def _accumulated_tensor(leaves: list[Node], root: Node, by_seq: dict) -> Optiona
                 counts[a] = counts.get(a, 0) + 1
     out = root.meta.get("val")
     fits = [a for a in counts if isinstance(a.meta.get("val"), torch.Tensor)
-            and out is not None and a.meta["val"].shape == out.shape]
+            and out is not None and _same_shape(a.meta["val"], out)]
     return max(fits, key=lambda a: counts[a]) if fits else None
 
 

@@ -131,10 +131,14 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       graphs detach what they save for the backward, and a search may detach an output
       the model uses without a gradient (a router's full scores), so that its joint
       trace has no tangent for it.
+    - one node per symbolic size: aot graphs can compute one SymInt expression twice
+      (`sym_size(a2a, 0)` and `sym_sum(u2, u3)` for the rows an all-to-all received),
+      where a pattern retraced at the match's sizes has one placeholder for it, which
+      torch's matcher binds to one node (_one_node_per_symbolic_size).
     Search functions and matched graphs are both canonicalised. Returns the number of
     nodes changed; the computation is unchanged.
     """
-    changed = 0
+    changed = _one_node_per_symbolic_size(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -164,6 +168,24 @@ def canonicalize(graph: torch.fx.Graph) -> int:
                      else (dims - rank if isinstance(dims, int) and dims >= 0 else dims))
         if canonical != (list(dims) if is_list else dims):
             node.args = (*node.args[:index], canonical, *node.args[index + 1:])
+            changed += 1
+    return changed
+
+
+def _one_node_per_symbolic_size(graph: torch.fx.Graph) -> int:
+    """Every later node computing the same symbolic size (SymInt expression) as an earlier
+    one reads the earlier one instead (and goes). The same value, by the shape environment
+    that gave both nodes their expression."""
+    first: dict = {}
+    changed = 0
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.SymInt) or not val.node.expr.free_symbols:
+            continue
+        earlier = first.setdefault(val.node.expr, node)
+        if earlier is not node:
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
             changed += 1
     return changed
 

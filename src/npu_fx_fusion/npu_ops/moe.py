@@ -667,8 +667,17 @@ _GMM_SUPPORTED = ("split_item 2 or 3 with one 2-D x, float x/weight of one dtype
 
 def _reads_transposed(t: torch.Tensor) -> bool:
     """t (R, C) is laid out as the transposed view of a contiguous (C, R) tensor (strides
-    (1, R); with a dimension of size 1 both layouts are the same memory, and this is True)."""
-    return t.dim() == 2 and t.t().is_contiguous()
+    (1, R); with a dimension of size 1 both layouts are the same memory, and this is True).
+
+    Decided from the strides without guarding: after an expert-parallel all-to-all R or C
+    is a data-dependent size, where is_contiguous() would have to guard on it (R == 1?)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if t.dim() != 2:
+        return False
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    return ((statically_known_true(row_stride == 1) or statically_known_true(rows <= 1))
+            and (statically_known_true(col_stride == rows) or statically_known_true(cols <= 1)))
 
 
 def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, group_list, split_item,
