@@ -1,7 +1,9 @@
 """moe_dispatch: routed experts blocks -> init_routing / finalize_routing.
 
-Three block families: transformers' grouped_mm path (below), its batched_mm path, and
-torchtitan's local dispatcher (_torchtitan_block).
+Four block families: transformers' grouped_mm path (below), its batched_mm path,
+torchtitan's local dispatcher (_torchtitan_block), and torchtitan's expert-parallel
+dispatcher, fused on each side of its all-to-alls (the "Expert parallel" section below;
+docs/expert-parallel.md).
 
 transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens like this:
 
@@ -510,8 +512,8 @@ class AllToAll:
 
     node: torch.fx.Node
     input: torch.fx.Node
-    output_splits: Optional[list]  # rows per source rank, as graph values (nodes or ints)
-    input_splits: Optional[list]
+    output_splits: Optional[list]  # per source rank, as graph values (nodes or ints), in ...
+    input_splits: Optional[list]  # ... (and per destination rank) units of row_size elements:
     row_size: int  # 1 for the functional spelling (splits in rows), H for torchair's (elements)
     group: tuple  # ("name", group_name) or ("ranks", tag, ranks): equal for one group
     group_size: Optional[int]
@@ -563,20 +565,21 @@ def _group_backend(exchange: AllToAll) -> Optional[str]:
         return None
 
 
-def _same_values(node, source) -> bool:
-    """`node` is `source` or a view of it (the same elements in the same order)."""
-    while node is not source and is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+def _viewed(node):
+    """The tensor `node` is a view of (through view / reshape), or node itself: the same
+    elements in the same order."""
+    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         node = node.args[0]
-    return node is source
+    return node
 
 
 def _received_counts_reason(received_counts, ranks):
     """None if the counts are the (ranks, local experts) counts a count all-to-all received
     on a group of `ranks` ranks (flattened rank-major, as torchtitan reads them); else why
     not. Returns (reason, the count exchange)."""
-    if not is_call(received_counts, aten.view.default, aten.reshape.default):
+    if _viewed(received_counts) is received_counts:
         return "the counts are not a view of a count all-to-all's output", None
-    exchange = all_to_all_of(received_counts.args[0])
+    exchange = all_to_all_of(_viewed(received_counts))
     if exchange is None:
         return "the counts are not what an all-to-all received: not an expert-parallel dispatch", None
     sent = tensor_meta(exchange.input)
@@ -628,11 +631,12 @@ def _received_tokens_reason(received, received_counts, counts_exchange, ranks):
     splits = exchange.output_splits
     if splits is None or len(splits) != ranks:
         return f"the token all-to-all receives {splits} rows, not one count per rank of {ranks}"
+    per_rank = (ranks, tensor_meta(received_counts).shape[0] // ranks)
     for rank, split in enumerate(splits):
         found = _split_row(split, exchange.row_size)
-        if found is None or found[0] != rank or not (
-                _same_values(found[1], received_counts) or _same_values(found[1], received_counts.args[0])
-                or _same_values(received_counts, found[1])):
+        matrix = tensor_meta(found[1]) if found is not None else None
+        if (found is None or found[0] != rank or matrix is None or tuple(matrix.shape) != per_rank
+                or _viewed(found[1]) is not _viewed(received_counts)):
             return (f"the rows received from rank {rank} ({split}) are not the sum of row {rank} of the "
                     "received counts: the regroup's counts do not describe these tokens")
     return None
@@ -693,9 +697,9 @@ def _ep_combine_check(site):
     perm, token = site.arg_nodes["perm"], site.arg_nodes["token"]
     ids = _stable_expert_sort_of(perm)
     if ids is None:
-        return "the rows' order is not a stable sort of the flat expert ids (torchtitan's _local_reorder)"
+        return "the rows' order is not a stable ascending sort of the flat expert ids (torchtitan's _local_reorder)"
     if tensor_meta(ids) is None or tensor_meta(ids).shape != weights.shape:
-        return f"the sorted expert ids {list(tensor_meta(ids).shape)} are not (T, K) like the scores"
+        return "the sorted expert ids are not (T, K) like the scores"
     if not (is_call(token, aten.floor_divide.default) and token.args[0] is perm and token.args[1] == top_k):
         return "the rows are scattered back to another token than perm // K"
     return None
@@ -706,9 +710,12 @@ def _stable_expert_sort_of(perm):
     if not (is_call(perm, operator.getitem) and perm.args[1] == 1 and is_call(perm.args[0], aten.sort.stable)):
         return None
     sort = perm.args[0]
-    if not sort.kwargs.get("stable", False) or not is_call(sort.args[0], aten.view.default, aten.reshape.default):
+    flat = tensor_meta(sort.args[0])
+    if (not sort.kwargs.get("stable", False) or sort.kwargs.get("descending", False) or len(sort.args) > 1
+            or flat is None or flat.dim() != 1
+            or not is_call(sort.args[0], aten.view.default, aten.reshape.default)):
         return None
-    return sort.args[0].args[0]
+    return sort.args[0].args[0]  # (T, K): the flattened view's source
 
 
 # ---- near misses: a sort of flattened expert ids that no form consumed; in expert-parallel

@@ -96,14 +96,18 @@ class CaptureBackend(RecordingBackend):
 
 @contextlib.contextmanager
 def fake_world(world_size):
-    """torch.distributed over the fake backend in this process (rank 0 of world_size)."""
+    """torch.distributed over the fake backend in this process (rank 0 of world_size);
+    torchtitan's process-wide SPMD backend (build_torchtitan_ep_moe sets it) restored after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed import utils as torchtitan_utils
 
+    spmd_backend = torchtitan_utils.get_spmd_backend()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        torchtitan_utils.set_spmd_backend(spmd_backend)
 
 
 def capture(flavor, world_size, config=None, dtype=torch.bfloat16, decompositions=None, training=False,

@@ -447,6 +447,10 @@ def build_torchtitan_ep_moe(
     (seeded); the example tokens differ per rank (seeded with seed + rank), as data-parallel
     batches do. `router` overrides TokenChoiceTopKRouter.Config fields (score_func,
     num_expert_groups, ...). Returns the layer, eval mode, taking x (batch, seq_len, dim).
+
+    Sets torchtitan's process-wide SPMD backend to "partial_dtensor"
+    (torchtitan.distributed.utils.set_spmd_backend): the layer's eager dispatch reads it at
+    every call.
     """
     import dataclasses
     import unittest.mock
