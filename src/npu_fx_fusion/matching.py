@@ -175,7 +175,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
 def _one_node_per_symbolic_size(graph: torch.fx.Graph) -> int:
     """Every later node computing the same symbolic size (SymInt expression) as an earlier
     one reads the earlier one instead (and goes). The same value, by the shape environment
-    that gave both nodes their expression."""
+    that gave both nodes their expression. A node that defines a data-dependent symbol
+    (`_local_scalar_dense`: meta["unbacked_bindings"]) reads data and stays, even if the
+    shape environment knows its value equals another's: the runtime check of that
+    equality reads it."""
     first: dict = {}
     changed = 0
     for node in list(graph.nodes):
@@ -183,7 +186,7 @@ def _one_node_per_symbolic_size(graph: torch.fx.Graph) -> int:
         if node.op != "call_function" or not isinstance(val, torch.SymInt) or not val.node.expr.free_symbols:
             continue
         earlier = first.setdefault(val.node.expr, node)
-        if earlier is not node:
+        if earlier is not node and not node.meta.get("unbacked_bindings"):
             node.replace_all_uses_with(earlier)
             graph.erase_node(node)
             changed += 1
