@@ -915,6 +915,8 @@ def _routing_input(name, args):
     """Verification inputs a random tensor does not make: each token's k distinct expert ids,
     and the per-expert counts of exactly those ids (torchtitan's offsets come from them).
     Both are drawn from one seeded generator, so the two calls agree."""
+    if name in ("expert_ids", "perm", "token"):
+        return _ep_routing_input(name, args)
     if name not in ("ids", "counts"):
         return None
     tokens, top_k = args["ids"].shape
@@ -924,3 +926,21 @@ def _routing_input(name, args):
     if name == "ids":
         return ids.to(args["ids"].dtype)
     return torch.bincount(ids.flatten(), minlength=experts).to(args["counts"].dtype)
+
+
+def _ep_routing_input(name, args):
+    """The expert-parallel forms' index inputs: the router's (B, L, K) ids, distinct per
+    token and below the expert count; and the combine's row order, a stable sort of such
+    ids, with the token of each row (perm // K) from the same seeded draw."""
+    generator = torch.Generator().manual_seed(0)
+    if name == "expert_ids":
+        *lead, top_k = args["expert_ids"].shape
+        tokens, experts = math.prod(int(n) for n in lead), int(args["router_scores"].shape[-1])
+    else:
+        tokens, top_k = (int(n) for n in args["weights"].shape)
+        experts = 2 * top_k
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    if name == "expert_ids":
+        return ids.view(args["expert_ids"].shape).to(args["expert_ids"].dtype)
+    perm = torch.argsort(ids.flatten(), stable=True)
+    return (perm if name == "perm" else perm // top_k).to(args[name].dtype)
