@@ -111,7 +111,7 @@ def fake_world(world_size):
 
 
 def capture(flavor, world_size, config=None, dtype=torch.bfloat16, decompositions=None, training=False,
-            **router):
+            dynamic=None, **router):
     """The fused graph of one EP MoE layer on rank 0 of a fake world, and its report: the
     inference graph, or in training the forward graph partitioned from the fused joint one."""
     from npu_fx_fusion.tiny_models import build_torchtitan_ep_moe
@@ -122,7 +122,8 @@ def capture(flavor, world_size, config=None, dtype=torch.bfloat16, decomposition
         (x,) = tm.example_inputs
         backend = CaptureBackend(config or nff.FusionConfig(enable=MOE_PASSES), decompositions)
         with torch.set_grad_enabled(training), pytest.raises(GraphCaptured):
-            torch.compile(tm.model.train(training), backend=backend, fullgraph=True)(x.requires_grad_(training))
+            torch.compile(tm.model.train(training), backend=backend, fullgraph=True,
+                          dynamic=dynamic)(x.requires_grad_(training))
     assert backend.report.errors == []
     return backend.graphs["forward" if training else "inference"], backend.report
 
@@ -161,6 +162,13 @@ def test_both_sides_of_the_all_to_all_fuse(flavor, world_size):
     (mc2,) = near_miss_reasons(report, "moe_dispatch")
     assert "MC2" in mc2 and "runs on fake: group_ep must name an HCCL communicator" in mc2, mc2
     assert "cannot prove that the EP group carries no other communication" in mc2
+
+
+def test_symbolic_batch_and_sequence_fuse_the_same():
+    """dynamic=True: the tokens per rank are symbolic too (T = B * L), on top of the
+    data-dependent rows the exchange receives."""
+    _, report = capture("deepseek_v3", 2, dynamic=True)
+    assert report.fused_ops == EP_FUSED
 
 
 def _reads(node, source, depth=6):
