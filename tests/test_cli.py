@@ -113,3 +113,16 @@ def test_console_script_runs_as_a_process(tmp_path):
     assert "**rope**: 2 fused" in proc.stdout
     assert (tmp_path / "report.md").is_file()
     assert any(p.name == "after.py" for p in tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize("flag, graph", [((), "NPU graph"), (("--no-npu-dispatch",), "CPU graph")])
+def test_the_report_says_which_graph_it_fused(capsys, flag, graph):
+    code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", *flag)
+    assert code == 0, out
+    assert f"Graphs fused: {graph}" in out
+    code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", "--format", "json", *flag)
+    doc = json.loads(out)["report"]
+    assert doc["graph_source"].startswith(graph)
+    # an NPU compile holds llama's SDPA as torch_npu's FlashAttention, the CPU trace does not
+    ops = doc["graphs"][0]["ops_before"]
+    assert ("npu.npu_fusion_attention_v3.default" in ops) == (graph == "NPU graph"), ops
