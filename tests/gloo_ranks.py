@@ -114,3 +114,28 @@ def _child(worker, rank, world_size, port, collective_timeout, kwargs, reports):
         reports.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent as text
         reports.put((rank, False, traceback.format_exc()))
+
+
+# ---- workers of the harness's own tests (tests/test_expert_parallel.py) ---------------------
+# Here rather than in the test module: a spawned child imports its worker's module, and
+# this one imports torch only, so these tests cost a process start, not a model import.
+def worker_all_reduce(rank, world_size):
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"rank": rank, "sum": t.item(), "backend": dist.get_backend()}
+
+
+def worker_skips_a_collective(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    return rank
+
+
+def worker_never_returns(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
