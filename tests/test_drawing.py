@@ -210,17 +210,27 @@ def test_a_slow_layout_is_skipped(can_draw, norm_graph, caplog):
     assert "Graphviz took over" in caplog.text
 
 
-def test_two_layer_llama_svg_stays_small(can_draw):
+def test_two_layer_llama_svg_stays_small(can_draw, tmp_path):
+    # the pipeline's own drawing: on the NPU graph SDPA already calls torch_npu's
+    # npu_fusion_attention_v3 before any pass runs, and only what the passes added is filled
     tiny = build_hf("llama")
-    gm = fused_graph(tiny.model, *tiny.example_inputs)
-    highlight = drawing.fused_nodes(gm)
-    assert set(highlight.values()) == {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}
-    svg = drawing.graph_svg(gm, highlight, "graph_000 hf-llama inference")
+    backend = CapturingBackend(nff.FusionConfig(dump_dir=str(tmp_path)))
+    with torch.no_grad():
+        torch.compile(tiny.model, backend=backend, fullgraph=True)(*tiny.example_inputs)
+    (gm,) = backend.graphs
+    assert "npu.npu_fusion_attention_v3.default" in {str(n.target) for n in gm.graph.nodes}
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    svg = (folder / "after.svg").read_text()
     root = parse(svg)
     assert len(drawn_nodes(root)) == len(gm.graph.nodes)
     size = len(svg.encode())
     assert size < LLAMA_SVG_BOUND, f"{size} bytes of SVG for {len(gm.graph.nodes)} nodes"
     assert sorted(legend(root)[0][1:]) == ["npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul"]
+
+
+def test_nodes_the_graph_had_before_fusion_are_not_filled(norm_graph):
+    (node,) = drawing.fused_nodes(norm_graph)
+    assert drawing.fused_nodes(norm_graph, original={node}) == {}
 
 
 def test_svg_renders(can_draw, norm_graph, tmp_path):

@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
-from .registry import PatternSet, Registration, anchor_of, keyword_value, pattern_set
+from .registry import SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, keyword_value, pattern_set
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import respell_exact
 from .tracing import TRACERS, is_joint_kind, is_static, signature
@@ -495,7 +495,7 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
         defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
-            if (str(node.target), key, keyword_value(value)) in spelled:
+            if {(str(node.target), key, keyword_value(value)), (str(node.target), key, SCALAR_ARGUMENT)} & spelled:
                 continue
             if isinstance(value, Node) and any(entry[:2] == (str(node.target), key) for entry in spelled):
                 # a symbolic size computed in the graph (repeat_interleave's output_size, the

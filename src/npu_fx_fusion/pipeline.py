@@ -94,8 +94,9 @@ class _Dumper:
             with open(os.path.join(folder, filename), "w", encoding="utf-8") as f:
                 f.write(text)
 
-    def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str) -> None:
-        """after.svg: the graph with its fused ops highlighted (needs pydot and Graphviz).
+    def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str, original_nodes: set) -> None:
+        """after.svg: the graph with the fused ops the passes added highlighted (needs pydot
+        and Graphviz).
 
         A drawing is a convenience: one that fails is logged, never an error of the compile.
         """
@@ -104,7 +105,7 @@ class _Dumper:
         from .drawing import fused_nodes, graph_svg
 
         try:
-            svg = graph_svg(gm, fused_nodes(gm), title)
+            svg = graph_svg(gm, fused_nodes(gm, original_nodes), title)
         except Exception as exc:  # noqa: BLE001 - Graphviz failing must not fail a compile
             log.warning("could not draw %s: %s: %s", title, type(exc).__name__, exc)
             return
@@ -140,7 +141,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     merge_repeated_conversions(gm.graph, original_nodes)
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
-    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion")
+    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes)
     return graph_report
 
 
