@@ -117,9 +117,48 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
             pm.stable_topological_sort(gm.graph)
         if ctx.sites and joint:
             gm.graph.eliminate_dead_code()
+            backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
     return _near_misses(ctx, gm, result, anchors)
+
+
+def backward_after_forward(graph: torch.fx.Graph) -> int:
+    """Move the backward nodes of a joint graph after its forward ones (stably); returns
+    how many moved.
+
+    A joint replacement puts a site's backward op next to its forward op, and torch's
+    default_partition (torchair's) "respects the original placement of ops": every node
+    up to the last forward one goes into the forward graph. With two sites, the first
+    one's backward would be taken for forward, and partitioning fails ("getitem_N was
+    invalid, but is output"). A node moves when it reads a tangent or autograd made it
+    for the backward, and every user of it moves too (so no forward node loses an input).
+    """
+    nodes = list(graph.nodes)
+    from_tangents: set = set()
+    for node in nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or \
+                any(arg in from_tangents for arg in node.all_input_nodes):
+            from_tangents.add(node)
+    movable: set = set()
+    for node in reversed(nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        if (node in from_tangents or is_backward(node)) and all(
+                user.op == "output" or user in movable for user in node.users):
+            movable.add(node)
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    last_forward = max((i for i, n in enumerate(body) if n not in movable), default=-1)
+    first = next((i for i, n in enumerate(body[:last_forward]) if n in movable), None)
+    if first is None:
+        return 0
+    # from the first backward node before a forward one on, every backward node moves, in
+    # order (a later one may read an earlier one)
+    moving = [n for n in body[first:] if n in movable]
+    output = next(iter(graph.find_nodes(op="output")))
+    for node in moving:
+        output.prepend(node)
+    return len(moving)
 
 
 def _which_registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: bool) -> Optional[str]:

@@ -29,7 +29,7 @@ from .capabilities import detect_soc
 from .catalog import load_pass
 from .cleanup import merge_repeated_conversions, views_to_reshapes_downstream, views_to_reshapes_where_needed
 from .config import FusionConfig
-from .report import FusionReport, GraphCost, GraphReport, PassResult, op_counts
+from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -134,11 +134,20 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
             gm.graph.eliminate_dead_code()
         canonicalize(gm.graph)
     original_nodes = set(gm.graph.nodes)
-    for name in enabled:
-        result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
-        graph_report.passes.append(result)
-    views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
-    merge_repeated_conversions(gm.graph, original_nodes)
+    snapshot = _Snapshot(gm.graph) if enabled else None
+    try:
+        for name in enabled:
+            result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
+            graph_report.passes.append(result)
+        views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
+        merge_repeated_conversions(gm.graph, original_nodes)
+        gm.graph.lint()
+    except Exception as exc:
+        # each pass reverts what fails in it; this is what fails after them
+        if config.strict or snapshot is None:
+            raise
+        original_nodes = set(snapshot.restore(gm).values())
+        _unfuse_report(graph_report, exc, config, "cleanup after the passes")
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
     dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes)
@@ -200,16 +209,80 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     passes = [name for name in config.enabled_passes()
               if (fusion_pass := load_pass(name)) is not None
               and (fusion_pass.differentiable or fusion_pass.forward_forms_on_joint)]
-    if passes:
-        normalize_joint_graph(gm)
-    original_nodes = set(gm.graph.nodes)
-    for name in passes:
-        result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True)
-        if result is not None:
-            graph_report.passes.append(result)
-    new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
-    if new_nodes:
-        views_to_reshapes_where_needed(gm, new_nodes)
+    snapshot = _Snapshot(gm.graph) if passes else None
+    try:
+        if passes:
+            normalize_joint_graph(gm)
+        original_nodes = set(gm.graph.nodes)
+        for name in passes:
+            result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True)
+            if result is not None:
+                graph_report.passes.append(result)
+        new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
+        if new_nodes:
+            views_to_reshapes_where_needed(gm, new_nodes)
+            _check_partitions(gm)
+    except Exception as exc:
+        # the passes each revert what fails in them; this is what fails between or after
+        # them (the fused graph not partitioning): the joint graph goes back unfused
+        if config.strict or snapshot is None:
+            raise
+        snapshot.restore(gm)
+        _unfuse_report(graph_report, exc, config, "joint graph")
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder)
+    return graph_report
+
+
+def _check_partitions(gm: torch.fx.GraphModule) -> None:
+    """Partition a copy of the fused joint graph as torchair does (default_partition), so
+    that a fused graph aot cannot split fails here, where it can be reverted, and not in
+    the user's compile. The joint graph returns the forward's outputs, then one gradient
+    per primal input."""
+    from torch._functorch.partitioners import default_partition
+
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outputs = len(pytree.tree_leaves(output.args))
+    primals = sum(1 for n in gm.graph.find_nodes(op="placeholder") if str(n.target).startswith("primals"))
+    default_partition(copy.deepcopy(gm), None, num_fwd_outputs=outputs - primals)
+
+
+def _unfuse_report(graph_report: GraphReport, exc: Exception, config: FusionConfig, what: str) -> None:
+    """Turn a reverted graph's fused sites into near misses naming the error; say so in one line."""
+    error = _one_line(exc)
+    for result in graph_report.passes:
+        result.near_misses = [NearMiss(result.pass_name, f"fused, then reverted with the {what}: {error}",
+                                       site.location) for site in result.sites] + result.near_misses
+        result.sites = []
+    graph_report.passes.append(PassResult(what, error=error))
+    where = _log_failure(what, exc, config)
+    log.warning("%s: fusion failed and was reverted: %s (%s)", what, error, where)
+
+
+def _one_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 200:
+        first = first[:200] + "..."
+    return f"{type(exc).__name__}: {first}"
+
+
+def _log_failure(what: str, exc: Exception, config: FusionConfig) -> str:
+    """Write the whole error (its traceback, a graph it may print) where it does not flood
+    the console: the dump dir if there is one, else the debug log. Returns where it went."""
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    if config.dump_dir:
+        name = re.sub(r"[^A-Za-z0-9_]+", "_", what)
+        path = os.path.join(config.dump_dir, f"error_{name}.txt")
+        os.makedirs(config.dump_dir, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+        return f"full text in {path}"
+    log.debug("%s failed:\n%s", what, text)
+    return "full text in the debug log: logging.getLogger('npu_fx_fusion').setLevel(logging.DEBUG)"
+
+
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
     return graph_report
 
@@ -269,8 +342,10 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
             original_nodes = {rebuilt[n] for n in original_nodes if n in rebuilt}
         if config.strict:
             raise
-        log.warning("pass %s failed and was reverted: %s: %s", name, type(exc).__name__, exc)
-        result = PassResult(name, error=f"{type(exc).__name__}: {exc}")
+        error = _one_line(exc)
+        log.warning("pass %s failed and was reverted: %s (%s)", name, error,
+                    _log_failure(f"pass {name}", exc, config))
+        result = PassResult(name, error=error)
     result.seconds = time.perf_counter() - start
     log.info("pass %s: %d fused, %d near misses, %.1f ms", name, len(result.sites),
              len(result.near_misses), result.seconds * 1e3)
