@@ -73,6 +73,7 @@ class RunContext:
     inserted: list[Node] = field(default_factory=list)
     out_of_order: bool = False  # a replacement reads a node defined after it
     fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
+    keep_intermediate_rounding: bool = False  # FusionConfig's: Site.keep_intermediate_rounding
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -83,7 +84,8 @@ class RunContext:
 
 
 def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
-               mode: Optional[str] = None, verify: bool = False, joint: bool = False) -> Optional[PassResult]:
+               mode: Optional[str] = None, verify: bool = False, joint: bool = False,
+               keep_intermediate_rounding: bool = False) -> Optional[PassResult]:
     """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
 
     soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
@@ -100,7 +102,8 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     patterns = pattern_set(fusion_pass)
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
-                     fake_mode=torch._guards.detect_fake_mode(inputs))  # noqa: SLF001
+                     fake_mode=torch._guards.detect_fake_mode(inputs),  # noqa: SLF001
+                     keep_intermediate_rounding=keep_intermediate_rounding)
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
@@ -435,7 +438,8 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
     site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
-    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode)
+    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode,
+                keep_intermediate_rounding=ctx.keep_intermediate_rounding)
     return site, exact_match, arguments
 
 

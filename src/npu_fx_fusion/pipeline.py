@@ -331,7 +331,8 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     # a pass that can match nothing here changes nothing: no snapshot to take
     snapshot = _Snapshot(gm.graph) if may_change(fusion_pass, gm.graph, joint) else None
     try:
-        result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint)
+        result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint,
+                            keep_intermediate_rounding=config.keep_intermediate_rounding)
         if result is None:  # no joint patterns: nothing to do, nothing to report
             return None, original_nodes
         if result.sites:
