@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '877e4d20782d0b60',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'cd820fc3372e01c8',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

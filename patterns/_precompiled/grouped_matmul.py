@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '37cd9737408909fe',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7a557b96b0e764dd',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

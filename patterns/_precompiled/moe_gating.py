@@ -11,14 +11,14 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '14917abd5550ac94',
+KEY = {'torch': '2.13.0+cpu', 'sources': '00815b39e3cc2e6b',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {
     'softmax_top_k -> npu_moe_gating_top_k_softmax @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k_softmax',),
         'keywords': []},
     'deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bool'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bool'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
     'torchtitan_softmax_biased -> npu_moe_gating_top_k_softmax_biased @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
         'keywords': []},
     'torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
@@ -56,9 +56,8 @@ def _p1():  # deepseek_noaux_tc [forward]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    _to_copy_default = CallFunction(aten._to_copy.default, _unsafe_view_default, dtype=Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, reshape_default, dtype=Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, _to_copy_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -94,9 +93,8 @@ def _p2():  # deepseek_noaux_tc [forward-npu-cast]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _unsafe_view_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, reshape_default, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, npu__npu_dtype_cast_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -181,9 +179,8 @@ def _p5():  # deepseek_noaux_tc [joint]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    _to_copy_default = CallFunction(aten._to_copy.default, _unsafe_view_default, dtype=Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, reshape_default, dtype=Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, _to_copy_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -240,9 +237,8 @@ def _p6():  # deepseek_noaux_tc [joint-npu-cast]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _unsafe_view_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, reshape_default, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, npu__npu_dtype_cast_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')

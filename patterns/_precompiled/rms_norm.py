@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cf05d89d57c3cad2',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ba5526ff446397e4',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '80efe0c278241159',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd775b76a4dd5b0d8',
        'backward': {'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9ce326ed657829c0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '6499c5d1b179ed95',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
