@@ -1,7 +1,9 @@
 """moe_dispatch: routed experts blocks -> init_routing / finalize_routing.
 
-Three block families: transformers' grouped_mm path (below), its batched_mm path, and
-torchtitan's local dispatcher (_torchtitan_block).
+Four block families: transformers' grouped_mm path (below), its batched_mm path,
+torchtitan's local dispatcher (_torchtitan_block), and torchtitan's expert-parallel
+dispatcher, fused on each side of its all-to-alls (the "Expert parallel" section below;
+docs/expert-parallel.md).
 
 transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens like this:
 
@@ -40,30 +42,37 @@ the rows within one expert in x_g differs from init_routing's stable order. Ever
 computed alone and put back by the same permutation, so the block's output is the same;
 the intermediate tensors are not, and a rewrite of only one side would mix tokens.
 """
+import math
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from npu_fx_fusion import interop
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.capabilities import CAPABILITIES, NOT_EMITTED, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
 aten = torch.ops.aten
+npu = torch.ops.npu
 INIT = CAPABILITIES["npu.npu_moe_init_routing_v2"]
 
 
 # ---- the routing both forms emit --------------------------------------------------------
-def _init_routing(x, ids, num_experts):
+def _init_routing(x, ids, num_experts, row_idx_type=0):
     """Every token-expert pair active, sorted by expert: (x_g, row_idx, counts, _).
 
     active_expert_range is spelled out ([0, E), all experts): torchair 2.13's GE converter
     passes it on to the IR as a list and fails on the schema's empty default
-    (tests/test_torchair_backend.py lowers this call).
+    (tests/test_torchair_backend.py lowers this call). row_idx_type 0 is the map
+    src -> dst finalize reads, 1 its inverse dst -> src (the sort's own permutation).
     """
     tokens, top_k = ids.shape
     return torch.ops.npu.npu_moe_init_routing_v2(
         x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=num_experts,
         expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, num_experts],
-        row_idx_type=0)
+        row_idx_type=row_idx_type)
 
 
 def _finalize(y, weights, row_idx, ids):
@@ -278,7 +287,9 @@ def forms():
         gemms.append((_grouped_mm_fallback, torch.float32))
     grouped = [form for gemm, _ in gemms for act in (_swiglu_fused, _swiglu_unfused, _v4_clamped_swiglu)
                for form in _FORMS[(gemm, act)]]
-    torchtitan = ([_TORCHTITAN_FORM, _TORCHTITAN_TRAINABLE_FORM]
+    # the expert-parallel forms after the local block's (a local graph never matches them;
+    # the local block form, tried first, never matches an EP graph)
+    torchtitan = ([_TORCHTITAN_FORM, _TORCHTITAN_TRAINABLE_FORM, *_EP_FORMS]
                   if interop.torchtitan_deterministic_scatter_add() is not None else [])
     return grouped + _BATCHED_FORMS + torchtitan
 
@@ -313,8 +324,200 @@ _TORCHTITAN_TRAINABLE_FORM = Form(_search, _replace_trainable, dtypes=(torch.flo
                                   grad_subsets=(("x", "weights", "w1", "w2", "w3"),))
 
 
+# =============================================================================================
+# Expert parallel: torchtitan's AllToAllTokenDispatcher (docs/expert-parallel.md)
+# =============================================================================================
+# With experts sharded over an EP group, torchtitan 0.3.0's dispatcher splits the block at
+# its collectives (models/common/token_dispatcher.py):
+#
+#   _local_reorder            stable argsort of the flat expert ids, gather x[perm // K]
+#   count exchange            all_to_all_single(counts.view(ranks, -1)), then .tolist() of
+#                             the row sums: the token exchange's split sizes
+#   token exchange            all_to_all_single(routed, output_splits, input_splits)
+#   _permute                  rank-major received rows -> expert-major (for the GEMMs)
+#   GroupedExperts            three grouped GEMMs on the re-routed counts' offsets
+#   _unpermute                out[permuted_indices] = y (stays: one scatter)
+#   reverse exchange          all_to_all_single(out, input_splits, output_splits)
+#   combine                   fp32 weights times rows, scatter-add back to the tokens
+#
+# None of it can be one pattern: a replacement is inserted at one point of the graph, and
+# the collectives sit between its two ends. So each side is a form of its own, each exact
+# on its own, and the collectives stay as they are (gloo on CPU, HCCL on an NPU):
+#
+#   _local_reorder  -> npu_moe_init_routing_v2(row_idx_type=1)   before the exchange
+#   _permute        -> npu_moe_re_routing(rows, counts.view(ranks, -1))   after it
+#   the GEMMs       -> npu_grouped_matmul (grouped_matmul, which runs later)
+#   combine         -> npu_moe_finalize_routing                  after the reverse one
+#
+# In training, npu_moe_token_permute and npu_moe_token_unpermute instead of init_routing /
+# finalize; re_routing goes through our own autograd rule everywhere (ReRouting, whose
+# backward is npu_moe_token_unpermute, as torchtitan-npu's NPUMoeReRouting).
+def _torchtitan_ep_local_reorder():
+    """_local_reorder in front of the token exchange, with the routing map the counts come from.
+
+    torchtitan's MoE.forward counts the tokens per expert from the one-hot routing map
+    (zeros_like(scores).scatter(-1, ids, True).sum over batch and sequence) and its
+    dispatcher sorts the flat (T*K) expert ids stably. init_routing_v2 sorts them the same
+    way (by expert, then flat position) and gathers x[perm // K] itself; with
+    row_idx_type=1 its row index is that very permutation (dst row -> flat position), from
+    which the combine's token index and score order follow as the model computes them.
+    The routing map is part of the form only because it tells the expert count E that
+    init_routing_v2 needs (its expert range); it is kept as the model wrote it.
+    """
+
+    def routing_map_counts(expert_ids, router_scores):
+        return torch.zeros_like(router_scores, dtype=torch.bool).scatter(-1, expert_ids, True).sum(dim=(0, 1))
+
+    def search(x, expert_ids, router_scores):
+        tokens, top_k = x.shape[0], expert_ids.shape[-1]
+        counts = routing_map_counts(expert_ids, router_scores)
+        perm = torch.argsort(expert_ids.view(tokens, top_k).view(-1), stable=True)
+        token = perm // top_k
+        return counts, x[token], token, perm
+
+    def replace(x, expert_ids, router_scores):
+        tokens, top_k = x.shape[0], expert_ids.shape[-1]
+        routed, order, _, _ = _init_routing(x, expert_ids.view(tokens, top_k), router_scores.shape[-1],
+                                            row_idx_type=1)
+        perm = order.to(torch.int64)
+        return routing_map_counts(expert_ids, router_scores), routed, perm // top_k, perm
+
+    def replace_trainable(x, expert_ids, router_scores):
+        # permute's sort is stable too; its index is the inverse map (src -> dst)
+        tokens, top_k = x.shape[0], expert_ids.shape[-1]
+        routed, src_to_dst = torch.ops.npu.npu_moe_token_permute(x, expert_ids.view(tokens, top_k))
+        perm = _inverse_permutation(src_to_dst.to(torch.int64))
+        return routing_map_counts(expert_ids, router_scores), routed, perm // top_k, perm
+
+    search.__name__ = "torchtitan_ep_local_reorder"
+    replace.__name__ = "init_routing_v2_before_the_token_all_to_all"
+    replace_trainable.__name__ = "token_permute_before_the_token_all_to_all"
+    return search, replace, replace_trainable
+
+
+def _inverse_permutation(perm):
+    """inv[perm[i]] = i: a scatter, no sort."""
+    return torch.empty_like(perm).index_put((perm,), torch.arange(perm.shape[0], device=perm.device))
+
+
+class ReRouting(torch.autograd.Function):
+    """npu_moe_re_routing with a backward made of npu_moe_token_unpermute (torch_npu has none:
+    capabilities.py records this class as the op's autograd_rule).
+
+    forward(tokens (A, H), counts (ranks, local experts)) -> (rows expert-major, gather index
+    int32, tokens per local expert); backward: the rows go back where they came from,
+    grad_tokens[idx[i]] = grad[i], i.e. npu_moe_token_unpermute(grad, restore) with restore
+    the inverse of idx (input row -> output row). torchtitan-npu's NPUMoeReRouting does the
+    same (converters/kernels/permutation.py), building restore with an argsort of idx; here
+    it is a scatter of arange, the same index.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, counts):
+        permuted, _, idx, per_expert = torch.ops.npu.npu_moe_re_routing(tokens, counts)
+        ctx.save_for_backward(idx)
+        ctx.mark_non_differentiable(idx, per_expert)
+        return permuted, idx, per_expert
+
+    @staticmethod
+    def backward(ctx, grad, grad_idx, grad_counts):
+        (idx,) = ctx.saved_tensors
+        restore = _inverse_permutation(idx.to(torch.int64)).to(torch.int32)
+        return torch.ops.npu.npu_moe_token_unpermute(grad.contiguous(), restore, None), None
+
+
+def _torchtitan_ep_permute():
+    """AllToAllTokenDispatcher._permute on the received tokens and the flat received counts
+    (ranks * local experts, rank-major), verbatim. npu_moe_re_routing computes exactly this
+    (tests/test_npu_ops_moe.py: bit-identical, zero counts included): the rows expert-major,
+    the gather index (int32; torchtitan's is int64, which _unpermute reads), the tokens per
+    local expert (the grouped GEMMs' counts)."""
+
+    def search(received, received_counts, ranks):
+        experts = received_counts.shape[0] // ranks
+        total = received.shape[0]
+        per_rank = received_counts.view(ranks, experts)
+        input_starts = (received_counts.cumsum(0) - received_counts).view(ranks, experts)
+        segment_lens = per_rank.t().reshape(-1)
+        input_starts = input_starts.t().reshape(-1)
+        seg_ids = torch.arange(segment_lens.shape[0], device=received.device).repeat_interleave(
+            segment_lens, output_size=total)
+        output_starts = segment_lens.cumsum(0) - segment_lens
+        permuted_indices = (input_starts[seg_ids] + torch.arange(seg_ids.shape[0], device=received.device)
+                            - output_starts[seg_ids])
+        return received[permuted_indices, :], permuted_indices, per_rank.sum(0)
+
+    def replace(received, received_counts, ranks):
+        # through our autograd rule in every graph: in inference it is the op alone
+        permuted, idx, per_expert = ReRouting.apply(received, received_counts.view(ranks, -1))
+        return permuted, idx.to(torch.int64), per_expert
+
+    search.__name__ = "torchtitan_ep_permute"
+    replace.__name__ = "re_routing_after_the_token_all_to_all"
+    return search, replace
+
+
+def _torchtitan_ep_combine():
+    """The combine after the reverse exchange: the expert outputs come back in the order of
+    the local sort (perm), are weighted in fp32 by the scores in that order, rounded, and
+    scatter-added to their tokens (perm // K). finalize_routing computes each token's
+    weighted sum of its k rows from the map src -> dst, the inverse of perm; as for the
+    local block, it adds the k products in fp32 and rounds once (torchtitan rounds each
+    weighted row, then adds in the model's dtype)."""
+
+    def search(expert_out, x, perm, token, weights):
+        scores = weights.view(-1)[perm]
+        out = torch.zeros_like(x)
+        rows = (expert_out.to(torch.float32) * scores.reshape(-1, 1)).to(expert_out.dtype)
+        index = token.reshape(-1, 1).expand(-1, out.shape[-1])
+        return torch.ops.torchtitan.deterministic_scatter_add(out, index, rows)
+
+    def replace(expert_out, x, perm, token, weights):
+        src_to_dst = _inverse_permutation(perm).to(torch.int32)
+        dtype = torch.promote_types(expert_out.dtype, weights.dtype)
+        out = torch.ops.npu.npu_moe_finalize_routing(expert_out.to(dtype), None, None, None, weights.to(dtype),
+                                                     src_to_dst, None, drop_pad_mode=2)
+        return out.to(x.dtype)
+
+    def replace_trainable(expert_out, x, perm, token, weights):
+        src_to_dst = _inverse_permutation(perm).to(torch.int32)
+        return torch.ops.npu.npu_moe_token_unpermute(expert_out, src_to_dst, weights).to(x.dtype)
+
+    search.__name__ = "torchtitan_ep_combine"
+    replace.__name__ = "finalize_routing_after_the_reverse_all_to_all"
+    replace_trainable.__name__ = "token_unpermute_after_the_reverse_all_to_all"
+    return search, replace, replace_trainable
+
+
+def _ep_forms():
+    reorder, permute, combine = (_torchtitan_ep_local_reorder(), _torchtitan_ep_permute(),
+                                 _torchtitan_ep_combine())
+    both = (torch.float32, torch.bfloat16)
+    return [
+        Form(reorder[0], reorder[1], dtypes=both, fused_op="npu.npu_moe_init_routing_v2"),
+        Form(reorder[0], reorder[2], dtypes=both, fused_op="npu.npu_moe_token_permute",
+             grad_subsets=(("x",),)),
+        # the received rows are exchanged in the model's dtype (the op: fp16/bf16/int8); one
+        # form for inference and training (ReRouting: our backward, npu_moe_token_unpermute)
+        Form(permute[0], permute[1], dtypes=(torch.bfloat16,), fused_op="npu.npu_moe_re_routing",
+             grad_subsets=(("received",),)),
+        Form(combine[0], combine[1], dtypes=both, fused_op="npu.npu_moe_finalize_routing"),
+        Form(combine[0], combine[2], dtypes=both, fused_op="npu.npu_moe_token_unpermute",
+             grad_subsets=(("expert_out", "weights"),)),
+    ]
+
+
+_EP_FORMS = _ep_forms()
+
+
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
+    if "received" in site.args:
+        return _ep_permute_check(site)
+    if "router_scores" in site.args:
+        return _ep_local_reorder_check(site)
+    if "expert_out" in site.args:
+        return _ep_combine_check(site)
     x, ids, weights = site["x"], site["ids"], site["weights"]
     experts = _expert_count(site.args)
     ops = (("npu.npu_moe_token_permute", "npu.npu_moe_token_unpermute")
@@ -349,8 +552,237 @@ def _batched_gemm_reason(site, experts):
             or gemm_limits_reason(site.soc, x, experts, down.shape[2], down.shape[1]))
 
 
-# ---- near misses: a sort of flattened expert ids that no form consumed --------------------
+# ---- expert parallel: the graph facts the checks prove ----------------------------------------
+RE_ROUTING = CAPABILITIES["npu.npu_moe_re_routing"]
+_WAIT = "_c10d_functional::wait_tensor"
+_FUNCTIONAL_ALL_TO_ALL = "_c10d_functional::all_to_all_single"
+# torchair's spelling: its default decompositions (torchair._utils.get_npu_default_decompositions)
+# turn the functional collective into this op during aot tracing, so a torchair graph holds it
+# (GE converter experimental/hcom_alltoall.py): its counts are in elements, rows * row size
+_TORCHAIR_ALL_TO_ALL = "npu_define::all_to_all_single_npu"
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """One all_to_all_single in either spelling: rows sent / received per rank (None: equal
+    splits), and the group it runs on."""
+
+    node: torch.fx.Node
+    input: torch.fx.Node
+    output_splits: Optional[list]  # per source rank, as graph values (nodes or ints), in ...
+    input_splits: Optional[list]  # ... (and per destination rank) units of row_size elements:
+    row_size: int  # 1 for the functional spelling (splits in rows), H for torchair's (elements)
+    group: tuple  # ("name", group_name) or ("ranks", tag, ranks): equal for one group
+    group_size: Optional[int]
+
+
+def all_to_all_of(node) -> Optional[AllToAll]:
+    """The all-to-all `node` is the output of (through wait_tensor), or None."""
+    while _schema_name(node) == _WAIT:
+        node = node.args[0]
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    if not isinstance(node, torch.fx.Node) or schema is None:
+        return None
+    if schema.name == _FUNCTIONAL_ALL_TO_ALL:
+        source, output_splits, input_splits, group_name = node.args[:4]
+        return AllToAll(node, source, output_splits, input_splits, 1, ("name", group_name),
+                        _group_size(group_name))
+    if schema.name == _TORCHAIR_ALL_TO_ALL:
+        source, send_counts, _, recv_counts, _, tag, ranks, group_size = node.args[:8]
+        meta = tensor_meta(source)
+        row = 1 if meta is None or meta.dim() < 2 else int(math.prod(meta.shape[1:]))
+        return AllToAll(node, source, recv_counts, send_counts, row, ("ranks", tag, tuple(ranks)), group_size)
+    return None
+
+
+def _schema_name(node) -> Optional[str]:
+    """"namespace::op" of a call node (matched by name: torch builds without distributed lack
+    the collectives, and torchair's op exists only once torchair is imported)."""
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    return schema.name if isinstance(node, torch.fx.Node) and schema is not None else None
+
+
+def _group_size(group_name) -> Optional[int]:
+    try:
+        return torch.distributed.distributed_c10d._resolve_process_group(group_name).size()  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - no such group in this process
+        return None
+
+
+def _group_backend(exchange: AllToAll) -> Optional[str]:
+    """gloo / hccl / fake ... of the group, None when it cannot be resolved here."""
+    try:
+        if exchange.group[0] == "name":
+            group = torch.distributed.distributed_c10d._resolve_process_group(exchange.group[1])  # noqa: SLF001
+        else:
+            group = torch.distributed.distributed_c10d._find_pg_by_ranks_and_tag(  # noqa: SLF001
+                exchange.group[1], list(exchange.group[2]))
+        return torch.distributed.get_backend(group)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _viewed(node):
+    """The tensor `node` is a view of (through view / reshape), or node itself: the same
+    elements in the same order."""
+    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        node = node.args[0]
+    return node
+
+
+def _received_counts_reason(received_counts, ranks):
+    """None if the counts are the (ranks, local experts) counts a count all-to-all received
+    on a group of `ranks` ranks (flattened rank-major, as torchtitan reads them); else why
+    not. Returns (reason, the count exchange)."""
+    if _viewed(received_counts) is received_counts:
+        return "the counts are not a view of a count all-to-all's output", None
+    exchange = all_to_all_of(_viewed(received_counts))
+    if exchange is None:
+        return "the counts are not what an all-to-all received: not an expert-parallel dispatch", None
+    sent = tensor_meta(exchange.input)
+    if sent is None or sent.dim() != 2 or sent.shape[0] != ranks:
+        return (f"the count all-to-all sends {list(sent.shape) if sent is not None else '?'}, not the "
+                f"({ranks}, local experts) view of the counts the regroup reads"), exchange
+    # one row of local-expert counts to and from each rank: [1] * ranks in rows, or in
+    # torchair's element counts [local experts] * ranks
+    equal = [exchange.row_size] * ranks
+    for splits in (exchange.output_splits, exchange.input_splits):
+        if splits is not None and list(splits) != equal:
+            return f"the count all-to-all splits {list(splits)}: not one row of counts per rank", exchange
+    if exchange.group_size is not None and exchange.group_size != ranks:
+        return (f"the count all-to-all runs on {exchange.group_size} ranks, the regroup reads "
+                f"{ranks} rows of counts"), exchange
+    return None, exchange
+
+
+def _split_row(split, row_size):
+    """(row index, the (ranks, experts) count matrix) if `split` is `row_size` times the
+    i-th row sum of a count matrix, read as torchtitan reads it (.view(ranks, -1).sum(1)
+    .to(cpu).tolist()); else None."""
+    if row_size != 1:  # torchair's element counts: split * H
+        if not (is_call(split, operator.mul) and row_size in split.args):
+            return None
+        split = next(a for a in split.args if a != row_size)
+    if not is_call(split, aten._local_scalar_dense.default):
+        return None
+    selected = split.args[0]
+    if not (is_call(selected, aten.select.int) and selected.args[1] in (0, -1)):
+        return None
+    sums = selected.args[0]
+    while is_call(sums, aten._to_copy.default) and set(sums.kwargs) <= {"device", "non_blocking", "dtype"}:
+        sums = sums.args[0]  # .to(cpu) before .tolist(), on an NPU
+    if not (is_call(sums, aten.sum.dim_IntList) and list(sums.args[1]) in ([1], [-1])):
+        return None
+    return selected.args[2], sums.args[0]
+
+
+def _received_tokens_reason(received, received_counts, counts_exchange, ranks):
+    """None if the tokens were received by an all-to-all on the counts' group whose split
+    sizes are the row sums of exactly those received counts (rank r sent sum(counts[r, :])
+    rows); else why not."""
+    exchange = all_to_all_of(received)
+    if exchange is None:
+        return "the tokens regrouped are not an all-to-all's output"
+    if exchange.group != counts_exchange.group:
+        return f"the tokens and the counts were exchanged on different groups ({exchange.group}, {counts_exchange.group})"
+    splits = exchange.output_splits
+    if splits is None or len(splits) != ranks:
+        return f"the token all-to-all receives {splits} rows, not one count per rank of {ranks}"
+    per_rank = (ranks, tensor_meta(received_counts).shape[0] // ranks)
+    for rank, split in enumerate(splits):
+        found = _split_row(split, exchange.row_size)
+        matrix = tensor_meta(found[1]) if found is not None else None
+        if (found is None or found[0] != rank or matrix is None or tuple(matrix.shape) != per_rank
+                or _viewed(found[1]) is not _viewed(received_counts)):
+            return (f"the rows received from rank {rank} ({split}) are not the sum of row {rank} of the "
+                    "received counts: the regroup's counts do not describe these tokens")
+    return None
+
+
+def _ep_permute_check(site):
+    received, received_counts, ranks = site["received"], site["received_counts"], site["ranks"]
+    reason = unsupported("npu.npu_moe_re_routing", site.soc, x=received)
+    if reason:
+        return reason
+    if not received.shape[-1] < RE_ROUTING.limits["max_hidden"]:
+        return f"hidden size {received.shape[-1]}: npu_moe_re_routing takes H < {RE_ROUTING.limits['max_hidden']}"
+    if received_counts.dtype not in RE_ROUTING.limits["counts_dtypes"]:
+        return f"the received counts are {received_counts.dtype}, the op takes int32 or int64"
+    reason, counts_exchange = _received_counts_reason(site.arg_nodes["received_counts"], ranks)
+    if reason:
+        return reason
+    reason = _received_tokens_reason(site.arg_nodes["received"], site.arg_nodes["received_counts"],
+                                     counts_exchange, ranks)
+    if reason:
+        return reason
+    # counts may be 0 (a rank sends no token to a local expert): the torch_npu doc says > 0,
+    # the kernels copy nothing for them (npu_ops/moe.py, docs/expert-parallel.md)
+    site.notes.append("zero counts: an empty (rank, expert) bucket is an empty copy in the kernels, "
+                      "though the torch_npu doc asks for counts > 0")
+    return None
+
+
+def _ep_local_reorder_check(site):
+    x, expert_ids, scores = site["x"], site["expert_ids"], site["router_scores"]
+    ops = (("npu.npu_moe_token_permute",) if site.form.fused_op == "npu.npu_moe_token_permute"
+           else ("npu.npu_moe_init_routing_v2",))
+    reason = next(filter(None, (unsupported(op, site.soc, x=x) for op in ops)), None)
+    if reason:
+        return reason
+    if expert_ids.is_floating_point() or expert_ids.dim() != 3 or scores.shape[:-1] != expert_ids.shape[:-1]:
+        return f"expert ids {list(expert_ids.shape)} do not index the router's scores {list(scores.shape)}"
+    experts = scores.shape[-1]
+    if experts > INIT.limits["max_expert_num"]:
+        return f"{experts} experts: npu_moe_init_routing_v2 takes at most {INIT.limits['max_expert_num']}"
+    gathers = [n for n in site.nodes if is_call(n, aten.index.Tensor) and n.args[0] is site.arg_nodes["x"]]
+    if not any(all_to_all_of(user) is not None for gather in gathers for user in gather.users):
+        # a local block: it fuses whole (init_routing through finalize) or not at all
+        return _not_a_known_block()
+    return None
+
+
+def _ep_combine_check(site):
+    expert_out, x, weights = site["expert_out"], site["x"], site["weights"]
+    op = ("npu.npu_moe_token_unpermute" if site.form.fused_op == "npu.npu_moe_token_unpermute"
+          else "npu.npu_moe_finalize_routing")
+    reason = unsupported(op, site.soc, x=expert_out)
+    if reason:
+        return reason
+    if weights.dim() != 2 or x.dim() != 2 or x.shape[0] != weights.shape[0]:
+        return f"scores {list(weights.shape)} are not one (T, K) row per token of x {list(x.shape)}"
+    top_k = weights.shape[1]
+    perm, token = site.arg_nodes["perm"], site.arg_nodes["token"]
+    ids = _stable_expert_sort_of(perm)
+    if ids is None:
+        return "the rows' order is not a stable ascending sort of the flat expert ids (torchtitan's _local_reorder)"
+    if tensor_meta(ids) is None or tensor_meta(ids).shape != weights.shape:
+        return "the sorted expert ids are not (T, K) like the scores"
+    if not (is_call(token, aten.floor_divide.default) and token.args[0] is perm and token.args[1] == top_k):
+        return "the rows are scattered back to another token than perm // K"
+    return None
+
+
+def _stable_expert_sort_of(perm):
+    """The (T, K) expert ids `perm` stably sorts (flattened), or None."""
+    if not (is_call(perm, operator.getitem) and perm.args[1] == 1 and is_call(perm.args[0], aten.sort.stable)):
+        return None
+    sort = perm.args[0]
+    flat = tensor_meta(sort.args[0])
+    if (not sort.kwargs.get("stable", False) or sort.kwargs.get("descending", False) or len(sort.args) > 1
+            or flat is None or flat.dim() != 1
+            or not is_call(sort.args[0], aten.view.default, aten.reshape.default)):
+        return None
+    return sort.args[0].args[0]  # (T, K): the flattened view's source
+
+
+# ---- near misses: a sort of flattened expert ids that no form consumed; in expert-parallel
+# graphs also a gather of received tokens, a combine of returned rows, and the token exchange
+# itself (MC2) ------------------------------------------------------------------------------
 def anchor(node):
+    return _sorts_expert_ids(node) or _ep_anchor(node) is not None
+
+
+def _sorts_expert_ids(node):
     if not is_call(node, aten.sort.default, aten.sort.stable):
         return False
     ids = tensor_meta(node.args[0])
@@ -359,12 +791,133 @@ def anchor(node):
                     for u in node.users for u2 in u.users))
 
 
-def explain(sort):
+def _ep_anchor(node):
+    """Which expert-parallel candidate `node` is ("regroup", "combine", "exchange"), or None."""
+    if is_call(node, aten.index.Tensor) and all_to_all_of(node.args[0]) is not None:
+        meta = tensor_meta(node.args[0])
+        # a regroup computes its gather index from the counts (a repeat_interleave of the
+        # buckets); a backward gathers gradients by a saved index (_unpermute's backward)
+        computed = node.args[1] and _computed_from(node.args[1][0], aten.repeat_interleave.Tensor, 5)
+        return "regroup" if meta is not None and meta.dim() == 2 and computed else None
+    scatter_add = interop.torchtitan_deterministic_scatter_add()
+    if scatter_add is not None and node.target is scatter_add and _returned_by_all_to_all(node.args[2]):
+        return "combine"
+    exchange = all_to_all_of(node) if _schema_name(node) != _WAIT else None
+    if exchange is not None and exchange.output_splits is not None and _reordered_tokens(exchange.input):
+        return "exchange"
+    return None
+
+
+def _computed_from(node, target, depth):
+    """`node` is computed by a `target` call at most `depth` ops upstream."""
+    if is_call(node, target):
+        return True
+    return depth > 0 and isinstance(node, torch.fx.Node) and any(
+        _computed_from(a, target, depth - 1) for a in node.all_input_nodes)
+
+
+def _returned_by_all_to_all(rows):
+    """The rows are an all-to-all's output, through the casts and the score multiply."""
+    for _ in range(6):
+        if all_to_all_of(rows) is not None:
+            return True
+        if not is_call(rows, aten._to_copy.default, aten.mul.Tensor, npu._npu_dtype_cast.default):
+            return False
+        rows = rows.args[0]
+    return False
+
+
+def _reordered_tokens(node):
+    """The local dispatch's rows: x[perm // K], or what a fused dispatch gathered."""
+    if is_call(node, aten.index.Tensor):
+        index = node.args[1][0] if node.args[1] else None
+        return is_call(index, aten.floor_divide.default)
+    return (is_call(node, operator.getitem) and node.args[1] == 0
+            and is_call(node.args[0], npu.npu_moe_init_routing_v2, npu.npu_moe_token_permute))
+
+
+def explain(node):
+    kind = _ep_anchor(node) if not _sorts_expert_ids(node) else None
+    if kind == "regroup":
+        return ("tokens received by an all-to-all are gathered, but not by torchtitan's _permute "
+                "(rank-major buckets to expert-major, from the received (ranks, local experts) "
+                "counts), which becomes npu_moe_re_routing")
+    if kind == "combine":
+        return ("rows returned by an all-to-all are scatter-added to their tokens, but not as "
+                "torchtitan's combine (rows in the local sort's order, times the scores in that "
+                "order in fp32, to token perm // K), which becomes npu_moe_finalize_routing")
+    if kind == "exchange":
+        return mc2_reason(node)
+    return _not_a_known_block()
+
+
+def _not_a_known_block():
     return ("the tokens are sorted by expert, but the code around it is neither transformers' "
             "grouped_mm experts block (sort, gather, histc offsets, two grouped GEMMs, the "
             "weighted inverse-permutation combine) nor torchtitan's local dispatcher (stable "
             "argsort, three grouped GEMMs, weighted scatter-add), which this pass rewrites "
-            "whole; other dispatchers (Megatron's) are not handled in this version")
+            "whole, nor torchtitan's expert-parallel dispatch (the stable argsort's rows sent "
+            "by an all-to-all); other dispatchers (Megatron's) are not handled in this version")
+
+
+# ---- MC2: why the exchange stays an all-to-all -----------------------------------------------
+MC2_DISPATCH = NOT_EMITTED["npu.npu_moe_distribute_dispatch_v2"]
+
+
+def mc2_reason(exchange_node):
+    """Why this token exchange (with the dispatch before and the combine after it) is not
+    npu_moe_distribute_dispatch_v2 / combine_v2, every condition that fails.
+
+    MC2 fuses the whole dispatch (the count exchange, the .tolist() sync, the token
+    exchange, the regroup) and combine into two communicating kernels. Its documented
+    conditions (capabilities.NOT_EMITTED["npu.npu_moe_distribute_dispatch_v2"]): inference only;
+    group_ep the name of an HCCL communicator; an EP domain that carries no other
+    operator; K <= 16, BS <= 256 (A2) / 512 (A3), H within the SoC's range.
+    """
+    exchange = all_to_all_of(exchange_node)
+    reasons = []
+    backend = _group_backend(exchange)
+    if backend != "hccl":
+        reasons.append(f"the EP group {_describe_group(exchange)} runs on {backend or 'a group this process cannot resolve'}: "
+                       "group_ep must name an HCCL communicator (an NPU's)")
+    # the one condition no graph can prove: a graph shows its own collectives only
+    reasons.append("a graph cannot prove that the EP group carries no other communication (other "
+                   "compiled graphs, eager code, FSDP on an overlapping group), which MC2 requires of it")
+    if any(str(p.target).startswith("tangents") for p in exchange_node.graph.find_nodes(op="placeholder")):
+        reasons.append("this is a training graph: MC2 has no backward")
+    reasons += _mc2_shape_reasons(exchange)
+    return ("npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) would replace this whole dispatch and "
+            "combine, but: " + "; ".join(reasons))
+
+
+def _describe_group(exchange):
+    return repr(exchange.group[1]) if exchange.group[0] == "name" else f"of ranks {list(exchange.group[2])}"
+
+
+def _mc2_shape_reasons(exchange):
+    """The batch / hidden / top-k limits, read from the local dispatch in front of it."""
+    rows = exchange.input
+    if is_call(rows, operator.getitem):  # a fused dispatch: its x and expert ids
+        x, ids = (tensor_meta(a) for a in rows.args[0].args[:2])
+        top_k = ids.shape[-1] if ids is not None else None
+    else:
+        x, divide = tensor_meta(rows.args[0]), rows.args[1][0]
+        top_k = divide.args[1]
+    if x is None or top_k is None:
+        return []
+    tokens, hidden = x.shape[0], x.shape[-1]
+    limits, reasons = MC2_DISPATCH.limits, []
+    if isinstance(top_k, int) and top_k > limits["max_top_k"]:
+        reasons.append(f"top-{top_k} is above MC2's K <= {limits['max_top_k']}")
+    batch = [f"{soc} {n}" for soc, n in limits["max_batch"].items() if isinstance(tokens, int) and tokens > n]
+    if batch:
+        reasons.append(f"{tokens} tokens per rank exceed MC2's batch limit ({', '.join(batch)}): a decode-sized "
+                       "batch only")
+    for soc, (low, high, multiple) in limits["hidden"].items():
+        if isinstance(hidden, int) and not (low <= hidden <= high and hidden % multiple == 0):
+            reasons.append(f"hidden size {hidden} is outside {soc}'s [{low}, {high}]"
+                           + (f" in multiples of {multiple}" if multiple > 1 else ""))
+    return reasons
 
 
 PASS = FusionPass(
@@ -374,7 +927,7 @@ PASS = FusionPass(
     fused_op="npu.npu_moe_init_routing_v2",
     forms=forms,
     # the token embeddings, routing weights and expert weights train through the block
-    differentiable=("x", "weights", "w_gate_up", "w_down", "w1", "w2", "w3"),
+    differentiable=("x", "weights", "w_gate_up", "w_down", "w1", "w2", "w3", "received", "expert_out"),
     example={
         # T=12 tokens, K=2, H=16, E=5 experts of a gate_up of 2*8 and a down of 8 -> 16;
         # sizes multiples of 8 for _grouped_mm's alignment, and no other 5 in the trace
@@ -397,6 +950,17 @@ PASS = FusionPass(
         # DeepSeek-V4's clamped SwiGLU limits (swiglu_limit, -swiglu_limit)
         "swiglu_limit": 1.75,
         "swiglu_min": -1.75,
+        # expert parallel (torchtitan's AllToAllTokenDispatcher), the same T=12, K=2, H=16:
+        # the router's (B, L, K) ids and (B, L, E) scores; 40 rows received from 3 ranks
+        # with 5 local experts each; the 24 expert output rows back in the sorted order
+        "expert_ids": lambda dtype: torch.empty(2, 6, 2, dtype=torch.int64),
+        "router_scores": lambda dtype: torch.empty(2, 6, 5, dtype=dtype),
+        "received": lambda dtype: torch.empty(40, 16, dtype=dtype),
+        "received_counts": lambda dtype: torch.empty(15, dtype=torch.int64),
+        "ranks": 3,
+        "expert_out": lambda dtype: torch.empty(24, 16, dtype=dtype),
+        "perm": lambda dtype: torch.empty(24, dtype=torch.int64),
+        "token": lambda dtype: torch.empty(24, dtype=torch.int64),
     },
     # DeepSeek weights its bf16 rows with fp32 routing weights: the same forward ops, but
     # the joint traces differ (the gradients are cast back to each side's dtype)
@@ -413,6 +977,8 @@ def _routing_input(name, args):
     """Verification inputs a random tensor does not make: each token's k distinct expert ids,
     and the per-expert counts of exactly those ids (torchtitan's offsets come from them).
     Both are drawn from one seeded generator, so the two calls agree."""
+    if name in ("expert_ids", "perm", "token"):
+        return _ep_routing_input(name, args)
     if name not in ("ids", "counts"):
         return None
     tokens, top_k = args["ids"].shape
@@ -422,3 +988,21 @@ def _routing_input(name, args):
     if name == "ids":
         return ids.to(args["ids"].dtype)
     return torch.bincount(ids.flatten(), minlength=experts).to(args["counts"].dtype)
+
+
+def _ep_routing_input(name, args):
+    """The expert-parallel forms' index inputs: the router's (B, L, K) ids, distinct per
+    token and below the expert count; and the combine's row order, a stable sort of such
+    ids, with the token of each row (perm // K) from the same seeded draw."""
+    generator = torch.Generator().manual_seed(0)
+    if name == "expert_ids":
+        *lead, top_k = args["expert_ids"].shape
+        tokens, experts = math.prod(int(n) for n in lead), int(args["router_scores"].shape[-1])
+    else:
+        tokens, top_k = (int(n) for n in args["weights"].shape)
+        experts = 2 * top_k
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    if name == "expert_ids":
+        return ids.view(args["expert_ids"].shape).to(args["expert_ids"].dtype)
+    perm = torch.argsort(ids.flatten(), stable=True)
+    return (perm if name == "perm" else perm // top_k).to(args[name].dtype)

@@ -27,7 +27,7 @@ FLOAT = [torch.float32, torch.bfloat16, torch.float16]
 MOE_OPS = ["npu_moe_gating_top_k_softmax", "npu_moe_gating_top_k", "npu_moe_gating_top_k_backward",
            "npu_moe_init_routing_v2", "npu_moe_compute_expert_tokens", "npu_moe_token_permute",
            "npu_moe_token_permute_grad_v2", "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad_v2",
-           "npu_moe_finalize_routing", "npu_grouped_matmul"]
+           "npu_moe_finalize_routing", "npu_grouped_matmul", "npu_moe_re_routing"]
 U32 = 2.0 ** -24  # fp32 unit roundoff
 
 
@@ -910,6 +910,129 @@ def test_grouped_matmul_k_split_mix_ups_fail_or_differ():
         npu.npu_grouped_matmul([x], [w], bias=[torch.zeros(n)], group_list=counts, group_list_type=1, **kw)
 
 
+
+# ---- npu_moe_re_routing (expert parallel: the regroup after the token all-to-all) -----------
+def _re_routing_reference(tokens, counts):
+    """op_semantics 6.5's reference, written from the CANN README's offsets: output bucket
+    (e, r) is input bucket (r, e); inputs rank-major, outputs expert-major."""
+    ranks, experts = counts.shape
+    flat = counts.flatten()
+    start = (flat.cumsum(0) - flat).view(ranks, experts)
+    idx = torch.cat([torch.arange(int(start[r, e]), int(start[r, e] + counts[r, e]))
+                     for e in range(experts) for r in range(ranks)]).long()
+    return tokens[idx], idx, counts.sum(0)
+
+
+def _titan_permute(tokens, counts):
+    """torchtitan 0.3.0's own AllToAllTokenDispatcher._permute on the flat received counts."""
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    ranks = counts.shape[0]
+    dispatcher = SimpleNamespace(ep_mesh=SimpleNamespace(size=lambda: ranks))
+    _, permuted, indices, per_expert = AllToAllTokenDispatcher._permute(dispatcher, tokens, counts.flatten())
+    return permuted, indices, per_expert
+
+
+def _counts(ranks, experts, high=4, seed=0, dtype=torch.int64, zeros=True):
+    counts = torch.randint(0 if zeros else 1, high, (ranks, experts), generator=_gen(seed))
+    if zeros:
+        counts[0, -1] = 0  # at least one empty bucket
+    return counts.to(dtype)
+
+
+@pytest.mark.parametrize("ranks, experts", [(2, 2), (4, 3), (8, 1), (3, 5), (1, 4)])
+@pytest.mark.parametrize("counts_dtype", [torch.int64, torch.int32], ids=str)
+def test_re_routing_equals_torchtitans_permute_bit_for_bit(ranks, experts, counts_dtype):
+    """float64 tokens, zero counts included: the permuted rows, the gather index (int32 here,
+    int64 in torchtitan) and the per-expert counts are identical."""
+    counts = _counts(ranks, experts, seed=ranks * 10 + experts, dtype=counts_dtype)
+    tokens = _randn(int(counts.sum()), 3, dtype=torch.float64, seed=120)
+    permuted, _, idx, per_expert = npu.npu_moe_re_routing(tokens, counts)
+    titan_tokens, titan_idx, titan_counts = _titan_permute(tokens, counts.long())
+    assert idx.dtype == torch.int32 and per_expert.dtype == counts_dtype
+    assert torch.equal(permuted, titan_tokens) and torch.equal(idx.long(), titan_idx)
+    assert torch.equal(per_expert.long(), titan_counts)
+    ref_tokens, ref_idx, ref_counts = _re_routing_reference(tokens, counts.long())
+    assert torch.equal(permuted, ref_tokens) and torch.equal(idx.long(), ref_idx)
+    assert torch.equal(per_expert.long(), ref_counts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8], ids=str)
+def test_re_routing_is_a_copy_in_the_ops_dtypes(dtype):
+    counts = _counts(3, 4, seed=3)
+    tokens = (_randn(int(counts.sum()), 8, seed=121) * 20).to(dtype)
+    scales = torch.rand(int(counts.sum()), generator=_gen(122))
+    permuted, permuted_scales, idx, _ = npu.npu_moe_re_routing(tokens, counts, per_token_scales=scales)
+    assert permuted.dtype == dtype and torch.equal(permuted, tokens[idx.long()])
+    assert torch.equal(permuted_scales, scales[idx.long()])
+
+
+def test_re_routing_reads_the_counts_rank_major_not_expert_major():
+    """Mix-up: (ranks, experts) read as (experts, ranks) regroups other rows; and the index
+    is the gather index (output -> input), not its inverse."""
+    counts = torch.tensor([[1, 2, 0], [3, 1, 2]])
+    tokens = _randn(9, 2, dtype=torch.float64, seed=123)
+    permuted, _, idx, per_expert = npu.npu_moe_re_routing(tokens, counts)
+    # bucket (r, e) starts: r0 e0 at 0, e1 at 1, e2 at 3; r1 e0 at 3, e1 at 6, e2 at 7
+    assert idx.tolist() == [0, 3, 4, 5, 1, 2, 6, 7, 8]
+    assert per_expert.tolist() == [4, 3, 2]
+    swapped, _, swapped_idx, _ = npu.npu_moe_re_routing(tokens, counts.t().contiguous())
+    assert not torch.equal(swapped_idx, idx)
+    inverse = torch.argsort(idx.long())
+    assert not torch.equal(inverse, idx.long())
+    assert torch.equal(permuted, tokens[idx.long()]) and not torch.equal(permuted, tokens[inverse])
+
+
+def test_re_routing_all_zero_rows_and_an_empty_input():
+    counts = torch.tensor([[0, 0], [2, 0], [0, 1]])
+    tokens = _randn(3, 4, seed=124).bfloat16()
+    permuted, _, idx, per_expert = npu.npu_moe_re_routing(tokens, counts)
+    assert idx.tolist() == [0, 1, 2] and per_expert.tolist() == [2, 1]
+    empty, _, empty_idx, empty_counts = npu.npu_moe_re_routing(tokens[:0], torch.zeros(2, 3, dtype=torch.int64))
+    assert empty.shape == (0, 4) and empty_idx.shape == (0,) and empty_counts.tolist() == [0, 0, 0]
+
+
+def test_re_routing_refuses_what_it_cannot_compute():
+    counts = torch.tensor([[1, 2], [0, 1]])
+    tokens = _randn(4, 2, seed=125).bfloat16()
+    with pytest.raises(RuntimeError, match="add up to 4 tokens"):
+        npu.npu_moe_re_routing(tokens[:3], counts)
+    with pytest.raises(RuntimeError, match="int32 or int64"):
+        npu.npu_moe_re_routing(tokens, counts.float())
+    with pytest.raises(NotImplementedError, match="idx_type=1"):
+        npu.npu_moe_re_routing(tokens, counts, idx_type=1)
+    with pytest.raises(NotImplementedError, match="expert_token_num_type=0"):
+        npu.npu_moe_re_routing(tokens, counts, expert_token_num_type=0)
+    with pytest.raises(RuntimeError, match="negative"):
+        npu.npu_moe_re_routing(tokens, torch.tensor([[5, -1], [0, 0]]))
+
+
+def test_re_routing_has_no_backward_like_torch_npu():
+    counts = torch.tensor([[1, 2], [0, 1]])
+    tokens = _randn(4, 2, seed=126).requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no backward in torch_npu"):
+        npu.npu_moe_re_routing(tokens, counts)[0].sum().backward()
+
+
+def test_re_routing_fake_kernel_keeps_a_data_dependent_row_count():
+    """After an all-to-all the row count is an unbacked SymInt: the fake kernel's sizes come
+    from the inputs' sizes (as the wheel's Meta function), never from the counts' values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def received(splits, tokens, counts):
+        rows = splits.sum().item()
+        torch._check(rows <= tokens.shape[0])
+        return npu.npu_moe_re_routing(tokens[:rows], counts)
+
+    gm = make_fx(received, tracing_mode="symbolic")(torch.tensor([3, 2]), _randn(9, 4).bfloat16(),
+                                                    torch.tensor([[2, 1], [0, 2]]))
+    (node,) = [n for n in gm.graph.nodes if n.target is npu.npu_moe_re_routing.default]
+    permuted, scales, idx, per_expert = node.meta["val"]
+    rows = permuted.shape[0]
+    assert isinstance(rows, torch.SymInt) and scales.shape == idx.shape == (rows,)
+    assert permuted.shape[1] == 4 and per_expert.shape == (2,) and idx.dtype == torch.int32
+
+
 # ---- a whole MoE layer ----------------------------------------------------------------------
 @pytest.mark.parametrize("group_list_type", [0, 1], ids=["cumsum", "counts"])
 def test_moe_layer_from_the_stand_ins_equals_the_dense_expert_loop(group_list_type):
@@ -962,7 +1085,11 @@ def _samples(dtype=torch.float32, requires_grad=False):
     x_norm = torch.sigmoid(_randn(6, 16, seed=115))
     top_idx = npu.npu_moe_gating_top_k(x, **DEEPSEEK_SMALL)[1]
     gmm_x, gmm_w = _randn(9, 4, dtype=dtype, seed=116), _randn(3, 4, 5, dtype=dtype, seed=117)
+    re_counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
     return {
+        "npu_moe_re_routing": [((_randn(7, 4, dtype=dtype, seed=119), re_counts), {}),
+                               ((_randn(7, 4, dtype=dtype, seed=119), re_counts.int()),
+                                dict(per_token_scales=torch.rand(7, generator=_gen(119))))],
         "npu_moe_gating_top_k_softmax": [((x, None, 3), {}),
                                          ((x.view(2, 3, 16), torch.zeros(2, 3, dtype=torch.bool), 2), {})],
         "npu_moe_gating_top_k": [((x.detach().clone().requires_grad_(rg), 4),

@@ -35,14 +35,14 @@ from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .canonical import is_backward
+from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import respell_exact
-from .tracing import TRACERS, is_static, signature
+from .tracing import TRACERS, is_joint_kind, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
 
@@ -472,6 +472,8 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
                     renamed.target = renamed.name
                     placeholder.replace_all_uses_with(renamed)
                     gm.graph.erase_node(placeholder)
+                if is_joint_kind(registration.kind):
+                    _drop_size_gradients(gm, len(sizes), len(argnames))
                 argnames = [*size_names, *argnames]
             else:
                 gm = trace(form.search, arguments.traced)
@@ -482,6 +484,21 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
     if arguments.key is not None:
         cache[key] = found
     return found
+
+
+def _drop_size_gradients(gm: torch.fx.GraphModule, sizes: int, arguments: int) -> None:
+    """A joint trace returns the forward's outputs, then a gradient per input: with the
+    symbolic sizes passed as inputs in front of the form's arguments, their gradients
+    (None) would sit where the replacement, traced without them, has the arguments'
+    gradients, and the match's outputs would line up with the wrong replacement outputs."""
+    (output,) = gm.graph.find_nodes(op="output")
+    outputs = list(output.args[0])
+    first_gradient = len(outputs) - sizes - arguments
+    if first_gradient < 0 or any(g is not None for g in outputs[first_gradient:first_gradient + sizes]):
+        raise RuntimeError(f"a joint trace with {sizes} symbolic sizes in front of {arguments} arguments "
+                           f"returned {len(outputs)} outputs")
+    output.args = (outputs[:first_gradient] + outputs[first_gradient + sizes:],)
+    gm.recompile()
 
 
 def _first_failure(ctx: RunContext, registration: Registration, site: Site, match: pm.Match,
@@ -526,6 +543,12 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
         for key, value in node.kwargs.items():
             if {(str(node.target), key, keyword_value(value)), (str(node.target), key, SCALAR_ARGUMENT)} & spelled:
                 continue
+            if isinstance(value, Node) and any(entry[:2] == (str(node.target), key) for entry in spelled):
+                # a symbolic size computed in the graph (repeat_interleave's output_size, the
+                # rows an expert-parallel all-to-all received): the form spells this keyword,
+                # as an int at its static example, and the exact retrace at the match's own
+                # sizes (an input for each symbolic size) compared it node for node
+                continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
     return None
@@ -563,7 +586,8 @@ def _outputs_differ(ctx: RunContext, registration: Registration, match: pm.Match
             continue
         if not isinstance(new, torch.Tensor):
             return f"{ctx.fusion_pass.fused_op} would give no tensor where the model computes {_describe(orig)} (output {index})"
-        if orig.dtype != new.dtype or orig.shape != new.shape:
+        # (not `orig.shape != new.shape`: that guards, and raises on a data-dependent size)
+        if orig.dtype != new.dtype or not same_shape(orig, new):
             return (f"{ctx.fusion_pass.fused_op} would give {_describe(new)} where the model computes "
                     f"{_describe(orig)} (output {index})")
     return None

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 from .nodes import is_call, tensor_meta
 
@@ -125,12 +126,17 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       search functions, removes those as no-ops (remove_noop_ops), so a pattern never has
       one. A clone of a graph input stays (the input may be written back by a copy_), and
       so does one that leaves the graph (an output must not alias another value).
+    - one node per symbolic size: aot graphs can compute one SymInt expression twice
+      (`sym_size(a2a, 0)` and `sym_sum(u2, u3)` for the rows an expert-parallel
+      all-to-all received), where the exact retrace of a form (accept._exact_pattern)
+      has one placeholder per symbolic size, which torch's matcher binds to one node
+      (_one_node_per_symbolic_size).
     Each of these computes exactly what it replaces. Spellings that are equal in value
     but not bit for bit (x / sqrt(v) and x * rsqrt(v)) are not rewritten: the patterns
     accept them instead (spellings.py). Search functions and matched graphs are both
     canonicalised. Returns the number of nodes changed.
     """
-    changed = 0
+    changed = _one_node_per_symbolic_size(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -160,6 +166,27 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _split_as_slices(graph, node)
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
+    return changed
+
+
+def _one_node_per_symbolic_size(graph: torch.fx.Graph) -> int:
+    """Every later node computing the same symbolic size (SymInt expression) as an earlier
+    one reads the earlier one instead (and goes): the same value, by the shape environment
+    that gave both nodes their expression. A node that defines a data-dependent symbol
+    (`_local_scalar_dense`: meta["unbacked_bindings"]) reads data and stays, even where the
+    shape environment knows its value equals another's: the runtime check of that
+    equality reads it."""
+    first: dict = {}
+    changed = 0
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.SymInt) or not val.node.expr.free_symbols:
+            continue
+        earlier = first.setdefault(val.node.expr, node)
+        if earlier is not node and not node.meta.get("unbacked_bindings"):
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+            changed += 1
     return changed
 
 
@@ -395,7 +422,14 @@ def _plain_add(node: Any) -> bool:
     vals = [a.meta.get("val") if isinstance(a, Node) else None for a in node.args]
     out = node.meta.get("val")
     return all(isinstance(v, torch.Tensor) for v in (*vals, out)) and all(
-        v.shape == out.shape and v.dtype == out.dtype for v in vals)
+        same_shape(v, out) and v.dtype == out.dtype for v in vals)
+
+
+def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Provably the same shape. `a.shape == b.shape` guards on symbolic sizes, and raises
+    on data-dependent ones (the rows an expert-parallel all-to-all received:
+    GuardOnDataDependentSymNode, docs/expert-parallel.md)."""
+    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
 
 
 def _chain(root: Node) -> tuple[list[Node], list[Node]]:
@@ -461,7 +495,7 @@ def _accumulated_tensor(leaves: list[Node], root: Node, by_seq: dict) -> Optiona
                 counts[a] = counts.get(a, 0) + 1
     out = root.meta.get("val")
     fits = [a for a in counts if isinstance(a.meta.get("val"), torch.Tensor)
-            and out is not None and a.meta["val"].shape == out.shape]
+            and out is not None and same_shape(a.meta["val"], out)]
     return max(fits, key=lambda a: counts[a]) if fits else None
 
 

@@ -1171,3 +1171,91 @@ CAPABILITIES.update({
     )
 })
 # ---- end of the inference attention block ----
+
+
+
+# ---- Expert parallel (npu_ops/moe.py's re_routing block; patterns/moe_dispatch.py's EP forms) ----
+# Appended as a block of its own.
+CAPABILITIES.update({
+    cap.op: cap
+    for cap in (
+        OpCapability(
+            op="npu.npu_moe_re_routing",
+            dtypes=frozenset({torch.float16, torch.bfloat16, torch.int8}),  # tokens (950: fp8/fp4 too)
+            min_rank=2,  # tokens (A, H)
+            max_rank=2,
+            backward=None,  # no autograd in torch_npu ...
+            # ... so training graphs call it through our rule (backward: npu_moe_token_unpermute,
+            # as torchtitan-npu's NPUMoeReRouting)
+            autograd_rule="npu_fx_fusion.patterns.moe_dispatch.ReRouting",
+            ge_converter=True,  # custom/npu_moe_re_routing.py -> GE MoeReRouting
+            # torch_npu doc: Atlas A2/A3; the CANN README adds 950 and Kirin (no bf16 there)
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "max_hidden": 16384,  # exclusive: 0 < H < 16384
+                "counts_dtypes": (torch.int32, torch.int64),  # (ranks, local experts)
+                "expert_token_num_types": (1,),  # counts
+                "idx_types": (0,),  # the gather index (950 adds 1, scatter)
+                # the torch_npu doc says the counts "must be > 0" (取值必须大于0); the CANN
+                # kernels copy nothing for a zero count (moe_re_routing.h: zero ubFactor
+                # chunks and no tail; arch35 moe_re_routing_re_regbase.h: `if (currTokenNum
+                # == 0) continue;`) and the host cannot read the device counts: zeros are
+                # computed, not refused (docs/expert-parallel.md)
+                "zero_counts": "computed (kernel source), against the doc's > 0",
+            },
+            doc="op_semantics 6.5 / torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
+            "torch_npu-npu_moe_re_routing.md) and the CANN README (ops-transformer moe/moe_re_routing): "
+            "tokens (A, H) fp16/bf16/int8, 0 < H < 16384, expert_token_num_per_rank (N, E) int32/int64 "
+            "summing to A, per_token_scales (A,) fp32, expert_token_num_type 1 and idx_type 0 only; "
+            "outputs sized from the inputs (the wheel's Meta); products A2/A3 (950 in the CANN README); "
+            "no autograd",
+        ),
+    )
+})
+# Ops no pass emits, whose documented limits a near miss quotes: MC2, which moe_dispatch
+# reports for every expert-parallel token exchange (docs/expert-parallel.md says why it is
+# never emitted). Not in CAPABILITIES: a pass may emit only what that table lists, and
+# every op there has a stand-in.
+NOT_EMITTED: dict[str, OpCapability] = {
+    cap.op: cap
+    for cap in (
+        OpCapability(
+            op="npu.npu_moe_distribute_dispatch_v2",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # x (BS, H); A2 also packed int4 (int32)
+            min_rank=2,
+            max_rank=2,
+            backward=None,  # inference only (the doc: 该接口支持推理场景下使用)
+            ge_converter=True,  # custom/moe_distribute_dispatch_v2.py
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits={
+                "group": "an HCCL communicator name (group_ep), the EP domain carrying no other operator",
+                "max_top_k": 16,  # 0 < K <= 16 (12 with comm_alg fullmesh_v2)
+                "max_batch": {"Ascend910B": 256, "Ascend910_93": 512},  # BS per rank (fullmesh / v1)
+                "hidden": {"Ascend910B": (1, 7168, 32), "Ascend910_93": (1024, 8192, 1)},  # min, max, multiple
+                "a2_world_sizes": (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256),  # fullmesh
+                "a3_world_sizes": (2, 768),  # inclusive range
+                "a3_max_experts_times_ranks": 2048,  # local experts * world size
+                "tp": "reserved: tp_world_size 0/1 only",
+            },
+            doc="torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
+            "torch_npu-npu_moe_distribute_dispatch_v2.md, 约束说明): inference only, paired with combine_v2 "
+            "with identical group_ep, ep_world_size, moe_expert_num, shared-expert and global_bs settings on "
+            "every rank and layer; group_ep an HCCL group name; K <= 16; BS <= 256 (A2 fullmesh) / 512 (A3); "
+            "H (0, 7168] multiple of 32 on A2, [1024, 8192] on A3; A2/A3 only",
+        ),
+        OpCapability(
+            op="npu.npu_moe_distribute_combine_v2",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # expand_x
+            min_rank=2,
+            max_rank=2,
+            backward=None,  # inference only
+            ge_converter=True,  # custom/moe_distribute_combine_v2.py
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits={"pairs_with": "npu.npu_moe_distribute_dispatch_v2"},
+            doc="torch_npu doc torch_npu-npu_moe_distribute_combine_v2.md: the reverse of dispatch_v2 "
+            "(its assist_info_for_combine, ep_recv_counts passed unchanged), the weighted sum of each "
+            "token's k rows (expert_scales fp32); inference only; the limits of dispatch_v2",
+        ),
+    )
+}
+# ---- end of the expert-parallel block ----

@@ -43,7 +43,7 @@ def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Seque
     fresh fake mode per node, and a symbolic_trace graph has none: propagate fake values
     through those, from `example_inputs` or else from the placeholders' own metadata.
     """
-    computing = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    computing = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr") and not _returns_nothing(n)]
     vals = [n.meta.get("val") for n in computing]
     modes = {id(v.fake_mode) for v in pytree.tree_leaves(vals) if isinstance(v, FakeTensor)}
     if all(v is not None for v in vals) and len(modes) <= 1:
@@ -61,6 +61,14 @@ def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Seque
             inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
                       for v in placeholder_vals]
     FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+
+
+def _returns_nothing(node: torch.fx.Node) -> bool:
+    """An op with no outputs, whose meta['val'] is None in every graph: the runtime checks
+    of data-dependent sizes (`aten._assert_scalar` after `.tolist()` in an expert-parallel
+    dispatch, docs/expert-parallel.md)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and not schema.returns
 
 
 def _graph_code(gm: torch.fx.GraphModule) -> str:

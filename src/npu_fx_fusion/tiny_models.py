@@ -30,6 +30,8 @@ __all__ = [
     "TinyModel",
     "build_hf",
     "build_torchtitan",
+    "build_torchtitan_ep_moe",
+    "TORCHTITAN_EP_FLAVORS",
     "HF_MODEL_TYPES",
     "TORCHTITAN_MODELS",
 ]
@@ -498,3 +500,131 @@ def static_cache(lm: nn.Module, *, batch: int, max_cache_len: int, allocate: boo
     for layer, sample in zip(cache.layers, scratch.layers):
         layer.lazy_initialization(sample.keys[:, :, :0], sample.values[:, :, :0])
     return cache
+
+
+# --------------------------------------------------------------------------------------
+# torchtitan MoE layers with expert parallel (docs/expert-parallel.md)
+# --------------------------------------------------------------------------------------
+
+# flavor -> (module, configs attr, flavor name, sharding setter module, setter name,
+# index of a MoE layer). The layers are torchtitan's own MoE.Config of that flavor, their
+# widths cut (below); routers, expert counts and top-k stay the flavor's.
+_TORCHTITAN_EP_FLAVORS: dict[str, tuple[str, str, str, str, str, int]] = {
+    # softmax router with an expert bias, 8 experts, top-3, a shared expert
+    "deepseek_v3": ("torchtitan.models.deepseek_v3", "deepseekv3_configs", "debugmodel",
+                    "torchtitan.models.deepseek_v3.sharding", "set_deepseek_v3_sharding_config", 1),
+    # softmax router with route_norm, 64 experts, top-8, no shared expert
+    "qwen3": ("torchtitan.models.qwen3", "qwen3_configs", "debugmodel_moe",
+              "torchtitan.models.qwen3.sharding", "set_qwen3_sharding_config", 0),
+}
+
+TORCHTITAN_EP_FLAVORS: tuple[str, ...] = tuple(_TORCHTITAN_EP_FLAVORS)
+
+
+def _narrow_moe_config(moe_cfg: Any, dim: int, hidden_dim: int) -> Any:
+    """The MoE.Config with model width `dim` and expert width `hidden_dim` (router, routed
+    and shared experts alike); everything else as the flavor has it."""
+    import dataclasses
+
+    routed = moe_cfg.routed_experts
+    replaced = dict(
+        routed_experts=dataclasses.replace(
+            routed, inner_experts=dataclasses.replace(routed.inner_experts, dim=dim, hidden_dim=hidden_dim)),
+        router=dataclasses.replace(moe_cfg.router, gate=dataclasses.replace(moe_cfg.router.gate, in_features=dim)),
+    )
+    shared = moe_cfg.shared_experts
+    if shared is not None:
+        width = 2 * hidden_dim
+        replaced["shared_experts"] = dataclasses.replace(
+            shared,
+            w1=dataclasses.replace(shared.w1, in_features=dim, out_features=width),
+            w2=dataclasses.replace(shared.w2, in_features=width, out_features=dim),
+            w3=dataclasses.replace(shared.w3, in_features=dim, out_features=width))
+    return dataclasses.replace(moe_cfg, **replaced)
+
+
+def build_torchtitan_ep_moe(
+    flavor: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    dim: int = 64,
+    hidden_dim: int = 32,
+    batch: int = 2,
+    seq_len: int = 8,
+    seed: int = 0,
+    **router: Any,
+) -> TinyModel:
+    """One torchtitan MoE layer of `flavor` with its experts sharded over every rank of
+    the default process group (expert parallel), as torchtitan parallelizes it.
+
+    torch.distributed must be initialized (gloo on CPU, or the fake backend for graph
+    capture); EP degree = world size, which must divide the flavor's expert count. The
+    layer is torchtitan's own: its sharding config (set_<model>_sharding_config with
+    enable_ep), ParallelDims(dp_shard=ep=world) and Module.parallelize, which shards the
+    expert weights on dim 0 over the "ep" mesh and wires the mesh into its
+    AllToAllTokenDispatcher (comm backend "standard"). Weights are the same on every rank
+    (seeded); the example tokens differ per rank (seeded with seed + rank), as data-parallel
+    batches do. `router` overrides TokenChoiceTopKRouter.Config fields (score_func,
+    num_expert_groups, ...). Returns the layer, eval mode, taking x (batch, seq_len, dim).
+
+    Sets torchtitan's process-wide SPMD backend to "partial_dtensor"
+    (torchtitan.distributed.utils.set_spmd_backend): the layer's eager dispatch reads it at
+    every call.
+    """
+    import dataclasses
+    import unittest.mock
+
+    import torch.distributed as dist
+
+    if flavor not in _TORCHTITAN_EP_FLAVORS:
+        raise ValueError(f"unknown flavor {flavor!r}; supported: {', '.join(TORCHTITAN_EP_FLAVORS)}")
+    if not dist.is_initialized():
+        raise RuntimeError("build_torchtitan_ep_moe needs torch.distributed initialized (one process per rank)")
+    tag = _dtype_tag(dtype)
+    module_name, configs_attr, flavor_name, sharding_module, setter, layer = _TORCHTITAN_EP_FLAVORS[flavor]
+    models_mod = _import_optional(module_name, _TORCHTITAN_INSTALL_HINT)
+    parallel_dims_mod = _import_optional("torchtitan.distributed.parallel_dims", _TORCHTITAN_INSTALL_HINT)
+    spmd = _import_optional("torchtitan.distributed.utils", _TORCHTITAN_INSTALL_HINT)
+    set_sharding = getattr(_import_optional(sharding_module, _TORCHTITAN_INSTALL_HINT), setter)
+
+    world = dist.get_world_size()
+    cfg = getattr(models_mod, configs_attr)[flavor_name](attn_backend="flex", moe_comm_backend="standard")
+    moe_cfg = cfg.layers[layer].moe
+    if moe_cfg.num_experts % world:
+        raise ValueError(f"{flavor}: {moe_cfg.num_experts} experts do not split over {world} ranks")
+    moe_cfg = _narrow_moe_config(moe_cfg, dim, hidden_dim)
+    if router:
+        moe_cfg = dataclasses.replace(moe_cfg, router=dataclasses.replace(moe_cfg.router, **router))
+    cfg.layers[layer].moe = moe_cfg
+    # the partial_dtensor backend: DTensor expert weights (to_local() inside the experts), the
+    # functional all_to_all_single under torch.compile (the spmd_types backend takes the
+    # same collectives when compiling, but type-checks eager code against a full model mesh)
+    spmd.set_spmd_backend("partial_dtensor")
+    set_sharding(cfg, enable_sp=False, enable_ep=True)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        moe = moe_cfg.build()
+        moe.init_states(buffer_device=torch.device("cpu"))
+        if getattr(moe, "expert_bias_E", None) is not None:
+            moe.expert_bias_E.normal_(std=0.05)  # a trained bias is not zero
+        torch.manual_seed(seed + 1 + dist.get_rank())
+        x = torch.randn(batch, seq_len, dim)
+    if dtype != torch.float32:
+        _cast_floating_params(moe, dtype)
+        x = x.to(dtype)
+    parallel_dims = parallel_dims_mod.ParallelDims(
+        dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=world, world_size=world,
+        spmd_backend="partial_dtensor")
+    # torchtitan builds its meshes on the accelerator it finds, "cuda" when there is none
+    # (tools/utils.py get_device_info); the CPU ranks here need CPU meshes
+    with unittest.mock.patch.object(parallel_dims_mod, "device_type", "cpu"):
+        parallel_dims.build_mesh()
+    moe.parallelize(parallel_dims)
+    return TinyModel(
+        model=moe.eval(),
+        example_inputs=(x,),
+        name=f"torchtitan-{flavor}-moe-ep{world}-{tag}",
+        description=(f"torchtitan {flavor} MoE layer ({moe_cfg.num_experts} experts, top-{moe_cfg.router.top_k}) "
+                     f"with expert parallel over {world} ranks"),
+    )

@@ -676,8 +676,17 @@ _GMM_SUPPORTED = ("split_item 2 or 3 with one 2-D x, float x/weight of one dtype
 
 def _reads_transposed(t: torch.Tensor) -> bool:
     """t (R, C) is laid out as the transposed view of a contiguous (C, R) tensor (strides
-    (1, R); with a dimension of size 1 both layouts are the same memory, and this is True)."""
-    return t.dim() == 2 and t.t().is_contiguous()
+    (1, R); with a dimension of size 1 both layouts are the same memory, and this is True).
+
+    Decided from the strides without guarding: after an expert-parallel all-to-all R or C
+    is a data-dependent size, where is_contiguous() would have to guard on it (R == 1?)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if t.dim() != 2:
+        return False
+    (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+    return ((statically_known_true(row_stride == 1) or statically_known_true(rows <= 1))
+            and (statically_known_true(col_stride == rows) or statically_known_true(cols <= 1)))
 
 
 def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, group_list, split_item,
@@ -834,3 +843,84 @@ def _gmm_group_ends(group_list, group_list_type, length, what):
     if ends and ends[-1] > length:
         raise RuntimeError(f"npu_grouped_matmul: group_list covers {ends[-1]} {what}, x has {length}")
     return ends
+
+
+# =====================================================================================
+# Expert parallel: npu_moe_re_routing (the regroup after the token all-to-all)
+# =====================================================================================
+def _check_re_routing(tokens, counts, per_token_scales, expert_token_num_type, idx_type, tokens_dtype) -> None:
+    op = "npu_moe_re_routing"
+    if tokens.dim() != 2 or counts.dim() != 2:
+        raise RuntimeError(f"{op}: needs tokens (A, H) and expert_token_num_per_rank (ranks, local experts), "
+                           f"got {tuple(tokens.shape)} and {tuple(counts.shape)}")
+    if counts.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"{op}: expert_token_num_per_rank must be int32 or int64, got {counts.dtype}")
+    if per_token_scales is not None and (per_token_scales.dim() != 1
+                                         or per_token_scales.shape[0] != tokens.shape[0]):
+        raise RuntimeError(f"{op}: per_token_scales must be (A,) = ({tokens.shape[0]},), got "
+                           f"{tuple(per_token_scales.shape)}")
+    # the docs and the kernels: count mode and the gather index only (950 adds idx_type 1,
+    # whose layout no reference here computes)
+    if expert_token_num_type != 1:
+        raise NotImplementedError(f"{op}: expert_token_num_type={expert_token_num_type}: only 1 (counts) is "
+                                  "supported by the op")
+    if idx_type != 0:
+        raise NotImplementedError(f"{op}: idx_type={idx_type}: only 0 (the gather index) has a CPU reference")
+    if tokens_dtype is not None:
+        raise NotImplementedError(f"{op}: tokens_dtype={tokens_dtype} (fp8/fp4 bit patterns) has no CPU "
+                                  "reference")
+
+
+def _re_routing_fake(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1,
+                     idx_type=0, tokens_dtype=None):
+    _check_re_routing(tokens, expert_token_num_per_rank, per_token_scales, expert_token_num_type, idx_type,
+                      tokens_dtype)
+    # The wheel's Meta function (op_plugin/meta/_meta_registrations.py, npu_moe_re_routing_meta):
+    # every size comes from the inputs' sizes, none from the counts' values. After an
+    # all-to-all A is the data-dependent row count of the received tokens (an unbacked
+    # SymInt under torch.compile): the outputs carry that same A.
+    rows = tokens.shape[0]
+    scales = (tokens.new_empty((rows,), dtype=torch.float32) if per_token_scales is None
+              else per_token_scales.new_empty(per_token_scales.shape))
+    return (tokens.new_empty(tokens.shape), scales, tokens.new_empty((rows,), dtype=torch.int32),
+            expert_token_num_per_rank.new_empty((expert_token_num_per_rank.shape[1],)))
+
+
+@stand_in("npu::npu_moe_re_routing", fake=_re_routing_fake)  # no autograd in torch_npu
+def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1,
+                       idx_type=0, tokens_dtype=None):
+    # op_semantics 6.5 and the CANN README (ops-transformer moe/moe_re_routing): the tokens
+    # arrive rank-major (for each source rank r its local-expert buckets e in order, counts
+    # [r, e] rows each); the output is expert-major (for each e, the buckets of every r in
+    # rank order). permute_token_idx is the gather index (output row -> input row),
+    # expert_token_num the per-expert counts, in the counts' dtype. A pure copy: exact in
+    # every dtype.
+    #
+    # Zero counts. The torch_npu doc says the counts "must be > 0"; the kernels do not need
+    # it: the A2/A3 kernel (op_kernel/moe_re_routing.h) copies counts[r, e] rows in
+    # ubFactor-sized chunks plus a tail, zero chunks and no tail for a zero count, and the
+    # offsets add the zero; the arch35 one (op_kernel/arch35/moe_re_routing_re_regbase.h)
+    # skips a zero count explicitly (`if (currTokenNum == 0) continue;`). The host cannot
+    # check device values. So an empty bucket is computed as an empty copy, here too
+    # (docs/expert-parallel.md).
+    _check_re_routing(tokens, expert_token_num_per_rank, per_token_scales, expert_token_num_type, idx_type,
+                      tokens_dtype)
+    counts = expert_token_num_per_rank
+    ranks, experts = counts.shape
+    values = [int(v) for v in counts.reshape(-1).tolist()]
+    if any(v < 0 for v in values):
+        raise RuntimeError(f"npu_moe_re_routing: negative token counts {values}")
+    if sum(values) != tokens.shape[0]:
+        raise RuntimeError(f"npu_moe_re_routing: the counts add up to {sum(values)} tokens, tokens has "
+                           f"{tokens.shape[0]} rows (Sum(expert_token_num_per_rank) must equal A)")
+    starts = [0]
+    for v in values:
+        starts.append(starts[-1] + v)  # rank-major source offsets
+    pieces = [torch.arange(starts[r * experts + e], starts[r * experts + e] + values[r * experts + e],
+                           dtype=torch.int64, device=tokens.device)
+              for e in range(experts) for r in range(ranks)]
+    index = torch.cat(pieces) if pieces else torch.zeros((0,), dtype=torch.int64, device=tokens.device)
+    scales = (per_token_scales[index] if per_token_scales is not None
+              else tokens.new_zeros((tokens.shape[0],), dtype=torch.float32))  # undefined on the NPU
+    return (tokens[index].contiguous(), scales.contiguous(), index.to(torch.int32),
+            counts.sum(dim=0).to(counts.dtype))

@@ -411,3 +411,14 @@ SCHEMAS["npu"].update({
     ),
 })
 # ---- end of the inference attention block ----
+
+
+# ---- Expert parallel (npu_ops/moe.py, the re_routing block; op_semantics 6.5) ----
+# torch_npu 2.13.0 yaml line 625. Appended as a block of its own.
+SCHEMAS["npu"].update({
+    "npu_moe_re_routing": (
+        "npu_moe_re_routing(Tensor tokens, Tensor expert_token_num_per_rank, *, Tensor? per_token_scales=None, "
+        "int expert_token_num_type=1, int idx_type=0, int? tokens_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+})
+# ---- end of the expert-parallel block ----
