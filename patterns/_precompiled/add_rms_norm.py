@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a792b02cf3c800eb',
+KEY = {'torch': '2.13.0+cpu', 'sources': '80485287573cdc67',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

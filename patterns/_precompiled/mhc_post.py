@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '13450f9c37ec77c7',
+KEY = {'torch': '2.13.0+cpu', 'sources': '325021aad19bdbb6',
        'backward': {'cann_ops_transformer.mhc_post': True, 'npu.npu_mhc_post': True}}
 
 FORMS = {

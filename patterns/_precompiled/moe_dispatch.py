@@ -11,8 +11,8 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ad323d1c1538d8db',
-       'backward': {'npu.npu_grouped_matmul': True, 'npu.npu_moe_finalize_routing': False, 'npu.npu_moe_init_routing_v2': False, 'npu.npu_moe_token_permute': True, 'npu.npu_moe_token_unpermute': True}}
+KEY = {'torch': '2.13.0+cpu', 'sources': 'bab11bf5f9f766bb',
+       'backward': {'npu.npu_grouped_matmul': True, 'npu.npu_moe_finalize_routing': False, 'npu.npu_moe_init_routing_v2': False, 'npu.npu_moe_re_routing': True, 'npu.npu_moe_token_permute': True, 'npu.npu_moe_token_unpermute': True}}
 
 FORMS = {
     'transformers_grouped_mm_experts_npu_swiglu -> init_routing_finalize_grouped_mm_npu_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
@@ -47,6 +47,16 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
     'torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+    'torchtitan_ep_local_reorder -> init_routing_v2_before_the_token_all_to_all @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_init_routing_v2',),
+        'keywords': [('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'dtype', 'torch.bool'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+    'torchtitan_ep_local_reorder -> token_permute_before_the_token_all_to_all @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute',),
+        'keywords': [('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.sort.stable', 'stable', 'True'), ('aten.zeros_like.default', 'dtype', 'torch.bool'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+    'torchtitan_ep_permute -> re_routing_after_the_token_all_to_all @ bfloat16': {'emitted_ops': ('npu.npu_moe_re_routing',),
+        'keywords': [('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.repeat_interleave.Tensor', 'output_size', '40'), ('aten.repeat_interleave.self_Tensor', 'output_size', '40')]},
+    'torchtitan_ep_combine -> finalize_routing_after_the_reverse_all_to_all @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing',),
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+    'torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16': {'emitted_ops': ('npu.npu_moe_token_unpermute',),
+        'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
 }
 
 
@@ -1398,7 +1408,224 @@ def _p37():  # torchtitan_local_dispatch_grouped_experts [forward-npu-cast]
     pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
     return pattern
 
-def _p38():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p38():  # torchtitan_ep_local_reorder [forward]
+    arg_router_scores = KeywordArg('router_scores')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_router_scores, dtype=Ignored(), pin_memory=False)
+    arg_expert_ids = KeywordArg('expert_ids')
+    scatter_value = CallFunction(aten.scatter.value, zeros_like_default, Ignored(), arg_expert_ids, True)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, scatter_value, Ignored())
+    arg_x = KeywordArg('x')
+    view_default = CallFunction(aten.view.default, arg_expert_ids, Ignored())
+    view_default_1 = CallFunction(aten.view.default, view_default, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default_1, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_Tensor,
+      floor_divide_default,
+      operator_getitem
+    ])
+    return pattern
+
+def _p39():  # torchtitan_ep_local_reorder [forward]
+    arg_router_scores = KeywordArg('router_scores')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_router_scores, dtype=Ignored(), pin_memory=False)
+    arg_expert_ids = KeywordArg('expert_ids')
+    scatter_value = CallFunction(aten.scatter.value, zeros_like_default, Ignored(), arg_expert_ids, True)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, scatter_value, Ignored())
+    arg_x = KeywordArg('x')
+    view_default = CallFunction(aten.view.default, arg_expert_ids, Ignored())
+    view_default_1 = CallFunction(aten.view.default, view_default, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default_1, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_Tensor,
+      floor_divide_default,
+      operator_getitem
+    ])
+    return pattern
+
+def _p40():  # torchtitan_ep_permute [forward]
+    arg_received = KeywordArg('received')
+    arg_received_counts = KeywordArg('received_counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_received_counts, Ignored())
+    sub_Tensor = CallFunction(aten.sub.Tensor, cumsum_default, arg_received_counts)
+    arg_ranks = KeywordArg('ranks')
+    view_default = CallFunction(aten.view.default, sub_Tensor, [arg_ranks, Ignored()])
+    t_default = CallFunction(aten.t.default, view_default)
+    clone_default = CallFunction(aten.clone.default, t_default, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    arg_ranks_1 = KeywordArg('ranks')
+    view_default_1 = CallFunction(aten.view.default, arg_received_counts, [arg_ranks_1, Ignored()], _users=2)
+    t_default_1 = CallFunction(aten.t.default, view_default_1)
+    clone_default_1 = CallFunction(aten.clone.default, t_default_1, memory_format=torch.contiguous_format)
+    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=3)
+    repeat_interleave_Tensor = CallFunction(aten.repeat_interleave.Tensor, _unsafe_view_default_1, output_size=Ignored())
+    index_select_default = CallFunction(aten.index_select.default, arange_default, Ignored(), repeat_interleave_Tensor, _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, _unsafe_view_default, [index_select_default])
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    add_Tensor = CallFunction(aten.add.Tensor, index_Tensor, arange_default_1)
+    cumsum_default_1 = CallFunction(aten.cumsum.default, _unsafe_view_default_1, Ignored())
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, cumsum_default_1, _unsafe_view_default_1)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, sub_Tensor_1, [index_select_default])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, add_Tensor, index_Tensor_1, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_received, [sub_Tensor_2])
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_1, Ignored())
+    pattern = MultiOutputPattern([index_Tensor_2,
+      sub_Tensor_2,
+      sum_dim_IntList
+    ])
+    return pattern
+
+def _p41():  # torchtitan_ep_permute [forward-npu]
+    arg_received = KeywordArg('received')
+    arg_received_counts = KeywordArg('received_counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_received_counts, Ignored())
+    sub_Tensor = CallFunction(aten.sub.Tensor, cumsum_default, arg_received_counts)
+    arg_ranks = KeywordArg('ranks')
+    view_default = CallFunction(aten.view.default, sub_Tensor, [arg_ranks, Ignored()])
+    t_default = CallFunction(aten.t.default, view_default)
+    clone_default = CallFunction(aten.clone.default, t_default, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    arg_ranks_1 = KeywordArg('ranks')
+    view_default_1 = CallFunction(aten.view.default, arg_received_counts, [arg_ranks_1, Ignored()], _users=2)
+    t_default_1 = CallFunction(aten.t.default, view_default_1)
+    clone_default_1 = CallFunction(aten.clone.default, t_default_1, memory_format=torch.contiguous_format)
+    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=3)
+    repeat_interleave_self_Tensor = CallFunction(aten.repeat_interleave.self_Tensor, arange_default, _unsafe_view_default_1, output_size=Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, _unsafe_view_default, [repeat_interleave_self_Tensor])
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    add_Tensor = CallFunction(aten.add.Tensor, index_Tensor, arange_default_1)
+    cumsum_default_1 = CallFunction(aten.cumsum.default, _unsafe_view_default_1, Ignored())
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, cumsum_default_1, _unsafe_view_default_1)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, sub_Tensor_1, [repeat_interleave_self_Tensor])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, add_Tensor, index_Tensor_1, _users=2)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_received, [sub_Tensor_2])
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_1, Ignored())
+    pattern = MultiOutputPattern([index_Tensor_2,
+      sub_Tensor_2,
+      sum_dim_IntList
+    ])
+    return pattern
+
+def _p42():  # torchtitan_ep_combine [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored())
+    arg_expert_out = KeywordArg('expert_out')
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_expert_out, view_default_2)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor, _users=0)
+    return pattern
+
+def _p43():  # torchtitan_ep_combine [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored())
+    arg_expert_out = KeywordArg('expert_out')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_expert_out, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p44():  # torchtitan_ep_combine [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored())
+    arg_expert_out = KeywordArg('expert_out')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_expert_out, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_2)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
+    return pattern
+
+def _p45():  # torchtitan_ep_combine [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored())
+    arg_expert_out = KeywordArg('expert_out')
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_expert_out, view_default_2)
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor, _users=0)
+    return pattern
+
+def _p46():  # torchtitan_ep_combine [forward]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored())
+    arg_expert_out = KeywordArg('expert_out')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_expert_out, dtype=Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1, _users=0)
+    return pattern
+
+def _p47():  # torchtitan_ep_combine [forward-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored())
+    arg_expert_out = KeywordArg('expert_out')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_expert_out, Ignored())
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_2)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
+    pattern = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1, _users=0)
+    return pattern
+
+def _p48():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1464,7 +1691,7 @@ def _p38():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p39():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p49():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1530,7 +1757,7 @@ def _p39():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p40():  # transformers_grouped_mm_experts_npu_swiglu [joint]
+def _p50():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1597,7 +1824,7 @@ def _p40():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p41():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
+def _p51():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1664,7 +1891,7 @@ def _p41():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     ])
     return pattern
 
-def _p42():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p52():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -1735,7 +1962,7 @@ def _p42():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p43():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p53():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1807,7 +2034,7 @@ def _p43():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p44():  # transformers_grouped_mm_experts_silu_mul [joint]
+def _p54():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -1879,7 +2106,7 @@ def _p44():  # transformers_grouped_mm_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p45():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
+def _p55():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -1952,7 +2179,7 @@ def _p45():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     ])
     return pattern
 
-def _p46():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint]
+def _p56():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -2041,7 +2268,7 @@ def _p46():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint
     ])
     return pattern
 
-def _p47():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
+def _p57():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2131,7 +2358,7 @@ def _p47():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint
     ])
     return pattern
 
-def _p48():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint]
+def _p58():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint]
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
     view_default = CallFunction(aten.view.default, arg_ids, Ignored())
@@ -2221,7 +2448,7 @@ def _p48():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint
     ])
     return pattern
 
-def _p49():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
+def _p59():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2312,7 +2539,7 @@ def _p49():  # transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu [joint
     ])
     return pattern
 
-def _p50():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
+def _p60():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2375,7 +2602,7 @@ def _p50():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     ])
     return pattern
 
-def _p51():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
+def _p61():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2438,7 +2665,7 @@ def _p51():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-ca
     ])
     return pattern
 
-def _p52():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
+def _p62():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2506,7 +2733,7 @@ def _p52():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     ])
     return pattern
 
-def _p53():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
+def _p63():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2575,7 +2802,7 @@ def _p53():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast
     ])
     return pattern
 
-def _p54():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [joint]
+def _p64():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [joint]
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
     arg_ids = KeywordArg('ids')
@@ -2661,7 +2888,7 @@ def _p54():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swig
     ])
     return pattern
 
-def _p55():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
+def _p65():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu [joint-npu-cast]
     npu = torch.ops.npu
     transformers = torch.ops.transformers
     arg_x = KeywordArg('x')
@@ -2748,7 +2975,7 @@ def _p55():  # transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swig
     ])
     return pattern
 
-def _p56():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p66():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -2835,7 +3062,7 @@ def _p56():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p57():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p67():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -2923,7 +3150,7 @@ def _p57():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p58():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
+def _p68():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -3010,7 +3237,7 @@ def _p58():  # torchtitan_local_dispatch_grouped_experts [joint-npu]
     ])
     return pattern
 
-def _p59():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p69():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -3090,7 +3317,7 @@ def _p59():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p60():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p70():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -3171,7 +3398,7 @@ def _p60():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     ])
     return pattern
 
-def _p61():  # torchtitan_local_dispatch_grouped_experts [joint]
+def _p71():  # torchtitan_local_dispatch_grouped_experts [joint]
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
     zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
@@ -3250,7 +3477,7 @@ def _p61():  # torchtitan_local_dispatch_grouped_experts [joint]
     ])
     return pattern
 
-def _p62():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
+def _p72():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
     npu = torch.ops.npu
     torchtitan = torch.ops.torchtitan
     arg_x = KeywordArg('x')
@@ -3327,6 +3554,294 @@ def _p62():  # torchtitan_local_dispatch_grouped_experts [joint-npu-cast]
       transpose_int_11,
       transpose_int_14,
       None
+    ])
+    return pattern
+
+def _p73():  # torchtitan_ep_local_reorder [joint]
+    arg_router_scores = KeywordArg('router_scores')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_router_scores, dtype=Ignored(), pin_memory=False)
+    arg_expert_ids = KeywordArg('expert_ids')
+    scatter_value = CallFunction(aten.scatter.value, zeros_like_default, Ignored(), arg_expert_ids, True)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, scatter_value, Ignored())
+    arg_x = KeywordArg('x')
+    view_default = CallFunction(aten.view.default, arg_expert_ids, Ignored())
+    view_default_1 = CallFunction(aten.view.default, view_default, Ignored())
+    sort_stable = CallFunction(aten.sort.stable, view_default_1, stable=True)
+    operator_getitem = CallFunction(operator.getitem, sort_stable, 1, _users=2)
+    floor_divide_default = CallFunction(aten.floor_divide.default, operator_getitem, Ignored(), _users=3)
+    index_Tensor = CallFunction(aten.index.Tensor, arg_x, [floor_divide_default])
+    arg_tangents_1 = KeywordArg('tangents_1')
+    new_zeros_default = CallFunction(aten.new_zeros.default, arg_tangents_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [floor_divide_default], arg_tangents_1, True)
+    pattern = MultiOutputPattern([sum_dim_IntList,
+      index_Tensor,
+      floor_divide_default,
+      operator_getitem,
+      index_put_default,
+      None,
+      None
+    ])
+    return pattern
+
+def _p74():  # torchtitan_ep_permute [joint]
+    arg_received = KeywordArg('received')
+    arg_received_counts = KeywordArg('received_counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_received_counts, Ignored())
+    sub_Tensor = CallFunction(aten.sub.Tensor, cumsum_default, arg_received_counts)
+    arg_ranks = KeywordArg('ranks')
+    view_default = CallFunction(aten.view.default, sub_Tensor, [arg_ranks, Ignored()])
+    t_default = CallFunction(aten.t.default, view_default)
+    clone_default = CallFunction(aten.clone.default, t_default, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    arg_ranks_1 = KeywordArg('ranks')
+    view_default_1 = CallFunction(aten.view.default, arg_received_counts, [arg_ranks_1, Ignored()], _users=2)
+    t_default_1 = CallFunction(aten.t.default, view_default_1)
+    clone_default_1 = CallFunction(aten.clone.default, t_default_1, memory_format=torch.contiguous_format)
+    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=3)
+    repeat_interleave_Tensor = CallFunction(aten.repeat_interleave.Tensor, _unsafe_view_default_1, output_size=Ignored())
+    index_select_default = CallFunction(aten.index_select.default, arange_default, Ignored(), repeat_interleave_Tensor, _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, _unsafe_view_default, [index_select_default])
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    add_Tensor = CallFunction(aten.add.Tensor, index_Tensor, arange_default_1)
+    cumsum_default_1 = CallFunction(aten.cumsum.default, _unsafe_view_default_1, Ignored())
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, cumsum_default_1, _unsafe_view_default_1)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, sub_Tensor_1, [index_select_default])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, add_Tensor, index_Tensor_1, _users=3)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_received, [sub_Tensor_2])
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_1, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    new_zeros_default = CallFunction(aten.new_zeros.default, arg_tangents_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [sub_Tensor_2], arg_tangents_1, True)
+    pattern = MultiOutputPattern([index_Tensor_2,
+      sub_Tensor_2,
+      sum_dim_IntList,
+      index_put_default,
+      None,
+      None
+    ])
+    return pattern
+
+def _p75():  # torchtitan_ep_permute [joint-npu]
+    arg_received = KeywordArg('received')
+    arg_received_counts = KeywordArg('received_counts')
+    cumsum_default = CallFunction(aten.cumsum.default, arg_received_counts, Ignored())
+    sub_Tensor = CallFunction(aten.sub.Tensor, cumsum_default, arg_received_counts)
+    arg_ranks = KeywordArg('ranks')
+    view_default = CallFunction(aten.view.default, sub_Tensor, [arg_ranks, Ignored()])
+    t_default = CallFunction(aten.t.default, view_default)
+    clone_default = CallFunction(aten.clone.default, t_default, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
+    arange_default = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    arg_ranks_1 = KeywordArg('ranks')
+    view_default_1 = CallFunction(aten.view.default, arg_received_counts, [arg_ranks_1, Ignored()], _users=2)
+    t_default_1 = CallFunction(aten.t.default, view_default_1)
+    clone_default_1 = CallFunction(aten.clone.default, t_default_1, memory_format=torch.contiguous_format)
+    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=3)
+    repeat_interleave_self_Tensor = CallFunction(aten.repeat_interleave.self_Tensor, arange_default, _unsafe_view_default_1, output_size=Ignored(), _users=2)
+    index_Tensor = CallFunction(aten.index.Tensor, _unsafe_view_default, [repeat_interleave_self_Tensor])
+    arange_default_1 = CallFunction(aten.arange.default, Ignored(), device=Ignored(), pin_memory=False)
+    add_Tensor = CallFunction(aten.add.Tensor, index_Tensor, arange_default_1)
+    cumsum_default_1 = CallFunction(aten.cumsum.default, _unsafe_view_default_1, Ignored())
+    sub_Tensor_1 = CallFunction(aten.sub.Tensor, cumsum_default_1, _unsafe_view_default_1)
+    index_Tensor_1 = CallFunction(aten.index.Tensor, sub_Tensor_1, [repeat_interleave_self_Tensor])
+    sub_Tensor_2 = CallFunction(aten.sub.Tensor, add_Tensor, index_Tensor_1, _users=3)
+    index_Tensor_2 = CallFunction(aten.index.Tensor, arg_received, [sub_Tensor_2])
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, view_default_1, Ignored())
+    arg_tangents_1 = KeywordArg('tangents_1')
+    new_zeros_default = CallFunction(aten.new_zeros.default, arg_tangents_1, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [sub_Tensor_2], arg_tangents_1, True)
+    pattern = MultiOutputPattern([index_Tensor_2,
+      sub_Tensor_2,
+      sum_dim_IntList,
+      index_put_default,
+      None,
+      None
+    ])
+    return pattern
+
+def _p76():  # torchtitan_ep_combine [joint]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored(), _users=2)
+    arg_expert_out = KeywordArg('expert_out')
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_expert_out, view_default_2)
+    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, mul_Tensor)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default, _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, gather_default, view_default_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, gather_default, arg_expert_out)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default_3 = CallFunction(aten.view.default, sum_dim_IntList, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, view_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [arg_perm], view_default_3, True)
+    view_default_4 = CallFunction(aten.view.default, index_put_default, Ignored())
+    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
+      mul_Tensor_1,
+      None,
+      None,
+      None,
+      view_default_4
+    ])
+    return pattern
+
+def _p77():  # torchtitan_ep_combine [joint]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored(), _users=2)
+    arg_expert_out = KeywordArg('expert_out')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_expert_out, dtype=Ignored(), _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
+    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, gather_default, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_2, view_default_2)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, sum_dim_IntList, dtype=Ignored())
+    view_default_3 = CallFunction(aten.view.default, _to_copy_default_4, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, view_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [arg_perm], view_default_3, True)
+    view_default_4 = CallFunction(aten.view.default, index_put_default, Ignored())
+    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
+      _to_copy_default_3,
+      None,
+      None,
+      None,
+      view_default_4
+    ])
+    return pattern
+
+def _p78():  # torchtitan_ep_combine [joint-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored(), _users=2)
+    arg_expert_out = KeywordArg('expert_out')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_expert_out, Ignored(), _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_2)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
+    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default)
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, gather_default, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, view_default_2)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_1, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, sum_dim_IntList, Ignored())
+    view_default_3 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default_2, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, view_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [arg_perm], view_default_3, True)
+    view_default_4 = CallFunction(aten.view.default, index_put_default, Ignored())
+    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
+      npu__npu_dtype_cast_backward_default_1,
+      None,
+      None,
+      None,
+      view_default_4
+    ])
+    return pattern
+
+def _p79():  # torchtitan_ep_combine [joint]
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored(), _users=2)
+    arg_expert_out = KeywordArg('expert_out')
+    _to_copy_default = CallFunction(aten._to_copy.default, arg_expert_out, dtype=Ignored(), _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, view_default_2)
+    _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored())
+    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, _to_copy_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default)
+    _to_copy_default_2 = CallFunction(aten._to_copy.default, gather_default, dtype=Ignored(), layout=torch.strided, device=Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, _to_copy_default_2, view_default_2)
+    _to_copy_default_3 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, _to_copy_default_2, _to_copy_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default_3 = CallFunction(aten.view.default, sum_dim_IntList, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, view_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [arg_perm], view_default_3, True)
+    view_default_4 = CallFunction(aten.view.default, index_put_default, Ignored())
+    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
+      _to_copy_default_3,
+      None,
+      None,
+      None,
+      view_default_4
+    ])
+    return pattern
+
+def _p80():  # torchtitan_ep_combine [joint-npu-cast]
+    npu = torch.ops.npu
+    torchtitan = torch.ops.torchtitan
+    arg_x = KeywordArg('x')
+    zeros_like_default = CallFunction(aten.zeros_like.default, arg_x, pin_memory=False)
+    arg_token = KeywordArg('token')
+    view_default = CallFunction(aten.view.default, arg_token, Ignored())
+    expand_default = CallFunction(aten.expand.default, view_default, Ignored(), _users=2)
+    arg_expert_out = KeywordArg('expert_out')
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_expert_out, Ignored(), _users=2)
+    arg_weights = KeywordArg('weights')
+    view_default_1 = CallFunction(aten.view.default, arg_weights, Ignored())
+    arg_perm = KeywordArg('perm')
+    index_Tensor = CallFunction(aten.index.Tensor, view_default_1, [arg_perm])
+    view_default_2 = CallFunction(aten.view.default, index_Tensor, Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, view_default_2)
+    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored())
+    torchtitan_deterministic_scatter_add_default = CallFunction(torchtitan.deterministic_scatter_add.default, zeros_like_default, expand_default, npu__npu_dtype_cast_default_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    gather_default = CallFunction(aten.gather.default, arg_tangents_1, Ignored(), expand_default)
+    npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, gather_default, Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, view_default_2)
+    npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_1, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_backward_default, npu__npu_dtype_cast_default)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default_3 = CallFunction(aten.view.default, sum_dim_IntList, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, view_default_3, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default = CallFunction(aten.index_put.default, new_zeros_default, [arg_perm], view_default_3, True)
+    view_default_4 = CallFunction(aten.view.default, index_put_default, Ignored())
+    pattern = MultiOutputPattern([torchtitan_deterministic_scatter_add_default,
+      npu__npu_dtype_cast_backward_default_1,
+      None,
+      None,
+      None,
+      view_default_4
     ])
     return pattern
 
@@ -3410,54 +3925,90 @@ REGISTRATIONS = [
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p36),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p37),  # form 15
+    ('torchtitan_ep_local_reorder -> init_routing_v2_before_the_token_all_to_all @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p38),  # form 16
+    ('torchtitan_ep_local_reorder -> token_permute_before_the_token_all_to_all @ float32,bfloat16', 'forward', (),
+     (('call_function', 'aten.sum.dim_IntList'),), _p39),  # form 17
+    ('torchtitan_ep_permute -> re_routing_after_the_token_all_to_all @ bfloat16', 'forward', (),
+     (('call_function', 'aten.index.Tensor'),), _p40),  # form 18
+    ('torchtitan_ep_permute -> re_routing_after_the_token_all_to_all @ bfloat16', 'forward-npu', (),
+     (('call_function', 'aten.index.Tensor'),), _p41),  # form 18
+    ('torchtitan_ep_combine -> finalize_routing_after_the_reverse_all_to_all @ float32,bfloat16', 'forward', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p42),  # form 19
+    ('torchtitan_ep_combine -> finalize_routing_after_the_reverse_all_to_all @ float32,bfloat16', 'forward', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p43),  # form 19
+    ('torchtitan_ep_combine -> finalize_routing_after_the_reverse_all_to_all @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p44),  # form 19
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'forward', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p45),  # form 20
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'forward', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p46),  # form 20
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'forward-npu-cast', (),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p47),  # form 20
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p38),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p48),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p39),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p49),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p40),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p50),  # form 1
     ('transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p41),  # form 1
+     (('call_function', 'aten.sum.dim_IntList'),), _p51),  # form 1
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p42),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p52),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p43),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p53),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p44),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p54),  # form 3
     ('transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p45),  # form 3
+     (('call_function', 'aten.sum.dim_IntList'),), _p55),  # form 3
     ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p46),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p56),  # form 5
     ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p47),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p57),  # form 5
     ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p48),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p58),  # form 5
     ('transformers_grouped_mm_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_clamped_swiglu @ bfloat16', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p49),  # form 5
+     (('call_function', 'aten.sum.dim_IntList'),), _p59),  # form 5
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p50),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p60),  # form 7
     ('transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p51),  # form 7
+     (('call_function', 'aten.sum.dim_IntList'),), _p61),  # form 7
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p52),  # form 9
+     (('call_function', 'aten.sum.dim_IntList'),), _p62),  # form 9
     ('transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p53),  # form 9
+     (('call_function', 'aten.sum.dim_IntList'),), _p63),  # form 9
     ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32', 'joint', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p54),  # form 11
+     (('call_function', 'aten.sum.dim_IntList'),), _p64),  # form 11
     ('transformers_grouped_mm_fallback_experts_deepseek_v4_clamped_swiglu -> token_permute_unpermute_grouped_mm_fallback_clamped_swiglu @ float32', 'joint-npu-cast', ('x', 'weights', 'w_gate_up', 'w_down'),
-     (('call_function', 'aten.sum.dim_IntList'),), _p55),  # form 11
+     (('call_function', 'aten.sum.dim_IntList'),), _p65),  # form 11
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p56),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p66),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p57),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p67),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p58),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p68),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p59),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p69),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p60),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p70),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p61),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p71),  # form 15
     ('torchtitan_local_dispatch_grouped_experts -> token_permute_grouped_mm_unpermute @ float32,bfloat16', 'joint-npu-cast', ('x', 'weights', 'w1', 'w2', 'w3'),
-     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p62),  # form 15
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p72),  # form 15
+    ('torchtitan_ep_local_reorder -> token_permute_before_the_token_all_to_all @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.sum.dim_IntList'),), _p73),  # form 17
+    ('torchtitan_ep_permute -> re_routing_after_the_token_all_to_all @ bfloat16', 'joint', ('received',),
+     (('call_function', 'aten.index.Tensor'),), _p74),  # form 18
+    ('torchtitan_ep_permute -> re_routing_after_the_token_all_to_all @ bfloat16', 'joint-npu', ('received',),
+     (('call_function', 'aten.index.Tensor'),), _p75),  # form 18
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'joint', ('expert_out', 'weights'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p76),  # form 20
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'joint', ('expert_out', 'weights'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p77),  # form 20
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'joint-npu-cast', ('expert_out', 'weights'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p78),  # form 20
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'joint', ('expert_out', 'weights'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p79),  # form 20
+    ('torchtitan_ep_combine -> token_unpermute_after_the_reverse_all_to_all @ float32,bfloat16', 'joint-npu-cast', ('expert_out', 'weights'),
+     (('call_function', 'torchtitan.deterministic_scatter_add.default'),), _p80),  # form 20
 ]

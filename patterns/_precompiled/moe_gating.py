@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c4c39086ee83ae41',
+KEY = {'torch': '2.13.0+cpu', 'sources': '933b48c84ff1013c',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {

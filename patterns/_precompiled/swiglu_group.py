@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '29661dfa0c488c58',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd29119a4454027af',
        'backward': {'cann_ops_nn.swiglu_group': True, 'npu.npu_clipped_swiglu': False}}
 
 FORMS = {
