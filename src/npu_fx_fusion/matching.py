@@ -587,9 +587,9 @@ class FusionPass:
                       location_of(match.nodes), reason)
             run.reject(form, match.nodes, reason)
             return False
-        run.sites.append(FusedSite(self.name, form.name, form.fused_op or self.fused_op,
-                                   location_of(match.nodes), "; ".join(self._notes(site, run)),
-                                   site.verified))
+        run.sites.append(FusedSite.of_match(self.name, form.name, form.fused_op or self.fused_op, match.nodes,
+                                            match.output_nodes(), self.anchor, "; ".join(self._notes(site, run)),
+                                            site.verified))
         return True
 
     def _notes(self, site: Site, run: _PassRun) -> list[str]:
@@ -757,12 +757,13 @@ class FusionPass:
         """Run `matcher` (None: only look for near misses) and report."""
         result = PassResult(self.name)
         self._run = run
-        existing = set(gm.graph.nodes)
+        existing = list(gm.graph.nodes)
         try:
             count = matcher.apply(gm) if matcher is not None else 0
         finally:
             self._run = None
-        _inherit_source_meta([n for n in gm.graph.nodes if n not in existing])
+        kept = set(existing)
+        _inherit_source_meta([n for n in gm.graph.nodes if n not in kept], [n for n in existing if n._erased])  # noqa: SLF001
         if count != len(run.sites):  # the matcher and our bookkeeping must agree
             raise RuntimeError(f"{self.name}: matcher replaced {count} sites, accepted {len(run.sites)}")
         result.sites = run.sites[::-1]  # the matcher walks the graph backwards: source order
@@ -822,12 +823,30 @@ def _reads_tangents(node: Node, memo: dict) -> bool:
 _SOURCE_META = ("stack_trace", "nn_module_stack")
 
 
-def _inherit_source_meta(new_nodes: Sequence[Node]) -> None:
+def _inherit_source_meta(new_nodes: Sequence[Node], erased: Sequence[Node] = ()) -> None:
     """Give replacement nodes the source line of the code they replaced.
 
     The pattern matcher copies it onto the replacement's output node only; the fused op
-    call under a getitem would otherwise have no source line in dumps and reports.
+    call under a getitem would otherwise have no source line in dumps and reports. A
+    replacement that keeps an op of the code it replaces (moe_dispatch keeps the expert
+    GEMMs for grouped_matmul) gives each kept call the line of the call it stands for:
+    the k-th new call of an op that as many `erased` nodes called takes the k-th one's
+    (both in graph order). The rest take their users' (the output's, in the end).
     """
+    erased_by_op: dict[Any, list[Node]] = {}
+    for node in erased:
+        if isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+            erased_by_op.setdefault(node.target, []).append(node)
+    new_by_op: dict[Any, list[Node]] = {}
+    for node in new_nodes:
+        if node.target in erased_by_op:
+            new_by_op.setdefault(node.target, []).append(node)
+    for target, kept in new_by_op.items():
+        if len(kept) == len(erased_by_op[target]):
+            for node, old in zip(kept, erased_by_op[target]):
+                for key in _SOURCE_META:
+                    if key not in node.meta and key in old.meta:
+                        node.meta[key] = old.meta[key]
     for node in reversed(new_nodes):
         for key in _SOURCE_META:
             if key not in node.meta:
