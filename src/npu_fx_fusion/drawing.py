@@ -70,12 +70,14 @@ def drawing_unavailable() -> Optional[str]:
 
 
 def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], title: str,
-              timeout: float = DOT_TIMEOUT) -> Optional[str]:
+              timeout: float = DOT_TIMEOUT, colours: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """SVG text of `gm`'s graph; the nodes of `highlight` filled with a colour per label.
 
     `highlight` maps nodes to a short label (a pass or fused-op name); a legend above the
-    graph lists the labels with their colours. Returns None, and logs, when pydot or
-    Graphviz's `dot` is missing (once per process) or `dot` takes over `timeout` seconds.
+    graph lists the labels with their colours: `colours` ({label: "#rrggbb"}, so that two
+    drawings colour alike), else PALETTE in order of first appearance. Returns None, and
+    logs, when pydot or Graphviz's `dot` is missing (once per process) or `dot` takes over
+    `timeout` seconds.
     """
     global _missing_logged
     missing = drawing_unavailable()
@@ -86,10 +88,11 @@ def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], 
         return None
     import pydot
 
-    colours: dict[str, str] = {}
+    given, colours = colours or {}, {}
     for node in gm.graph.nodes:  # colours in graph order, so the same graph draws the same
         if node in highlight and highlight[node] not in colours:
-            colours[highlight[node]] = PALETTE[len(colours) % len(PALETTE)]
+            label = highlight[node]
+            colours[label] = given.get(label) or PALETTE[len(colours) % len(PALETTE)]
     # A graph returning many values (the saved activations of a training forward, the
     # gradients of a backward) gets no edges into its output: dot routes each through
     # every rank in between, and lays 700 nodes out in minutes instead of seconds. Its

@@ -26,8 +26,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from . import npu_ops
 from .capabilities import detect_soc
 from .config import FusionConfig
+from .dumps import Dumper
 from .matching import FusionPass, canonicalize
-from .report import FusionReport, GraphCost, GraphReport, PassResult, op_counts
+from .report import FusionReport, GraphCost, GraphReport, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -81,43 +82,6 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
-class _Dumper:
-    """Writes graph_NNN_<name>/{before.py, after.py, after.svg} and the report under dump_dir."""
-
-    def __init__(self, dump_dir: Optional[str]):
-        self.dump_dir = dump_dir
-
-    def folder(self, index: int, name: str) -> Optional[str]:
-        if not self.dump_dir:
-            return None
-        path = os.path.join(self.dump_dir, f"graph_{index:03d}_{re.sub(r'[^A-Za-z0-9_]+', '_', name)}")
-        os.makedirs(path, exist_ok=True)
-        return path
-
-    @staticmethod
-    def write(folder: Optional[str], filename: str, text: str) -> None:
-        if folder:
-            with open(os.path.join(folder, filename), "w", encoding="utf-8") as f:
-                f.write(text)
-
-    def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str) -> None:
-        """after.svg: the graph with its fused ops highlighted (needs pydot and Graphviz).
-
-        A drawing is a convenience: one that fails is logged, never an error of the compile.
-        """
-        if not folder:
-            return
-        from .drawing import fused_nodes, graph_svg
-
-        try:
-            svg = graph_svg(gm, fused_nodes(gm), title)
-        except Exception as exc:  # noqa: BLE001 - Graphviz failing must not fail a compile
-            log.warning("could not draw %s: %s: %s", title, type(exc).__name__, exc)
-            return
-        if svg is not None:
-            self.write(folder, "after.svg", svg)
-
-
 # Ops that only convert or re-view a tensor: pure, so two calls on the same input with the
 # same arguments are one value.
 _CONVERSIONS = frozenset({
@@ -150,6 +114,58 @@ def _merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> i
             graph.erase_node(node)
             merged += 1
     return merged
+
+
+# dtype -> the dtypes that hold each of its values exactly (a conversion there and back is
+# the identity): integer widening, float widening, bool into anything.
+_EXACT_IN = {
+    torch.bool: {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.uint8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.int8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.int16: {torch.int32, torch.int64, torch.float32, torch.float64},
+    torch.int32: {torch.int64, torch.float64},
+    torch.float16: {torch.float32, torch.float64},
+    torch.bfloat16: {torch.float32, torch.float64},
+    torch.float32: {torch.float64},
+}
+
+
+def _drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """`convert(convert(x, wide), x.dtype)` -> `x` where `wide` holds every value of x's
+    dtype exactly, when fusion introduced either conversion.
+
+    Two fusions meeting at an integer tensor each convert it to what their own op or the
+    model declares: moe_gating's replacement widens npu_moe_gating_top_k_softmax's int32
+    expert ids to the int64 of the top-k it replaces, moe_dispatch narrows them back to
+    the int32 npu_moe_init_routing_v2 takes. The pair is the identity; the model's own
+    conversions stay. Returns the number of conversions bypassed.
+    """
+    def dtype_only(node: Node) -> Optional[torch.dtype]:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
+            return node.kwargs["dtype"]
+        npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+        if npu_cast is not None and node.target is npu_cast.default and len(node.args) == 2:
+            return node.args[1]
+        return None
+
+    bypassed = 0
+    for outer in list(graph.nodes):
+        to = dtype_only(outer)
+        inner = outer.args[0] if to is not None else None
+        wide = dtype_only(inner) if inner is not None else None
+        source = inner.args[0].meta.get("val") if wide is not None else None
+        if (not isinstance(source, torch.Tensor) or source.dtype != to
+                or wide not in _EXACT_IN.get(to, ()) or {outer, inner} <= original_nodes):
+            continue
+        outer.replace_all_uses_with(inner.args[0])
+        graph.erase_node(outer)
+        if not inner.users:
+            graph.erase_node(inner)
+        bypassed += 1
+    return bypassed
 
 
 def _hashable(value: Any) -> Any:
@@ -207,25 +223,29 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         graph_report.passes.append(_run_one(gm, name, config, soc, mode))
     views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
     _merge_repeated_conversions(gm.graph, original_nodes)
+    _drop_lossless_round_trips(gm.graph, original_nodes)
+    graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
-    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion")
+    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", graph_report)
+    dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
 
 
 def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, "_Dumper", Optional[str]]:
+                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str]]:
     """The graph's report as it is before fusion, and its dump folder with before.py."""
     graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
                                ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
-    dumper = _Dumper(config.dump_dir)
+    dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     dumper.write(folder, "before.py", _graph_code(gm))
+    dumper.keep_before(gm)
     return graph_report, dumper, folder
 
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                  graph_report: GraphReport, start: float, dumper: "_Dumper", folder: Optional[str]) -> None:
+                  graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str]) -> None:
     """Lint, then complete the graph's report, add it to `report`, trace and dump it."""
     gm.graph.lint()
     gm.recompile()
@@ -242,9 +262,7 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
         payload_fn=lambda: json.dumps(graph_report.to_dict()),
     )
     dumper.write(folder, "after.py", _graph_code(gm))
-    if config.dump_dir:
-        dumper.write(config.dump_dir, "report.md", report.to_markdown())
-        dumper.write(config.dump_dir, "report.json", report.to_json())
+    dumper.write_reports(report)
 
 
 def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
