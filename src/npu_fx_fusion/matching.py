@@ -716,7 +716,15 @@ class FusionPass:
         if self.prefilter is not None and not self.prefilter(gm.graph):  # near misses only
             return self._apply(None, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
         self.emitted_ops  # trace the replacements (and check their ops) outside the matcher
-        return self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
+        result = self._apply(self.matcher, gm, _PassRun(soc, mode, verify), anchors=lambda node: True)
+        if result.sites:
+            # torch's matcher inserts a replacement with several outputs at its first one; an
+            # argument an earlier fusion computed next to a later output (rms_norm's `1 + w`
+            # for Gemma's norm, read by add_rms_norm's replacement at the residual add) is
+            # then defined after its use: sort (stable: the rest keeps its order)
+            pm.stable_topological_sort(gm.graph)
+            gm.recompile()
+        return result
 
     def apply_joint(self, gm: torch.fx.GraphModule, soc: Optional[str] = None,
                     mode: Optional[str] = None, verify: bool = False) -> Optional[PassResult]:
