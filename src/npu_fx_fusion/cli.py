@@ -39,7 +39,7 @@ _TOLERANCE_REASONS = {
     torch.float16: "fp16: each fused op may round an ulp or two differently, and later layers carry it",
 }
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")  # transformers' MoE experts
-DOCS = "docs/getting-started.md (\"From the command line\") in the npu-fx-fusion repository"
+DOCS = "docs/getting-started.md (\"From the command line\") and docs/models.md in the npu-fx-fusion repository"
 
 TARGET_FORMS = f"""\
 TARGET forms:

@@ -99,6 +99,10 @@ class FusionConfig:
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
+
+    Bad settings fail at creation, in one line: a field of the wrong type (TypeError), an
+    unknown pass, SoC or mode, a dump_dir that cannot be written (ValueError). The
+    backends and the CLI check the environment when they are made (check_environment).
     """
 
     enable: Optional[AbstractSet[str]] = None

@@ -23,7 +23,7 @@ import contextlib
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -237,14 +237,17 @@ _TINY_WHEN_NONE = {"head_dim": 16, "num_key_value_heads": 2, "num_experts_per_to
 _TINY_TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
-# The few types whose own default config needs one more field to build tiny.
-_GENERIC_FIXUPS: dict[str, dict[str, Any]] = {
-    "mamba2": {"num_heads": 8},  # its config checks hidden_size * expand == num_heads * head_dim
+# The few types whose own default config needs more fields to build tiny: type ->
+# fields(num_layers).
+_GENERIC_FIXUPS: dict[str, Callable[[int], dict[str, Any]]] = {
+    # its config checks hidden_size * expand == num_heads * head_dim
+    "mamba2": lambda layers: {"num_heads": 8},
     # ReformerModelWithLMHead refuses to run as an encoder; its axial position embedding
     # splits hidden_size in two and max_position_embeddings into axial_pos_shape
-    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},
-    # the default leaves layer_types None, which its decoder layers index
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "reformer": lambda layers: {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [16, 16]},
+    # the default leaves layer_types None, which its decoder layers index: conv and
+    # attention layers, as its checkpoints alternate them
+    "lfm2_moe": lambda layers: {"layer_types": (["conv", "full_attention"] * layers)[:layers]},
 }
 
 
@@ -259,10 +262,9 @@ def hf_model_types() -> tuple[str, ...]:
 
     build_hf accepts each of these; HF_MODEL_TYPES are the curated ones among them.
     """
-    transformers = _import_optional("transformers", _HF_INSTALL_HINT)
+    _import_optional("transformers", _HF_INSTALL_HINT)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    del transformers
     return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 
 
@@ -397,7 +399,7 @@ def hf_config(model_type: str, *, num_layers: int = 2, real_dims: bool = False,
     # Only the changed fields go to the constructor: what it derives from them (head_dim,
     # layer_types, rope parameters per layer type) it derives again at the new sizes.
     changed = {key: value for key, value in fields.items() if defaults.get(key) != value}
-    fixups = {} if real_dims else _GENERIC_FIXUPS.get(model_type, {})
+    fixups = {} if real_dims or model_type not in _GENERIC_FIXUPS else _GENERIC_FIXUPS[model_type](num_layers)
     return config_class(**{**changed, **fixups, **config_overrides})
 
 
