@@ -248,6 +248,9 @@ _GENERIC_FIXUPS: dict[str, Callable[[int], dict[str, Any]]] = {
     # the default leaves layer_types None, which its decoder layers index: conv and
     # attention layers, as its checkpoints alternate them
     "lfm2_moe": lambda layers: {"layer_types": (["conv", "full_attention"] * layers)[:layers]},
+    # its last 15 of 35 layers read the KV cache of an earlier layer of their type; a few
+    # layers cannot keep that (no earlier layer of each type), so the tiny build shares none
+    "gemma3n_text": lambda layers: {"num_kv_shared_layers": 0},
 }
 
 
@@ -333,36 +336,52 @@ def _cut_depth(fields: dict[str, Any], num_layers: int) -> dict[str, Any]:
     return out
 
 
-def _shrink(fields: dict[str, Any], config_class: Any) -> dict[str, Any]:
+def _widths(fields: dict[str, Any]) -> set[int]:
+    """Every hidden_size of a config and its sub-configs (the widths other fields repeat)."""
+    found = {fields["hidden_size"]} if isinstance(fields.get("hidden_size"), int) else set()
+    for value in fields.values():
+        if isinstance(value, dict) and "model_type" in value:
+            found |= _widths(value)
+    return found
+
+
+def _shrink(fields: dict[str, Any], config_class: Any, widths: Optional[set[int]] = None) -> dict[str, Any]:
     """`fields` with each _TINY_SIZES field at most its tiny value, special tokens inside
-    the tiny vocabulary; sub-configs (text_config, vision_config, ...) likewise."""
+    the tiny vocabulary; sub-configs (text_config, vision_config, ...) and per-layer
+    overrides (per_layer_config) likewise. A width field that repeats a model width
+    (a vision adapter's adapter_out_dim is the text model's hidden_size) follows it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    widths = _widths(fields) if widths is None else widths
     sizes = dict(_TINY_SIZES)
     for standard, own in getattr(config_class, "attribute_map", {}).items():
         if standard in _TINY_SIZES and own not in sizes:  # gpt2's n_embd is its hidden_size
             sizes[own] = _TINY_SIZES[standard]
     heads = fields.get("num_attention_heads")
-    hidden = fields.get("hidden_size")
     out = {}
     for key, value in fields.items():
-        if (key not in sizes and isinstance(value, int) and not isinstance(value, bool) and value == hidden
-                and key.endswith(("_dim", "_size")) and hidden > _TINY_SIZES["hidden_size"]):
-            value = _TINY_SIZES["hidden_size"]  # a width that is the model width (adapter_in_dim, ...)
-            out[key] = value
-            continue
-        if key in _KV_HEADS and isinstance(value, int) and isinstance(heads, int):
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if key in _KV_HEADS and is_int and isinstance(heads, int):
             value = min(heads, 4) if value == heads else 1 if value == 1 else 2
-        elif key in sizes and isinstance(value, int) and not isinstance(value, bool):
+        elif key in sizes and is_int:
             value = min(value, sizes[key])
+        elif (is_int and value in widths and value > _TINY_SIZES["hidden_size"]
+              and key.endswith(("_dim", "_size", "_size_global"))):
+            value = _TINY_SIZES["hidden_size"]
         elif key in _TINY_WHEN_NONE and value is None:
             value = _TINY_WHEN_NONE[key]
-        elif key in _TINY_TOKENS and isinstance(value, int) and not isinstance(value, bool):
+        elif key in _TINY_TOKENS and is_int:
             value = _TINY_TOKENS[key]
         elif key in _TINY_TOKENS and isinstance(value, list):  # several eos ids
             value = [_TINY_TOKENS[key]]
         elif isinstance(value, dict) and "model_type" in value:
-            value = _shrink(value, CONFIG_MAPPING.get(value["model_type"]))
+            value = _shrink(value, CONFIG_MAPPING.get(value["model_type"]), widths)
+        elif key == "per_layer_config" and isinstance(value, dict):
+            value = {index: _shrink({**layer, "num_attention_heads": layer.get("num_attention_heads", heads)},
+                                    config_class, widths) if isinstance(layer, dict) else layer
+                     for index, layer in value.items()}
+            value = {index: {k: v for k, v in layer.items() if k in fields[key][index]}
+                     if isinstance(layer, dict) else layer for index, layer in value.items()}
         out[key] = value
     return out
 
