@@ -12,8 +12,6 @@ import copy
 import importlib
 import json
 import logging
-import os
-import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -31,6 +29,7 @@ from .matching import FusionPass, canonicalize
 from .report import FusionReport, GraphCost, GraphReport, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
+Node = torch.fx.Node
 
 _UNAVAILABLE = object()
 _loaded_passes: dict[str, Any] = {}
