@@ -251,6 +251,8 @@ _GENERIC_FIXUPS: dict[str, Callable[[int], dict[str, Any]]] = {
     # its last 15 of 35 layers read the KV cache of an earlier layer of their type; a few
     # layers cannot keep that (no earlier layer of each type), so the tiny build shares none
     "gemma3n_text": lambda layers: {"num_kv_shared_layers": 0},
+    # the default leaves the expert counts None, which its experts and shared experts read
+    "dots1": lambda layers: {"n_routed_experts": 8, "n_shared_experts": 1},
     # X-MOD's adapters are per language; its forward needs to know which one
     "xmod": lambda layers: {"default_language": "en_XX"},
 }
