@@ -31,7 +31,7 @@ def _node(graph, target, args, line=None, dtype=torch.float32, shape=(4,)):
     return node
 
 
-def test_a_site_is_located_at_its_anchor_then_its_output():
+def test_a_site_is_located_at_its_output_then_its_anchor():
     npu_ops.ensure_registered()
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -39,9 +39,12 @@ def test_a_site_is_located_at_its_anchor_then_its_output():
     root = _node(graph, aten.rsqrt.default, (square,), line=11)
     out = _node(graph, aten.mul.Tensor, (x, root), line=12)
     nodes = [square, root, out]
-    assert site_location(nodes, [out], lambda n: n.target is aten.rsqrt.default).line == 11
-    assert site_location(nodes, [out]).line == 12  # no anchor: the node the output replaces
+    is_rsqrt = lambda n: n.target is aten.rsqrt.default  # noqa: E731
+    assert site_location(nodes, [out], is_rsqrt).line == 12  # what the fused op's output replaces
+    assert site_location(nodes, [], is_rsqrt).line == 11  # no output given: the anchor
     assert site_location(nodes).line == 10  # neither: the first with a line
+    del out.meta["stack_trace"]
+    assert site_location(nodes, [out], is_rsqrt).line == 11  # an output without a line: the anchor
     assert site_location(nodes, [out]).module == "model.layers.0.mlp"
 
 

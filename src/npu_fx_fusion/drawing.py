@@ -143,13 +143,17 @@ def _quoted(*lines: str) -> str:
     return '"' + "\\n".join(escaped) + '"'
 
 
+LEGEND_COLUMNS = 4  # legend cells per row: a drawing of a small graph stays narrow
+
+
 def _graph_label(title: str, colours: Mapping[str, str]) -> str:
-    """An HTML-like DOT label: the title, then one coloured cell per highlight label."""
-    rows = f'<tr><td colspan="{max(len(colours), 1)}"><b>{html.escape(title, quote=False)}</b></td></tr>'
-    if colours:
-        cells = "".join(f'<td bgcolor="{colour}">{html.escape(label, quote=False)}</td>'
-                        for label, colour in colours.items())
-        rows += f"<tr>{cells}</tr>"
+    """An HTML-like DOT label: the title, then one coloured cell per highlight label, in
+    rows of LEGEND_COLUMNS."""
+    columns = max(min(len(colours), LEGEND_COLUMNS), 1)
+    rows = f'<tr><td colspan="{columns}"><b>{html.escape(title, quote=False)}</b></td></tr>'
+    cells = [f'<td bgcolor="{colour}">{html.escape(label, quote=False)}</td>' for label, colour in colours.items()]
+    for start in range(0, len(cells), columns):
+        rows += f"<tr>{''.join(cells[start:start + columns])}</tr>"
     return f'<<table border="0" cellborder="1" cellspacing="2">{rows}</table>>'
 
 

@@ -101,15 +101,15 @@ def site_location(nodes: Sequence[torch.fx.Node], outputs: Sequence[Optional[tor
     """Where a fused site is in the model's code: the line of the code it replaces.
 
     Among the matched `nodes` that the model computed (not an earlier fusion's op, whose
-    line is that site's): the pass's anchor (the op that makes the site what it is, and
-    where its near misses are reported: rms_norm's rsqrt, grouped_matmul's GEMM), else
-    the node the fused op's first output replaces (`outputs`, the match's output nodes),
-    else the first with a source line.
+    line is that site's): the node the fused op's first output replaces (`outputs`, the
+    match's output nodes: rope's `q_embed = q * cos + rotate_half(q) * sin`, the expert
+    GEMM call), else the pass's anchor (where its near misses are reported), else the
+    first with a source line.
     """
     own = [n for n in nodes if not _made_by_fusion(n)]
-    anchors = [n for n in own if is_anchor is not None and is_anchor(n)]
     replaced_outputs = [n for n in outputs if n is not None and n in own]
-    for candidates in (anchors, replaced_outputs, own):
+    anchors = [n for n in own if is_anchor is not None and is_anchor(n)]
+    for candidates in (replaced_outputs, anchors, own):
         location = location_of(candidates)
         if location.file:
             return location
