@@ -75,6 +75,8 @@ def explain(norm):
 
 PASS = FusionPass(
     name="add_rms_norm",
+    # it folds a residual add into the npu_rms_norm calls rms_norm produces
+    after=("rms_norm",),
     fused_op="npu.npu_add_rms_norm",
     forms=FORMS,
     example={

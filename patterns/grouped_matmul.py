@@ -184,6 +184,8 @@ def explain(node):
 
 PASS = FusionPass(
     name="grouped_matmul",
+    # moe_dispatch matches whole expert blocks, their grouped GEMMs included
+    after=("moe_dispatch",),
     fused_op="npu.npu_grouped_matmul",
     forms=forms,
     # training: x and w carry gradients (through GroupedMatmul); offs is an index

@@ -189,6 +189,9 @@ def explain(topk):
 
 PASS = FusionPass(
     name="lightning_indexer",
+    # the fused indexer pads its indices with -1, which only the fused sparse attention
+    # reads as the model's attention reads its own indices
+    after=("sparse_attention",),
     fused_op="npu.npu_lightning_indexer",
     forms=FORMS,
     example={

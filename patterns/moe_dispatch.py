@@ -312,6 +312,8 @@ def explain(sort):
 
 PASS = FusionPass(
     name="moe_dispatch",
+    # its blocks are also matched with the activation swiglu fused (npu_swiglu forms)
+    after=("swiglu",),
     fused_op="npu.npu_moe_init_routing_v2",
     forms=forms,
     # the token embeddings, routing weights and expert weights train through the block

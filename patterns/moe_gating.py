@@ -51,8 +51,7 @@ without a copy, a graph the form (traced with several groups) does not match.
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.joint import is_joint_graph
-from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, is_joint_graph, tensor_meta
 
 aten = torch.ops.aten
 GATING = CAPABILITIES["npu.npu_moe_gating_top_k_softmax"]
@@ -324,6 +323,9 @@ def _training_reason(scores):
 
 PASS = FusionPass(
     name="moe_gating",
+    # an unsorted (biased) router fuses only once its experts feed a fused dispatch,
+    # which does not depend on their order
+    after=("moe_dispatch",),
     fused_op="npu.npu_moe_gating_top_k_softmax",
     forms=FORMS,
     # A scalar's example value marks it in the trace: each one differs from every other

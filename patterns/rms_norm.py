@@ -19,19 +19,14 @@ aten = torch.ops.aten
 
 # ---- the unfused forms, as model code writes them --------------------------------------
 def hf_llama(x, weight, eps):
-    # transformers LlamaRMSNorm (also Qwen2/Qwen3 incl. q_norm/k_norm, Mistral, DeepSeek-V3)
+    # transformers LlamaRMSNorm (also Qwen2/Qwen3 incl. q_norm/k_norm, Mistral, DeepSeek-V3).
+    # The engine also takes the other spellings of these ops as this form (spellings.py):
+    # the operands of each product in either order, x * x for pow(x, 2), sum / n for the
+    # mean, (v + eps) ** -0.5 for rsqrt, x / sqrt(v) for x * rsqrt(v)
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(x.dtype)
-
-
-def weight_after_cast(x, weight, eps):
-    # the same with the operands of the weight multiply swapped
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return h.to(x.dtype) * weight
 
 
 def weight_before_cast(x, weight, eps):
@@ -47,6 +42,8 @@ def torch_functional(x, weight, eps):
 
 
 def divide_by_sqrt(x, weight, eps):
+    # hf_llama in inference; in training the gradient of a division by sqrt differs from
+    # that of a product with rsqrt, so its joint graph is its own
     h = x.to(torch.float32)
     h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -83,7 +80,6 @@ def npu_rms_norm_unit_weight(x, eps):
 
 FORMS = [
     Form(hf_llama, npu_rms_norm),
-    Form(weight_after_cast, npu_rms_norm),
     Form(weight_before_cast, npu_rms_norm),
     Form(torch_functional, npu_rms_norm),
     Form(divide_by_sqrt, npu_rms_norm),

@@ -4,7 +4,8 @@
 
 `rotate` comes in two layouts (op_semantics.md 3.1):
 - half:       cat(-x2, x1) over the two halves of the head dim (HF rotate_half; Llama,
-              Qwen, Mistral, ...), written with slices, chunk or split;
+              Qwen, Mistral, ...), written with slices, chunk or split (one spelling to
+              the engine: canonical.py), its products and sum in any operand order;
 - interleave: [-x1, x0, -x3, x2, ...] over even/odd pairs, written as GPT-J's
               stack(-odd, even).flatten(-2), or as complex multiplication
               view_as_complex(x.view(..., -1, 2)) * freqs_cis (Meta's Llama code,
@@ -23,8 +24,6 @@ Interleave mode and max-autotune: torchair's GE converter lowers npu_rotary_mul 
 (custom/npu_rotary_mul.py). There the interleaved forms use their half-mode
 alternative: de-interleave x (a copy), rotate halves, interleave the result back.
 """
-import itertools
-
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
@@ -46,12 +45,6 @@ def _rotate_half_chunked(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rotate_half_split(x):
-    half = x.shape[-1] // 2
-    x1, x2 = torch.split(x, [half, x.shape[-1] - half], dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _rotate_every_two(x):
     # GPT-J / CodeGen / GLM "rotate_every_two"
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
@@ -67,25 +60,15 @@ def _interleave(x):
     return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
 
 
-def _apply_forms(rotate, name):
-    """`x * cos + rotate(x) * sin` in every operand order model code uses.
+def _apply_form(rotate, name):
+    """`x * cos + rotate(x) * sin`. The engine matches the products and the sum with their
+    operands in either order (spellings.py), so one spelling serves `cos * x`,
+    `sin * rotate(x)` and the sine term first."""
 
-    The matcher compares argument order literally, so each order is its own search
-    function: cos * x or x * cos, sin * r or r * sin, and either term first.
-    """
-    return [_apply(rotate, name, *order) for order in itertools.product((False, True), repeat=3)]
-
-
-def _apply(rotate, name, cos_first, sin_first, sin_term_first):
     def search(x, cos, sin):
-        cos_term = cos * x if cos_first else x * cos
-        rotated = rotate(x)
-        sin_term = sin * rotated if sin_first else rotated * sin
-        return sin_term + cos_term if sin_term_first else cos_term + sin_term
+        return x * cos + rotate(x) * sin
 
-    spelled = [s for s, on in (("cos*x", cos_first), ("sin*rot", sin_first),
-                               ("sin term first", sin_term_first)) if on]
-    search.__name__ = name + (f"[{', '.join(spelled)}]" if spelled else "")
+    search.__name__ = name
     return search
 
 
@@ -105,13 +88,9 @@ def even_odd_pairs(x, pair_cos, pair_sin):
 
 def complex_multiply(x, freqs):
     # Meta Llama / torchtitan: x is the fp32 activation, freqs complex [.., S, .., D/2]
+    # (freqs * pairs too: a product matches in either operand order)
     pairs = torch.view_as_complex(x.view(*x.shape[:-1], -1, 2))
     return torch.view_as_real(pairs * freqs).flatten(-2)
-
-
-def complex_multiply_freqs_first(x, freqs):
-    pairs = torch.view_as_complex(x.view(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(freqs * pairs).flatten(-2)
 
 
 # ---- the fused calls ---------------------------------------------------------------------
@@ -171,24 +150,23 @@ def rotary_mul_from_complex_via_half(x, freqs):
 # The rotary forms have no casts, so one trace per form matches every dtype.
 _INTERLEAVE_ROPE_FORMS = dict(fused_op="npu.npu_interleave_rope", dtypes=(torch.bfloat16,))
 
+_ROTATE_EVERY_TWO = _apply_form(_rotate_every_two, "rotate_every_two")
+
 FORMS = [
     # larger forms first: they contain a rotate_half the smaller forms would take alone
     Form(deepseek_deinterleave_then_rotate_half, interleave_rope, **_INTERLEAVE_ROPE_FORMS),
     Form(even_odd_pairs, interleave_rope_pair_angles, **_INTERLEAVE_ROPE_FORMS),
     Form(even_odd_pairs, rotary_mul_half_deinterleaved_pair_angles, dtypes=(torch.float32,)),
-    *(Form(search, rotary_mul_half, dtypes=(torch.float32,)) for rotate, name in (
+    # slices, chunk and split are one rotation to the engine (canonical.py); in training
+    # the gradient of slices and of a split differ, hence two forms
+    *(Form(_apply_form(rotate, name), rotary_mul_half, dtypes=(torch.float32,)) for rotate, name in (
         (_rotate_half_sliced, "rotate_half_sliced"),
         (_rotate_half_chunked, "rotate_half_chunked"),
-        (_rotate_half_split, "rotate_half_split"),
-    ) for search in _apply_forms(rotate, name)),
-    *(form for search in _apply_forms(_rotate_every_two, "rotate_every_two") for form in (
-        Form(search, rotary_mul_interleave, dtypes=(torch.float32,)),
-        Form(search, rotary_mul_interleave_via_half, dtypes=(torch.float32,)),
     )),
+    Form(_ROTATE_EVERY_TWO, rotary_mul_interleave, dtypes=(torch.float32,)),
+    Form(_ROTATE_EVERY_TWO, rotary_mul_interleave_via_half, dtypes=(torch.float32,)),
     Form(complex_multiply, rotary_mul_from_complex, dtypes=(torch.float32,)),
     Form(complex_multiply, rotary_mul_from_complex_via_half, dtypes=(torch.float32,)),
-    Form(complex_multiply_freqs_first, rotary_mul_from_complex, dtypes=(torch.float32,)),
-    Form(complex_multiply_freqs_first, rotary_mul_from_complex_via_half, dtypes=(torch.float32,)),
 ]
 
 

@@ -16,6 +16,12 @@ built from aranges) and everything else is not fused. A key listed by the indexe
 hidden by the causal mask (the first queries, where fewer than k keys are visible) is
 hidden by mode 3 too; a fully hidden row gives 0 in both (_safe_softmax, the kernel).
 
+On an NPU the same SDPA call is torch_npu's own kernel (npu_dispatch.py, docs/npu-graph.md):
+on A2/A3 the bool mask becomes Ascend's (True = masked out) with `logical_not` and goes to
+`npu_fusion_attention_v3(q, k, v, N, "BNSD", atten_mask=~mask, scale, inner_precise=2 for
+more than one query, ...)[0]`; on Ascend950 `npu_fusion_attention` with the same arguments.
+Those are the FA forms below, with the same mask proof on the model's own mask.
+
 transformers' attention is not MLA-absorbed: q and k are per head with the rope part
 concatenated (Dqk = nope + rope), v has Dv = nope. The op takes value of key's shape, so
 q and k are split at Dv: the first Dv dims as query / key, the rest as query_rope /
@@ -36,8 +42,7 @@ import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.joint import is_backward
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_backward, is_call, tensor_meta
 
 aten = torch.ops.aten
 SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
@@ -89,6 +94,40 @@ def transformers_sdpa_top_k_mask_upcast_bsnd(query, key, value, indices, mask, s
     return _as_transformers_returns_it(out, query, value)
 
 
+def _top_k_flash_attention(flash_attention, query, key, value, indices, mask, scale):
+    """What torch_npu's scaled_dot_product_attention kernel records for the same call
+    (op-plugin ScaledDotProductAttentionKernelNpuOpApi.cpp, FlashAttention branch): the
+    mask as Ascend's (True = masked out), inner_precise 2 over more than one query row."""
+    batch, heads, queries, _ = query.shape
+    keys = key.shape[-2]
+    index_mask = indices.new_ones((batch, queries, keys), dtype=torch.bool).scatter(-1, indices.long(), False)
+    attn_mask = mask & ~index_mask.unsqueeze(1)
+    inner_precise = 2 if queries > 1 else 0
+    return flash_attention(query, key, value, heads, "BNSD", None, None, torch.logical_not(attn_mask), scale, 1.0,
+                           2147483647, 2147483647, inner_precise, None, None, None, 0, True, False)[0]
+
+
+def transformers_fa_v3_top_k_mask(query, key, value, indices, mask, scale):
+    """The transformers form as an A2/A3 compile records it: SDPA is npu_fusion_attention_v3."""
+    return _top_k_flash_attention(torch.ops.npu.npu_fusion_attention_v3, query, key, value, indices, mask, scale)
+
+
+def transformers_fa_top_k_mask(query, key, value, indices, mask, scale):
+    """The same on Ascend950, where torch_npu's SDPA calls npu_fusion_attention."""
+    return _top_k_flash_attention(torch.ops.npu.npu_fusion_attention, query, key, value, indices, mask, scale)
+
+
+def transformers_fa_v3_top_k_mask_bsnd(query, key, value, indices, mask, scale):
+    """The FA-v3 form as transformers' sdpa_attention_forward returns it (the joint graphs')."""
+    out = transformers_fa_v3_top_k_mask(query, key, value, indices, mask, scale)
+    return _as_transformers_returns_it(out, query, value)
+
+
+def transformers_fa_top_k_mask_bsnd(query, key, value, indices, mask, scale):
+    out = transformers_fa_top_k_mask(query, key, value, indices, mask, scale)
+    return _as_transformers_returns_it(out, query, value)
+
+
 def _mla_gathered(q_nope, q_rope, kv, k_rope, indices, scale, causal):
     batch = torch.arange(indices.shape[0], device=indices.device).view(-1, 1, 1)
     keys = indices.clamp(min=0).long()
@@ -130,8 +169,9 @@ def _training(*tensors):
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode, bsnd_out=False):
-    """(B, N, S, D) in, (B, N, S, Dv) out (bsnd_out: (B, S, N, Dv)); the op works in BSND."""
+def _sparse_flash_attention(query, key, value, indices, scale_value, sparse_mode, bsnd_out=False):
+    """(B, N, S, D) in, (B, N, S, Dv) out (bsnd_out: (B, S, N, Dv)); the op works in BSND.
+    The math forms scale q and k by sqrt(scale) each, the FA forms pass the scale itself."""
     dim_v = value.shape[-1]
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     rope = {}
@@ -141,25 +181,42 @@ def _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode,
     heads_kv = k.shape[2]
     sparse_indices = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, heads_kv, -1)
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
-        q, k, v, sparse_indices, sqrt_scale * sqrt_scale, layout_query="BSND", layout_kv="BSND",
+        q, k, v, sparse_indices, scale_value, layout_query="BSND", layout_kv="BSND",
         sparse_mode=sparse_mode, return_softmax_lse=_training(query, key, value), **rope)
     return out if bsnd_out else out.transpose(1, 2)
 
 
 def npu_sparse_flash_attention_causal(query, key, value, indices, mask, sqrt_scale):
-    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=3)
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale * sqrt_scale, sparse_mode=3)
 
 
 def npu_sparse_flash_attention_unmasked(query, key, value, indices, mask, sqrt_scale):
-    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0)
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale * sqrt_scale, sparse_mode=0)
 
 
 def npu_sparse_flash_attention_causal_bsnd(query, key, value, indices, mask, sqrt_scale):
-    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=3, bsnd_out=True)
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale * sqrt_scale, sparse_mode=3, bsnd_out=True)
 
 
 def npu_sparse_flash_attention_unmasked_bsnd(query, key, value, indices, mask, sqrt_scale):
-    return _sparse_flash_attention(query, key, value, indices, sqrt_scale, sparse_mode=0, bsnd_out=True)
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale * sqrt_scale, sparse_mode=0, bsnd_out=True)
+
+
+# the FA forms' replacements: the scale as the model passed it
+def npu_sparse_flash_attention_from_fa_causal(query, key, value, indices, mask, scale):
+    return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=3)
+
+
+def npu_sparse_flash_attention_from_fa_unmasked(query, key, value, indices, mask, scale):
+    return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=0)
+
+
+def npu_sparse_flash_attention_from_fa_causal_bsnd(query, key, value, indices, mask, scale):
+    return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=3, bsnd_out=True)
+
+
+def npu_sparse_flash_attention_from_fa_unmasked_bsnd(query, key, value, indices, mask, scale):
+    return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=0, bsnd_out=True)
 
 
 def _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode):
@@ -209,11 +266,23 @@ FORMS = [
          dtypes=(torch.bfloat16, torch.float16), grad_subsets=_FORWARD_ONLY),
     Form(transformers_sdpa_top_k_mask_upcast, npu_sparse_flash_attention_unmasked,
          dtypes=(torch.bfloat16, torch.float16), grad_subsets=_FORWARD_ONLY),
+    # NPU dispatch (npu_dispatch.py): SDPA as torch_npu's FlashAttention records it, A2/A3 and
+    # Ascend950; it takes half inputs itself, so one form serves every dtype
+    *(Form(search, replace, grad_subsets=subsets)
+      for fa_form, fa_form_bsnd in ((transformers_fa_v3_top_k_mask, transformers_fa_v3_top_k_mask_bsnd),
+                                    (transformers_fa_top_k_mask, transformers_fa_top_k_mask_bsnd))
+      for search, replace, subsets in (
+          (fa_form_bsnd, npu_sparse_flash_attention_from_fa_causal_bsnd, _QKV),
+          (fa_form_bsnd, npu_sparse_flash_attention_from_fa_unmasked_bsnd, _QKV),
+          (fa_form, npu_sparse_flash_attention_from_fa_causal, _FORWARD_ONLY),
+          (fa_form, npu_sparse_flash_attention_from_fa_unmasked, _FORWARD_ONLY))),
     Form(mla_gathered_top_k_causal, npu_sparse_flash_attention_mla_causal, grad_subsets=_MLA),
     Form(mla_gathered_top_k, npu_sparse_flash_attention_mla, grad_subsets=_MLA),
 ]
 _MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
-         npu_sparse_flash_attention_causal_bsnd: 3, npu_sparse_flash_attention_unmasked_bsnd: 0}
+         npu_sparse_flash_attention_causal_bsnd: 3, npu_sparse_flash_attention_unmasked_bsnd: 0,
+         npu_sparse_flash_attention_from_fa_causal: 3, npu_sparse_flash_attention_from_fa_unmasked: 0,
+         npu_sparse_flash_attention_from_fa_causal_bsnd: 3, npu_sparse_flash_attention_from_fa_unmasked_bsnd: 0}
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -328,15 +397,18 @@ def explain(node):
         return ("keys gathered by clamped top-k indices, in a form other than the absorbed MLA "
                 "attention (latent and rope keys gathered, einsum scores, -1 slots masked, softmax)")
     return ("a top-k key mask that reaches no attention of the transformers form (the mask "
-            "and-ed into the causal mask, SDPA's math decomposition)")
+            "and-ed into the causal mask, then SDPA's math decomposition or, as an NPU compile records "
+            "SDPA, logical_not into npu_fusion_attention_v3 / npu_fusion_attention)")
 
 
 def could_match(graph):
     """Whether the graph holds the ops every form needs: the top-k mask's scatter and SDPA's
-    _safe_softmax (transformers), or the clamp and gather of the keys (absorbed MLA). Its
+    _safe_softmax or torch_npu's FlashAttention (transformers), or the clamp and gather of the
+    keys (absorbed MLA). Its
     many forms (joint ones especially) take seconds to register."""
     targets = {node.target for node in graph.nodes if node.op == "call_function"}
-    return ({aten.scatter.value, aten._safe_softmax.default} <= targets
+    flash = {torch.ops.npu.npu_fusion_attention_v3.default, torch.ops.npu.npu_fusion_attention.default}
+    return ((aten.scatter.value in targets and (aten._safe_softmax.default in targets or flash & targets))
             or {aten.clamp.default, aten.index.Tensor} <= targets)
 
 

@@ -26,38 +26,19 @@ SWIGLU = CAPABILITIES["npu.npu_swiglu"]
 
 # ---- the unfused forms --------------------------------------------------------------------
 def chunked(x):
-    # transformers MoE experts (grouped_mm / batched_mm): gate, up = gate_up.chunk(2, -1)
+    # transformers MoE experts (grouped_mm / batched_mm): gate, up = gate_up.chunk(2, -1);
+    # Phi-3 / GLM-4 MLP: up_states * self.activation_fn(gate); torch.split(x, [h, h], -1).
+    # The engine reads a split as its slices and a product in either order, and
+    # g * sigmoid(g) as silu(g) (canonical.py, spellings.py): one form for all of them.
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def chunked_up_first(x):
-    # Phi-3 / GLM-4 MLP: up_states * self.activation_fn(gate)
-    gate, up = x.chunk(2, dim=-1)
-    return up * F.silu(gate)
 
 
 def sliced(x):
-    # vLLM SiluAndMul
+    # vLLM SiluAndMul: the same in inference; in training its gradient reaches x through
+    # two slice_backwards where a split's comes back as one cat, so the joint graph differs
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
-
-
-def sliced_up_first(x):
-    half = x.shape[-1] // 2
-    return x[..., half:] * F.silu(x[..., :half])
-
-
-def split(x):
-    half = x.shape[-1] // 2
-    gate, up = torch.split(x, [half, x.shape[-1] - half], dim=-1)
-    return F.silu(gate) * up
-
-
-def split_up_first(x):
-    half = x.shape[-1] // 2
-    gate, up = torch.split(x, [half, x.shape[-1] - half], dim=-1)
-    return up * F.silu(gate)
 
 
 # ---- the fused call -----------------------------------------------------------------------
@@ -66,8 +47,7 @@ def npu_swiglu(x):
     return torch.ops.npu.npu_swiglu(x.contiguous(), -1)
 
 
-FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,))
-         for search in (chunked, chunked_up_first, sliced, sliced_up_first, split, split_up_first)]
+FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,)) for search in (chunked, sliced)]
 
 
 # ---- checks -------------------------------------------------------------------------------

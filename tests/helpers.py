@@ -152,12 +152,19 @@ class RecordingBackend(EmulationBackend):
         return compiled
 
 
+# npu ops torch_npu's own dispatch puts into an NPU graph (npu_dispatch.py): SDPA's
+# FlashAttention and softmax's casts, there before any pass runs
+DISPATCH_OPS = ("npu_fusion_attention_v3", "npu_fusion_attention_grad_v3", "npu_fusion_attention",
+                "npu_fusion_attention_grad")
+
+
 def npu_ops(gm) -> dict:
-    """{"npu_rms_norm": n, ...} of the npu ops a graph calls (not torch_npu's casts)."""
+    """{"npu_rms_norm": n, ...} of the npu ops a graph calls (not torch_npu's casts, nor the
+    FlashAttention its SDPA kernel calls in an NPU graph: DISPATCH_OPS)."""
     counts = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and str(node.target).startswith("npu."):
             name = str(node.target).split(".")[1]
-            if not name.startswith("_npu_dtype_cast"):
+            if not name.startswith("_npu_dtype_cast") and name not in DISPATCH_OPS:
                 counts[name] = counts.get(name, 0) + 1
     return counts

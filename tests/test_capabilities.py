@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from npu_fx_fusion import FusionConfig, capabilities
+from npu_fx_fusion.accept import apply_pass
 from npu_fx_fusion.backend import FusionPipeline
 from npu_fx_fusion.config import PASS_NAMES
 from npu_fx_fusion.pipeline import load_pass
+from npu_fx_fusion.registry import pattern_set
 from helpers import ScaleShiftFusion
 from torchair_harness.runner import torch_npu_dir_or_skip
 
@@ -25,7 +27,7 @@ IMPLEMENTED = [name for name in PASS_NAMES if load_pass(name) is not None]
 
 @pytest.mark.parametrize("name", IMPLEMENTED)
 def test_every_op_a_pass_emits_is_in_the_table(name):
-    emitted = load_pass(name).emitted_ops  # raises KeyError for an op missing from the table
+    emitted = pattern_set(load_pass(name)).emitted_ops  # raises KeyError for an op missing from the table
     assert all(ops for ops in emitted.values()), f"{name}: a form emits no fused op: {emitted}"
     for ops in emitted.values():
         assert set(ops) <= set(capabilities.CAPABILITIES), ops
@@ -77,7 +79,7 @@ def no_converter_op(monkeypatch):
 @pytest.mark.parametrize("mode, fuses", [("max-autotune", False), ("reduce-overhead", True),
                                          ("npugraph_ex", True), (None, True)])
 def test_an_op_without_ge_converter_is_not_emitted_in_max_autotune(no_converter_op, mode, fuses):
-    result = _test_pass().apply(_graph(), mode=mode)
+    result = apply_pass(_test_pass(), _graph(), mode=mode)
     assert len(result.sites) == int(fuses), result
     if fuses:
         assert result.near_misses == []
@@ -92,7 +94,7 @@ def test_an_op_without_ge_converter_is_not_emitted_in_max_autotune(no_converter_
 
 def test_an_op_missing_from_the_table_cannot_be_emitted():
     with pytest.raises(KeyError, match="no entry in capabilities.CAPABILITIES"):
-        _test_pass().apply(_graph())
+        apply_pass(_test_pass(), _graph())
 
 
 def test_the_pipeline_takes_the_mode_from_torchairs_config(no_converter_op):

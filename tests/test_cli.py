@@ -61,12 +61,15 @@ def test_pass_table_says_how_many_norms_were_folded(qwen3_moe):
 
 
 def test_op_table_keeps_the_view_to_reshape_step_apart(qwen3_moe):
-    _, out, _ = qwen3_moe
+    _, out, report = qwen3_moe
     table = [line for line in out.splitlines() if line.startswith("| aten.") or line.startswith("| npu.")]
     assert table and not [row for row in table if row.startswith(("| aten.view.", "| aten.reshape."))]
     assert not any(line.startswith("| getitem") for line in out.splitlines())
     (note,) = [line for line in out.splitlines() if line.startswith("Views after fused ops became reshapes")]
-    assert "aten.view.default 31 -> 0" in note and "aten.reshape.default 0 -> 25" in note
+    (graph,) = report.graphs
+    views, reshapes = graph.ops_before["aten.view.default"], graph.ops_after["aten.reshape.default"]
+    assert views > reshapes > 0 and graph.ops_after["aten.view.default"] == graph.ops_before["aten.reshape.default"] == 0
+    assert f"aten.view.default {views} -> 0" in note and f"aten.reshape.default 0 -> {reshapes}" in note
 
 
 def test_conversions_fusion_adds_are_explained(qwen3_moe):
@@ -82,7 +85,7 @@ def test_conversions_fusion_adds_are_explained(qwen3_moe):
     assert int(before) - removed + added == int(after) and added == 4, row
     assert f"{chain} (x2)" in why
     # the int32 -> int64 -> int32 round trip of the expert ids between the fused router and
-    # the fused dispatch is gone, not explained (pipeline._drop_lossless_round_trips)
+    # the fused dispatch is gone, not explained (cleanup.drop_lossless_round_trips)
     assert not [what for what in graph.conversions_added if "npu_moe_init_routing_v2" in what]
 
 
@@ -242,3 +245,16 @@ def test_console_script_runs_as_a_process_and_says_what_it_dumped(tmp_path):
     assert {"report.html", "report.md", "report.json", "graph_000_inference/after.py"} <= set(described)
     for path, what in described.items():
         assert what == FILES[os.path.basename(path)]
+
+
+@pytest.mark.parametrize("flag, graph", [((), "NPU graph"), (("--no-npu-dispatch",), "CPU graph")])
+def test_the_report_says_which_graph_it_fused(capsys, flag, graph):
+    code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", *flag)
+    assert code == 0, out
+    assert f"Graphs fused: {graph}" in out
+    code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", "--format", "json", *flag)
+    doc = json.loads(out)["report"]
+    assert doc["graph_source"].startswith(graph)
+    # an NPU compile holds llama's SDPA as torch_npu's FlashAttention, the CPU trace does not
+    ops = doc["graphs"][0]["ops_before"]
+    assert ("npu.npu_fusion_attention_v3.default" in ops) == (graph == "NPU graph"), ops

@@ -1,5 +1,8 @@
 """Third-party model code: every site of every implemented pass fuses in tiny models.
 
+Each model is compiled twice: with NPU dispatch emulated (the default: the graph an NPU
+compile holds, npu_dispatch.py) and on the plain CPU trace; both must fuse the same sites.
+
 One compile per model checks all passes at once: the exact number of fused sites per
 pass, no near miss left for the passes that should cover the model completely, and the
 logits. fp32 tolerance: the fused ops compute the same fp32 arithmetic (in another
@@ -100,12 +103,38 @@ def _check_fusion(report, expected: Expected, unfused_routers=0):
     assert all(site.location.module and site.location.line for site in report.sites)
 
 
+def _sites(report):
+    """Each fused site as (pass, fused op, module): the same sites whichever graph they fused
+    in (the form, and so the source line it is reported at, differs: FA-v3 under NPU
+    dispatch, SDPA's CPU decomposition without)."""
+    return sorted((s.pass_name, s.fused_op, s.location.module) for s in report.sites)
+
+
+def _both_ways(tiny, expected, unfused_routers=0):
+    """Compile with NPU dispatch emulated (the default) and without; check each and compare.
+
+    A site that fuses in one graph and not in the other fails here: the passes must match
+    the NPU spelling (what an NPU compile holds) as well as the plain CPU trace."""
+    results = {}
+    for npu_dispatch in (True, False):
+        out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs,
+                                           config=nff.FusionConfig(npu_dispatch=npu_dispatch))
+        assert report.graph_source.startswith("NPU graph" if npu_dispatch else "CPU graph")
+        _check_fusion(report, expected, unfused_routers=unfused_routers)
+        results[npu_dispatch] = out, ref, report
+    (npu_out, ref, npu_report), (cpu_out, _, cpu_report) = results[True], results[False]
+    assert _sites(npu_report) == _sites(cpu_report)
+    # the npu ops the passes added (an NPU graph holds npu_fusion_attention_v3 before any pass)
+    assert npu_report.fused_ops == cpu_report.fused_ops
+    return npu_out, cpu_out, ref, npu_report
+
+
 @pytest.mark.parametrize("expected", MODELS, ids=[m.id for m in MODELS])
 def test_every_site_fuses_and_logits_match(expected):
     tiny = expected.build(expected.name, **expected.kwargs)
-    out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
-    _check_fusion(report, expected)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    npu_out, cpu_out, ref, _ = _both_ways(tiny, expected)
+    torch.testing.assert_close(npu_out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_out, ref, rtol=1e-4, atol=1e-4)
 
 
 BF16 = [m for m in MODELS if m.name in ("llama", "glm4", "deepseek_v32") or m.build is build_torchtitan]
@@ -116,10 +145,27 @@ def test_bf16_models_fuse_every_site(expected):
     # the forms with casts (norms, the complex rotary's fp32 island) must be found in
     # real bf16 model code; the logits stay close.
     tiny = expected.build(expected.name, dtype=torch.bfloat16, **expected.kwargs)
-    out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
-    _check_fusion(report, expected, unfused_routers=expected.bf16_unfused_routers)
-    cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
-    assert cosine > 0.999
+    npu_out, cpu_out, ref, _ = _both_ways(tiny, expected, unfused_routers=expected.bf16_unfused_routers)
+    for out in (npu_out, cpu_out):
+        cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
+        assert cosine > 0.999
+
+
+def test_deepseek_v32_sdpa_fuses_as_an_npu_compile_holds_it():
+    """The issue's done-when: under NPU dispatch (A2/A3), transformers' DeepSeek-V3.2 with SDPA
+    attention reaches the graph as npu_fusion_attention_v3 fed by logical_not of its top-k
+    mask, and still fuses its indexer and sparse attention in both layers, logits as eager."""
+    expected = next(m for m in MODELS if m.name == "deepseek_v32")
+    tiny = expected.build(expected.name)
+    out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)  # the default config
+    before = report.graphs[0].ops_before
+    assert before["npu.npu_fusion_attention_v3.default"] == 2 and before["aten.logical_not.default"] >= 2
+    assert before["aten._safe_softmax.default"] == 0  # no CPU decomposition of SDPA left
+    assert report.counts["sparse_attention"] == report.counts["lightning_indexer"] == 2
+    layers = {s.location.module.split(".self_attn")[0] for s in report.sites if s.pass_name == "sparse_attention"}
+    assert layers == {"lm.model.layers.0", "lm.model.layers.1"}
+    assert report.graphs[0].ops_after["npu.npu_fusion_attention_v3.default"] == 0
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_dynamic_sequence_length():

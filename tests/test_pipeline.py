@@ -18,22 +18,28 @@ def _graph(module=None, dtype=torch.float32):
     return make_fx(module)(x), module, x
 
 
-class _ExplodingPass:
-    """Mutates the graph, then raises: the pipeline must restore the graph."""
+def _ExplodingPass():
+    """rms_norm, with a check that mutates the graph, then raises: the pipeline must
+    restore the graph."""
+    from npu_fx_fusion.matching import FusionPass
 
-    name = "rms_norm"
+    real = pipeline.load_pass("rms_norm")
 
-    def apply(self, gm, soc=None, mode=None, verify=False):
-        for node in gm.graph.nodes:
+    def check(site):
+        for node in site.nodes[0].graph.nodes:
             if node.op == "call_function":
                 node.target = torch.ops.aten.sub.Tensor  # vandalise
         raise RuntimeError("boom")
+
+    return FusionPass(name="rms_norm", fused_op=real.fused_op, forms=real.forms, example=real.example,
+                      check=check, anchor=real.anchor, explain=real.explain)
 
 
 def test_a_failing_pass_is_reverted_and_reported(monkeypatch, caplog):
     gm, module, x = _graph()
     before = gm.code
-    monkeypatch.setattr(pipeline, "load_pass", lambda name: _ExplodingPass() if name == "rms_norm" else None)
+    exploding = _ExplodingPass()
+    monkeypatch.setattr(pipeline, "load_pass", lambda name: exploding if name == "rms_norm" else None)
     with caplog.at_level(logging.WARNING, logger="npu_fx_fusion"):
         report = nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}))
     assert gm.code == before
@@ -44,7 +50,8 @@ def test_a_failing_pass_is_reverted_and_reported(monkeypatch, caplog):
 
 def test_strict_mode_reraises(monkeypatch):
     gm, _, _ = _graph()
-    monkeypatch.setattr(pipeline, "load_pass", lambda name: _ExplodingPass())
+    exploding = _ExplodingPass()
+    monkeypatch.setattr(pipeline, "load_pass", lambda name: exploding)
     with pytest.raises(RuntimeError, match="boom"):
         nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}, strict=True))
 
@@ -105,7 +112,7 @@ def test_report_renders_sites_near_misses_and_op_counts():
 
 
 def test_repeated_conversions_that_fusion_adds_are_merged_and_the_models_own_stay():
-    from npu_fx_fusion.pipeline import _merge_repeated_conversions
+    from npu_fx_fusion.cleanup import merge_repeated_conversions
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -116,6 +123,6 @@ def test_repeated_conversions_that_fusion_adds_are_merged_and_the_models_own_sta
     new = graph.call_function(cast, (x,), {"dtype": torch.int32})  # a replacement's repeat
     other = graph.call_function(cast, (x,), {"dtype": torch.int64})  # another conversion
     graph.output((model_a, model_b, new, other))
-    assert _merge_repeated_conversions(graph, original) == 1
+    assert merge_repeated_conversions(graph, original) == 1
     (output,) = [n for n in graph.nodes if n.op == "output"]
     assert output.args[0] == (model_a, model_b, model_a, other)

@@ -10,8 +10,8 @@ import torch
 import torch.fx
 
 from npu_fx_fusion import npu_ops
-from npu_fx_fusion.matching import _inherit_source_meta
-from npu_fx_fusion.pipeline import _drop_lossless_round_trips
+from npu_fx_fusion.accept import _inherit_kept_calls, _inherit_source_meta
+from npu_fx_fusion.cleanup import drop_lossless_round_trips
 from npu_fx_fusion.report import (FusedSite, GraphReport, PassResult, SourceLocation, added_conversions,
                                   op_table, pass_table, site_location)
 
@@ -75,7 +75,8 @@ def test_a_kept_op_keeps_the_line_of_the_call_it_stands_for():
     combine = _node(graph, aten.sum.default, (extra,), line=99)
     for node in old:
         graph.erase_node(node)
-    _inherit_source_meta([*new, extra, combine], old)
+    _inherit_kept_calls([*new, extra, combine], old)  # per site, as accept.py does
+    _inherit_source_meta([*new, extra, combine])  # then, for the pass, the rest from their users
     assert [SourceLocation.of(n).line for n in new] == [40, 41]
     assert SourceLocation.of(extra).line == 99  # not a kept op: its user's line
     # as many kept calls as replaced ones, or none is paired (which would be which?)
@@ -85,7 +86,8 @@ def test_a_kept_op_keeps_the_line_of_the_call_it_stands_for():
     new2 = [_node(graph2, aten.mm.default, (y, y)) for _ in range(2)]
     out = _node(graph2, aten.add.Tensor, tuple(new2), line=77)
     graph2.erase_node(old2[0])
-    _inherit_source_meta([*new2, out], old2)
+    _inherit_kept_calls([*new2, out], old2)
+    _inherit_source_meta([*new2, out])
     assert [SourceLocation.of(n).line for n in new2] == [77, 77]
 
 
@@ -152,7 +154,7 @@ def _conversion_graph():
 
 def test_round_trips_fusion_added_are_dropped_when_exact():
     graph, original, nodes = _conversion_graph()
-    assert _drop_lossless_round_trips(graph, original) == 1
+    assert drop_lossless_round_trips(graph, original) == 1
     graph.lint()
     gather, take = next(n for n in graph.nodes if n.op == "output").args[0]
     assert gather.args[2] is nodes["x"]  # int32 -> int64 -> int32: the identity, gone
@@ -162,7 +164,7 @@ def test_round_trips_fusion_added_are_dropped_when_exact():
 
 def test_added_conversions_describe_chains_and_readers():
     graph, original, _ = _conversion_graph()
-    _drop_lossless_round_trips(graph, original)
+    drop_lossless_round_trips(graph, original)
     added = added_conversions(graph, original)
     assert added == Counter({"aten._to_copy: int64 -> int32 -> int64 for aten.take(index)": 1})
     report = GraphReport("inference", nodes_before=0, conversions_added=added,

@@ -78,9 +78,16 @@ def _hidden(dtype=torch.float32, seq=SEQ):
     return torch.randn(2, seq, 64).to(dtype)
 
 
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
 @pytest.mark.parametrize("index_topk", [4, 8, 12])
-def test_indexer_and_sparse_attention_fuse_under_the_causal_mask(index_topk):
-    out, ref, report = compile_and_run(AttentionLayer(index_topk), _hidden(), config=BOTH)
+def test_indexer_and_sparse_attention_fuse_under_the_causal_mask(index_topk, npu_dispatch):
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, npu_dispatch=npu_dispatch)
+    out, ref, report = compile_and_run(AttentionLayer(index_topk), _hidden(), config=config)
+    # an NPU compile holds SDPA as torch_npu's FlashAttention (npu_dispatch.py), the CPU
+    # trace as SDPA's math decomposition: the FA forms and the math forms fuse the same site
+    before = report.graphs[0].ops_before
+    assert (before["npu.npu_fusion_attention_v3.default"] == 1) == npu_dispatch
+    assert (before["aten._safe_softmax.default"] == 1) != npu_dispatch
     assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
     assert report.fused_ops == {"npu.npu_sparse_flash_attention": 1, "npu.npu_lightning_indexer": 1}
     # the first index_topk - 1 queries see fewer than index_topk keys: the op pads with -1
@@ -88,8 +95,10 @@ def test_indexer_and_sparse_attention_fuse_under_the_causal_mask(index_topk):
     assert_close_at_scale(out, ref, 4)
 
 
-def test_without_a_mask_both_fuse_with_sparse_mode_0():
-    out, ref, report = compile_and_run(AttentionLayer(mask="full"), _hidden(), config=BOTH)
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+def test_without_a_mask_both_fuse_with_sparse_mode_0(npu_dispatch):
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, npu_dispatch=npu_dispatch)
+    out, ref, report = compile_and_run(AttentionLayer(mask="full"), _hidden(), config=config)
     assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
     assert_close_at_scale(out, ref, 4)
     # the causal replacement is turned down first, and the site says why mode 0 serves
@@ -119,10 +128,12 @@ def test_the_indexer_alone_does_not_fuse_where_its_indices_feed_the_models_own_m
     ("window", "neither right-down causal nor empty"),
     ("input", "computed from graph inputs"),
 ], ids=["sliding window", "caller's mask"])
-def test_masks_the_op_cannot_express_are_not_fused(mask, reason):
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+def test_masks_the_op_cannot_express_are_not_fused(mask, reason, npu_dispatch):
     layer = AttentionLayer(mask=mask)
     inputs = (_hidden(),) if mask != "input" else (_hidden(), _window_mask(SEQ, SEQ, SEQ + 1))
-    out, ref, report = compile_and_run(layer, *inputs, config=BOTH)
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, npu_dispatch=npu_dispatch)
+    out, ref, report = compile_and_run(layer, *inputs, config=config)
     assert report.counts["sparse_attention"] == 0 and report.counts["lightning_indexer"] == 0
     for pass_name in ("sparse_attention", "lightning_indexer"):
         misses = near_miss_reasons(report, pass_name)
@@ -138,6 +149,38 @@ def test_an_soc_with_the_kernels_limits_refuses_the_tiny_head_dims():
     assert report.counts["sparse_attention"] == 0
     (miss,) = near_miss_reasons(report, "sparse_attention")
     assert "head dim 16, the kernels take 512" in miss, miss
+
+
+def test_on_ascend950_the_npu_fusion_attention_form_is_matched():
+    """Ascend950's SDPA is npu_fusion_attention: its FA form matches (then the SoC's limits
+    refuse the tiny head dims, which says the site was found)."""
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, soc="Ascend950")
+    layer = AttentionLayer().to(torch.bfloat16)
+    out, ref, report = compile_and_run(layer, _hidden(torch.bfloat16), config=config)
+    before = report.graphs[0].ops_before
+    assert before["npu.npu_fusion_attention.default"] == 1 and before["npu.npu_fusion_attention_v3.default"] == 0
+    (miss,) = near_miss_reasons(report, "sparse_attention")
+    assert "head dim 16, the kernels take 512" in miss, miss
+    assert_close_at_scale(out, ref, 4)
+
+
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+def test_the_fused_call_has_the_models_scale(npu_dispatch, tmp_path):
+    """The FA forms pass the scale SDPA got; the math forms' q and k scaled by sqrt(scale)
+    each give it back squared (within an ulp)."""
+    import re
+
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, npu_dispatch=npu_dispatch,
+                              dump_dir=str(tmp_path))
+    layer = AttentionLayer()
+    compile_and_run(layer, _hidden(), config=config)
+    (after,) = list(tmp_path.rglob("after.py"))
+    (call,) = re.findall(r"npu_sparse_flash_attention\.default\(([^\n]*)\)", after.read_text())
+    scale = float(call.split(", ")[4])
+    if npu_dispatch:
+        assert scale == layer.attention.scaling
+    else:
+        assert scale == pytest.approx(layer.attention.scaling, rel=2e-7)
 
 
 def test_in_emulation_the_sites_note_the_kernels_limits():

@@ -85,9 +85,15 @@ def _train(module, inputs, config, *, requires_grad=None):
 
 
 # ---- transformers' DeepseekV32Attention (indexer, top-k mask, SDPA) -------------------------
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
 @pytest.mark.parametrize("index_topk", [8, 12])  # 12: most queries see fewer keys (-1 padding)
-def test_transformers_attention_trains_through_the_fused_ops(index_topk):
-    backend = _train(AttentionLayer(index_topk).train(), [_hidden()], DSA)
+def test_transformers_attention_trains_through_the_fused_ops(index_topk, npu_dispatch):
+    # an NPU compile holds SDPA as npu_fusion_attention_v3 with its grad op in the backward
+    # (npu_dispatch.py), the CPU trace its math decomposition: the FA and math forms both fuse
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, npu_dispatch=npu_dispatch)
+    backend = _train(AttentionLayer(index_topk).train(), [_hidden()], config)
+    joint = next(g for g in backend.report.graphs if g.name == "joint")
+    assert (joint.ops_before["npu.npu_fusion_attention_grad_v3.default"] == 1) == npu_dispatch
     forward, backward = backend.graphs["forward"], backend.graphs["backward"]
     assert npu_ops(forward) == {"npu_lightning_indexer": 1, "npu_sparse_flash_attention": 1}
     assert npu_ops(backward) == {"npu_sparse_flash_attention_grad": 1}
@@ -98,7 +104,8 @@ def test_transformers_attention_trains_through_the_fused_ops(index_topk):
     (indexer,) = _calls(forward, "npu_lightning_indexer")
     assert not indexer.kwargs.get("return_value", False)
     sites = _joint_sites(backend.report)
-    assert [s.form for s in sites["sparse_attention"]] == ["transformers_sdpa_top_k_mask_bsnd"]
+    assert [s.form for s in sites["sparse_attention"]] == [
+        "transformers_fa_v3_top_k_mask_bsnd" if npu_dispatch else "transformers_sdpa_top_k_mask_bsnd"]
     assert len(sites["lightning_indexer"]) == 1
     # in emulation the site says what max-autotune would refuse, and the kernels' limits
     note = sites["sparse_attention"][0].note

@@ -6,6 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import npu_fx_fusion as nff
 from helpers import ScaleShiftFusion, compile_and_run, near_miss_reasons
 from npu_fx_fusion import capabilities
+from npu_fx_fusion.accept import apply_pass
 from npu_fx_fusion.report import GraphCost
 from npu_fx_fusion.tiny_models import build_hf
 
@@ -30,7 +31,7 @@ def _graph():
 
 
 def test_a_wrong_replacement_is_not_kept_when_verifying():
-    result = _pass(_wrong).apply(_graph(), verify=True)
+    result = apply_pass(_pass(_wrong), _graph(), verify=True)
     assert result.sites == []
     (miss,) = result.near_misses
     assert miss.reason.startswith("verification failed: output 0: error"), miss.reason
@@ -39,12 +40,12 @@ def test_a_wrong_replacement_is_not_kept_when_verifying():
 
 def test_without_verification_the_wrong_replacement_goes_through():
     # what the check above prevents: structurally the match is perfect
-    result = _pass(_wrong).apply(_graph(), verify=False)
+    result = apply_pass(_pass(_wrong), _graph(), verify=False)
     assert len(result.sites) == 1 and result.sites[0].verified == ""
 
 
 def test_a_right_replacement_is_verified_and_says_so():
-    result = _pass(_right).apply(_graph(), verify=True)
+    result = apply_pass(_pass(_right), _graph(), verify=True)
     (site,) = result.sites
     assert site.verified == "verified: max error 0 ulp at the output's scale (tolerance 4)"
 
@@ -98,12 +99,12 @@ def test_joint_sites_verify_the_backward_too(monkeypatch, grad_scale, verified):
     """On a joint graph the matched forward and backward nodes run against the fused op
     and its backward, on the same inputs and incoming gradient: an op whose forward is
     right and whose backward is 0.1% off is caught."""
-    from npu_fx_fusion.joint import trace_joint_without_decompositions
+    from npu_fx_fusion.tracing import trace_joint_without_decompositions
 
     _lib, capability, fusion_pass = _doubled_tanh_fusion(grad_scale)
     monkeypatch.setitem(capabilities.CAPABILITIES, capability.op, capability)
     joint = trace_joint_without_decompositions(lambda x: (torch.tanh(x) * 2).exp(), [torch.randn(3, 5, requires_grad=True)])
-    result = fusion_pass.apply_joint(joint, verify=True)
+    result = apply_pass(fusion_pass, joint, verify=True, joint=True)
     if verified:
         (site,) = result.sites
         assert site.verified.startswith("verified: max error"), site.verified

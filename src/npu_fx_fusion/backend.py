@@ -14,6 +14,7 @@ EmulationBackend's partition_fn into its own aot_autograd call.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -179,10 +180,21 @@ class EmulationBackend:
     dynamo graph -> aot_autograd (torchair's decompositions: none that apply on one device;
     inference input mutations kept, as torchair does) -> the fusion pipeline on each of
     the forward/backward/inference graphs -> eager execution of the fused graph.
+
+    By default (FusionConfig.npu_dispatch) the graph is the one an NPU compile holds: the
+    dynamo graph gets transformers' NPU branch and aot_autograd traces with torch_npu's and
+    torchair's dispatch overrides emulated for the config's SoC (npu_dispatch.py). The
+    emulation is registered for the trace only: suspended while the passes run, and gone
+    when the compile returns, so eager code never sees it. Ops of an NPU graph that CPU has
+    no kernel for are retargeted for execution only (npu_dispatch.lower_for_cpu), after the
+    passes and the dumps.
     """
 
     def __init__(self, fusion_config: Optional[FusionConfig] = None):
+        from .npu_dispatch import graph_source
+
         self.pipeline = FusionPipeline(fusion_config)
+        self.pipeline.report.graph_source = graph_source(self.pipeline.fusion_config)
 
     @property
     def report(self) -> FusionReport:
@@ -191,30 +203,45 @@ class EmulationBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any):
         from torch._functorch.aot_autograd import aot_module_simplified
 
-        return aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=functools.partial(self._compile, "forward"),
-            bw_compiler=functools.partial(self._compile, "backward"),
-            inference_compiler=functools.partial(self._compile, "inference"),
-            # aot_autograd calls partition_fn for training graphs only
-            partition_fn=self._partition,
-            decompositions={},
-            keep_inference_input_mutations=True,
-        )
+        from . import npu_dispatch
+
+        config = self.pipeline.fusion_config
+        trace_scope = contextlib.nullcontext()
+        if config.npu_dispatch:
+            npu_dispatch.apply_transformers_npu_branches(gm)
+            trace_scope = npu_dispatch.emulated(config.soc)
+        with trace_scope:
+            return aot_module_simplified(
+                gm,
+                example_inputs,
+                fw_compiler=functools.partial(self._compile, "forward"),
+                bw_compiler=functools.partial(self._compile, "backward"),
+                inference_compiler=functools.partial(self._compile, "inference"),
+                # aot_autograd calls partition_fn for training graphs only
+                partition_fn=self._partition,
+                decompositions={},
+                keep_inference_input_mutations=True,
+            )
 
     def _partition(self, joint_gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """Fuse the joint graph, then split it as torchair does (default_partition: its
         partitioner, not min-cut, so emulation saves the same tensors for backward)."""
         from torch._functorch.partitioners import default_partition
 
-        self.pipeline.run_joint(joint_gm)
-        return default_partition(joint_gm, joint_inputs, **kwargs)
+        from .npu_dispatch import suspended
+
+        with suspended():  # the passes trace their patterns both ways themselves
+            self.pipeline.run_joint(joint_gm)
+            return default_partition(joint_gm, joint_inputs, **kwargs)
 
     def _compile(self, phase: str, gm: torch.fx.GraphModule, example_inputs: Any):
         from torch._functorch.aot_autograd import make_boxed_func
 
-        self.pipeline(gm, example_inputs, phase)
+        from .npu_dispatch import lower_for_cpu, suspended
+
+        with suspended():
+            self.pipeline(gm, example_inputs, phase)
+        lower_for_cpu(gm)
         return make_boxed_func(gm.forward)
 
 
@@ -244,6 +271,8 @@ def get_npu_backend(compiler_config: Any = None, fusion_config: Optional[FusionC
         return EmulationBackend(fusion_config)
     config = compiler_config if compiler_config is not None else torchair.CompilerConfig()
     pipeline = install(config, fusion_config)
+    pipeline.report.graph_source = ("torchair backend: the aot graphs of the device torch_npu traces on "
+                                    "(no emulation)")
     return TorchairTrainingBackend(torchair.get_npu_backend(compiler_config=config), pipeline, config)
 
 

@@ -63,6 +63,11 @@ class OpCapability:
     # op-specific numeric limits read by the pattern's check ("max_head_dim": 896, ...)
     limits: Mapping[str, Any] = field(default_factory=dict)
     doc: str = ""
+    # FusionConfig(verify=True): the error a site may show against the code it replaces, in
+    # ulps of the output dtype at the output's scale. The fused ops round once where the
+    # unfused code rounds after each op: measured bounds (tests/test_<pass>.py) are 1-2 ulp,
+    # and the default leaves headroom for inputs that are random, not model activations.
+    verify_ulps: float = 4
     # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves
@@ -671,3 +676,68 @@ CAPABILITIES.update({
     )
 })
 # ---- end of the DeepSeek-V3.2 sparse attention block ----
+
+# ---- NPU dispatch block: the FlashAttention ops torch_npu's own SDPA kernel calls ----
+# (npu_dispatch.py, npu_ops/fusion_attention.py). Appended as a block of its own. Limits from
+# the wheel's npu_fusion_attention_v3 docstring (_op_plugin_docs.py ~L1895) and op_semantics 9.1;
+# SoC gates from op-plugin's kernels (npu_fusion_attention_v3_symint refuses Ascend950, whose
+# SDPA calls npu_fusion_attention instead; below Ascend910B1 SDPA takes its math path).
+_FA_LIMITS = {
+    "max_head_dim": 768,  # Dq = Dk >= Dv, 1..768
+    "max_query_heads": 256,  # Nq 1..256, Nq % Nkv == 0
+    "layouts": ("BSH", "SBH", "BSND", "BNSD", "TND"),  # TND is not stood in on CPU
+    "sparse_modes": tuple(range(9)),  # 0-3 stood in on CPU
+    "atten_mask": "bool / uint8, True = masked out; SS, B1SS, BNSS, 11SS; sparse_mode 2 / 3: triu(ones(2048, 2048), 1)",
+}
+CAPABILITIES.update({
+    cap.op: cap
+    for cap in (
+        OpCapability(
+            op="npu.npu_fusion_attention_v3",
+            dtypes=FLOAT_DTYPES,
+            min_rank=3,
+            max_rank=4,
+            backward="npu.npu_fusion_attention_grad_v3",  # NpuFusionAttentionV3Backward0
+            ge_converter=False,  # torchair 2.13 has none (attention_inference.md 2.3): not lowerable in max-autotune
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits=_FA_LIMITS,
+            doc="npu_fusion_attention's graph-mode version (docstring: aclgraph supports BNSD); what torch_npu's "
+                "SDPA calls below Ascend950; training and inference; Atlas A2 training series in the docs",
+        ),
+        OpCapability(
+            op="npu.npu_fusion_attention_grad_v3",
+            dtypes=FLOAT_DTYPES,
+            min_rank=3,
+            max_rank=4,
+            backward=None,
+            ge_converter=False,
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits=_FA_LIMITS,
+            doc="npu_fusion_attention_v3's backward (derivatives.yaml): dq, dk, dv, dpse, dsink from the forward's "
+                "softmax_max / softmax_sum / output",
+        ),
+        OpCapability(
+            op="npu.npu_fusion_attention",
+            dtypes=FLOAT_DTYPES,
+            min_rank=3,
+            max_rank=4,
+            backward="npu.npu_fusion_attention_grad",  # NpuFusionAttentionBackward0
+            ge_converter=True,  # custom/npu_fusion_attention.py:4 (BSH/BNSD, keep_prob 1 only)
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits=_FA_LIMITS,
+            doc="training FlashAttention (op_semantics 9.1); what torch_npu's SDPA calls on Ascend950",
+        ),
+        OpCapability(
+            op="npu.npu_fusion_attention_grad",
+            dtypes=FLOAT_DTYPES,
+            min_rank=3,
+            max_rank=4,
+            backward=None,
+            ge_converter=True,  # custom/npu_fusion_attention.py:75
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits=_FA_LIMITS,
+            doc="npu_fusion_attention's backward (derivatives.yaml)",
+        ),
+    )
+})
+# ---- end of the NPU dispatch block ----

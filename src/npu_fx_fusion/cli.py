@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--mode", default=None, choices=MODES,
                          help="torchair mode to fuse for (max-autotune: only ops with GE converters)")
         sub.add_argument("--verify", action="store_true", help="check every fused site numerically")
+        sub.add_argument("--no-npu-dispatch", dest="npu_dispatch", action="store_false",
+                         help="fuse the plain CPU trace instead of the graph an NPU compile holds (emulation only)")
         sub.add_argument("--dump-dir", default=None,
                          help="write report.html, the graphs before/after, drawings and the report here")
         sub.add_argument("--format", default="markdown", choices=("markdown", "json"))
@@ -176,7 +178,7 @@ def _import_factory(module_name: str, attr: str):
 def _config(args: argparse.Namespace) -> FusionConfig:
     disable = [name.strip() for name in args.disable.split(",") if name.strip()]
     return FusionConfig(disable=check_pass_names(disable, "--disable"), soc=args.soc, mode=args.mode,
-                        dump_dir=args.dump_dir, verify=args.verify)
+                        dump_dir=args.dump_dir, verify=args.verify, npu_dispatch=args.npu_dispatch)
 
 
 def _max_difference(actual: Any, expected: Any) -> tuple[float, float]:

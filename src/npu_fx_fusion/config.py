@@ -1,7 +1,8 @@
 """FusionConfig: which passes run, for which SoC, and what gets dumped.
 
-Pass names are defined here and nowhere else: the config keys, the report keys, the CLI
-flags and the module names in `npu_fx_fusion.patterns` are all these strings.
+A pass's name is its module name in `npu_fx_fusion.patterns`, and the config keys, the
+report keys and the CLI flags are those strings: `PASS_NAMES` lists them in pipeline
+order (derived from the passes' own declarations, catalog.py).
 """
 from __future__ import annotations
 
@@ -10,24 +11,17 @@ from dataclasses import dataclass, field
 from collections.abc import Iterable
 from typing import AbstractSet, Optional
 
-# Pipeline order. rms_norm runs before add_rms_norm because add_rms_norm folds a residual
-# add into the npu_rms_norm calls that rms_norm produced (or that the model calls itself).
-PASS_NAMES: tuple[str, ...] = (
-    "rms_norm",
-    "add_rms_norm",
-    "rope",
-    "swiglu",
-    # dispatch first: moe_gating fuses an unsorted (biased) router only once its experts
-    # feed a fused dispatch, which does not depend on their order
-    "moe_dispatch",
-    "moe_gating",
-    "grouped_matmul",
-    # sparse attention first: the fused indexer pads its indices with -1, which only the
-    # fused sparse attention reads as the model's attention reads its own indices
-    "sparse_attention",
-    "lightning_indexer",
-    "softmax_l1_norm",
-)
+from .catalog import pass_names
+
+
+def __getattr__(name: str):
+    # PASS_NAMES: every pass in pipeline order, from the pass declarations in
+    # npu_fx_fusion.patterns (catalog.py); computed on first use, so that importing the
+    # package imports no pattern module
+    if name == "PASS_NAMES":
+        return pass_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ENV_SWITCH = "NPU_FX_FUSION"  # "0" turns every pass off
 ENV_DISABLE = "NPU_FX_FUSION_DISABLE"  # comma-separated pass names to turn off
@@ -41,11 +35,11 @@ def check_pass_names(names: Iterable[str], where: str) -> frozenset[str]:
     if isinstance(names, str):  # a bare string would otherwise be read as letters
         names = [names]
     names = frozenset(names)
-    unknown = sorted(names - set(PASS_NAMES))
+    unknown = sorted(names - set(pass_names()))
     if unknown:
         raise ValueError(
             f"unknown pass name(s) {', '.join(map(repr, unknown))} in {where}; "
-            f"valid names: {', '.join(PASS_NAMES)}"
+            f"valid names: {', '.join(pass_names())}"
         )
     return names
 
@@ -93,9 +87,15 @@ class FusionConfig:
               nothing is excluded, and a site max-autotune could not lower says so.
     dump_dir: write each compiled graph before/after the passes and the report there.
     verify:   run each matched subgraph and its replacement on random inputs of the
-              site's shapes and compare (verify.TOLERANCES); a site that fails is not
+              site's shapes and compare (OpCapability.verify_ulps); a site that fails is not
               fused and is reported. Costs one eager run of both per site.
     strict:   re-raise a pass's exception instead of reverting that pass and reporting it.
+    npu_dispatch: CPU emulation only (no effect on an NPU, whose graphs are NPU graphs):
+              trace the model as an NPU compile does, with torch_npu 2.13's and torchair's
+              dispatch overrides and transformers' NPU branches reproduced for `soc`
+              (None: Ascend910B), so the passes see the graph an NPU compile holds
+              (SDPA as npu_fusion_attention_v3, aten.matmul, ...; npu_dispatch.py,
+              docs/npu-graph.md). False: the plain CPU trace, to compare with.
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
@@ -112,6 +112,7 @@ class FusionConfig:
     dump_dir: Optional[str] = None
     strict: bool = False
     verify: bool = False
+    npu_dispatch: bool = True
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -139,7 +140,7 @@ class FusionConfig:
             names = [value] if isinstance(value, str) else value
             if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
                 raise TypeError(f"FusionConfig({name}=...) takes pass names (str), got {value!r}; "
-                                f"valid names: {', '.join(PASS_NAMES)}")
+                                f"valid names: {', '.join(pass_names())}")
         for name in ("soc", "mode"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -148,7 +149,7 @@ class FusionConfig:
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"FusionConfig(dump_dir=...) takes a path (str or os.PathLike) or None, got "
                             f"{self.dump_dir!r} ({type(self.dump_dir).__name__})")
-        for name in ("strict", "verify"):
+        for name in ("strict", "verify", "npu_dispatch"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FusionConfig({name}=...) takes True or False, got {value!r} "
@@ -158,9 +159,9 @@ class FusionConfig:
         """The passes to run now, in pipeline order, after the environment overrides."""
         if fusion_switched_off():
             return ()
-        wanted = set(PASS_NAMES) if self.enable is None else set(self.enable)
+        wanted = set(pass_names()) if self.enable is None else set(self.enable)
         wanted -= set(self.disable) | _env_disabled()
-        return tuple(name for name in PASS_NAMES if name in wanted)
+        return tuple(name for name in pass_names() if name in wanted)
 
 
 def _check_writable_dir(path: str) -> None:
@@ -177,3 +178,4 @@ def _check_writable_dir(path: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "the directory" if existing == os.path.abspath(path) else f"{existing}, where it would be created,"
         raise ValueError(f"FusionConfig(dump_dir={path!r}): {what} is not writable")
+

@@ -22,6 +22,7 @@ import html
 import logging
 import os
 import re
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -64,6 +65,7 @@ class Dumper:
     def __init__(self, dump_dir: Optional[str]):
         self.dump_dir = dump_dir
         self._before: Optional[torch.fx.Graph] = None
+        self._before_names: frozenset[str] = frozenset()
 
     def folder(self, index: int, name: str) -> Optional[str]:
         if not self.dump_dir:
@@ -79,9 +81,11 @@ class Dumper:
                 f.write(text)
 
     def keep_before(self, gm: torch.fx.GraphModule) -> None:
-        """Keep a copy of the graph before fusion, for the layer drawing (dumping only)."""
+        """Keep a copy of the graph before fusion, for the layer drawing, and its node names:
+        the npu ops among them are not fusions (dumping only)."""
         if self.dump_dir:
             self._before = copy.deepcopy(gm.graph)
+            self._before_names = frozenset(n.name for n in gm.graph.nodes)
 
     def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str,
              graph_report: Optional["GraphReport"] = None) -> None:
@@ -95,7 +99,7 @@ class Dumper:
         from .drawing import fused_nodes, graph_svg
 
         try:
-            svg = graph_svg(gm, fused_nodes(gm), title)
+            svg = graph_svg(gm, fused_nodes(gm, self._before_names), title)
             if svg is not None:
                 self.write(folder, "after.svg", svg)
             if graph_report is not None and self._before is not None:
@@ -166,13 +170,14 @@ def _layer_module(graph: torch.fx.Graph, layer: str) -> tuple[torch.fx.GraphModu
     return torch.fx.GraphModule(torch.nn.Module(), drawn), {n.name: n for n in drawn.nodes}
 
 
-def pick_layer(after: torch.fx.Graph) -> Optional[str]:
-    """The layer to draw: the one with the most kinds of fused ops, then the most of them."""
+def pick_layer(after: torch.fx.Graph, before: Container[str] = ()) -> Optional[str]:
+    """The layer to draw: the one with the most kinds of fused ops, then the most of them
+    (`before`: the node names before fusion, drawing.fused_nodes)."""
     from .drawing import fused_nodes
 
     gm = torch.fx.GraphModule(torch.nn.Module(), after) if not isinstance(after, torch.fx.GraphModule) else after
     per_layer: dict[str, list[str]] = {}
-    for node, op in fused_nodes(gm).items():
+    for node, op in fused_nodes(gm, before).items():
         layer = layer_of(node)
         if layer is not None:
             per_layer.setdefault(layer, []).append(op)
@@ -210,12 +215,13 @@ def layer_drawings(before: torch.fx.Graph, after: torch.fx.GraphModule, graph_re
     is no such layer or drawing is unavailable."""
     from .drawing import PALETTE, fused_nodes, graph_svg
 
-    layer = pick_layer(after.graph)
+    before_names = frozenset(n.name for n in before.nodes)
+    layer = pick_layer(after.graph, before_names)
     if layer is None:
         return {}
     before_gm, before_nodes = _layer_module(before, layer)
     after_gm, _ = _layer_module(after.graph, layer)
-    highlight_after = fused_nodes(after_gm)
+    highlight_after = fused_nodes(after_gm, before_names)
     highlight_before = {}
     for site, op in _final_ops(before, graph_report).items():
         for name in site.replaced:

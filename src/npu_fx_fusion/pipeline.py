@@ -9,7 +9,6 @@ Guarantees, whatever a pass does:
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import logging
 import time
@@ -22,32 +21,19 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from . import npu_ops
+from .accept import apply_pass, may_change
+from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import detect_soc
+from .catalog import load_pass
+from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, views_to_reshapes_downstream,
+                      views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
-from .matching import FusionPass, canonicalize
 from .report import FusionReport, GraphCost, GraphReport, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
+
 Node = torch.fx.Node
-
-_UNAVAILABLE = object()
-_loaded_passes: dict[str, Any] = {}
-
-
-def load_pass(name: str) -> Optional[FusionPass]:
-    """The FusionPass of npu_fx_fusion.patterns.<name>, or None if this version has none."""
-    if name not in _loaded_passes:
-        try:
-            module = importlib.import_module(f"npu_fx_fusion.patterns.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"npu_fx_fusion.patterns.{name}":
-                raise
-            _loaded_passes[name] = _UNAVAILABLE
-        else:
-            _loaded_passes[name] = module.PASS
-    found = _loaded_passes[name]
-    return None if found is _UNAVAILABLE else found
 
 
 def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Sequence[Any]]) -> None:
@@ -81,122 +67,6 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
-# Ops that only convert or re-view a tensor: pure, so two calls on the same input with the
-# same arguments are one value.
-_CONVERSIONS = frozenset({
-    torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
-})
-
-
-def _merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """One node for each repeated conversion that fusion introduced.
-
-    Replacements are traced one site at a time, so two fused ops reading the same tensor
-    each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
-    int64 group list of each grouped matmul). A repeat is merged into the first node with
-    the same op and arguments when one of the two is new; the model's own repeats stay as
-    they are. Returns the number of nodes merged.
-    """
-    npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-    conversions = _CONVERSIONS | ({npu_cast.default} if npu_cast is not None else set())
-    first: dict[Any, Node] = {}
-    merged = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in conversions:
-            continue
-        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
-        earlier = first.setdefault(key, node)
-        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
-            node.replace_all_uses_with(earlier)
-            graph.erase_node(node)
-            merged += 1
-    return merged
-
-
-# dtype -> the dtypes that hold each of its values exactly (a conversion there and back is
-# the identity): integer widening, float widening, bool into anything.
-_EXACT_IN = {
-    torch.bool: {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                 torch.float16, torch.bfloat16, torch.float32, torch.float64},
-    torch.uint8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
-    torch.int8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
-    torch.int16: {torch.int32, torch.int64, torch.float32, torch.float64},
-    torch.int32: {torch.int64, torch.float64},
-    torch.float16: {torch.float32, torch.float64},
-    torch.bfloat16: {torch.float32, torch.float64},
-    torch.float32: {torch.float64},
-}
-
-
-def _drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """`convert(convert(x, wide), x.dtype)` -> `x` where `wide` holds every value of x's
-    dtype exactly, when fusion introduced either conversion.
-
-    Two fusions meeting at an integer tensor each convert it to what their own op or the
-    model declares: moe_gating's replacement widens npu_moe_gating_top_k_softmax's int32
-    expert ids to the int64 of the top-k it replaces, moe_dispatch narrows them back to
-    the int32 npu_moe_init_routing_v2 takes. The pair is the identity; the model's own
-    conversions stay. Returns the number of conversions bypassed.
-    """
-    def dtype_only(node: Node) -> Optional[torch.dtype]:
-        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
-            return None
-        if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
-            return node.kwargs["dtype"]
-        npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-        if npu_cast is not None and node.target is npu_cast.default and len(node.args) == 2:
-            return node.args[1]
-        return None
-
-    bypassed = 0
-    for outer in list(graph.nodes):
-        to = dtype_only(outer)
-        inner = outer.args[0] if to is not None else None
-        wide = dtype_only(inner) if inner is not None else None
-        source = inner.args[0].meta.get("val") if wide is not None else None
-        if (not isinstance(source, torch.Tensor) or source.dtype != to
-                or wide not in _EXACT_IN.get(to, ()) or {outer, inner} <= original_nodes):
-            continue
-        outer.replace_all_uses_with(inner.args[0])
-        graph.erase_node(outer)
-        if not inner.users:
-            graph.erase_node(inner)
-        bypassed += 1
-    return bypassed
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_hashable(v) for v in value))
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    return value
-
-
-def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
-    """Make every `view` a replacement can reach a `reshape`.
-
-    A fused op's output need not have the strides of what it replaced (torch_npu's meta
-    functions return contiguous tensors where elementwise aten kept a transposed layout),
-    and aten.view fails on strides it was not traced for. torchair turns every view into
-    a reshape right after our pass anyway (_optimize_fx's view_to_reshape); doing it here
-    for the views downstream of a fusion keeps fuse() and the emulation backend correct.
-    Done once, after every pass: patterns match the graph's own views.
-    """
-    seen: set[Node] = set()
-    pending = list(new_nodes)
-    while pending:
-        node = pending.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.target is torch.ops.aten.view.default:
-            node.target = torch.ops.aten.reshape.default
-        pending.extend(node.users)
-
-
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
                mode: Optional[str] = None) -> GraphReport:
@@ -214,15 +84,16 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     if enabled:
         # Patterns pin user counts: a dead node (an unused getitem of a multi-output op in
         # a make_fx graph) would look like a user. aot_autograd graphs have none.
-        gm.graph.eliminate_dead_code()
+        if any(not n.users and n.op == "call_function" for n in gm.graph.nodes):
+            gm.graph.eliminate_dead_code()
         canonicalize(gm.graph)
-        gm.recompile()
     original_nodes = set(gm.graph.nodes)
     for name in enabled:
-        graph_report.passes.append(_run_one(gm, name, config, soc, mode))
+        result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
+        graph_report.passes.append(result)
     views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
-    _merge_repeated_conversions(gm.graph, original_nodes)
-    _drop_lossless_round_trips(gm.graph, original_nodes)
+    merge_repeated_conversions(gm.graph, original_nodes)
+    drop_lossless_round_trips(gm.graph, original_nodes)
     graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
@@ -238,8 +109,9 @@ def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionR
                                ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
     dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
-    dumper.write(folder, "before.py", _graph_code(gm))
-    dumper.keep_before(gm)
+    if folder:
+        dumper.write(folder, "before.py", _graph_code(gm))
+        dumper.keep_before(gm)
     return graph_report, dumper, folder
 
 
@@ -260,7 +132,8 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
         metadata_fn=lambda: {"name": f"npu_fx_fusion_report_{graph_report.name}", "encoding": "json"},
         payload_fn=lambda: json.dumps(graph_report.to_dict()),
     )
-    dumper.write(folder, "after.py", _graph_code(gm))
+    if folder:
+        dumper.write(folder, "after.py", _graph_code(gm))
     dumper.write_reports(report)
 
 
@@ -268,14 +141,12 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
                      graph_name: str = "joint", mode: Optional[str] = None) -> GraphReport:
     """Fuse a joint forward+backward graph (aot_autograd's, before partitioning) in place.
 
-    run_passes for training graphs: each enabled pass that has joint patterns
-    (FusionPass.joint_matcher) replaces a forward region AND its backward with the fused
-    op and its backward op; the others find nothing here and run after partitioning, as
-    the existing forward/backward pipeline does anyway. The same guarantees: a pass that
-    raises is reverted, the graph is linted; the GraphReport is added to `report`.
+    run_passes for training graphs: each enabled pass that has joint patterns replaces a
+    forward region AND its backward with the fused op and its backward op; the others
+    find nothing here and run after partitioning, as the forward/backward pipeline does
+    anyway. The same guarantees: a pass that raises is reverted, the graph is linted; the
+    GraphReport is added to `report`.
     """
-    from .joint import normalize_joint_graph, views_to_reshapes_where_needed
-
     start = time.perf_counter()
     npu_ops.ensure_registered()
     soc, mode = config.soc or detect_soc(), config.mode or mode
@@ -289,7 +160,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         normalize_joint_graph(gm)
     original_nodes = set(gm.graph.nodes)
     for name in passes:
-        result = _run_one(gm, name, config, soc, mode, joint=True)
+        result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True)
         if result is not None:
             graph_report.passes.append(result)
     new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
@@ -299,24 +170,59 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     return graph_report
 
 
+class _Snapshot:
+    """Enough of a graph to rebuild it exactly as it was: every node's op, target,
+    arguments, name, type and meta, in order.
+
+    Taking one costs a tuple per node, not a copy of the graph (a deep copy of a
+    3000-node graph takes ~30 ms, a tenth of a second per pass at scale); only a pass
+    that fails pays for the rebuild. A pass may change nodes in place (targets, args),
+    insert, erase and reorder them: the records hold what each was. Meta dicts are kept,
+    not copied: what a pass writes into an existing node's meta (the matcher's mutation
+    region ids) describes the node, whatever the pass does next.
+    """
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.graph = graph
+        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, n.meta) for n in graph.nodes]
+
+    def restore(self, gm: torch.fx.GraphModule) -> dict[Node, Node]:
+        """Put the graph back into `gm`; returns {node of the snapshot: its rebuilt node}."""
+        old = self.graph
+        graph = torch.fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls,  # noqa: SLF001
+                               tracer_extras=old._tracer_extras)  # noqa: SLF001
+        graph._codegen = copy.deepcopy(old._codegen)  # noqa: SLF001
+        rebuilt: dict[Node, Node] = {}
+        for node, op, target, args, kwargs, name, type_, meta in self.records:
+            new = graph.create_node(op, target, torch.fx.node.map_arg(args, rebuilt.__getitem__),
+                                    torch.fx.node.map_arg(kwargs, rebuilt.__getitem__), name, type_)
+            new.meta = dict(meta)
+            rebuilt[node] = new
+        gm.graph = graph  # the setter re-parents the graph and recompiles
+        return rebuilt
+
+
 def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str],
-             mode: Optional[str], joint: bool = False) -> Optional[PassResult]:
+             mode: Optional[str], original_nodes: set, joint: bool = False) -> tuple[Optional[PassResult], set]:
+    """Run one pass; (its result or None if it has nothing for this graph, the graph's
+    original nodes as they are afterwards: rebuilt ones when the pass was reverted)."""
     fusion_pass = load_pass(name)
     if fusion_pass is None:
         log.info("pass %r is not implemented in this version of npu-fx-fusion", name)
-        return PassResult(name, skipped="not implemented in this version")
-    saved = copy.deepcopy(gm.graph)
+        return PassResult(name, skipped="not implemented in this version"), original_nodes
     start = time.perf_counter()
+    # a pass that can match nothing here changes nothing: no snapshot to take
+    snapshot = _Snapshot(gm.graph) if may_change(fusion_pass, gm.graph, joint) else None
     try:
-        if joint:
-            result = fusion_pass.apply_joint(gm, soc, mode, verify=config.verify)
-            if result is None:  # no joint patterns: nothing to do, nothing to report
-                return None
-        else:
-            result = fusion_pass.apply(gm, soc, mode, verify=config.verify)
-        gm.graph.lint()
+        result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint)
+        if result is None:  # no joint patterns: nothing to do, nothing to report
+            return None, original_nodes
+        if result.sites:
+            gm.graph.lint()
     except Exception as exc:
-        gm.graph = saved  # the setter re-parents the graph and recompiles
+        if snapshot is not None:
+            rebuilt = snapshot.restore(gm)
+            original_nodes = {rebuilt[n] for n in original_nodes if n in rebuilt}
         if config.strict:
             raise
         log.warning("pass %s failed and was reverted: %s: %s", name, type(exc).__name__, exc)
@@ -324,4 +230,4 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     result.seconds = time.perf_counter() - start
     log.info("pass %s: %d fused, %d near misses, %.1f ms", name, len(result.sites),
              len(result.near_misses), result.seconds * 1e3)
-    return result
+    return result, original_nodes

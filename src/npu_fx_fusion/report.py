@@ -284,7 +284,10 @@ class GraphReport:
 
     @property
     def fused_ops(self) -> Counter:
-        return fused_op_counts(self.ops_after)
+        """The npu ops the passes added to this graph: those in it after, less those it held
+        before (torch_npu's own calls in an NPU graph, such as npu_fusion_attention_v3 for
+        SDPA; in a graph split from a fused joint graph, the joint graph's fusions)."""
+        return fused_op_counts(self.ops_after) - fused_op_counts(self.ops_before)
 
     def folded(self) -> dict[str, Counter]:
         """{pass: {later pass: n}}: sites whose fused op a later pass's site folded into its own.
@@ -374,6 +377,9 @@ class FusionReport:
 
     def __init__(self) -> None:
         self.graphs: list[GraphReport] = []
+        # which graph the passes saw: an NPU compile's (torchair, or CPU emulation with the
+        # NPU dispatch reproduced) or the plain CPU trace; None: the caller's own (fuse())
+        self.graph_source: Optional[str] = None
 
     def add(self, graph: GraphReport) -> None:
         self.graphs.append(graph)
@@ -392,14 +398,15 @@ class FusionReport:
 
     @property
     def fused_ops(self) -> dict[str, int]:
-        """{"npu.npu_rms_norm": n, ...}: fused-op calls in the final graphs.
+        """{"npu.npu_rms_norm": n, ...}: the fused-op calls the passes added, over all graphs.
 
-        A "joint" graph (training, before partitioning) is not final: its ops are counted
-        in the forward and backward graphs it is split into."""
+        Each is counted in the graph it was made in: a "joint" graph's (training, before
+        partitioning) are already in the forward and backward graphs it is split into. npu
+        ops the traced graph held already (torch_npu's own FlashAttention for SDPA in an NPU
+        graph, npu ops the model calls itself) are not counted."""
         total = Counter()
         for g in self.graphs:
-            if g.name != "joint":
-                total.update(g.fused_ops)
+            total.update(g.fused_ops)
         return dict(total)
 
     @property
@@ -424,7 +431,8 @@ class FusionReport:
         return [(r.pass_name, r.error) for r in self._results() if r.error]
 
     def to_dict(self) -> dict:
-        return {"counts": self.counts, "folded": self.folded, "fused_ops": self.fused_ops,
+        return {"graph_source": self.graph_source, "counts": self.counts, "folded": self.folded,
+                "fused_ops": self.fused_ops,
                 "graphs": [g.to_dict() for g in self.graphs]}
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -432,6 +440,8 @@ class FusionReport:
 
     def to_markdown(self) -> str:
         lines = ["# npu-fx-fusion report", ""]
+        if self.graph_source:
+            lines += [f"Graphs fused: {self.graph_source}.", ""]
         if not self.graphs:
             return "\n".join(lines + ["No graph was compiled."]) + "\n"
         lines += pass_table(self.counts, self.folded)

@@ -2,7 +2,7 @@
 
 Before a match is accepted, the subgraph it would replace and the fused replacement run
 on the same random inputs of the site's shapes and dtypes, and their outputs are
-compared with the fused op's tolerance from TOLERANCES. A site that fails is not fused
+compared with the fused op's tolerance (capabilities: OpCapability.verify_ulps). A site that fails is not fused
 (so never silently kept) and becomes a near miss with the measured error. On CPU the
 fused ops run as the stand-in kernels, on an NPU as the real ones. A site of a training
 (joint) graph is run forward and backward, with the same random incoming gradients on
@@ -22,19 +22,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx
 
+from .capabilities import capability
+from .tracing import trace_joint_without_decompositions
+
 Node = torch.fx.Node
 
-# fused op -> allowed error in ulps of the output dtype at the output's scale.
-# Measured bounds (tests/test_<pass>.py) are 1-2 ulp; the table leaves headroom for
-# inputs that are random rather than model activations.
-TOLERANCES: Mapping[str, float] = {
-    "npu.npu_rms_norm": 4,
-    "npu.npu_add_rms_norm": 4,
-    "npu.npu_rotary_mul": 4,
-    "npu.npu_interleave_rope": 4,
-    "npu.npu_swiglu": 4,
-}
-DEFAULT_TOLERANCE = 4
 SEED = 0
 
 
@@ -102,8 +94,6 @@ def _verify_joint_match(nodes: Sequence[Node], outputs: Sequence[Optional[Node]]
     Joint outputs are the search's [forward outputs..., gradient of each argument (None
     where there is none)], so which arguments require grad is read off the match.
     """
-    from .joint import trace_joint_without_decompositions
-
     generator = torch.Generator().manual_seed(SEED)
     inputs = _inputs(argnames, args, arg_nodes, make_input, generator)
     if isinstance(inputs, Verdict):
@@ -151,7 +141,7 @@ def _inputs(argnames: Sequence[str], args: Mapping[str, Any], arg_nodes: Mapping
 
 
 def _compare(original: Sequence[Any], fused: Sequence[Any], fused_op: str) -> Verdict:
-    ulps_allowed = TOLERANCES.get(fused_op, DEFAULT_TOLERANCE)
+    ulps_allowed = capability(fused_op).verify_ulps
     worst = 0.0
     for index, (orig, new) in enumerate(zip(original, fused)):
         if not isinstance(orig, torch.Tensor):

@@ -1,5 +1,8 @@
-"""npu._npu_dtype_cast: torch_npu's spelling of a dtype conversion (`x.to(dtype)`), and
-its backward op.
+"""npu._npu_dtype_cast: torch_npu's dtype conversion op, and its backward op.
+
+torch_npu's own kernels call it where they convert a dtype (softmax with a dtype, in an NPU
+aot graph: npu_dispatch.py); `x.to(dtype)` itself is recorded as aten._to_copy on an NPU as
+on CPU (dispatch_inventory.DTYPE_CAST).
 
 torch_npu differentiates it as NpuDtypeCastBackward0:
 `_npu_dtype_cast_backward(grad, self.scalar_type())` (its generated autograd code), so a

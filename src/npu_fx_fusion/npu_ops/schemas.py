@@ -9,8 +9,9 @@ graph rewritten on CPU is op-for-op the graph that runs on an NPU.
 # namespace -> {op name -> schema}
 SCHEMAS: dict[str, dict[str, str]] = {
     "npu": {
-        # What torch_npu records for `.to(dtype)` in aot graphs, where CPU records
-        # aten._to_copy: patterns with casts are registered in both spellings.
+        # What torch_npu's kernels call to convert dtypes (softmax with a dtype); `.to(dtype)`
+        # itself is aten._to_copy in an NPU aot graph too (dispatch_inventory.DTYPE_CAST).
+        # Patterns with casts are registered in both spellings.
         "_npu_dtype_cast": "_npu_dtype_cast(Tensor self, ScalarType dtype) -> Tensor",
         # its derivative (NpuDtypeCastBackward0: `_npu_dtype_cast_backward(grad, self.scalar_type())`)
         "_npu_dtype_cast_backward": "_npu_dtype_cast_backward(Tensor grad, ScalarType dtype) -> Tensor",
@@ -154,3 +155,68 @@ SCHEMAS["cann_ops_transformer"] = {
     ),
 }
 # ---- end of the DeepSeek-V3.2 sparse attention block ----
+
+
+# ---- NPU dispatch (npu_dispatch.py): the ops torch_npu's own aten kernels call ----
+# Appended as a block of its own. What an NPU aot graph holds where CPU's holds a
+# decomposition: scaled_dot_product_attention's FlashAttention (npu_ops/fusion_attention.py,
+# yaml lines 390, 397, 404, 407) and the backward ops op-plugin's derivatives.yaml
+# gives the aten ops torch_npu differentiates itself (npu_ops/dispatch_backward.py, lines
+# 893, 895, 109, 111, 113). Compared with the wheel by tests/test_schemas.py.
+SCHEMAS["npu"].update({
+    "npu_fusion_attention_v3": (
+        "npu_fusion_attention_v3(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, "
+        'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", '
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_fusion_attention_grad_v3": (
+        "npu_fusion_attention_grad_v3(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, Tensor? seed=None, Tensor? offset=None, "
+        "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, "
+        'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", '
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_fusion_attention": (
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None, '
+        "Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, "
+        "int)"
+    ),
+    "npu_fusion_attention_grad": (
+        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, '
+        "Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "repeat_interleave_backward_int": (
+        "repeat_interleave_backward_int(Tensor grad, Tensor self, SymInt repeats, int? dim=None) -> Tensor"
+    ),
+    "repeat_interleave_backward_tensor": (
+        "repeat_interleave_backward_tensor(Tensor grad, Tensor self, Tensor repeats, int? dim=None) -> Tensor"
+    ),
+    "kl_div_backward": (
+        "kl_div_backward(Tensor grad_output, Tensor self, Tensor target, int reduction=Mean, *, "
+        "bool log_target=False) -> Tensor"
+    ),
+    "kl_div_target_backward": (
+        "kl_div_target_backward(Tensor grad_output, Tensor self, Tensor target, int reduction=Mean, *, "
+        "bool log_target=False) -> Tensor"
+    ),
+    "l1_loss_backward": (
+        "l1_loss_backward(Tensor grad_output, Tensor self, Tensor target, int reduction) -> Tensor"
+    ),
+})
+# ---- end of the NPU dispatch block ----

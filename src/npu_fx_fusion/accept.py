@@ -1,0 +1,686 @@
+"""Running one pass over one graph: find its patterns, accept or refuse each match, replace.
+
+torch's PatternMatcherPass walks the graph from the patterns' anchor ops and matches
+each registration structurally (registry.py: sizes and scalars are wildcards there).
+Every structural match then goes through the acceptance chain, in this order, and the
+first check that fails is the reason the site is not fused (a near miss in the report):
+
+1. the exact match: the form's search, retraced at the match's own shapes and scalars,
+   must match the same nodes (slice bounds, view sizes, the eps literal ...);
+2. in a joint graph, arguments bound to forward values and tangents to backward ones;
+3. each argument of the right kind (a tensor, or a constant scalar);
+4. no matched node with a keyword argument the form does not compute;
+5. every emitted op lowerable in the torchair mode;
+6. the pass's own check (hardware limits, layouts, proofs about the uses);
+7. the replacement's outputs of the same shapes and dtypes as the subgraph's;
+8. with FusionConfig(verify=True), numerically equal on random inputs (verify.py).
+
+Everything one run learns (accepted sites, refusals by node, caches valid for this
+graph's fake mode) lives in a RunContext that is created per run and handed to every
+check: nothing is kept on the pass or the module between runs.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx
+from torch._inductor import pattern_matcher as pm
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .canonical import is_backward
+from .capabilities import not_lowerable
+from .forms import Form, FusionPass, Reason, Site
+from .registry import PatternSet, Registration, anchor_of, keyword_value, pattern_set
+from .report import FusedSite, NearMiss, PassResult, location_of
+from .spellings import respell_exact
+from .tracing import TRACERS, is_static, signature
+
+log = logging.getLogger("npu_fx_fusion.matching")
+
+Node = torch.fx.Node
+
+
+@dataclass
+class RunContext:
+    """One run of one pass over one graph."""
+
+    fusion_pass: FusionPass
+    patterns: Optional[PatternSet]  # None: a run that only looks for near misses
+    soc: Optional[str]
+    mode: Optional[str]
+    verify: bool = False
+    joint: bool = False  # matching joint patterns on a joint graph
+    sites: list[FusedSite] = field(default_factory=list)
+    rejections: dict[Node, tuple[Form, str]] = field(default_factory=dict)
+    # structural matches the exact retrace turned down: a weaker diagnosis than a check's
+    # (the pass's own explain() says more), used where nothing else says why
+    inexact: dict[Node, str] = field(default_factory=dict)
+    from_tangents: dict[Node, bool] = field(default_factory=dict)  # memo of _reads_tangents
+    # Traces valid for this graph only: their fake values belong to its fake mode, and
+    # symbolic sizes name values of its shape env. Every layer of a model repeats the same
+    # signatures, so one trace per (registration kind, form, signature) serves them all:
+    # torch's matcher only reads a replacement graph (copies it into the graph).
+    replacements: dict = field(default_factory=dict)
+    exact_patterns: dict = field(default_factory=dict)
+    inserted: list[Node] = field(default_factory=list)
+    out_of_order: bool = False  # a replacement reads a node defined after it
+    fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
+
+    def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
+        for node in nodes:
+            self.rejections.setdefault(node, (form, reason))
+
+    def reason(self, node: Node) -> Reason:
+        return self.rejections[node][1] if node in self.rejections else None
+
+
+def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
+               mode: Optional[str] = None, verify: bool = False, joint: bool = False) -> Optional[PassResult]:
+    """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
+
+    soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
+    (a form whose op that mode cannot lower is refused, so a later form can serve);
+    verify: check each site numerically before accepting it. joint: `gm` is a joint
+    forward+backward graph (canonical.normalize_joint_graph'ed): the pass's joint patterns
+    run (its forward-only ones with forward_forms_on_joint), and only forward nodes anchor
+    near misses; None when the pass has nothing to match there.
+    """
+    anchors = (lambda node: not is_backward(node)) if joint else (lambda node: True)
+    if fusion_pass.prefilter is not None and not fusion_pass.prefilter(gm.graph):
+        # no form can match here: nothing to register
+        return _near_misses(RunContext(fusion_pass, None, soc, mode), gm, PassResult(fusion_pass.name), anchors)
+    patterns = pattern_set(fusion_pass)
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
+                     fake_mode=torch._guards.detect_fake_mode(inputs))  # noqa: SLF001
+    which = _which_registrations(fusion_pass, patterns, joint)
+    if which is None:
+        return None
+    if _has_anchor(patterns, which == "joint", gm.graph):
+        registrations = patterns.joint if which == "joint" else patterns.forward
+        count = _run_matcher(ctx, registrations, gm.graph)
+        if count != len(ctx.sites):  # the matcher and our bookkeeping must agree
+            raise RuntimeError(f"{fusion_pass.name}: matcher replaced {count} sites, accepted {len(ctx.sites)}")
+        _inherit_source_meta([n for n in ctx.inserted if not n._erased])  # noqa: SLF001
+        if ctx.sites and (joint or ctx.out_of_order):
+            # a replacement is inserted before the first node it replaces, and may read a
+            # value the graph computes later (Gemma's 1 + w; in a joint graph, the backward
+            # half): sort (stable: the rest keeps its order)
+            pm.stable_topological_sort(gm.graph)
+        if ctx.sites and joint:
+            gm.graph.eliminate_dead_code()
+    result = PassResult(fusion_pass.name)
+    result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
+    return _near_misses(ctx, gm, result, anchors)
+
+
+def _which_registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: bool) -> Optional[str]:
+    """"forward" or "joint": the registrations to run; None: none apply to a joint graph."""
+    if not joint:
+        return "forward"
+    if fusion_pass.differentiable and patterns.anchors(joint=True):
+        return "joint"
+    return "forward" if fusion_pass.forward_forms_on_joint else None
+
+
+def may_change(fusion_pass: FusionPass, graph: torch.fx.Graph, joint: bool = False) -> bool:
+    """Whether apply_pass could change `graph`: False when no registration of the pass can
+    start a match in it (it then only looks for near misses)."""
+    if fusion_pass.prefilter is not None and not fusion_pass.prefilter(graph):
+        return False
+    patterns = pattern_set(fusion_pass)
+    which = _which_registrations(fusion_pass, patterns, joint)
+    return which is not None and _has_anchor(patterns, which == "joint", graph)
+
+
+def _has_anchor(patterns: PatternSet, joint: bool, graph: torch.fx.Graph) -> bool:
+    """Whether `graph` has a node a registration could start a match from."""
+    return any(graph.find_nodes(op=op, target=target) for op, target in patterns.anchors(joint))
+
+
+class _Replacement(pm.ReplacementPatternEntry):
+    """torch's replacement entry, inserting with insert_replacement and telling the run
+    what it inserted."""
+
+    def __init__(self, ctx: RunContext, registration: Registration, pattern: pm.PatternExpr):
+        super().__init__(pattern=pattern,
+                         extra_check=lambda match: _accept(ctx, registration, match),
+                         normalize_args=_replacement_arguments(registration.form.argnames))
+        self.ctx = ctx
+
+    def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
+        replaced = sorted(match.nodes)  # in graph order, while they are in the graph
+        added = insert_replacement(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs),
+                                   self.ctx.fake_mode)
+        _inherit_kept_calls(added, [n for n in replaced if n._erased])  # noqa: SLF001
+        self.ctx.inserted.extend(added)
+        self.ctx.out_of_order = self.ctx.out_of_order or _reads_later_node(added)
+
+
+def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torch.fx.GraphModule,
+                       args: Sequence[Any], fake_mode: Any = None) -> list[Node]:
+    """Copy `replacement` into `graph` in place of the matched nodes; returns the nodes added.
+
+    What torch's ReplacementPatternEntry.replace_with_graph does, in time independent of
+    the graph's size: torch finds the first output of a multi-output match with
+    `list(graph.nodes).index(...)`, a walk of the whole graph per site, which made a
+    pass quadratic in the depth of the model (every decoder layer's add_rms_norm). Nodes
+    are ordered, so the first output is the least. The replacement is inserted before it;
+    a node it reads that the graph defines later is the caller's to sort out
+    (apply_pass sorts the graph then). The copies' fake values are made in `fake_mode`
+    (the graph's) when the replacement was traced in another one.
+    """
+    added: list[Node] = []
+    env: dict[Node, Any] = {}
+    placeholders = iter(args)
+    outputs = match.output_nodes()
+    first_output = min(n for n in outputs if isinstance(n, Node))
+    with graph.inserting_before(first_output):
+        for node in replacement.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(placeholders)
+            elif node.op == "call_function":
+                copied = graph.call_function(node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
+                pm._transfer_meta(new_meta=copied.meta, old_node=node)  # noqa: SLF001
+                if fake_mode is not None and "val" in copied.meta:
+                    copied.meta["val"] = _in_mode(copied.meta["val"], fake_mode)
+                added.append(copied)
+                env[node] = copied
+            elif node.op == "output":
+                result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+            else:
+                raise NotImplementedError(f"a replacement graph with a {node.op} node ({node})")
+    new_outputs = [result] if isinstance(result, Node) else list(result)
+    if len(outputs) != len(new_outputs):
+        if len(outputs) != 1:
+            raise RuntimeError(f"the replacement gives {len(new_outputs)} outputs for {len(outputs)}")
+        new_outputs = [new_outputs]
+    inserted = set(added)
+    for old, new in zip(outputs, new_outputs):
+        _replace_output(graph, old, new, inserted)
+    match.erase_nodes()
+    for node in reversed(added):  # replacement nodes nothing reads (an unused second output)
+        if not node.users and not node.is_impure():
+            graph.erase_node(node)
+    return [node for node in added if not node._erased]  # noqa: SLF001
+
+
+def _in_mode(value: Any, fake_mode: Any) -> Any:
+    """A fake value of another fake mode, made again in `fake_mode` (static sizes only:
+    replacements traced for one graph only are already in its mode)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_in_mode(v, fake_mode) for v in value)
+    if isinstance(value, FakeTensor) and value.fake_mode is not fake_mode:
+        with fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+    return value
+
+
+def _replace_output(graph: torch.fx.Graph, old: Optional[Node], new: Any, inserted: set) -> None:
+    """Point the users of a matched output at its replacement (as torch does, including an
+    op with several outputs replaced by a list: its getitems become the list's items)."""
+    if old is None:
+        return
+    not_inserted = lambda user: user not in inserted  # noqa: E731 - the replacement may read `old`
+    if new is None:
+        old.replace_all_uses_with(None, delete_user_cb=not_inserted)
+    elif isinstance(new, Node):
+        pm._transfer_meta(new.meta, old)  # noqa: SLF001
+        for tag in ("recompute", "ac_graph_id"):  # activation checkpointing's tags, as torch keeps them
+            if tag in old.meta:
+                _percolate_tag(new, tag, old.meta[tag], inserted)
+        old.replace_all_uses_with(new, delete_user_cb=not_inserted)
+    else:
+        for user in list(old.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                _replace_output(graph, user, new[user.args[1]], inserted)
+            else:  # as torch does
+                old.replace_all_uses_with(new)
+    if not old.users:
+        graph.erase_node(old)
+
+
+def _percolate_tag(node: Node, tag: str, value: Any, inserted: set) -> None:
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in inserted and current.meta.get(tag) != value:
+            current.meta[tag] = value
+            pending.extend(current.all_input_nodes)
+
+
+def _replacement_arguments(argnames: Sequence[str]) -> Callable[..., list]:
+    """The replacement's arguments from a match's kwargs: the form's, then any tangents
+    (joint replacements take the incoming gradients as their last inputs)."""
+
+    def normalize(**kwargs: Any) -> list:
+        args = [kwargs.pop(name) for name in argnames]
+        for i in itertools.count(1):
+            if f"tangents_{i}" not in kwargs:
+                break
+            args.append(kwargs.pop(f"tangents_{i}"))
+        return args
+
+    return normalize
+
+
+def _reads_later_node(added: Sequence[Node]) -> bool:
+    """A node of `added` reads a node the graph defines after it."""
+    new = set(added)
+    return any(arg not in new and not arg < node for node in added for arg in node.all_input_nodes)
+
+
+def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: torch.fx.Graph) -> int:
+    """Match and replace `registrations` in `graph`; returns the number of sites replaced.
+
+    torch's PatternMatcherPass.apply, less what serves Inductor only: its test of every
+    candidate node for a CPU fallback (which asks Inductor's lowering about each node, a
+    third of this pass's time) and its graph-transform observer. As there: candidates are
+    every node a pattern can start from, latest first (in a joint graph, forward nodes
+    only); a match that crosses a mutation (an in-place op between its nodes) or a stream
+    boundary is skipped.
+    """
+    entries = defaultdict(list)
+    for registration in registrations:
+        for pattern in registration.spelled:
+            entries[anchor_of(pattern)].append(_Replacement(ctx, registration, pattern))
+    if pm.should_compute_mutation_region_ids(graph):
+        pm.compute_mutation_region_ids(graph)
+    candidates = sorted(itertools.chain.from_iterable(
+        graph.find_nodes(op=op, target=target, sort=False) for op, target in entries), reverse=True)
+    if ctx.joint:  # a joint pattern starts from its forward output: never a backward node
+        candidates = [node for node in candidates if not is_backward(node)]
+    count = 0
+    for node in candidates:
+        for entry in entries[(node.op, node.target)]:
+            if node._erased:  # noqa: SLF001 - replaced by an earlier match
+                break
+            match = entry.pattern.match(node)
+            if not pm.is_match(match):
+                continue
+            if len({pm.get_mutation_region_id(graph, n) for n in match.nodes}) != 1:
+                continue
+            if len({n.meta.get("custom", {}).get("stream", 0) for n in match.nodes}) != 1:
+                continue
+            if entry.extra_check(match):
+                count += 1
+                entry.apply(match, graph, node)
+    return count
+
+
+# ---- the acceptance chain ------------------------------------------------------------------
+def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> bool:
+    """torch's matcher asks this of every structural match: fuse it?"""
+    form = registration.form
+    exact = _exact_match(ctx, registration, match)
+    if isinstance(exact, str):
+        for node in match.nodes:
+            ctx.inexact.setdefault(node, exact)
+        return False
+    site, exact_match, arguments = exact
+    replacement: list = []  # the replacement's trace, made by the output check
+    reason = _first_failure(ctx, registration, site, exact_match, arguments, replacement)
+    if reason is not None:
+        log.debug("%s: not fusing %s at %s: %s", ctx.fusion_pass.name, form.name,
+                  location_of(exact_match.nodes), reason)
+        ctx.reject(form, exact_match.nodes, reason)
+        return False
+    match.replacement_graph = replacement[0]
+    ctx.sites.append(FusedSite.of_match(ctx.fusion_pass.name, form.name, form.fused_op or ctx.fusion_pass.fused_op,
+                                        exact_match.nodes, match.output_nodes(), ctx.fusion_pass.anchor,
+                                        "; ".join(_notes(ctx, site)), site.verified))
+    return True
+
+
+@dataclass
+class _Arguments:
+    """A match's arguments as traces take them: its fake values with requires_grad as the
+    registration traced them, and the symbolic sizes among their shapes and strides.
+    Made on demand: a trace kept for this signature needs none of it."""
+
+    values: list
+    requires_grad: list[bool]
+    fake_mode: Any
+    symbolic_sizes: list
+    key: Optional[tuple]
+
+    @functools.cached_property
+    def traced(self) -> list:
+        with self.fake_mode:
+            return [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
+                    if isinstance(v, torch.Tensor) else v for v, grad in zip(self.values, self.requires_grad)]
+
+
+def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
+    """(site, exact match, arguments) of a structural match, or why there is none.
+
+    The structural pattern took every size and scalar as a wildcard; here the form's search
+    is traced again at the match's own shapes, dtypes and scalars, and that trace must
+    match the same nodes exactly (as torch's register_replacement does, with the traces
+    kept per signature, and the scalars read from the match itself: a retrace that
+    names them by their example values would take a model size equal to an example for
+    the scalar).
+    """
+    form = registration.form
+    argnames = form.argnames
+    missing = [name for name in argnames if name not in match.kwargs]
+    if missing:
+        return f"the pattern binds no {missing[0]}"
+    arg_nodes = {name: match.kwargs[name] for name in argnames}
+    values = [arg_nodes[n].meta.get("val") if isinstance(arg_nodes[n], Node) else arg_nodes[n] for n in argnames]
+    if any(isinstance(arg_nodes[n], Node) and v is None for n, v in zip(argnames, values)):
+        return "the matched nodes carry no tensor metadata (meta['val'])"
+    fake_mode = torch._guards.detect_fake_mode(values)  # noqa: SLF001
+    if fake_mode is None:
+        return "the matched nodes carry no fake tensors"
+    requires_grad = [name in registration.requires_grad for name in argnames]
+    symbolic_sizes: list = []
+    for name, value, grad in zip(argnames, values, requires_grad):
+        if isinstance(value, torch.Tensor):
+            if grad and not value.is_floating_point():
+                return f"{name} is {value.dtype} here, but the form takes it as differentiable"
+            for size in itertools.chain(value.shape, value.stride()):
+                if isinstance(size, torch.SymInt) and all(statically_known_true(size != a) for a in symbolic_sizes):
+                    symbolic_sizes.append(size)
+    key = signature([*symbolic_sizes, *values], requires_grad=[False] * len(symbolic_sizes) + requires_grad)
+    arguments = _Arguments(values, requires_grad, fake_mode, symbolic_sizes, key)
+    exact = _exact_pattern(ctx, registration, arguments)
+    if isinstance(exact, str):
+        return exact
+    exact_match = exact.match(match.output_nodes()[0])
+    if not pm.is_match(exact_match):
+        return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
+    site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
+    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode)
+    return site, exact_match, arguments
+
+
+def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Arguments):
+    """The form's search traced at the arguments as an exact pattern (sizes and scalars
+    literal), or why it does not trace; kept per signature (process-wide when static)."""
+    form = registration.form
+    key = (registration.kind, form.key, arguments.key)
+    cache = ctx.patterns.exact_patterns if arguments.key is not None and is_static(arguments.key) else ctx.exact_patterns
+    if key in cache:
+        return cache[key]
+    trace = TRACERS[registration.kind]
+    argnames, sizes = form.argnames, arguments.symbolic_sizes
+    try:
+        with arguments.fake_mode:
+            if sizes:
+                # make_fx dedupes symbolic sizes of its inputs: pass them as inputs, so the
+                # trace reads them as the graph does (its own SymInt inputs), not as sym_size
+                def search_with_sizes(*args_and_sizes: Any) -> Any:
+                    return form.search(*args_and_sizes[len(sizes):])
+
+                gm = trace(search_with_sizes, [*sizes, *arguments.traced])
+                placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+                size_names = [p.target for p in placeholders[:len(sizes)]]
+                for placeholder, name in zip(placeholders[len(sizes):], argnames):
+                    with gm.graph.inserting_after(placeholder):
+                        renamed = gm.graph.placeholder(name)
+                    renamed.target = renamed.name
+                    placeholder.replace_all_uses_with(renamed)
+                    gm.graph.erase_node(placeholder)
+                argnames = [*size_names, *argnames]
+            else:
+                gm = trace(form.search, arguments.traced)
+    except RuntimeError as exc:
+        found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
+    else:
+        found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames))
+    if arguments.key is not None:
+        cache[key] = found
+    return found
+
+
+def _first_failure(ctx: RunContext, registration: Registration, site: Site, match: pm.Match,
+                   arguments: _Arguments, replacement: list) -> Reason:
+    form = site.form
+    return ((_joint_roles_swapped(match, ctx) if ctx.joint else None)
+            or _argument_kinds_differ(ctx.fusion_pass, site)
+            or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
+            or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
+            or ctx.fusion_pass.check(site)
+            or _outputs_differ(ctx, registration, match, arguments, replacement)
+            or (_verify(ctx, site, match) if ctx.verify else None))
+
+
+def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:
+    for name in site.form.argnames:
+        value = site.args.get(name)
+        if not fusion_pass.is_scalar(name) and not isinstance(value, torch.Tensor):
+            return f"{name} is {value!r}, not a tensor"
+        if fusion_pass.is_scalar(name) and isinstance(site.arg_nodes.get(name), Node):
+            return f"{name} is a tensor computed in the graph, not a constant"
+    return None
+
+
+# Keyword arguments a matched node may carry beyond what a form spells out: they place or
+# type the result (and a wrong dtype shows up in the output check), they never change the
+# arithmetic. Anything else (add's alpha, div's rounding_mode, ...) does.
+_HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_blocking",
+                                "memory_format", "keepdim"})
+
+
+def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
+    """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
+    _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those;
+    `spelled` are the (op, keyword, value) the form's search has, and the matcher compared."""
+    for node in nodes:
+        if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+            continue
+        defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
+                    if a.has_default_value()}
+        for key, value in node.kwargs.items():
+            if (str(node.target), key, keyword_value(value)) in spelled:
+                continue
+            if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
+                return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
+    return None
+
+
+def _replacement_graph(ctx: RunContext, registration: Registration, arguments: _Arguments) -> torch.fx.GraphModule:
+    """The replacement traced at the site's arguments, one trace per signature: kept for
+    every graph when the signature is static (a joint trace is a whole aot_autograd run,
+    ~0.2 s; its fake values are re-made in each graph's fake mode as it is inserted:
+    insert_replacement), else for this graph (symbolic sizes name this graph's values)."""
+    form = registration.form
+    key = (registration.kind, form.key, arguments.key)
+    cache = ctx.patterns.replacements if arguments.key is not None and is_static(arguments.key) else ctx.replacements
+    if arguments.key is not None and key in cache:
+        return cache[key]
+    with arguments.fake_mode:
+        graph = TRACERS[registration.kind](form.replace, arguments.traced)
+    if arguments.key is not None:
+        cache[key] = graph
+    return graph
+
+
+def _outputs_differ(ctx: RunContext, registration: Registration, match: pm.Match,
+                    arguments: _Arguments, replacement: list) -> Reason:
+    """The replacement must compute outputs of the shapes and dtypes the subgraph computes:
+    this catches type promotion (an fp32 weight on a bf16 activation) and broadcasting,
+    whatever a pattern's own check forgot."""
+    graph = _replacement_graph(ctx, registration, arguments)
+    replacement.append(graph)
+    (output,) = graph.graph.find_nodes(op="output")
+    fused = [n.meta.get("val") if isinstance(n, Node) else n for n in _flat(output.args[0])]
+    originals = [n.meta.get("val") if n is not None else None for n in match.output_nodes()]
+    for index, (orig, new) in enumerate(zip(originals, fused)):
+        if not isinstance(orig, torch.Tensor):
+            continue
+        if not isinstance(new, torch.Tensor):
+            return f"{ctx.fusion_pass.fused_op} would give no tensor where the model computes {_describe(orig)} (output {index})"
+        if orig.dtype != new.dtype or orig.shape != new.shape:
+            return (f"{ctx.fusion_pass.fused_op} would give {_describe(new)} where the model computes "
+                    f"{_describe(orig)} (output {index})")
+    return None
+
+
+def _flat(value: Any) -> list:
+    return [v for item in value for v in _flat(item)] if isinstance(value, (list, tuple)) else [value]
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
+def _verify(ctx: RunContext, site: Site, match: pm.Match) -> Reason:
+    from .verify import Verdict, verify_joint_match, verify_match
+
+    fusion_pass = ctx.fusion_pass
+    fused_op = site.form.fused_op or fusion_pass.fused_op
+    make_input = functools.partial(_verification_input, fusion_pass)
+    tangents = {name: node for name, node in match.kwargs.items() if name.startswith("tangents_")}
+    if not tangents:
+        verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
+                               site.form.replace, site.form.argnames, fused_op,
+                               make_input, site.form.canonical_outputs)
+    elif site.form.canonical_outputs is not None:
+        # outputs equal only up to an order the model ignores (a top-k's k experts): the
+        # incoming gradients of the two sides would have to be reordered alike
+        verdict = Verdict(True, "not verified: its outputs are compared in a canonical order, "
+                                "which random incoming gradients do not follow")
+    else:
+        verdict = verify_joint_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
+                                     tangents, site.form.replace, site.form.argnames, fused_op, make_input)
+    site.verified = verdict.detail
+    return None if verdict.ok else f"verification failed: {verdict.detail}"
+
+
+def _verification_input(fusion_pass: FusionPass, name: str, args: Any, node: Any = None) -> Any:
+    # A value the graph computes from no input (a causal mask built from aranges) is
+    # verified as what it is, not as random data; then the pass's own factory.
+    from .constants import evaluate_constant
+
+    constant = evaluate_constant(node)
+    if constant is not None:
+        return constant
+    return fusion_pass.verify_input(name, args) if fusion_pass.verify_input else None
+
+
+def _notes(ctx: RunContext, site: Site) -> list[str]:
+    notes = []
+    # A form turned down over some of these nodes: say why this one serves instead.
+    turned_down = next((ctx.rejections[n] for n in site.nodes if n in ctx.rejections), None)
+    if turned_down is not None:
+        form, reason = turned_down
+        if form.search is site.form.search:  # an alternative replacement of one form
+            notes.append(f"instead of {form.replace.__name__}: {reason}")
+        else:
+            notes.append(f"partial: the larger form {form.name} was turned down ({reason})")
+    notes += site.notes
+    if ctx.mode is None:  # emulation: say what torchair's GE mode would refuse
+        notes += [reason for op in ctx.patterns.emitted_ops[site.form]
+                  if (reason := not_lowerable(op, "max-autotune"))]
+    return notes
+
+
+def _joint_roles_swapped(match: pm.Match, ctx: RunContext) -> Reason:
+    """A joint match must bind the search's arguments to forward values and its tangents to
+    backward ones. A pattern whose backward repeats its forward op (a matmul's gradients
+    are matmuls) also matches with the roles swapped: a backward GEMM read as the forward,
+    the model's input read as the incoming gradient. The values may even be the same, but
+    the replacement's forward half would then sit in the backward. Told apart by whether
+    a value is computed from a tangent (the tags aot_autograd puts on backward nodes are
+    missing on nodes an earlier replacement inserted)."""
+    for name, value in match.kwargs.items():
+        if not isinstance(value, Node):
+            continue
+        tangent = name.startswith("tangents_")
+        if tangent != _reads_tangents(value, ctx.from_tangents):
+            which = "the incoming gradient" if tangent else "a forward input"
+            return f"{value.name} bound as {which} ({name}) is {'not ' if tangent else ''}computed from a tangent"
+    return None
+
+
+def _reads_tangents(node: Node, memo: dict) -> bool:
+    """node is computed from a joint graph's tangents (memoised; the answer of a node never
+    changes while the graph is rewritten, replacements compute the same values)."""
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        if n.op == "placeholder":
+            memo[n] = str(n.target).startswith("tangents")
+            stack.pop()
+            continue
+        pending = [a for a in n.all_input_nodes if a not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[n] = any(memo[a] for a in n.all_input_nodes)
+        stack.pop()
+    return memo[node]
+
+
+# ---- near misses ---------------------------------------------------------------------------
+def _near_misses(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
+                 anchors: Callable[[Node], bool]) -> PassResult:
+    """Every anchor no form consumed: the check that turned it down, or the pass's
+    explanation, or that no form matched it."""
+    fusion_pass = ctx.fusion_pass
+    for node in gm.graph.nodes:
+        if anchors(node) and fusion_pass.anchor(node):
+            reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(fusion_pass.forms)
+            if node in ctx.inexact and reason.startswith("matches none of the forms"):
+                reason += f" (closest: {ctx.inexact[node]})"
+            result.near_misses.append(NearMiss(fusion_pass.name, reason, location_of([node, *node.users])))
+    return result
+
+
+def _no_form_matched(forms: Sequence[Form]) -> str:
+    # forms spelled in several operand orders share a base name: "name[cos*x]"
+    names = list(dict.fromkeys(form.name.split("[")[0] for form in forms))
+    return f"matches none of the forms {', '.join(names)}"
+
+
+_SOURCE_META = ("stack_trace", "nn_module_stack")
+
+
+def _inherit_kept_calls(added: Sequence[Node], erased: Sequence[Node]) -> None:
+    """A replacement that keeps an op of the code it replaces (moe_dispatch keeps the
+    expert GEMMs for grouped_matmul) gives each kept call the source line of the call it
+    stands for, not the site's output line (the combine's `.sum(dim=1)`): the k-th new
+    call of an op that as many `erased` nodes of the site called takes the k-th one's
+    (both in graph order). An op called a different number of times is left to
+    _inherit_source_meta."""
+    erased_by_op: dict[Any, list[Node]] = {}
+    for node in erased:
+        if isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+            erased_by_op.setdefault(node.target, []).append(node)
+    added_by_op: dict[Any, list[Node]] = {}
+    for node in added:
+        if node.target in erased_by_op:
+            added_by_op.setdefault(node.target, []).append(node)
+    for target, kept in added_by_op.items():
+        if len(kept) == len(erased_by_op[target]):
+            for node, old in zip(kept, erased_by_op[target]):
+                for key in _SOURCE_META:
+                    if key not in node.meta and key in old.meta:
+                        node.meta[key] = old.meta[key]
+
+
+def _inherit_source_meta(new_nodes: Sequence[Node]) -> None:
+    """Give replacement nodes the source line of the code they replaced.
+
+    The pattern matcher copies it onto the replacement's output node only; the fused op
+    call under a getitem would otherwise have no source line in dumps and reports.
+    """
+    for node in reversed(new_nodes):
+        for key in _SOURCE_META:
+            if key not in node.meta:
+                donor = next((u for u in node.users if key in u.meta), None)
+                if donor is not None:
+                    node.meta[key] = donor.meta[key]

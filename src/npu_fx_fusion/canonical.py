@@ -1,0 +1,433 @@
+"""One spelling per computation: the normalisations both sides of a match get.
+
+A pattern matches only what is spelled exactly like its trace. Model code and autograd
+spell the same computation in several ways (a dim as 2 or -1, a view's size as -1, a
+gradient sum in arrival order ...), so the graphs being fused and the traces of the
+patterns' search functions are both put into one canonical spelling before matching.
+Every rewrite here keeps the computation exactly as it was.
+
+The bottom of the engine, beside nodes.py: it imports nothing above it.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from .nodes import tensor_meta
+
+aten = torch.ops.aten
+Node = torch.fx.Node
+
+
+def is_backward(node: Node) -> bool:
+    """A node aot_autograd derived from autograd (the backward half of a joint graph)."""
+    return bool(node.meta.get("autograd_backward")) or node.meta.get("partitioner_tag") == "is_backward"
+
+
+def is_joint_graph(graph: torch.fx.Graph) -> bool:
+    return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
+
+
+def functionalize_inplace_on_temporaries(graph: torch.fx.Graph) -> int:
+    """`add_(t, eps)` on a temporary `t` used nowhere else -> `add(t, eps)`.
+
+    That is what aot_autograd's functionalization makes of it (F.rms_norm's eps add), and
+    make_fx alone does not functionalize. Only this trivial case occurs in search
+    functions; anything else is left alone (and then simply will not match).
+    """
+    changed = 0
+    for node in graph.nodes:
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.name.endswith("_"):  # noqa: SLF001
+            continue
+        mutated = node.args[0] if node.args else None
+        if not isinstance(mutated, Node) or mutated.op == "placeholder" or len(mutated.users) != 1:
+            continue
+        packet = getattr(torch.ops.aten, target._schema.name.split("::")[-1][:-1], None)  # noqa: SLF001
+        functional = getattr(packet, target._overloadname, None)  # noqa: SLF001
+        if functional is not None:
+            node.target = functional
+            changed += 1
+    return changed
+
+
+
+# op -> (index of its dim argument(s), name of that argument, whether it is a list of
+# dims, how many dims the output has more than the input the dim refers to). The rank a
+# dim refers to is the first tensor input's (cat, stack: the first tensor of its list).
+_DIM_ARGUMENTS = {
+    aten.mean.dim: ((1,), "dim", True, 0),
+    aten.sum.dim_IntList: ((1,), "dim", True, 0),
+    aten.amax.default: ((1,), "dim", True, 0),
+    aten.amin.default: ((1,), "dim", True, 0),
+    aten.slice.Tensor: ((1,), "dim", False, 0),
+    aten.split.Tensor: ((2,), "dim", False, 0),
+    aten.split_with_sizes.default: ((2,), "dim", False, 0),
+    aten.cat.default: ((1,), "dim", False, 0),
+    aten.select.int: ((1,), "dim", False, 0),
+    aten._softmax.default: ((1,), "dim", False, 0),
+    aten._log_softmax.default: ((1,), "dim", False, 0),
+    aten.topk.default: ((2,), "dim", False, 0),
+    aten.sort.default: ((1,), "dim", False, 0),
+    aten.sort.stable: ((), "dim", False, 0),
+    aten.argsort.default: ((1,), "dim", False, 0),
+    aten.argsort.stable: ((), "dim", False, 0),
+    aten.cumsum.default: ((1,), "dim", False, 0),
+    aten.argmax.default: ((1,), "dim", False, 0),
+    aten.max.dim: ((1,), "dim", False, 0),
+    aten.gather.default: ((1,), "dim", False, 0),
+    aten.index_select.default: ((1,), "dim", False, 0),
+    aten.squeeze.dim: ((1,), "dim", False, 0),
+    aten.unsqueeze.default: ((1,), "dim", False, 1),
+    aten.stack.default: ((1,), "dim", False, 1),
+    aten.transpose.int: ((1, 2), None, False, 0),
+}
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+# x + 2.0 reaches a graph as add.Tensor(x, 2.0) or (F.rms_norm's eps) add.Scalar(x, 2.0):
+# one computation (a Python number is a wrapped scalar either way). Spelled .Tensor.
+_SCALAR_OVERLOADS = {
+    aten.add.Scalar: aten.add.Tensor,
+    aten.sub.Scalar: aten.sub.Tensor,
+    aten.mul.Scalar: aten.mul.Tensor,
+    aten.div.Scalar: aten.div.Tensor,
+}
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Spell each computation one way, whichever way the code wrote it.
+
+    - dim arguments as negative indices (`mean(x, [2])` on 3-d x -> `[-1]`, a transpose's
+      two dims in order): model code says `mean(-1)`, F.rms_norm `mean([x.dim() - 1])`,
+      dynamo turns `x[..., :h]` into `slice(x, 3, 0, h)`;
+    - a -1 in a view's sizes as the size it stands for (`view(x, [2, 16, -1, 2])` ->
+      `[2, 16, 32, 2]`), where that size is a plain int: `reshape(..., -1, 2)` reaches
+      the graph with or without its -1;
+    - the pieces of a split (chunk, split, split_with_sizes) as the slices they are, and
+      a slice's bounds within the dim (`x[..., h:]` ends at 2**63 - 1, the second chunk at
+      the dim's size): one view of the same elements, however it was taken;
+    - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor);
+    - no `detach`: aot graphs run without autograd, where it is the identity. Joint
+      graphs detach what they save for the backward, and a search may detach an output
+      the model uses without a gradient (a router's full scores), so that its joint
+      trace has no tangent for it.
+    Each of these computes exactly what it replaces. Spellings that are equal in value
+    but not bit for bit (x / sqrt(v) and x * rsqrt(v)) are not rewritten: the patterns
+    accept them instead (spellings.py). Search functions and matched graphs are both
+    canonicalised. Returns the number of nodes changed.
+    """
+    changed = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.detach.default and not (
+                node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
+            # (an input's detached alias leaving the graph stays: aot's runtime wrapper
+            # knows that output as a view of the input)
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
+            continue
+        if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
+            node.target = _SCALAR_OVERLOADS[node.target]
+            changed += 1
+        if node.target in _VIEWS:
+            changed += _resolve_inferred_size(node)
+        elif node.target in _DIM_ARGUMENTS:
+            changed += _canonical_dims(node)
+        if node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            changed += _split_as_slices(graph, node)
+        elif node.target is aten.slice.Tensor:
+            changed += _canonical_slice_bounds(node)
+    return changed
+
+
+def _canonical_dims(node: Node) -> int:
+    indices, keyword, is_list, extra_rank = _DIM_ARGUMENTS[node.target]
+    first = node.args[0][0] if node.target in (aten.cat.default, aten.stack.default) else node.args[0]
+    source = tensor_meta(first)
+    if source is None or source.dim() == 0:
+        return 0
+    rank = source.dim() + extra_rank
+    args, kwargs = list(node.args), dict(node.kwargs)
+    spots = [("args", i) for i in indices if i < len(args)]
+    if keyword and keyword in kwargs:
+        spots.append(("kwargs", keyword))
+    if not spots:
+        return 0  # the default dim (cat's 0, slice's 0, topk's -1): leave it
+    for where, key in spots:
+        holder = args if where == "args" else kwargs
+        dims = holder[key]
+        if is_list and isinstance(dims, (list, tuple)) and all(isinstance(d, int) for d in dims):
+            holder[key] = [d - rank if d >= 0 else d for d in dims]
+        elif isinstance(dims, int) and not isinstance(dims, bool):
+            holder[key] = dims - rank if dims >= 0 else dims
+    if node.target is aten.transpose.int and all(isinstance(d, int) for d in args[1:3]):
+        args[1:3] = sorted(args[1:3])
+    if tuple(args) == tuple(node.args) and kwargs == dict(node.kwargs):
+        return 0
+    node.args, node.kwargs = tuple(args), kwargs
+    return 1
+
+
+def _split_as_slices(graph: torch.fx.Graph, split: Node) -> int:
+    """getitem(split(x, sizes, dim), i) -> slice(x, dim, start_i, end_i), for static sizes."""
+    source = tensor_meta(split.args[0])
+    if source is None or len(split.args) < 2 or set(split.kwargs) - {"dim"}:
+        return 0
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    length = source.shape[dim] if -source.dim() <= dim < source.dim() else None
+    sizes = split.args[1]
+    if not isinstance(length, int) or not (isinstance(sizes, int) or all(isinstance(s, int) for s in sizes)):
+        return 0
+    if isinstance(sizes, int):  # split.Tensor: pieces of `sizes`, the last one shorter
+        sizes = [min(sizes, length - start) for start in range(0, length, sizes)] if sizes > 0 else []
+    if sum(sizes) != length or not all(
+            u.op == "call_function" and u.target is operator.getitem for u in split.users):
+        return 0
+    dim = dim - source.dim() if dim >= 0 else dim
+    bounds = [(start, start + size) for start, size in zip(itertools.accumulate([0, *sizes[:-1]]), sizes)]
+    for user in list(split.users):
+        start, end = bounds[user.args[1]]
+        with graph.inserting_before(user):
+            piece = graph.call_function(aten.slice.Tensor, (split.args[0], dim, start, end))
+        piece.meta = dict(user.meta)
+        user.replace_all_uses_with(piece)
+        graph.erase_node(user)
+    graph.erase_node(split)
+    return 1
+
+
+_END = 2**63 - 1  # what `x[a:]` passes as the end of a slice
+
+
+def _canonical_slice_bounds(node: Node) -> int:
+    """slice(x, dim, start, end): start and end clamped into [0, size] when static, an
+    end at the dim's size spelled as the size, step 1 left out."""
+    source = tensor_meta(node.args[0])
+    if source is None or len(node.args) < 2 or node.kwargs:
+        return 0
+    dim = node.args[1]
+    size = source.shape[dim] if isinstance(dim, int) and -source.dim() <= dim < source.dim() else None
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else _END
+    step = node.args[4] if len(node.args) > 4 else 1
+    if not isinstance(size, int) or not all(isinstance(v, int) for v in (start, end, step)) or step != 1:
+        return 0
+    start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+    args = (node.args[0], dim, start, end)
+    if args == tuple(node.args):
+        return 0
+    node.args = args
+    return 1
+
+
+def _resolve_inferred_size(view: Node) -> int:
+    out = tensor_meta(view)
+    if out is None or len(view.args) < 2 or not isinstance(view.args[1], (list, tuple)):
+        return 0
+    sizes = list(view.args[1])
+    if -1 not in sizes or len(sizes) != out.dim() or not isinstance(out.shape[sizes.index(-1)], int):
+        return 0
+    sizes[sizes.index(-1)] = out.shape[sizes.index(-1)]
+    view.args = (view.args[0], sizes, *view.args[2:])
+    return 1
+
+
+# ---- joint graphs ------------------------------------------------------------------------
+def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
+    """Make a joint graph look like the joint pattern traces: what joint_fwd_bwd does to
+    them (remove_noop_ops, then Inductor's early_patterns: pointless views, view pairs and
+    permute pairs, which einsum's backward leaves), and the canonicalisations both sides
+    get."""
+    from torch._inductor.fx_passes.joint_graph import early_patterns
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+    gm.graph.eliminate_dead_code()  # patterns pin user counts
+    # canonicalize first: a view whose sizes spell a -1 (transformers' `reshape(B, -1, S, D)`
+    # after SDPA) is a no-op only once the -1 is resolved, as it is in the traces
+    canonicalize(gm.graph)
+    remove_noop_ops(gm.graph)
+    early_patterns.apply(gm.graph)
+    hoist_contiguous_copies(gm.graph)
+    canonicalize_grad_accumulation(gm.graph)
+    gm.recompile()
+
+
+# ---- layout copies ------------------------------------------------------------------------
+def hoist_contiguous_copies(graph: torch.fx.Graph) -> int:
+    """Rewrite clone(view(x), contiguous) as view(clone(x, contiguous)).
+
+    A gradient that reaches a backward as a slice of a wider one (the rope half of
+    DeepSeek's q, split from its nope half) is not contiguous, so autograd copies it
+    between its view and the op that needs contiguity (view_as_complex); a pattern traced
+    alone gets a contiguous tangent and no copy. With the copy moved above the view, the
+    pattern's tangent is the copy. Same values, same contiguous result: a view that is
+    valid on x is valid on a contiguous copy of it. Returns the number of copies moved.
+    """
+    moved = 0
+    for clone in list(graph.nodes):
+        if not (clone.op == "call_function" and clone.target is aten.clone.default
+                and clone.kwargs.get("memory_format") == torch.contiguous_format):
+            continue
+        view = clone.args[0]
+        if not (isinstance(view, Node) and view.op == "call_function"
+                and view.target in (aten.view.default, aten.reshape.default) and len(view.users) == 1):
+            continue
+        with graph.inserting_before(view):
+            copy = graph.call_function(aten.clone.default, (view.args[0],),
+                                       {"memory_format": torch.contiguous_format})
+        source = view.args[0].meta.get("val") if isinstance(view.args[0], Node) else None
+        if source is not None:
+            copy.meta["val"] = source.clone(memory_format=torch.contiguous_format)
+        view.args = (copy, *view.args[1:])
+        if "val" in clone.meta:  # the view of a contiguous copy is the contiguous copy's layout
+            view.meta["val"] = clone.meta["val"]
+        clone.replace_all_uses_with(view)
+        graph.erase_node(clone)
+        moved += 1
+    return moved
+
+
+# ---- gradient accumulation ----------------------------------------------------------------
+def canonicalize_grad_accumulation(graph: torch.fx.Graph) -> int:
+    """Re-fold every chain of gradient-accumulating adds in one canonical order.
+
+    Autograd sums the gradient of a tensor with several users as a left fold
+    add(add(g_1, g_2), g_3), in the order the contributions arrive. A pattern traced alone
+    sees only its own users of the tensor, so where the model has another one (the
+    residual stream of every transformer block, in fp32 where no cast isolates the norm's
+    input) the pattern's own add(g_a, g_b) does not exist in the graph, and a search
+    function that runs its ops in another order than the model (rotate_half slicing x2
+    before x1) sums in another order. Both the joint graph and every joint pattern trace
+    are re-folded as a left fold over their leaves sorted by a key that depends on the
+    graph's structure only (_leaf_key). Only the rounding of those sums changes.
+    Returns the number of chains re-folded.
+    """
+    changed = 0
+    order = _forward_order(graph)
+    by_seq: dict = {}  # seq_nr -> the forward nodes with it (backward nodes carry their forward's)
+    for n in graph.nodes:
+        if n.op == "call_function" and not is_backward(n) and n.meta.get("seq_nr") is not None:
+            by_seq.setdefault(n.meta["seq_nr"], []).append(n)
+    for root in list(reversed(graph.nodes)):
+        if root.graph is not graph or not _plain_add(root):
+            continue
+        if len(root.users) == 1 and _plain_add(next(iter(root.users))):
+            continue  # not the top of its chain
+        leaves, inner = _chain(root)
+        if len(leaves) < 2:
+            continue
+        accumulated = _accumulated_tensor(leaves, root, by_seq)
+        if accumulated is None:
+            continue
+        ordered = sorted(leaves, key=lambda leaf: _leaf_key(leaf, accumulated, order, by_seq))
+        if _left_fold_leaves(root) == ordered:
+            continue
+        with graph.inserting_before(root):
+            acc = ordered[0]
+            for leaf in ordered[1:-1]:
+                acc_new = graph.call_function(aten.add.Tensor, (acc, leaf))
+                acc_new.meta = dict(root.meta)
+                acc = acc_new
+        root.args = (acc, ordered[-1])
+        for n in inner:
+            if n is not root and not n.users:
+                graph.erase_node(n)
+        changed += 1
+    return changed
+
+
+def _plain_add(node: Any) -> bool:
+    """A backward add.Tensor of two same-shape, same-dtype tensors, without alpha."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is aten.add.Tensor
+            and not node.kwargs and is_backward(node) and len(node.args) == 2):
+        return False
+    vals = [a.meta.get("val") if isinstance(a, Node) else None for a in node.args]
+    out = node.meta.get("val")
+    return all(isinstance(v, torch.Tensor) for v in (*vals, out)) and all(
+        v.shape == out.shape and v.dtype == out.dtype for v in vals)
+
+
+def _chain(root: Node) -> tuple[list[Node], list[Node]]:
+    """(leaves, inner adds) of the add tree under root; inner adds have root as only user."""
+    leaves, inner, stack = [], [], [root]
+    while stack:
+        n = stack.pop()
+        if n is root or (_plain_add(n) and len(n.users) == 1):
+            inner.append(n)
+            stack.extend(reversed(n.args))
+        else:
+            leaves.append(n)
+    return leaves, inner
+
+
+def _left_fold_leaves(root: Node) -> list[Node]:
+    """Leaves of a left fold add(add(a, b), c) -> [a, b, c] (the right args, then the base)."""
+    out, n = [], root
+    while _plain_add(n) and (n is root or len(n.users) == 1):
+        out.append(n.args[1])
+        n = n.args[0]
+    out.append(n)
+    return out[::-1]
+
+
+def _forward_order(graph: torch.fx.Graph) -> dict:
+    """Post-order index of every forward node in a DFS from the outputs, args in order.
+
+    Independent of the order the model (or a search function) ran its ops in: a
+    consumer inside a pattern comes before a consumer that takes the pattern's result
+    (the block's residual add).
+    """
+    out = next(iter(graph.find_nodes(op="output")))
+    roots: list[Node] = []
+    torch.fx.node.map_arg(out.args[0], roots.append)
+    order: dict = {}
+    for root in roots:
+        if root.op == "placeholder" or is_backward(root):
+            continue
+        stack = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in order:
+                continue
+            if expanded:
+                order[node] = len(order)
+                continue
+            stack.append((node, True))
+            args: list[Node] = []
+            torch.fx.node.map_arg((node.args, node.kwargs), args.append)
+            stack.extend((a, False) for a in reversed(args) if a not in order and not is_backward(a))
+    return order
+
+
+def _accumulated_tensor(leaves: list[Node], root: Node, by_seq: dict) -> Optional[Node]:
+    """The forward tensor whose gradient the chain sums: the forward input most of the
+    leaves' forward consumers share (found through the seq_nr backward nodes inherit),
+    among those shaped like the sum."""
+    counts: dict = {}
+    for leaf in leaves:
+        for consumer in by_seq.get(leaf.meta.get("seq_nr"), ()):
+            for a in consumer.all_input_nodes:
+                counts[a] = counts.get(a, 0) + 1
+    out = root.meta.get("val")
+    fits = [a for a in counts if isinstance(a.meta.get("val"), torch.Tensor)
+            and out is not None and a.meta["val"].shape == out.shape]
+    return max(fits, key=lambda a: counts[a]) if fits else None
+
+
+def _leaf_key(leaf: Node, accumulated: Node, order: dict, by_seq: dict) -> tuple:
+    """(structural position of the forward consumer this leaf is the gradient for, seq_nr).
+
+    Leaves whose consumer cannot be told (tangents, pass-through gradients) go last.
+    """
+    seq = leaf.meta.get("seq_nr")
+    consumer = next((n for n in by_seq.get(seq, ()) if accumulated in n.all_input_nodes), None)
+    return (order.get(consumer, float("inf")), float("inf") if seq is None else seq)
+
+

@@ -1,0 +1,205 @@
+"""After fusion: the graph fixes that fused ops' layouts and one-site-at-a-time
+replacement make necessary. Each keeps the computation as it is.
+
+Below the matching layer: imports only nodes.py.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+Node = torch.fx.Node
+
+
+# Ops that only convert or re-view a tensor: pure, so two calls on the same input with the
+# same arguments are one value.
+_CONVERSIONS = frozenset({
+    torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
+})
+
+
+def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """One node for each repeated conversion that fusion introduced.
+
+    Replacements are traced one site at a time, so two fused ops reading the same tensor
+    each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
+    int64 group list of each grouped matmul). A repeat is merged into the first node with
+    the same op and arguments when one of the two is new; the model's own repeats stay as
+    they are. Returns the number of nodes merged.
+    """
+    npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+    conversions = _CONVERSIONS | ({npu_cast.default} if npu_cast is not None else set())
+    first: dict[Any, Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in conversions:
+            continue
+        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        earlier = first.setdefault(key, node)
+        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+            merged += 1
+    return merged
+
+
+# dtype -> the dtypes that hold each of its values exactly (a conversion there and back is
+# the identity): integer widening, float widening, bool into anything.
+_EXACT_IN = {
+    torch.bool: {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.uint8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.int8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.int16: {torch.int32, torch.int64, torch.float32, torch.float64},
+    torch.int32: {torch.int64, torch.float64},
+    torch.float16: {torch.float32, torch.float64},
+    torch.bfloat16: {torch.float32, torch.float64},
+    torch.float32: {torch.float64},
+}
+
+
+def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """`convert(convert(x, wide), x.dtype)` -> `x` where `wide` holds every value of x's
+    dtype exactly, when fusion introduced either conversion.
+
+    Two fusions meeting at an integer tensor each convert it to what their own op or the
+    model declares: moe_gating's replacement widens npu_moe_gating_top_k_softmax's int32
+    expert ids to the int64 of the top-k it replaces, moe_dispatch narrows them back to
+    the int32 npu_moe_init_routing_v2 takes. The pair is the identity; the model's own
+    conversions stay. Returns the number of conversions bypassed.
+    """
+    def dtype_only(node: Node) -> Optional[torch.dtype]:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
+            return node.kwargs["dtype"]
+        npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+        if npu_cast is not None and node.target is npu_cast.default and len(node.args) == 2:
+            return node.args[1]
+        return None
+
+    bypassed = 0
+    for outer in list(graph.nodes):
+        to = dtype_only(outer)
+        inner = outer.args[0] if to is not None else None
+        wide = dtype_only(inner) if inner is not None else None
+        source = inner.args[0].meta.get("val") if wide is not None else None
+        if (not isinstance(source, torch.Tensor) or source.dtype != to
+                or wide not in _EXACT_IN.get(to, ()) or {outer, inner} <= original_nodes):
+            continue
+        outer.replace_all_uses_with(inner.args[0])
+        graph.erase_node(outer)
+        if not inner.users:
+            graph.erase_node(inner)
+        bypassed += 1
+    return bypassed
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
+    """Make every `view` a replacement can reach a `reshape`.
+
+    A fused op's output need not have the strides of what it replaced (torch_npu's meta
+    functions return contiguous tensors where elementwise aten kept a transposed layout),
+    and aten.view fails on strides it was not traced for. torchair turns every view into
+    a reshape right after our pass anyway (_optimize_fx's view_to_reshape); doing it here
+    for the views downstream of a fusion keeps fuse() and the emulation backend correct.
+    Done once, after every pass: patterns match the graph's own views.
+    """
+    seen: set[Node] = set()
+    pending = list(new_nodes)
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+        pending.extend(node.users)
+
+
+
+def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence[Node]) -> None:
+    """Turn into reshapes the views that the fused ops' layouts break, and only those.
+
+    The fused ops and their backward ops return contiguous tensors where the aten code
+    they replace could keep a transposed layout, and an aten.view downstream (forward or
+    backward) then fails on strides it was not traced for. Converting every view
+    downstream, as the forward-only pipeline does after its last pass, would hide the
+    remaining views from the forward-only patterns that run on the partitioned graphs
+    next (a rope whose `view` became `reshape` no longer matches). So fake values are
+    propagated again from the fused ops' real outputs, and a view that fails there
+    becomes a reshape. Only as far as a value changes: a node whose recomputed value has
+    the shape, strides and dtype it had keeps its users as they were, so the work is
+    bounded by where the new layouts reach, not by the graph's size. Every node's
+    meta["val"] then describes the fused graph. If a value cannot be recomputed, every
+    view downstream of a fused node is converted instead.
+    """
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = torch._guards.detect_fake_mode(inputs)  # noqa: SLF001
+    try:
+        if fake_mode is None:
+            raise RuntimeError("the joint graph's inputs carry no fake values")
+        _propagate_changes(gm, new_nodes, fake_mode)
+    except Exception:  # noqa: BLE001 - fall back to the safe, broad conversion
+        views_to_reshapes_downstream(new_nodes)
+    gm.recompile()
+
+
+def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_mode: Any) -> None:
+    """Recompute meta["val"] of the users of `changed` (nodes whose values are new), and of
+    theirs, while the values differ; a view that fails becomes a reshape."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    interpreter = FakeTensorProp(gm, mode=fake_mode)
+    pending = [(order[user], user) for node in changed for user in node.users]
+    heapq.heapify(pending)
+    done: set = set()
+    with fake_mode:
+        while pending:
+            _, node = heapq.heappop(pending)
+            if node in done or node.op == "output":
+                continue
+            done.add(node)
+            for arg in node.all_input_nodes:
+                interpreter.env[arg] = arg.meta.get("val")
+            before = node.meta.get("val")
+            try:
+                interpreter.run_node(node)
+            except RuntimeError:
+                if node.target is not aten.view.default:
+                    raise
+                node.target = aten.reshape.default
+                interpreter.run_node(node)
+            if not _same_layout(before, node.meta.get("val")):
+                for user in node.users:
+                    heapq.heappush(pending, (order[user], user))
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """Two fake values with provably the same shapes, strides and dtypes."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        sizes = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()),
+                 (a.storage_offset(), b.storage_offset())]
+        return (a.dtype == b.dtype and a.dim() == b.dim()
+                and all(statically_known_true(x == y) for x, y in sizes))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor) and (
+        isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or a == b)

@@ -1,0 +1,186 @@
+"""What a fusion declares: its unfused forms, the fused calls, its checks, its order.
+
+A pattern module (npu_fx_fusion.patterns.<name>) defines `PASS = FusionPass(...)`. This
+module holds those declarations and the `Site` a check reads; it traces and registers
+nothing (registry.py does, on first use) and runs nothing (accept.py does).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.fx
+
+Node = torch.fx.Node
+Reason = Optional[str]  # None: fine; a string: why not
+
+
+@dataclass(frozen=True)
+class Form:
+    """One unfused form and the fused call that computes the same thing.
+
+    `search` and `replace` take the same arguments. Tensor arguments match any tensor
+    node; scalar arguments (eps, ...) are captured from the matched graph, never baked in.
+    `dtypes` are the dtypes to trace at: a cast to float32 vanishes from an fp32 trace, so
+    forms with upcasts are traced at a half dtype as well.
+    """
+
+    search: Callable
+    replace: Callable
+    dtypes: tuple = (torch.float32, torch.bfloat16)
+    fused_op: Optional[str] = None  # the op the report names, if not the pass's fused_op
+    # For forms whose outputs are equal only up to what the model never relies on (the
+    # order of an unsorted top-k's k experts, the slots of keys a mask hides):
+    # (outputs, {argument name: input}) -> the outputs in one canonical form, applied to
+    # both sides before verification compares them.
+    canonical_outputs: Optional[Callable[[list, dict], list]] = None
+    # Training graphs: the sets of differentiable arguments to trace joint patterns for;
+    # None: every non-empty subset of the pass's `differentiable` (a big block with five
+    # trainable inputs would otherwise trace 31 variants).
+    grad_subsets: Optional[Sequence[tuple[str, ...]]] = None
+
+    @property
+    def name(self) -> str:
+        return self.search.__name__
+
+    @functools.cached_property
+    def argnames(self) -> list[str]:
+        return list(inspect.signature(self.search).parameters)
+
+    @property
+    def key(self) -> str:
+        """Names the form among its pass's forms (two forms may share a search function:
+        a fallback replacement; or a search and replacement, traced at other dtypes)."""
+        dtypes = ",".join(str(d).replace("torch.", "") for d in self.dtypes)
+        return f"{self.search.__name__} -> {self.replace.__name__} @ {dtypes}"
+
+
+@dataclass
+class Site:
+    """A candidate match, seen through the values it binds (fake tensors and scalars)."""
+
+    form: Form
+    args: dict[str, Any]
+    nodes: list[Node]
+    arg_nodes: dict[str, Any]
+    soc: Optional[str]
+    mode: Optional[str] = None  # the torchair mode it is lowered in, when known
+    # a check may add what the report should say about a site it accepts ("max-autotune
+    # on Ascend910B would need ...")
+    notes: list[str] = field(default_factory=list)
+    verified: str = ""  # the verification verdict, when FusionConfig(verify=True)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.args[name]
+
+    def hardware_limits(self, broken: Sequence[str]) -> Reason:
+        """For limits of the real kernels that the CPU stand-ins do not have (head dims,
+        head counts, dtypes of the MLA kernels): with a SoC given, the first one broken is
+        the reason not to fuse; in emulation (no SoC) the site fuses and each broken limit
+        becomes a note, so the report says what a real NPU would refuse."""
+        broken = [reason for reason in broken if reason]
+        if not broken:
+            return None
+        if self.soc is not None:
+            return broken[0]
+        self.notes.extend(f"on an NPU: {reason}" for reason in broken)
+        return None
+
+
+class FusionPass:
+    """One fusion: forms -> fused op, with its checks, near-miss diagnosis and order.
+
+    name:     the pass name: its module name in npu_fx_fusion.patterns
+    fused_op: the op the replacement emits, "npu.npu_rms_norm"
+    forms:    the unfused forms, most specific first (tried in this order at each node);
+              or a function returning them, for forms that exist only once some library
+              is imported (transformers' custom ops): it is asked again at every run,
+              and the patterns are registered again when its answer changes
+    example:  example value per argument name, as a function of dtype (tensors), or a
+              float/int for scalars. A scalar's example value marks it in the trace, so it
+              must not occur elsewhere in the search function's graph.
+    check:    check(site) -> reason or None, run on every structural match
+    anchor:   anchor(node) -> bool, the nodes that signal a candidate site
+    explain:  explain(anchor_node) -> reason or None, for an anchor no form matched
+    after:    passes that must run before this one (the pipeline order is derived from
+              these declarations; passes without an order between them run by name)
+    verify_input: verify_input(arg_name, {arg_name: fake value}) -> a real input for
+              verification, or None for the default (random normal floats, small random
+              integers)
+    example_variants: further examples, each overriding some of `example`, whose traces are
+              registered too: torch's matmul decomposes by strides (a view at batch 1, a
+              clone + _unsafe_view at batch 2), so a form traced at one batch size does not
+              match the other
+    prefilter: prefilter(graph) -> bool: False means no form can match this graph, and the
+              pass only looks for near misses there (it must never be False where a form
+              would match)
+    differentiable: the arguments that may carry a gradient in a training graph
+              (("x", "weight") for a norm; rope's cos/sin come from buffers). Non-empty:
+              the forms whose emitted ops have a backward are also matched on joint
+              forward+backward graphs (docs/training.md).
+    forward_forms_on_joint: for a pass without `differentiable` whose sites carry no
+              gradient in the models (DeepSeek-V3.2's indexer runs under no_grad): its
+              forward-only patterns also run on joint graphs, where its check sees the
+              backward's uses of its outputs (after partitioning they are forward-graph
+              outputs, saved for a backward the check cannot see). A region a gradient
+              flows through does not match there: its backward reads its intermediates.
+    """
+
+    def __init__(self, *, name: str, fused_op: str,
+                 forms: Union[Sequence[Form], Callable[[], Sequence[Form]]],
+                 example: Mapping[str, Any], check: Callable[[Site], Reason],
+                 anchor: Callable[[Node], bool], explain: Callable[[Node], Reason],
+                 after: Sequence[str] = (),
+                 verify_input: Optional[Callable[[str, Mapping[str, Any]], Any]] = None,
+                 differentiable: Sequence[str] = (),
+                 example_variants: Sequence[Mapping[str, Any]] = (),
+                 prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None,
+                 forward_forms_on_joint: bool = False):
+        self.name = name
+        self.fused_op = fused_op
+        self.example = dict(example)
+        self.check = check
+        self.anchor = anchor
+        self.explain = explain
+        if isinstance(after, str):
+            raise TypeError(f"{name}: after= takes a sequence of pass names, got the string {after!r}")
+        self.after = tuple(after)
+        self.verify_input = verify_input
+        unknown = set(differentiable) - set(example)
+        if unknown:
+            raise ValueError(f"{name}: differentiable names unknown arguments {sorted(unknown)}")
+        self.differentiable = tuple(differentiable)
+        self.example_variants = tuple(dict(v) for v in example_variants)
+        self.prefilter = prefilter
+        self.forward_forms_on_joint = forward_forms_on_joint
+        self._forms_source = forms
+        # Filled by the registration layer (registry.pattern_set) on first use: the traced
+        # or precompiled patterns of each set of forms. Never per-run state.
+        self.registered: dict[tuple, Any] = {}
+
+    @property
+    def forms(self) -> tuple[Form, ...]:
+        """The forms available now (a callable source is asked again every time)."""
+        forms = tuple(self._forms_source() if callable(self._forms_source) else self._forms_source)
+        keys = [form.key for form in forms]
+        if len(set(keys)) != len(keys):
+            duplicate = next(k for k in keys if keys.count(k) > 1)
+            raise ValueError(f"{self.name}: two forms are the same search, replacement and dtypes ({duplicate})")
+        for form in forms:
+            missing = set(form.argnames) - set(self.example)
+            if missing:
+                raise ValueError(f"{self.name}: form {form.name} has no example for {sorted(missing)}")
+        return forms
+
+    def example_value(self, name: str, dtype: torch.dtype, variant: Optional[Mapping[str, Any]] = None) -> Any:
+        value = (variant or {}).get(name, self.example[name])
+        return value(dtype) if callable(value) else value
+
+    def is_scalar(self, name: str) -> bool:
+        return not callable(self.example[name])
+
+    def __repr__(self) -> str:
+        return f"FusionPass({self.name!r})"

@@ -1,0 +1,309 @@
+"""Equal computations, however they are spelled: what a pattern accepts besides its own trace.
+
+Model code writes one computation in many ways: `cos * x` or `x * cos`, `rsqrt(v)` or
+`v ** -0.5`, `x * rsqrt(v)` or `x / sqrt(v)`, `silu(g)` or `g * sigmoid(g)`, `x ** 2` or
+`x * x`, `mean(x)` or `sum(x) / n`. Rather than a form per spelling, every pattern
+(structural and exact, registry.py and accept.py) is rewritten so that each of its nodes
+accepts every spelling of what that node computes (`respell`). The graph itself is not
+changed: code that no pattern matches keeps its own spelling and computes exactly what it
+did; a region that matches is replaced by the fused op, which computes the same math in
+one rounding (as it does for the pattern's own spelling).
+
+Spellings that are the same computation bit for bit (an eps added with add.Scalar or
+add.Tensor) are instead written one way in the graph and the traces (canonical.py).
+
+The classes here extend torch's pattern matcher:
+- `Commutative`: mul.Tensor / add.Tensor with its two operands in either order;
+- `AnyOf`: one value, in any of several spellings (the first that matches);
+- `SumOverCount`: `sum(x, dims, keepdim) / n` where n is the number of elements summed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch._inductor import pattern_matcher as pm
+
+aten = torch.ops.aten
+Node = torch.fx.Node
+
+
+class Commutative(pm.CallFunction):
+    """A call of a commutative op of two tensors, matched with its operands in either order.
+
+    IEEE addition and multiplication are commutative, so `a * b` and `b * a` are one value.
+    The second order is tried only when the first fails, with the bindings of the failed
+    attempt undone (torch's MatchContext keeps what each sub-pattern matched)."""
+
+    def _match(self, node: Node, ctx: pm.MatchContext) -> pm.MatchResult:
+        saved = dict(ctx.pattern_to_node)
+        first = super()._match(node, ctx)
+        if first or len(self.args) != 2:
+            return first
+        ctx.pattern_to_node.clear()
+        ctx.pattern_to_node.update(saved)
+        args, flat = self.args, self.flat_args_kwargs
+        self.args = (args[1], args[0])
+        self.flat_args_kwargs = self.flatten(self.args, self.kwargs)
+        try:
+            second = super()._match(node, ctx)
+        finally:
+            self.args, self.flat_args_kwargs = args, flat
+        if not second:
+            ctx.pattern_to_node.clear()
+            ctx.pattern_to_node.update(saved)
+            return first
+        return second
+
+
+class AnyOf(pm.PatternExpr):
+    """One value, spelled any of several ways: matches where one of `alternatives` does.
+
+    The alternatives' own user counts are not checked (they are MULTIPLE): this node's
+    `users` is, as a CallFunction checks its own (an output of the pattern may have any).
+    """
+
+    def __init__(self, alternatives: list[pm.PatternExpr], users: Any = 1):
+        super().__init__()
+        self.alternatives = alternatives
+        self.users = users
+
+    def _match(self, node: Node, ctx: pm.MatchContext) -> pm.MatchResult:
+        if not isinstance(node, Node):
+            return pm.FailedMatch("not a node: {}", node)
+        if not (self in ctx.outputs or self.users is pm.MULTIPLE or len(node.users) == self.users):
+            return pm.FailedMatch("multiple_users {}", self)
+        saved = dict(ctx.pattern_to_node)
+        failure: Optional[pm.MatchResult] = None
+        for alternative in self.alternatives:
+            found = ctx.match(alternative, node)
+            if found:
+                return found
+            failure = failure if failure is not None else found  # the pattern's own spelling's
+            ctx.pattern_to_node.clear()
+            ctx.pattern_to_node.update(saved)
+        return failure
+
+    def has_multiple_users(self) -> bool:
+        return self.users is pm.MULTIPLE or self.users > 1
+
+    def find_anchor_nodes(self, ctx: pm.MatchContext, searched: Any):
+        if self in ctx.pattern_to_node:
+            yield ctx.pattern_to_node[self]
+            return
+        for alternative in self.alternatives:
+            yield from alternative.find_anchor_nodes(ctx, searched)
+
+    def pattern_eq(self, other: Any) -> bool:
+        return (super().pattern_eq(other) and len(self.alternatives) == len(other.alternatives)
+                and all(a.pattern_eq(b) for a, b in zip(self.alternatives, other.alternatives)))
+
+    def __repr__(self) -> str:
+        return f"AnyOf({self.alternatives!r})"
+
+
+class SumOverCount(pm._TargetExpr):  # noqa: SLF001 - a call_function pattern, as CallFunction is
+    """`sum(x, dims, keepdim) / n`, n the number of elements each sum adds: a mean.
+
+    Matches a div.Tensor node whose divisor is that count as a literal (static sizes only),
+    binding `x` as `source` does."""
+
+    op = "call_function"
+
+    def __init__(self, source: Any, dims: Any, keepdim: Any, users: Any = 1):
+        super().__init__(aten.div.Tensor, users)
+        self.total = pm.CallFunction(aten.sum.dim_IntList, source, dims, keepdim)
+
+    def _match(self, node: Node, ctx: pm.MatchContext) -> pm.MatchResult:
+        if not self._match_fns(node) or len(node.args) != 2 or node.kwargs:
+            return pm.FailedMatch("not a division: {}", node)
+        if not self._match_users(node, ctx):
+            return pm.FailedMatch("multiple_users {}", self)
+        total, count = node.args
+        summed = total.args[0] if isinstance(total, Node) and total.args else None
+        values = summed.meta.get("val") if isinstance(summed, Node) else None
+        if not isinstance(values, torch.Tensor) or not isinstance(count, (int, float)):
+            return pm.FailedMatch("no count of summed elements at {}", node)
+        dims = total.args[1] if len(total.args) > 1 else None
+        sizes = [values.shape[d] for d in (dims if isinstance(dims, (list, tuple)) else range(values.dim()))]
+        if not all(isinstance(size, int) for size in sizes) or count != math.prod(sizes):
+            return pm.FailedMatch("{} divides a sum of {} elements by {}", node, sizes, count)
+        found = ctx.match(self.total, total)
+        if not found:
+            return found
+        match = pm.Match(ctx, self)
+        match.extend(found)
+        match.nodes.append(node)
+        return match
+
+    def find_anchor_nodes(self, ctx: pm.MatchContext, searched: Any):
+        if self in ctx.pattern_to_node:
+            yield ctx.pattern_to_node[self]
+            return
+        for total in self.total.find_anchor_nodes(ctx, searched):
+            if isinstance(total, Node):
+                for user in total.users:
+                    if user not in searched and self._match_fns(user):
+                        searched.add(user)
+                        yield user
+
+    def pattern_eq(self, other: Any) -> bool:
+        return super().pattern_eq(other) and self.total.pattern_eq(other.total)
+
+
+# ---- the spellings of each op ----------------------------------------------------------------
+# Each takes the pattern node as traced and its arguments already respelled, and returns
+# the other spellings of its value (their own user counts unchecked: AnyOf checks the
+# node's). A rule that needs a child's structure reads the traced node's arguments.
+def _call(target: Any, *args: Any, users: Any = pm.MULTIPLE) -> pm.CallFunction:
+    return pm.CallFunction(target, *args, _users=users)
+
+
+def _one_user(pattern: Any, *targets: Any) -> bool:
+    return isinstance(pattern, pm.CallFunction) and pattern.users == 1 and pattern.fns in ([t] for t in targets)
+
+
+def _rsqrt_spellings(value: Any) -> list:
+    """rsqrt(v) as v ** -0.5 and as 1 / sqrt(v)."""
+    return [_call(aten.pow.Tensor_Scalar, value, -0.5),
+            _call(aten.reciprocal.default, _call(aten.sqrt.default, value, users=1))]
+
+
+def _rsqrt(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    return _rsqrt_spellings(args[0])
+
+
+def _mul(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    """a * rsqrt(v) == a / sqrt(v) == a / v ** 0.5 (either operand order); x * x == x ** 2."""
+    alternatives = []
+    for kept, other in ((args[0], traced.args[1]), (args[1], traced.args[0])):
+        if _one_user(other, aten.rsqrt.default):
+            value = respelled(other.args[0])
+            alternatives += [_call(aten.div.Tensor, kept, _call(aten.sqrt.default, value, users=1)),
+                             _call(aten.div.Tensor, kept, _call(aten.pow.Tensor_Scalar, value, 0.5, users=1))]
+            break
+    if traced.args[0] is traced.args[1]:
+        alternatives.append(_call(aten.pow.Tensor_Scalar, args[0], 2))
+    return alternatives
+
+
+def _div(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    """a / sqrt(v) == a * rsqrt(v) (either order)."""
+    denominator = traced.args[1]
+    if _one_user(denominator, aten.sqrt.default) or (
+            _one_user(denominator, aten.pow.Tensor_Scalar) and denominator.args[1:] == (0.5,)):
+        value = respelled(denominator.args[0])
+        return [Commutative(aten.mul.Tensor, args[0], AnyOf([_call(aten.rsqrt.default, value),
+                                                             *_rsqrt_spellings(value)]), _users=pm.MULTIPLE)]
+    return []
+
+
+def _pow(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    """v ** -0.5 == rsqrt(v) == 1 / sqrt(v); x ** 2 == x * x; v ** 0.5 == sqrt(v)."""
+    value, exponent = args
+    if exponent == -0.5:
+        return [_call(aten.rsqrt.default, value),
+                _call(aten.reciprocal.default, _call(aten.sqrt.default, value, users=1))]
+    if exponent == 2:
+        return [_call(aten.mul.Tensor, value, value)]
+    if exponent == 0.5:
+        return [_call(aten.sqrt.default, value)]
+    return []
+
+
+def _sqrt(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    return [_call(aten.pow.Tensor_Scalar, args[0], 0.5)]
+
+
+def _silu(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    """silu(x) == x * sigmoid(x) (either order)."""
+    (value,) = args
+    return [Commutative(aten.mul.Tensor, value, _call(aten.sigmoid.default, value, users=1), _users=pm.MULTIPLE)]
+
+
+def _mean(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
+    """mean(x, dims, keepdim) == sum(x, dims, keepdim) / n."""
+    if len(args) != 3 or traced.kwargs:
+        return []
+    return [SumOverCount(*args, users=pm.MULTIPLE)]
+
+
+_SPELLINGS: dict[Any, Callable[..., list]] = {
+    aten.rsqrt.default: _rsqrt,
+    aten.mul.Tensor: _mul,
+    aten.div.Tensor: _div,
+    aten.pow.Tensor_Scalar: _pow,
+    aten.sqrt.default: _sqrt,
+    aten.silu.default: _silu,
+    aten.mean.dim: _mean,
+}
+_COMMUTATIVE = (aten.mul.Tensor, aten.add.Tensor)
+
+
+def respell(pattern: pm.PatternExpr) -> list[pm.PatternExpr]:
+    """`pattern` with each node accepting every spelling of its value; one pattern per
+    spelling of the node a match starts from (a matcher starts from one op), the
+    pattern's own spelling first. Shared sub-patterns stay shared."""
+    memo: dict[int, Any] = {}
+
+    def respelled(p: Any) -> Any:
+        return _respelled(p, memo, respelled)
+
+    if isinstance(pattern, pm.MultiOutputPattern):
+        first, *rest = pattern.outputs
+        rest = [respelled(p) if p is not None else None for p in rest]
+        return [pm.MultiOutputPattern([root, *rest]) for root in _spellings_of_root(respelled(first))]
+    return _spellings_of_root(respelled(pattern))
+
+
+def _spellings_of_root(root: Any) -> list:
+    if not isinstance(root, AnyOf):
+        return [root]
+    roots = []
+    for alternative in root.alternatives:
+        alternative.users = root.users  # a root is the match's output: any users, as before
+        roots.append(alternative)
+    return roots
+
+
+def _respelled(pattern: Any, memo: dict, respelled: Callable) -> Any:
+    if isinstance(pattern, (list, tuple)):
+        return type(pattern)(respelled(p) for p in pattern)
+    if type(pattern) is not pm.CallFunction:
+        return pattern
+    if id(pattern) in memo:
+        return memo[id(pattern)]
+    args = tuple(respelled(a) for a in pattern.args)
+    kwargs = {k: respelled(v) for k, v in pattern.kwargs.items()}
+    target = pattern.fns[0] if len(pattern.fns) == 1 else None
+    own_class = Commutative if target in _COMMUTATIVE and not kwargs and len(args) == 2 else pm.CallFunction
+    spelling = _SPELLINGS.get(target)
+    alternatives = spelling(pattern, args, respelled) if spelling is not None else []
+    own = own_class(pattern.fns, *args, _users=pm.MULTIPLE if alternatives else pattern.users, **kwargs)
+    result = AnyOf([own, *alternatives], users=pattern.users) if alternatives else own
+    memo[id(pattern)] = result
+    return result
+
+
+def respell_exact(pattern: pm.PatternExpr) -> pm.PatternExpr:
+    """respell() for an exact pattern, matched at a known node: each spelling of its root
+    is tried there in turn."""
+    spellings = respell(pattern)
+    return spellings[0] if len(spellings) == 1 else _FirstOf(spellings)
+
+
+class _FirstOf:
+    """An exact pattern whose root has several spellings, matched at one node."""
+
+    def __init__(self, patterns: list):
+        self.patterns = patterns
+
+    def match(self, node: Node) -> pm.MatchResult:
+        failure: Optional[pm.MatchResult] = None
+        for pattern in self.patterns:
+            found = pattern.match(node)
+            if found:
+                return found
+            failure = failure if failure is not None else found
+        return failure
