@@ -291,9 +291,6 @@ HF_KNOWN_FAILURES: dict[str, str] = {
                   "(--disable lightning_indexer matches), as in axk2",
     "dots3_note_text": "fusion bug: with lightning_indexer fused the logits differ from eager by 0.078 "
                        "(--disable lightning_indexer matches), as in axk2",
-    "diffllama": "fusion bug: rms_norm's pass fails and is reverted: torch's matcher retraces the "
-                 "torch_functional form with weight bound to the Python float of "
-                 "(1 - lambda_init) * groupnorm(x), and F.rms_norm raises TypeError",
 }
 
 
