@@ -56,6 +56,16 @@ def gemma(x, weight, eps):
     return (h * (1.0 + weight.float())).type_as(x)
 
 
+def in_input_dtype(x, weight, eps):
+    # hf_llama without the fp32 upcast: in bf16 / fp16 every step rounds to the input
+    # dtype (in fp32 it is hf_llama's trace). npu_rms_norm computes in fp32 and rounds
+    # once, so the fused result is closer to exact: within 1 ulp where this chain is up
+    # to 3 ulp off, and up to 3 ulp from the chain (measured: tests/test_rms_norm.py).
+    # Inductor makes the same trade when it fuses low-precision pointwise chains;
+    # FusionConfig(keep_intermediate_rounding=True) keeps the chain instead.
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def no_weight(x, eps):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -64,6 +74,13 @@ def no_weight(x, eps):
 
 # ---- the fused calls --------------------------------------------------------------------
 def npu_rms_norm(x, weight, eps):
+    return torch.ops.npu.npu_rms_norm(x, weight, eps)[0]
+
+
+def npu_rms_norm_once(x, weight, eps):
+    # npu_rms_norm for in_input_dtype: a replacement of its own, since in fp32 its search
+    # traces as hf_llama's, and the engine registers a trace once per replacement; the
+    # bf16 trace (which has no casts) is what this form adds
     return torch.ops.npu.npu_rms_norm(x, weight, eps)[0]
 
 
@@ -84,13 +101,23 @@ FORMS = [
     Form(torch_functional, npu_rms_norm),
     Form(divide_by_sqrt, npu_rms_norm),
     Form(gemma, npu_rms_norm_gemma),
+    Form(in_input_dtype, npu_rms_norm_once, dtypes=(torch.bfloat16,)),
     Form(no_weight, npu_rms_norm_unit_weight),  # last: it is a sub-pattern of the others
 ]
 
 
 # ---- checks -------------------------------------------------------------------------------
+IN_INPUT_DTYPE_NOTE = ("computed in fp32 and rounded once, where the code rounds each step to {dtype}: "
+                      "within 1 ulp of exact, up to 3 ulp from the code's own result")
+
+
 def check(site):
     x, weight = site["x"], site.args.get("weight")
+    if site.form.search is in_input_dtype and x.dtype != torch.float32:
+        if site.keep_intermediate_rounding:
+            return (f"a {x.dtype} norm computed in {x.dtype} step by step; npu_rms_norm rounds once in fp32 "
+                    "(FusionConfig.keep_intermediate_rounding keeps the code's roundings)")
+        site.notes.append(IN_INPUT_DTYPE_NOTE.format(dtype=str(x.dtype).removeprefix("torch.")))
     if weight is not None:
         if tuple(weight.shape) != tuple(x.shape[-1:]):
             return (f"weight shape {list(weight.shape)} is not the normalised dim "

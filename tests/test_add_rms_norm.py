@@ -66,6 +66,27 @@ def test_one_block_numerics_per_element(dtype, eps):
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)  # the sum is rounded once either way
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemma_norms_whose_weight_the_graph_computes_fold_the_residual_add(dtype):
+    # GemmaRMSNorm's weight is `1 + w`, computed in the graph after the residual add it
+    # folds: the replacement must be placed where its weight exists (it once raised "used
+    # before it has been defined", and the pass was reverted)
+    gemma = pytest.importorskip("transformers.models.gemma.modeling_gemma")
+
+    class GemmaLike(DecoderLike):
+        def __init__(self):
+            super().__init__()
+            self.norms = torch.nn.ModuleList(gemma.GemmaRMSNorm(64) for _ in range(3))
+            for norm in self.norms:
+                torch.nn.init.normal_(norm.weight)
+
+    module = GemmaLike().to(dtype)
+    out, ref, report = compile_and_run(module, _inputs(dtype))
+    assert report.errors == []
+    assert report.fused_ops == {"npu.npu_rms_norm": 1, "npu.npu_add_rms_norm": 2}
+    assert_close_at_scale(out, ref, 2 * ULPS[dtype])
+
+
 def test_needs_the_rms_norm_pass():
     # add_rms_norm folds adds into npu_rms_norm calls; with rms_norm off there are none.
     config = nff.FusionConfig(disable={"rms_norm"})

@@ -83,6 +83,7 @@ def test_a_misspelt_pass_in_the_environment_fails_when_the_backend_is_made(monke
     ({"enable": [1, 2]}, "enable"), ({"disable": 5}, "disable"), ({"soc": 910}, "soc"),
     ({"mode": ["max-autotune"]}, "mode"), ({"dump_dir": 3}, "dump_dir"), ({"verify": "yes"}, "verify"),
     ({"strict": 1}, "strict"), ({"npu_dispatch": "off"}, "npu_dispatch"),
+    ({"keep_intermediate_rounding": None}, "keep_intermediate_rounding"),
 ])
 def test_fields_of_the_wrong_type(kwargs, field):
     with pytest.raises(TypeError) as err:

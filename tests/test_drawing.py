@@ -68,10 +68,8 @@ class CapturingBackend(EmulationBackend):
     def __init__(self, config=None):
         super().__init__(config)
         self.graphs = []
-        self.names_before = []  # each graph's node names before the passes ran
 
     def _compile(self, phase, gm, example_inputs):
-        self.names_before.append(frozenset(n.name for n in gm.graph.nodes))
         compiled = super()._compile(phase, gm, example_inputs)
         self.graphs.append(gm)
         return compiled
@@ -212,23 +210,27 @@ def test_a_slow_layout_is_skipped(can_draw, norm_graph, caplog):
     assert "Graphviz took over" in caplog.text
 
 
-def test_two_layer_llama_svg_stays_small(can_draw):
+def test_two_layer_llama_svg_stays_small(can_draw, tmp_path):
+    # the pipeline's own drawing: on the NPU graph SDPA already calls torch_npu's
+    # npu_fusion_attention_v3 before any pass runs, and only what the passes added is filled
     tiny = build_hf("llama")
-    backend = CapturingBackend(nff.FusionConfig())
+    backend = CapturingBackend(nff.FusionConfig(dump_dir=str(tmp_path)))
     with torch.no_grad():
         torch.compile(tiny.model, backend=backend, fullgraph=True)(*tiny.example_inputs)
-    (gm,), (names_before,) = backend.graphs, backend.names_before
-    # the NPU graph holds torch_npu's FlashAttention for SDPA before any pass ran: an npu
-    # op, but not a fusion, so not highlighted once the graph's own nodes are named
-    assert "npu_fusion_attention_v3" in drawing.fused_nodes(gm).values()
-    highlight = drawing.fused_nodes(gm, names_before)
-    assert set(highlight.values()) == {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul"}
-    svg = drawing.graph_svg(gm, highlight, "graph_000 hf-llama inference")
+    (gm,) = backend.graphs
+    assert "npu.npu_fusion_attention_v3.default" in {str(n.target) for n in gm.graph.nodes}
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    svg = (folder / "after.svg").read_text()
     root = parse(svg)
     assert len(drawn_nodes(root)) == len(gm.graph.nodes)
     size = len(svg.encode())
     assert size < LLAMA_SVG_BOUND, f"{size} bytes of SVG for {len(gm.graph.nodes)} nodes"
     assert sorted(legend(root)[0][1:]) == ["npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul"]
+
+
+def test_nodes_the_graph_had_before_fusion_are_not_filled(norm_graph):
+    (node,) = drawing.fused_nodes(norm_graph)
+    assert drawing.fused_nodes(norm_graph, original={node}) == {}
 
 
 def test_svg_renders(can_draw, norm_graph, tmp_path):

@@ -48,6 +48,27 @@ def test_a_failing_pass_is_reverted_and_reported(monkeypatch, caplog):
     assert "pass rms_norm failed and was reverted" in caplog.text
 
 
+def test_a_failure_is_one_warning_line_and_its_full_text_goes_to_the_dump_dir(monkeypatch, caplog, tmp_path):
+    gm, _, _ = _graph()
+    exploding = _ExplodingPass()
+    graph_text = "\n".join(f"    node_{i} = torch.ops.aten.mul.Tensor(x, y)" for i in range(300))
+
+    def check(site):
+        raise RuntimeError(f"Argument 'add_1' was used before it has been defined\n{graph_text}")
+
+    exploding.check = check
+    monkeypatch.setattr(pipeline, "load_pass", lambda name: exploding if name == "rms_norm" else None)
+    with caplog.at_level(logging.WARNING, logger="npu_fx_fusion"):
+        report = nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}, dump_dir=str(tmp_path)))
+    (record,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    message = record.getMessage()
+    assert "\n" not in message and "node_299" not in message
+    assert "RuntimeError: Argument 'add_1' was used before it has been defined" in message
+    path = tmp_path / "error_pass_rms_norm.txt"
+    assert str(path) in message and "node_299" in path.read_text()
+    assert report.errors == [("rms_norm", "RuntimeError: Argument 'add_1' was used before it has been defined")]
+
+
 def test_strict_mode_reraises(monkeypatch):
     gm, _, _ = _graph()
     exploding = _ExplodingPass()

@@ -250,3 +250,86 @@ def test_npu_dtype_cast_spelling_fuses_too(dtype):
     assert [s.form for s in report.sites] == ["hf_llama"]
     assert report.graphs[0].ops_after["npu._npu_dtype_cast.default"] == 0
     assert_within_ulps(out, ref, ULPS[dtype])
+
+
+# ---- dynamic=True: dynamo lifts a module's float eps into a graph input (lifted_floats.py) ---
+def _rms_norm_eps(backend):
+    gm = backend.graphs["inference"]  # the latest
+    (call,) = [n for n in gm.graph.nodes if str(n.target) == "npu.npu_rms_norm.default"]
+    return call.args[2] if len(call.args) > 2 else call.kwargs.get("epsilon", 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dynamic_shapes_fuse_with_the_modules_eps_and_recompile_when_it_changes(dtype):
+    from helpers import RecordingBackend
+
+    torch._dynamo.reset()
+    module = HFLlama(eps=3.7e-4).to(dtype)
+    backend = RecordingBackend(ONLY_RMS)
+    compiled = torch.compile(module, backend=backend, dynamic=True)
+    x = _inputs(dtype) * 1e-2  # small activations make eps matter
+    with torch.no_grad():
+        assert_within_ulps(compiled(x), module(x), ULPS[dtype])
+        assert backend.report.counts["rms_norm"] == 1 and backend.report.near_misses == []
+        assert _rms_norm_eps(backend) == 3.7e-4
+        module.eps = 0.1  # the guard on the attribute recompiles: never the old constant
+        assert_within_ulps(compiled(x), module(x), ULPS[dtype])
+    assert len(backend.report.graphs) == 2 and _rms_norm_eps(backend) == 0.1
+
+
+def test_a_float_argument_stays_a_runtime_input():
+    # a float passed per call is what a dynamic compile is for: not specialised, so the
+    # norm reads it at run time and is left unfused, with the reason
+    from helpers import RecordingBackend
+
+    def norm(x, w, eps):
+        h = x.float()
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    torch._dynamo.reset()
+    backend = RecordingBackend(ONLY_RMS)
+    compiled = torch.compile(norm, backend=backend, dynamic=True)
+    x, w = _inputs(torch.float32) * 1e-2, torch.rand(64) + 0.5
+    with torch.no_grad():
+        for eps in (1e-6, 0.1):
+            torch.testing.assert_close(compiled(x, w, eps), norm(x, w, eps))
+    assert len(backend.report.graphs) == 1 and backend.report.counts["rms_norm"] == 0
+    assert any("eps" in reason for reason in near_miss_reasons(backend.report, "rms_norm"))
+
+
+# ---- a half-precision norm written without the fp32 upcast ---------------------------------
+class InInputDtype(Norm):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_norm_without_upcast_fuses_and_rounds_once(dtype):
+    # npu_rms_norm computes in fp32 and rounds once: within 1 ulp of the exact result
+    # (0.5 but where fp32 error meets a rounding tie), where the code's chain rounds at
+    # every step (up to ~3 ulp: measured 2.9 over random sizes and scales); the site's
+    # note says so
+    module = InInputDtype(dim=256).to(dtype)
+    x = _inputs(dtype, shape=(4, 16, 256))
+    out, ref, report = compile_and_run(module, x, config=ONLY_RMS)
+    assert report.fused_ops == {"npu.npu_rms_norm": 1}
+    (site,) = report.sites
+    assert "rounded once" in site.note and "3 ulp" in site.note
+    exact = module.double()(x.double())
+    assert_within_ulps(out, exact.to(dtype), 1)
+    assert_within_ulps(out, ref, 3)
+    with pytest.raises(AssertionError):  # the chain itself is further off
+        assert_within_ulps(ref, exact.to(dtype), 1)
+
+
+def test_keep_intermediate_rounding_leaves_it_unfused_and_says_why():
+    module = InInputDtype().to(torch.bfloat16)
+    config = nff.FusionConfig(enable={"rms_norm"}, keep_intermediate_rounding=True)
+    out, ref, report = compile_and_run(module, _inputs(torch.bfloat16), config=config)
+    assert report.counts["rms_norm"] == 0
+    (reason,) = near_miss_reasons(report, "rms_norm")
+    assert "keep_intermediate_rounding" in reason
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # an fp32 norm computes what it fuses into: the switch does not touch it
+    out, ref, report = compile_and_run(InInputDtype(), _inputs(torch.float32), config=config)
+    assert report.counts["rms_norm"] == 1

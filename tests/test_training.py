@@ -259,6 +259,78 @@ def test_rope_of_a_split_query_fuses_forward_and_backward():
     assert npu_ops(bw) == {"npu_rotary_mul_backward": 1}
 
 
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _two_ropes(q, k, cos, sin):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _two_norms(x, y, w):
+    def norm(h):
+        h32 = h.float()
+        return w * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+    return norm(x), norm(y)
+
+
+def test_a_joint_graph_that_does_not_partition_is_compiled_unfused(monkeypatch):
+    # without backward_after_forward the fused graph of two returned sites does not
+    # partition: the compile must still succeed, unfused there, and say why
+    from npu_fx_fusion import accept
+
+    monkeypatch.setattr(accept, "backward_after_forward", lambda graph: 0)
+    torch._dynamo.reset()
+    inputs = [torch.randn(2, 4, 8, 16, requires_grad=True), torch.randn(2, 4, 8, 16, requires_grad=True),
+              torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)]
+    backend = RecordingBackend(nff.FusionConfig(enable={"rope"}))
+    q, k = torch.compile(_two_ropes, backend=backend, fullgraph=True)(*inputs)
+    (q.sum() + k.sum()).backward()
+    joint = next(g for g in backend.report.graphs if g.name == "joint")
+    (error,) = [r.error for r in joint.passes if r.error]
+    assert "was invalid, but is output" in error
+    reverted = [m.reason for r in joint.passes for m in r.near_misses if m.reason.startswith("fused, then reverted")]
+    assert len(reverted) == 2 and not any(r.sites for r in joint.passes)
+    # the forward-only pass after partitioning fuses the forward halves instead
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rotary_mul": 2}
+    q_ref, k_ref = _two_ropes(*[t.detach() for t in inputs])
+    torch.testing.assert_close(q, q_ref)
+
+
+@pytest.mark.parametrize("case", ["ropes", "norms"])
+def test_two_fused_sites_returned_together_train(case):
+    # a graph break after the rotary embedding returns both sites from one graph: the
+    # first site's backward op must not stay among the forward nodes the default
+    # partitioner takes (accept.backward_after_forward)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if case == "ropes":
+        fn, op = _two_ropes, "npu_rotary_mul"
+        inputs = [torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16), torch.randn(1, 1, 8, 16),
+                  torch.randn(1, 1, 8, 16)]
+        grads = [True, True, False, False]
+    else:
+        fn, op = _two_norms, "npu_rms_norm"
+        inputs = [torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN), torch.randn(HIDDEN)]
+        grads = [True, True, True]
+    fused = [t.clone().requires_grad_(g) for t, g in zip(inputs, grads)]
+    eager = [t.clone().requires_grad_(g) for t, g in zip(inputs, grads)]
+    backend = RecordingBackend(nff.FusionConfig())
+    outs = torch.compile(fn, backend=backend, fullgraph=True)(*fused)
+    outs_ref = fn(*eager)
+    probes = [torch.randn(o.shape) for o in outs]
+    sum(((o * p).sum() for o, p in zip(outs, probes))).backward()
+    sum(((o * p).sum() for o, p in zip(outs_ref, probes))).backward()
+    assert backend.report.errors == []
+    assert npu_ops(backend.graphs["forward"]) == {op: 2}
+    assert npu_ops(backend.graphs["backward"]) == {f"{op}_backward": 2}
+    for out, out_ref in zip(outs, outs_ref):
+        assert_close_at_scale(out, out_ref, UNIT_ULPS[torch.float32])
+    for a, b in zip(fused, eager):
+        if a.requires_grad:
+            assert_close_at_scale(a.grad, b.grad, UNIT_ULPS[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_fuses_forward_and_backward(dtype):
     _, fw, bw = train_and_compare(GateUpSwiGLU, dtype)

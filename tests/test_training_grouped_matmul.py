@@ -21,6 +21,7 @@ The unit modules and transformers' experts measure 0 ulp.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -271,7 +272,10 @@ def test_transformers_experts_gemms_train_fused(dtype):
     model = tm.model.train()
     reference = copy.deepcopy(model)
     (ids,) = tm.example_inputs
-    backend = RecordingBackend(ONLY_GMM)
+    # the CPU trace: in the NPU graph SDPA is the FA-v3 stand-in, whose closed-form
+    # backward rounds the attention's gradients differently from eager's math SDPA (up to
+    # ~1.1 bf16 ulp on q_proj here), which is not what this test measures
+    backend = RecordingBackend(dataclasses.replace(ONLY_GMM, npu_dispatch=False))
     torch.compile(model, backend=backend)(ids).float().pow(2).mean().backward()
     reference(ids).float().pow(2).mean().backward()
     assert backend.report.errors == []
@@ -327,8 +331,10 @@ def _deepseek_router_grads(monkeypatch, experts_dtype):
     model = tm.model.train()
     reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
     (ids,) = tm.example_inputs
+    # the CPU trace, as in test_training.py's DeepSeek-V3 test: the FA-v3 stand-in of the NPU
+    # graph rounds differently from CPU's SDPA, which moves this MoE's near-tied routing
     backend = RecordingBackend(nff.FusionConfig(
-        enable={"rms_norm", "rope", "swiglu", "moe_dispatch", "grouped_matmul"}))
+        enable={"rms_norm", "rope", "swiglu", "moe_dispatch", "grouped_matmul"}, npu_dispatch=False))
     torch.compile(model, backend=backend)(ids).double().pow(2).mean().backward()
     reference(ids).double().pow(2).mean().backward()
     monkeypatch.setattr(experts, "forward", _experts_in(torch.float64))

@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .canonical import is_backward
 from .capabilities import not_lowerable
 from .forms import Form, FusionPass, Reason, Site
-from .registry import PatternSet, Registration, anchor_of, keyword_value, pattern_set
+from .registry import SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, keyword_value, pattern_set
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import respell_exact
 from .tracing import TRACERS, is_static, signature
@@ -73,6 +73,7 @@ class RunContext:
     inserted: list[Node] = field(default_factory=list)
     out_of_order: bool = False  # a replacement reads a node defined after it
     fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
+    keep_intermediate_rounding: bool = False  # FusionConfig's: Site.keep_intermediate_rounding
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -83,7 +84,8 @@ class RunContext:
 
 
 def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
-               mode: Optional[str] = None, verify: bool = False, joint: bool = False) -> Optional[PassResult]:
+               mode: Optional[str] = None, verify: bool = False, joint: bool = False,
+               keep_intermediate_rounding: bool = False) -> Optional[PassResult]:
     """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
 
     soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
@@ -100,7 +102,8 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     patterns = pattern_set(fusion_pass)
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
-                     fake_mode=torch._guards.detect_fake_mode(inputs))  # noqa: SLF001
+                     fake_mode=torch._guards.detect_fake_mode(inputs),  # noqa: SLF001
+                     keep_intermediate_rounding=keep_intermediate_rounding)
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
@@ -117,9 +120,48 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
             pm.stable_topological_sort(gm.graph)
         if ctx.sites and joint:
             gm.graph.eliminate_dead_code()
+            backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
     return _near_misses(ctx, gm, result, anchors)
+
+
+def backward_after_forward(graph: torch.fx.Graph) -> int:
+    """Move the backward nodes of a joint graph after its forward ones (stably); returns
+    how many moved.
+
+    A joint replacement puts a site's backward op next to its forward op, and torch's
+    default_partition (torchair's) "respects the original placement of ops": every node
+    up to the last forward one goes into the forward graph. With two sites, the first
+    one's backward would be taken for forward, and partitioning fails ("getitem_N was
+    invalid, but is output"). A node moves when it reads a tangent or autograd made it
+    for the backward, and every user of it moves too (so no forward node loses an input).
+    """
+    nodes = list(graph.nodes)
+    from_tangents: set = set()
+    for node in nodes:
+        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or \
+                any(arg in from_tangents for arg in node.all_input_nodes):
+            from_tangents.add(node)
+    movable: set = set()
+    for node in reversed(nodes):
+        if node.op in ("placeholder", "output"):
+            continue
+        if (node in from_tangents or is_backward(node)) and all(
+                user.op == "output" or user in movable for user in node.users):
+            movable.add(node)
+    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    last_forward = max((i for i, n in enumerate(body) if n not in movable), default=-1)
+    first = next((i for i, n in enumerate(body[:last_forward]) if n in movable), None)
+    if first is None:
+        return 0
+    # from the first backward node before a forward one on, every backward node moves, in
+    # order (a later one may read an earlier one)
+    moving = [n for n in body[first:] if n in movable]
+    output = next(iter(graph.find_nodes(op="output")))
+    for node in moving:
+        output.prepend(node)
+    return len(moving)
 
 
 def _which_registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: bool) -> Optional[str]:
@@ -399,7 +441,8 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
     site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
-    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode)
+    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode,
+                keep_intermediate_rounding=ctx.keep_intermediate_rounding)
     return site, exact_match, arguments
 
 
@@ -481,7 +524,7 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
         defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
                     if a.has_default_value()}
         for key, value in node.kwargs.items():
-            if (str(node.target), key, keyword_value(value)) in spelled:
+            if {(str(node.target), key, keyword_value(value)), (str(node.target), key, SCALAR_ARGUMENT)} & spelled:
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"

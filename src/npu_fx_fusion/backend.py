@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import FusionConfig, check_environment
+from .lifted_floats import specialize_module_floats
 from .report import FusionReport
 
 log = logging.getLogger("npu_fx_fusion")
@@ -195,6 +196,7 @@ class EmulationBackend:
 
         self.pipeline = FusionPipeline(fusion_config)
         self.pipeline.report.graph_source = graph_source(self.pipeline.fusion_config)
+        self._floats: dict[str, float] = {}  # lifted_floats: module floats specialised so far
 
     @property
     def report(self) -> FusionReport:
@@ -206,6 +208,8 @@ class EmulationBackend:
         from . import npu_dispatch
 
         config = self.pipeline.fusion_config
+        if config.enabled_passes():
+            specialize_module_floats(gm, example_inputs, self._floats)
         trace_scope = contextlib.nullcontext()
         if config.npu_dispatch:
             npu_dispatch.apply_transformers_npu_branches(gm)
@@ -294,10 +298,13 @@ class TorchairTrainingBackend:
         self.pipeline = pipeline
         self.compiler_config = compiler_config
         self._running = False
+        self._floats: dict[str, float] = {}  # lifted_floats: module floats specialised so far
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any):
         import torch._functorch.config as functorch_config
 
+        if self.pipeline.fusion_config.enabled_passes():
+            specialize_module_floats(gm, example_inputs, self._floats)
         chained = functorch_config.joint_custom_pass
         if isinstance(chained, TorchairTrainingBackend._JointPass):
             chained = chained.chained  # a nested compile: do not stack our pass twice

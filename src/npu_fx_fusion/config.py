@@ -96,6 +96,11 @@ class FusionConfig:
               (None: Ascend910B), so the passes see the graph an NPU compile holds
               (SDPA as npu_fusion_attention_v3, aten.matmul, ...; npu_dispatch.py,
               docs/npu-graph.md). False: the plain CPU trace, to compare with.
+    keep_intermediate_rounding: never fuse a site whose fused op computes in more precision
+              than the code does: a bf16 / fp16 RMSNorm written without an fp32 upcast
+              rounds every step to the input dtype, npu_rms_norm rounds once (closer to
+              the exact result; each such site's note gives the measured difference).
+              Such sites are near misses instead. Default False: fuse them.
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
@@ -113,6 +118,7 @@ class FusionConfig:
     strict: bool = False
     verify: bool = False
     npu_dispatch: bool = True
+    keep_intermediate_rounding: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -149,7 +155,7 @@ class FusionConfig:
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"FusionConfig(dump_dir=...) takes a path (str or os.PathLike) or None, got "
                             f"{self.dump_dir!r} ({type(self.dump_dir).__name__})")
-        for name in ("strict", "verify", "npu_dispatch"):
+        for name in ("strict", "verify", "npu_dispatch", "keep_intermediate_rounding"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FusionConfig({name}=...) takes True or False, got {value!r} "

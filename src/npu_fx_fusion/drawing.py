@@ -20,7 +20,7 @@ import logging
 import operator
 import shutil
 import subprocess
-from typing import Any, Container, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 import torch
 import torch.fx
@@ -40,20 +40,19 @@ _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", t
 _missing_logged = False
 
 
-def fused_nodes(gm: torch.fx.GraphModule, before: Container[str] = ()) -> dict[torch.fx.Node, str]:
+def fused_nodes(gm: torch.fx.GraphModule, original: Collection[torch.fx.Node] = ()) -> dict[torch.fx.Node, str]:
     """The nodes calling a fused op of capabilities.CAPABILITIES, each with the op's name.
 
     {node: "npu_rms_norm", ...}: a node counts when its target is an OpOverload whose
-    "{namespace}.{opname}" is a CAPABILITIES key ("npu.npu_rms_norm"), and its name is not
-    in `before` (the node names of the graph before fusion: an npu op the graph held
-    already, torch_npu's npu_fusion_attention_v3 for SDPA in an NPU graph or one the model
-    calls itself, is not a fusion; FX never gives a new node an erased node's name).
+    "{namespace}.{opname}" is a CAPABILITIES key ("npu.npu_rms_norm") and it is not one of
+    the graph's `original` nodes: on an NPU graph torch_npu's own dispatch already calls
+    some (npu_fusion_attention_v3 for SDPA), which no pass fused.
     """
     from .capabilities import CAPABILITIES
 
     found = {}
     for node in gm.graph.nodes:
-        if node.name in before:
+        if node in original:
             continue
         target = node.target
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):

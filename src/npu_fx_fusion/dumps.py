@@ -22,7 +22,7 @@ import html
 import logging
 import os
 import re
-from collections.abc import Container
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -46,6 +46,8 @@ FILES = {
     "layer_after.svg": "the same layer after fusion, its fused ops filled",
 }
 LAYER_FILES = ("layer_before.svg", "layer_after.svg")
+# DIR/error_<what>.txt (pipeline._log_failure): written only when a graph's fusion was reverted
+ERROR_FILE = "the full error of a graph's fusion that failed and was reverted"
 
 
 def describe_dump(dump_dir: str) -> list[tuple[str, str]]:
@@ -55,7 +57,7 @@ def describe_dump(dump_dir: str) -> list[tuple[str, str]]:
         dirs.sort()
         for name in sorted(files, key=lambda f: (list(FILES).index(f) if f in FILES else len(FILES), f)):
             path = os.path.relpath(os.path.join(root, name), dump_dir)
-            found.append((path, FILES.get(name, "")))
+            found.append((path, FILES.get(name, ERROR_FILE if name.startswith("error_") else "")))
     return found
 
 
@@ -65,7 +67,6 @@ class Dumper:
     def __init__(self, dump_dir: Optional[str]):
         self.dump_dir = dump_dir
         self._before: Optional[torch.fx.Graph] = None
-        self._before_names: frozenset[str] = frozenset()
 
     def folder(self, index: int, name: str) -> Optional[str]:
         if not self.dump_dir:
@@ -81,14 +82,12 @@ class Dumper:
                 f.write(text)
 
     def keep_before(self, gm: torch.fx.GraphModule) -> None:
-        """Keep a copy of the graph before fusion, for the layer drawing, and its node names:
-        the npu ops among them are not fusions (dumping only)."""
+        """Keep a copy of the graph before fusion, for the layer drawing (dumping only)."""
         if self.dump_dir:
             self._before = copy.deepcopy(gm.graph)
-            self._before_names = frozenset(n.name for n in gm.graph.nodes)
 
     def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str,
-             graph_report: Optional["GraphReport"] = None) -> None:
+             original_nodes: Collection[torch.fx.Node] = (), graph_report: Optional["GraphReport"] = None) -> None:
         """after.svg: the graph with its fused ops highlighted; with `graph_report`, the
         layer drawings too (needs pydot and Graphviz).
 
@@ -99,11 +98,12 @@ class Dumper:
         from .drawing import fused_nodes, graph_svg
 
         try:
-            svg = graph_svg(gm, fused_nodes(gm, self._before_names), title)
+            svg = graph_svg(gm, fused_nodes(gm, original_nodes), title)
             if svg is not None:
                 self.write(folder, "after.svg", svg)
             if graph_report is not None and self._before is not None:
-                for filename, text in layer_drawings(self._before, gm, graph_report, title.split(":")[0]).items():
+                for filename, text in layer_drawings(self._before, gm, graph_report, title.split(":")[0],
+                                                      original_nodes).items():
                     self.write(folder, filename, text)
         except Exception as exc:  # noqa: BLE001 - Graphviz failing must not fail a compile
             log.warning("could not draw %s: %s: %s", title, type(exc).__name__, exc)
@@ -170,14 +170,14 @@ def _layer_module(graph: torch.fx.Graph, layer: str) -> tuple[torch.fx.GraphModu
     return torch.fx.GraphModule(torch.nn.Module(), drawn), {n.name: n for n in drawn.nodes}
 
 
-def pick_layer(after: torch.fx.Graph, before: Container[str] = ()) -> Optional[str]:
+def pick_layer(after: torch.fx.Graph, original_nodes: Collection[torch.fx.Node] = ()) -> Optional[str]:
     """The layer to draw: the one with the most kinds of fused ops, then the most of them
-    (`before`: the node names before fusion, drawing.fused_nodes)."""
+    (ops the passes added: not the graph's `original_nodes`, drawing.fused_nodes)."""
     from .drawing import fused_nodes
 
     gm = torch.fx.GraphModule(torch.nn.Module(), after) if not isinstance(after, torch.fx.GraphModule) else after
     per_layer: dict[str, list[str]] = {}
-    for node, op in fused_nodes(gm, before).items():
+    for node, op in fused_nodes(gm, original_nodes).items():
         layer = layer_of(node)
         if layer is not None:
             per_layer.setdefault(layer, []).append(op)
@@ -209,19 +209,20 @@ def _final_ops(before: torch.fx.Graph, graph_report: "GraphReport") -> dict[Any,
 
 
 def layer_drawings(before: torch.fx.Graph, after: torch.fx.GraphModule, graph_report: "GraphReport",
-                   title: str) -> dict[str, str]:
+                   title: str, original_nodes: Collection[torch.fx.Node] = ()) -> dict[str, str]:
     """{"layer_before.svg": ..., "layer_after.svg": ...} for the layer pick_layer chooses,
     fused ops and the nodes they replaced in the same colour per fused op; {} when there
     is no such layer or drawing is unavailable."""
     from .drawing import PALETTE, fused_nodes, graph_svg
 
-    before_names = frozenset(n.name for n in before.nodes)
-    layer = pick_layer(after.graph, before_names)
+    layer = pick_layer(after.graph, original_nodes)
     if layer is None:
         return {}
     before_gm, before_nodes = _layer_module(before, layer)
-    after_gm, _ = _layer_module(after.graph, layer)
-    highlight_after = fused_nodes(after_gm, before_names)
+    after_gm, after_nodes = _layer_module(after.graph, layer)
+    # the layer's copies keep their FX names: what the whole graph highlights, by name
+    highlight_after = {after_nodes[node.name]: op for node, op in fused_nodes(after, original_nodes).items()
+                       if node.name in after_nodes and after_nodes[node.name].op == "call_function"}
     highlight_before = {}
     for site, op in _final_ops(before, graph_report).items():
         for name in site.replaced:

@@ -72,6 +72,9 @@ class Site:
     # on Ascend910B would need ...")
     notes: list[str] = field(default_factory=list)
     verified: str = ""  # the verification verdict, when FusionConfig(verify=True)
+    # FusionConfig.keep_intermediate_rounding: a form whose fused op computes in more
+    # precision than the code (rounds once where the code rounds each step) is refused
+    keep_intermediate_rounding: bool = False
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]

@@ -489,6 +489,10 @@ TORCHAIR_PY_KERNELS: tuple[tuple[str, DispatchKey, Callable], ...] = (
 )
 
 
+def _from_torchair(kernel: Callable) -> bool:
+    return "torchair" in (getattr(kernel, "__module__", None) or "")
+
+
 def _overload(op: str) -> torch._ops.OpOverload:
     name, _, overload = op.partition(".")
     return getattr(getattr(aten, name), overload or "default")
@@ -524,7 +528,9 @@ class NpuDispatch:
             for op, key, kernel in TORCHAIR_PY_KERNELS:
                 overload = _overload(op)
                 if key in overload.py_kernels:
-                    raise RuntimeError(f"{overload} already has a Python kernel at {key} (torchair itself?)")
+                    if _from_torchair(overload.py_kernels[key]):
+                        continue  # torchair's backend is built in this process: its own kernel is the real one
+                    raise RuntimeError(f"{overload} already has a Python kernel at {key}, not torchair's")
                 overload.py_impl(key)(kernel)
                 self._py_kernels.append((overload, key))
         except Exception:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import re
 import time
 from typing import Any, Optional, Sequence
 
@@ -29,7 +31,7 @@ from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, vie
                       views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
-from .report import FusionReport, GraphCost, GraphReport, PassResult, added_conversions, op_counts
+from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -88,16 +90,26 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
             gm.graph.eliminate_dead_code()
         canonicalize(gm.graph)
     original_nodes = set(gm.graph.nodes)
-    for name in enabled:
-        result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
-        graph_report.passes.append(result)
-    views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
-    merge_repeated_conversions(gm.graph, original_nodes)
-    drop_lossless_round_trips(gm.graph, original_nodes)
-    graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
+    snapshot = _Snapshot(gm.graph) if enabled else None
+    try:
+        for name in enabled:
+            result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
+            graph_report.passes.append(result)
+        views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
+        merge_repeated_conversions(gm.graph, original_nodes)
+        drop_lossless_round_trips(gm.graph, original_nodes)
+        graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
+        gm.graph.lint()
+    except Exception as exc:
+        # each pass reverts what fails in it; this is what fails after them
+        if config.strict or snapshot is None:
+            raise
+        original_nodes = set(snapshot.restore(gm).values())
+        graph_report.conversions_added.clear()  # the graph is back as it was: none added
+        _unfuse_report(graph_report, exc, config, "cleanup after the passes")
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
-    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", graph_report)
+    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
     dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
 
@@ -156,18 +168,78 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     passes = [name for name in config.enabled_passes()
               if (fusion_pass := load_pass(name)) is not None
               and (fusion_pass.differentiable or fusion_pass.forward_forms_on_joint)]
-    if passes:
-        normalize_joint_graph(gm)
-    original_nodes = set(gm.graph.nodes)
-    for name in passes:
-        result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True)
-        if result is not None:
-            graph_report.passes.append(result)
-    new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
-    if new_nodes:
-        views_to_reshapes_where_needed(gm, new_nodes)
+    snapshot = _Snapshot(gm.graph) if passes else None
+    try:
+        if passes:
+            normalize_joint_graph(gm)
+        original_nodes = set(gm.graph.nodes)
+        for name in passes:
+            result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True)
+            if result is not None:
+                graph_report.passes.append(result)
+        new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
+        if new_nodes:
+            views_to_reshapes_where_needed(gm, new_nodes)
+            _check_partitions(gm)
+    except Exception as exc:
+        # the passes each revert what fails in them; this is what fails between or after
+        # them (the fused graph not partitioning): the joint graph goes back unfused
+        if config.strict or snapshot is None:
+            raise
+        snapshot.restore(gm)
+        _unfuse_report(graph_report, exc, config, "joint graph")
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
     return graph_report
+
+
+def _check_partitions(gm: torch.fx.GraphModule) -> None:
+    """Partition a copy of the fused joint graph as torchair does (default_partition), so
+    that a fused graph aot cannot split fails here, where it can be reverted, and not in
+    the user's compile. The joint graph returns the forward's outputs, then one gradient
+    per primal input."""
+    from torch._functorch.partitioners import default_partition
+
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outputs = len(pytree.tree_leaves(output.args))
+    primals = sum(1 for n in gm.graph.find_nodes(op="placeholder") if str(n.target).startswith("primals"))
+    default_partition(copy.deepcopy(gm), None, num_fwd_outputs=outputs - primals)
+
+
+def _unfuse_report(graph_report: GraphReport, exc: Exception, config: FusionConfig, what: str) -> None:
+    """Turn a reverted graph's fused sites into near misses naming the error; say so in one line."""
+    error = _one_line(exc)
+    for result in graph_report.passes:
+        result.near_misses = [NearMiss(result.pass_name, f"fused, then reverted with the {what}: {error}",
+                                       site.location) for site in result.sites] + result.near_misses
+        result.sites = []
+    graph_report.passes.append(PassResult(what, error=error))
+    where = _log_failure(what, exc, config)
+    log.warning("%s: fusion failed and was reverted: %s (%s)", what, error, where)
+
+
+def _one_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 200:
+        first = first[:200] + "..."
+    return f"{type(exc).__name__}: {first}"
+
+
+def _log_failure(what: str, exc: Exception, config: FusionConfig) -> str:
+    """Write the whole error (its traceback, a graph it may print) where it does not flood
+    the console: the dump dir if there is one, else the debug log. Returns where it went."""
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    if config.dump_dir:
+        name = re.sub(r"[^A-Za-z0-9_]+", "_", what)
+        path = os.path.join(config.dump_dir, f"error_{name}.txt")
+        os.makedirs(config.dump_dir, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+        return f"full text in {path}"
+    log.debug("%s failed:\n%s", what, text)
+    return "full text in the debug log: logging.getLogger('npu_fx_fusion').setLevel(logging.DEBUG)"
 
 
 class _Snapshot:
@@ -214,7 +286,8 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     # a pass that can match nothing here changes nothing: no snapshot to take
     snapshot = _Snapshot(gm.graph) if may_change(fusion_pass, gm.graph, joint) else None
     try:
-        result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint)
+        result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint,
+                            keep_intermediate_rounding=config.keep_intermediate_rounding)
         if result is None:  # no joint patterns: nothing to do, nothing to report
             return None, original_nodes
         if result.sites:
@@ -225,8 +298,10 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
             original_nodes = {rebuilt[n] for n in original_nodes if n in rebuilt}
         if config.strict:
             raise
-        log.warning("pass %s failed and was reverted: %s: %s", name, type(exc).__name__, exc)
-        result = PassResult(name, error=f"{type(exc).__name__}: {exc}")
+        error = _one_line(exc)
+        log.warning("pass %s failed and was reverted: %s (%s)", name, error,
+                    _log_failure(f"pass {name}", exc, config))
+        result = PassResult(name, error=error)
     result.seconds = time.perf_counter() - start
     log.info("pass %s: %d fused, %d near misses, %.1f ms", name, len(result.sites),
              len(result.near_misses), result.seconds * 1e3)

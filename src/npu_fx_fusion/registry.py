@@ -25,7 +25,7 @@ import itertools
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
@@ -223,8 +223,20 @@ def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphM
     return False
 
 
-def _keywords_of(gm: torch.fx.GraphModule) -> set:
-    return {(str(n.target), key, keyword_value(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+def _keywords_of(gm: torch.fx.GraphModule, scalars: Mapping[str, Any]) -> set:
+    """The (op, keyword, value) a traced search spells out. A value that is one of the
+    form's scalar arguments (`scalars`: their example values) is a named argument of the
+    pattern, which matches any value (the same at each of its uses): SCALAR_ARGUMENT."""
+    examples = {(type(v), v) for v in scalars.values()}
+
+    def spelled(value: Any) -> str:
+        is_scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return SCALAR_ARGUMENT if is_scalar and (type(value), value) in examples else keyword_value(value)
+
+    return {(str(n.target), key, spelled(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
+
+
+SCALAR_ARGUMENT = "<scalar argument>"
 
 
 def keyword_value(value: Any) -> str:
@@ -252,7 +264,7 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
             for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
                 inputs = [fusion_pass.example_value(n, dtype, variant) for n in form.argnames]
                 for kind, pattern, gm in _spellings(fusion_pass, form, inputs, joint=False):
-                    keywords[form] |= _keywords_of(gm)
+                    keywords[form] |= _keywords_of(gm, _scalar_workaround(fusion_pass, form))
                     if not _covered(fusion_pass, form, kind, gm, forward):  # a form's dtypes and spellings often coincide
                         forward.append(Registration(form, pattern, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
@@ -316,7 +328,7 @@ def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict,
                     differentiable = tuple(n for n, v in zip(form.argnames, inputs)
                                            if isinstance(v, torch.Tensor) and v.requires_grad)
                     for kind, pattern, gm in found:
-                        keywords[form] |= _keywords_of(gm)
+                        keywords[form] |= _keywords_of(gm, _scalar_workaround(fusion_pass, form))
                         same_grads = [r for r in joint if r.requires_grad == differentiable]
                         if not _covered(fusion_pass, form, kind, gm, same_grads):
                             joint.append(Registration(form, pattern, kind, differentiable))
