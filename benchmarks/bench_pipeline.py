@@ -30,21 +30,21 @@ def one_time_costs() -> None:
     print(f"import torch: {torch_s:.2f} s; import npu_fx_fusion on top of it: {both_s - torch_s:+.3f} s")
 
     from npu_fx_fusion import npu_ops
-    from npu_fx_fusion.config import PASS_NAMES
-    from npu_fx_fusion.pipeline import load_pass
+    from npu_fx_fusion.catalog import load_pass, pass_names
+    from npu_fx_fusion.registry import pattern_set
 
     start = time.perf_counter()
     npu_ops.ensure_registered()
     print(f"stand-in op registration: {time.perf_counter() - start:.3f} s")
-    for name in PASS_NAMES:
+    for name in pass_names():
         fusion_pass = load_pass(name)
         if fusion_pass is None:
             continue
         start = time.perf_counter()
-        fusion_pass.matcher  # traces and registers every form (once per process)
-        forms = sum(len(f.dtypes) for f in fusion_pass.forms)
+        patterns = pattern_set(fusion_pass)  # precompiled when current, else traced (once per process)
+        count = len(patterns.forward)
         print(f"pattern registration {name}: {time.perf_counter() - start:.3f} s "
-              f"({len(fusion_pass.forms)} forms, {forms} traces)")
+              f"({len(fusion_pass.forms)} forms, {count} forward patterns, {patterns.source})")
 
 
 def compile_fraction(model: str, layers: int) -> None:

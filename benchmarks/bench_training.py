@@ -56,17 +56,18 @@ def _step(name, layers, config):
 
 
 def joint_registration() -> None:
-    from npu_fx_fusion.config import PASS_NAMES
-    from npu_fx_fusion.pipeline import load_pass
+    from npu_fx_fusion.catalog import load_pass, pass_names
+    from npu_fx_fusion.registry import pattern_set
 
     parts = []
-    for name in PASS_NAMES:
+    for name in pass_names():
         fusion_pass = load_pass(name)
         if fusion_pass is None or not fusion_pass.differentiable:
             continue
         start = time.perf_counter()
-        fusion_pass.joint_matcher  # noqa: B018 - registers
-        parts.append(f"{name} {time.perf_counter() - start:.2f} s")
+        patterns = pattern_set(fusion_pass)
+        count = len(patterns.joint)  # built on first use: precompiled when current, else traced
+        parts.append(f"{name} {time.perf_counter() - start:.2f} s ({count}, {patterns.source})")
     print("joint pattern registration (once per process):", ", ".join(parts))
 
 

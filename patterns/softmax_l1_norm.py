@@ -447,14 +447,15 @@ def _probabilities(node):
 
 
 def anchor(node):
-    """A sum or mean over the head dim (second to last) of probabilities: (.., H, keys)."""
+    """A sum or mean of probabilities over one dim other than the keys (the last): the
+    forms' (.., H, keys) heads, or eager attention's (B, H, S1, S2) ones, which explain()
+    names."""
     if not is_call(node, aten.sum.dim_IntList, aten.mean.dim) or len(node.args) < 2:
         return False
     source = tensor_meta(node.args[0])
     dims = node.args[1]
-    return (source is not None and source.dim() >= 3 and isinstance(dims, (list, tuple))
-            and [d % source.dim() for d in dims] == [source.dim() - 2]
-            and _probabilities(node.args[0]) is not None)
+    return (source is not None and source.dim() >= 3 and isinstance(dims, (list, tuple)) and len(dims) == 1
+            and dims[0] % source.dim() != source.dim() - 1 and _probabilities(node.args[0]) is not None)
 
 
 def _mask_of(probs):
@@ -484,7 +485,14 @@ def explain(head_sum):
         if dim != values.dim() - 1:
             return (f"the softmax is over dim {dim} of a {values.dim()}-d tensor, not over the keys (the "
                     f"last dim): {OP} normalises each query's row of keys")
-    heads = tensor_meta(head_sum.args[0]).shape[-2]
+    summed = tensor_meta(head_sum.args[0])
+    dim = head_sum.args[1][0] % summed.dim()
+    if dim != summed.dim() - 2:
+        return (f"the sum is over dim {dim} of the {summed.dim()}-d probabilities {list(summed.shape)}, "
+                f"not the one next to the keys: the heads of eager attention's (B, H, S1, S2) layout? {OP} "
+                "takes q as BSND / TND, (.., S1, H, D) with scores (.., H, S2); scores computed from q "
+                "transposed to (B, S1, H, D) fuse")
+    heads = summed.shape[-2]
     chain = [head_sum.args[0]]
     while chain[-1] is not probs:
         chain.append(chain[-1].args[0])

@@ -201,6 +201,17 @@ def test_complex_form_fuses_without_complex_arithmetic(dtype):
         assert_within_ulps(o.float(), r.float(), 1) if dtype == torch.float32 else torch.testing.assert_close(o, r)
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 4, 16), (1, 4, 4, 16), (4, 4, 4, 16)], ids=["S=N", "B=1, S=N", "B=S=N"])
+def test_complex_form_takes_its_layout_from_the_graph_when_sizes_coincide(shape):
+    # [B, S, N, D] with S == N (torchtitan at a sequence length equal to its head count):
+    # the table's view (1, S, 1, D/2) says which dim is the sequence, not the sizes
+    q, k = inputs(torch.float32, shape), inputs(torch.float32, shape, seed=1)
+    out, ref, report = _run(ComplexRope(), q, k, _freqs_cis(shape[1], shape[-1]))
+    assert report.counts["rope"] == 2 and report.near_misses == []
+    for o, r in zip(out, ref):
+        assert_within_ulps(o, r, 1)
+
+
 @pytest.mark.parametrize("dtype, head_dim, fused_op", [
     (torch.bfloat16, 64, "npu.npu_interleave_rope"),
     (torch.float16, 64, "npu.npu_interleave_rope"),

@@ -444,6 +444,17 @@ class NegativeSlotsNotMasked(IndexerTarget):
         return scores.masked_fill(hidden.unsqueeze(2), float("-inf"))
 
 
+class HeadsBeforeQueries(IndexerTarget):
+    """Eager attention's layout: scores (B, H, S1, S2), the head sum over dim 1."""
+
+    def forward(self, x, kv_x, *rest):
+        q, kv = self.project(x, kv_x)
+        scores = torch.einsum("bhsd,btd->bhst", q.transpose(1, 2), kv) * self.softmax_scale
+        hidden = self.causal_mask(q.shape[1], kv.shape[1], q.device)
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+        return probs.sum(dim=1) / self.num_heads
+
+
 def _upper_left(s1, s2, device):
     return torch.ones(s1, s2, dtype=torch.bool, device=device).triu(1)
 
@@ -462,8 +473,10 @@ def _upper_left(s1, s2, device):
     (AlsoAttends("BSND", "dense", "causal", "softmax"), "are also used by"),
     (NegativeSlotsNotMasked("BSND", "sparse", "causal", "lse"),
      "the mask does not hide the negative (no key, -1) indices"),
+    (HeadsBeforeQueries("BSND", "dense", "causal", "softmax"),
+     "the sum is over dim 1 of the 4-d probabilities [2, 4, 6, 9], not the one next to the keys"),
 ], ids=["sum only", "TND sum only", "sum / 2G", "upper-left causal", "softmax over heads", "L1-normalised exp",
-        "probabilities also attend", "-1 slots not masked"])
+        "probabilities also attend", "-1 slots not masked", "(B, H, S1, S2) layout"])
 def test_does_not_fire_and_says_why(module, reason):
     assert_does_not_fire(module, inputs_for(module), reason)
 

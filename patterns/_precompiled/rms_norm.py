@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5ba4185ef54d0d49',
+KEY = {'torch': '2.13.0+cpu', 'sources': '84598546c7d7b0d9',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {
@@ -25,6 +25,8 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'gemma -> npu_rms_norm_gemma @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
+    'in_input_dtype -> npu_rms_norm_once @ bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
+        'keywords': []},
     'no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
 }
@@ -176,7 +178,19 @@ def _p9():  # gemma [forward-npu]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p10():  # no_weight [forward]
+def _p10():  # in_input_dtype [forward]
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
+    arg_weight = KeywordArg('weight')
+    pattern = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight, _users=0)
+    return pattern
+
+def _p11():  # no_weight [forward]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -186,7 +200,7 @@ def _p10():  # no_weight [forward]
     pattern = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=0)
     return pattern
 
-def _p11():  # no_weight [forward]
+def _p12():  # no_weight [forward]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -198,7 +212,7 @@ def _p11():  # no_weight [forward]
     pattern = CallFunction(aten._to_copy.default, mul_Tensor, dtype=Ignored(), _users=0)
     return pattern
 
-def _p12():  # no_weight [forward-npu-cast]
+def _p13():  # no_weight [forward-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -211,7 +225,7 @@ def _p12():  # no_weight [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=0)
     return pattern
 
-def _p13():  # hf_llama [joint]
+def _p14():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -245,7 +259,7 @@ def _p13():  # hf_llama [joint]
     ])
     return pattern
 
-def _p14():  # hf_llama [joint]
+def _p15():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -283,7 +297,7 @@ def _p14():  # hf_llama [joint]
     ])
     return pattern
 
-def _p15():  # hf_llama [joint-npu-cast]
+def _p16():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -322,7 +336,7 @@ def _p15():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p16():  # hf_llama [joint]
+def _p17():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -353,7 +367,7 @@ def _p16():  # hf_llama [joint]
     ])
     return pattern
 
-def _p17():  # hf_llama [joint]
+def _p18():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -388,7 +402,7 @@ def _p17():  # hf_llama [joint]
     ])
     return pattern
 
-def _p18():  # hf_llama [joint-npu-cast]
+def _p19():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -424,7 +438,7 @@ def _p18():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p19():  # hf_llama [joint]
+def _p20():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -445,7 +459,7 @@ def _p19():  # hf_llama [joint]
     ])
     return pattern
 
-def _p20():  # hf_llama [joint]
+def _p21():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -468,7 +482,7 @@ def _p20():  # hf_llama [joint]
     ])
     return pattern
 
-def _p21():  # hf_llama [joint-npu-cast]
+def _p22():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -492,7 +506,7 @@ def _p21():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p22():  # weight_before_cast [joint]
+def _p23():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -531,7 +545,7 @@ def _p22():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p23():  # weight_before_cast [joint-npu-cast]
+def _p24():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -571,7 +585,7 @@ def _p23():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p24():  # weight_before_cast [joint-npu]
+def _p25():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -610,7 +624,7 @@ def _p24():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p25():  # weight_before_cast [joint]
+def _p26():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -645,7 +659,7 @@ def _p25():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p26():  # weight_before_cast [joint-npu-cast]
+def _p27():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -681,7 +695,7 @@ def _p26():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p27():  # weight_before_cast [joint-npu]
+def _p28():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -716,7 +730,7 @@ def _p27():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p28():  # weight_before_cast [joint]
+def _p29():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -741,7 +755,7 @@ def _p28():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p29():  # weight_before_cast [joint-npu-cast]
+def _p30():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -767,7 +781,7 @@ def _p29():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p30():  # weight_before_cast [joint-npu]
+def _p31():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -792,7 +806,7 @@ def _p30():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p31():  # divide_by_sqrt [joint]
+def _p32():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -828,7 +842,7 @@ def _p31():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p32():  # divide_by_sqrt [joint]
+def _p33():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -868,7 +882,7 @@ def _p32():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p33():  # divide_by_sqrt [joint-npu-cast]
+def _p34():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -909,7 +923,7 @@ def _p33():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p34():  # divide_by_sqrt [joint]
+def _p35():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -942,7 +956,7 @@ def _p34():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p35():  # divide_by_sqrt [joint]
+def _p36():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -979,7 +993,7 @@ def _p35():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p36():  # divide_by_sqrt [joint-npu-cast]
+def _p37():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1017,7 +1031,7 @@ def _p36():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p37():  # gemma [joint]
+def _p38():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1052,7 +1066,7 @@ def _p37():  # gemma [joint]
     ])
     return pattern
 
-def _p38():  # gemma [joint]
+def _p39():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1093,7 +1107,7 @@ def _p38():  # gemma [joint]
     ])
     return pattern
 
-def _p39():  # gemma [joint-npu-cast]
+def _p40():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1135,7 +1149,7 @@ def _p39():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p40():  # gemma [joint-npu]
+def _p41():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1176,7 +1190,7 @@ def _p40():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p41():  # gemma [joint]
+def _p42():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1208,7 +1222,7 @@ def _p41():  # gemma [joint]
     ])
     return pattern
 
-def _p42():  # gemma [joint]
+def _p43():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1245,7 +1259,7 @@ def _p42():  # gemma [joint]
     ])
     return pattern
 
-def _p43():  # gemma [joint-npu-cast]
+def _p44():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1283,7 +1297,7 @@ def _p43():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p44():  # gemma [joint-npu]
+def _p45():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1320,7 +1334,7 @@ def _p44():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p45():  # gemma [joint]
+def _p46():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1342,7 +1356,7 @@ def _p45():  # gemma [joint]
     ])
     return pattern
 
-def _p46():  # gemma [joint]
+def _p47():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1369,7 +1383,7 @@ def _p46():  # gemma [joint]
     ])
     return pattern
 
-def _p47():  # gemma [joint-npu-cast]
+def _p48():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1397,7 +1411,7 @@ def _p47():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p48():  # gemma [joint-npu]
+def _p49():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1424,7 +1438,93 @@ def _p48():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p49():  # no_weight [joint]
+def _p50():  # in_input_dtype [joint]
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    mul_Tensor_9 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_9, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      add_Tensor_1,
+      view_default,
+      None
+    ])
+    return pattern
+
+def _p51():  # in_input_dtype [joint]
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_weight, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, arg_x)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_3, Ignored(), True)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, mul_Tensor_4, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_5, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_6)
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_2, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_7, mul_Tensor_8)
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      add_Tensor_1,
+      None,
+      None
+    ])
+    return pattern
+
+def _p52():  # in_input_dtype [joint]
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=2)
+    arg_weight = KeywordArg('weight')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, arg_weight)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_2, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      None,
+      view_default,
+      None
+    ])
+    return pattern
+
+def _p53():  # no_weight [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1451,7 +1551,7 @@ def _p49():  # no_weight [joint]
     ])
     return pattern
 
-def _p50():  # no_weight [joint]
+def _p54():  # no_weight [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1482,7 +1582,7 @@ def _p50():  # no_weight [joint]
     ])
     return pattern
 
-def _p51():  # no_weight [joint-npu-cast]
+def _p55():  # no_weight [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1538,88 +1638,96 @@ REGISTRATIONS = [
      (('call_function', 'npu._npu_dtype_cast.default'),), _p8),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'forward-npu', (),
      (('call_function', 'aten._to_copy.default'),), _p9),  # form 4
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'forward', (),
+     (('call_function', 'aten.mul.Tensor'),), _p10),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p10),  # form 5
+     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p11),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p11),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p12),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p12),  # form 5
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p13),  # form 0
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p13),  # form 6
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p14),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p15),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p16),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p17),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p20),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p21),  # form 0
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p22),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p22),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p23),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p23),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p24),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p24),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten._to_copy.default'),), _p25),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten._to_copy.default'),), _p26),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p26),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p27),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p27),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten._to_copy.default'),), _p28),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p29),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p30),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p30),  # form 1
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p31),  # form 3
+     (('call_function', 'aten._to_copy.default'),), _p31),  # form 1
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p32),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p33),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p34),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p35),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p36),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p37),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p37),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p38),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p38),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p39),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p39),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p40),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p40),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p41),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p41),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p42),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p42),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p43),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p43),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p44),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p44),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p45),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p45),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p46),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p46),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p47),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p47),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p48),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p48),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p49),  # form 4
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x', 'weight'),
+     (('call_function', 'aten.mul.Tensor'),), _p50),  # form 5
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p51),  # form 5
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p52),  # form 5
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p49),  # form 5
+     (('call_function', 'aten.mul.Tensor'),), _p53),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p50),  # form 5
+     (('call_function', 'aten._to_copy.default'),), _p54),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p51),  # form 5
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p55),  # form 6
 ]

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from .nodes import tensor_meta
+from .nodes import is_call, tensor_meta
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -112,6 +112,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       a slice's bounds within the dim (`x[..., h:]` ends at 2**63 - 1, the second chunk at
       the dim's size): one view of the same elements, however it was taken;
     - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor);
+    - a reshape of an expanded tensor as `reshape`: torch decomposes it into a `view`
+      where the expanded strides allow one (an expand of a size-1 dim: DeepSeek's group
+      mask with n_group=1) and into `clone` + `_unsafe_view` elsewhere, the same values;
+      torchair turns views into reshapes anyway (_optimize_fx's view_to_reshape);
     - no `detach`: aot graphs run without autograd, where it is the identity. Joint
       graphs detach what they save for the backward, and a search may detach an output
       the model uses without a gradient (a router's full scores), so that its joint
@@ -136,6 +140,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
+        if node.target in (aten.view.default, aten._unsafe_view.default):
+            changed += _reshape_of_expand(graph, node)
         if node.target in _VIEWS:
             changed += _resolve_inferred_size(node)
         elif node.target in _DIM_ARGUMENTS:
@@ -145,6 +151,23 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
     return changed
+
+
+def _reshape_of_expand(graph: torch.fx.Graph, view: Node) -> int:
+    source = view.args[0]
+    copy = None
+    if view.target is aten._unsafe_view.default:
+        if not (is_call(source, aten.clone.default) and len(source.users) == 1
+                and source.kwargs.get("memory_format", torch.contiguous_format) == torch.contiguous_format):
+            return 0
+        copy, source = source, source.args[0]
+    if not is_call(source, aten.expand.default):
+        return 0
+    view.target = aten.reshape.default
+    if copy is not None:
+        view.args = (source, *view.args[1:])
+        graph.erase_node(copy)
+    return 1
 
 
 def _canonical_dims(node: Node) -> int:
