@@ -45,8 +45,11 @@ for npu_moe_gating_top_k_softmax); the report says so.
 
 Not fused: a sigmoid router without renormalisation (the op's sigmoid mode always
 renormalises) and half-precision scores (the op ranks fp32 scores; near ties could pick
-other experts). Known gap: transformers' noaux_tc with n_group=1 reshapes its group mask
-without a copy, a graph the form (traced with several groups) does not match.
+other experts). (transformers' noaux_tc with n_group=1 reshapes its group mask with a
+view where other group counts copy: canonical.py spells both alike, so it fuses.)
+
+A softmax router with an unsorted top-k (`sorted=False`, no bias) fuses into
+npu_moe_gating_top_k_softmax under the same order proof as the biased ones.
 """
 import torch
 
@@ -63,6 +66,14 @@ EPS = 1e-20  # the renormalisation's epsilon in transformers and torchtitan, and
 def softmax_top_k(router_logits, k):
     probs = torch.softmax(router_logits, dim=-1)
     weights, experts = torch.topk(probs, k, dim=-1)
+    return weights, experts
+
+
+def softmax_top_k_unsorted(router_logits, k):
+    # the same with sorted=False: the op's descending order is one order it may return,
+    # so this fuses where nothing depends on the order (checked as for the biased routers)
+    probs = torch.softmax(router_logits, dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1, sorted=False)
     return weights, experts
 
 
@@ -161,6 +172,8 @@ def _biased(search, replace, **training):
 
 FORMS = [
     Form(softmax_top_k, npu_moe_gating_top_k_softmax, dtypes=(torch.float32,)),
+    Form(softmax_top_k_unsorted, npu_moe_gating_top_k_softmax, dtypes=(torch.float32,),
+         canonical_outputs=in_expert_order),
     _biased(deepseek_noaux_tc, npu_moe_gating_top_k_noaux_tc),
     # npu_moe_gating_top_k_backward differentiates the sigmoid mode only: no joint pattern
     _biased(torchtitan_softmax_biased, npu_moe_gating_top_k_softmax_biased, grad_subsets=()),
@@ -183,6 +196,17 @@ def check(site):
     experts = logits.shape[-1]
     if not 0 < k <= min(experts, GATING.limits["max_k"]):
         return f"k = {k} with {experts} experts: npu_moe_gating_top_k_softmax takes 0 < k <= E, k <= 1024"
+    if site.form.search is softmax_top_k_unsorted:
+        return _order_reason(site, k)
+    return None
+
+
+def _order_reason(site, k):
+    use = order_dependent_use(site, k)
+    if use is not None:
+        return (f"the order of the k experts (unsorted top-k) reaches {use.name} ({use.target}): "
+                "the fused op returns them in another order, and only the fused MoE dispatch "
+                "and the routing map are proven indifferent to it")
     return None
 
 
@@ -213,12 +237,7 @@ def _check_biased(site):
         return f"groups of {group_size} padded to 32 exceed {limits['max_aligned_experts']} experts"
     if not 1 <= kept_groups <= groups or not 1 <= top_k <= kept_groups * group_size:
         return f"top-{top_k} of the best {kept_groups} of {groups} groups is outside the op's range"
-    use = order_dependent_use(site, top_k)
-    if use is not None:
-        return (f"the order of the k experts (unsorted top-k) reaches {use.name} ({use.target}): "
-                "the fused op returns them in another order, and only the fused MoE dispatch "
-                "and the routing map are proven indifferent to it")
-    return None
+    return _order_reason(site, top_k)
 
 
 # Ops that pass a tensor on without reordering its last (k) dim.
@@ -247,9 +266,29 @@ def _indifferent_to_k_order(user, value):
     if is_call(user, aten.histc.default):
         # tokens per expert (transformers' offsets, recounted by its trainable dispatch)
         return user.args[0] is value
+    if is_call(user, aten.sum.dim_IntList) and user.args[0] is value:
+        # a sum over the k slots (a renormalisation's): the same value in any order, to rounding
+        meta = tensor_meta(value)
+        return meta is not None and list(user.args[1]) in ([-1], [meta.dim() - 1])
     if is_call(user, aten.scatter.value):
         # the one-hot routing map: the same value written at each chosen expert
         return user.args[2] is value and user.args[1] in (-1, tensor_meta(user).dim() - 1)
+    return False
+
+
+def _keeps_k_order(user, value):
+    """`user` gives each of the k slots of `value` the same treatment, so its result is k
+    wide in the same order (its uses are checked in turn): a view or cast, or a division
+    or product by a scalar or by a tensor broadcast over k (a renormalisation by the sum
+    of the k weights, which _indifferent_to_k_order accepts)."""
+    if is_call(user, *_PASS_ON, torch.ops.npu._npu_dtype_cast.default):
+        return True
+    if is_call(user, aten.div.Tensor, aten.mul.Tensor) and value in user.args[:2]:
+        if is_call(user, aten.div.Tensor) and user.args[0] is not value:
+            return False
+        other = user.args[1] if user.args[0] is value else user.args[0]
+        meta = tensor_meta(other)
+        return not isinstance(other, torch.fx.Node) or (meta is not None and meta.dim() > 0 and meta.shape[-1] == 1)
     return False
 
 
@@ -257,8 +296,7 @@ def order_dependent_use(site, top_k):
     """The first node outside the site that depends on the order of its k experts, or None."""
     k_wide = [node for node in site.nodes
               if (meta := tensor_meta(node)) is not None and meta.dim() and meta.shape[-1] == top_k]
-    return first_refused_use(site, _indifferent_to_k_order,
-                             (*_PASS_ON, torch.ops.npu._npu_dtype_cast.default), outputs=k_wide)
+    return first_refused_use(site, _indifferent_to_k_order, _keeps_k_order, outputs=k_wide)
 
 
 # ---- near misses: a router top-k left unfused ---------------------------------------------
@@ -302,9 +340,6 @@ def explain(topk):
                     "in a form other than torchtitan's (weights = the chosen unbiased scores, "
                     "times a scale)")
         return "the softmax is masked or changed before the top-k"
-    if len(topk.args) > 4 and topk.args[4] is False:
-        return ("an unsorted top-k over a softmax without a bias: no form takes it (the op "
-                "returns the k experts in descending order)")
     return None
 
 

@@ -186,4 +186,6 @@ PASS = FusionPass(
     explain=explain,
     # training graphs: x and the weight may need gradients (npu_rms_norm_backward gives both)
     differentiable=("x", "weight"),
+    # kv_rmsnorm_rope_cache folds DeepSeek's kv RMSNorm into its op: it must see it unfused
+    after=("kv_rmsnorm_rope_cache",),
 )

@@ -378,4 +378,8 @@ PASS = FusionPass(
     explain=explain,
     # training graphs: only x needs a gradient; cos/sin/freqs come from buffers
     differentiable=("x",),
+    # kv_rmsnorm_rope_cache folds DeepSeek's k RoPE into its op, so it must see it unfused;
+    # attention's eager / math forms were traced on the model's transposed (roped) views,
+    # which a fused rope's contiguous output no longer is
+    after=("kv_rmsnorm_rope_cache", "attention"),
 )

@@ -44,7 +44,8 @@ def test_report_hf_model_with_verification(qwen3_moe):
     assert "target: hf-qwen3_moe-grouped_mm-fp32" in out
     # every fused site carries its verdict, and the cost estimate is there
     site_lines = [line for line in out.splitlines() if line.strip().startswith("- fused")]
-    assert len(site_lines) == 9 + 4 + 4 + 2 + 2 + 2 + 4  # norms, rope, swiglu, moe_gating, moe_dispatch, grouped_matmul
+    # attention, norms, rope, swiglu, moe_gating, moe_dispatch, grouped_matmul
+    assert len(site_lines) == 2 + 9 + 4 + 4 + 2 + 2 + 2 + 4
     assert all("[verified: max error" in line for line in site_lines), site_lines
     assert "kernel launches" in out and "moved" in out
     assert "outputs vs eager" in out and "OK" in out
@@ -258,3 +259,25 @@ def test_the_report_says_which_graph_it_fused(capsys, flag, graph):
     # an NPU compile holds llama's SDPA as torch_npu's FlashAttention, the CPU trace does not
     ops = doc["graphs"][0]["ops_before"]
     assert ("npu.npu_fusion_attention_v3.default" in ops) == (graph == "NPU graph"), ops
+
+
+# ---- --phase prefill|decode: one generation step over a StaticCache ------------------------
+def test_report_decode_step_per_layer(capsys):
+    code, out, _ = _run(capsys, "report", "hf:llama", "--phase", "decode", "--max-cache-len", "24",
+                        "--format", "json")
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["target"] == "hf-llama-fp32-decode-static24"
+    assert doc["vs_eager"]["logits"]["ok"] and doc["vs_eager"]["cache"]["ok"]
+    # every layer: its attention call and both cache writes fused
+    assert doc["per_layer"] == {str(layer): {"attention": [1, 0], "cache_writes": [2, 0], "fused_ops": [
+        "npu.npu_fused_infer_attention_score", "npu.scatter_update", "npu.scatter_update"]} for layer in (0, 1)}
+    (graph,) = doc["report"]["graphs"]  # the compiled step is the decode step, an NPU graph by default
+    assert graph["ops_before"]["npu.npu_fusion_attention_v3.default"] == 2
+
+
+def test_phase_needs_an_hf_target_and_room_in_the_cache(capsys):
+    code, _, err = _run(capsys, "report", "torchtitan:llama3", "--phase", "prefill")
+    assert code == 2 and "--phase needs an hf:MODEL_TYPE target" in err
+    code, _, err = _run(capsys, "report", "hf:llama", "--phase", "prefill", "--max-cache-len", "8")
+    assert code == 2 and "cannot hold the 16-token prompt" in err

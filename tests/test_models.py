@@ -39,9 +39,11 @@ class Expected:
 
 
 def _counts(norms, residual_norms, ropes, swiglus, grouped_gemms=0, routers=0, dispatches=0, dsa=0):
+    # attention: each layer's (a prefill without a cache: its mask is proven causal,
+    # sparse_mode 3), except where DeepSeek-V3.2's sparse attention takes it
     return {"rms_norm": norms, "add_rms_norm": residual_norms, "rope": ropes, "swiglu": swiglus,
             "grouped_matmul": grouped_gemms, "moe_gating": routers, "moe_dispatch": dispatches,
-            "lightning_indexer": dsa, "sparse_attention": dsa}
+            "lightning_indexer": dsa, "sparse_attention": dsa, "attention": 0 if dsa else 2}
 
 
 # 2 layers: 2 norms per layer + final (+ q_norm / k_norm per layer in qwen3-style
@@ -80,7 +82,7 @@ MODELS = [
 ]
 
 COMPLETE_PASSES = ("rms_norm", "add_rms_norm", "rope", "grouped_matmul", "lightning_indexer",
-                   "sparse_attention")  # nothing may be left unfused
+                   "sparse_attention", "attention")  # nothing may be left unfused
 
 
 def _check_fusion(report, expected: Expected, unfused_routers=0):

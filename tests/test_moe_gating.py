@@ -275,3 +275,53 @@ def test_torchtitan_router_alone_is_not_fused_where_the_expert_order_is_used():
     assert report.counts["moe_gating"] == 0
     (miss,) = near_miss_reasons(report, "moe_gating")
     assert "order of the k experts" in miss, miss
+
+
+# ---- a softmax router whose top-k is unsorted ------------------------------------------------
+class UnsortedSoftmaxRouter(SoftmaxRouter):
+    def forward(self, x):
+        probs = F.softmax(F.linear(x, self.weight), dtype=torch.float, dim=-1)
+        return torch.topk(probs, self.k, dim=-1, sorted=False)
+
+
+def test_an_unsorted_softmax_top_k_whose_order_is_used_says_so():
+    _, _, report = compile_and_run(UnsortedSoftmaxRouter(), _tokens(), config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 0
+    (miss,) = near_miss_reasons(report, "moe_gating")
+    assert "order of the k experts" in miss, miss
+
+
+def _qwen3_moe_block_with_an_unsorted_router():
+    """transformers' Qwen3-MoE block (softmax router, grouped_mm experts), its router's
+    top-k taken with sorted=False."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+
+    class UnsortedTopKRouter(qwen3_moe.Qwen3MoeTopKRouter):
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            router_logits = F.linear(hidden_states, self.weight)
+            router_probs = F.softmax(router_logits, dtype=torch.float, dim=-1)
+            values, indices = torch.topk(router_probs, self.top_k, dim=-1, sorted=False)
+            values = values / values.sum(dim=-1, keepdim=True)
+            return router_logits, values.to(router_logits.dtype), indices
+
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    block = qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    block.gate = UnsortedTopKRouter(config)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    return block.eval()
+
+
+def test_an_unsorted_softmax_top_k_fuses_in_front_of_the_fused_dispatch():
+    out, ref, report = compile_and_run(_qwen3_moe_block_with_an_unsorted_router(), _hidden(),
+                                       config=GATING_AND_DISPATCH)
+    assert report.counts["moe_gating"] == 1 and report.counts["moe_dispatch"] == 1
+    assert report.fused_ops["npu.npu_moe_gating_top_k_softmax"] == 1
+    assert near_miss_reasons(report, "moe_gating") == []
+    # each token's k rows summed in the op's (descending) order: fp32 rounding of a sum
+    assert_close_at_scale(out, ref, 4)

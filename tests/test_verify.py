@@ -53,8 +53,8 @@ def test_a_right_replacement_is_verified_and_says_so():
 def test_every_site_of_a_real_model_verifies():
     tiny = build_hf("deepseek_v3", dtype=torch.bfloat16)
     out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs, config=nff.FusionConfig(verify=True))
-    # norms, rope, swiglu, moe_dispatch, moe_gating (compared in expert order), grouped_matmul
-    assert len(report.sites) == 9 + 4 + 4 + 1 + 1 + 1 + 2
+    # attention, norms, rope, swiglu, moe_dispatch, moe_gating (compared in expert order), grouped_matmul
+    assert len(report.sites) == 2 + 9 + 4 + 4 + 1 + 1 + 1 + 2
     assert all(s.verified.startswith("verified: max error") for s in report.sites), \
         [s.verified for s in report.sites]
     assert not any("verification failed" in r for p in ("rms_norm", "rope", "swiglu", "grouped_matmul")
@@ -135,5 +135,10 @@ def test_fusion_lowers_the_estimate_and_the_report_says_so():
     _, _, report = compile_and_run(tiny.model, *tiny.example_inputs)
     graph = report.graphs[0]
     assert graph.cost_after.launches < graph.cost_before.launches
-    assert graph.cost_after.bytes_moved < graph.cost_before.bytes_moved
     assert "kernel launches" in report.to_markdown()
+    # bytes without attention: its causal prefill takes FIA's compressed mask, a 2048x2048
+    # constant (built once per graph) that outweighs a 16-token attention in this count
+    _, _, report = compile_and_run(tiny.model, *tiny.example_inputs,
+                                   config=nff.FusionConfig(disable={"attention"}))
+    graph = report.graphs[0]
+    assert graph.cost_after.bytes_moved < graph.cost_before.bytes_moved

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9c7a0303ca21609a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ae5d42e53411168d',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

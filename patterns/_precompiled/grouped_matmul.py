@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3cf55c31872bbe56',
+KEY = {'torch': '2.13.0+cpu', 'sources': '76eb700d2b8d597e',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,26 +11,26 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c6a54316b340922b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0ea43cddda28babb',
        'backward': {'npu.npu_grouped_matmul': True, 'npu.npu_moe_finalize_routing': False, 'npu.npu_moe_init_routing_v2': False, 'npu.npu_moe_token_permute': True, 'npu.npu_moe_token_unpermute': True}}
 
 FORMS = {
     'transformers_grouped_mm_experts_npu_swiglu -> init_routing_finalize_grouped_mm_npu_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_npu_swiglu @ bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_experts_silu_mul -> init_routing_finalize_grouped_mm_silu_mul @ bfloat16': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_experts_silu_mul -> token_permute_unpermute_grouped_mm_silu_mul @ bfloat16': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.bfloat16'), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_fallback_experts_npu_swiglu -> init_routing_finalize_grouped_mm_fallback_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_fallback_experts_npu_swiglu -> token_permute_unpermute_grouped_mm_fallback_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_grouped_mm_fallback_experts_silu_mul -> init_routing_finalize_grouped_mm_fallback_silu_mul @ float32': {'emitted_ops': ('npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False')]},
     'transformers_grouped_mm_fallback_experts_silu_mul -> token_permute_unpermute_grouped_mm_fallback_silu_mul @ float32': {'emitted_ops': ('npu.npu_moe_token_permute', 'npu.npu_moe_token_unpermute'),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten.arange.default', 'device', "device(type='cpu')"), ('aten.arange.default', 'pin_memory', 'False'), ('aten.cumsum.default', 'dtype', 'torch.int32'), ('aten.empty_like.default', 'pin_memory', 'False'), ('aten.new_zeros.default', 'device', "device(type='cpu')"), ('aten.new_zeros.default', 'dtype', 'torch.float32'), ('aten.new_zeros.default', 'layout', 'torch.strided')]},
     'transformers_batched_mm_experts_npu_swiglu -> init_routing_grouped_matmul_finalize_npu_swiglu @ float32': {'emitted_ops': ('npu.npu_grouped_matmul', 'npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format')]},
     'transformers_batched_mm_experts_silu_mul -> init_routing_grouped_matmul_finalize_silu_mul @ float32': {'emitted_ops': ('npu.npu_grouped_matmul', 'npu.npu_moe_finalize_routing', 'npu.npu_moe_init_routing_v2'),
@@ -1103,10 +1103,9 @@ def _p30():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default, _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
     _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor_1, transpose_int, cumsum_default)
@@ -1170,10 +1169,9 @@ def _p31():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default, _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
     _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor_1, transpose_int, cumsum_default)
@@ -1237,10 +1235,9 @@ def _p32():  # transformers_grouped_mm_experts_npu_swiglu [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_1, dtype=Ignored(), _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
@@ -1305,10 +1302,9 @@ def _p33():  # transformers_grouped_mm_experts_npu_swiglu [joint-npu-cast]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_1, Ignored(), _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
@@ -1375,10 +1371,9 @@ def _p34():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default, _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
     _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor_2, transpose_int, cumsum_default, _users=2)
@@ -1448,10 +1443,9 @@ def _p35():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default, _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
     _grouped_mm_default_2 = CallFunction(aten._grouped_mm.default, mul_Tensor_2, transpose_int, cumsum_default, _users=2)
@@ -1520,10 +1514,9 @@ def _p36():  # transformers_grouped_mm_experts_silu_mul [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     _to_copy_default_1 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
@@ -1594,10 +1587,9 @@ def _p37():  # transformers_grouped_mm_experts_silu_mul [joint-npu-cast]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored(), _users=2)
     transpose_int = CallFunction(aten.transpose.int, arg_w_down, Ignored(), Ignored())
@@ -1666,10 +1658,9 @@ def _p38():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, npu_npu_swiglu_default, arg_w_down, cumsum_default, mul_Tensor_1, _users=2)
     operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0)
@@ -1730,10 +1721,9 @@ def _p39():  # transformers_grouped_mm_fallback_experts_npu_swiglu [joint-npu-ca
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, npu_npu_swiglu_default, arg_w_down, cumsum_default, mul_Tensor_1, _users=2)
     operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0)
@@ -1796,10 +1786,9 @@ def _p40():  # transformers_grouped_mm_fallback_experts_silu_mul [joint]
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, mul_Tensor, arg_w_down, cumsum_default, mul_Tensor_2, _users=2)
     operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0, _users=2)
@@ -1866,10 +1855,9 @@ def _p41():  # transformers_grouped_mm_fallback_experts_silu_mul [joint-npu-cast
     arg_tangents_1 = KeywordArg('tangents_1')
     unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_tangents_1, Ignored())
     expand_default = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    new_zeros_default = CallFunction(aten.new_zeros.default, _unsafe_view_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
-    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], _unsafe_view_default, True, _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
+    new_zeros_default = CallFunction(aten.new_zeros.default, reshape_default, Ignored(), dtype=Ignored(), layout=torch.strided, device=Ignored())
+    index_put_default_1 = CallFunction(aten.index_put.default, new_zeros_default, [index_put_default], reshape_default, True, _users=2)
     mul_Tensor_2 = CallFunction(aten.mul.Tensor, index_put_default_1, unsqueeze_default)
     transformers_grouped_mm_fallback_backward_default = CallFunction(transformers.grouped_mm_fallback_backward.default, mul_Tensor, arg_w_down, cumsum_default, mul_Tensor_2, _users=2)
     operator_getitem_2 = CallFunction(operator.getitem, transformers_grouped_mm_fallback_backward_default, 0, _users=2)

@@ -11,14 +11,16 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9893dc30641a6e3f',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'bbee120ca6ec339e',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {
     'softmax_top_k -> npu_moe_gating_top_k_softmax @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k_softmax',),
         'keywords': []},
+    'softmax_top_k_unsorted -> npu_moe_gating_top_k_softmax @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k_softmax',),
+        'keywords': []},
     'deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bool'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bool'), ('aten.zeros_like.default', 'pin_memory', 'False')]},
     'torchtitan_softmax_biased -> npu_moe_gating_top_k_softmax_biased @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
         'keywords': []},
     'torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32': {'emitted_ops': ('npu.npu_moe_gating_top_k',),
@@ -38,7 +40,19 @@ def _p0():  # softmax_top_k [forward]
     ])
     return pattern
 
-def _p1():  # deepseek_noaux_tc [forward]
+def _p1():  # softmax_top_k_unsorted [forward]
+    arg_router_logits = KeywordArg('router_logits')
+    _softmax_default = CallFunction(aten._softmax.default, arg_router_logits, Ignored(), False)
+    arg_k = KeywordArg('k')
+    topk_default = CallFunction(aten.topk.default, _softmax_default, arg_k, Ignored(), True, False, _users=2)
+    operator_getitem = CallFunction(operator.getitem, topk_default, 0)
+    operator_getitem_1 = CallFunction(operator.getitem, topk_default, 1)
+    pattern = MultiOutputPattern([operator_getitem,
+      operator_getitem_1
+    ])
+    return pattern
+
+def _p2():  # deepseek_noaux_tc [forward]
     arg_gate_logits = KeywordArg('gate_logits')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_logits, _users=2)
     arg_bias = KeywordArg('bias')
@@ -56,9 +70,8 @@ def _p1():  # deepseek_noaux_tc [forward]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    _to_copy_default = CallFunction(aten._to_copy.default, _unsafe_view_default, dtype=Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, reshape_default, dtype=Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, _to_copy_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -75,7 +88,7 @@ def _p1():  # deepseek_noaux_tc [forward]
     ])
     return pattern
 
-def _p2():  # deepseek_noaux_tc [forward-npu-cast]
+def _p3():  # deepseek_noaux_tc [forward-npu-cast]
     npu = torch.ops.npu
     arg_gate_logits = KeywordArg('gate_logits')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_logits, _users=2)
@@ -94,9 +107,8 @@ def _p2():  # deepseek_noaux_tc [forward-npu-cast]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _unsafe_view_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, reshape_default, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, npu__npu_dtype_cast_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -113,7 +125,7 @@ def _p2():  # deepseek_noaux_tc [forward-npu-cast]
     ])
     return pattern
 
-def _p3():  # torchtitan_softmax_biased [forward]
+def _p4():  # torchtitan_softmax_biased [forward]
     arg_gate_scores = KeywordArg('gate_scores')
     _softmax_default = CallFunction(aten._softmax.default, arg_gate_scores, Ignored(), False, _users=3)
     arg_bias = KeywordArg('bias')
@@ -130,7 +142,7 @@ def _p3():  # torchtitan_softmax_biased [forward]
     ])
     return pattern
 
-def _p4():  # torchtitan_sigmoid_grouped [forward]
+def _p5():  # torchtitan_sigmoid_grouped [forward]
     arg_gate_scores = KeywordArg('gate_scores')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_scores, _users=3)
     arg_bias = KeywordArg('bias')
@@ -163,7 +175,7 @@ def _p4():  # torchtitan_sigmoid_grouped [forward]
     ])
     return pattern
 
-def _p5():  # deepseek_noaux_tc [joint]
+def _p6():  # deepseek_noaux_tc [joint]
     arg_gate_logits = KeywordArg('gate_logits')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_logits, _users=3)
     arg_bias = KeywordArg('bias')
@@ -181,9 +193,8 @@ def _p5():  # deepseek_noaux_tc [joint]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    _to_copy_default = CallFunction(aten._to_copy.default, _unsafe_view_default, dtype=Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    _to_copy_default = CallFunction(aten._to_copy.default, reshape_default, dtype=Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, _to_copy_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -221,7 +232,7 @@ def _p5():  # deepseek_noaux_tc [joint]
     ])
     return pattern
 
-def _p6():  # deepseek_noaux_tc [joint-npu-cast]
+def _p7():  # deepseek_noaux_tc [joint-npu-cast]
     npu = torch.ops.npu
     arg_gate_logits = KeywordArg('gate_logits')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_logits, _users=3)
@@ -240,9 +251,8 @@ def _p6():  # deepseek_noaux_tc [joint-npu-cast]
     unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
     arg_n_group_1 = KeywordArg('n_group')
     expand_default = CallFunction(aten.expand.default, unsqueeze_default, [Ignored(), arg_n_group_1, Ignored()])
-    clone_default = CallFunction(aten.clone.default, expand_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, _unsafe_view_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, reshape_default, Ignored())
     bitwise_not_default = CallFunction(aten.bitwise_not.default, npu__npu_dtype_cast_default)
     masked_fill_Scalar = CallFunction(aten.masked_fill.Scalar, add_Tensor, bitwise_not_default, Ignored())
     arg_top_k = KeywordArg('top_k')
@@ -280,7 +290,7 @@ def _p6():  # deepseek_noaux_tc [joint-npu-cast]
     ])
     return pattern
 
-def _p7():  # torchtitan_sigmoid_grouped [joint]
+def _p8():  # torchtitan_sigmoid_grouped [joint]
     arg_gate_scores = KeywordArg('gate_scores')
     sigmoid_default = CallFunction(aten.sigmoid.default, arg_gate_scores, _users=4)
     arg_bias = KeywordArg('bias')
@@ -340,18 +350,20 @@ def _p7():  # torchtitan_sigmoid_grouped [joint]
 REGISTRATIONS = [
     ('softmax_top_k -> npu_moe_gating_top_k_softmax @ float32', 'forward', (),
      (('call_function', 'operator.getitem'),), _p0),  # form 0
+    ('softmax_top_k_unsorted -> npu_moe_gating_top_k_softmax @ float32', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p1),  # form 1
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'forward', (),
-     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 2
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 1
-    ('torchtitan_softmax_biased -> npu_moe_gating_top_k_softmax_biased @ float32', 'forward', (),
      (('call_function', 'aten.mul.Tensor'),), _p3),  # form 2
-    ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'forward', (),
+    ('torchtitan_softmax_biased -> npu_moe_gating_top_k_softmax_biased @ float32', 'forward', (),
      (('call_function', 'aten.mul.Tensor'),), _p4),  # form 3
+    ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'forward', (),
+     (('call_function', 'aten.mul.Tensor'),), _p5),  # form 4
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'joint', ('gate_logits',),
-     (('call_function', 'aten.mul.Tensor'),), _p5),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 2
     ('deepseek_noaux_tc -> npu_moe_gating_top_k_noaux_tc @ float32', 'joint-npu-cast', ('gate_logits',),
-     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p7),  # form 2
     ('torchtitan_sigmoid_grouped -> npu_moe_gating_top_k_sigmoid_grouped @ float32', 'joint', ('gate_scores',),
-     (('call_function', 'aten.mul.Tensor'),), _p7),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p8),  # form 4
 ]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '84598546c7d7b0d9',
+KEY = {'torch': '2.13.0+cpu', 'sources': '04262a3ec61a7fed',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '012436c50df31122',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2efd5ecbf8457a4d',
        'backward': {'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {

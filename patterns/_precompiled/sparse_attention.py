@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '04dd9188a6a85cf9',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1a5a16ae1fe0d782',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {
@@ -24,13 +24,13 @@ FORMS = {
     'transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten._to_copy.default', 'layout', 'torch.strided'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
     'transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32')]},
     'transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32')]},
     'transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
     'transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
-        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
+        'keywords': [('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.bfloat16'), ('aten.scalar_tensor.default', 'dtype', 'torch.float16')]},
     'transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
         'keywords': [('aten._to_copy.default', 'dtype', 'torch.int64'), ('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('aten.new_ones.default', 'dtype', 'torch.bool'), ('aten.new_ones.default', 'pin_memory', 'False'), ('npu.npu_fusion_attention_grad_v3.default', 'atten_mask', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'attention_in', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'inner_precise', '2'), ('npu.npu_fusion_attention_grad_v3.default', 'offset', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'scale_value', '<scalar argument>'), ('npu.npu_fusion_attention_grad_v3.default', 'seed', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_in', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_max', '<node>'), ('npu.npu_fusion_attention_grad_v3.default', 'softmax_sum', '<node>')]},
     'transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16': {'emitted_ops': ('npu.npu_sparse_flash_attention',),
@@ -59,15 +59,15 @@ def _p0():  # transformers_sdpa_top_k_mask_bsnd [forward]
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -79,18 +79,17 @@ def _p0():  # transformers_sdpa_top_k_mask_bsnd [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_5 = CallFunction(aten.view.default, view_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, view_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
@@ -100,15 +99,15 @@ def _p1():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -120,18 +119,17 @@ def _p1():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_5 = CallFunction(aten.view.default, view_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, view_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
@@ -169,15 +167,15 @@ def _p3():  # transformers_sdpa_top_k_mask_bsnd [forward]
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -189,17 +187,17 @@ def _p3():  # transformers_sdpa_top_k_mask_bsnd [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_6 = CallFunction(aten.view.default, view_default_5, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, view_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
@@ -209,15 +207,15 @@ def _p4():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -229,102 +227,21 @@ def _p4():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_6 = CallFunction(aten.view.default, view_default_5, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, view_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p5():  # transformers_sdpa_top_k_mask_bsnd [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_5 = CallFunction(aten.view.default, view_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p6():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_5 = CallFunction(aten.view.default, view_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p7():  # transformers_sdpa_top_k_mask_bsnd [forward-npu]
+def _p5():  # transformers_sdpa_top_k_mask_bsnd [forward-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -353,101 +270,22 @@ def _p7():  # transformers_sdpa_top_k_mask_bsnd [forward-npu]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p8():  # transformers_sdpa_top_k_mask_bsnd [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_6 = CallFunction(aten.view.default, view_default_5, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p9():  # transformers_sdpa_top_k_mask_bsnd [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    view_default_6 = CallFunction(aten.view.default, view_default_5, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p10():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
+def _p6():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -459,40 +297,39 @@ def _p10():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored())
-    view_default_5 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    view_default_2 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p11():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
+def _p7():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -504,24 +341,23 @@ def _p11():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored())
-    view_default_5 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p12():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
+def _p8():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -554,22 +390,22 @@ def _p12():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p13():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
+def _p9():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -581,39 +417,39 @@ def _p13():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored())
-    view_default_6 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
+    view_default_2 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p14():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
+def _p10():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -625,112 +461,23 @@ def _p14():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored())
-    view_default_6 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
+    view_default_2 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_2, Ignored(), Ignored())
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p15():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored())
-    view_default_5 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p16():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored())
-    view_default_5 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p17():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
+def _p11():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -763,107 +510,20 @@ def _p17():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu]
     pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p18():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored())
-    view_default_6 = CallFunction(aten.view.default, _to_copy_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p19():  # transformers_sdpa_top_k_mask_upcast_bsnd [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored())
-    view_default_6 = CallFunction(aten.view.default, npu__npu_dtype_cast_default_4, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_6, Ignored(), Ignored())
-    pattern = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format, _users=0)
-    return pattern
-
-def _p20():  # transformers_sdpa_top_k_mask [forward]
+def _p12():  # transformers_sdpa_top_k_mask [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -875,33 +535,32 @@ def _p20():  # transformers_sdpa_top_k_mask [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p21():  # transformers_sdpa_top_k_mask [forward-npu-cast]
+def _p13():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -913,19 +572,18 @@ def _p21():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p22():  # transformers_sdpa_top_k_mask [forward-npu]
+def _p14():  # transformers_sdpa_top_k_mask [forward-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -951,20 +609,20 @@ def _p22():  # transformers_sdpa_top_k_mask [forward-npu]
     pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
     return pattern
 
-def _p23():  # transformers_sdpa_top_k_mask [forward]
+def _p15():  # transformers_sdpa_top_k_mask [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -976,32 +634,32 @@ def _p23():  # transformers_sdpa_top_k_mask [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p24():  # transformers_sdpa_top_k_mask [forward-npu-cast]
+def _p16():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -1013,93 +671,18 @@ def _p24():  # transformers_sdpa_top_k_mask [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p25():  # transformers_sdpa_top_k_mask [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p26():  # transformers_sdpa_top_k_mask [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p27():  # transformers_sdpa_top_k_mask [forward-npu]
+def _p17():  # transformers_sdpa_top_k_mask [forward-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -1125,95 +708,22 @@ def _p27():  # transformers_sdpa_top_k_mask [forward-npu]
     pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
     return pattern
 
-def _p28():  # transformers_sdpa_top_k_mask [forward]
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p29():  # transformers_sdpa_top_k_mask [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
-    return pattern
-
-def _p30():  # transformers_sdpa_top_k_mask_upcast [forward]
+def _p18():  # transformers_sdpa_top_k_mask_upcast [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -1225,37 +735,36 @@ def _p30():  # transformers_sdpa_top_k_mask_upcast [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p31():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+def _p19():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -1267,21 +776,20 @@ def _p31():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored(), _users=0)
     return pattern
 
-def _p32():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
+def _p20():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -1311,22 +819,22 @@ def _p32():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
     pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p33():  # transformers_sdpa_top_k_mask_upcast [forward]
+def _p21():  # transformers_sdpa_top_k_mask_upcast [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -1338,36 +846,36 @@ def _p33():  # transformers_sdpa_top_k_mask_upcast [forward]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p34():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
+def _p22():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -1379,103 +887,20 @@ def _p34():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored())
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored())
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored(), _users=0)
     return pattern
 
-def _p35():  # transformers_sdpa_top_k_mask_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p36():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored(), _users=0)
-    return pattern
-
-def _p37():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
+def _p23():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -1505,88 +930,7 @@ def _p37():  # transformers_sdpa_top_k_mask_upcast [forward-npu]
     pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p38():  # transformers_sdpa_top_k_mask_upcast [forward]
-    arg_query = KeywordArg('query')
-    _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
-    transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    _to_copy_default_2 = CallFunction(aten._to_copy.default, arg_indices, dtype=Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), _to_copy_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored(), _users=0)
-    return pattern
-
-def _p39():  # transformers_sdpa_top_k_mask_upcast [forward-npu-cast]
-    npu = torch.ops.npu
-    arg_query = KeywordArg('query')
-    npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
-    arg_sqrt_scale = KeywordArg('sqrt_scale')
-    mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
-    expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored())
-    arg_key = KeywordArg('key')
-    npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
-    transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
-    arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
-    mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
-    expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored())
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
-    arg_mask = KeywordArg('mask')
-    arg_indices = KeywordArg('indices')
-    new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
-    npu__npu_dtype_cast_default_2 = CallFunction(npu._npu_dtype_cast.default, arg_indices, Ignored())
-    scatter_value = CallFunction(aten.scatter.value, new_ones_default, Ignored(), npu__npu_dtype_cast_default_2, False)
-    unsqueeze_default = CallFunction(aten.unsqueeze.default, scatter_value, Ignored())
-    bitwise_not_default = CallFunction(aten.bitwise_not.default, unsqueeze_default)
-    bitwise_and_Tensor = CallFunction(aten.bitwise_and.Tensor, arg_mask, bitwise_not_default)
-    scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
-    where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
-    _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored())
-    expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored())
-    arg_value = KeywordArg('value')
-    npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
-    expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored())
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    pattern = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored(), _users=0)
-    return pattern
-
-def _p40():  # transformers_fa_v3_top_k_mask_bsnd [forward]
+def _p24():  # transformers_fa_v3_top_k_mask_bsnd [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1608,7 +952,7 @@ def _p40():  # transformers_fa_v3_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p41():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
+def _p25():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1630,7 +974,7 @@ def _p41():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p42():  # transformers_fa_v3_top_k_mask_bsnd [forward]
+def _p26():  # transformers_fa_v3_top_k_mask_bsnd [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1652,7 +996,7 @@ def _p42():  # transformers_fa_v3_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p43():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
+def _p27():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1674,7 +1018,7 @@ def _p43():  # transformers_fa_v3_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p44():  # transformers_fa_v3_top_k_mask [forward]
+def _p28():  # transformers_fa_v3_top_k_mask [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1693,7 +1037,7 @@ def _p44():  # transformers_fa_v3_top_k_mask [forward]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
-def _p45():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
+def _p29():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1712,7 +1056,7 @@ def _p45():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
-def _p46():  # transformers_fa_v3_top_k_mask [forward]
+def _p30():  # transformers_fa_v3_top_k_mask [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1731,7 +1075,7 @@ def _p46():  # transformers_fa_v3_top_k_mask [forward]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
-def _p47():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
+def _p31():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1750,7 +1094,7 @@ def _p47():  # transformers_fa_v3_top_k_mask [forward-npu-cast]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_v3_default, 0, _users=0)
     return pattern
 
-def _p48():  # transformers_fa_top_k_mask_bsnd [forward]
+def _p32():  # transformers_fa_top_k_mask_bsnd [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1772,7 +1116,7 @@ def _p48():  # transformers_fa_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p49():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
+def _p33():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1794,7 +1138,7 @@ def _p49():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p50():  # transformers_fa_top_k_mask_bsnd [forward]
+def _p34():  # transformers_fa_top_k_mask_bsnd [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1816,7 +1160,7 @@ def _p50():  # transformers_fa_top_k_mask_bsnd [forward]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p51():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
+def _p35():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1838,7 +1182,7 @@ def _p51():  # transformers_fa_top_k_mask_bsnd [forward-npu-cast]
     pattern = CallFunction(aten.clone.default, transpose_int, memory_format=torch.contiguous_format, _users=0)
     return pattern
 
-def _p52():  # transformers_fa_top_k_mask [forward]
+def _p36():  # transformers_fa_top_k_mask [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1857,7 +1201,7 @@ def _p52():  # transformers_fa_top_k_mask [forward]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
     return pattern
 
-def _p53():  # transformers_fa_top_k_mask [forward-npu-cast]
+def _p37():  # transformers_fa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1876,7 +1220,7 @@ def _p53():  # transformers_fa_top_k_mask [forward-npu-cast]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
     return pattern
 
-def _p54():  # transformers_fa_top_k_mask [forward]
+def _p38():  # transformers_fa_top_k_mask [forward]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1895,7 +1239,7 @@ def _p54():  # transformers_fa_top_k_mask [forward]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
     return pattern
 
-def _p55():  # transformers_fa_top_k_mask [forward-npu-cast]
+def _p39():  # transformers_fa_top_k_mask [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1914,7 +1258,7 @@ def _p55():  # transformers_fa_top_k_mask [forward-npu-cast]
     pattern = CallFunction(operator.getitem, npu_npu_fusion_attention_default, 0, _users=0)
     return pattern
 
-def _p56():  # mla_gathered_top_k_causal [forward]
+def _p40():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -1975,7 +1319,7 @@ def _p56():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p57():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p41():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2037,7 +1381,7 @@ def _p57():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p58():  # mla_gathered_top_k_causal [forward]
+def _p42():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2099,7 +1443,7 @@ def _p58():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p59():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p43():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2162,7 +1506,7 @@ def _p59():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p60():  # mla_gathered_top_k_causal [forward]
+def _p44():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2225,7 +1569,7 @@ def _p60():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p61():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p45():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2289,7 +1633,7 @@ def _p61():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p62():  # mla_gathered_top_k_causal [forward-npu]
+def _p46():  # mla_gathered_top_k_causal [forward-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2353,7 +1697,7 @@ def _p62():  # mla_gathered_top_k_causal [forward-npu]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p63():  # mla_gathered_top_k_causal [forward]
+def _p47():  # mla_gathered_top_k_causal [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2417,7 +1761,7 @@ def _p63():  # mla_gathered_top_k_causal [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p64():  # mla_gathered_top_k_causal [forward-npu-cast]
+def _p48():  # mla_gathered_top_k_causal [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2482,7 +1826,7 @@ def _p64():  # mla_gathered_top_k_causal [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p65():  # mla_gathered_top_k_causal [forward-npu]
+def _p49():  # mla_gathered_top_k_causal [forward-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2547,7 +1891,7 @@ def _p65():  # mla_gathered_top_k_causal [forward-npu]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p66():  # mla_gathered_top_k [forward]
+def _p50():  # mla_gathered_top_k [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2604,7 +1948,7 @@ def _p66():  # mla_gathered_top_k [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p67():  # mla_gathered_top_k [forward-npu-cast]
+def _p51():  # mla_gathered_top_k [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2662,7 +2006,7 @@ def _p67():  # mla_gathered_top_k [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p68():  # mla_gathered_top_k [forward]
+def _p52():  # mla_gathered_top_k [forward]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -2721,7 +2065,7 @@ def _p68():  # mla_gathered_top_k [forward]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p69():  # mla_gathered_top_k [forward-npu-cast]
+def _p53():  # mla_gathered_top_k [forward-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2781,7 +2125,7 @@ def _p69():  # mla_gathered_top_k [forward-npu-cast]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p70():  # mla_gathered_top_k [forward-npu]
+def _p54():  # mla_gathered_top_k [forward-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -2841,20 +2185,20 @@ def _p70():  # mla_gathered_top_k [forward-npu]
     pattern = CallFunction(aten.view.default, permute_default_14, Ignored(), _users=0)
     return pattern
 
-def _p71():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p55():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -2866,66 +2210,65 @@ def _p71():  # transformers_sdpa_top_k_mask_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_9,
+      view_default_6,
       None,
       None,
       None
     ])
     return pattern
 
-def _p72():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p56():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -2937,52 +2280,51 @@ def _p72():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_9,
+      view_default_6,
       None,
       None,
       None
     ])
     return pattern
 
-def _p73():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
+def _p57():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale, _users=2)
@@ -3032,20 +2374,20 @@ def _p73():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
     ])
     return pattern
 
-def _p74():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p58():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3057,64 +2399,64 @@ def _p74():  # transformers_sdpa_top_k_mask_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
     pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_11,
+      view_default_7,
       None,
       None,
       None
     ])
     return pattern
 
-def _p75():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p59():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3126,63 +2468,63 @@ def _p75():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
     pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_11,
+      view_default_7,
       None,
       None,
       None
     ])
     return pattern
 
-def _p76():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p60():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3194,66 +2536,65 @@ def _p76():  # transformers_sdpa_top_k_mask_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_9,
+      view_default_6,
       None,
       None,
       None
     ])
     return pattern
 
-def _p77():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p61():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3265,52 +2606,51 @@ def _p77():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, transpose_int_2, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_9,
+      view_default_6,
       None,
       None,
       None
     ])
     return pattern
 
-def _p78():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
+def _p62():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale, _users=2)
@@ -3360,20 +2700,20 @@ def _p78():  # transformers_sdpa_top_k_mask_bsnd [joint-npu]
     ])
     return pattern
 
-def _p79():  # transformers_sdpa_top_k_mask_bsnd [joint]
+def _p63():  # transformers_sdpa_top_k_mask_bsnd [joint]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3385,64 +2725,64 @@ def _p79():  # transformers_sdpa_top_k_mask_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
     pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_11,
+      view_default_7,
       None,
       None,
       None
     ])
     return pattern
 
-def _p80():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
+def _p64():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3454,65 +2794,65 @@ def _p80():  # transformers_sdpa_top_k_mask_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     expand_default_3 = CallFunction(aten.expand.default, arg_value, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    transpose_int_1 = CallFunction(aten.transpose.int, view_default_5, Ignored(), Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    transpose_int_1 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, transpose_int_2, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
     pattern = MultiOutputPattern([clone_default,
       mul_Tensor_2,
       transpose_int_6,
-      view_default_11,
+      view_default_7,
       None,
       None,
       None
     ])
     return pattern
 
-def _p81():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p65():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3524,48 +2864,47 @@ def _p81():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     _to_copy_default_5 = CallFunction(aten._to_copy.default, transpose_int_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, _to_copy_default_5, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, _to_copy_default_5, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
     _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     _to_copy_default_7 = CallFunction(aten._to_copy.default, transpose_int_6, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_9, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_6, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([clone_default,
       _to_copy_default_6,
       _to_copy_default_7,
       _to_copy_default_8,
@@ -3575,23 +2914,23 @@ def _p81():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p82():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p66():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3603,48 +2942,47 @@ def _p82():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_2, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, npu__npu_dtype_cast_backward_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, npu__npu_dtype_cast_backward_default, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_6, Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_9, Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_6, Ignored())
+    pattern = MultiOutputPattern([clone_default,
       npu__npu_dtype_cast_backward_default_1,
       npu__npu_dtype_cast_backward_default_2,
       npu__npu_dtype_cast_backward_default_3,
@@ -3654,7 +2992,7 @@ def _p82():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p83():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
+def _p67():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -3712,22 +3050,22 @@ def _p83():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
     ])
     return pattern
 
-def _p84():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p68():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3739,45 +3077,45 @@ def _p84():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     _to_copy_default_5 = CallFunction(aten._to_copy.default, transpose_int_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    view_default_6 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
     _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     _to_copy_default_7 = CallFunction(aten._to_copy.default, transpose_int_6, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_11, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_7, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([clone_default,
       _to_copy_default_6,
       _to_copy_default_7,
@@ -3788,23 +3126,23 @@ def _p84():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p85():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p69():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3816,45 +3154,45 @@ def _p85():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_2, Ignored())
-    view_default_6 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_6, Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_11, Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_7, Ignored())
     pattern = MultiOutputPattern([clone_default,
       npu__npu_dtype_cast_backward_default_1,
       npu__npu_dtype_cast_backward_default_2,
@@ -3865,22 +3203,22 @@ def _p85():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p86():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p70():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3892,48 +3230,47 @@ def _p86():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_4, dtype=Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     _to_copy_default_5 = CallFunction(aten._to_copy.default, transpose_int_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, _to_copy_default_5, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, _to_copy_default_5, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
     _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     _to_copy_default_7 = CallFunction(aten._to_copy.default, transpose_int_6, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_9, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_6, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    pattern = MultiOutputPattern([clone_default,
       _to_copy_default_6,
       _to_copy_default_7,
       _to_copy_default_8,
@@ -3943,23 +3280,23 @@ def _p86():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p87():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p71():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -3971,48 +3308,47 @@ def _p87():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    clone_default = CallFunction(aten.clone.default, expand_default_3, memory_format=torch.contiguous_format)
-    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, _unsafe_view_default)
-    view_default_4 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_4, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
-    clone_default_1 = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
+    clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_2, Ignored())
-    clone_default_2 = CallFunction(aten.clone.default, npu__npu_dtype_cast_backward_default, memory_format=torch.contiguous_format)
-    _unsafe_view_default_1 = CallFunction(aten._unsafe_view.default, clone_default_2, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, _unsafe_view_default, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default_1, transpose_int_3)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_5, _safe_softmax_default, Ignored(), Ignored())
-    view_default_6 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_6, transpose_int_4)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    clone_default_1 = CallFunction(aten.clone.default, npu__npu_dtype_cast_backward_default, memory_format=torch.contiguous_format)
+    _unsafe_view_default = CallFunction(aten._unsafe_view.default, clone_default_1, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, _unsafe_view_default, transpose_int_3)
+    view_default_2 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_2, _safe_softmax_default, Ignored(), Ignored())
+    view_default_3 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_3, transpose_int_4)
+    view_default_4 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_7, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_4, arg_sqrt_scale_2)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_6)
-    view_default_8 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_3)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_8, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_6, Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default_1)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_9, Ignored())
-    pattern = MultiOutputPattern([clone_default_1,
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, _unsafe_view_default)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_6, Ignored())
+    pattern = MultiOutputPattern([clone_default,
       npu__npu_dtype_cast_backward_default_1,
       npu__npu_dtype_cast_backward_default_2,
       npu__npu_dtype_cast_backward_default_3,
@@ -4022,7 +3358,7 @@ def _p87():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p88():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
+def _p72():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -4080,22 +3416,22 @@ def _p88():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu]
     ])
     return pattern
 
-def _p89():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
+def _p73():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, _to_copy_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     _to_copy_default_1 = CallFunction(aten._to_copy.default, arg_key, dtype=Ignored())
     transpose_int = CallFunction(aten.transpose.int, _to_copy_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -4107,45 +3443,45 @@ def _p89():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     _to_copy_default_3 = CallFunction(aten._to_copy.default, arg_value, dtype=Ignored())
     expand_default_3 = CallFunction(aten.expand.default, _to_copy_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_5, dtype=Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    _to_copy_default_4 = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, _to_copy_default_4, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     _to_copy_default_5 = CallFunction(aten._to_copy.default, transpose_int_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    view_default_6 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, _to_copy_default_5, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
     _to_copy_default_6 = CallFunction(aten._to_copy.default, mul_Tensor_2, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     _to_copy_default_7 = CallFunction(aten._to_copy.default, transpose_int_6, dtype=Ignored(), layout=torch.strided, device=Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_11, dtype=Ignored(), layout=torch.strided, device=Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    _to_copy_default_8 = CallFunction(aten._to_copy.default, view_default_7, dtype=Ignored(), layout=torch.strided, device=Ignored())
     pattern = MultiOutputPattern([clone_default,
       _to_copy_default_6,
       _to_copy_default_7,
@@ -4156,23 +3492,23 @@ def _p89():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint]
     ])
     return pattern
 
-def _p90():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
+def _p74():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, npu__npu_dtype_cast_default, arg_sqrt_scale)
     expand_default = CallFunction(aten.expand.default, mul_Tensor, Ignored())
-    view_default = CallFunction(aten.view.default, expand_default, Ignored(), _users=2)
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored(), _users=2)
     arg_key = KeywordArg('key')
     npu__npu_dtype_cast_default_1 = CallFunction(npu._npu_dtype_cast.default, arg_key, Ignored())
     transpose_int = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_1, Ignored(), Ignored())
     arg_sqrt_scale_1 = KeywordArg('sqrt_scale')
     mul_Tensor_1 = CallFunction(aten.mul.Tensor, transpose_int, arg_sqrt_scale_1)
     expand_default_1 = CallFunction(aten.expand.default, mul_Tensor_1, Ignored())
-    view_default_1 = CallFunction(aten.view.default, expand_default_1, Ignored(), _users=2)
-    bmm_default = CallFunction(aten.bmm.default, view_default, view_default_1)
-    view_default_2 = CallFunction(aten.view.default, bmm_default, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored(), _users=2)
+    bmm_default = CallFunction(aten.bmm.default, reshape_default, reshape_default_1)
+    view_default = CallFunction(aten.view.default, bmm_default, Ignored())
     arg_mask = KeywordArg('mask')
     arg_indices = KeywordArg('indices')
     new_ones_default = CallFunction(aten.new_ones.default, arg_indices, Ignored(), dtype=Ignored(), pin_memory=False)
@@ -4184,45 +3520,45 @@ def _p90():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     scalar_tensor_default = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     scalar_tensor_default_1 = CallFunction(aten.scalar_tensor.default, Ignored(), dtype=Ignored(), device=Ignored())
     where_self = CallFunction(aten.where.self, bitwise_and_Tensor, scalar_tensor_default, scalar_tensor_default_1)
-    add_Tensor = CallFunction(aten.add.Tensor, view_default_2, where_self)
+    add_Tensor = CallFunction(aten.add.Tensor, view_default, where_self)
     _safe_softmax_default = CallFunction(aten._safe_softmax.default, add_Tensor, Ignored(), _users=2)
     expand_default_2 = CallFunction(aten.expand.default, _safe_softmax_default, Ignored())
-    view_default_3 = CallFunction(aten.view.default, expand_default_2, Ignored(), _users=2)
+    reshape_default_2 = CallFunction(aten.reshape.default, expand_default_2, Ignored(), _users=2)
     arg_value = KeywordArg('value')
     npu__npu_dtype_cast_default_3 = CallFunction(npu._npu_dtype_cast.default, arg_value, Ignored())
     expand_default_3 = CallFunction(aten.expand.default, npu__npu_dtype_cast_default_3, Ignored())
-    view_default_4 = CallFunction(aten.view.default, expand_default_3, Ignored(), _users=2)
-    bmm_default_1 = CallFunction(aten.bmm.default, view_default_3, view_default_4)
-    view_default_5 = CallFunction(aten.view.default, bmm_default_1, Ignored())
-    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_5, Ignored())
+    reshape_default_3 = CallFunction(aten.reshape.default, expand_default_3, Ignored(), _users=2)
+    bmm_default_1 = CallFunction(aten.bmm.default, reshape_default_2, reshape_default_3)
+    view_default_1 = CallFunction(aten.view.default, bmm_default_1, Ignored())
+    npu__npu_dtype_cast_default_4 = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored())
     transpose_int_1 = CallFunction(aten.transpose.int, npu__npu_dtype_cast_default_4, Ignored(), Ignored())
     clone_default = CallFunction(aten.clone.default, transpose_int_1, memory_format=torch.contiguous_format)
     arg_tangents_1 = KeywordArg('tangents_1')
     transpose_int_2 = CallFunction(aten.transpose.int, arg_tangents_1, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_2, Ignored())
-    view_default_6 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default, Ignored(), _users=2)
-    transpose_int_3 = CallFunction(aten.transpose.int, view_default_4, Ignored(), Ignored())
-    bmm_default_2 = CallFunction(aten.bmm.default, view_default_6, transpose_int_3)
-    view_default_7 = CallFunction(aten.view.default, bmm_default_2, Ignored())
-    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_7, _safe_softmax_default, Ignored(), Ignored())
-    view_default_8 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
-    transpose_int_4 = CallFunction(aten.transpose.int, view_default_1, Ignored(), Ignored())
-    bmm_default_3 = CallFunction(aten.bmm.default, view_default_8, transpose_int_4)
-    view_default_9 = CallFunction(aten.view.default, bmm_default_3, Ignored())
+    view_default_2 = CallFunction(aten.view.default, npu__npu_dtype_cast_backward_default, Ignored(), _users=2)
+    transpose_int_3 = CallFunction(aten.transpose.int, reshape_default_3, Ignored(), Ignored())
+    bmm_default_2 = CallFunction(aten.bmm.default, view_default_2, transpose_int_3)
+    view_default_3 = CallFunction(aten.view.default, bmm_default_2, Ignored())
+    _softmax_backward_data_default = CallFunction(aten._softmax_backward_data.default, view_default_3, _safe_softmax_default, Ignored(), Ignored())
+    view_default_4 = CallFunction(aten.view.default, _softmax_backward_data_default, Ignored(), _users=2)
+    transpose_int_4 = CallFunction(aten.transpose.int, reshape_default_1, Ignored(), Ignored())
+    bmm_default_3 = CallFunction(aten.bmm.default, view_default_4, transpose_int_4)
+    view_default_5 = CallFunction(aten.view.default, bmm_default_3, Ignored())
     arg_sqrt_scale_2 = KeywordArg('sqrt_scale')
-    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_9, arg_sqrt_scale_2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, view_default_5, arg_sqrt_scale_2)
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, mul_Tensor_2, Ignored())
-    transpose_int_5 = CallFunction(aten.transpose.int, view_default, Ignored(), Ignored())
-    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_8)
-    view_default_10 = CallFunction(aten.view.default, bmm_default_4, Ignored())
+    transpose_int_5 = CallFunction(aten.transpose.int, reshape_default, Ignored(), Ignored())
+    bmm_default_4 = CallFunction(aten.bmm.default, transpose_int_5, view_default_4)
+    view_default_6 = CallFunction(aten.view.default, bmm_default_4, Ignored())
     arg_sqrt_scale_3 = KeywordArg('sqrt_scale')
-    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_10, arg_sqrt_scale_3)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, view_default_6, arg_sqrt_scale_3)
     transpose_int_6 = CallFunction(aten.transpose.int, mul_Tensor_3, Ignored(), Ignored())
     npu__npu_dtype_cast_backward_default_2 = CallFunction(npu._npu_dtype_cast_backward.default, transpose_int_6, Ignored())
-    transpose_int_7 = CallFunction(aten.transpose.int, view_default_3, Ignored(), Ignored())
-    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_6)
-    view_default_11 = CallFunction(aten.view.default, bmm_default_5, Ignored())
-    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_11, Ignored())
+    transpose_int_7 = CallFunction(aten.transpose.int, reshape_default_2, Ignored(), Ignored())
+    bmm_default_5 = CallFunction(aten.bmm.default, transpose_int_7, view_default_2)
+    view_default_7 = CallFunction(aten.view.default, bmm_default_5, Ignored())
+    npu__npu_dtype_cast_backward_default_3 = CallFunction(npu._npu_dtype_cast_backward.default, view_default_7, Ignored())
     pattern = MultiOutputPattern([clone_default,
       npu__npu_dtype_cast_backward_default_1,
       npu__npu_dtype_cast_backward_default_2,
@@ -4233,7 +3569,7 @@ def _p90():  # transformers_sdpa_top_k_mask_upcast_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p91():  # transformers_fa_v3_top_k_mask_bsnd [joint]
+def _p75():  # transformers_fa_v3_top_k_mask_bsnd [joint]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4274,7 +3610,7 @@ def _p91():  # transformers_fa_v3_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p92():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
+def _p76():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4315,7 +3651,7 @@ def _p92():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p93():  # transformers_fa_v3_top_k_mask_bsnd [joint]
+def _p77():  # transformers_fa_v3_top_k_mask_bsnd [joint]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4356,7 +3692,7 @@ def _p93():  # transformers_fa_v3_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p94():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
+def _p78():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4397,7 +3733,7 @@ def _p94():  # transformers_fa_v3_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p95():  # transformers_fa_top_k_mask_bsnd [joint]
+def _p79():  # transformers_fa_top_k_mask_bsnd [joint]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4436,7 +3772,7 @@ def _p95():  # transformers_fa_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p96():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
+def _p80():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4475,7 +3811,7 @@ def _p96():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p97():  # transformers_fa_top_k_mask_bsnd [joint]
+def _p81():  # transformers_fa_top_k_mask_bsnd [joint]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4514,7 +3850,7 @@ def _p97():  # transformers_fa_top_k_mask_bsnd [joint]
     ])
     return pattern
 
-def _p98():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
+def _p82():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -4553,7 +3889,7 @@ def _p98():  # transformers_fa_top_k_mask_bsnd [joint-npu-cast]
     ])
     return pattern
 
-def _p99():  # mla_gathered_top_k_causal [joint]
+def _p83():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -4661,7 +3997,7 @@ def _p99():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p100():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p84():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -4770,7 +4106,7 @@ def _p100():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p101():  # mla_gathered_top_k_causal [joint]
+def _p85():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -4895,7 +4231,7 @@ def _p101():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p102():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p86():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5021,7 +4357,7 @@ def _p102():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p103():  # mla_gathered_top_k_causal [joint]
+def _p87():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -5130,7 +4466,7 @@ def _p103():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p104():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p88():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5240,7 +4576,7 @@ def _p104():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p105():  # mla_gathered_top_k_causal [joint]
+def _p89():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5364,7 +4700,7 @@ def _p105():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p106():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p90():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5489,7 +4825,7 @@ def _p106():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p107():  # mla_gathered_top_k_causal [joint]
+def _p91():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -5601,7 +4937,7 @@ def _p107():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p108():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p92():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5714,7 +5050,7 @@ def _p108():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p109():  # mla_gathered_top_k_causal [joint-npu]
+def _p93():  # mla_gathered_top_k_causal [joint-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -5827,7 +5163,7 @@ def _p109():  # mla_gathered_top_k_causal [joint-npu]
     ])
     return pattern
 
-def _p110():  # mla_gathered_top_k_causal [joint]
+def _p94():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -5956,7 +5292,7 @@ def _p110():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p111():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p95():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6086,7 +5422,7 @@ def _p111():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p112():  # mla_gathered_top_k_causal [joint-npu]
+def _p96():  # mla_gathered_top_k_causal [joint-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6216,7 +5552,7 @@ def _p112():  # mla_gathered_top_k_causal [joint-npu]
     ])
     return pattern
 
-def _p113():  # mla_gathered_top_k_causal [joint]
+def _p97():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -6329,7 +5665,7 @@ def _p113():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p114():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p98():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6443,7 +5779,7 @@ def _p114():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p115():  # mla_gathered_top_k_causal [joint-npu]
+def _p99():  # mla_gathered_top_k_causal [joint-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6557,7 +5893,7 @@ def _p115():  # mla_gathered_top_k_causal [joint-npu]
     ])
     return pattern
 
-def _p116():  # mla_gathered_top_k_causal [joint]
+def _p100():  # mla_gathered_top_k_causal [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -6685,7 +6021,7 @@ def _p116():  # mla_gathered_top_k_causal [joint]
     ])
     return pattern
 
-def _p117():  # mla_gathered_top_k_causal [joint-npu-cast]
+def _p101():  # mla_gathered_top_k_causal [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6814,7 +6150,7 @@ def _p117():  # mla_gathered_top_k_causal [joint-npu-cast]
     ])
     return pattern
 
-def _p118():  # mla_gathered_top_k_causal [joint-npu]
+def _p102():  # mla_gathered_top_k_causal [joint-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -6943,7 +6279,7 @@ def _p118():  # mla_gathered_top_k_causal [joint-npu]
     ])
     return pattern
 
-def _p119():  # mla_gathered_top_k [joint]
+def _p103():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -7047,7 +6383,7 @@ def _p119():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p120():  # mla_gathered_top_k [joint-npu-cast]
+def _p104():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -7152,7 +6488,7 @@ def _p120():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p121():  # mla_gathered_top_k [joint]
+def _p105():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -7272,7 +6608,7 @@ def _p121():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p122():  # mla_gathered_top_k [joint-npu-cast]
+def _p106():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -7393,7 +6729,7 @@ def _p122():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p123():  # mla_gathered_top_k [joint]
+def _p107():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     view_default = CallFunction(aten.view.default, unsqueeze_default, Ignored(), _users=2)
@@ -7501,7 +6837,7 @@ def _p123():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p124():  # mla_gathered_top_k [joint-npu-cast]
+def _p108():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -7610,7 +6946,7 @@ def _p124():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p125():  # mla_gathered_top_k [joint-npu]
+def _p109():  # mla_gathered_top_k [joint-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -7719,7 +7055,7 @@ def _p125():  # mla_gathered_top_k [joint-npu]
     ])
     return pattern
 
-def _p126():  # mla_gathered_top_k [joint]
+def _p110():  # mla_gathered_top_k [joint]
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
     permute_default = CallFunction(aten.permute.default, unsqueeze_default, Ignored())
@@ -7843,7 +7179,7 @@ def _p126():  # mla_gathered_top_k [joint]
     ])
     return pattern
 
-def _p127():  # mla_gathered_top_k [joint-npu-cast]
+def _p111():  # mla_gathered_top_k [joint-npu-cast]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -7968,7 +7304,7 @@ def _p127():  # mla_gathered_top_k [joint-npu-cast]
     ])
     return pattern
 
-def _p128():  # mla_gathered_top_k [joint-npu]
+def _p112():  # mla_gathered_top_k [joint-npu]
     npu = torch.ops.npu
     arg_q_nope = KeywordArg('q_nope')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_q_nope, Ignored())
@@ -8103,256 +7439,224 @@ REGISTRATIONS = [
      (('call_function', 'aten.clone.default'),), _p1),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward-npu', (),
      (('call_function', 'aten.clone.default'),), _p2),  # form 0
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p3),  # form 0
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p4),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p5),  # form 1
+     (('call_function', 'aten.clone.default'),), _p3),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p6),  # form 1
+     (('call_function', 'aten.clone.default'),), _p4),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu', (),
-     (('call_function', 'aten.clone.default'),), _p7),  # form 1
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p8),  # form 1
-    ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p9),  # form 1
+     (('call_function', 'aten.clone.default'),), _p5),  # form 1
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p10),  # form 2
+     (('call_function', 'aten.clone.default'),), _p6),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p11),  # form 2
+     (('call_function', 'aten.clone.default'),), _p7),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu', (),
-     (('call_function', 'aten.clone.default'),), _p12),  # form 2
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p13),  # form 2
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p14),  # form 2
+     (('call_function', 'aten.clone.default'),), _p8),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p15),  # form 3
+     (('call_function', 'aten.clone.default'),), _p9),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p16),  # form 3
+     (('call_function', 'aten.clone.default'),), _p10),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu', (),
-     (('call_function', 'aten.clone.default'),), _p17),  # form 3
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p18),  # form 3
-    ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p19),  # form 3
+     (('call_function', 'aten.clone.default'),), _p11),  # form 3
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p20),  # form 4
+     (('call_function', 'aten.view.default'),), _p12),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p21),  # form 4
+     (('call_function', 'aten.view.default'),), _p13),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p22),  # form 4
-    ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p23),  # form 4
-    ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_causal @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p24),  # form 4
+     (('call_function', 'aten.matmul.default'),), _p14),  # form 4
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p25),  # form 5
+     (('call_function', 'aten.view.default'),), _p15),  # form 5
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p26),  # form 5
+     (('call_function', 'aten.view.default'),), _p16),  # form 5
     ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p27),  # form 5
-    ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p28),  # form 5
-    ('transformers_sdpa_top_k_mask -> npu_sparse_flash_attention_unmasked @ float32', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p29),  # form 5
+     (('call_function', 'aten.matmul.default'),), _p17),  # form 5
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p30),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p18),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p31),  # form 6
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p19),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward-npu', (),
-     (('call_function', 'aten._to_copy.default'),), _p32),  # form 6
-    ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p33),  # form 6
-    ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_causal @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p34),  # form 6
+     (('call_function', 'aten._to_copy.default'),), _p20),  # form 6
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p35),  # form 7
+     (('call_function', 'aten._to_copy.default'),), _p21),  # form 7
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p36),  # form 7
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p22),  # form 7
     ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward-npu', (),
-     (('call_function', 'aten._to_copy.default'),), _p37),  # form 7
-    ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p38),  # form 7
-    ('transformers_sdpa_top_k_mask_upcast -> npu_sparse_flash_attention_unmasked @ bfloat16,float16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p39),  # form 7
+     (('call_function', 'aten._to_copy.default'),), _p23),  # form 7
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p40),  # form 8
+     (('call_function', 'aten.clone.default'),), _p24),  # form 8
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p41),  # form 8
+     (('call_function', 'aten.clone.default'),), _p25),  # form 8
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p42),  # form 9
+     (('call_function', 'aten.clone.default'),), _p26),  # form 9
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p43),  # form 9
+     (('call_function', 'aten.clone.default'),), _p27),  # form 9
     ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p44),  # form 10
+     (('call_function', 'operator.getitem'),), _p28),  # form 10
     ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'operator.getitem'),), _p45),  # form 10
+     (('call_function', 'operator.getitem'),), _p29),  # form 10
     ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p46),  # form 11
+     (('call_function', 'operator.getitem'),), _p30),  # form 11
     ('transformers_fa_v3_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'operator.getitem'),), _p47),  # form 11
+     (('call_function', 'operator.getitem'),), _p31),  # form 11
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p48),  # form 12
+     (('call_function', 'aten.clone.default'),), _p32),  # form 12
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p49),  # form 12
+     (('call_function', 'aten.clone.default'),), _p33),  # form 12
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.clone.default'),), _p50),  # form 13
+     (('call_function', 'aten.clone.default'),), _p34),  # form 13
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.clone.default'),), _p51),  # form 13
+     (('call_function', 'aten.clone.default'),), _p35),  # form 13
     ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p52),  # form 14
+     (('call_function', 'operator.getitem'),), _p36),  # form 14
     ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'operator.getitem'),), _p53),  # form 14
+     (('call_function', 'operator.getitem'),), _p37),  # form 14
     ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward', (),
-     (('call_function', 'operator.getitem'),), _p54),  # form 15
+     (('call_function', 'operator.getitem'),), _p38),  # form 15
     ('transformers_fa_top_k_mask -> npu_sparse_flash_attention_from_fa_unmasked @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'operator.getitem'),), _p55),  # form 15
+     (('call_function', 'operator.getitem'),), _p39),  # form 15
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p56),  # form 16
+     (('call_function', 'aten.view.default'),), _p40),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p57),  # form 16
+     (('call_function', 'aten.view.default'),), _p41),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p58),  # form 16
+     (('call_function', 'aten.view.default'),), _p42),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p59),  # form 16
+     (('call_function', 'aten.view.default'),), _p43),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p60),  # form 16
+     (('call_function', 'aten.view.default'),), _p44),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p61),  # form 16
+     (('call_function', 'aten.view.default'),), _p45),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.view.default'),), _p62),  # form 16
+     (('call_function', 'aten.view.default'),), _p46),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p63),  # form 16
+     (('call_function', 'aten.view.default'),), _p47),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p64),  # form 16
+     (('call_function', 'aten.view.default'),), _p48),  # form 16
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.view.default'),), _p65),  # form 16
+     (('call_function', 'aten.view.default'),), _p49),  # form 16
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p66),  # form 17
+     (('call_function', 'aten.view.default'),), _p50),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p67),  # form 17
+     (('call_function', 'aten.view.default'),), _p51),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p68),  # form 17
+     (('call_function', 'aten.view.default'),), _p52),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p69),  # form 17
+     (('call_function', 'aten.view.default'),), _p53),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.view.default'),), _p70),  # form 17
+     (('call_function', 'aten.view.default'),), _p54),  # form 17
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p71),  # form 0
+     (('call_function', 'aten.clone.default'),), _p55),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p72),  # form 0
+     (('call_function', 'aten.clone.default'),), _p56),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint-npu', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p73),  # form 0
+     (('call_function', 'aten.clone.default'),), _p57),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p74),  # form 0
+     (('call_function', 'aten.clone.default'),), _p58),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_causal_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p75),  # form 0
+     (('call_function', 'aten.clone.default'),), _p59),  # form 0
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p76),  # form 1
+     (('call_function', 'aten.clone.default'),), _p60),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p77),  # form 1
+     (('call_function', 'aten.clone.default'),), _p61),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint-npu', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p78),  # form 1
+     (('call_function', 'aten.clone.default'),), _p62),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p79),  # form 1
+     (('call_function', 'aten.clone.default'),), _p63),  # form 1
     ('transformers_sdpa_top_k_mask_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ float32', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p80),  # form 1
+     (('call_function', 'aten.clone.default'),), _p64),  # form 1
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p81),  # form 2
+     (('call_function', 'aten.clone.default'),), _p65),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p82),  # form 2
+     (('call_function', 'aten.clone.default'),), _p66),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint-npu', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p83),  # form 2
+     (('call_function', 'aten.clone.default'),), _p67),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p84),  # form 2
+     (('call_function', 'aten.clone.default'),), _p68),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_causal_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p85),  # form 2
+     (('call_function', 'aten.clone.default'),), _p69),  # form 2
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p86),  # form 3
+     (('call_function', 'aten.clone.default'),), _p70),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p87),  # form 3
+     (('call_function', 'aten.clone.default'),), _p71),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint-npu', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p88),  # form 3
+     (('call_function', 'aten.clone.default'),), _p72),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p89),  # form 3
+     (('call_function', 'aten.clone.default'),), _p73),  # form 3
     ('transformers_sdpa_top_k_mask_upcast_bsnd -> npu_sparse_flash_attention_unmasked_bsnd @ bfloat16,float16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p90),  # form 3
+     (('call_function', 'aten.clone.default'),), _p74),  # form 3
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p91),  # form 8
+     (('call_function', 'aten.clone.default'),), _p75),  # form 8
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p92),  # form 8
+     (('call_function', 'aten.clone.default'),), _p76),  # form 8
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p93),  # form 9
+     (('call_function', 'aten.clone.default'),), _p77),  # form 9
     ('transformers_fa_v3_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p94),  # form 9
+     (('call_function', 'aten.clone.default'),), _p78),  # form 9
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p95),  # form 12
+     (('call_function', 'aten.clone.default'),), _p79),  # form 12
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_causal_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p96),  # form 12
+     (('call_function', 'aten.clone.default'),), _p80),  # form 12
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p97),  # form 13
+     (('call_function', 'aten.clone.default'),), _p81),  # form 13
     ('transformers_fa_top_k_mask_bsnd -> npu_sparse_flash_attention_from_fa_unmasked_bsnd @ float32,bfloat16', 'joint-npu-cast', ('query', 'key', 'value'),
-     (('call_function', 'aten.clone.default'),), _p98),  # form 13
+     (('call_function', 'aten.clone.default'),), _p82),  # form 13
     ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p83),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p84),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p85),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p86),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p87),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p88),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p89),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p90),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p91),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p92),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p93),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p94),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p95),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p96),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p97),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+     (('call_function', 'aten.view.default'),), _p98),  # form 16
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
      (('call_function', 'aten.view.default'),), _p99),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
      (('call_function', 'aten.view.default'),), _p100),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
      (('call_function', 'aten.view.default'),), _p101),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
+    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
      (('call_function', 'aten.view.default'),), _p102),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p103),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p104),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p105),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p106),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p107),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p108),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p109),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p110),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p111),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p112),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p113),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p114),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p115),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p116),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p117),  # form 16
-    ('mla_gathered_top_k_causal -> npu_sparse_flash_attention_mla_causal @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p118),  # form 16
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p119),  # form 17
+     (('call_function', 'aten.view.default'),), _p103),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p120),  # form 17
+     (('call_function', 'aten.view.default'),), _p104),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p121),  # form 17
+     (('call_function', 'aten.view.default'),), _p105),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p122),  # form 17
+     (('call_function', 'aten.view.default'),), _p106),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p123),  # form 17
+     (('call_function', 'aten.view.default'),), _p107),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p124),  # form 17
+     (('call_function', 'aten.view.default'),), _p108),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p125),  # form 17
+     (('call_function', 'aten.view.default'),), _p109),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p126),  # form 17
+     (('call_function', 'aten.view.default'),), _p110),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu-cast', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p127),  # form 17
+     (('call_function', 'aten.view.default'),), _p111),  # form 17
     ('mla_gathered_top_k -> npu_sparse_flash_attention_mla @ float32,bfloat16', 'joint-npu', ('q_nope', 'q_rope', 'kv', 'k_rope'),
-     (('call_function', 'aten.view.default'),), _p128),  # form 17
+     (('call_function', 'aten.view.default'),), _p112),  # form 17
 ]

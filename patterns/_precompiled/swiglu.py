@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '18c7c4ad0bd6331e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7bdbc8bba2f83ba8',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -517,7 +517,8 @@ _HARMLESS_KEYWORDS = frozenset({"dtype", "layout", "device", "pin_memory", "non_
 def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
     """torch's matcher drops node kwargs its pattern lacks (pattern_matcher.py,
     _TargetArgsExpr._match), so `torch.add(x, r, alpha=2)` matches `x + r`. Reject those;
-    `spelled` are the (op, keyword, value) the form's search has, and the matcher compared."""
+    `spelled` are the (op, keyword, value) the form's search has, and the matcher compared
+    (or bound to a scalar argument of the form, whatever its value: registry.SCALAR_ARGUMENT)."""
     for node in nodes:
         if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
             continue

@@ -120,6 +120,11 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       graphs detach what they save for the backward, and a search may detach an output
       the model uses without a gradient (a router's full scores), so that its joint
       trace has no tangent for it.
+    - no clone that copies a tensor into one of the same metadata (eager attention's
+      `dropout(p=0)` in eval reaches aot graphs as one): torch's fwd_only, which traces the
+      search functions, removes those as no-ops (remove_noop_ops), so a pattern never has
+      one. A clone of a graph input stays (the input may be written back by a copy_), and
+      so does one that leaves the graph (an output must not alias another value).
     Each of these computes exactly what it replaces. Spellings that are equal in value
     but not bit for bit (x / sqrt(v) and x * rsqrt(v)) are not rewritten: the patterns
     accept them instead (spellings.py). Search functions and matched graphs are both
@@ -133,6 +138,11 @@ def canonicalize(graph: torch.fx.Graph) -> int:
                 node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
             # (an input's detached alias leaving the graph stays: aot's runtime wrapper
             # knows that output as a view of the input)
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
+            continue
+        if _is_noop_clone(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             changed += 1
@@ -168,6 +178,17 @@ def _reshape_of_expand(graph: torch.fx.Graph, view: Node) -> int:
         view.args = (source, *view.args[1:])
         graph.erase_node(copy)
     return 1
+
+
+def _is_noop_clone(node: Node) -> bool:
+    from torch._inductor.fx_passes.post_grad import same_meta  # remove_noop_ops' own test
+
+    if node.target is not aten.clone.default or node.kwargs.get(
+            "memory_format", torch.preserve_format) is not torch.preserve_format:
+        return False
+    source = node.args[0]
+    return (isinstance(source, Node) and source.op != "placeholder"
+            and not any(user.op == "output" for user in node.users) and same_meta(node, source))
 
 
 def _canonical_dims(node: Node) -> int:

@@ -741,3 +741,107 @@ CAPABILITIES.update({
     )
 })
 # ---- end of the NPU dispatch block ----
+
+# ---- Inference attention and KV-cache writes (npu_ops/infer_attention.py, npu_ops/kv_cache.py;
+# shared/reference/attention_inference.md sections 3-5) ----
+# Appended as a block of its own. `x` of unsupported() is the op's first tensor input (the
+# query, the cache, the latent kv).
+CAPABILITIES.update({
+    cap.op: cap
+    for cap in (
+        OpCapability(
+            op="npu.npu_fused_infer_attention_score",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # query; int8 only with quantisation
+            min_rank=3,  # BSH / TND
+            max_rank=4,  # BNSD / BSND
+            backward=None,  # no autograd node in torch_npu: inference graphs only
+            ge_converter=True,  # custom/fused_infer_attention_score.py -> GE FusedInferAttentionScore
+            # the 2.13 docstring lists Atlas A2 and A3 only ("支持的芯片型号"); Atlas inference
+            # (310P) has PFA/IFA in fp16 but not FIA; 950 has FIA_v2, which no pass emits
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits={
+                "layouts": ("BNSD", "BSND"),  # the ones the attention pass emits (also BSH, TND, ...)
+                "head_dim_multiple": 16,  # fp16 / bf16 D 16-aligned (Q_S > 1; 32 for int8)
+                "max_head_dim": 512,
+                "max_heads": 256,
+                "max_batch": 65536,
+                "max_group": 64,  # num_heads / num_key_value_heads
+                "max_bsnd_hidden": 65535,  # N * D < 65535 in BSH / BSND (Q_S > 1)
+                "max_decode_kv_len": 262144,  # Q_S = 1: KV_S <= 262144
+                "key_value_one_shape": True,  # "key、value中对应tensor的shape需要完全一致"
+                "contiguous": True,  # query, key, value, atten_mask: no non-contiguous tensors
+                "compressed_mask_size": 2048,  # sparse_mode 2/3/4: triu(ones(2048, 2048), 1)
+                "sparse_modes": (0, 1, 2, 3, 4),
+                "decode_inner_precise": (0, 1),  # Q_S = 1; 2 / 3 add the invalid-row correction
+                # torchair's ACL modes rewrite it to its .out overload with a static workspace
+                # and make actual_seq_lengths(_kv) replay parameters (acl_graph.py:108-135)
+                "acl_out_rewrite": True,
+            },
+            doc="attention_inference.md 3.1-3.2 / torch_npu 2.13.0 docstring (_op_plugin_docs.py "
+            "npu_fused_infer_attention_score, ~L8053) and Meta function: query fp16/bf16/int8 (no fp32), "
+            "key and value of one shape, contiguous inputs, layouts BSH/BSND/BNSD/BNSD_BSND/TND; Q_S > 1: "
+            "B <= 65536, N <= 256, D <= 512 and 16-aligned, N*D < 65535 in BSH/BSND; Q_S = 1 (IFA branch): "
+            "KV_S <= 262144, sparse_mode / pre / next ignored, inner_precise 0/1; GQA num_heads % "
+            "num_key_value_heads == 0, ratio <= 64; mask True = masked, sparse_mode 2/3/4 with the "
+            "compressed 2048x2048 mask; products Atlas A2/A3; GE converter "
+            "custom/fused_infer_attention_score.py (.default only); no autograd",
+        ),
+        OpCapability(
+            op="npu.scatter_update",
+            dtypes=frozenset({torch.int8, torch.float16, torch.float32, torch.bfloat16, torch.int32}),
+            min_rank=2,
+            max_rank=8,
+            backward=None,
+            # custom/scatter_update.py: TensorMove(data) + Scatter(reduce="update", axis) (a full
+            # copy of the cache), and scatter_update_ -> Scatter in place, which torchair's
+            # recover_view_inplace_pattern substitutes for view -> scatter_update -> view -> copy_
+            ge_converter=True,
+            # the docstring's products: Atlas training, A2, A3 (no Atlas inference, no 950)
+            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+            limits={
+                "axes": (-2, -1),  # the offsets index dim 0; the write runs along one of the last two dims
+                "indices_dtypes": (torch.int32, torch.int64),
+                "indices_ranks": (1,),  # 1-D: one offset per row of dim 0 (2-D is undocumented)
+                "bounds_checked": False,  # "索引越界不校验"
+                # torchair recover_view_inplace_pattern (patterns/_recover_view_inplace_pattern.py):
+                # placeholder -> aten.view -> scatter_update -> aten.view -> copy_(placeholder),
+                # the placeholder with exactly those two users, CANN >= 8.3.RC1
+                "reinplace_min_cann": "8.3.RC1",
+            },
+            doc="attention_inference.md 4.2-4.3 / torch_npu 2.13.0 docstring (_op_plugin_docs.py "
+            "scatter_update): data and updates of one rank, 2-8 dims, int8/fp16/fp32/bf16/int32 (A2/A3), "
+            "indices int32/int64 1-D or 2-D, no bounds check; products Atlas training, A2, A3; GE "
+            "converters custom/scatter_update.py (functional: TensorMove + Scatter; in place: Scatter); "
+            "Meta empty_like(self); no autograd",
+        ),
+        OpCapability(
+            op="npu.npu_kv_rmsnorm_rope_cache_v2_functional",
+            dtypes=frozenset({torch.float16, torch.bfloat16}),  # kv, gamma, cos, sin; caches also int8
+            min_rank=4,
+            max_rank=4,
+            backward=None,
+            # custom/npu_kv_rmsnorm_rope_cache.py:43: TensorMove of both caches +
+            # KvRmsNormRopeCache; ACL modes re-inplace it (graph_pass.py:165-169, args 5, 6)
+            ge_converter=True,
+            socs={"Ascend310P": SocLimits(supported=False)},
+            limits={
+                "cache_modes": ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ"),
+                "heads": 1,  # kv (B, 1, S, D): N = 1 only
+                # torch_npu's doc (hiascend ptaoplist_002368): hidden 576 = RMSNorm 512 + RoPE 64
+                # only, on the A2 / A3 kernel; the open-source CANN kernel (ops-transformer README,
+                # products Ascend 950) takes any Dv + Dk with Dk even
+                "rms_dim": 512,
+                "rope_dim": 64,
+                "fixed_dims_socs": ("Ascend910B", "Ascend910_93"),
+                "norm_index": "(B, S) int64 cache positions, -1 = no write",
+            },
+            doc="attention_inference.md 5.1 / CANN README ops-transformer posembedding/kv_rms_norm_rope_cache "
+            "(formulas: interleaveRope = de-interleave + rotate halves, rmsNorm = x / sqrt(mean(x^2) + eps) * "
+            "gamma; Norm index (B, S) in [-1, Scache); N = 1) / torch_npu doc ptaoplist_002368 (kv (B, 1, S, "
+            "576) bf16/fp16, gamma 512, rope 64, Norm caches (B, 1, cache_len, 64 | 512)) / torch_npu's golden "
+            "test_npu_kv_rmsnorm_rope_cache.py (fp32 compute, one rounding) / Meta: (k_embed, y, k_cache', "
+            "ckv_cache'); GE converter custom/npu_kv_rmsnorm_rope_cache.py; no autograd",
+        ),
+    )
+})
+# ---- end of the inference attention block ----

@@ -24,8 +24,16 @@ _CONVERSIONS = frozenset({
 })
 
 
+# The masks fused attention ops take, built by each site's replacement from the same model
+# mask (or from nothing: the compressed causal mask) and equally pure: one per graph.
+_MASKS = frozenset({
+    torch.ops.aten.ones.default, torch.ops.aten.triu.default, torch.ops.aten.logical_not.default,
+    torch.ops.aten.ne.Scalar,
+})
+
+
 def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """One node for each repeated conversion that fusion introduced.
+    """One node for each repeated conversion (or attention mask, _MASKS) that fusion introduced.
 
     Replacements are traced one site at a time, so two fused ops reading the same tensor
     each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
@@ -34,7 +42,7 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
     they are. Returns the number of nodes merged.
     """
     npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-    conversions = _CONVERSIONS | ({npu_cast.default} if npu_cast is not None else set())
+    conversions = _CONVERSIONS | _MASKS | ({npu_cast.default} if npu_cast is not None else set())
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
@@ -118,7 +126,13 @@ def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
     a reshape right after our pass anyway (_optimize_fx's view_to_reshape); doing it here
     for the views downstream of a fusion keeps fuse() and the emulation backend correct.
     Done once, after every pass: patterns match the graph's own views.
+
+    A view of a graph input or of a replacement's own node that is contiguous stays a
+    view: their metadata is exact (an input's, or the replacement's fake kernels'), a view
+    of a contiguous tensor cannot fail, and torchair's recover_view_inplace_pattern needs
+    `placeholder -> aten.view -> scatter_update -> aten.view -> copy_` (kv_cache's writes).
     """
+    new = set(new_nodes)
     seen: set[Node] = set()
     pending = list(new_nodes)
     while pending:
@@ -126,9 +140,20 @@ def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
         if node in seen:
             continue
         seen.add(node)
-        if node.target is torch.ops.aten.view.default:
+        if node.target is torch.ops.aten.view.default and not _views_exact_contiguous(node, new):
             node.target = torch.ops.aten.reshape.default
         pending.extend(node.users)
+
+
+def _views_exact_contiguous(view: Node, new: set) -> bool:
+    source = view.args[0]
+    if not isinstance(source, Node) or not (source.op == "placeholder" or source in new):
+        return False
+    value = source.meta.get("val")
+    try:
+        return isinstance(value, torch.Tensor) and bool(value.is_contiguous())
+    except Exception:  # noqa: BLE001 - symbolic strides: undecidable, reshape it
+        return False
 
 
 

@@ -9,7 +9,10 @@ every near miss with its reason, the estimated cost before and after, and with
 `--verify` the measured error of each site. TARGET is one of TARGET_FORMS below. With
 `--real-dims` an hf: target is traced at its configured sizes on fake tensors: no
 weights, no numerics, the capability checks see the real head dims, expert counts and
-dtypes. `demo` is `report hf:llama` (the README's demo). Exit codes: 0 ok, 1 failure
+dtypes. `demo` is `report hf:llama` (the README's demo). With `--phase prefill|decode` (and
+`--max-cache-len N`) an hf: target is compiled as one generation step over a transformers
+StaticCache instead, and the report adds per layer which attention calls and cache writes
+fused (`demo --phase decode`: one decode step of llama). Exit codes: 0 ok, 1 failure
 (outputs differ from eager beyond tolerance, a pass failed, the model failed to run), 2
 bad arguments or settings (a bad NPU_FX_FUSION* environment variable too).
 """
@@ -92,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--dump-dir", default=None,
                          help="write report.html, the graphs before/after, drawings and the report here")
         sub.add_argument("--format", default="markdown", choices=("markdown", "json"))
+        _add_inference_arguments(sub)
     return parser
 
 
@@ -219,6 +223,8 @@ def report(args: argparse.Namespace, target: str) -> int:
     import npu_fx_fusion as nff
 
     check_environment()  # a bad NPU_FX_FUSION* variable: one line now, not a compile error later
+    if args.phase is not None:  # one generation step over a KV cache (report_inference)
+        return report_inference(args, target)
     config = _config(args)  # argument errors before the (slow) model build
     if args.real_dims and args.verify:
         raise ValueError("--verify runs every fused site on random data at its shapes; --real-dims "
@@ -278,6 +284,132 @@ def _dump_listing(dump_dir: str) -> list[tuple[str, str]]:
     from .dumps import describe_dump
 
     return describe_dump(dump_dir)
+
+
+# ---- inference steps: --phase prefill|decode over a StaticCache ----------------------------
+def _add_inference_arguments(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--phase", default=None, choices=("prefill", "decode"),
+                     help="compile one generation step of an hf: target over a KV cache instead of a plain "
+                          "forward: the prefill of its prompt, or a decode step (one token, after an eager prefill)")
+    sub.add_argument("--cache", default="static", choices=("static",),
+                     help="the KV cache of --phase: transformers' StaticCache (allocated before the step)")
+    sub.add_argument("--max-cache-len", type=int, default=32, help="positions the StaticCache holds (--phase)")
+
+
+def _layer_of(location: Any) -> Optional[int]:
+    import re
+
+    found = re.search(r"layers\.(\d+)", location.module or "")
+    return int(found.group(1)) if found else None
+
+
+_CACHE_WRITES_PER_SITE = {"kv_cache": 1, "kv_rmsnorm_rope_cache": 2}
+
+
+def per_layer_summary(fusion_report: Any) -> dict:
+    """{layer: {"attention": [fused, unfused], "cache_writes": [fused, unfused], "notes": [...]}}
+    over the graph(s) of `fusion_report`: which attention calls and cache writes fused."""
+    layers: dict = {}
+
+    def entry(location):
+        layer = _layer_of(location)
+        return layers.setdefault(layer, {"attention": [0, 0], "cache_writes": [0, 0], "fused_ops": []}) \
+            if layer is not None else None
+
+    for site in fusion_report.sites:
+        row = entry(site.location)
+        if row is None:
+            continue
+        if site.pass_name == "attention":
+            row["attention"][0] += 1
+        elif site.pass_name in _CACHE_WRITES_PER_SITE:
+            row["cache_writes"][0] += _CACHE_WRITES_PER_SITE[site.pass_name]
+        else:
+            continue
+        row["fused_ops"].append(site.fused_op)
+    for miss in fusion_report.near_misses:
+        row = entry(miss.location)
+        if row is None:
+            continue
+        if miss.pass_name == "attention":
+            row["attention"][1] += 1
+        elif miss.pass_name == "kv_cache":
+            row["cache_writes"][1] += 1
+    for row in layers.values():  # by name: the sites come in pass order, which the passes' declarations set
+        row["fused_ops"].sort()
+    return dict(sorted(layers.items()))
+
+
+def _per_layer_markdown(summary: dict) -> list[str]:
+    lines = ["| layer | attention calls fused | cache writes fused | fused ops |", "|---|---|---|---|"]
+    for layer, row in summary.items():
+        attention, writes = row["attention"], row["cache_writes"]
+        ops = ", ".join(sorted(set(row["fused_ops"]))) or "-"
+        lines.append(f"| {layer} | {attention[0]} of {sum(attention)} | {writes[0]} of {sum(writes)} | {ops} |")
+    return lines
+
+
+def report_inference(args: argparse.Namespace, target: str) -> int:
+    """`report TARGET --phase prefill|decode`: build the hf: model with a StaticCache, compile
+    the step asked for, run it next to eager on a cache of its own, and report per layer
+    which attention calls and cache writes fused; the logits and the caches must match."""
+    import npu_fx_fusion as nff
+    from .tiny_models import CacheStep, build_hf, static_cache
+
+    config = _config(args)
+    kind, _, rest = target.partition(":")
+    if kind != "hf" or not rest:
+        raise TargetError(f"--phase needs an hf:MODEL_TYPE target (a transformers model with a KV cache), "
+                          f"got {target!r}")
+    if args.real_dims:
+        raise ValueError("--phase runs a generation step and compares it with eager; --real-dims computes "
+                         "nothing: use one or the other")
+    model_type, _, experts = rest.partition("@")
+    dtype = DTYPES[args.dtype or "float32"]
+    tiny = build_hf(model_type, dtype=dtype, num_layers=args.layers,
+                    **({"experts_implementation": experts} if experts else {}))
+    (prompt,) = tiny.example_inputs
+    if args.max_cache_len < prompt.shape[1] + 1:
+        raise ValueError(f"--max-cache-len {args.max_cache_len} cannot hold the {prompt.shape[1]}-token prompt "
+                         "and a decoded token")
+    lm = tiny.model.lm
+    step = CacheStep(lm)
+    reference, cache = (static_cache(lm, batch=prompt.shape[0], max_cache_len=args.max_cache_len)
+                        for _ in range(2))
+    compiled = torch.compile(step, backend=nff.get_npu_backend(fusion_config=config))
+    try:
+        with torch.no_grad():
+            ids = prompt
+            if args.phase == "decode":  # the prompt goes in eagerly; the compiled step is one token
+                ids = step(prompt, reference)[:, -1:].argmax(-1)
+                step(prompt, cache)
+            expected = step(ids, reference)
+            actual = compiled(ids, cache)
+    except Exception as exc:  # the model or the compile failed: not an argument problem
+        print(f"npu-fx-fusion: {tiny.name} failed to run: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    fusion_report = nff.last_report()
+    states = [(mine, ref) for m, r in zip(cache.layers, reference.layers)
+              for mine, ref in ((m.keys, r.keys), (m.values, r.values))]
+    checks = {"logits": _max_difference(actual, expected),
+              "cache": _max_difference([a for a, _ in states], [e for _, e in states])}
+    verdicts = {name: diff <= OUTPUT_TOLERANCE[dtype] * max(1.0, scale) for name, (diff, scale) in checks.items()}
+    summary = per_layer_summary(fusion_report)
+    name = f"{tiny.name}-{args.phase}-static{args.max_cache_len}"
+    if args.format == "json":
+        print(json.dumps({"target": name, "report": fusion_report.to_dict(), "per_layer": summary,
+                          "vs_eager": {k: {"max_abs_diff": checks[k][0], "ok": verdicts[k]} for k in checks}},
+                         indent=2))
+    else:
+        print(f"target: {name} ({args.phase} step over a StaticCache of {args.max_cache_len} positions)")
+        print(fusion_report.to_markdown())
+        print(f"## per layer ({args.phase})\n")
+        print("\n".join(_per_layer_markdown(summary)))
+        for key, (diff, _) in checks.items():
+            print(f"{key} vs eager: max abs diff {diff:.3g}: {'OK' if verdicts[key] else 'MISMATCH'}")
+        if fusion_report.errors:
+            print(f"pass errors: {fusion_report.errors}")
+    return 0 if all(verdicts.values()) and not fusion_report.errors else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

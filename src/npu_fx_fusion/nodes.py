@@ -4,7 +4,7 @@ The bottom of the engine: it imports nothing from the package.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -34,18 +34,21 @@ def normalized_dims(dims: Any, rank: int) -> list[int]:
     return sorted(d % rank for d in dims)
 
 
-def first_refused_use(site: Any, accept: Callable[[Node, Node], bool], pass_on: Sequence[Any],
+def first_refused_use(site: Any, accept: Callable[[Node, Node], bool],
+                      pass_on: Union[Sequence[Any], Callable[[Node, Node], bool]],
                       outputs: Optional[Sequence[Node]] = None) -> Optional[Node]:
     """The first node outside `site` (a matching.Site) that reads its `outputs` (default:
-    every site node), directly or through `pass_on` ops (casts, views: what counts is where
-    the values end up), and that `accept(user, value_it_reads)` refuses; None if every use
-    is accepted."""
+    every site node), directly or through what `pass_on` lets through (ops such as casts
+    and views, or a predicate `pass_on(user, value_it_reads)`: what counts is where the
+    values end up), and that `accept(user, value_it_reads)` refuses; None if every use is
+    accepted."""
     inside = set(site.nodes)
+    passes_on = pass_on if callable(pass_on) else (lambda user, value: is_call(user, *pass_on))
     pending = [(user, node) for node in (site.nodes if outputs is None else outputs)
                for user in node.users if user not in inside]
     while pending:
         user, value = pending.pop()
-        if is_call(user, *pass_on):
+        if passes_on(user, value):
             pending += [(u, user) for u in user.users]
         elif not accept(user, value):
             return user

@@ -46,7 +46,9 @@ log = logging.getLogger("npu_fx_fusion.registry")
 
 PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 # The engine modules whose code decides what a trace (and so a pattern) looks like.
-_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings")
+# (npu_dispatch: the forward-npu traces run its kernels, and forms call its SDPA)
+_TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings",
+                          "npu_fx_fusion.npu_dispatch")
 
 
 @dataclass(frozen=True)

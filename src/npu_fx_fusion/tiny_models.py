@@ -758,3 +758,46 @@ def build_torchtitan(
         name=f"torchtitan-{name}-{tag}",
         description=f"{desc} ({num_layers} layers, debugmodel flavor)",
     )
+
+
+# --------------------------------------------------------------------------------------
+# Inference steps with a transformers StaticCache (prefill and decode graphs)
+# --------------------------------------------------------------------------------------
+
+
+class CacheStep(nn.Module):
+    """One generation step of an HF causal LM over a StaticCache: ``step(input_ids, cache)``
+    writes the tokens' keys and values into ``cache`` and returns the logits.
+
+    Compiled, a step with several tokens is the prefill graph and a step with one token
+    the decode graph; the cache is an input, mutated in place (aot_autograd keeps that
+    mutation in the graph as a copy_ into the input, as torchair compiles it).
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, cache=cache, use_cache=True).logits
+
+
+def static_cache(lm: nn.Module, *, batch: int, max_cache_len: int, allocate: bool = True) -> Any:
+    """A transformers StaticCache for ``lm`` holding ``max_cache_len`` positions.
+
+    allocate=True allocates every layer's tensors now, as generation does before it runs a
+    compiled step (their shapes are read off one eager token on a scratch cache: DeepSeek's
+    latent caches differ per part); the compiled graphs then take them as inputs.
+    allocate=False leaves them to the first step, which then allocates them inside its graph.
+    """
+    transformers = _import_optional("transformers", _HF_INSTALL_HINT)
+    cache = transformers.StaticCache(config=lm.config, max_cache_len=max_cache_len)
+    if not allocate:
+        return cache
+    scratch = transformers.StaticCache(config=lm.config, max_cache_len=max_cache_len)
+    ids = torch.full((batch, 1), 3, dtype=torch.long, device=next(lm.parameters()).device)
+    with torch.no_grad():
+        lm(input_ids=ids, cache=scratch, use_cache=True)
+    for layer, sample in zip(cache.layers, scratch.layers):
+        layer.lazy_initialization(sample.keys[:, :, :0], sample.values[:, :, :0])
+    return cache

@@ -18,7 +18,9 @@ log = logging.getLogger("npu_fx_fusion.npu_ops")
 # One module per op family; each declares its kernels with @stand_in at import.
 _FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe", "attention",
                    # the NPU dispatch block (npu_dispatch.py): what torch_npu's own kernels call
-                   "fusion_attention", "dispatch_backward")
+                   "fusion_attention", "dispatch_backward",
+                   # the inference attention block (issue 18)
+                   "infer_attention", "kv_cache")
 
 # Namespaces that belong to a package of their own rather than to torch_npu. Their
 # stand-ins are registered only when that package is not installed (then its real ops
@@ -253,6 +255,14 @@ def ensure_registered() -> tuple[str, ...]:
         # CompositeExplicitAutograd: one Python kernel serves every device (CPU here).
         lib.impl(op.name, op.kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(op.qualname, op.fake, lib=lib)
+        if getattr(getattr(torch.ops, op.namespace), op.name).default._schema.is_mutable:  # noqa: SLF001
+            # an in-place twin (scatter_update_): torch registers no autograd formula for a
+            # mutating op, and torch_npu has no backward for these (only torchair's
+            # re-inplacing passes emit them, in inference graphs)
+            if op.backward is not None:
+                raise ValueError(f"{op.qualname} mutates its input: it cannot have a backward")
+            _REGISTERED.append(op.qualname)
+            continue
         backward, setup_context = op.backward, op.setup_context
         if op.missing_backward is not None:
             backward, setup_context = _missing_backward(op), _save_nothing
