@@ -68,9 +68,10 @@ def test_op_table_keeps_the_view_to_reshape_step_apart(qwen3_moe):
     assert not any(line.startswith("| getitem") for line in out.splitlines())
     (note,) = [line for line in out.splitlines() if line.startswith("Views after fused ops became reshapes")]
     (graph,) = report.graphs
-    views, reshapes = graph.ops_before["aten.view.default"], graph.ops_after["aten.reshape.default"]
-    assert views > reshapes > 0 and graph.ops_after["aten.view.default"] == graph.ops_before["aten.reshape.default"] == 0
-    assert f"aten.view.default {views} -> 0" in note and f"aten.reshape.default 0 -> {reshapes}" in note
+    views, reshapes = graph.ops_before["aten.view.default"], graph.ops_before["aten.reshape.default"]
+    assert views > graph.ops_after["aten.view.default"]  # views downstream of fused ops became reshapes
+    assert f"aten.view.default {views} -> {graph.ops_after['aten.view.default']}" in note
+    assert f"aten.reshape.default {reshapes} -> {graph.ops_after['aten.reshape.default']}" in note
 
 
 def test_conversions_fusion_adds_are_explained(qwen3_moe):

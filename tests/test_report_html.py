@@ -119,14 +119,14 @@ def test_layer_drawings_show_one_layer_before_and_after(dump):
     # the same colour for a fused op in the after drawing and for what it replaced before
     titles_before, fills_before = legend(before)
     titles_after, fills_after = legend(after)
-    assert titles_before[1:] == titles_after[1:] == ["npu_rms_norm", "npu_rotary_mul", "npu_add_rms_norm"]
+    assert titles_before[1:] == titles_after[1:] == [
+        "npu_rms_norm", "npu_rotary_mul", "npu_fused_infer_attention_score", "npu_add_rms_norm"]
     assert fills_before == fills_after
     npu = {name: g for name, g in after_nodes.items() if labels[g].startswith("npu_")}
     fused = {name: g for name, g in npu.items() if fills(g) & set(drawing.PALETTE)}
     assert sorted(labels[g] for g in fused.values()) == [
-        "npu_add_rms_norm", "npu_rms_norm", "npu_rotary_mul", "npu_rotary_mul"]
-    # the NPU graph's own FlashAttention (torch_npu's SDPA) is drawn, but it is no fusion
-    assert sorted(labels[g] for name, g in npu.items() if name not in fused) == ["npu_fusion_attention_v3"]
+        "npu_add_rms_norm", "npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul", "npu_rotary_mul"]
+    assert npu == fused  # the NPU graph's own FlashAttention became the fused inference attention
     replaced = {name for site in report.sites for name in site.replaced}
     highlighted = {name for name, g in before_nodes.items() if fills(g) & set(drawing.PALETTE)}
     assert highlighted and highlighted <= replaced
