@@ -14,9 +14,14 @@ pip_install tyro einops 'spmd_types==0.2.3' triton
 # The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
 PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh >/dev/null
 # Graphviz's `dot` lays out the --dump-dir drawings, rsvg-convert renders them in
-# tests/test_drawing.py.
-apt_install dot:graphviz rsvg-convert:librsvg2-bin || NO_DRAWING=1
+# tests/test_drawing.py; chromium renders report.html in tests/test_report_html.py.
+# One apt_install call: one `apt-get update` on a fresh machine. It returns 1 only when
+# packages are missing and we are not root (an apt failure stops the script).
+apt_install dot:graphviz rsvg-convert:librsvg2-bin chromium:chromium || { NO_DRAWING=1; NO_BROWSER=1; }
 
 export NPU_FX_FUSION_REQUIRE_WHEEL=1   # the wheel tests fail instead of skipping here
 [ -n "${NO_DRAWING:-}" ] || export NPU_FX_FUSION_REQUIRE_DRAWING=1   # and the drawing tests
-exec "$VENV/bin/python" -m pytest -p no:cacheprovider "$@"
+[ -n "${NO_BROWSER:-}" ] || export NPU_FX_FUSION_REQUIRE_BROWSER=1   # and the browser test
+# Everything, slow tests included (a quick subset: bash scripts/test.sh -m "not slow");
+# the 20 slowest tests are listed at the end.
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider --durations=20 "$@"

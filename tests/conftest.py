@@ -34,3 +34,19 @@ def _fresh_dynamo():
 def caplog_fusion(caplog):
     caplog.set_level(logging.INFO, logger="npu_fx_fusion")
     return caplog
+
+
+# Modules whose tests compile whole models, run training steps or torchair's pipeline:
+# marked slow, so `pytest -m "not slow"` is the quick subset a contributor runs (CI,
+# scripts/test.sh, runs everything and prints the 20 slowest tests: keep this list in
+# step with what it shows). Tests elsewhere mark themselves (@pytest.mark.slow).
+SLOW_MODULES = frozenset({
+    "test_models.py", "test_training.py", "test_training_dsa.py", "test_training_grouped_matmul.py",
+    "test_torchair_backend.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

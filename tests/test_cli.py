@@ -1,13 +1,25 @@
-"""`npu-fx-fusion report / demo`: targets, options, outputs and exit codes."""
+"""`npu-fx-fusion report / demo`: targets, options, outputs and exit codes.
+
+The report has to explain itself to a first reader (issue 20): the folded rms_norm
+sites, the view -> reshape step, the conversions fusion adds, where each site is in the
+model's code, the tolerance of the eager comparison, what --dump-dir wrote.
+"""
+import contextlib
+import io
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
-from npu_fx_fusion.cli import main
+import npu_fx_fusion as nff
+from npu_fx_fusion.cli import OUTPUT_TOLERANCE, compare_with_eager, main
+from npu_fx_fusion.dumps import FILES
 
 
 def _run(capsys, *argv):
@@ -16,8 +28,18 @@ def _run(capsys, *argv):
     return code, out, err
 
 
-def test_report_hf_model_with_verification(capsys):
-    code, out, _ = _run(capsys, "report", "hf:qwen3_moe", "--verify")
+@pytest.fixture(scope="module")
+def qwen3_moe():
+    """`report hf:qwen3_moe --verify`, run once: (exit code, stdout, its FusionReport)."""
+    torch._dynamo.reset()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["report", "hf:qwen3_moe", "--verify"])
+    return code, out.getvalue(), nff.last_report()
+
+
+def test_report_hf_model_with_verification(qwen3_moe):
+    code, out, _ = qwen3_moe
     assert code == 0, out
     assert "target: hf-qwen3_moe-grouped_mm-fp32" in out
     # every fused site carries its verdict, and the cost estimate is there
@@ -29,11 +51,87 @@ def test_report_hf_model_with_verification(capsys):
     assert "outputs vs eager" in out and "OK" in out
 
 
+def test_pass_table_says_how_many_norms_were_folded(qwen3_moe):
+    # 9 norms fused; the 4 after a residual add were then folded into npu_add_rms_norm,
+    # so the final graph holds 5 npu_rms_norm: the table must not leave that to arithmetic
+    _, out, report = qwen3_moe
+    assert report.folded == {"rms_norm": {"add_rms_norm": 4}}
+    assert "| rms_norm | 9 | 4 folded into add_rms_norm |" in out
+    assert report.fused_ops["npu.npu_rms_norm"] == report.counts["rms_norm"] - 4
+    assert re.search(r"\| add_rms_norm \| 4 \| *\|", out)  # nothing folded into a later pass
+
+
+def test_op_table_keeps_the_view_to_reshape_step_apart(qwen3_moe):
+    _, out, report = qwen3_moe
+    table = [line for line in out.splitlines() if line.startswith("| aten.") or line.startswith("| npu.")]
+    assert table and not [row for row in table if row.startswith(("| aten.view.", "| aten.reshape."))]
+    assert not any(line.startswith("| getitem") for line in out.splitlines())
+    (note,) = [line for line in out.splitlines() if line.startswith("Views after fused ops became reshapes")]
+    (graph,) = report.graphs
+    views, reshapes = graph.ops_before["aten.view.default"], graph.ops_before["aten.reshape.default"]
+    assert views > graph.ops_after["aten.view.default"]  # views downstream of fused ops became reshapes
+    assert f"aten.view.default {views} -> {graph.ops_after['aten.view.default']}" in note
+    assert f"aten.reshape.default {reshapes} -> {graph.ops_after['aten.reshape.default']}" in note
+
+
+def test_conversions_fusion_adds_are_explained(qwen3_moe):
+    _, out, report = qwen3_moe
+    (graph,) = report.graphs
+    (row,) = [line for line in out.splitlines() if line.startswith("| aten._to_copy.default |")]
+    _, before, after, why, _ = (cell.strip() for cell in row.split("|")[1:])
+    # the expert offsets: int32 as the model computes them for torch._grouped_mm, then the
+    # int64 group_list npu_grouped_matmul declares (one chain per MoE layer)
+    chain = "int64 -> int32 -> int64 for npu.npu_grouped_matmul(group_list)"
+    assert graph.conversions_added == {f"aten._to_copy: {chain}": 2}
+    removed, added = map(int, re.match(r"fusion removed (\d+) \(inside fused code\) and added (\d+)", why).groups())
+    assert int(before) - removed + added == int(after) and added == 4, row
+    assert f"{chain} (x2)" in why
+    # the int32 -> int64 -> int32 round trip of the expert ids between the fused router and
+    # the fused dispatch is gone, not explained (cleanup.drop_lossless_round_trips)
+    assert not [what for what in graph.conversions_added if "npu_moe_init_routing_v2" in what]
+
+
+def test_grouped_matmul_sites_point_at_the_gemm_line(qwen3_moe):
+    # the expert GEMMs survive moe_dispatch's rewrite and are fused afterwards; they must
+    # keep the line of the GEMM call, not take the block's combine line (.sum(dim=1))
+    _, _, report = qwen3_moe
+    sites = [s for s in report.sites if s.pass_name == "grouped_matmul"]
+    assert len(sites) == 4
+    for site in sites:
+        assert "grouped_mm" in site.location.code and ".sum(" not in site.location.code, site.location
+        assert site.location.module.endswith("mlp.experts")
+
+
+def test_tolerance_says_where_it_comes_from(qwen3_moe):
+    _, out, _ = qwen3_moe
+    (line,) = [line for line in out.splitlines() if line.startswith("outputs vs eager")]
+    assert re.search(r"tolerance \S+ = 0\.0001 \(fp32: fused ops only reorder float operations\) "
+                     r"x \S+ \(the largest \|eager output\|, at least 1\): OK", line), line
+
+
+@pytest.mark.parametrize("dtype, scale, expected", [
+    (torch.float32, 0.5, 1e-4),      # logits below 1: the relative tolerance itself
+    (torch.float32, 4.1, 4.1e-4),    # logits up to 4.1: scaled (the 1e-4 vs 4.1e-4 of two runs)
+    (torch.bfloat16, 2.0, 0.12),
+])
+def test_tolerance_is_relative_to_the_largest_output(dtype, scale, expected):
+    eager = torch.tensor([0.0, -scale]).to(dtype)
+    verdict = compare_with_eager(eager + OUTPUT_TOLERANCE[dtype] / 2, eager)
+    assert verdict["tolerance"] == pytest.approx(expected, rel=1e-2)
+    assert verdict["output_scale"] == pytest.approx(scale, rel=1e-2) and verdict["ok"]
+    assert verdict["relative_tolerance"] == OUTPUT_TOLERANCE[dtype]
+    assert str(OUTPUT_TOLERANCE[dtype]) in verdict["tolerance_rule"]
+    far = compare_with_eager(eager + 2 * expected, eager)
+    assert not far["ok"]
+
+
 def test_report_json_is_one_document(capsys):
     code, out, _ = _run(capsys, "report", "torchtitan:llama3", "--format", "json", "--disable", "swiglu")
     assert code == 0
     doc = json.loads(out)
     assert doc["outputs_vs_eager"]["ok"] is True
+    assert doc["outputs_vs_eager"]["tolerance"] == pytest.approx(
+        doc["outputs_vs_eager"]["relative_tolerance"] * max(1.0, doc["outputs_vs_eager"]["output_scale"]))
     assert doc["report"]["counts"]["rope"] == 4
     assert "swiglu" not in doc["report"]["counts"]
     cost = doc["report"]["graphs"][0]["estimated_cost"]
@@ -70,13 +168,18 @@ def test_report_module_factory_and_file_factory(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["report", "nonsense"], "is not hf:MODEL_TYPE"),
-    (["report", "hf:no_such_model"], "unknown HF model type"),
-    (["report", "torchtitan:no_such_model"], "no_such_model"),
+    (["report", "nonsense"], "is not hf:TYPE, hf:DIR, torchtitan:NAME or module:factory"),
+    (["report", "hf:no_such_model"], "unknown HF model type 'no_such_model'"),
+    (["report", "hf:qwen3_moe@fancy_mm"], "unknown experts implementation 'fancy_mm'"),
+    (["report", "hf:./no/such/dir"], "no config.json at ./no/such/dir"),
+    (["report", "torchtitan:no_such_model"], "unknown torchtitan model 'no_such_model'"),
     (["report", "no_such_module_xyz:build"], "cannot import"),
     (["report", "json:no_such_callable"], "has no callable"),
     (["report", "hf:llama", "--disable", "nope"], "unknown pass"),
     (["demo", "--disable", "rope,nope"], "unknown pass"),
+    (["report", "torchtitan:llama3", "--real-dims"], "--real-dims applies to hf: targets"),
+    (["report", "hf:llama", "--real-dims", "--verify"], "use one or the other"),
+    (["report", "hf:llama", "--layers", "0"], "--layers and --seq-len must be at least 1"),
 ])
 def test_bad_arguments_exit_2_with_a_message(capsys, argv, message):
     code, _, err = _run(capsys, *argv)
@@ -88,6 +191,29 @@ def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["report", "hf:llama", "--soc", "Ascend999"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("variable, value, names", [
+    ("NPU_FX_FUSION", "banana", ["'banana'", "1, true, on, yes", "0, false, off, no"]),
+    ("NPU_FX_FUSION_DISABLE", "rms_nrom", ["'rms_nrom'", "rms_norm, add_rms_norm"]),
+])
+def test_a_bad_environment_variable_is_one_line_at_once(capsys, monkeypatch, variable, value, names):
+    monkeypatch.setenv(variable, value)
+    start = time.perf_counter()
+    code, out, err = _run(capsys, "report", "hf:llama")
+    assert time.perf_counter() - start < 5  # before the model is built, not inside a compile
+    assert code == 2 and out == ""
+    (line,) = err.splitlines()
+    assert f"${variable}" in line and all(name in line for name in names), line
+
+
+def test_help_lists_the_target_forms_and_points_at_the_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    out = capsys.readouterr().out
+    for form in ("hf:TYPE[@experts]", "hf:DIR", "torchtitan:NAME", "module:factory", "file.py:factory",
+                 "--real-dims", "docs/getting-started.md"):
+        assert form in out, form
 
 
 def test_a_failing_model_exits_1(capsys, tmp_path, monkeypatch):
@@ -106,14 +232,21 @@ def test_a_failing_model_exits_1(capsys, tmp_path, monkeypatch):
     assert code == 1 and "failed to run" in err
 
 
-def test_console_script_runs_as_a_process(tmp_path):
+def test_console_script_runs_as_a_process_and_says_what_it_dumped(tmp_path):
     # the installed entry point, end to end, as a user runs it
     proc = subprocess.run([sys.executable, "-m", "npu_fx_fusion.cli", "report", "hf:llama", "--layers", "1",
                            "--dump-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "**rope**: 2 fused" in proc.stdout
-    assert (tmp_path / "report.md").is_file()
-    assert any(p.name == "after.py" for p in tmp_path.rglob("*"))
+    listing = proc.stdout.split("\ndump: wrote ", 1)[1].splitlines()
+    written = sorted(os.path.relpath(os.path.join(root, f), tmp_path)
+                     for root, _, files in os.walk(tmp_path) for f in files)
+    assert listing[0] == f"{len(written)} files to {tmp_path}:"
+    described = {line.strip().split(": ", 1)[0]: line.split(": ", 1)[1] for line in listing[1:]}
+    assert sorted(described) == written  # every file, and each with what it is
+    assert {"report.html", "report.md", "report.json", "graph_000_inference/after.py"} <= set(described)
+    for path, what in described.items():
+        assert what == FILES[os.path.basename(path)]
 
 
 @pytest.mark.parametrize("flag, graph", [((), "NPU graph"), (("--no-npu-dispatch",), "CPU graph")])

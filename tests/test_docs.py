@@ -4,8 +4,14 @@ A block fenced as ```python is executed as written (in a fresh namespace, in thi
 process); illustrations that are not complete programs are fenced ```python fragment,
 and examples that need torchair ```python torchair (tests/test_torchair_backend.py
 runs those paths). In ```bash blocks, lines starting with `npu-fx-fusion ` run through
-the CLI and must exit 0.
+the CLI and must exit 0 (```bash fragment: commands on paths of the reader's own).
+
+The facts the docs state about the code are checked against it too: the models the
+README's table names, the pass order, the model types that do not build, the dump files.
 """
+import contextlib
+import io
+import json
 import os
 import re
 import shlex
@@ -13,6 +19,8 @@ import shlex
 import pytest
 
 from npu_fx_fusion.cli import main
+from npu_fx_fusion.config import PASS_NAMES
+from npu_fx_fusion.dumps import FILES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = sorted([os.path.join(REPO, "README.md")]
@@ -53,3 +61,53 @@ def test_command_line_example_runs(where, command, capsys):
     code = main(argv)
     out = capsys.readouterr().out
     assert code == 0, f"{where}: `{command}` exited {code}\n{out[-3000:]}"
+
+
+def _read(relpath):
+    with open(os.path.join(REPO, relpath), encoding="utf-8") as f:
+        return f.read()
+
+
+def _readme_row(pass_name):
+    (row,) = [line for line in _read("README.md").splitlines() if line.startswith(f"| `{pass_name}` |")]
+    return row
+
+
+def test_models_the_readme_names_for_rms_norm_fuse_it():
+    pytest.importorskip("transformers")
+    from npu_fx_fusion.tiny_models import HF_KNOWN_FAILURES, hf_model_types
+
+    row = _readme_row("rms_norm")
+    named = sorted({word.lower() for word in re.findall(r"[A-Z][a-z]+", row)} & set(hf_model_types()))
+    assert {"llama", "mistral", "gemma"} <= set(named), row
+    for model_type in named:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["report", f"hf:{model_type}", "--layers", "1", "--format", "json"])
+        doc = json.loads(out.getvalue())
+        # 1 layer: its 2 norms and the final one, and the logits still match
+        assert doc["report"]["counts"]["rms_norm"] == 3, (model_type, doc["report"]["counts"])
+        assert doc["outputs_vs_eager"]["ok"], model_type
+        # the whole report succeeds, or the model is a known failure (another pass's bug)
+        errors = [p["error"] for g in doc["report"]["graphs"] for p in g["passes"] if p["error"]]
+        assert (code == 0) == (model_type not in HF_KNOWN_FAILURES), (model_type, errors)
+
+
+def test_configuration_lists_the_passes_in_pipeline_order():
+    text = _read("docs/configuration.md")
+    (line,) = re.findall(r"Pass names, in pipeline order: ([^.]+)\.", text.replace("\n", " "))
+    assert re.findall(r"`([a-z_0-9]+)`", line) == list(PASS_NAMES)
+
+
+def test_models_page_lists_the_types_that_do_not_report():
+    pytest.importorskip("transformers")
+    from npu_fx_fusion.tiny_models import HF_KNOWN_FAILURES
+
+    rows = [line for line in _read("docs/models.md").splitlines() if line.startswith("| `")]
+    listed = {re.match(r"\| `([^`]+)`", row).group(1) for row in rows}
+    assert listed == set(HF_KNOWN_FAILURES)
+
+
+def test_every_dump_file_is_documented():
+    text = _read("docs/reports-and-dumps.md")
+    assert [name for name in FILES if f"`{name}`" not in text and f"/{name}`" not in text] == []

@@ -240,10 +240,10 @@ def test_svg_renders(can_draw, norm_graph, tmp_path):
     svg_path, png_path = tmp_path / "g.svg", tmp_path / "g.png"
     svg_path.write_text(drawing.graph_svg(norm_graph, drawing.fused_nodes(norm_graph), "render"))
     subprocess.run([rsvg, "-f", "png", "-o", str(png_path), str(svg_path)], check=True, timeout=60)
-    width, height, pixels = decode_png(png_path.read_bytes())
+    width, height, pixels, channels = decode_png(png_path.read_bytes())
     assert width > 100 and height > 100
     colour = bytes.fromhex(drawing.PALETTE[0][1:])
-    assert colour in {pixels[i:i + 3] for i in range(0, len(pixels), 4)}, "no pixel of the highlight colour"
+    assert colour in colours_of(pixels, channels), "no pixel of the highlight colour"
 
 
 def test_missing_tools_log_once(monkeypatch, caplog, norm_graph):
@@ -256,8 +256,14 @@ def test_missing_tools_log_once(monkeypatch, caplog, norm_graph):
     assert len(messages) == 1 and "dot" in messages[0]
 
 
+def colours_of(pixels, channels):
+    """The set of RGB colours among decoded pixels."""
+    return {pixels[i:i + 3] for i in range(0, len(pixels), channels)}
+
+
 def decode_png(data):
-    """(width, height, RGBA bytes) of an 8-bit RGBA non-interlaced PNG (what rsvg writes)."""
+    """(width, height, pixel bytes, channels) of an 8-bit RGB or RGBA non-interlaced PNG
+    (what rsvg-convert and chromium write)."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pos, idat = 8, b""
     while pos < len(data):
@@ -265,11 +271,12 @@ def decode_png(data):
         body = data[pos + 8:pos + 8 + length]
         if kind == b"IHDR":
             width, height, depth, colour_type, _, _, interlace = struct.unpack(">IIBBBBB", body)
-            assert (depth, colour_type, interlace) == (8, 6, 0)
+            assert depth == 8 and colour_type in (2, 6) and interlace == 0
         elif kind == b"IDAT":
             idat += body
         pos += 12 + length
-    raw, bpp, stride = zlib.decompress(idat), 4, width * 4
+    bpp = 4 if colour_type == 6 else 3
+    raw, stride = zlib.decompress(idat), width * bpp
     out, prev = bytearray(), bytearray(stride)
     for y in range(height):
         kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
@@ -288,7 +295,7 @@ def decode_png(data):
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
         out += line
         prev = line
-    return width, height, bytes(out)
+    return width, height, bytes(out), bpp
 
 
 def test_dump_dir_writes_the_drawing_next_to_the_graph_code(can_draw, tmp_path):

@@ -201,8 +201,10 @@ class _Replacement(pm.ReplacementPatternEntry):
         self.ctx = ctx
 
     def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
+        replaced = sorted(match.nodes)  # in graph order, while they are in the graph
         added = insert_replacement(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs),
                                    self.ctx.fake_mode)
+        _inherit_kept_calls(added, [n for n in replaced if n._erased])  # noqa: SLF001
         self.ctx.inserted.extend(added)
         self.ctx.out_of_order = self.ctx.out_of_order or _reads_later_node(added)
 
@@ -376,8 +378,9 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
         ctx.reject(form, exact_match.nodes, reason)
         return False
     match.replacement_graph = replacement[0]
-    ctx.sites.append(FusedSite(ctx.fusion_pass.name, form.name, form.fused_op or ctx.fusion_pass.fused_op,
-                               location_of(exact_match.nodes), "; ".join(_notes(ctx, site)), site.verified))
+    ctx.sites.append(FusedSite.of_match(ctx.fusion_pass.name, form.name, form.fused_op or ctx.fusion_pass.fused_op,
+                                        exact_match.nodes, match.output_nodes(), ctx.fusion_pass.anchor,
+                                        "; ".join(_notes(ctx, site)), site.verified))
     return True
 
 
@@ -714,6 +717,29 @@ def _no_form_matched(forms: Sequence[Form]) -> str:
 
 
 _SOURCE_META = ("stack_trace", "nn_module_stack")
+
+
+def _inherit_kept_calls(added: Sequence[Node], erased: Sequence[Node]) -> None:
+    """A replacement that keeps an op of the code it replaces (moe_dispatch keeps the
+    expert GEMMs for grouped_matmul) gives each kept call the source line of the call it
+    stands for, not the site's output line (the combine's `.sum(dim=1)`): the k-th new
+    call of an op that as many `erased` nodes of the site called takes the k-th one's
+    (both in graph order). An op called a different number of times is left to
+    _inherit_source_meta."""
+    erased_by_op: dict[Any, list[Node]] = {}
+    for node in erased:
+        if isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+            erased_by_op.setdefault(node.target, []).append(node)
+    added_by_op: dict[Any, list[Node]] = {}
+    for node in added:
+        if node.target in erased_by_op:
+            added_by_op.setdefault(node.target, []).append(node)
+    for target, kept in added_by_op.items():
+        if len(kept) == len(erased_by_op[target]):
+            for node, old in zip(kept, erased_by_op[target]):
+                for key in _SOURCE_META:
+                    if key not in node.meta and key in old.meta:
+                        node.meta[key] = old.meta[key]
 
 
 def _inherit_source_meta(new_nodes: Sequence[Node]) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import FusionConfig
+from .config import FusionConfig, check_environment
 from .lifted_floats import specialize_module_floats
 from .report import FusionReport
 
@@ -115,6 +115,10 @@ def install(compiler_config: Any, fusion_config: Optional[FusionConfig] = None) 
     A config alone only reaches the graphs after partitioning: training graphs get their
     forward-and-backward fusion from get_npu_backend() (docs/training.md).
     """
+    check_environment()
+    if fusion_config is not None and not isinstance(fusion_config, FusionConfig):
+        raise TypeError(f"fusion_config must be a FusionConfig, got {type(fusion_config).__name__}")
+    _check_compiler_mode(compiler_config, fusion_config)
     if isinstance(compiler_config, dict):
         existing = compiler_config.get("post_grad_custom_pre_pass")
     elif hasattr(compiler_config, "post_grad_custom_pre_pass"):
@@ -133,6 +137,25 @@ def install(compiler_config: Any, fusion_config: Optional[FusionConfig] = None) 
     else:
         compiler_config.post_grad_custom_pre_pass = pipeline
     return pipeline
+
+
+def _check_compiler_mode(compiler_config: Any, fusion_config: Optional[FusionConfig]) -> None:
+    """ValueError for a torchair / npugraph_ex config whose mode npu-fx-fusion does not
+    know (its passes would not know what that mode can lower), or one that contradicts
+    FusionConfig.mode (the graph is lowered in the config's mode, whatever ours says)."""
+    from .capabilities import MODES
+
+    mode = compiler_config.get("mode") if isinstance(compiler_config, dict) else getattr(compiler_config, "mode", None)
+    mode = getattr(mode, "value", mode)  # torchair.CompilerConfig.mode is an OptionValue
+    if mode is None:
+        return
+    if mode not in MODES:
+        raise ValueError(f"the compiler config's mode {mode!r} is not one npu-fx-fusion knows; "
+                         f"known: {', '.join(MODES)}")
+    wanted = fusion_config.mode if fusion_config is not None else None
+    if wanted is not None and wanted != mode:
+        raise ValueError(f"FusionConfig(mode={wanted!r}) but the compiler config lowers in {mode!r}: "
+                         f"leave FusionConfig.mode None to follow the compiler config")
 
 
 def import_torchair():
@@ -235,7 +258,14 @@ def get_npu_backend(compiler_config: Any = None, fusion_config: Optional[FusionC
     training graphs before torchair partitions them. Without torchair: an
     EmulationBackend on CPU, which does both too; `compiler_config` must then be None,
     since nothing could honour it.
+
+    Bad settings fail here, in one line: $NPU_FX_FUSION / $NPU_FX_FUSION_DISABLE
+    (config.check_environment), a compiler config mode we do not know or that contradicts
+    FusionConfig.mode; FusionConfig checks its own fields when it is made.
     """
+    check_environment()
+    if fusion_config is not None and not isinstance(fusion_config, FusionConfig):
+        raise TypeError(f"fusion_config must be a FusionConfig, got {type(fusion_config).__name__}")
     torchair = import_torchair()
     if torchair is None:
         if compiler_config is not None:

@@ -6,7 +6,7 @@ Below the matching layer: imports only nodes.py.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx
@@ -55,6 +55,58 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
             graph.erase_node(node)
             merged += 1
     return merged
+
+
+# dtype -> the dtypes that hold each of its values exactly (a conversion there and back is
+# the identity): integer widening, float widening, bool into anything.
+_EXACT_IN = {
+    torch.bool: {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.uint8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.int8: {torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64},
+    torch.int16: {torch.int32, torch.int64, torch.float32, torch.float64},
+    torch.int32: {torch.int64, torch.float64},
+    torch.float16: {torch.float32, torch.float64},
+    torch.bfloat16: {torch.float32, torch.float64},
+    torch.float32: {torch.float64},
+}
+
+
+def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """`convert(convert(x, wide), x.dtype)` -> `x` where `wide` holds every value of x's
+    dtype exactly, when fusion introduced either conversion.
+
+    Two fusions meeting at an integer tensor each convert it to what their own op or the
+    model declares: moe_gating's replacement widens npu_moe_gating_top_k_softmax's int32
+    expert ids to the int64 of the top-k it replaces, moe_dispatch narrows them back to
+    the int32 npu_moe_init_routing_v2 takes. The pair is the identity; the model's own
+    conversions stay. Returns the number of conversions bypassed.
+    """
+    def dtype_only(node: Node) -> Optional[torch.dtype]:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return None
+        if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
+            return node.kwargs["dtype"]
+        npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+        if npu_cast is not None and node.target is npu_cast.default and len(node.args) == 2:
+            return node.args[1]
+        return None
+
+    bypassed = 0
+    for outer in list(graph.nodes):
+        to = dtype_only(outer)
+        inner = outer.args[0] if to is not None else None
+        wide = dtype_only(inner) if inner is not None else None
+        source = inner.args[0].meta.get("val") if wide is not None else None
+        if (not isinstance(source, torch.Tensor) or source.dtype != to
+                or wide not in _EXACT_IN.get(to, ()) or {outer, inner} <= original_nodes):
+            continue
+        outer.replace_all_uses_with(inner.args[0])
+        graph.erase_node(outer)
+        if not inner.users:
+            graph.erase_node(inner)
+        bypassed += 1
+    return bypassed
 
 
 def _hashable(value: Any) -> Any:

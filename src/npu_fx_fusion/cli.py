@@ -6,18 +6,15 @@
 `report` compiles TARGET with `torch.compile(model, backend=get_npu_backend(...))`, runs
 it once, compares its outputs with eager and prints the fusion report: every fused site,
 every near miss with its reason, the estimated cost before and after, and with
-`--verify` the measured error of each site. TARGET is
-  hf:MODEL_TYPE          a tiny random-weight transformers model (tiny_models.HF_MODEL_TYPES;
-                         hf:qwen3_moe@batched_mm picks the MoE experts implementation)
-  torchtitan:NAME        a tiny torchtitan model (llama3, deepseek_v3)
-  module:factory         a callable in an importable module (or path/to/file.py:factory)
-                         returning (model, example_inputs)
-`demo` is `report hf:llama` (the README's demo). With `--phase prefill|decode` (and
+`--verify` the measured error of each site. TARGET is one of TARGET_FORMS below. With
+`--real-dims` an hf: target is traced at its configured sizes on fake tensors: no
+weights, no numerics, the capability checks see the real head dims, expert counts and
+dtypes. `demo` is `report hf:llama` (the README's demo). With `--phase prefill|decode` (and
 `--max-cache-len N`) an hf: target is compiled as one generation step over a transformers
 StaticCache instead, and the report adds per layer which attention calls and cache writes
 fused (`demo --phase decode`: one decode step of llama). Exit codes: 0 ok, 1 failure
-(outputs differ from eager beyond tolerance, a pass failed, the model failed to run), 2 bad
-arguments.
+(outputs differ from eager beyond tolerance, a pass failed, the model failed to run), 2
+bad arguments or settings (a bad NPU_FX_FUSION* environment variable too).
 """
 from __future__ import annotations
 
@@ -32,13 +29,36 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .capabilities import MODES, SOCS
-from .config import PASS_NAMES, FusionConfig, check_pass_names
+from .config import PASS_NAMES, FusionConfig, check_environment, check_pass_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Output tolerance, relative to the largest |output|: fp32 fusions reorder float
-# operations only; in half precision every fused op may differ by an ulp or two, which
-# the layers after it carry.
+# Output tolerance, relative to the largest |output| (at least 1): fp32 fusions reorder
+# float operations only; in half precision every fused op may differ by an ulp or two,
+# which the layers after it carry.
 OUTPUT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+_TOLERANCE_REASONS = {
+    torch.float32: "fp32: fused ops only reorder float operations",
+    torch.bfloat16: "bf16: each fused op may round an ulp or two differently, and later layers carry it",
+    torch.float16: "fp16: each fused op may round an ulp or two differently, and later layers carry it",
+}
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")  # transformers' MoE experts
+DOCS = "docs/getting-started.md (\"From the command line\") and docs/models.md in the npu-fx-fusion repository"
+
+TARGET_FORMS = f"""\
+TARGET forms:
+  hf:TYPE[@experts]    any causal-LM model_type of transformers (llama, mistral, gemma,
+                       qwen3_moe, deepseek_v3, ...), built tiny with random weights;
+                       @{'/@'.join(EXPERTS_IMPLEMENTATIONS)} picks the MoE experts implementation
+  hf:DIR, hf:FILE.json a local model directory or config.json: no hub access, no weights;
+                       built tiny with its structure kept, or at its sizes with --real-dims
+  torchtitan:NAME      a tiny torchtitan model: llama3, deepseek_v3
+  module:factory       a callable in an importable module returning (model, example_inputs)
+  file.py:factory      the same, from a Python file
+
+--layers N keeps N layers (hf: one of each layer kind first, e.g. a dense and a MoE layer).
+--real-dims (hf: targets) traces at the configured sizes with fake tensors: nothing is
+allocated or computed, so outputs are not compared; --dtype defaults to the config's.
+Docs: {DOCS}."""
 
 
 class TargetError(ValueError):
@@ -46,17 +66,27 @@ class TargetError(ValueError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="npu-fx-fusion", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="npu-fx-fusion", description=__doc__.split("\n\n")[0],
+                                     epilog=TARGET_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="compile a tiny transformers model with fusion and print the report")
     demo.add_argument("--model", default="llama", help="transformers model type (default: llama)")
-    report = commands.add_parser("report", help="compile TARGET with fusion and print what fused and why")
-    report.add_argument("target", help="hf:MODEL_TYPE, torchtitan:NAME, or module:factory")
+    report = commands.add_parser("report", help="compile TARGET with fusion and print what fused and why",
+                                 description="Compile TARGET with fusion, run it once, compare with eager "
+                                             "and print what fused, where, and why the rest did not.",
+                                 epilog=TARGET_FORMS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    report.add_argument("target", help="hf:TYPE[@experts], hf:DIR, torchtitan:NAME, module:factory "
+                                       "or file.py:factory (below)")
     for sub in (demo, report):
-        sub.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                         help="parameter dtype of hf:/torchtitan: targets")
+        sub.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                         help="parameter dtype of hf:/torchtitan: targets (default: the config's own "
+                              "for hf:DIR and --real-dims, else float32)")
         sub.add_argument("--layers", type=int, default=None,
-                         help="layers of hf:/torchtitan: targets (default: 2; hf:deepseek_v4 3)")
+                         help="layers of hf:/torchtitan: targets (default 2; hf:deepseek_v4 3, one per attention kind)")
+        sub.add_argument("--seq-len", type=int, default=None,
+                         help="tokens per sequence of hf: targets (default 16; hf:deepseek_v4 18)")
+        sub.add_argument("--real-dims", action="store_true",
+                         help="hf: targets at their configured sizes, traced on fake tensors (no numerics)")
         sub.add_argument("--disable", default="", help=f"comma-separated passes to turn off: {', '.join(PASS_NAMES)}")
         sub.add_argument("--soc", default=None, choices=SOCS, help="Ascend SoC whose limits to honour")
         sub.add_argument("--mode", default=None, choices=MODES,
@@ -64,36 +94,75 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--verify", action="store_true", help="check every fused site numerically")
         sub.add_argument("--no-npu-dispatch", dest="npu_dispatch", action="store_false",
                          help="fuse the plain CPU trace instead of the graph an NPU compile holds (emulation only)")
-        sub.add_argument("--dump-dir", default=None, help="write graphs before/after, drawings and the report here")
+        sub.add_argument("--dump-dir", default=None,
+                         help="write report.html, the graphs before/after, drawings and the report here")
         sub.add_argument("--format", default="markdown", choices=("markdown", "json"))
         _add_inference_arguments(sub)
     return parser
 
 
-def load_target(target: str, dtype: torch.dtype, layers: Optional[int]) -> tuple[str, torch.nn.Module, tuple]:
-    """(name, model, example_inputs) for a TARGET string; TargetError if it names nothing."""
+def _looks_like_path(spec: str) -> bool:
+    return os.sep in spec or "/" in spec or spec.endswith(".json") or spec in (".", "..")
+
+
+def load_target(target: str, dtype: Optional[torch.dtype], layers: Optional[int], *, real_dims: bool = False,
+                seq_len: Optional[int] = None) -> tuple[str, torch.nn.Module, tuple, bool]:
+    """(name, model, example_inputs, real_dims) for a TARGET string; TargetError if it
+    names nothing. dtype None: the config's own (hf:DIR, --real-dims), else float32;
+    layers / seq_len None: the target's defaults (2 layers, 16 tokens; tiny_models.build_hf's
+    per-type ones)."""
     kind, sep, rest = target.partition(":")
     if not sep or not rest:
-        raise TargetError(f"TARGET {target!r} is not hf:MODEL_TYPE, torchtitan:NAME or module:factory")
+        raise TargetError(f"TARGET {target!r} is not hf:TYPE, hf:DIR, torchtitan:NAME or module:factory")
+    if real_dims and kind != "hf":
+        raise TargetError("--real-dims applies to hf: targets (transformers configs) only")
     if kind == "hf":
-        from .tiny_models import build_hf
-
-        model_type, _, experts = rest.partition("@")
-        kwargs = {"experts_implementation": experts} if experts else {}
-        tiny = build_hf(model_type, dtype=dtype, num_layers=layers, **kwargs)
-        return tiny.name, tiny.model, tuple(tiny.example_inputs)
+        return _load_hf(rest, dtype, layers, real_dims, seq_len)
     if kind == "torchtitan":
-        from .tiny_models import build_torchtitan
+        from .tiny_models import TORCHTITAN_MODELS, build_torchtitan
 
-        tiny = build_torchtitan(rest, dtype=dtype, num_layers=2 if layers is None else layers)
-        return tiny.name, tiny.model, tuple(tiny.example_inputs)
+        if rest not in TORCHTITAN_MODELS:
+            raise TargetError(f"unknown torchtitan model {rest!r}; supported: {', '.join(TORCHTITAN_MODELS)}")
+
+        tiny = build_torchtitan(rest, dtype=dtype or torch.float32, num_layers=2 if layers is None else layers)
+        return tiny.name, tiny.model, tuple(tiny.example_inputs), False
     factory = _import_factory(kind, rest)
     built = factory()
     if not (isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
         raise TargetError(f"{target} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    return target, model, inputs
+    return target, model, inputs, False
+
+
+def _load_hf(spec: str, dtype: Optional[torch.dtype], layers: Optional[int], real_dims: bool,
+             seq_len: Optional[int]) -> tuple[str, torch.nn.Module, tuple, bool]:
+    from .tiny_models import build_hf, build_hf_from_config, hf_config, hf_model_types, load_hf_config
+
+    kwargs = {}
+    base, at, experts = spec.rpartition("@")
+    if at and not _looks_like_path(experts):
+        if experts not in EXPERTS_IMPLEMENTATIONS:
+            raise TargetError(f"hf:{spec}: unknown experts implementation {experts!r}; "
+                              f"valid: {', '.join(EXPERTS_IMPLEMENTATIONS)}")
+        spec, kwargs = base, {"experts_implementation": experts}
+    if _looks_like_path(spec) or (os.path.isdir(spec) and spec not in hf_model_types()):
+        try:
+            config = load_hf_config(spec, num_layers=2 if layers is None else layers, real_dims=real_dims)
+        except ValueError as exc:  # no config.json there, or not one transformers can read
+            raise TargetError(f"hf:{spec}: {exc}") from None
+        tiny = build_hf_from_config(config, dtype=dtype, real_dims=real_dims, seq_len=seq_len or 16,
+                                    description=f"{config.model_type} from {spec}", **kwargs)
+    else:
+        if spec not in hf_model_types():
+            raise TargetError(f"unknown HF model type {spec!r}; transformers builds these as causal LMs: "
+                              f"{', '.join(hf_model_types())} (or give hf:path/to/model_dir)")
+        if dtype is None and real_dims:  # the type's own default dtype, when it names one
+            dtype = getattr(hf_config(spec, num_layers=2 if layers is None else layers, real_dims=True), "dtype", None)
+            dtype = dtype if dtype in DTYPES.values() else None
+        tiny = build_hf(spec, dtype=dtype or torch.float32, num_layers=layers, real_dims=real_dims,
+                        seq_len=seq_len, **kwargs)
+    return tiny.name, tiny.model, tuple(tiny.example_inputs), tiny.real_dims
 
 
 def _import_factory(module_name: str, attr: str):
@@ -130,38 +199,95 @@ def _max_difference(actual: Any, expected: Any) -> tuple[float, float]:
     return max(diffs, default=0.0), max(scales, default=0.0)
 
 
+def _output_dtype(outputs: Any) -> torch.dtype:
+    """The lowest precision among the floating outputs: the tolerance follows it."""
+    dtypes = [t.dtype for t in torch.utils._pytree.tree_leaves(outputs)  # noqa: SLF001
+              if isinstance(t, torch.Tensor) and t.dtype in OUTPUT_TOLERANCE]
+    return max(dtypes, key=lambda d: OUTPUT_TOLERANCE[d], default=torch.float32)
+
+
+def compare_with_eager(actual: Any, expected: Any) -> dict:
+    """The outputs-vs-eager verdict: max difference, the tolerance and where it comes from.
+
+    tolerance = relative tolerance of the output dtype x the largest |eager output| (at
+    least 1): so it differs between models and dtypes (1e-4 for fp32 logits up to 1,
+    4.1e-4 for fp32 logits up to 4.1).
+    """
+    diff, scale = _max_difference(actual, expected)
+    dtype = _output_dtype(expected)
+    relative = OUTPUT_TOLERANCE[dtype]
+    tolerance = relative * max(1.0, scale)
+    return {"max_abs_diff": diff, "tolerance": tolerance, "ok": diff <= tolerance,
+            "relative_tolerance": relative, "output_scale": scale,
+            "tolerance_rule": (f"{relative:g} ({_TOLERANCE_REASONS[dtype]}) x {max(1.0, scale):.3g} "
+                               f"(the largest |eager output|, at least 1)")}
+
+
 def report(args: argparse.Namespace, target: str) -> int:
     import npu_fx_fusion as nff
 
+    check_environment()  # a bad NPU_FX_FUSION* variable: one line now, not a compile error later
     if args.phase is not None:  # one generation step over a KV cache (report_inference)
         return report_inference(args, target)
     config = _config(args)  # argument errors before the (slow) model build
-    dtype = DTYPES[args.dtype]
-    name, model, inputs = load_target(target, dtype, args.layers)
+    if args.real_dims and args.verify:
+        raise ValueError("--verify runs every fused site on random data at its shapes; --real-dims "
+                         "traces at the configured sizes without computing anything: use one or the other")
+    if (args.layers is not None and args.layers < 1) or (args.seq_len is not None and args.seq_len < 1):
+        raise ValueError("--layers and --seq-len must be at least 1")
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    try:
+        name, model, inputs, real_dims = load_target(target, dtype, args.layers, real_dims=args.real_dims,
+                                                     seq_len=args.seq_len)
+    except TargetError:
+        raise
+    except Exception as exc:  # the target names a model, which then failed to build
+        print(f"npu-fx-fusion: {target} failed to build: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     backend = nff.get_npu_backend(fusion_config=config)
     try:
         with torch.no_grad():
-            expected = model(*inputs)
+            expected = None if real_dims else model(*inputs)
             actual = torch.compile(model, backend=backend)(*inputs)
     except Exception as exc:  # the model or the compile failed: not an argument problem
         print(f"npu-fx-fusion: {name} failed to run: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     fusion_report = nff.last_report()
-    diff, scale = _max_difference(actual, expected)
-    tolerance = OUTPUT_TOLERANCE[dtype] * max(1.0, scale)
-    same = diff <= tolerance
+    verdict = None if real_dims else compare_with_eager(actual, expected)
+    dumped = _dump_listing(args.dump_dir) if args.dump_dir else []
     if args.format == "json":
-        print(json.dumps({"target": name, "report": fusion_report.to_dict(),
-                          "outputs_vs_eager": {"max_abs_diff": diff, "tolerance": tolerance, "ok": same}},
-                         indent=2))
+        doc = {"target": name, "report": fusion_report.to_dict(),
+               "outputs_vs_eager": verdict if verdict else {"ok": None, "why": NO_NUMERICS}}
+        if args.dump_dir:
+            doc["dump"] = {"dir": os.path.abspath(args.dump_dir),
+                           "files": [{"path": path, "what": what} for path, what in dumped]}
+        print(json.dumps(doc, indent=2))
     else:
         print(f"target: {name}")
         print(fusion_report.to_markdown())
-        print(f"outputs vs eager: max abs diff {diff:.3g} (tolerance {tolerance:.3g}): "
-              f"{'OK' if same else 'MISMATCH'}")
+        if verdict is None:
+            print(f"outputs vs eager: not compared: {NO_NUMERICS}")
+        else:
+            print(f"outputs vs eager: max abs diff {verdict['max_abs_diff']:.3g}, tolerance "
+                  f"{verdict['tolerance']:.3g} = {verdict['tolerance_rule']}: "
+                  f"{'OK' if verdict['ok'] else 'MISMATCH'}")
         if fusion_report.errors:
             print(f"pass errors: {fusion_report.errors}")
-    return 0 if same and not fusion_report.errors else 1
+        if args.dump_dir:
+            print(f"\ndump: wrote {len(dumped)} files to {os.path.abspath(args.dump_dir)}:")
+            print("\n".join(f"  {path}: {what}" for path, what in dumped))
+    ok = verdict is None or verdict["ok"]
+    return 0 if ok and not fusion_report.errors else 1
+
+
+NO_NUMERICS = ("--real-dims traced the model at its configured sizes with fake tensors; "
+               "nothing was allocated or computed")
+
+
+def _dump_listing(dump_dir: str) -> list[tuple[str, str]]:
+    from .dumps import describe_dump
+
+    return describe_dump(dump_dir)
 
 
 # ---- inference steps: --phase prefill|decode over a StaticCache ----------------------------
@@ -239,8 +365,11 @@ def report_inference(args: argparse.Namespace, target: str) -> int:
     if kind != "hf" or not rest:
         raise TargetError(f"--phase needs an hf:MODEL_TYPE target (a transformers model with a KV cache), "
                           f"got {target!r}")
+    if args.real_dims:
+        raise ValueError("--phase runs a generation step and compares it with eager; --real-dims computes "
+                         "nothing: use one or the other")
     model_type, _, experts = rest.partition("@")
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype or "float32"]
     tiny = build_hf(model_type, dtype=dtype, num_layers=args.layers,
                     **({"experts_implementation": experts} if experts else {}))
     (prompt,) = tiny.example_inputs
@@ -293,7 +422,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = args.target if args.command == "report" else f"hf:{args.model}"
     try:
         return report(args, target)
-    except ValueError as exc:  # bad pass names, SoC, model type, TARGET: an argument problem
+    except ValueError as exc:  # bad settings, pass names, SoC, model type, TARGET
         print(f"npu-fx-fusion: error: {exc}", file=sys.stderr)
         return 2
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import AbstractSet, Iterable, Optional
+from collections.abc import Iterable
+from typing import AbstractSet, Optional
 
 from .catalog import pass_names
 
@@ -24,6 +25,9 @@ def __getattr__(name: str):
 
 ENV_SWITCH = "NPU_FX_FUSION"  # "0" turns every pass off
 ENV_DISABLE = "NPU_FX_FUSION_DISABLE"  # comma-separated pass names to turn off
+# The values ENV_SWITCH takes (any case, surrounding spaces ignored); unset or empty is on.
+SWITCH_ON = ("1", "true", "on", "yes")
+SWITCH_OFF = ("0", "false", "off", "no")
 
 
 def check_pass_names(names: Iterable[str], where: str) -> frozenset[str]:
@@ -43,11 +47,28 @@ def check_pass_names(names: Iterable[str], where: str) -> frozenset[str]:
 def _env_disabled() -> frozenset[str]:
     raw = os.environ.get(ENV_DISABLE, "")
     names = [part.strip() for part in raw.split(",") if part.strip()]
-    return check_pass_names(names, f"${ENV_DISABLE}")
+    return check_pass_names(names, f"${ENV_DISABLE}={raw!r}")
 
 
 def fusion_switched_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() in {"0", "false", "off", "no"}
+    """$NPU_FX_FUSION is off; ValueError for a value that is neither on nor off (never
+    guessed: `NPU_FX_FUSION=banana` is an error, not "on")."""
+    raw = os.environ.get(ENV_SWITCH, "")
+    value = raw.strip().lower()
+    if value in SWITCH_OFF:
+        return True
+    if value in SWITCH_ON or not value:
+        return False
+    raise ValueError(f"${ENV_SWITCH}={raw!r} is not a switch; valid values: "
+                     f"{', '.join(SWITCH_ON)} (fusion on) or {', '.join(SWITCH_OFF)} (every pass off)")
+
+
+def check_environment() -> None:
+    """Raise ValueError, one line naming the variable, its value and the valid ones, for a
+    bad $NPU_FX_FUSION or $NPU_FX_FUSION_DISABLE. The backends and the CLI call it when
+    they are created, so a typo fails at once rather than inside the first compile."""
+    fusion_switched_off()
+    _env_disabled()
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,10 @@ class FusionConfig:
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
+
+    Bad settings fail at creation, in one line: a field of the wrong type (TypeError), an
+    unknown pass, SoC or mode, a dump_dir that cannot be written (ValueError). The
+    backends and the CLI check the environment when they are made (check_environment).
     """
 
     enable: Optional[AbstractSet[str]] = None
@@ -96,6 +121,7 @@ class FusionConfig:
     keep_intermediate_rounding: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.enable is not None:
             object.__setattr__(self, "enable", check_pass_names(self.enable, "FusionConfig(enable=...)"))
         object.__setattr__(self, "disable", check_pass_names(self.disable, "FusionConfig(disable=...)"))
@@ -109,6 +135,31 @@ class FusionConfig:
             check_mode_name(self.mode)
         if self.dump_dir is not None:
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
+            _check_writable_dir(self.dump_dir)
+
+    def _check_types(self) -> None:
+        """TypeError, one line, for a field of the wrong type (a typo'd keyword is Python's own)."""
+        for name in ("enable", "disable"):
+            value = getattr(self, name)
+            if value is None and name == "enable":
+                continue
+            names = [value] if isinstance(value, str) else value
+            if not isinstance(names, Iterable) or not all(isinstance(n, str) for n in names):
+                raise TypeError(f"FusionConfig({name}=...) takes pass names (str), got {value!r}; "
+                                f"valid names: {', '.join(pass_names())}")
+        for name in ("soc", "mode"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"FusionConfig({name}=...) takes a str or None, got {value!r} "
+                                f"({type(value).__name__})")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
+            raise TypeError(f"FusionConfig(dump_dir=...) takes a path (str or os.PathLike) or None, got "
+                            f"{self.dump_dir!r} ({type(self.dump_dir).__name__})")
+        for name in ("strict", "verify", "npu_dispatch", "keep_intermediate_rounding"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"FusionConfig({name}=...) takes True or False, got {value!r} "
+                                f"({type(value).__name__})")
 
     def enabled_passes(self) -> tuple[str, ...]:
         """The passes to run now, in pipeline order, after the environment overrides."""
@@ -117,3 +168,20 @@ class FusionConfig:
         wanted = set(pass_names()) if self.enable is None else set(self.enable)
         wanted -= set(self.disable) | _env_disabled()
         return tuple(name for name in pass_names() if name in wanted)
+
+
+def _check_writable_dir(path: str) -> None:
+    """ValueError unless `path` is a directory this process can write, or can be created
+    as one: checked when the config is made, without creating anything yet."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        raise ValueError(f"FusionConfig(dump_dir={path!r}): {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the directory" if existing == os.path.abspath(path) else f"{existing}, where it would be created,"
+        raise ValueError(f"FusionConfig(dump_dir={path!r}): {what} is not writable")
+

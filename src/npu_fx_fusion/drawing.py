@@ -74,12 +74,14 @@ def drawing_unavailable() -> Optional[str]:
 
 
 def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], title: str,
-              timeout: float = DOT_TIMEOUT) -> Optional[str]:
+              timeout: float = DOT_TIMEOUT, colours: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """SVG text of `gm`'s graph; the nodes of `highlight` filled with a colour per label.
 
     `highlight` maps nodes to a short label (a pass or fused-op name); a legend above the
-    graph lists the labels with their colours. Returns None, and logs, when pydot or
-    Graphviz's `dot` is missing (once per process) or `dot` takes over `timeout` seconds.
+    graph lists the labels with their colours: `colours` ({label: "#rrggbb"}, so that two
+    drawings colour alike), else PALETTE in order of first appearance. Returns None, and
+    logs, when pydot or Graphviz's `dot` is missing (once per process) or `dot` takes over
+    `timeout` seconds.
     """
     global _missing_logged
     missing = drawing_unavailable()
@@ -90,10 +92,11 @@ def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], 
         return None
     import pydot
 
-    colours: dict[str, str] = {}
+    given, colours = colours or {}, {}
     for node in gm.graph.nodes:  # colours in graph order, so the same graph draws the same
         if node in highlight and highlight[node] not in colours:
-            colours[highlight[node]] = PALETTE[len(colours) % len(PALETTE)]
+            label = highlight[node]
+            colours[label] = given.get(label) or PALETTE[len(colours) % len(PALETTE)]
     # A graph returning many values (the saved activations of a training forward, the
     # gradients of a backward) gets no edges into its output: dot routes each through
     # every rank in between, and lays 700 nodes out in minutes instead of seconds. Its
@@ -144,13 +147,17 @@ def _quoted(*lines: str) -> str:
     return '"' + "\\n".join(escaped) + '"'
 
 
+LEGEND_COLUMNS = 4  # legend cells per row: a drawing of a small graph stays narrow
+
+
 def _graph_label(title: str, colours: Mapping[str, str]) -> str:
-    """An HTML-like DOT label: the title, then one coloured cell per highlight label."""
-    rows = f'<tr><td colspan="{max(len(colours), 1)}"><b>{html.escape(title, quote=False)}</b></td></tr>'
-    if colours:
-        cells = "".join(f'<td bgcolor="{colour}">{html.escape(label, quote=False)}</td>'
-                        for label, colour in colours.items())
-        rows += f"<tr>{cells}</tr>"
+    """An HTML-like DOT label: the title, then one coloured cell per highlight label, in
+    rows of LEGEND_COLUMNS."""
+    columns = max(min(len(colours), LEGEND_COLUMNS), 1)
+    rows = f'<tr><td colspan="{columns}"><b>{html.escape(title, quote=False)}</b></td></tr>'
+    cells = [f'<td bgcolor="{colour}">{html.escape(label, quote=False)}</td>' for label, colour in colours.items()]
+    for start in range(0, len(cells), columns):
+        rows += f"<tr>{''.join(cells[start:start + columns])}</tr>"
     return f'<<table border="0" cellborder="1" cellspacing="2">{rows}</table>>'
 
 

@@ -27,9 +27,11 @@ from .accept import apply_pass, may_change
 from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import detect_soc
 from .catalog import load_pass
-from .cleanup import merge_repeated_conversions, views_to_reshapes_downstream, views_to_reshapes_where_needed
+from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, views_to_reshapes_downstream,
+                      views_to_reshapes_where_needed)
 from .config import FusionConfig
-from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, op_counts
+from .dumps import Dumper
+from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -75,44 +77,6 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
-class _Dumper:
-    """Writes graph_NNN_<name>/{before.py, after.py, after.svg} and the report under dump_dir."""
-
-    def __init__(self, dump_dir: Optional[str]):
-        self.dump_dir = dump_dir
-
-    def folder(self, index: int, name: str) -> Optional[str]:
-        if not self.dump_dir:
-            return None
-        path = os.path.join(self.dump_dir, f"graph_{index:03d}_{re.sub(r'[^A-Za-z0-9_]+', '_', name)}")
-        os.makedirs(path, exist_ok=True)
-        return path
-
-    @staticmethod
-    def write(folder: Optional[str], filename: str, text: str) -> None:
-        if folder:
-            with open(os.path.join(folder, filename), "w", encoding="utf-8") as f:
-                f.write(text)
-
-    def draw(self, folder: Optional[str], gm: torch.fx.GraphModule, title: str, original_nodes: set) -> None:
-        """after.svg: the graph with the fused ops the passes added highlighted (needs pydot
-        and Graphviz).
-
-        A drawing is a convenience: one that fails is logged, never an error of the compile.
-        """
-        if not folder:
-            return
-        from .drawing import fused_nodes, graph_svg
-
-        try:
-            svg = graph_svg(gm, fused_nodes(gm, original_nodes), title)
-        except Exception as exc:  # noqa: BLE001 - Graphviz failing must not fail a compile
-            log.warning("could not draw %s: %s: %s", title, type(exc).__name__, exc)
-            return
-        if svg is not None:
-            self.write(folder, "after.svg", svg)
-
-
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
                mode: Optional[str] = None) -> GraphReport:
@@ -141,33 +105,38 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
             graph_report.passes.append(result)
         views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
         merge_repeated_conversions(gm.graph, original_nodes)
+        drop_lossless_round_trips(gm.graph, original_nodes)
+        graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
         gm.graph.lint()
     except Exception as exc:
         # each pass reverts what fails in it; this is what fails after them
         if config.strict or snapshot is None:
             raise
         original_nodes = set(snapshot.restore(gm).values())
+        graph_report.conversions_added.clear()  # the graph is back as it was: none added
         _unfuse_report(graph_report, exc, config, "cleanup after the passes")
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
-    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes)
+    dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
+    dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
 
 
 def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, "_Dumper", Optional[str]]:
+                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str]]:
     """The graph's report as it is before fusion, and its dump folder with before.py."""
     graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
                                ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
-    dumper = _Dumper(config.dump_dir)
+    dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     if folder:
         dumper.write(folder, "before.py", _graph_code(gm))
+        dumper.keep_before(gm)
     return graph_report, dumper, folder
 
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                  graph_report: GraphReport, start: float, dumper: "_Dumper", folder: Optional[str]) -> None:
+                  graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str]) -> None:
     """Lint, then complete the graph's report, add it to `report`, trace and dump it."""
     gm.graph.lint()
     gm.recompile()
@@ -185,9 +154,7 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
     )
     if folder:
         dumper.write(folder, "after.py", _graph_code(gm))
-    if config.dump_dir:
-        dumper.write(config.dump_dir, "report.md", report.to_markdown())
-        dumper.write(config.dump_dir, "report.json", report.to_json())
+    dumper.write_reports(report)
 
 
 def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
@@ -281,10 +248,6 @@ def _log_failure(what: str, exc: Exception, config: FusionConfig) -> str:
         return f"full text in {path}"
     log.debug("%s failed:\n%s", what, text)
     return "full text in the debug log: logging.getLogger('npu_fx_fusion').setLevel(logging.DEBUG)"
-
-
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder)
-    return graph_report
 
 
 class _Snapshot:

@@ -7,11 +7,12 @@ and backward). All of it renders as markdown or JSON.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple, Optional
+from typing import AbstractSet, Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.fx
@@ -85,6 +86,38 @@ def location_of(nodes) -> SourceLocation:
     return best
 
 
+def _is_fused_op(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace in FUSED_OP_NAMESPACES  # noqa: SLF001
+
+
+def _made_by_fusion(node: torch.fx.Node) -> bool:
+    """A fused-op call or one of its outputs: its source line is the earlier site's."""
+    if node.target is operator.getitem and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return _is_fused_op(node)
+
+
+def site_location(nodes: Sequence[torch.fx.Node], outputs: Sequence[Optional[torch.fx.Node]] = (),
+                  is_anchor: Optional[Callable[[torch.fx.Node], bool]] = None) -> SourceLocation:
+    """Where a fused site is in the model's code: the line of the code it replaces.
+
+    Among the matched `nodes` that the model computed (not an earlier fusion's op, whose
+    line is that site's): the node the fused op's first output replaces (`outputs`, the
+    match's output nodes: rope's `q_embed = q * cos + rotate_half(q) * sin`, the expert
+    GEMM call), else the pass's anchor (where its near misses are reported), else the
+    first with a source line.
+    """
+    own = [n for n in nodes if not _made_by_fusion(n)]
+    replaced_outputs = [n for n in outputs if n is not None and n in own]
+    anchors = [n for n in own if is_anchor is not None and is_anchor(n)]
+    for candidates in (replaced_outputs, anchors, own):
+        location = location_of(candidates)
+        if location.file:
+            return location
+    return location_of(nodes)
+
+
 @dataclass(frozen=True)
 class FusedSite:
     pass_name: str
@@ -93,6 +126,19 @@ class FusedSite:
     location: SourceLocation
     note: str = ""  # e.g. why only part of the candidate subgraph was fused
     verified: str = ""  # FusionConfig(verify=True): the measured error, or why not checked
+    replaced: tuple[str, ...] = ()  # the FX names of the nodes the fusion replaced
+    consumed: tuple[str, ...] = ()  # fused ops of earlier sites among them ("npu.npu_rms_norm")
+
+    @staticmethod
+    def of_match(pass_name: str, form: str, fused_op: str, nodes: Sequence[torch.fx.Node],
+                 outputs: Sequence[Optional[torch.fx.Node]] = (),
+                 is_anchor: Optional[Callable[[torch.fx.Node], bool]] = None,
+                 note: str = "", verified: str = "") -> "FusedSite":
+        """The site of a match: its location (site_location), the nodes it replaces and the
+        earlier fused ops it folds in (add_rms_norm consumes rms_norm's npu_rms_norm)."""
+        consumed = tuple(_target_name(n.target).rsplit(".", 1)[0] for n in nodes if _is_fused_op(n))
+        return FusedSite(pass_name, form, fused_op, site_location(nodes, outputs, is_anchor), note, verified,
+                         tuple(n.name for n in nodes), consumed)
 
 
 class NearMiss(NamedTuple):
@@ -116,7 +162,8 @@ class PassResult:
         return {
             "pass": self.pass_name,
             "fused": len(self.sites),
-            "sites": [dict(asdict(s), location=str(s.location)) for s in self.sites],
+            "sites": [dict(asdict(s), location=str(s.location), replaced=list(s.replaced), consumed=list(s.consumed))
+                      for s in self.sites],
             "near_misses": [{"reason": m.reason, "location": str(m.location)} for m in self.near_misses],
             "error": self.error,
             "skipped": self.skipped,
@@ -213,6 +260,8 @@ class GraphReport:
     seconds: float = 0.0  # the whole pipeline on this graph, setup included
     cost_before: GraphCost = field(default_factory=GraphCost)
     cost_after: GraphCost = field(default_factory=GraphCost)
+    # dtype conversions the fusions added, by what they convert for (added_conversions)
+    conversions_added: Counter = field(default_factory=Counter)
 
     def to_dict(self) -> dict:
         return {
@@ -222,6 +271,7 @@ class GraphReport:
             "nodes_after": self.nodes_after,
             "ops_before": dict(self.ops_before),
             "ops_after": dict(self.ops_after),
+            "conversions_added": dict(self.conversions_added),
             "seconds": round(self.seconds, 6),
             "estimated_cost": {"before": asdict(self.cost_before), "after": asdict(self.cost_after)},
             "passes": [r.to_dict() for r in self.passes],
@@ -240,6 +290,88 @@ class GraphReport:
         before (torch_npu's own calls in an NPU graph, such as npu_fusion_attention_v3 for
         SDPA; in a graph split from a fused joint graph, the joint graph's fusions)."""
         return fused_op_counts(self.ops_after) - fused_op_counts(self.ops_before)
+
+    def folded(self) -> dict[str, Counter]:
+        """{pass: {later pass: n}}: sites whose fused op a later pass's site folded into its own.
+
+        add_rms_norm replaces an add and the npu_rms_norm that rms_norm made of the norm
+        after it: that rms_norm site is then counted in both passes, and the final graph
+        holds the npu_add_rms_norm only. A consumed op is credited to the latest earlier
+        pass that emitted it (an op the model called itself is nobody's). Only ops that
+        are gone from the final graph count: a later site that takes an op in and emits
+        it again (moe_dispatch's block around npu_swiglu) folds nothing away."""
+        emitted: list[tuple[str, Counter]] = []  # per pass run, its fused ops not yet consumed
+        credits: list[tuple[str, str, str]] = []  # (producer, consumer, op), in pipeline order
+        for result in self.passes:
+            for site in result.sites:
+                for op in site.consumed:
+                    producer = next(((name, ops) for name, ops in reversed(emitted) if ops[op] > 0), None)
+                    if producer is not None:
+                        producer[1][op] -= 1
+                        credits.append((producer[0], result.pass_name, op))
+            emitted.append((result.pass_name, Counter(site.fused_op for site in result.sites)))
+        made = Counter(site.fused_op for result in self.passes for site in result.sites)
+        gone = {op: made[op] - self.fused_ops[op] for op in made}  # fused_ops: the final graph's
+        folded: dict[str, Counter] = {}
+        for producer, consumer, op in credits:
+            if gone.get(op, 0) > 0:
+                gone[op] -= 1
+                folded.setdefault(producer, Counter())[consumer] += 1
+        return folded
+
+
+# Conversion ops: what added_conversions counts.
+_CONVERSION_OPS = ("aten._to_copy", "npu._npu_dtype_cast")
+_SHORT_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                 torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8",
+                 torch.uint8: "uint8", torch.bool: "bool"}
+
+
+def _is_conversion(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
+            and _target_name(node.target).rsplit(".", 1)[0] in _CONVERSION_OPS)
+
+
+def _dtype_of(node: Any) -> str:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return _SHORT_DTYPES.get(value.dtype, str(value.dtype)) if isinstance(value, torch.Tensor) else "?"
+
+
+def _argument_name(user: torch.fx.Node, node: torch.fx.Node) -> str:
+    """The schema name of the argument of `user` that `node` is passed as ("group_list")."""
+    if not isinstance(user.target, torch._ops.OpOverload):  # noqa: SLF001
+        return ""
+    schema = user.target._schema.arguments  # noqa: SLF001
+    given = list(zip((a.name for a in schema), user.args)) + list(user.kwargs.items())
+    for name, value in given:
+        if value is node or (isinstance(value, (list, tuple)) and node in value):
+            return name
+    return ""
+
+
+def added_conversions(graph: torch.fx.Graph, original_nodes: AbstractSet[torch.fx.Node]) -> Counter:
+    """The dtype conversions fusion added to `graph` (nodes not in `original_nodes`), as
+    chains of conversions with their readers, each with how often it occurs:
+    {"aten._to_copy: int64 -> int32 -> int64 for npu.npu_grouped_matmul(group_list)": 2}.
+
+    A fused op takes its integer arguments in the dtype torch_npu declares (int32 expert
+    ids, int64 group lists) and the replacement converts what the model computed: the
+    report says so rather than leave `aten._to_copy` growing unexplained."""
+    added = {n for n in graph.nodes if n not in original_nodes and _is_conversion(n) and n.args}
+    found: Counter = Counter()
+    for node in graph.nodes:
+        if node not in added or (node.users and all(u in added for u in node.users)):
+            continue  # a link inside a chain: described with the chain's last conversion
+        chain = [node]
+        while chain[0].args[0] in added and len(chain[0].args[0].users) == 1:
+            chain.insert(0, chain[0].args[0])
+        readers = sorted({_target_name(u.target).rsplit(".", 1)[0]
+                          + (f"({arg})" if (arg := _argument_name(u, node)) else "")
+                          for u in node.users}) or ["nothing (dead)"]
+        dtypes = " -> ".join([_dtype_of(chain[0].args[0])] + [_dtype_of(n) for n in chain])
+        op = _target_name(node.target).rsplit(".", 1)[0]
+        found[f"{op}: {dtypes} for {', '.join(readers)}"] += 1
+    return found
 
 
 class FusionReport:
@@ -280,6 +412,15 @@ class FusionReport:
         return dict(total)
 
     @property
+    def folded(self) -> dict[str, dict[str, int]]:
+        """{pass: {later pass: n}} over all graphs (GraphReport.folded)."""
+        total: dict[str, Counter] = {}
+        for g in self.graphs:
+            for name, into in g.folded().items():
+                total.setdefault(name, Counter()).update(into)
+        return {name: dict(into) for name, into in total.items()}
+
+    @property
     def sites(self) -> list[FusedSite]:
         return [site for result in self._results() for site in result.sites]
 
@@ -292,7 +433,8 @@ class FusionReport:
         return [(r.pass_name, r.error) for r in self._results() if r.error]
 
     def to_dict(self) -> dict:
-        return {"graph_source": self.graph_source, "counts": self.counts, "fused_ops": self.fused_ops,
+        return {"graph_source": self.graph_source, "counts": self.counts, "folded": self.folded,
+                "fused_ops": self.fused_ops,
                 "graphs": [g.to_dict() for g in self.graphs]}
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -304,8 +446,7 @@ class FusionReport:
             lines += [f"Graphs fused: {self.graph_source}.", ""]
         if not self.graphs:
             return "\n".join(lines + ["No graph was compiled."]) + "\n"
-        lines += ["| pass | fused sites |", "|---|---|"]
-        lines += [f"| {name} | {n} |" for name, n in self.counts.items()]
+        lines += pass_table(self.counts, self.folded)
         lines += ["", "Fused ops in the final graphs: "
                   + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
         for index, g in enumerate(self.graphs):
@@ -323,17 +464,70 @@ class FusionReport:
                 lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
             if skipped:
                 lines.append(f"- not run: {', '.join(r.pass_name for r in skipped)} ({skipped[0].skipped})")
-            changed = sorted(set(g.ops_before) | set(g.ops_after),
-                             key=lambda op: g.ops_after[op] - g.ops_before[op])
-            changed = [op for op in changed if g.ops_before[op] != g.ops_after[op]]
-            if changed:
-                lines += ["", "| op | before | after |", "|---|---|---|"]
-                lines += [f"| {op} | {g.ops_before[op]} | {g.ops_after[op]} |" for op in changed]
+            lines += op_table(g)
             lines.append("")
         return "\n".join(lines)
 
 
+def pass_table(counts: dict[str, int], folded: dict[str, dict[str, int]]) -> list[str]:
+    """The headline table: fused sites per pass, and how many a later pass folded in."""
+    lines = ["| pass | fused sites | note |", "|---|---|---|"]
+    for name, n in counts.items():
+        note = ", ".join(f"{k} folded into {into}" for into, k in folded.get(name, {}).items())
+        lines.append(f"| {name} | {n} | {note} |")
+    return lines
+
+
+# Ops whose count changes by our own bookkeeping, not by a fusion: shown below the op
+# table. Views downstream of a fused op become reshapes (fused ops return contiguous
+# tensors; torchair's view_to_reshape does the same to every view before lowering), and
+# getitems are the outputs of multi-output ops.
+_VIEW_OPS = ("aten.view.default", "aten.reshape.default")
+_BOOKKEEPING_OPS = (*_VIEW_OPS, "getitem")
+
+
+def _conversions_note(op: str, g: "GraphReport") -> str:
+    """Why a conversion op's count changed: the ones fusion removed with the code around
+    them, and the chains it added (GraphReport.conversions_added)."""
+    chains = {what.split(": ", 1)[1]: n for what, n in g.conversions_added.items()
+              if what.startswith(op.rsplit(".", 1)[0] + ": ")}
+    if not chains:
+        return ""
+    added = sum(n * what.split(" for ")[0].count(" -> ") for what, n in chains.items())
+    removed = g.ops_before[op] + added - g.ops_after[op]
+    return (f"fusion removed {removed} (inside fused code) and added {added}: "
+            + "; ".join(f"{what} (x{n})" for what, n in chains.items()))
+
+
+def op_table(g: "GraphReport") -> list[str]:
+    """The ops a fusion changed, before and after; conversions it added explained."""
+    changed = sorted(set(g.ops_before) | set(g.ops_after), key=lambda op: g.ops_after[op] - g.ops_before[op])
+    changed = [op for op in changed if g.ops_before[op] != g.ops_after[op]]
+    shown = [op for op in changed if op not in _BOOKKEEPING_OPS]
+    if not changed:
+        return []
+    lines = []
+    if shown:
+        lines += ["", "| op | before | after | note |", "|---|---|---|---|"]
+        for op in shown:
+            why = _conversions_note(op, g)
+            lines.append(f"| {op} | {g.ops_before[op]} | {g.ops_after[op]} | {why} |")
+    views = [op for op in changed if op in _VIEW_OPS]
+    if views:
+        lines += ["", "Views after fused ops became reshapes (fused ops return contiguous tensors; "
+                  "torchair's view_to_reshape does this to every view): "
+                  + ", ".join(f"{op} {g.ops_before[op]} -> {g.ops_after[op]}" for op in views) + "."]
+    if "getitem" in changed:
+        lines += [f"getitem {g.ops_before['getitem']} -> {g.ops_after['getitem']}: "
+                  "the outputs of multi-output ops (fused ops return several tensors)."]
+    return lines
+
+
 def _megabytes(n: int) -> str:
+    """Bytes in MB, or GB / TB from 10 GB on (a --real-dims trace of a large model)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9)):
+        if n >= 10 * size:
+            return f"{n / size:.3g} {unit}"
     return f"{n / 1e6:.3g} MB"
 
 
