@@ -45,6 +45,21 @@ def evaluate_constant(node: Any, max_nodes: int = 400) -> Optional[torch.Tensor]
         if len(needed) > max_nodes:
             return None
         pending.extend(current.all_input_nodes)
+    # A graph's mask is one node that every attention layer reads (cleanup merges the
+    # copies): evaluate it once while its subgraph stays the same
+    subgraph = tuple((n, n.target, n.args, tuple(n.kwargs.items())) for n in needed)
+    cached = node.meta.get(_CACHE_KEY)
+    if cached is not None and cached[0] == subgraph:
+        return cached[1]
+    value = _evaluate(node, needed)
+    node.meta[_CACHE_KEY] = (subgraph, value)
+    return value
+
+
+_CACHE_KEY = "npu_fx_fusion_constant"
+
+
+def _evaluate(node: Node, needed: dict) -> Optional[torch.Tensor]:
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     graph = torch.fx.Graph()
     env: dict[Node, Node] = {}
