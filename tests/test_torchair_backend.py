@@ -691,7 +691,12 @@ def test_capability_table_matches_torchairs_live_converter_registry():
     assert r["aten_add_has_converter"], r  # the lookup itself works
     # every op any pass emits has a stand-in, so every table entry is checked here
     assert set(r["has_converter"]) == set(CAPABILITIES), r
-    assert r["has_converter"] == {op: cap.ge_converter for op, cap in CAPABILITIES.items()}, r
+    # an extension package's own converters (cann_ops_transformer's, named by file in the
+    # row's ge_converter_source) register when that package is imported, not in torchair
+    from_torchair = {op: cap.ge_converter and "ge_converter_source" not in cap.limits
+                     for op, cap in CAPABILITIES.items()}
+    assert r["has_converter"] == from_torchair, r
+    assert any(cap.ge_converter and "ge_converter_source" in cap.limits for cap in CAPABILITIES.values())
 
 
 def test_rope_and_swiglu_lower_to_ge_under_max_autotune(tmp_path):
