@@ -110,11 +110,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         gm.graph.lint()
     except Exception as exc:
         # each pass reverts what fails in it; this is what fails after them
-        if config.strict or snapshot is None:
-            raise
-        original_nodes = set(snapshot.restore(gm).values())
+        original_nodes = set(_revert(gm, snapshot, exc, config, graph_report, "cleanup after the passes").values())
         graph_report.conversions_added.clear()  # the graph is back as it was: none added
-        _unfuse_report(graph_report, exc, config, "cleanup after the passes")
 
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
     dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
@@ -137,8 +134,8 @@ def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionR
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
                   graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str]) -> None:
-    """Lint, then complete the graph's report, add it to `report`, trace and dump it."""
-    gm.graph.lint()
+    """Complete the graph's report (the graph is linted where it changed), add it to
+    `report`, trace and dump it."""
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
@@ -188,14 +185,12 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
         if new_nodes:
             views_to_reshapes_where_needed(gm, new_nodes)
+            gm.graph.lint()
             _check_partitions(gm)
     except Exception as exc:
         # the passes each revert what fails in them; this is what fails between or after
         # them (the fused graph not partitioning): the joint graph goes back unfused
-        if config.strict or snapshot is None:
-            raise
-        snapshot.restore(gm)
-        _unfuse_report(graph_report, exc, config, "joint graph")
+        _revert(gm, snapshot, exc, config, graph_report, "joint graph")
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
     return graph_report
 
@@ -211,6 +206,17 @@ def _check_partitions(gm: torch.fx.GraphModule) -> None:
     outputs = len(pytree.tree_leaves(output.args))
     primals = sum(1 for n in gm.graph.find_nodes(op="placeholder") if str(n.target).startswith("primals"))
     default_partition(copy.deepcopy(gm), None, num_fwd_outputs=outputs - primals)
+
+
+def _revert(gm: torch.fx.GraphModule, snapshot: Optional["_Snapshot"], exc: Exception, config: FusionConfig,
+            graph_report: GraphReport, what: str) -> dict[Node, Node]:
+    """Put `gm` back as `snapshot` holds it after `exc` failed `what` (re-raise it with
+    strict, or with no snapshot); its report says so. Returns {snapshot node: rebuilt node}."""
+    if config.strict or snapshot is None:
+        raise exc
+    rebuilt = snapshot.restore(gm)
+    _unfuse_report(graph_report, exc, config, what)
+    return rebuilt
 
 
 def _unfuse_report(graph_report: GraphReport, exc: Exception, config: FusionConfig, what: str) -> None:
