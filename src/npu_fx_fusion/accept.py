@@ -140,16 +140,12 @@ def backward_after_forward(graph: torch.fx.Graph) -> int:
     for the backward, and every user of it moves too (so no forward node loses an input).
     """
     nodes = list(graph.nodes)
-    from_tangents: set = set()
-    for node in nodes:
-        if (node.op == "placeholder" and str(node.target).startswith("tangents")) or \
-                any(arg in from_tangents for arg in node.all_input_nodes):
-            from_tangents.add(node)
+    memo: dict = {}
     movable: set = set()
     for node in reversed(nodes):
         if node.op in ("placeholder", "output"):
             continue
-        if (node in from_tangents or is_backward(node)) and all(
+        if (_reads_tangents(node, memo) or is_backward(node)) and all(
                 user.op == "output" or user in movable for user in node.users):
             movable.add(node)
     body = [n for n in nodes if n.op not in ("placeholder", "output")]
