@@ -236,6 +236,53 @@ def scenario_training(dump_dir: str):
             "grad_ulps_at_scale": {name: _ulps_at_scale(a, e) for name, (a, e) in grads.items()}}
 
 
+def scenario_training_partition_fails(dump_dir: str, torchair_names_its_partitioner: bool):
+    """Two norms returned by one graph, with the fused backward ops left among the forward
+    nodes (accept.backward_after_forward disabled): torchair's partitioner fails on the
+    fused joint graph, which must be reverted and partitioned unfused."""
+    import torchair.npu_fx_compiler
+    from torch._functorch.partitioners import default_partition
+
+    import npu_fx_fusion as nff
+    from npu_fx_fusion import accept
+
+    from npu_fx_fusion import pipeline
+
+    accept.backward_after_forward = lambda graph: 0
+    copies = []  # partitions tried on a copy (FusedJoint.check): none when torchair's is wrapped
+    check = pipeline.FusedJoint.check
+    pipeline.FusedJoint.check = lambda self: (copies.append(self), check(self))
+    config, graphs = _max_autotune_config(dump_dir)
+    backend = nff.get_npu_backend(compiler_config=config, fusion_config=nff.FusionConfig(enable={"rms_norm"}))
+    if not torchair_names_its_partitioner:  # as a torchair without npu_fx_compiler.default_partition
+        backend._partitioner = None
+
+    def two_norms(x, y, w):
+        def norm(h):
+            return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return norm(x), norm(y)
+
+    inputs = [torch.randn(2, 8, HIDDEN), torch.randn(2, 8, HIDDEN), torch.randn(HIDDEN)]
+    fused = [t.clone().requires_grad_() for t in inputs]
+    eager = [t.clone().requires_grad_() for t in inputs]
+    outs = torch.compile(two_norms, backend=backend, fullgraph=True)(*fused)
+    outs_ref = two_norms(*eager)
+    for o in (outs, outs_ref):
+        (o[0].sum() + o[1].square().sum()).backward()
+    report = nff.last_report()
+    joint = next(g for g in report.graphs if g.name == "joint")
+    return {"errors": [r.error for r in joint.passes if r.error],
+            "reverted": [m.reason for r in joint.passes for m in r.near_misses
+                         if m.reason.startswith("fused, then reverted")],
+            "joint_sites": sum(len(r.sites) for r in joint.passes),
+            "joint_ops_after": {str(k): v for k, v in joint.ops_after.items() if "npu" in str(k)},
+            "lowered": graphs,
+            "max_diff": max(_max_diff(a, e) for a, e in [*zip(outs, outs_ref),
+                                                        *((a.grad, e.grad) for a, e in zip(fused, eager))]),
+            "partitioner_restored": torchair.npu_fx_compiler.default_partition is default_partition,
+            "partitioned_on_a_copy": len(copies)}
+
+
 def _ulps_at_scale(actual, expected) -> float:
     scale = expected.abs().max().float()
     spacing = (torch.nextafter(scale, torch.tensor(float("inf"))) - scale).item()
@@ -645,6 +692,24 @@ def test_training_fuses_the_joint_graph_through_max_autotune(tmp_path):
     # closed-form backward vs autograd's op-by-op derivative, in fp32: rounding only, at
     # the scale of each gradient (tests/test_training.py explains the measure)
     assert max(r["grad_ulps_at_scale"].values()) <= 8, r  # measured: <= 2
+
+
+@pytest.mark.parametrize("torchair_names_its_partitioner", [True, False])
+def test_a_fused_joint_graph_torchair_cannot_partition_is_reverted(tmp_path, torchair_names_its_partitioner):
+    """The partition is tried on the fused graph itself, through torchair's own
+    default_partition (wrapped while torchair compiles; on a copy first where torchair
+    has no module-level default_partition to wrap): the compile succeeds unfused
+    there, the report says why, and the step computes what eager does."""
+    r = run_scenario(scenario_training_partition_fails, dump_dir=str(tmp_path / "ge_dump"),
+                     torchair_names_its_partitioner=torchair_names_its_partitioner)
+    assert len(r["errors"]) == 1 and "was invalid, but is output" in r["errors"][0], r
+    assert len(r["reverted"]) == 2 and r["joint_sites"] == 0, r
+    assert r["joint_ops_after"] == {}, r  # the joint graph torchair partitioned is unfused
+    assert len(r["lowered"]) == 2, r  # torchair compiled the forward and the backward graph
+    assert r["max_diff"] < 1e-5, r
+    assert r["partitioner_restored"], r
+    # partitioned through torchair's own call when it can be wrapped, else tried on a copy first
+    assert r["partitioned_on_a_copy"] == (0 if torchair_names_its_partitioner else 1), r
 
 
 def test_install_chains_with_users_pre_pass():

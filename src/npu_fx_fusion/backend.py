@@ -18,13 +18,16 @@ import contextlib
 import functools
 import itertools
 import logging
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from .config import FusionConfig, check_environment
 from .lifted_floats import specialize_module_floats
 from .report import FusionReport
+
+if TYPE_CHECKING:
+    from .pipeline import FusedJoint
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -74,14 +77,15 @@ class FusionPipeline:
         _set_last_report(self.report)
         run_passes(gm, self.fusion_config, self.report, graph_name=name, mode=mode)
 
-    def run_joint(self, gm: torch.fx.GraphModule, config: Any = None) -> None:
+    def run_joint(self, gm: torch.fx.GraphModule, config: Any = None) -> "FusedJoint":
         """The joint-graph passes on a training graph, before it is partitioned
-        (pipeline.run_joint_passes); `config`: the torchair config, for its mode."""
+        (pipeline.run_joint_passes); `config`: the torchair config, for its mode. Partition
+        it with the FusedJoint returned, which reverts a fused graph that does not split."""
         from .pipeline import run_joint_passes
 
         _set_last_report(self.report)
-        run_joint_passes(gm, self.fusion_config, self.report, graph_name="joint",
-                         mode=self.fusion_config.mode or _torchair_mode(config))
+        return run_joint_passes(gm, self.fusion_config, self.report, graph_name="joint",
+                                mode=self.fusion_config.mode or _torchair_mode(config))
 
 
 def _graph_kind(config: Any) -> Optional[str]:
@@ -235,8 +239,8 @@ class EmulationBackend:
         from .npu_dispatch import suspended
 
         with suspended():  # the passes trace their patterns both ways themselves
-            self.pipeline.run_joint(joint_gm)
-            return default_partition(joint_gm, joint_inputs, **kwargs)
+            fused = self.pipeline.run_joint(joint_gm)
+            return fused.partition(default_partition, joint_inputs, **kwargs)
 
     def _compile(self, phase: str, gm: torch.fx.GraphModule, example_inputs: Any):
         from torch._functorch.aot_autograd import make_boxed_func
@@ -291,6 +295,12 @@ class TorchairTrainingBackend:
     compiles a graph (aot_autograd traces and partitions then; only the backward's
     *compilation* is deferred). A joint_custom_pass the user had set keeps running, first.
     Inference graphs are not joint graphs: they get the post_grad_custom_pre_pass alone.
+
+    A fused joint graph the partitioner cannot split is reverted and split unfused
+    (pipeline.FusedJoint): torchair partitions with its module's `default_partition`
+    (npu_fx_compiler.py: imported at line 26, returned by _get_partition_fn, called by its
+    npu_fx_pass partition_fn), which is wrapped for as long as torchair compiles. A torchair
+    without that name gets the fused graph partitioned on a copy by the joint pass instead.
     """
 
     def __init__(self, torchair_backend: Callable, pipeline: FusionPipeline, compiler_config: Any):
@@ -299,6 +309,8 @@ class TorchairTrainingBackend:
         self.compiler_config = compiler_config
         self._running = False
         self._floats: dict[str, float] = {}  # lifted_floats: module floats specialised so far
+        self._fused: Optional["FusedJoint"] = None  # the joint pass's graph, until it is partitioned
+        self._partitioner = _torchair_partitioner_module()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any):
         import torch._functorch.config as functorch_config
@@ -308,8 +320,25 @@ class TorchairTrainingBackend:
         chained = functorch_config.joint_custom_pass
         if isinstance(chained, TorchairTrainingBackend._JointPass):
             chained = chained.chained  # a nested compile: do not stack our pass twice
-        with functorch_config.patch(joint_custom_pass=self._JointPass(self, chained)):
+        with functorch_config.patch(joint_custom_pass=self._JointPass(self, chained)), self._partitioning():
             return self.torchair_backend(gm, example_inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def _partitioning(self):
+        """torchair's default_partition wrapped: the graph our joint pass fused is split
+        through its FusedJoint, any other (a nested compile's, a higher-order op's
+        subgraph) as torchair would."""
+        module = self._partitioner
+        if module is None or isinstance(module.default_partition, _FusedJointPartition):
+            yield
+            return
+        original = module.default_partition
+        module.default_partition = _FusedJointPartition(self, original)
+        try:
+            yield
+        finally:
+            module.default_partition = original
+            self._fused = None
 
     class _JointPass:
         """joint_custom_pass(joint_gm, joint_inputs) -> joint_gm."""
@@ -325,7 +354,38 @@ class TorchairTrainingBackend:
                 return gm
             backend._running = True  # noqa: SLF001
             try:
-                backend.pipeline.run_joint(gm, backend.compiler_config)
+                fused = backend.pipeline.run_joint(gm, backend.compiler_config)
             finally:
                 backend._running = False  # noqa: SLF001
+            if backend._partitioner is None:  # noqa: SLF001 - nothing will partition it through `fused`
+                fused.check()
+            else:
+                backend._fused = fused  # noqa: SLF001
             return gm
+
+
+class _FusedJointPartition:
+    """torchair's default_partition, splitting the joint graph TorchairTrainingBackend's
+    pass fused through its FusedJoint (reverted to unfused if the fused one fails)."""
+
+    def __init__(self, backend: TorchairTrainingBackend, default_partition: Callable):
+        self.backend, self.default_partition = backend, default_partition
+
+    def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fused = self.backend._fused  # noqa: SLF001
+        if fused is None or fused.gm is not gm:
+            return self.default_partition(gm, joint_inputs, **kwargs)
+        self.backend._fused = None  # noqa: SLF001
+        return fused.partition(self.default_partition, joint_inputs, **kwargs)
+
+
+def _torchair_partitioner_module() -> Any:
+    """The torchair module whose global `default_partition` its backend partitions with,
+    or None when this torchair has none (torch's own function under that name)."""
+    from torch._functorch.partitioners import default_partition
+
+    try:
+        from torchair import npu_fx_compiler
+    except ImportError:
+        return None
+    return npu_fx_compiler if getattr(npu_fx_compiler, "default_partition", None) is default_partition else None

@@ -132,6 +132,8 @@ def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
     of a contiguous tensor cannot fail, and torchair's recover_view_inplace_pattern needs
     `placeholder -> aten.view -> scatter_update -> aten.view -> copy_` (kv_cache's writes).
     """
+    for node in new_nodes:
+        node.meta.pop(LAYOUT_CHANGED, None)  # every view downstream is converted, changed or not
     new = set(new_nodes)
     seen: set[Node] = set()
     pending = list(new_nodes)
@@ -157,6 +159,13 @@ def _views_exact_contiguous(view: Node, new: set) -> bool:
 
 
 
+# meta key of a replacement's output whose value has another layout (shape, strides, dtype)
+# than the node it replaced had: the matcher sets it, views_to_reshapes_where_needed starts
+# from those (and removes it); a replaced value of the same layout leaves its users' values
+# as they are
+LAYOUT_CHANGED = "npu_fx_fusion_layout_changed"
+
+
 def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence[Node]) -> None:
     """Turn into reshapes the views that the fused ops' layouts break, and only those.
 
@@ -167,8 +176,9 @@ def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence
     remaining views from the forward-only patterns that run on the partitioned graphs
     next (a rope whose `view` became `reshape` no longer matches). So fake values are
     propagated again from the fused ops' real outputs, and a view that fails there
-    becomes a reshape. Only as far as a value changes: a node whose recomputed value has
-    the shape, strides and dtype it had keeps its users as they were, so the work is
+    becomes a reshape. Only as far as a value changes: from the replacement outputs whose
+    layout differs from the node they replaced (LAYOUT_CHANGED), and on from a node whose
+    recomputed value has another shape, strides or dtype than it had, so the work is
     bounded by where the new layouts reach, not by the graph's size. Every node's
     meta["val"] then describes the fused graph. If a value cannot be recomputed, every
     view downstream of a fused node is converted instead.
@@ -191,7 +201,8 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
 
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     interpreter = FakeTensorProp(gm, mode=fake_mode)
-    pending = [(order[user], user) for node in changed for user in node.users]
+    pending = [(order[user], user) for node in changed if node.meta.pop(LAYOUT_CHANGED, False)
+               for user in node.users]
     heapq.heapify(pending)
     done: set = set()
     with fake_mode:
@@ -210,17 +221,17 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                     raise
                 node.target = aten.reshape.default
                 interpreter.run_node(node)
-            if not _same_layout(before, node.meta.get("val")):
+            if not same_layout(before, node.meta.get("val")):
                 for user in node.users:
                     heapq.heappush(pending, (order[user], user))
 
 
-def _same_layout(a: Any, b: Any) -> bool:
+def same_layout(a: Any, b: Any) -> bool:
     """Two fake values with provably the same shapes, strides and dtypes."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_layout(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         sizes = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()),
                  (a.storage_offset(), b.storage_offset())]

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
@@ -155,14 +155,15 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
 
 
 def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
-                     graph_name: str = "joint", mode: Optional[str] = None) -> GraphReport:
+                     graph_name: str = "joint", mode: Optional[str] = None) -> "FusedJoint":
     """Fuse a joint forward+backward graph (aot_autograd's, before partitioning) in place.
 
     run_passes for training graphs: each enabled pass that has joint patterns replaces a
     forward region AND its backward with the fused op and its backward op; the others
     find nothing here and run after partitioning, as the forward/backward pipeline does
     anyway. The same guarantees: a pass that raises is reverted, the graph is linted; the
-    GraphReport is added to `report`.
+    GraphReport is added to `report`. Partition the graph with the FusedJoint returned:
+    a fused graph the partitioner cannot split is reverted there and split unfused.
     """
     start = time.perf_counter()
     npu_ops.ensure_registered()
@@ -174,6 +175,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
               if (fusion_pass := load_pass(name)) is not None
               and (fusion_pass.differentiable or fusion_pass.forward_forms_on_joint)]
     snapshot = _Snapshot(gm.graph) if passes else None
+    fused = False
     try:
         if passes:
             normalize_joint_graph(gm)
@@ -186,26 +188,75 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         if new_nodes:
             views_to_reshapes_where_needed(gm, new_nodes)
             gm.graph.lint()
-            _check_partitions(gm)
+            fused = True
     except Exception as exc:
         # the passes each revert what fails in them; this is what fails between or after
-        # them (the fused graph not partitioning): the joint graph goes back unfused
+        # them: the joint graph goes back unfused
         _revert(gm, snapshot, exc, config, graph_report, "joint graph")
     _finish_graph(gm, config, report, graph_report, start, dumper, folder)
-    return graph_report
+    return FusedJoint(gm, config, report, graph_report, snapshot if fused else None, dumper, folder)
 
 
-def _check_partitions(gm: torch.fx.GraphModule) -> None:
-    """Partition a copy of the fused joint graph as torchair does (default_partition), so
-    that a fused graph aot cannot split fails here, where it can be reverted, and not in
-    the user's compile. The joint graph returns the forward's outputs, then one gradient
-    per primal input."""
-    from torch._functorch.partitioners import default_partition
+class FusedJoint:
+    """A joint graph as the passes left it, to be partitioned.
 
-    output = next(iter(gm.graph.find_nodes(op="output")))
-    outputs = len(pytree.tree_leaves(output.args))
-    primals = sum(1 for n in gm.graph.find_nodes(op="placeholder") if str(n.target).startswith("primals"))
-    default_partition(copy.deepcopy(gm), None, num_fwd_outputs=outputs - primals)
+    The passes cannot know whether the partitioner will split what they fused (torchair's
+    default_partition takes every node up to the last forward one as forward: a backward
+    op placed among them fails it); the partition is where that shows, so it is tried
+    there, on the graph itself, and a fused graph that does not split is reverted to the
+    unfused one and split again, its sites near misses naming the error. A graph the passes
+    did not change is partitioned as it is: its failure is not ours to hide.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
+                 graph_report: GraphReport, snapshot: Optional["_Snapshot"], dumper: Dumper,
+                 folder: Optional[str]):
+        self.gm, self.config, self.report, self.graph_report = gm, config, report, graph_report
+        self._snapshot, self._dumper, self._folder = snapshot, dumper, folder
+
+    @property
+    def fused(self) -> bool:
+        return self._snapshot is not None
+
+    def partition(self, partition_fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """partition_fn(self.gm, *args, **kwargs), unfused if it fails on the fused graph."""
+        if self._snapshot is None:
+            return partition_fn(self.gm, *args, **kwargs)
+        try:
+            return partition_fn(self.gm, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reverted and reported, or re-raised with strict
+            self.revert(exc)
+        return partition_fn(self.gm, *args, **kwargs)
+
+    def check(self) -> None:
+        """Partition a copy as torchair does (default_partition), where the caller cannot
+        partition through `partition`; revert the graph if that fails."""
+        from torch._functorch.partitioners import default_partition
+
+        if self._snapshot is None:
+            return
+        output = next(iter(self.gm.graph.find_nodes(op="output")))
+        outputs = len(pytree.tree_leaves(output.args))
+        primals = sum(1 for n in self.gm.graph.find_nodes(op="placeholder") if str(n.target).startswith("primals"))
+        try:
+            default_partition(copy.deepcopy(self.gm), None, num_fwd_outputs=outputs - primals)
+        except Exception as exc:  # noqa: BLE001
+            self.revert(exc)
+
+    def revert(self, exc: Exception) -> None:
+        """Put the joint graph back unfused after `exc` failed its partition; say so in its
+        report (and its dumps) as a failure of the passes would."""
+        start = time.perf_counter()
+        _revert(self.gm, self._snapshot, exc, self.config, self.graph_report, "joint graph's partition")
+        self._snapshot = None
+        graph_report = self.graph_report
+        graph_report.nodes_after = len(self.gm.graph.nodes)
+        graph_report.ops_after = op_counts(self.gm.graph)
+        graph_report.cost_after = GraphCost.of(self.gm.graph)
+        graph_report.seconds += time.perf_counter() - start
+        if self._folder:
+            self._dumper.write(self._folder, "after.py", _graph_code(self.gm))
+        self._dumper.write_reports(self.report)
 
 
 def _revert(gm: torch.fx.GraphModule, snapshot: Optional["_Snapshot"], exc: Exception, config: FusionConfig,

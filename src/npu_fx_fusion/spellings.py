@@ -37,12 +37,11 @@ class Commutative(pm.CallFunction):
     attempt undone (torch's MatchContext keeps what each sub-pattern matched)."""
 
     def _match(self, node: Node, ctx: pm.MatchContext) -> pm.MatchResult:
-        saved = dict(ctx.pattern_to_node)
+        saved = len(ctx.pattern_to_node)
         first = super()._match(node, ctx)
         if first or len(self.args) != 2:
             return first
-        ctx.pattern_to_node.clear()
-        ctx.pattern_to_node.update(saved)
+        _undo_bindings(ctx, saved)
         args, flat = self.args, self.flat_args_kwargs
         self.args = (args[1], args[0])
         self.flat_args_kwargs = self.flatten(self.args, self.kwargs)
@@ -51,10 +50,21 @@ class Commutative(pm.CallFunction):
         finally:
             self.args, self.flat_args_kwargs = args, flat
         if not second:
-            ctx.pattern_to_node.clear()
-            ctx.pattern_to_node.update(saved)
+            _undo_bindings(ctx, saved)
             return first
         return second
+
+
+def _undo_bindings(ctx: pm.MatchContext, saved: int) -> None:
+    """Forget what a failed attempt bound: the bindings after the first `saved`.
+
+    torch's MatchContext.match only ever adds a binding (pattern -> node, or None for a
+    failure), and a dict pops its last-added item first, so this undoes exactly the attempt
+    in the time it bound, not a copy of every binding so far per attempt (which made a
+    joint pattern's exact match quadratic in its size: a second of a training step)."""
+    bindings = ctx.pattern_to_node
+    while len(bindings) > saved:
+        bindings.popitem()
 
 
 class AnyOf(pm.PatternExpr):
@@ -74,15 +84,14 @@ class AnyOf(pm.PatternExpr):
             return pm.FailedMatch("not a node: {}", node)
         if not (self in ctx.outputs or self.users is pm.MULTIPLE or len(node.users) == self.users):
             return pm.FailedMatch("multiple_users {}", self)
-        saved = dict(ctx.pattern_to_node)
+        saved = len(ctx.pattern_to_node)
         failure: Optional[pm.MatchResult] = None
         for alternative in self.alternatives:
             found = ctx.match(alternative, node)
             if found:
                 return found
             failure = failure if failure is not None else found  # the pattern's own spelling's
-            ctx.pattern_to_node.clear()
-            ctx.pattern_to_node.update(saved)
+            _undo_bindings(ctx, saved)
         return failure
 
     def has_multiple_users(self) -> bool:
