@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0054b80672ea8984',
+KEY = {'torch': '2.13.0+cpu', 'sources': '783a35e6c994328d',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

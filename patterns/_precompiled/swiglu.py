@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7ffc85e621bdaa12',
+KEY = {'torch': '2.13.0+cpu', 'sources': '83c876b3eac3c279',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
