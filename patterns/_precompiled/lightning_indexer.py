@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4784bd421a4a15ee',
+KEY = {'torch': '2.13.0+cpu', 'sources': '104ef2aa0ea368d2',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
