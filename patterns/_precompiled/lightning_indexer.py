@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7c77dc387235a95b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5e62662c6e764f20',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
