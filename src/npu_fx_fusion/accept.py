@@ -42,7 +42,7 @@ from .forms import Form, FusionPass, Reason, Site
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
-from .spellings import respell_exact
+from .spellings import may_match, respell_exact
 from .tracing import TRACERS, is_joint_kind, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -122,7 +122,6 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
             # half): sort (stable: the rest keeps its order)
             pm.stable_topological_sort(gm.graph)
         if ctx.sites and joint:
-            gm.graph.eliminate_dead_code()
             backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
@@ -245,13 +244,31 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
             raise RuntimeError(f"the replacement gives {len(new_outputs)} outputs for {len(outputs)}")
         new_outputs = [new_outputs]
     inserted = set(added)
+    matched = set(match.nodes)
+    read_by_match = {arg for node in match.nodes for arg in node.all_input_nodes if arg not in matched}
     for old, new in zip(outputs, new_outputs):
         _replace_output(graph, old, new, inserted)
     match.erase_nodes()
     for node in reversed(added):  # replacement nodes nothing reads (an unused second output)
         if not node.users and not node.is_impure():
             graph.erase_node(node)
+    _erase_dead(graph, read_by_match)
     return [node for node in added if not node._erased]  # noqa: SLF001
+
+
+def _erase_dead(graph: torch.fx.Graph, candidates: set) -> None:
+    """Erase the calls among `candidates` that nothing reads any more (what only the
+    replaced nodes read: a value a pattern ignored, a backward's constant), and so on up
+    their inputs: dead-code elimination where a replacement can have made code dead, not
+    over the whole graph per pass."""
+    pending = list(candidates)
+    while pending:
+        node = pending.pop()
+        if node._erased or node.users or node.op != "call_function" or node.is_impure():  # noqa: SLF001
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        pending.extend(inputs)
 
 
 def _in_mode(value: Any, fake_mode: Any) -> Any:
@@ -350,6 +367,8 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
         for entry in entries[(node.op, node.target)]:
             if node._erased:  # noqa: SLF001 - replaced by an earlier match
                 break
+            if not may_match(entry.pattern, node):  # its arguments' ops rule it out
+                continue
             match = entry.pattern.match(node)
             if not pm.is_match(match):
                 continue
