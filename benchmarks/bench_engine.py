@@ -18,6 +18,7 @@ machines are noisy; ratios of runs made side by side much less so).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pathlib
 import re
@@ -35,14 +36,22 @@ NOISE = 1.5
 
 
 def _compile_seconds(model, inputs, backend, train: bool) -> float:
+    """One compile (and run) of `model`, timed with the garbage collector off, as timeit
+    times: a full collection of this process's heap takes ~0.4 s here, and whichever phase
+    of the compile it falls in (ours or torch's) would carry it."""
     torch._dynamo.reset()
-    start = time.perf_counter()
-    if train:
-        torch.compile(model, backend=backend)(*inputs).float().pow(2).mean().backward()
-    else:
-        with torch.no_grad():
-            torch.compile(model, backend=backend)(*inputs)
-    return time.perf_counter() - start
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        if train:
+            torch.compile(model, backend=backend)(*inputs).float().pow(2).mean().backward()
+        else:
+            with torch.no_grad():
+                torch.compile(model, backend=backend)(*inputs)
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
 
 
 def compile_share(layers: int, train: bool, repeat: int) -> dict:

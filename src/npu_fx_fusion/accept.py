@@ -76,6 +76,9 @@ class RunContext:
     out_of_order: bool = False  # a replacement reads a node defined after it
     fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
     keep_intermediate_rounding: bool = False  # FusionConfig's: Site.keep_intermediate_rounding
+    # called before the pass's check first runs, and so before the run can change the
+    # graph (the caller's revert snapshot: a run without a candidate takes none)
+    before_change: Optional[Callable[[], None]] = None
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -88,12 +91,14 @@ class RunContext:
 @deep_patterns()  # matching and the exact retraces recurse per pattern node
 def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
                mode: Optional[str] = None, verify: bool = False, joint: bool = False,
-               keep_intermediate_rounding: bool = False) -> Optional[PassResult]:
+               keep_intermediate_rounding: bool = False,
+               before_change: Optional[Callable[[], None]] = None) -> Optional[PassResult]:
     """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
 
     soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
     (a form whose op that mode cannot lower is refused, so a later form can serve);
-    verify: check each site numerically before accepting it. joint: `gm` is a joint
+    verify: check each site numerically before accepting it; before_change: called before
+    the pass's check first runs on a candidate (and may be called again). joint: `gm` is a joint
     forward+backward graph (canonical.normalize_joint_graph'ed): the pass's joint patterns
     run (its forward-only ones with forward_forms_on_joint), and only forward nodes anchor
     near misses; None when the pass has nothing to match there.
@@ -106,7 +111,7 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
                      fake_mode=torch._guards.detect_fake_mode(inputs),  # noqa: SLF001
-                     keep_intermediate_rounding=keep_intermediate_rounding)
+                     keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change)
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
@@ -169,16 +174,6 @@ def _which_registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: b
     if fusion_pass.differentiable and patterns.anchors(joint=True):
         return "joint"
     return "forward" if fusion_pass.forward_forms_on_joint else None
-
-
-def may_change(fusion_pass: FusionPass, graph: torch.fx.Graph, joint: bool = False) -> bool:
-    """Whether apply_pass could change `graph`: False when no registration of the pass can
-    start a match in it (it then only looks for near misses)."""
-    if fusion_pass.prefilter is not None and not fusion_pass.prefilter(graph):
-        return False
-    patterns = pattern_set(fusion_pass)
-    which = _which_registrations(fusion_pass, patterns, joint)
-    return which is not None and _has_anchor(patterns, which == "joint", graph)
 
 
 def _has_anchor(patterns: PatternSet, joint: bool, graph: torch.fx.Graph) -> bool:
@@ -392,6 +387,8 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
             ctx.inexact.setdefault(node, exact)
         return False
     site, exact_match, arguments = exact
+    if ctx.before_change is not None:  # the pass's own code (its check) is about to run
+        ctx.before_change()
     replacement: list = []  # the replacement's trace, made by the output check
     reason = _first_failure(ctx, registration, site, exact_match, arguments, replacement)
     if reason is not None:
