@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
-from npu_fx_fusion.backend import EmulationBackend
+from helpers import (GuardRecordingBackend, assert_close_at_scale, assert_within_ulps, compile_and_run,
+                     is_size_limit, near_miss_reasons)
 
 ONLY_ROPE = nff.FusionConfig(enable={"rope"})
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -269,7 +269,7 @@ def test_every_form_fuses_with_symbolic_batch_and_sequence(case, dtype):
     model's projections make them, and the one symbolic graph computes the same as eager at
     another batch and length."""
     module, make, dynamic_dims = DYNAMIC_CASES[case]
-    backend = EmulationBackend(ONLY_ROPE)
+    backend = GuardRecordingBackend(ONLY_ROPE)
     compiled = torch.compile(module, backend=backend, fullgraph=True)
     with torch.no_grad():
         # sizes unlike every head count and dim: dynamo's duck sizing would otherwise give
@@ -282,6 +282,8 @@ def test_every_form_fuses_with_symbolic_batch_and_sequence(case, dtype):
             _assert_numerics(compiled(*args), module(*args))
     report = backend.report
     assert len(report.graphs) == 1  # no recompile: nothing pinned a size
+    # the checks guard on the kernel's limits only (B < 1000), never on how two sizes compare
+    assert all(is_size_limit(g) for g in backend.added_guards), backend.added_guards
     assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
 
 
