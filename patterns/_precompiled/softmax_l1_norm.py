@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '87061f00fdca1aa7',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'cab55dd5f28d3d52',
        'backward': {'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm': False, 'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata': False}}
 
 FORMS = {
