@@ -451,25 +451,87 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
             if grad and not value.is_floating_point():
                 return f"{name} is {value.dtype} here, but the form takes it as differentiable"
             for size in itertools.chain(value.shape, value.stride()):
-                if isinstance(size, torch.SymInt) and all(statically_known_true(size != a) for a in symbolic_sizes):
+                # every distinct symbolic size, once: torch's register_replacement keeps one
+                # only where it is provably *different* from those taken (`size != a`), which
+                # two independent sizes (dynamic batch and sequence: s0, s1) are not, and the
+                # retrace then spells the second `sym_size(x, i)` where the graph reads its
+                # SymInt input: no dynamic=True site with two symbolic sizes matched
+                if isinstance(size, torch.SymInt) and not any(statically_known_true(size == a)
+                                                              for a in symbolic_sizes):
                     symbolic_sizes.append(size)
     key = signature([*symbolic_sizes, *values], requires_grad=[False] * len(symbolic_sizes) + requires_grad)
     arguments = _Arguments(values, requires_grad, fake_mode, symbolic_sizes, key)
     exact = _exact_pattern(ctx, registration, arguments)
     if isinstance(exact, str):
         return exact
-    exact_match = exact.match(match.output_nodes()[0])
+    exact_pattern, size_arguments = exact
+    exact_match = exact_pattern.match(match.output_nodes()[0])
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
+    unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
+    if unequal:
+        return f"{form.name} has its structure, but differs in sizes: {unequal}"
     site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
     site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode,
                 keep_intermediate_rounding=ctx.keep_intermediate_rounding)
     return site, exact_match, arguments
 
 
+def _symbolic_size_bound_elsewhere(exact_match: pm.Match, sizes: dict[str, Any]) -> Reason:
+    """The exact pattern takes each symbolic size as an input (a named argument, which
+    matches whatever node or literal sits there; `sizes`: each name's size): each one must
+    have bound a value the shape environment proves equal to its size, else the trace's
+    size and the graph's only have the same place."""
+    for name, size in sizes.items():
+        if name not in exact_match.kwargs:
+            continue
+        bound = exact_match.kwargs[name]
+        value = bound.meta.get("val") if isinstance(bound, Node) else bound
+        if not (isinstance(value, (int, torch.SymInt)) and statically_known_true(value == size)):
+            shown = bound.name if isinstance(bound, Node) else repr(bound)
+            return f"{shown} ({value}) stands where the form has the size {size}"
+    return None
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _sizes_as_inputs_per_use(gm: torch.fx.GraphModule, before: Node) -> list[Any]:
+    """Each place an op of an exact trace reads a symbolic size (a SymInt input, `sym_size(v,
+    0)` of an intermediate, `s0 * s1`) reads an input of its own instead, placed before
+    `before`; returns their sizes, in order.
+
+    A graph spells a symbolic value in whatever way it was traced, and not the same way in
+    every place: transformers' `arange(perm.size(0))` reaches a dynamo graph as `2 * s1 *
+    s0` of its SymInt inputs where a retrace has `sym_size` of the view it sorted (a second
+    user of that view, which then no longer matches); dynamo passes one SymInt input per
+    source of a size, so torchtitan's sequence length is one input in the rotary's first
+    view and another in its last. Static shapes have literals there. What must agree in
+    each place is the value, which _symbolic_size_bound_elsewhere proves through the shape
+    environment."""
+    sizes = []
+    for node in list(gm.graph.nodes):
+        value = node.meta.get("val")
+        if node.op not in ("placeholder", "call_function") or not isinstance(value, torch.SymInt):
+            continue
+        for user in list(node.users):
+            if user.op == "output" or isinstance(user.meta.get("val"), _SYMBOLIC):
+                continue  # more size arithmetic reads it: replaced where that is read
+            with gm.graph.inserting_before(before):
+                placeholder = gm.graph.placeholder(f"size_{len(sizes)}")
+            placeholder.meta["val"] = value
+            user.replace_input_with(node, placeholder)
+            sizes.append(value)
+    if sizes:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return sizes
+
+
 def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Arguments):
     """The form's search traced at the arguments as an exact pattern (sizes and scalars
-    literal), or why it does not trace; kept per signature (process-wide when static)."""
+    literal, each symbolic size a named argument: {name: its size}), or why it does not
+    trace; kept per signature (process-wide when static)."""
     form = registration.form
     key = (registration.kind, form.key, arguments.key)
     cache = ctx.patterns.exact_patterns if arguments.key is not None and is_static(arguments.key) else ctx.exact_patterns
@@ -477,6 +539,7 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
         return cache[key]
     trace = TRACERS[registration.kind]
     argnames, sizes = form.argnames, arguments.symbolic_sizes
+    size_arguments: dict[str, Any] = {}
     try:
         with arguments.fake_mode:
             if sizes:
@@ -487,22 +550,28 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
 
                 gm = trace(search_with_sizes, [*sizes, *arguments.traced])
                 placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-                size_names = [p.target for p in placeholders[:len(sizes)]]
+                renamed_arguments = []
                 for placeholder, name in zip(placeholders[len(sizes):], argnames):
                     with gm.graph.inserting_after(placeholder):
                         renamed = gm.graph.placeholder(name)
                     renamed.target = renamed.name
                     placeholder.replace_all_uses_with(renamed)
                     gm.graph.erase_node(placeholder)
+                    renamed_arguments.append(renamed)
                 if is_joint_kind(registration.kind):
                     _drop_size_gradients(gm, len(sizes), len(argnames))
-                argnames = [*size_names, *argnames]
+                # (the size inputs themselves are then read by size arithmetic at most: their
+                # names stay in front, as the placeholders are)
+                uses = _sizes_as_inputs_per_use(gm, renamed_arguments[0])
+                size_arguments = {**{f"symbolic_size_{i}": size for i, size in enumerate(sizes)},
+                                  **{f"size_{i}": size for i, size in enumerate(uses)}}
+                argnames = [*size_arguments, *argnames]  # the placeholders' order
             else:
                 gm = trace(form.search, arguments.traced)
     except RuntimeError as exc:
         found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
     else:
-        found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames))
+        found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames)), size_arguments
     if arguments.key is not None:
         cache[key] = found
     return found
@@ -541,6 +610,9 @@ def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:
         if not fusion_pass.is_scalar(name) and not isinstance(value, torch.Tensor):
             return f"{name} is {value!r}, not a tensor"
         if fusion_pass.is_scalar(name) and isinstance(site.arg_nodes.get(name), Node):
+            if isinstance(value, (torch.SymInt, torch.SymFloat)):  # e.g. min(index_topk, S), S dynamic
+                return (f"{name} is {value}, computed from the graph's symbolic sizes (dynamic shapes), "
+                        "not a constant the fused op can take")
             return f"{name} is a tensor computed in the graph, not a constant"
     return None
 
@@ -568,8 +640,8 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
             if isinstance(value, Node) and any(entry[:2] == (str(node.target), key) for entry in spelled):
                 # a symbolic size computed in the graph (repeat_interleave's output_size, the
                 # rows an expert-parallel all-to-all received): the form spells this keyword,
-                # as an int at its static example, and the exact retrace at the match's own
-                # sizes (an input for each symbolic size) compared it node for node
+                # as an int at its static example, and the exact match at the match's own
+                # sizes proved its value equal (_symbolic_size_bound_elsewhere)
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
