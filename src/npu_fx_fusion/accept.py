@@ -381,6 +381,12 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
         ctx.reject(form, exact_match.nodes, reason)
         return False
     match.replacement_graph = replacement[0]
+    # The replacement goes where the exact match (the one checked) binds, not the structural
+    # one: with sizes as wildcards, two outputs of a multi-output pattern that differ only in
+    # sizes can bind one node there (the first candidate torch's matcher tries for each), e.g.
+    # the two slices of a cat's gradient (sparse_mla's joint forms: kv's and the compressed
+    # kv's); the exact pattern's literal sizes tell them apart.
+    match.ctx, match.nodes = exact_match.ctx, exact_match.nodes
     ctx.sites.append(FusedSite.of_match(ctx.fusion_pass.name, form.name, form.fused_op or ctx.fusion_pass.fused_op,
                                         exact_match.nodes, match.output_nodes(), ctx.fusion_pass.anchor,
                                         "; ".join(_notes(ctx, site)), site.verified))
@@ -445,6 +451,11 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     exact_match = exact.match(match.output_nodes()[0])
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
+    bound: dict[Node, Any] = {}
+    for pattern, node in zip(exact_match.ctx.outputs, exact_match.output_nodes()):
+        if node is not None and bound.setdefault(node, pattern) is not pattern:
+            # two results of the form found as one value of the graph: one of them is not there
+            return f"two outputs of {form.name} bind the one node {node.name}"
     site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
     site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode,
                 keep_intermediate_rounding=ctx.keep_intermediate_rounding)
