@@ -36,7 +36,21 @@ def test_the_hyper_connection_fuses_into_one_op(dtype):
     _check(out, ref)
     # the kernel limits the tiny module misses are on the site, not hidden
     note = report.sites[0].note
-    assert "C = 64" in note and (dtype == torch.bfloat16 or "does not support float32" in note)
+    # in emulation each SoC family's C limit, naming the family (COT: 128-aligned on A2/A3, 4096
+    # or 7168 on 950)
+    assert "on an NPU: C = 64: on A2/A3 mhc_pre_sinkhorn takes C 128-aligned up to 100000" in note
+    assert "on an NPU: C = 64: on Ascend950 mhc_pre_sinkhorn takes C in (4096, 7168)" in note
+    assert dtype == torch.bfloat16 or "does not support float32" in note
+
+
+def test_in_emulation_a_c_limit_is_noted_for_the_socs_it_binds_only():
+    # C = 128 is A2/A3's (128-aligned) but not 950's
+    module = HyperConnection(hidden_size=128)
+    out, ref, report = compile_and_run(module, _streams(torch.bfloat16, d=128), config=MHC)
+    assert report.counts["mhc_pre"] == 1
+    note = report.sites[0].note
+    assert note == "on an NPU: C = 128: on Ascend950 mhc_pre_sinkhorn takes C in (4096, 7168)", note
+    _check(out, ref)
 
 
 def test_soc_picks_the_op_pair_on_ascend950():
@@ -56,7 +70,7 @@ def test_soc_refuses_what_neither_op_takes():
     _, _, report = compile_and_run(HyperConnection(), _streams(torch.bfloat16), config=config)
     assert report.counts["mhc_pre"] == 0
     (reason,) = near_miss_reasons(report, "mhc_pre")
-    assert "C = 64: on A2/A3 mhc_pre_sinkhorn takes C 128-aligned" in reason
+    assert reason == "C = 64: on Ascend910B mhc_pre_sinkhorn takes C 128-aligned up to 100000", reason
     _, _, report = compile_and_run(HyperConnection(hidden_size=128), _streams(torch.bfloat16, d=128), config=config)
     assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
 

@@ -41,7 +41,7 @@ def test_each_layer_kind_fuses(kind):
     assert_close_at_scale(out, ref, ULPS[torch.float32])
     # the kernel limits the tiny module misses are on the site (emulation), not hidden
     (site,) = [s for s in report.sites if s.pass_name == "sparse_mla"]
-    assert "head dim 32, the kernel takes 512" in site.note
+    assert "head dim 32: sparse_flash_mla takes 512" in site.note
 
 
 def test_csa_in_bf16():
@@ -98,7 +98,7 @@ def test_a2_refuses_what_its_kernel_does_not_take():
     _, _, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend910B"))
     assert report.counts["sparse_mla"] == 0
     (reason,) = near_miss_reasons(report, "sparse_mla")
-    assert "compress ratio 8: A2/A3 take (1, 4, 128)" in reason
+    assert "compress ratio 8: on Ascend910B sparse_flash_mla takes (1, 4, 128)" in reason
     torch._dynamo.reset()
     out, ref, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend950"))
     assert report.counts["sparse_mla"] == 1
@@ -110,7 +110,59 @@ def test_the_tiny_head_dim_is_refused_on_an_npu():
     _, _, report = compile_and_run(module, _hidden(module, torch.bfloat16),
                                    config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend950"))
     assert report.counts["sparse_mla"] == 0
-    assert "head dim 32, the kernel takes 512" in near_miss_reasons(report, "sparse_mla")[0]
+    assert "head dim 32: sparse_flash_mla takes 512" in near_miss_reasons(report, "sparse_mla")[0]
+
+
+@pytest.mark.parametrize("kind, notes, not_noted", [
+    # a limit of every SoC names the op; one of a SoC family names the family too (emulation
+    # checks both): HCA's ratio 8 is A2/A3's limit only, 950 takes 1..128
+    ("hca", ["head dim 32: sparse_flash_mla takes 512",
+             "compress ratio 8: on A2/A3 sparse_flash_mla takes (1, 4, 128)"], ["on Ascend950"]),
+    ("csa", ["head dim 32: sparse_flash_mla takes 512",
+             "top-3 compressed blocks: on A2/A3 sparse_flash_mla takes (512, 1024)",
+             "indexer head dim 16: lightning_indexer takes 128",
+             # emulation takes 950's convention (metadata): its metadata op's head limit
+             "16 indexer heads: on Ascend950 lightning_indexer_metadata takes (32, 64)"], ["compress ratio"]),
+])
+def test_emulation_notes_name_the_soc_of_each_limit(kind, notes, not_noted):
+    module = Attention(kind)
+    _, _, report = compile_and_run(module, _hidden(module), config=SMLA)
+    (site,) = [s for s in report.sites if s.pass_name == "sparse_mla"]
+    for note in notes:
+        assert f"on an NPU: {note}" in site.note, site.note
+    for text in not_noted:
+        assert text not in site.note, site.note
+
+
+def test_the_indexer_metadata_head_limit_holds_only_where_metadata_is_called(monkeypatch):
+    # the real kernels' dims but 16 indexer heads and top-3: on A2 (no metadata) the indexer takes
+    # 1..64 heads, and the site fuses once A2's CSA top-k (512 / 1024, which 18 tokens cannot
+    # have) is set aside; on 950 its metadata op takes 32 or 64 heads only
+    from npu_fx_fusion.patterns import sparse_mla
+
+    monkeypatch.setitem(sparse_mla.SMLA.limits, "csa_topk_a2_a3", (3, 512, 1024))
+    module = Attention("csa", dtype=torch.bfloat16, head_dim=512, index_head_dim=128)
+    hidden = _hidden(module, torch.bfloat16)
+    _, _, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend910B"))
+    assert report.counts["sparse_mla"] == 1, near_miss_reasons(report, "sparse_mla")
+    assert "cann_ops_transformer.lightning_indexer_metadata" not in report.fused_ops
+    torch._dynamo.reset()
+    _, _, report = compile_and_run(module, hidden, config=nff.FusionConfig(enable={"sparse_mla"}, soc="Ascend950"))
+    assert report.counts["sparse_mla"] == 0
+    assert near_miss_reasons(report, "sparse_mla") == [
+        "16 indexer heads: on Ascend950 lightning_indexer_metadata takes (32, 64)"]
+
+
+def test_a_refused_csa_leaves_its_indexer_named_as_v4s():
+    # the indexer stays where sparse_mla refuses the CSA site; lightning_indexer (V3.2's forms, run
+    # after) says what it is and where the reason is, not that it misses V3.2's indexer forms
+    module = Attention("csa", dtype=torch.bfloat16)
+    config = nff.FusionConfig(enable={"sparse_mla", "lightning_indexer"}, soc="Ascend950")
+    _, _, report = compile_and_run(module, _hidden(module, torch.bfloat16), config=config)
+    assert near_miss_reasons(report, "sparse_mla") == ["head dim 32: sparse_flash_mla takes 512"]
+    (miss,) = near_miss_reasons(report, "lightning_indexer")
+    assert miss.startswith("DeepSeek-V4's lightning indexer") and "see sparse_mla's near miss" in miss, miss
+    assert "DeepseekV32Indexer" not in miss
 
 
 # ---- dynamic shapes and training --------------------------------------------------------------

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5e62662c6e764f20',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b0eedbe0d30ff69b',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
