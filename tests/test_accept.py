@@ -89,3 +89,23 @@ def test_two_outputs_bound_to_one_node_are_refused(monkeypatch):
     assert _ops(gm) == ["aten.neg.default"]
     (miss,) = result.near_misses
     assert "two outputs of negated_twice bind the one node" in miss.reason, miss.reason
+
+
+def test_a_kept_call_of_an_op_called_a_different_number_of_times_gets_the_line_it_aligns_with():
+    # moe_dispatch keeps the clamped SwiGLU's mul, one of the two muls of the block it replaces
+    # (the other weighs the expert outputs, which finalize_routing does): the alignment of the
+    # two call sequences pairs it with the model's act(gate) * up, not with the weighing
+    from npu_fx_fusion.accept import _aligned_calls
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+
+    def calls(*targets):
+        return [graph.call_function(target, (x,)) for target in targets]
+
+    erased = calls(aten.mm.default, aten.clamp.default, aten.silu.default, aten.mul.Tensor, aten.mm.default,
+                   aten.mul.Tensor, aten.sum.dim_IntList)
+    added = calls(aten.mm.default, aten.clamp.default, aten.silu.default, aten.mul.Tensor, aten.mm.default)
+    pairs = _aligned_calls(added, erased)
+    assert [(added.index(new), erased.index(old)) for new, old in pairs] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
