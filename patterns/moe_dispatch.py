@@ -16,7 +16,7 @@ transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens l
 
 The whole block is one form, from the sort to the sum, and becomes
 
-    x_g, row_idx, counts, _ = npu_moe_init_routing_v2(x, ids.int(), active_num=T*K,
+    x_g, row_idx, counts, _ = npu_moe_init_routing_v2(x, ids.int(), active_num=T*K,  # -1 if T is symbolic
         expert_num=E, expert_tokens_num_type=1, expert_tokens_num_flag=True, row_idx_type=0)
     offsets = counts.cumsum(0).int()
     y = <the same two grouped GEMMs and activation>             # grouped_matmul / swiglu fuse them
@@ -70,9 +70,23 @@ def _init_routing(x, ids, num_experts, row_idx_type=0):
     """
     tokens, top_k = ids.shape
     return torch.ops.npu.npu_moe_init_routing_v2(
-        x, ids.to(torch.int32), active_num=tokens * top_k, expert_num=num_experts,
+        x, ids.to(torch.int32), active_num=_every_row(tokens * top_k), expert_num=num_experts,
         expert_tokens_num_type=1, expert_tokens_num_flag=True, active_expert_range=[0, num_experts],
         row_idx_type=row_idx_type)
+
+
+def _every_row(rows):
+    """active_num for every one of the N*K rows.
+
+    A static N*K is spelled out, as the aclnnMoeInitRoutingV3 doc asks ("unused, must equal
+    NUM_ROWS*K"). A symbolic one (dynamic shapes) cannot be: active_num is an `int`
+    attribute of the schema, and a SymInt passed there is specialised, a guard
+    `N*K == <this compile's value>` that recompiles the model at every other token count.
+    There -1: the kernel's tiling checks active_num == N*K only when it is not -1 and
+    takes -1 as every row (ops-transformer moe_init_routing_v3_tiling.cpp, CheckAttr /
+    CheckInputShape; torch_npu's docstring: "-1 and 0 both process all tokens"), and the
+    meta function gives N*K rows for it."""
+    return rows if isinstance(rows, int) else -1
 
 
 def _finalize(y, weights, row_idx, ids):

@@ -343,7 +343,10 @@ def _check_rotary_mul(site, mode_name):
                 return reason
             if site.mode is None:
                 site.notes.append(f"max-autotune would take the half-mode alternative: {reason}")
-    elif max(batch, heads) >= ROTARY_MUL.limits["max_batch_heads"]:
+    # each size against the limit, not max(B, N): with symbolic sizes, max() would guard on
+    # which of B and N is larger (a recompile whenever the batch passes the head count); a
+    # size against its limit guards only on what the kernel needs (B < 1000)
+    elif batch >= ROTARY_MUL.limits["max_batch_heads"] or heads >= ROTARY_MUL.limits["max_batch_heads"]:
         return f"B = {batch} or N = {heads} is not below {ROTARY_MUL.limits['max_batch_heads']}"
     if site.soc in ROTARY_MUL.limits["jit_compile_only_socs"]:
         wanted = ROTARY_MUL.limits["jit_compile_head_dim"]

@@ -404,9 +404,18 @@ def _hardware_reasons(site, q, ratio):
     ]
 
 
+# The metadata op takes the batch size and sequence lengths as int attributes: a symbolic
+# size passed there is specialised (a guard, a recompile at every other size), so a site with
+# symbolic sizes is not fused (with dynamic shapes the forms match: accept._exact_match).
+SYMBOLIC_SIZES = ("the attention has symbolic sizes (dynamic shapes): the metadata op takes the batch size "
+                  "and sequence lengths as int attributes, which would pin them to this compile's values")
+
+
 def check(site):
     v = site.form.search.variant
     q, kv = (site["q_packed"], site["kv_packed"]) if v.layout == "tnd" else (site["q"], site["kv"])
+    if any(isinstance(size, torch.SymInt) for t in (q, kv) for size in t.shape):
+        return SYMBOLIC_SIZES
     if q.dtype != kv.dtype:
         return f"q is {_dtype(q)}, kv {_dtype(kv)}: {OP} takes them in one dtype"
     ratio = site.args.get("ratio", 1)
@@ -478,8 +487,7 @@ def explain(head_sum):
     probs = _probabilities(head_sum.args[0])
     values = tensor_meta(probs)
     if values is not None and any(isinstance(size, torch.SymInt) for size in values.shape):
-        return ("the attention has symbolic sizes (dynamic shapes): the forms and the metadata op's "
-                "sizes are static")
+        return SYMBOLIC_SIZES
     if is_call(probs, aten._softmax.default) and values is not None:
         dim = probs.args[1] % values.dim()
         if dim != values.dim() - 1:

@@ -152,6 +152,34 @@ class RecordingBackend(EmulationBackend):
         return compiled
 
 
+class GuardRecordingBackend(EmulationBackend):
+    """EmulationBackend that records the guards on symbolic sizes the fusion pipeline adds
+    to the compile's shape environment (`added_guards`, sympy expressions). A check that
+    compares a SymInt, or a fused op's int attribute that takes one, adds a guard: the
+    graph then recompiles for the sizes it rejects."""
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.added_guards = []
+
+    def _compile(self, phase, gm, example_inputs):
+        env = getattr(torch._guards.detect_fake_mode(example_inputs), "shape_env", None)
+        before = len(env.guards) if env is not None else 0
+        compiled = super()._compile(phase, gm, example_inputs)
+        if env is not None:
+            self.added_guards += [g.expr for g in env.guards[before:]]
+        return compiled
+
+
+def is_size_limit(guard) -> bool:
+    """A guard bounding one size by a constant (`s0 < 1000`: a kernel's limit), not one that
+    pins a size (`Eq(2*s0*s1, 64)`) or relates two (`s1 > s0`)."""
+    import sympy
+
+    return isinstance(guard, (sympy.StrictLessThan, sympy.LessThan, sympy.StrictGreaterThan,
+                              sympy.GreaterThan)) and len(guard.free_symbols) == 1
+
+
 # npu ops torch_npu's own dispatch puts into an NPU graph (npu_dispatch.py): SDPA's
 # FlashAttention and softmax's casts, there before any pass runs
 DISPATCH_OPS = ("npu_fusion_attention_v3", "npu_fusion_attention_grad_v3", "npu_fusion_attention",

@@ -87,6 +87,38 @@ def test_the_block_becomes_init_routing_and_finalize(dtype, passes):
     _assert_block_equal(out, ref)
 
 
+def _active_nums(gm):
+    # (a trace leaves out an argument passed at its schema default, -1 for active_num)
+    return [n.kwargs.get("active_num", -1) for n in gm.graph.nodes
+            if n.target is torch.ops.npu.npu_moe_init_routing_v2.default]
+
+
+def test_a_symbolic_token_count_routes_every_row_without_pinning_it():
+    """dynamic=True: init_routing's active_num is an int attribute. The static N*K is spelled
+    out (the V3 doc: must equal NUM_ROWS*K); a symbolic one would be specialised into a guard
+    N*K == this compile's value, a recompile per token count, so -1 (every row: the kernel's
+    tiling skips the N*K check for -1) is passed instead. One graph serves both counts."""
+    from helpers import RecordingBackend
+
+    static = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
+    with torch.no_grad():
+        torch.compile(GroupedMmExperts(torch.float32), backend=static, fullgraph=True)(*_routing(torch.float32))
+    assert _active_nums(static.graphs["inference"]) == [96 * TOP_K]
+
+    torch._dynamo.reset()
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
+    module = GroupedMmExperts(torch.float32)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for tokens in (96, 61):
+            x, ids, weights = _routing(torch.float32, tokens=tokens)
+            for t in (x, ids, weights):
+                torch._dynamo.mark_dynamic(t, 0)
+            _assert_block_equal(compiled(x, ids, weights), module(x, ids, weights))
+    assert len(backend.report.graphs) == 1 and backend.report.counts["moe_dispatch"] == 1
+    assert _active_nums(backend.graphs["inference"]) == [-1]
+
+
 def test_fp32_routing_weights_on_bf16_experts():
     # DeepSeek-V3: the router's weights stay fp32, y * w promotes, the block returns fp32
     x, ids, weights = _routing(torch.bfloat16, weights_dtype=torch.float32)

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
+from helpers import (GuardRecordingBackend, assert_close_at_scale, assert_within_ulps, compile_and_run,
+                     is_size_limit, near_miss_reasons)
 
 ONLY_ROPE = nff.FusionConfig(enable={"rope"})
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -229,6 +230,61 @@ def test_deepseek_interleaved_pairs(module, dtype, head_dim, fused_op):
     if fused_op == "npu.npu_rotary_mul":  # the site says why the better op was not used
         assert all("npu_interleave_rope" in site.note for site in report.sites), report.sites
     _assert_numerics(out, ref)
+
+
+# ---- dynamic shapes: batch and sequence symbolic together ----------------------------------
+def _hf_case(module, head_dim=16, pairs=False):
+    """(module, inputs at (batch, seq), the (batch, sequence) dims of each input): BNSD q and
+    k, [B, S, D] tables."""
+    def make(batch, seq, dtype):
+        q, k = inputs(dtype, (batch, 4, seq, head_dim)), inputs(dtype, (batch, 2, seq, head_dim), seed=1)
+        if pairs:  # GPT-J / GLM: each angle for its pair
+            emb = angles(batch, seq, head_dim).repeat_interleave(2, dim=-1)
+            return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+        return (q, k, *hf_tables(batch, seq, head_dim, dtype))
+    return module, make, ((0, 2), (0, 2), (0, 1), (0, 1))
+
+
+def _complex_case():
+    def make(batch, seq, dtype):  # torchtitan: [B, S, N, D], freqs_cis [S, D/2]
+        return inputs(dtype, (batch, seq, 4, 16)), inputs(dtype, (batch, seq, 1, 16), seed=1), _freqs_cis(seq, 16)
+    return ComplexRope(), make, ((0, 1), (0, 1), (0,))
+
+
+DYNAMIC_CASES = {
+    "rotate_half": _hf_case(HFRope()),
+    "rotate_every_two": _hf_case(HFRope(rotate_every_two), pairs=True),
+    "partial": _hf_case(PartialRope(), head_dim=32),
+    "complex": _complex_case(),
+    "deepseek_even_odd": _hf_case(DeepSeekEvenOdd(), head_dim=64),
+    "deepseek_view_transpose": _hf_case(DeepSeekViewTranspose(), head_dim=64),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(DYNAMIC_CASES))
+def test_every_form_fuses_with_symbolic_batch_and_sequence(case, dtype):
+    """Every form fuses as with static shapes with batch and sequence marked dynamic (two
+    independent symbols: the exact match takes both), head counts and dims static as a
+    model's projections make them, and the one symbolic graph computes the same as eager at
+    another batch and length."""
+    module, make, dynamic_dims = DYNAMIC_CASES[case]
+    backend = GuardRecordingBackend(ONLY_ROPE)
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        # sizes unlike every head count and dim: dynamo's duck sizing would otherwise give
+        # two equal sizes one symbol, and the second call would recompile
+        for batch, seq in ((3, 7), (5, 9)):
+            args = make(batch, seq, dtype)
+            for t, dims in zip(args, dynamic_dims):
+                for dim in dims:
+                    torch._dynamo.mark_dynamic(t, dim)
+            _assert_numerics(compiled(*args), module(*args))
+    report = backend.report
+    assert len(report.graphs) == 1  # no recompile: nothing pinned a size
+    # the checks guard on the kernel's limits only (B < 1000), never on how two sizes compare
+    assert all(is_size_limit(g) for g in backend.added_guards), backend.added_guards
+    assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
 
 
 # ---- torchair modes: interleave mode under max-autotune ----------------------------------

@@ -529,31 +529,38 @@ def test_torchtitan_deepseek_v3_trains_the_same_fused_on_the_npu_graph():
 
 # ---- limits ----------------------------------------------------------------------------------
 def _dynamic_step(cls, dims):
+    """One compiled training step with `dims` of x marked dynamic, next to eager: the output
+    and the gradients within UNIT_ULPS at scale, as train_and_compare's."""
     torch._dynamo.reset()
-    model = _seeded(cls, torch.float32)
+    model, reference = _seeded(cls, torch.float32), _seeded(cls, torch.float32)
     backend = RecordingBackend()
-    x = torch.randn(2, 8, HIDDEN, requires_grad=True)
+    torch.manual_seed(1)
+    x = torch.randn(2, 8, HIDDEN)
+    x_ref = x.clone().requires_grad_(True)
+    x.requires_grad_(True)
     for dim in dims:
         torch._dynamo.mark_dynamic(x, dim)
-    _step(torch.compile(model, backend=backend, fullgraph=True), x, torch.randn(2, 8, HIDDEN))
+    probe = torch.randn(2, 8, HIDDEN)
+    out = _step(torch.compile(model, backend=backend, fullgraph=True), x, probe)
+    assert_close_at_scale(out, _step(reference, x_ref, probe), UNIT_ULPS[torch.float32])
+    grads, grads_ref = _grads(model, x), _grads(reference, x_ref)
+    assert grads.keys() == grads_ref.keys() == {"param weight", "input x"}
+    for name in grads:
+        assert_close_at_scale(grads[name], grads_ref[name], UNIT_ULPS[torch.float32])
     return backend
 
 
-def test_one_dynamic_size_fuses():
-    # mark_dynamic on the sequence length: one SymInt in the backward's size lists, which
-    # register_replacement's symbolic retrace handles
-    backend = _dynamic_step(HFNorm, dims=(1,))
+@pytest.mark.parametrize("dims", [(1,), (0, 1)], ids=["sequence", "batch-and-sequence"])
+def test_dynamic_sizes_fuse_forward_and_backward(dims):
+    # the backward's size lists hold one SymInt per dynamic size (expand(g, [s0, s1, 64])):
+    # the exact retrace takes each as an input (accept._exact_match), however many there are
+    backend = _dynamic_step(HFNorm, dims)
     assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1}
     assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
-
-
-@pytest.mark.xfail(strict=True, reason="joint patterns do not match a norm whose backward has two "
-                   "symbolic sizes (dynamic batch and sequence): torch's exact-match retrace takes "
-                   "only the first as an input (s1 != s0 is not statically known) and spells the "
-                   "second sym_size(x, 1), where the graph has a SymInt placeholder (docs/training.md)")
-def test_dynamic_batch_and_sequence_training_graph_fuses():
-    backend = _dynamic_step(HFNorm, dims=(0, 1))
-    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
+    inputs = [n.meta["val"] for n in backend.graphs["forward"].graph.find_nodes(op="placeholder")]
+    symbols = {s.node.expr for v in inputs if isinstance(v, torch.Tensor) for s in v.shape
+               if isinstance(s, torch.SymInt)}
+    assert len(symbols) == len(dims)  # the sizes really are symbolic in the fused graph
 
 
 def test_no_joint_pattern_emits_an_op_without_backward():

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2db23ef3a681a799',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1bb5f083ceef1ff0',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

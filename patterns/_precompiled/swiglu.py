@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '83c876b3eac3c279',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2510023657424958',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

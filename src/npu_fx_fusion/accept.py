@@ -42,7 +42,7 @@ from .forms import Form, FusionPass, Reason, Site
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
-from .spellings import respell_exact
+from .spellings import may_match, respell_exact
 from .tracing import TRACERS, is_joint_kind, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -76,6 +76,9 @@ class RunContext:
     out_of_order: bool = False  # a replacement reads a node defined after it
     fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
     keep_intermediate_rounding: bool = False  # FusionConfig's: Site.keep_intermediate_rounding
+    # called before the pass's check first runs, and so before the run can change the
+    # graph (the caller's revert snapshot: a run without a candidate takes none)
+    before_change: Optional[Callable[[], None]] = None
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -88,12 +91,14 @@ class RunContext:
 @deep_patterns()  # matching and the exact retraces recurse per pattern node
 def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
                mode: Optional[str] = None, verify: bool = False, joint: bool = False,
-               keep_intermediate_rounding: bool = False) -> Optional[PassResult]:
+               keep_intermediate_rounding: bool = False,
+               before_change: Optional[Callable[[], None]] = None) -> Optional[PassResult]:
     """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
 
     soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
     (a form whose op that mode cannot lower is refused, so a later form can serve);
-    verify: check each site numerically before accepting it. joint: `gm` is a joint
+    verify: check each site numerically before accepting it; before_change: called before
+    the pass's check first runs on a candidate (and may be called again). joint: `gm` is a joint
     forward+backward graph (canonical.normalize_joint_graph'ed): the pass's joint patterns
     run (its forward-only ones with forward_forms_on_joint), and only forward nodes anchor
     near misses; None when the pass has nothing to match there.
@@ -106,7 +111,7 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
                      fake_mode=torch._guards.detect_fake_mode(inputs),  # noqa: SLF001
-                     keep_intermediate_rounding=keep_intermediate_rounding)
+                     keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change)
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
@@ -122,7 +127,6 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
             # half): sort (stable: the rest keeps its order)
             pm.stable_topological_sort(gm.graph)
         if ctx.sites and joint:
-            gm.graph.eliminate_dead_code()
             backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
@@ -170,16 +174,6 @@ def _which_registrations(fusion_pass: FusionPass, patterns: PatternSet, joint: b
     if fusion_pass.differentiable and patterns.anchors(joint=True):
         return "joint"
     return "forward" if fusion_pass.forward_forms_on_joint else None
-
-
-def may_change(fusion_pass: FusionPass, graph: torch.fx.Graph, joint: bool = False) -> bool:
-    """Whether apply_pass could change `graph`: False when no registration of the pass can
-    start a match in it (it then only looks for near misses)."""
-    if fusion_pass.prefilter is not None and not fusion_pass.prefilter(graph):
-        return False
-    patterns = pattern_set(fusion_pass)
-    which = _which_registrations(fusion_pass, patterns, joint)
-    return which is not None and _has_anchor(patterns, which == "joint", graph)
 
 
 def _has_anchor(patterns: PatternSet, joint: bool, graph: torch.fx.Graph) -> bool:
@@ -245,13 +239,31 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
             raise RuntimeError(f"the replacement gives {len(new_outputs)} outputs for {len(outputs)}")
         new_outputs = [new_outputs]
     inserted = set(added)
+    matched = set(match.nodes)
+    read_by_match = {arg for node in match.nodes for arg in node.all_input_nodes if arg not in matched}
     for old, new in zip(outputs, new_outputs):
         _replace_output(graph, old, new, inserted)
     match.erase_nodes()
     for node in reversed(added):  # replacement nodes nothing reads (an unused second output)
         if not node.users and not node.is_impure():
             graph.erase_node(node)
+    _erase_dead(graph, read_by_match)
     return [node for node in added if not node._erased]  # noqa: SLF001
+
+
+def _erase_dead(graph: torch.fx.Graph, candidates: set) -> None:
+    """Erase the calls among `candidates` that nothing reads any more (what only the
+    replaced nodes read: a value a pattern ignored, a backward's constant), and so on up
+    their inputs: dead-code elimination where a replacement can have made code dead, not
+    over the whole graph per pass."""
+    pending = list(candidates)
+    while pending:
+        node = pending.pop()
+        if node._erased or node.users or node.op != "call_function" or node.is_impure():  # noqa: SLF001
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        pending.extend(inputs)
 
 
 def _in_mode(value: Any, fake_mode: Any) -> Any:
@@ -350,6 +362,8 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
         for entry in entries[(node.op, node.target)]:
             if node._erased:  # noqa: SLF001 - replaced by an earlier match
                 break
+            if not may_match(entry.pattern, node):  # its arguments' ops rule it out
+                continue
             match = entry.pattern.match(node)
             if not pm.is_match(match):
                 continue
@@ -373,6 +387,8 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
             ctx.inexact.setdefault(node, exact)
         return False
     site, exact_match, arguments = exact
+    if ctx.before_change is not None:  # the pass's own code (its check) is about to run
+        ctx.before_change()
     replacement: list = []  # the replacement's trace, made by the output check
     reason = _first_failure(ctx, registration, site, exact_match, arguments, replacement)
     if reason is not None:
@@ -441,16 +457,26 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
             if grad and not value.is_floating_point():
                 return f"{name} is {value.dtype} here, but the form takes it as differentiable"
             for size in itertools.chain(value.shape, value.stride()):
-                if isinstance(size, torch.SymInt) and all(statically_known_true(size != a) for a in symbolic_sizes):
+                # every distinct symbolic size, once: torch's register_replacement keeps one
+                # only where it is provably *different* from those taken (`size != a`), which
+                # two independent sizes (dynamic batch and sequence: s0, s1) are not, and the
+                # retrace then spells the second `sym_size(x, i)` where the graph reads its
+                # SymInt input: no dynamic=True site with two symbolic sizes matched
+                if isinstance(size, torch.SymInt) and not any(statically_known_true(size == a)
+                                                              for a in symbolic_sizes):
                     symbolic_sizes.append(size)
     key = signature([*symbolic_sizes, *values], requires_grad=[False] * len(symbolic_sizes) + requires_grad)
     arguments = _Arguments(values, requires_grad, fake_mode, symbolic_sizes, key)
     exact = _exact_pattern(ctx, registration, arguments)
     if isinstance(exact, str):
         return exact
-    exact_match = exact.match(match.output_nodes()[0])
+    exact_pattern, size_arguments = exact
+    exact_match = exact_pattern.match(match.output_nodes()[0])
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
+    unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
+    if unequal:
+        return f"{form.name} has its structure, but differs in sizes: {unequal}"
     bound: dict[Node, Any] = {}
     for pattern, node in zip(exact_match.ctx.outputs, exact_match.output_nodes()):
         if node is not None and bound.setdefault(node, pattern) is not pattern:
@@ -462,9 +488,61 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     return site, exact_match, arguments
 
 
+def _symbolic_size_bound_elsewhere(exact_match: pm.Match, sizes: dict[str, Any]) -> Reason:
+    """The exact pattern takes each symbolic size as an input (a named argument, which
+    matches whatever node or literal sits there; `sizes`: each name's size): each one must
+    have bound a value the shape environment proves equal to its size, else the trace's
+    size and the graph's only have the same place."""
+    for name, size in sizes.items():
+        if name not in exact_match.kwargs:
+            continue
+        bound = exact_match.kwargs[name]
+        value = bound.meta.get("val") if isinstance(bound, Node) else bound
+        if not (isinstance(value, (int, torch.SymInt)) and statically_known_true(value == size)):
+            shown = bound.name if isinstance(bound, Node) else repr(bound)
+            return f"{shown} ({value}) stands where the form has the size {size}"
+    return None
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _sizes_as_inputs_per_use(gm: torch.fx.GraphModule, before: Node) -> list[Any]:
+    """Each place an op of an exact trace reads a symbolic size (a SymInt input, `sym_size(v,
+    0)` of an intermediate, `s0 * s1`) reads an input of its own instead, placed before
+    `before`; returns their sizes, in order.
+
+    A graph spells a symbolic value in whatever way it was traced, and not the same way in
+    every place: transformers' `arange(perm.size(0))` reaches a dynamo graph as `2 * s1 *
+    s0` of its SymInt inputs where a retrace has `sym_size` of the view it sorted (a second
+    user of that view, which then no longer matches); dynamo passes one SymInt input per
+    source of a size, so torchtitan's sequence length is one input in the rotary's first
+    view and another in its last. Static shapes have literals there. What must agree in
+    each place is the value, which _symbolic_size_bound_elsewhere proves through the shape
+    environment."""
+    sizes = []
+    for node in list(gm.graph.nodes):
+        value = node.meta.get("val")
+        if node.op not in ("placeholder", "call_function") or not isinstance(value, torch.SymInt):
+            continue
+        for user in list(node.users):
+            if user.op == "output" or isinstance(user.meta.get("val"), _SYMBOLIC):
+                continue  # more size arithmetic reads it: replaced where that is read
+            with gm.graph.inserting_before(before):
+                placeholder = gm.graph.placeholder(f"size_{len(sizes)}")
+            placeholder.meta["val"] = value
+            user.replace_input_with(node, placeholder)
+            sizes.append(value)
+    if sizes:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return sizes
+
+
 def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Arguments):
     """The form's search traced at the arguments as an exact pattern (sizes and scalars
-    literal), or why it does not trace; kept per signature (process-wide when static)."""
+    literal, each symbolic size a named argument: {name: its size}), or why it does not
+    trace; kept per signature (process-wide when static)."""
     form = registration.form
     key = (registration.kind, form.key, arguments.key)
     cache = ctx.patterns.exact_patterns if arguments.key is not None and is_static(arguments.key) else ctx.exact_patterns
@@ -472,6 +550,7 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
         return cache[key]
     trace = TRACERS[registration.kind]
     argnames, sizes = form.argnames, arguments.symbolic_sizes
+    size_arguments: dict[str, Any] = {}
     try:
         with arguments.fake_mode:
             if sizes:
@@ -482,22 +561,28 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
 
                 gm = trace(search_with_sizes, [*sizes, *arguments.traced])
                 placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-                size_names = [p.target for p in placeholders[:len(sizes)]]
+                renamed_arguments = []
                 for placeholder, name in zip(placeholders[len(sizes):], argnames):
                     with gm.graph.inserting_after(placeholder):
                         renamed = gm.graph.placeholder(name)
                     renamed.target = renamed.name
                     placeholder.replace_all_uses_with(renamed)
                     gm.graph.erase_node(placeholder)
+                    renamed_arguments.append(renamed)
                 if is_joint_kind(registration.kind):
                     _drop_size_gradients(gm, len(sizes), len(argnames))
-                argnames = [*size_names, *argnames]
+                # (the size inputs themselves are then read by size arithmetic at most: their
+                # names stay in front, as the placeholders are)
+                uses = _sizes_as_inputs_per_use(gm, renamed_arguments[0])
+                size_arguments = {**{f"symbolic_size_{i}": size for i, size in enumerate(sizes)},
+                                  **{f"size_{i}": size for i, size in enumerate(uses)}}
+                argnames = [*size_arguments, *argnames]  # the placeholders' order
             else:
                 gm = trace(form.search, arguments.traced)
     except RuntimeError as exc:
         found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
     else:
-        found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames))
+        found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames)), size_arguments
     if arguments.key is not None:
         cache[key] = found
     return found
@@ -536,6 +621,9 @@ def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:
         if not fusion_pass.is_scalar(name) and not isinstance(value, torch.Tensor):
             return f"{name} is {value!r}, not a tensor"
         if fusion_pass.is_scalar(name) and isinstance(site.arg_nodes.get(name), Node):
+            if isinstance(value, (torch.SymInt, torch.SymFloat)):  # e.g. min(index_topk, S), S dynamic
+                return (f"{name} is {value}, computed from the graph's symbolic sizes (dynamic shapes), "
+                        "not a constant the fused op can take")
             return f"{name} is a tensor computed in the graph, not a constant"
     return None
 
@@ -563,8 +651,8 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
             if isinstance(value, Node) and any(entry[:2] == (str(node.target), key) for entry in spelled):
                 # a symbolic size computed in the graph (repeat_interleave's output_size, the
                 # rows an expert-parallel all-to-all received): the form spells this keyword,
-                # as an int at its static example, and the exact retrace at the match's own
-                # sizes (an input for each symbolic size) compared it node for node
+                # as an int at its static example, and the exact match at the match's own
+                # sizes proved its value equal (_symbolic_size_bound_elsewhere)
                 continue
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"

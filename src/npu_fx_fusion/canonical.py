@@ -319,7 +319,8 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
     from torch._inductor.fx_passes.joint_graph import early_patterns
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
-    gm.graph.eliminate_dead_code()  # patterns pin user counts
+    if any(not n.users and n.op == "call_function" for n in gm.graph.nodes):  # aot's joint graphs have none
+        gm.graph.eliminate_dead_code()  # patterns pin user counts
     # canonicalize first: a view whose sizes spell a -1 (transformers' `reshape(B, -1, S, D)`
     # after SDPA) is a no-op only once the -1 is resolved, as it is in the traces
     canonicalize(gm.graph)

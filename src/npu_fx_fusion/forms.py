@@ -105,9 +105,12 @@ class FusionPass:
     example:  example value per argument name, as a function of dtype (tensors), or a
               float/int for scalars. A scalar's example value marks it in the trace, so it
               must not occur elsewhere in the search function's graph.
-    check:    check(site) -> reason or None, run on every structural match
+    check:    check(site) -> reason or None, run on every structural match (what it does
+              to the graph is reverted if the pass fails)
     anchor:   anchor(node) -> bool, the nodes that signal a candidate site
     explain:  explain(anchor_node) -> reason or None, for an anchor no form matched
+              (anchor, explain and prefilter only read the graph: they run on every
+              graph, before the pass takes its revert snapshot)
     after:    passes that must run before this one (the pipeline order is derived from
               these declarations; passes without an order between them run by name)
     verify_input: verify_input(arg_name, {arg_name: fake value}) -> a real input for

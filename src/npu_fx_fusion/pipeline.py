@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from . import npu_ops
-from .accept import apply_pass, may_change
+from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import detect_soc
 from .catalog import load_pass
@@ -348,18 +348,26 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
         log.info("pass %r is not implemented in this version of npu-fx-fusion", name)
         return PassResult(name, skipped="not implemented in this version"), original_nodes
     start = time.perf_counter()
-    # a pass that can match nothing here changes nothing: no snapshot to take
-    snapshot = _Snapshot(gm.graph) if may_change(fusion_pass, gm.graph, joint) else None
+    # taken before the pass's check first runs on a candidate: a pass with no candidate in
+    # this graph takes none (the matcher only reads the graph, and so must the pass's
+    # anchor, explain and prefilter: FusionPass)
+    snapshot: list[_Snapshot] = []
+
+    def before_change() -> None:
+        if not snapshot:
+            snapshot.append(_Snapshot(gm.graph))
+
     try:
         result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint,
-                            keep_intermediate_rounding=config.keep_intermediate_rounding)
+                            keep_intermediate_rounding=config.keep_intermediate_rounding,
+                            before_change=before_change)
         if result is None:  # no joint patterns: nothing to do, nothing to report
             return None, original_nodes
         if result.sites:
             gm.graph.lint()
     except Exception as exc:
-        if snapshot is not None:
-            rebuilt = snapshot.restore(gm)
+        if snapshot:
+            rebuilt = snapshot[0].restore(gm)
             original_nodes = {rebuilt[n] for n in original_nodes if n in rebuilt}
         if config.strict:
             raise

@@ -33,15 +33,25 @@ class Commutative(pm.CallFunction):
     """A call of a commutative op of two tensors, matched with its operands in either order.
 
     IEEE addition and multiplication are commutative, so `a * b` and `b * a` are one value.
-    The second order is tried only when the first fails, with the bindings of the failed
-    attempt undone (torch's MatchContext keeps what each sub-pattern matched)."""
+    An order is tried only where each operand's op can be what the pattern has there
+    (`arguments_may_match`), and the second only when the first fails, with the bindings of
+    the failed attempt undone (torch's MatchContext keeps what each sub-pattern matched)."""
 
     def _match(self, node: Node, ctx: pm.MatchContext) -> pm.MatchResult:
+        if len(self.args) != 2 or not isinstance(node, Node):
+            return super()._match(node, ctx)
+        straight = arguments_may_match(self, node.args)
+        crossed = arguments_may_match(self, node.args, crossed=True)
         saved = len(ctx.pattern_to_node)
-        first = super()._match(node, ctx)
-        if first or len(self.args) != 2:
-            return first
-        _undo_bindings(ctx, saved)
+        if straight:
+            first = super()._match(node, ctx)
+            if first or not crossed:
+                return first
+            _undo_bindings(ctx, saved)
+        else:  # the operands' own ops rule this order out: no match of their subtrees needed
+            first = pm.FailedMatch("function_mismatch: operands {} cannot be {}", node.args, self.args)
+            if not crossed:
+                return first
         args, flat = self.args, self.flat_args_kwargs
         self.args = (args[1], args[0])
         self.flat_args_kwargs = self.flatten(self.args, self.kwargs)
@@ -53,6 +63,43 @@ class Commutative(pm.CallFunction):
             _undo_bindings(ctx, saved)
             return first
         return second
+
+
+def op_may_match(pattern: Any, node: Any) -> bool:
+    """False when `pattern` cannot match `node` by its op alone (a call pattern of other
+    targets, or a non-node for a call); True when it may (and for patterns that match any
+    value: arguments, ignored values, literals the match compares)."""
+    if isinstance(pattern, AnyOf):
+        return any(op_may_match(alternative, node) for alternative in pattern.alternatives)
+    if isinstance(pattern, pm._TargetExpr):  # noqa: SLF001 - CallFunction and its kin
+        return pattern._match_fns(node)  # noqa: SLF001
+    return True
+
+
+def arguments_may_match(pattern: Any, args: Any, crossed: bool = False) -> bool:
+    """A necessary condition for a call pattern's positional arguments to match `args`, one
+    level down (each argument's op), checked without matching their subtrees; `crossed`:
+    the two arguments of a commutative call swapped. True where it cannot tell (keyword
+    arguments the matcher normalises, another argument count: the match decides)."""
+    if not isinstance(pattern, pm._TargetArgsExpr) or pattern.kwargs or len(args) != len(pattern.args):  # noqa: SLF001
+        return True
+    expected = pattern.args[::-1] if crossed else pattern.args
+    return all(op_may_match(p, a) for p, a in zip(expected, args))
+
+
+def may_match(pattern: pm.PatternExpr, node: Node) -> bool:
+    """A necessary condition for `pattern` (its first output, for a multi-output one) to
+    match at `node`: its op and its arguments' ops (in either order for a commutative call).
+    The matcher tries every registration at every node of an anchor op; most fail one level
+    down, after torch's matcher has matched every argument before the one that differs."""
+    if isinstance(pattern, pm.MultiOutputPattern):
+        pattern = pattern.outputs[0]
+    if isinstance(pattern, AnyOf):
+        return any(may_match(alternative, node) for alternative in pattern.alternatives)
+    if not op_may_match(pattern, node):
+        return False
+    return arguments_may_match(pattern, node.args) or (
+        isinstance(pattern, Commutative) and arguments_may_match(pattern, node.args, crossed=True))
 
 
 def _undo_bindings(ctx: pm.MatchContext, saved: int) -> None:

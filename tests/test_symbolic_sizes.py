@@ -1,0 +1,88 @@
+"""Symbolic sizes in the exact match (accept._exact_match): proven equal, never assumed.
+
+Under torch.compile(dynamic=True) a site's sizes are SymInts. The exact retrace of a form
+takes each symbolic size of its arguments as an input, and each size the trace computes
+(`sym_size` of an intermediate, `s0 * s1`) as one more: the graph may compute the same
+value another way (transformers' `arange(perm.size(0))` is `2 * s1 * s0` of dynamo's
+SymInt inputs). Whatever the graph has in such a place must be proven equal to the form's
+size by the shape environment, else the site is a near miss. These tests use a test-only
+pass whose form multiplies by a size, on graphs traced with symbolic shapes (make_fx),
+so that the graph's value in that place can be the right size, an equal one spelled
+otherwise, or another size of the same tensor.
+"""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from npu_fx_fusion.accept import apply_pass
+from npu_fx_fusion.matching import Form, FusionPass, is_call
+
+aten = torch.ops.aten
+
+
+def _pass(search, example=(3, 5)):
+    """A pass replacing `search(x)` by `-search(-x)`, the same values (negation is exact):
+    its mul then reads no input, and is no candidate (anchor: a mul of the graph's input)."""
+
+    def negated_twice(x):
+        return -search(-x)
+
+    negated_twice.__name__ = f"{search.__name__}_negated_twice"
+    return FusionPass(name="test", fused_op="aten.mul", forms=[Form(search, negated_twice, dtypes=(torch.float32,))],
+                      example={"x": lambda dtype: torch.empty(*example, dtype=dtype)}, check=lambda site: None,
+                      anchor=lambda node: is_call(node, aten.mul.Tensor) and node.args[0].op == "placeholder",
+                      explain=lambda node: None)
+
+
+def times_last_size(x):
+    return x * x.shape[-1]
+
+
+def times_element_count(x):
+    return x * (x.shape[0] * x.shape[1])
+
+
+def _symbolic_graph(fn):
+    # (4, 6): two sizes that differ, so the shape environment gives them two symbols
+    return make_fx(fn, tracing_mode="symbolic")(torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("search, graph_fn", [
+    (times_last_size, lambda x: x * x.shape[-1]),
+    (times_element_count, lambda x: x * (x.shape[0] * x.shape[1])),
+    # the same value computed in another order: proven equal (s1*s0 == s0*s1)
+    (times_element_count, lambda x: x * (x.shape[1] * x.shape[0])),
+], ids=["the-size", "a-product-of-sizes", "the-product-in-another-order"])
+def test_a_size_the_shape_environment_proves_equal_matches(search, graph_fn):
+    gm = _symbolic_graph(graph_fn)
+    result = apply_pass(_pass(search), gm)
+    assert len(result.sites) == 1 and result.near_misses == []
+
+
+@pytest.mark.parametrize("search, graph_fn, wanted", [
+    # the other dim of the same tensor in the same place: s0 where the form has s1
+    (times_last_size, lambda x: x * x.shape[0], "s"),
+    # a sum where the form multiplies
+    (times_element_count, lambda x: x * (x.shape[0] + x.shape[1]), "+"),
+], ids=["another-size", "another-expression"])
+def test_a_size_not_proven_equal_is_a_near_miss(search, graph_fn, wanted):
+    gm = _symbolic_graph(graph_fn)
+    before = gm.code
+    result = apply_pass(_pass(search), gm)
+    assert result.sites == [] and gm.code == before
+    (miss,) = result.near_misses
+    assert "has its structure, but differs in sizes" in miss.reason and "stands where the form has the size" in miss.reason
+    assert wanted in miss.reason
+
+
+def test_two_independent_symbolic_sizes_are_both_inputs_of_the_retrace():
+    """Batch and sequence dynamic together: neither size is provably different from the
+    other, and both are taken as inputs (torch's register_replacement keeps a second one
+    only if it is provably different, and the retrace then reads it as sym_size of the
+    argument, which the graph's own SymInt does not match)."""
+    def flattened(x):
+        return x.reshape(x.shape[0] * x.shape[1], -1) * 2
+
+    gm = make_fx(flattened, tracing_mode="symbolic")(torch.randn(4, 6, 8))
+    result = apply_pass(_pass(flattened, example=(2, 3, 5)), gm)
+    assert len(result.sites) == 1
