@@ -204,7 +204,32 @@ def anchor(node):
     return False
 
 
+def _masked_by_a_compressed_threshold(topk):
+    """Whether the scores a top-k ranks are masked with a floor division of the positions:
+    DeepSeek-V4's indexer (DeepseekV4Indexer: blocks w >= (t + 1) // compress_rate hidden),
+    which V3.2's token-level mask never has."""
+    scores = topk.args[0]
+    if not is_call(scores, aten.masked_fill.Scalar):
+        return False
+    frontier, seen = [scores.args[1]], 0
+    while frontier and seen < 12:
+        current = frontier.pop(0)
+        seen += 1
+        if is_call(current, aten.floor_divide.default):
+            return True
+        if isinstance(current, torch.fx.Node):
+            frontier.extend(current.all_input_nodes)
+    return False
+
+
 def explain(topk):
+    if _masked_by_a_compressed_threshold(topk):
+        # left in the graph where sparse_mla refused its CSA site; that pass's near miss for the
+        # layer's attention says why (sparse_mla runs first: after=)
+        return ("DeepSeek-V4's lightning indexer (scores over compressed blocks, masked past (t + 1) // "
+                "compress_rate): sparse_mla fuses it with its CSA attention, into "
+                "cann_ops_transformer.lightning_indexer (npu_lightning_indexer has no cmp_ratio for that "
+                "mask); see sparse_mla's near miss for this layer's attention")
     return ("a top-k over relu'd query-key scores that matches none of the indexer forms "
             "(transformers DeepseekV32Indexer: scale inside the relu, weights summing the heads, "
             "a bool mask; the additive mask of its eager path is not covered)")

@@ -180,21 +180,13 @@ def check(site):
     n, d = x.shape[2], x.shape[3]
     if site.form.fused_op == "cann_ops_transformer.mhc_pre_sinkhorn":
         limits = PRE_SINKHORN.limits
-        if site.soc is None:  # emulation: both SoC families' rule
-            dim_reason = (f"C = {d}: mhc_pre_sinkhorn takes C 128-aligned on A2/A3, C in {limits['dims_950']} "
-                          "on Ascend950" if d % limits["a2_a3_dim_multiple"] or d not in limits["dims_950"] else None)
-        elif site.soc == "Ascend950":
-            dim_reason = (f"C = {d}: on Ascend950 mhc_pre_sinkhorn takes C in {limits['dims_950']}"
-                          if d not in limits["dims_950"] else None)
-        else:
-            dim_reason = (f"C = {d}: on A2/A3 mhc_pre_sinkhorn takes C 128-aligned up to {limits['a2_a3_max_dim']}"
-                          if d % limits["a2_a3_dim_multiple"] or d > limits["a2_a3_max_dim"] else None)
         return site.hardware_limits([
             unsupported("cann_ops_transformer.mhc_pre_sinkhorn", site.soc, x=x),
-            f"{n} streams: mhc_pre_sinkhorn takes N = 4 only" if n not in limits["streams"] else None,
-            f"{iterations} Sinkhorn iterations: mhc_pre_sinkhorn takes 20 only"
+            f"{n} streams: mhc_pre_sinkhorn takes N = {_values(limits['streams'])}"
+            if n not in limits["streams"] else None,
+            f"{iterations} Sinkhorn iterations: mhc_pre_sinkhorn takes {_values(limits['iterations'])}"
             if iterations not in limits["iterations"] else None,
-            dim_reason,
+            *_dim_reasons(d, site.soc),
         ])
     low, high = SINKHORN.limits["iterations"]
     return site.hardware_limits([
@@ -206,6 +198,27 @@ def check(site):
         if d % MHC_PRE.limits["dim_multiple"] or d > MHC_PRE.limits["max_dim"] else None,
         f"{iterations} iterations: npu_mhc_sinkhorn takes {low}..{high}" if not low <= iterations <= high else None,
     ])
+
+
+def _values(allowed):
+    """A capability row's allowed values as a note says them: "20 only", or the tuple."""
+    return f"{allowed[0]} only" if len(allowed) == 1 else str(allowed)
+
+
+def _dim_reasons(d, soc):
+    """mhc_pre_sinkhorn's C limit, which differs by SoC (COT docs/zh/mhc_pre_sinkhorn.md): one
+    reason per SoC family it is broken on, naming it: the site's SoC, or in emulation (no SoC)
+    A2/A3 and Ascend950 both, as "C = 64: on <SoC> mhc_pre_sinkhorn takes ..."."""
+    limits = PRE_SINKHORN.limits
+    families = [(soc, soc == "Ascend950")] if soc is not None else [("A2/A3", False), ("Ascend950", True)]
+    reasons = []
+    for name, is_950 in families:
+        if is_950 and d not in limits["dims_950"]:
+            reasons.append(f"C = {d}: on {name} mhc_pre_sinkhorn takes C in {limits['dims_950']}")
+        elif not is_950 and (d % limits["a2_a3_dim_multiple"] or d > limits["a2_a3_max_dim"]):
+            reasons.append(f"C = {d}: on {name} mhc_pre_sinkhorn takes C {limits['a2_a3_dim_multiple']}-aligned "
+                           f"up to {limits['a2_a3_max_dim']}")
+    return reasons
 
 
 # ---- near misses: a Sinkhorn normalisation that no form consumed ---------------------------

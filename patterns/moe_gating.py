@@ -412,6 +412,12 @@ def explain(topk):
         reason = _training_reason(scores)
         if reason:
             return reason
+    elif scores is not None and any(user.op == "output" for user in scores.users):
+        # the forward of a partitioned training graph (the joint graph's near miss said why), whose
+        # forms do not match here because the scores are saved for the backward
+        reason = _training_reason(scores)
+        if reason:
+            return f"{reason} (here, the forward of a training step: its scores are saved for the backward)"
     if is_call(topk, aten.gather.default):
         return ("a hash router (scores gathered at tid2eid[input_ids]) other than transformers' "
                 "DeepseekV4HashRouter (sqrt-softplus scores, renormalised with 1e-20, scaled)")

@@ -459,17 +459,28 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
-    verify_input=lambda name, args: _distinct_indices(args) if name == "indices" else None,
+    verify_input=lambda name, args: _top_k_indices(args) if name == "indices" else None,
     differentiable=("query", "key", "value", "q_nope", "q_rope", "kv", "k_rope"),
     prefilter=could_match,
 )
 
 
-def _distinct_indices(args):
-    """Verification indices as a top-k gives them: distinct keys per query (a key listed twice
-    counts twice in the op, once in the model's mask)."""
-    batch, queries, count = args["indices"].shape
+def _top_k_indices(args):
+    """Verification indices as a causal top-k gives them: distinct keys per query, the keys the
+    query sees (0 .. T - S + i, the right-down causal mask of sparse_mode 3 and of the MLA
+    form) first, in random order, then hidden ones. A key listed twice would count twice in the
+    op, once in the model's mask. And every query lists a key it sees, as a top-k over scores
+    masked to -inf past the causal limit always does (k >= 1 finite scores come first): with
+    uniformly random keys a query can list only future keys, and the MLA form's softmax over a
+    row of -inf is NaN (the op's is 0), a row no model computes that failed verification."""
+    batch, queries, count = (int(size) for size in args["indices"].shape)
     keys = int(args["key"].shape[-2] if "key" in args else args["kv"].shape[1])
     generator = torch.Generator().manual_seed(0)
-    rows = [torch.randperm(keys, generator=generator)[:count] for _ in range(int(batch) * int(queries))]
-    return torch.stack(rows).view(int(batch), int(queries), int(count)).to(args["indices"].dtype)
+    rows = []
+    for _ in range(batch):
+        for query in range(queries):
+            seen = max(1, min(keys, keys - queries + query + 1))
+            order = torch.cat([torch.randperm(seen, generator=generator),
+                               seen + torch.randperm(keys - seen, generator=generator)])
+            rows.append(order[:count])
+    return torch.stack(rows).view(batch, queries, count).to(args["indices"].dtype)

@@ -42,7 +42,10 @@ sparse_flash_mla. The indexer's scale goes into its weights (relu(s x) = s relu(
 Layouts: transformers keeps q as (B, H, S, D); the op takes BSND, and returns what
 transformers returns after its `transpose(1, 2).contiguous()`. Kernel limits the tiny
 models miss (D 512, H in {1, 2, ..., 128}, bf16 / fp16, A2/A3's m in {1, 4, 128} and CSA
-top-k of 512 / 1024) are notes in emulation and refusals with a SoC (Site.hardware_limits).
+top-k of 512 / 1024, the indexer's head dim 128, the indexer metadata's 32 / 64 heads) are
+notes in emulation and refusals with a SoC (Site.hardware_limits). A limit of one SoC family
+names it ("compress ratio 8: on A2/A3 sparse_flash_mla takes (1, 4, 128)"): with a SoC, that
+SoC's limits; in emulation, those of A2/A3 and of Ascend950 alike.
 
 Metadata: 950 needs the _metadata op's tiling, A2 / A3 take none (COT docs): one
 replacement per convention, chosen by SoC (in emulation: with metadata).
@@ -311,39 +314,61 @@ def _compressed_reason(site):
     return arange_positions_reason(site.arg_nodes["position_ids"])
 
 
+def _soc_families(site):
+    """The SoCs whose kernel limits a site is checked against, each with the name its notes give
+    it: the site's SoC, or in emulation (no SoC) both families, each note naming the one it is of."""
+    if site.soc is not None:
+        return [(site.soc, site.soc == "Ascend950")]
+    return [("A2/A3", False), ("Ascend950", True)]
+
+
 def _hardware_reasons(site, indices_width=None):
+    """sparse_flash_mla's limits (capabilities.py's row): those of every SoC as "<what>: <op>
+    takes <limit>", those of one SoC family as "<what>: on <SoC> <op> takes <limit>" (COT
+    docs/zh/sparse_flash_mla.md, 规格约束: 950 takes no single query head; A2/A3 take the compress
+    ratios 1 / 4 / 128 and CSA top-k 512 / 1024 only)."""
     query = site["query"]
     heads, dim = query.shape[1], query.shape[3]
     limits = SMLA.limits
     ratio = site.args.get("compress_rate", 1)
-    heads_ok = limits["query_heads_950"] if site.soc == "Ascend950" else limits["query_heads"]
     reasons = [
         unsupported(SMLA.op, site.soc, x=query),
-        f"head dim {dim}, the kernel takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
-        f"{heads} query heads, the kernel takes {heads_ok}" if heads not in heads_ok else None,
+        f"head dim {dim}: sparse_flash_mla takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
     ]
-    if site.soc != "Ascend950":
-        reasons.append(f"compress ratio {ratio}: A2/A3 take {limits['cmp_ratios_a2_a3']}"
+    for soc, is_950 in _soc_families(site):
+        heads_ok = limits["query_heads_950"] if is_950 else limits["query_heads"]
+        reasons.append(f"{heads} query heads: on {soc} sparse_flash_mla takes {heads_ok}"
+                       if heads not in heads_ok else None)
+        if is_950:
+            reasons.append(f"compress ratio {ratio}: on {soc} sparse_flash_mla takes 1..{limits['max_cmp_ratio']}"
+                           if not 1 <= ratio <= limits["max_cmp_ratio"] else None)
+            continue
+        reasons.append(f"compress ratio {ratio}: on {soc} sparse_flash_mla takes {limits['cmp_ratios_a2_a3']}"
                        if ratio not in limits["cmp_ratios_a2_a3"] else None)
         if indices_width is not None:
-            reasons.append(f"top-{indices_width} compressed blocks: A2/A3 take {limits['csa_topk_a2_a3']}"
-                           if indices_width not in limits["csa_topk_a2_a3"] else None)
-    elif not 1 <= ratio <= limits["max_cmp_ratio"]:
-        reasons.append(f"compress ratio {ratio} is not in 1..{limits['max_cmp_ratio']}")
+            reasons.append(f"top-{indices_width} compressed blocks: on {soc} sparse_flash_mla takes "
+                           f"{limits['csa_topk_a2_a3']}" if indices_width not in limits["csa_topk_a2_a3"] else None)
     return reasons
 
 
 def _indexer_reasons(site):
-    iq, ik, iw = site["index_query"], site["index_keys"], site["index_weights"]
+    """lightning_indexer's limits (COT docs/zh/lightning_indexer.md; aclnnLightningIndexer.md):
+    the op takes up to 64 query heads of 128; its metadata op only 32 or 64 heads, a limit of
+    the forms that call it, where the SoC takes metadata (_metadata_reason: 950, and emulation)."""
+    iq = site["index_query"]
     limits = INDEXER.limits
     heads, dim = iq.shape[2], iq.shape[3]
     count = site["index_topk"]
+    # (a metadata form on a SoC that takes none is refused by _metadata_reason, not by this)
+    with_metadata = site.form.replace in _WITH_METADATA and _metadata_reason(site) is None
     return [
         unsupported(INDEXER.op, site.soc, x=iq),
-        f"indexer head dim {dim}, the kernel takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
-        f"{heads} indexer heads, the metadata takes {limits['metadata_query_heads']}"
-        if heads not in limits["metadata_query_heads"] else None,
-        f"index top-k {count} > {limits['max_topk']}"
+        f"indexer head dim {dim}: lightning_indexer takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
+        f"{heads} indexer heads: lightning_indexer takes 1..{limits['max_query_heads']}"
+        if not 1 <= heads <= limits["max_query_heads"] else None,
+        f"{heads} indexer heads: on {site.soc or 'Ascend950'} lightning_indexer_metadata takes "
+        f"{limits['metadata_query_heads']}" if with_metadata and heads not in limits["metadata_query_heads"] else None,
+        f"index top-k {count}: lightning_indexer takes 1..{limits['max_topk']} or one of {limits['large_topks']}"
         if count > limits["max_topk"] and count not in limits["large_topks"] else None,
     ]
 
@@ -385,6 +410,30 @@ def _site_reason(site):
     if reason:
         return reason
     return site.hardware_limits(_hardware_reasons(site, site["index_topk"]) + _indexer_reasons(site))
+
+
+# ---- verification inputs ------------------------------------------------------------------------
+def verify_input(name, args):
+    """CSA: indexer inputs without exactly tied scores. A block scores exactly 0 where relu zeroes
+    all Hi heads' products (2**-Hi of the blocks on random data), and where such ties fall on the
+    k-th score the model's top-k and the fused indexer may keep different blocks: both are a
+    top-k (torch: "the indices of tied elements are not guaranteed to be stable"), but the
+    attention over them differs. With 4 indexer heads 14 of 300 random draws at the tiny V4's
+    sizes (S 18, ratio 4, top-3) and 182 of 300 at S 64, top-8 differed so, every one a tie at
+    the k-th score, so verification refused correct sites. Positive keys and a positive first
+    head make that head's product, and so every score, non-zero (the other heads keep random
+    signs, so the relu still counts): then no two scores are equal but by chance (0 of 300
+    draws differed)."""
+    if name not in ("index_keys", "index_query"):
+        return None
+    fake = args[name]
+    generator = torch.Generator().manual_seed(1 if name == "index_keys" else 2)
+    values = torch.randn(*(int(size) for size in fake.shape), generator=generator)
+    if name == "index_keys":
+        values = values.abs()
+    else:  # (B, S, Hi, Di)
+        values[:, :, 0] = values[:, :, 0].abs()
+    return values.to(fake.dtype)
 
 
 # ---- near misses: a softmax over logits with a sink column ------------------------------------
@@ -452,6 +501,7 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    verify_input=verify_input,
     differentiable=("query", "kv", "compressed_kv", "sinks"),
     prefilter=lambda graph: any(_sink_softmax(n) for n in graph.nodes if n.op == "call_function"),
 )

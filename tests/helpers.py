@@ -196,3 +196,27 @@ def npu_ops(gm) -> dict:
             if not name.startswith("_npu_dtype_cast") and name not in DISPATCH_OPS:
                 counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+class KeepFloat64(torch.overrides.TorchFunctionMode):
+    """While active, a model run in float64 stays float64 through its own fp32 casts: `.float()`,
+    `.to(torch.float32)` and `dtype=torch.float32` keep float64. transformers' DeepSeek-V4 casts its
+    mHC, router and compressor math to fp32 explicitly, so a `.double()` copy alone is no float64
+    reference (its hyper-connection outputs differed from a float64 computation by 1e-7 relative)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is torch.Tensor.float and tensor is not None and tensor.dtype == torch.float64:
+            return tensor
+        if kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        if func is torch.Tensor.to and tensor is not None and tensor.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        return func(*args, **kwargs)
+
+
+def errors_at_scale(actual: torch.Tensor, exact: torch.Tensor, precision: torch.dtype = torch.float32) -> float:
+    """max |actual - exact| in ulps of `precision` at the largest |exact| (exact: a float64 reference)."""
+    unit = ulp(exact.abs().max().reshape(1).to(precision)).double().item()
+    return (actual.double() - exact.double()).abs().max().item() / unit if unit > 0 else 0.0

@@ -381,5 +381,12 @@ def test_deepseek_v4_router_in_training_says_why():
     module, hidden, ids = _v4_block("topk")
     backend = train_and_compare(module, [hidden, ids], V4_GATING, {torch.float32: 16})
     assert backend.report.counts["moe_gating"] == 0
-    assert ("a sqrt-softplus router in training (DeepSeek-V4): npu_moe_gating_top_k_backward differentiates the "
-            "sigmoid mode only (norm_type 1), not norm_type 2") in near_miss_reasons(backend.report, "moe_gating")
+    reason = ("a sqrt-softplus router in training (DeepSeek-V4): npu_moe_gating_top_k_backward differentiates the "
+              "sigmoid mode only (norm_type 1), not norm_type 2")
+    # the joint graph's, and the partitioned forward's (not 'matches neither form': the same router,
+    # its scores saved for the backward)
+    assert [m.reason for g in backend.report.graphs if g.name == "joint" for r in g.passes
+            if r.pass_name == "moe_gating" for m in r.near_misses] == [reason]
+    forward = [m.reason for g in backend.report.graphs if g.name == "forward" for r in g.passes
+               if r.pass_name == "moe_gating" for m in r.near_misses]
+    assert forward == [f"{reason} (here, the forward of a training step: its scores are saved for the backward)"]

@@ -265,6 +265,34 @@ def test_absorbed_mla_over_gathered_keys_fuses_with_the_indexer():
     assert_close_at_scale(out, ref, 4)
 
 
+def test_absorbed_mla_verifies_on_indices_a_causal_top_k_gives():
+    # verification draws the indices as a causal top-k lists them (every query sees one of its
+    # keys); uniformly random keys left query 0 with only future keys, a row of -inf whose
+    # softmax is NaN in the form and 0 in the op: "error nan ulp at scale nan", so refused
+    config = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"}, verify=True)
+    layer = MlaSparseLayer(latent=32, rope=16, index_dim=16)
+    out, ref, report = compile_and_run(layer, *_mla_inputs(latent=32, rope=16, index_dim=16), config=config)
+    assert report.counts["sparse_attention"] == 1 and report.counts["lightning_indexer"] == 1
+    assert all(s.verified.startswith("verified: max error") for s in report.sites), \
+        [s.verified for s in report.sites]
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_verification_indices_are_a_causal_top_k():
+    from npu_fx_fusion.patterns.sparse_attention import _top_k_indices
+
+    for queries, keys in ((7, 7), (7, 9)):  # a prefill, and fewer queries than keys (decode-like)
+        indices = _top_k_indices({"indices": torch.empty(2, queries, 5, dtype=torch.int32),
+                                  "kv": torch.empty(2, keys, 24)})
+        assert indices.dtype == torch.int32 and indices.shape == (2, queries, 5)
+        last_visible = torch.arange(queries).view(1, -1, 1) + (keys - queries)
+        visible = indices <= last_visible
+        assert visible.any(dim=-1).all()  # each query lists a key it sees
+        # the keys it sees come first, as in a top-k over -inf-masked scores, and none twice
+        assert (visible.int().diff(dim=-1) <= 0).all()
+        assert all(len(set(row.tolist())) == 5 for row in indices.view(-1, 5))
+
+
 def test_an_attention_that_trusts_the_indices_keeps_the_indexer_unfused():
     # without its own causal mask the attention reads the future keys the model's top-k
     # lists for the first queries; the op's -1 slots would drop them

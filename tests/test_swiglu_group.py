@@ -46,6 +46,12 @@ def test_a2_gets_npu_clipped_swiglu():
     assert "cann_ops_nn.swiglu_group" not in report.fused_ops
     assert report.fused_ops["npu.npu_clipped_swiglu"] == 1
     assert_close_at_scale(out, ref, ULPS[torch.bfloat16])
+    # reported at the model's own line of the activation (DeepseekV4Experts._apply_gate), not at
+    # the grouped GEMM after it: moe_dispatch's replacement keeps the activation, one of the two
+    # muls of the block it replaces, and its call is aligned with the model's (accept.py)
+    (site,) = [s for s in report.sites if s.pass_name == "swiglu_group"]
+    assert site.location.file.endswith("modeling_deepseek_v4.py"), site.location
+    assert site.location.code == "return self.act_fn(gate) * up", site.location
 
 
 def test_the_limit_is_captured():

@@ -163,3 +163,67 @@ def fused_calls(gm) -> dict:
     from npu_fx_fusion.report import fused_op_counts, op_counts
 
     return dict(fused_op_counts(op_counts(gm.graph)))
+
+
+# ---- the whole tiny model: its V4 sites, family by family (issue 17's closing table) -------------
+# What build_hf("deepseek_v4") holds (3 layers: sliding, CSA, HCA attention; hash-routed, then two
+# top-k MoE layers), and the pass (and form) that fuses each family. Present counts from the model:
+#   mHC pre / post: attn_hc and ffn_hc per layer, and the residual mix after attention and MLP: 2 x 3
+#   partial RoPE: q, kv and the inverse on the output per layer (3 x 3), the CSA and HCA
+#     compressors' keys (2), the CSA indexer's q and k (2): 13
+#   attention: one layer of each kind; the CSA form spans its lightning indexer
+#   routers, routed clamped SwiGLU, experts dispatch: one per MoE layer (3), grouped GEMMs 2 each
+#   RMSNorm: input_layernorm, post_attention_layernorm, q_a_norm, q_b_norm (unweighted) and kv_norm
+#     per layer (5 x 3), the CSA and HCA compressors' kv_norm (2), the CSA indexer's (1), hc_head's
+#     input_norm and the final norm (2): 20 (the mHC input norms are part of mhc_pre's form)
+#   the shared expert's clamped SwiGLU: 3, never fused (separate gate and up projections)
+V4_FAMILIES = {
+    "mHC pre": ("mhc_pre", None, 6),
+    "mHC post": ("mhc_post", None, 6),
+    "partial RoPE": ("rope", None, 13),
+    "SWA attention": ("sparse_mla", "deepseek_v4_sliding_attention", 1),
+    "CSA attention + indexer": ("sparse_mla", "deepseek_v4_csa_attention", 1),
+    "HCA attention": ("sparse_mla", "deepseek_v4_hca_attention", 1),
+    "router": ("moe_gating", None, 3),
+    "routed clamped SwiGLU": ("swiglu_group", None, 3),
+    "experts dispatch": ("moe_dispatch", None, 3),
+    "grouped GEMM": ("grouped_matmul", None, 6),
+    "RMSNorm": ("rms_norm", None, 20),
+}
+SHARED_EXPERT_SWIGLUS = 3
+
+
+def site_table(report) -> dict:
+    """{family: (fused, present)} over every graph of the report (a training step's joint graph and
+    its partitioned forward: the indexer's forward-only ropes and norm fuse there)."""
+    table = {}
+    for family, (pass_name, form, present) in V4_FAMILIES.items():
+        fused = sum(1 for s in report.sites if s.pass_name == pass_name and (form is None or s.form == form))
+        table[family] = (fused, present)
+    return table
+
+
+# ops that only move or name data (views, getitem): not counted as computing ops
+_DATA_MOVEMENT = ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand", "aten.permute", "aten.transpose",
+                  "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select", "aten.t.", "aten.alias")
+
+
+def computing_ops_per_layer(graph) -> dict:
+    """{decoder layer index (None: outside the layers): computing ops}, by each node's module."""
+    import operator
+    import re
+
+    counts = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if str(node.target).startswith(_DATA_MOVEMENT):
+            continue
+        layer = None
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            found = re.search(r"layers\.(\d+)\b", path)
+            if found:
+                layer = int(found.group(1))
+                break
+        counts[layer] = counts.get(layer, 0) + 1
+    return counts

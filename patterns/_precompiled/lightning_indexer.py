@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4a070aa5cb14fb72',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd90ebf70e1b9e626',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

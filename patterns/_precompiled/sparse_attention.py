@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7415f9ef39b2d502',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2fc03fbd5c9233ba',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -397,6 +397,12 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
         ctx.reject(form, exact_match.nodes, reason)
         return False
     match.replacement_graph = replacement[0]
+    # The replacement goes where the exact match (the one checked) binds, not the structural
+    # one: with sizes as wildcards, two outputs of a multi-output pattern that differ only in
+    # sizes can bind one node there (the first candidate torch's matcher tries for each), e.g.
+    # the two slices of a cat's gradient (sparse_mla's joint forms: kv's and the compressed
+    # kv's); the exact pattern's literal sizes tell them apart.
+    match.ctx, match.nodes = exact_match.ctx, exact_match.nodes
     ctx.sites.append(FusedSite.of_match(ctx.fusion_pass.name, form.name, form.fused_op or ctx.fusion_pass.fused_op,
                                         exact_match.nodes, match.output_nodes(), ctx.fusion_pass.anchor,
                                         "; ".join(_notes(ctx, site)), site.verified))
@@ -471,6 +477,11 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
     if unequal:
         return f"{form.name} has its structure, but differs in sizes: {unequal}"
+    bound: dict[Node, Any] = {}
+    for pattern, node in zip(exact_match.ctx.outputs, exact_match.output_nodes()):
+        if node is not None and bound.setdefault(node, pattern) is not pattern:
+            # two results of the form found as one value of the graph: one of them is not there
+            return f"two outputs of {form.name} bind the one node {node.name}"
     site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
     site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode,
                 keep_intermediate_rounding=ctx.keep_intermediate_rounding)
@@ -815,8 +826,12 @@ def _inherit_kept_calls(added: Sequence[Node], erased: Sequence[Node]) -> None:
     expert GEMMs for grouped_matmul) gives each kept call the source line of the call it
     stands for, not the site's output line (the combine's `.sum(dim=1)`): the k-th new
     call of an op that as many `erased` nodes of the site called takes the k-th one's
-    (both in graph order). An op called a different number of times is left to
-    _inherit_source_meta."""
+    (both in graph order). An op called a different number of times takes the line of the
+    erased call its place in the sequence of calls aligns it with (_aligned_calls): the
+    clamped SwiGLU's `act(gate) * up` that moe_dispatch keeps is one of two muls of the site
+    it replaces (the other weighs the expert outputs, which finalize_routing does), and is
+    the one between the clamps and silu and the down projection. Calls aligned with none, or
+    not alike both ways, are left to _inherit_source_meta."""
     erased_by_op: dict[Any, list[Node]] = {}
     for node in erased:
         if isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
@@ -825,12 +840,55 @@ def _inherit_kept_calls(added: Sequence[Node], erased: Sequence[Node]) -> None:
     for node in added:
         if node.target in erased_by_op:
             added_by_op.setdefault(node.target, []).append(node)
+    pairs = []
+    uneven = set()
     for target, kept in added_by_op.items():
         if len(kept) == len(erased_by_op[target]):
-            for node, old in zip(kept, erased_by_op[target]):
-                for key in _SOURCE_META:
-                    if key not in node.meta and key in old.meta:
-                        node.meta[key] = old.meta[key]
+            pairs.extend(zip(kept, erased_by_op[target]))
+        else:
+            uneven.add(target)
+    if uneven:
+        calls = lambda nodes: [n for n in nodes if n.target in erased_by_op]  # noqa: E731
+        pairs.extend((new, old) for new, old in _aligned_calls(calls(added), calls(erased)) if new.target in uneven)
+    for node, old in pairs:
+        for key in _SOURCE_META:
+            if key not in node.meta and key in old.meta:
+                node.meta[key] = old.meta[key]
+
+
+# a longer alignment (a whole joint site against its replacement) is not worth its time
+_ALIGNMENT_CELLS = 500_000
+
+
+def _aligned_calls(added: Sequence[Node], erased: Sequence[Node]) -> list[tuple[Node, Node]]:
+    """The pairs (new call, erased call) of the same op that a longest common subsequence of
+    the two call sequences aligns, and aligns alike taken from the front and from the back: a
+    call with a choice (two new GEMMs for one erased: which would be which?) gets none."""
+    if len(added) * len(erased) > _ALIGNMENT_CELLS:
+        return []
+    front = _lcs_pairs(added, erased)
+    back = {(len(added) - 1 - i, len(erased) - 1 - j) for i, j in _lcs_pairs(added[::-1], erased[::-1])}
+    return [(added[i], erased[j]) for i, j in front if (i, j) in back]
+
+
+def _lcs_pairs(a: Sequence[Node], b: Sequence[Node]) -> list[tuple[int, int]]:
+    """Index pairs of a longest common subsequence of a and b by op, matching as early as it can."""
+    n, m = len(a), len(b)
+    longest = [[0] * (m + 1) for _ in range(n + 1)]  # longest[i][j]: of a[i:] and b[j:]
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            longest[i][j] = (longest[i + 1][j + 1] + 1 if a[i].target is b[j].target
+                             else max(longest[i + 1][j], longest[i][j + 1]))
+    pairs, i, j = [], 0, 0
+    while i < n and j < m:
+        if a[i].target is b[j].target and longest[i][j] == longest[i + 1][j + 1] + 1:
+            pairs.append((i, j))
+            i, j = i + 1, j + 1
+        elif longest[i + 1][j] >= longest[i][j + 1]:
+            i += 1
+        else:
+            j += 1
+    return pairs
 
 
 def _inherit_source_meta(new_nodes: Sequence[Node]) -> None:

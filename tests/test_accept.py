@@ -1,0 +1,111 @@
+"""accept.py: where a multi-output match is replaced.
+
+The structural patterns take sizes as wildcards, so two outputs of a form that differ only in
+sizes look alike there, and torch's matcher binds each later output to the first candidate
+that fits: possibly a node an earlier output took. The exact match (the form retraced at the
+site's sizes) is the one checked, and the one replaced; two outputs bound to one node are
+refused. (Found on DeepSeek-V4's compressed attention in training: the gradients of kv and of
+the compressed kv are two slices of one cat gradient, tests/test_sparse_mla.py.)
+"""
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from npu_fx_fusion import capabilities
+from npu_fx_fusion.accept import apply_pass
+from npu_fx_fusion.canonical import canonicalize
+from npu_fx_fusion.capabilities import FLOAT_DTYPES, OpCapability
+from npu_fx_fusion.matching import Form, FusionPass
+
+_LIB = torch.library.Library("nff_test_accept", "DEF")  # kept: the op lives as long as the module
+_LIB.define("neg_halves(Tensor z) -> (Tensor, Tensor)")
+
+
+def _neg_halves(z):
+    half = z.shape[-1] // 2
+    return -z[..., :half], -z[..., half:]
+
+
+_LIB.impl("neg_halves", _neg_halves, "CompositeExplicitAutograd")
+torch.library.register_fake("nff_test_accept::neg_halves", _neg_halves, lib=_LIB)
+_CAPABILITY = OpCapability(op="nff_test_accept.neg_halves", dtypes=FLOAT_DTYPES, min_rank=1, max_rank=8,
+                           backward=None, ge_converter=True)
+
+
+def negated_halves(z):
+    half = z.shape[-1] // 2
+    return -z[..., :half], -z[..., half:]
+
+
+def negated_twice(z):
+    return -z, -z
+
+
+def _fused(z):
+    return torch.ops.nff_test_accept.neg_halves(z)
+
+
+def _pass(search):
+    # traced at width 8 (halves 0:4, 4:8): at another width the halves' bounds are other sizes
+    return FusionPass(name="test", fused_op=_CAPABILITY.op, forms=[Form(search, _fused, dtypes=(torch.float32,))],
+                      example={"z": lambda dtype: torch.empty(3, 8, dtype=dtype)}, check=lambda site: None,
+                      anchor=lambda node: node.target is torch.ops.aten.neg.default, explain=lambda node: None)
+
+
+def _graph(fn, *shape):
+    """fn's graph, canonicalised as the pipeline does before the passes (dims, slice bounds)."""
+    gm = make_fx(fn, tracing_mode="fake")(torch.empty(*shape))
+    canonicalize(gm.graph)
+    gm.recompile()
+    return gm
+
+
+def _ops(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_outputs_alike_but_for_sizes_are_replaced_where_the_exact_match_binds_them(monkeypatch):
+    monkeypatch.setitem(capabilities.CAPABILITIES, _CAPABILITY.op, _CAPABILITY)
+    gm = _graph(negated_halves, 3, 10)  # halves 0:5 and 5:10
+    result = apply_pass(_pass(negated_halves), gm)
+    assert len(result.sites) == 1
+    # both halves come from the fused op: none of the model's negations is left (the structural
+    # match had bound the second half to the first half's neg, which stayed in the graph)
+    assert "aten.neg.default" not in _ops(gm)
+    z = torch.randn(3, 10)
+    for got, want in zip(gm(z), negated_halves(z)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_two_outputs_bound_to_one_node_are_refused(monkeypatch):
+    monkeypatch.setitem(capabilities.CAPABILITIES, _CAPABILITY.op, _CAPABILITY)
+
+    def negated_once(z):  # the graph computes -z once and returns it twice
+        y = -z
+        return y, y
+
+    gm = _graph(negated_once, 3, 8)
+    result = apply_pass(_pass(negated_twice), gm)
+    assert result.sites == []
+    assert _ops(gm) == ["aten.neg.default"]
+    (miss,) = result.near_misses
+    assert "two outputs of negated_twice bind the one node" in miss.reason, miss.reason
+
+
+def test_a_kept_call_of_an_op_called_a_different_number_of_times_gets_the_line_it_aligns_with():
+    # moe_dispatch keeps the clamped SwiGLU's mul, one of the two muls of the block it replaces
+    # (the other weighs the expert outputs, which finalize_routing does): the alignment of the
+    # two call sequences pairs it with the model's act(gate) * up, not with the weighing
+    from npu_fx_fusion.accept import _aligned_calls
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+
+    def calls(*targets):
+        return [graph.call_function(target, (x,)) for target in targets]
+
+    erased = calls(aten.mm.default, aten.clamp.default, aten.silu.default, aten.mul.Tensor, aten.mm.default,
+                   aten.mul.Tensor, aten.sum.dim_IntList)
+    added = calls(aten.mm.default, aten.clamp.default, aten.silu.default, aten.mul.Tensor, aten.mm.default)
+    pairs = _aligned_calls(added, erased)
+    assert [(added.index(new), erased.index(old)) for new, old in pairs] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
