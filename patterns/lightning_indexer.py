@@ -193,15 +193,22 @@ def _use_other_than_sparse_attention(site, mode):
 def anchor(node):
     if not is_call(node, aten.topk.default):
         return False
-    frontier, seen = [node.args[0]], 0
-    while frontier and seen < 40:
+    relu = _nearest_input_call(node.args[0], aten.relu.default, limit=40)
+    return relu is not None and tensor_meta(relu) is not None and tensor_meta(relu).dim() == 4
+
+
+def _nearest_input_call(start, target, limit):
+    """The first call of `target` met walking up from `start` breadth-first, within `limit`
+    nodes visited, or None."""
+    frontier, seen = [start], 0
+    while frontier and seen < limit:
         current = frontier.pop(0)
         seen += 1
-        if is_call(current, aten.relu.default):
-            return tensor_meta(current) is not None and tensor_meta(current).dim() == 4
+        if is_call(current, target):
+            return current
         if isinstance(current, torch.fx.Node):
             frontier.extend(current.all_input_nodes)
-    return False
+    return None
 
 
 def _masked_by_a_compressed_threshold(topk):
@@ -211,15 +218,7 @@ def _masked_by_a_compressed_threshold(topk):
     scores = topk.args[0]
     if not is_call(scores, aten.masked_fill.Scalar):
         return False
-    frontier, seen = [scores.args[1]], 0
-    while frontier and seen < 12:
-        current = frontier.pop(0)
-        seen += 1
-        if is_call(current, aten.floor_divide.default):
-            return True
-        if isinstance(current, torch.fx.Node):
-            frontier.extend(current.all_input_nodes)
-    return False
+    return _nearest_input_call(scores.args[1], aten.floor_divide.default, limit=12) is not None
 
 
 def explain(topk):
