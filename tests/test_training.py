@@ -244,6 +244,29 @@ def test_frozen_weight():
     assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
 
 
+class NormPicksIndices(nn.Module):
+    """The norm's output only picks indices (top-k), so no gradient flows through it, while
+    its input has one from elsewhere: DeepSeek-V4's indexer (its kv_norm and ropes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = HFNorm()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return self.proj(x).gather(-1, self.norm(x).topk(4, dim=-1).indices)
+
+
+def test_a_site_no_gradient_flows_through_fuses_forward_only_in_the_joint_graph():
+    report, fw, bw = train_and_compare(NormPicksIndices, frozen={"norm.weight"})
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {}
+    joint = next(g for g in report.graphs if g.name == "joint")
+    (norm,) = [r for r in joint.passes if r.pass_name == "rms_norm"]
+    # fused where it is, in the joint graph: no near miss there, nothing left afterwards
+    assert len(norm.sites) == 1 and norm.near_misses == []
+    assert report.counts["rms_norm"] == 1 and report.near_misses == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_fuses_forward_and_backward(dtype):
     _, fw, bw = train_and_compare(HFRope, dtype)

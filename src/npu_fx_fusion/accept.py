@@ -59,7 +59,10 @@ class RunContext:
     soc: Optional[str]
     mode: Optional[str]
     verify: bool = False
-    joint: bool = False  # matching joint patterns on a joint graph
+    joint: bool = False  # matching on a joint graph
+    # matching a differentiable pass's forward forms on a joint graph: only at sites no
+    # gradient flows through (_differentiated)
+    gradient_free_only: bool = False
     sites: list[FusedSite] = field(default_factory=list)
     rejections: dict[Node, tuple[Form, str]] = field(default_factory=dict)
     # structural matches the exact retrace turned down: a weaker diagnosis than a check's
@@ -115,9 +118,19 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
+    candidates = None  # the anchors left unfused, where known
     if _has_anchor(patterns, which == "joint", gm.graph):
         registrations = patterns.joint if which == "joint" else patterns.forward
         count = _run_matcher(ctx, registrations, gm.graph)
+        if which == "joint" and _has_anchor(patterns, False, gm.graph):
+            candidates = [n for n in gm.graph.nodes if anchors(n) and fusion_pass.anchor(n)]
+            if candidates:
+                # a site no gradient flows through has no backward to fuse (DeepSeek-V4's
+                # indexer: its top-k indices are not differentiated): its forward form fuses
+                # it here, not a near miss here and a fusion in the partitioned forward graph
+                ctx.gradient_free_only = True
+                count += _run_matcher(ctx, patterns.forward, gm.graph)
+                candidates = [n for n in candidates if not n._erased]  # noqa: SLF001
         if count != len(ctx.sites):  # the matcher and our bookkeeping must agree
             raise RuntimeError(f"{fusion_pass.name}: matcher replaced {count} sites, accepted {len(ctx.sites)}")
         _inherit_source_meta([n for n in ctx.inserted if not n._erased])  # noqa: SLF001
@@ -130,7 +143,7 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
             backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
-    return _near_misses(ctx, gm, result, anchors)
+    return _near_misses(ctx, gm, result, anchors, candidates)
 
 
 def backward_after_forward(graph: torch.fx.Graph) -> int:
@@ -381,6 +394,8 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
 def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> bool:
     """torch's matcher asks this of every structural match: fuse it?"""
     form = registration.form
+    if ctx.gradient_free_only and _differentiated(match, ctx):
+        return False  # not news: the joint forms' run said why this site did not fuse
     exact = _exact_match(ctx, registration, match)
     if isinstance(exact, str):
         for node in match.nodes:
@@ -606,7 +621,7 @@ def _drop_size_gradients(gm: torch.fx.GraphModule, sizes: int, arguments: int) -
 def _first_failure(ctx: RunContext, registration: Registration, site: Site, match: pm.Match,
                    arguments: _Arguments, replacement: list) -> Reason:
     form = site.form
-    return ((_joint_roles_swapped(match, ctx) if ctx.joint else None)
+    return ((_joint_roles_swapped(match, ctx) if ctx.joint and not ctx.gradient_free_only else None)
             or _argument_kinds_differ(ctx.fusion_pass, site)
             or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
             or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
@@ -775,6 +790,14 @@ def _joint_roles_swapped(match: pm.Match, ctx: RunContext) -> Reason:
     return None
 
 
+def _differentiated(match: pm.Match, ctx: RunContext) -> bool:
+    """The backward reads a value of this match of a forward form in a joint graph: a
+    gradient flows through the site, and its joint forms fuse it with its backward or say
+    why not."""
+    return any(is_backward(user) or _reads_tangents(user, ctx.from_tangents)
+               for node in match.nodes for user in node.users)
+
+
 def _reads_tangents(node: Node, memo: dict) -> bool:
     """node is computed from a joint graph's tangents (memoised; the answer of a node never
     changes while the graph is rewritten, replacements compute the same values)."""
@@ -799,16 +822,17 @@ def _reads_tangents(node: Node, memo: dict) -> bool:
 
 # ---- near misses ---------------------------------------------------------------------------
 def _near_misses(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
-                 anchors: Callable[[Node], bool]) -> PassResult:
-    """Every anchor no form consumed: the check that turned it down, or the pass's
-    explanation, or that no form matched it."""
+                 anchors: Callable[[Node], bool], candidates: Optional[Sequence[Node]] = None) -> PassResult:
+    """Every anchor no form consumed (among `candidates`, if the run found them already): the
+    check that turned it down, or the pass's explanation, or that no form matched it."""
     fusion_pass = ctx.fusion_pass
-    for node in gm.graph.nodes:
-        if anchors(node) and fusion_pass.anchor(node):
-            reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(fusion_pass.forms)
-            if node in ctx.inexact and reason.startswith("matches none of the forms"):
-                reason += f" (closest: {ctx.inexact[node]})"
-            result.near_misses.append(NearMiss(fusion_pass.name, reason, location_of([node, *node.users])))
+    if candidates is None:
+        candidates = [node for node in gm.graph.nodes if anchors(node) and fusion_pass.anchor(node)]
+    for node in candidates:
+        reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(fusion_pass.forms)
+        if node in ctx.inexact and reason.startswith("matches none of the forms"):
+            reason += f" (closest: {ctx.inexact[node]})"
+        result.near_misses.append(NearMiss(fusion_pass.name, reason, location_of([node, *node.users])))
     return result
 
 
