@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_call, is_joint_graph, tensor_meta
 
 aten = torch.ops.aten
 PRE_SINKHORN = CAPABILITIES["cann_ops_transformer.mhc_pre_sinkhorn"]
@@ -261,9 +261,14 @@ def explain(node):
         return (f"a Sinkhorn loop of {iterations} iterations: forms are registered for "
                 f"{', '.join(map(str, SINKHORN_ITERATIONS))} (the matcher has no repetition; "
                 "mhc_pre_sinkhorn takes 20 only, npu_mhc_sinkhorn 1..100)")
-    return ("a Sinkhorn loop whose hyper-connection is not transformers' DeepseekV4HyperConnection "
-            "(unweighted RMSNorm over the n*D streams, one fn projection, sigmoid / 2*sigmoid / softmax "
-            "mappings with per-mapping scale and base, the pre-weighted collapse of the raw streams)")
+    reason = ("a Sinkhorn loop whose hyper-connection is not transformers' DeepseekV4HyperConnection "
+              "(unweighted RMSNorm over the n*D streams, one fn projection, sigmoid / 2*sigmoid / softmax "
+              "mappings with per-mapping scale and base, the pre-weighted collapse of the raw streams)")
+    if is_joint_graph(node.graph):
+        # the other way a training graph misses the one joint trace (_ALL_TRAINABLE)
+        reason += (", or, in training, one of the streams, fn, base and scale has no gradient (a frozen "
+                   "mHC parameter): the joint form is traced with all four trainable")
+    return reason
 
 
 def _f32(*shape):

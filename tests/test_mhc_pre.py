@@ -143,6 +143,18 @@ def test_trains_through_the_fused_ops_and_their_backward(soc, fused):
         assert backward == {"cann_ops_transformer.mhc_pre_sinkhorn_backward": 1}
 
 
+def test_a_frozen_mhc_parameter_in_training_is_a_near_miss_saying_so():
+    # the joint form is traced with the streams, fn, base and scale all trainable only
+    module = HyperConnection()
+    module.hc.fn.requires_grad_(False)
+    backend = train_and_compare(module, [_streams()], nff.FusionConfig(enable={"mhc_pre"}), {torch.float32: 24})
+    joint = next(g for g in backend.report.graphs if g.name == "joint")
+    (result,) = [r for r in joint.passes if r.pass_name == "mhc_pre"]
+    assert result.sites == []
+    (miss,) = result.near_misses
+    assert "has no gradient (a frozen mHC parameter)" in miss.reason
+
+
 def test_the_scale_gradient_is_nearer_float64_than_eagers():
     """The gap between the fused and eager gradients of hc.scale is rounding, not a formula: each
     of its 3 numbers is a sum over every token and mix of dz * w whose terms cancel (sum |terms|
