@@ -568,6 +568,8 @@ PASS = FusionPass(
     example_variants=VARIANTS,
     check=check,
     anchor=anchor,
+    anchor_ops=lambda: (aten._scaled_dot_product_flash_attention_for_cpu.default, *_flash_attention_ops(),
+                        aten._softmax.default, aten._safe_softmax.default),
     explain=explain,
     verify_input=verification_input,
     prefilter=could_match,

@@ -203,6 +203,7 @@ PASS = FusionPass(
     example_variants=[{"w": lambda dtype: torch.empty(3, 8, 16, dtype=dtype).transpose(-2, -1)}],
     check=check,
     anchor=anchor,
+    anchor_ops=lambda: (aten._grouped_mm.default, interop.transformers_grouped_mm_fallback()),
     explain=explain,
     verify_input=lambda name, args: _even_offsets(args) if name == "offs" else None,
 )

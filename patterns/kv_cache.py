@@ -181,6 +181,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.index_copy.default,),
     explain=explain,
     verify_input=lambda name, args: _verification_positions(name, args),
     # kv_rmsnorm_rope_cache's op takes the latent caches' writes itself

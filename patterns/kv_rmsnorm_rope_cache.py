@@ -167,6 +167,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.mm.default, aten.matmul.default, aten.index_copy.default),
     explain=explain,
     verify_input=lambda name, args: torch.zeros((), dtype=args["start"].dtype) if name == "start" else None,
 )

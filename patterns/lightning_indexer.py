@@ -261,6 +261,7 @@ PASS = FusionPass(
     }],
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.topk.default,),
     explain=explain,
     # transformers' indexer runs under no_grad, so in training its indices are saved for the
     # fused attention's backward: only on the joint graph does the check see that reader

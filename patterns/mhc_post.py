@@ -133,6 +133,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.add.Tensor,),
     explain=explain,
     # its 150 joint patterns start from an add, which every graph has: a graph with no
     # candidate mix (every one but DeepSeek-V4's) is not matched at all

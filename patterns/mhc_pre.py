@@ -290,6 +290,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.div.Tensor,),
     explain=explain,
     # the streams and the three parameters train through the fused ops' backward
     differentiable=("hidden_streams", "fn", "base", "scale"),

@@ -475,6 +475,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.gather.default, aten.topk.default),
     explain=explain,
     # the logits; the bias only selects (no gradient reaches it through top-k indices)
     differentiable=("gate_logits", "gate_scores"),

@@ -194,6 +194,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.rsqrt.default, aten.sqrt.default),
     explain=explain,
     # training graphs: x and the weight may need gradients (npu_rms_norm_backward gives both)
     differentiable=("x", "weight"),

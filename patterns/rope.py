@@ -532,6 +532,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.cat.default, aten.stack.default, aten.view_as_complex.default),
     explain=explain,
     # training graphs: only x needs a gradient; cos/sin/freqs come from buffers
     differentiable=("x",),

@@ -599,6 +599,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.sum.dim_IntList, aten.mean.dim),
     explain=explain,
     verify_input=verify_input,
     prefilter=has_head_sum,

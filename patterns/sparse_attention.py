@@ -458,6 +458,7 @@ PASS = FusionPass(
     }],
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.scatter.value, aten.clamp.default),
     explain=explain,
     verify_input=lambda name, args: _top_k_indices(args) if name == "indices" else None,
     differentiable=("query", "key", "value", "q_nope", "q_rope", "kv", "k_rope"),

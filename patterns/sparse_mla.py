@@ -500,6 +500,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten._softmax.default,),
     explain=explain,
     verify_input=verify_input,
     differentiable=("query", "kv", "compressed_kv", "sinks"),

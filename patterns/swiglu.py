@@ -139,6 +139,7 @@ PASS = FusionPass(
     example={"x": lambda dtype: torch.empty(2, 3, 8, dtype=dtype)},
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.mul.Tensor,),
     explain=explain,
     # training graphs: npu_swiglu_backward gives x's gradient
     differentiable=("x",),

@@ -259,6 +259,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
+    anchor_ops=(aten.mul.Tensor,),
     explain=explain,
     differentiable=("x_g", "w_gate_up", "w_down", "weights"),
     verify_input=lambda name, args: _verification_input(name, args),

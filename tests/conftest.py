@@ -30,6 +30,18 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _anchor_ops_cover_every_anchor():
+    # FusionPass.anchor_ops narrow each pass's near-miss walk: in every graph a test fuses,
+    # anchor() must hold at no node they leave out (else its near miss would go unreported)
+    from npu_fx_fusion import forms
+
+    forms.ANCHOR_OPS_MISSED = missed = []
+    yield
+    forms.ANCHOR_OPS_MISSED = None
+    assert not missed, f"anchors outside their pass's anchor_ops: {sorted(set(map(str, missed)))}"
+
+
 @pytest.fixture
 def caplog_fusion(caplog):
     caplog.set_level(logging.INFO, logger="npu_fx_fusion")

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '409506de691c5b2e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '18f2e9fbe2c76caf',
        'backward': {'cann_ops_transformer.mhc_pre_sinkhorn': True, 'npu.npu_mhc_pre': True, 'npu.npu_mhc_sinkhorn': True}}
 
 FORMS = {

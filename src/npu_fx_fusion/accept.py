@@ -123,7 +123,7 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
         registrations = patterns.joint if which == "joint" else patterns.forward
         count = _run_matcher(ctx, registrations, gm.graph)
         if which == "joint" and _has_anchor(patterns, False, gm.graph):
-            candidates = [n for n in gm.graph.nodes if anchors(n) and fusion_pass.anchor(n)]
+            candidates = fusion_pass.candidate_anchors(gm.graph, anchors)
             if candidates:
                 # a site no gradient flows through has no backward to fuse (DeepSeek-V4's
                 # indexer: its top-k indices are not differentiated): its forward form fuses
@@ -827,7 +827,7 @@ def _near_misses(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
     check that turned it down, or the pass's explanation, or that no form matched it."""
     fusion_pass = ctx.fusion_pass
     if candidates is None:
-        candidates = [node for node in gm.graph.nodes if anchors(node) and fusion_pass.anchor(node)]
+        candidates = fusion_pass.candidate_anchors(gm.graph, anchors)
     for node in candidates:
         reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(fusion_pass.forms)
         if node in ctx.inexact and reason.startswith("matches none of the forms"):

@@ -93,6 +93,11 @@ class Site:
         return None
 
 
+# A list while the tests run (tests/conftest.py): every (pass name, target) of an anchor
+# node whose target the pass's anchor_ops leave out, which its near-miss walk would skip.
+ANCHOR_OPS_MISSED: Optional[list] = None
+
+
 class FusionPass:
     """One fusion: forms -> fused op, with its checks, near-miss diagnosis and order.
 
@@ -108,6 +113,11 @@ class FusionPass:
     check:    check(site) -> reason or None, run on every structural match (what it does
               to the graph is reverted if the pass fails)
     anchor:   anchor(node) -> bool, the nodes that signal a candidate site
+    anchor_ops: the call targets an anchor node can have (OpOverloads, packets for all
+              their overloads, other callables; a callable returning them, for targets that
+              exist once a library is loaded): the near-miss walk visits only their nodes.
+              None: every node (tests/conftest.py checks, in every test's graphs, that
+              anchor() holds nowhere else)
     explain:  explain(anchor_node) -> reason or None, for an anchor no form matched
               (anchor, explain and prefilter only read the graph: they run on every
               graph, before the pass takes its revert snapshot)
@@ -144,7 +154,8 @@ class FusionPass:
                  differentiable: Sequence[str] = (),
                  example_variants: Sequence[Mapping[str, Any]] = (),
                  prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None,
-                 forward_forms_on_joint: bool = False):
+                 forward_forms_on_joint: bool = False,
+                 anchor_ops: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None):
         self.name = name
         self.fused_op = fused_op
         self.example = dict(example)
@@ -162,6 +173,7 @@ class FusionPass:
         self.example_variants = tuple(dict(v) for v in example_variants)
         self.prefilter = prefilter
         self.forward_forms_on_joint = forward_forms_on_joint
+        self._anchor_ops = anchor_ops
         self._forms_source = forms
         # Filled by the registration layer (registry.pattern_set) on first use: the traced
         # or precompiled patterns of each set of forms. Never per-run state.
@@ -180,6 +192,32 @@ class FusionPass:
             if missing:
                 raise ValueError(f"{self.name}: form {form.name} has no example for {sorted(missing)}")
         return forms
+
+    def anchor_targets(self) -> Optional[frozenset]:
+        """anchor_ops as the exact targets of call_function nodes (a packet's overloads), or
+        None: any node may be an anchor."""
+        ops = self._anchor_ops() if callable(self._anchor_ops) else self._anchor_ops
+        if ops is None:
+            return None
+        targets = set()
+        for op in ops:
+            if isinstance(op, torch._ops.OpOverloadPacket):  # noqa: SLF001
+                targets.update(getattr(op, overload) for overload in op.overloads())
+            elif op is not None:  # an optional library's target that is not loaded
+                targets.add(op)
+        return frozenset(targets)
+
+    def candidate_anchors(self, graph: torch.fx.Graph, include: Callable[[Node], bool] = lambda node: True) -> list:
+        """The nodes of `graph` anchor() holds at (and `include`), in graph order."""
+        targets = self.anchor_targets()
+        if targets is None:
+            nodes = graph.nodes
+        else:
+            nodes = sorted(node for target in targets for node in graph.find_nodes(op="call_function", target=target))
+        if targets is not None and ANCHOR_OPS_MISSED is not None:
+            ANCHOR_OPS_MISSED.extend((self.name, node.target) for node in graph.nodes
+                                     if node.target not in targets and include(node) and self.anchor(node))
+        return [node for node in nodes if include(node) and self.anchor(node)]
 
     def example_value(self, name: str, dtype: torch.dtype, variant: Optional[Mapping[str, Any]] = None) -> Any:
         value = (variant or {}).get(name, self.example[name])
