@@ -92,6 +92,9 @@ class Case:
     build: Callable[[], tuple[nn.Module, tuple]] = None  # -> (module, inputs), deterministic
     # ids outputs (router experts): compared exactly with eager, per token as a set
     index_outputs: tuple = ()
+    # training: the inputs that need a gradient (None: every float input). RoPE tables and
+    # freqs_cis are buffers in every model: no gradient, as the rope pass declares
+    grad_inputs: Optional[tuple] = None
 
     @property
     def name(self) -> str:
@@ -379,7 +382,7 @@ def _make_rope(rng, seed, case_kw):
         return _module_from_source(source, f"<fuzz {seed}>", lambda m: None), inputs
 
     return Case(seed, "rope", choices, source, kind, expect if kind == "positive" else {}, "rope", limit,
-                dtype, dynamic, training, build)
+                dtype, dynamic, training, build, grad_inputs=(0, 1) if both else (0,))
 
 
 def _make_rope_complex(rng, seed, case_kw):
@@ -425,7 +428,7 @@ def _make_rope_complex(rng, seed, case_kw):
         return _module_from_source(source, f"<fuzz {seed}>", lambda m: None), (*xs, freqs_cis)
 
     return Case(seed, "rope_complex", choices, source, kind, {"rope": 2 if both else 1} if kind == "positive" else {},
-                "rope", "", dtype, dynamic, training, build)
+                "rope", "", dtype, dynamic, training, build, grad_inputs=(0, 1) if both else (0,))
 
 
 # ---- SwiGLU -------------------------------------------------------------------------------
@@ -639,9 +642,11 @@ def _cotangents(outputs, seed):
     return [torch.randn(o.shape, generator=gen).to(o.dtype) if o.is_floating_point() else None for o in outputs]
 
 
-def _run(module, inputs, training, cotangents=None, seed=0):
+def _run(module, inputs, training, cotangents=None, seed=0, grad_inputs=None):
     """(outputs, gradients of inputs and parameters), all detached."""
-    inputs = [i.detach().clone().requires_grad_(training and i.is_floating_point()) for i in inputs]
+    inputs = [i.detach().clone().requires_grad_(training and i.is_floating_point()
+                                                and (grad_inputs is None or n in grad_inputs))
+              for n, i in enumerate(inputs)]
     for p in module.parameters():
         p.grad = None
         p.requires_grad_(training)
@@ -659,14 +664,14 @@ def _run(module, inputs, training, cotangents=None, seed=0):
     return [o.detach() for o in outputs], [g.detach() if g is not None else None for g in grads], cotangents
 
 
-def _truth(module, inputs, training, cotangents):
+def _truth(module, inputs, training, cotangents, grad_inputs=None):
     """The float64 run: the module and inputs in float64, its own fp32 casts kept float64."""
     exact = copy.deepcopy(module).double()
     inputs = [i.double() if i.is_floating_point() else (i.to(torch.complex128) if i.is_complex() else i)
               for i in inputs]
     with KeepFloat64():
         return _run(exact, inputs, training, [c.double() if c is not None else None for c in cotangents or []]
-                    or None)
+                    or None, grad_inputs=grad_inputs)
 
 
 def _ulps_at_scale(actual, exact, dtype):
@@ -709,7 +714,7 @@ def _aot_eager_fails(case) -> Optional[str]:
     module, inputs = case.build()
     try:
         compiled = torch.compile(module, backend="aot_eager", fullgraph=True, dynamic=case.dynamic or None)
-        _run(compiled, inputs, case.training, seed=case.seed)
+        _run(compiled, inputs, case.training, seed=case.seed, grad_inputs=case.grad_inputs)
     except Exception as exc:  # noqa: BLE001 - classified, not hidden
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
@@ -727,12 +732,14 @@ def run_case(case: Case, config: Optional[nff.FusionConfig] = None) -> Outcome:
     start = time.perf_counter()
     torch._dynamo.reset()
     module, inputs = case.build()
-    eager_out, eager_grads, cotangents = _run(module, inputs, case.training, seed=case.seed)
-    exact_out, exact_grads, _ = _truth(module, inputs, case.training, cotangents)
+    eager_out, eager_grads, cotangents = _run(module, inputs, case.training, seed=case.seed,
+                                              grad_inputs=case.grad_inputs)
+    exact_out, exact_grads, _ = _truth(module, inputs, case.training, cotangents, case.grad_inputs)
     backend = EmulationBackend(config or nff.FusionConfig())
     try:
         compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=case.dynamic or None)
-        fused_out, fused_grads, _ = _run(compiled, inputs, case.training, cotangents)
+        fused_out, fused_grads, _ = _run(compiled, inputs, case.training, cotangents,
+                                         grad_inputs=case.grad_inputs)
     except Exception as exc:  # noqa: BLE001 - every failure is classified
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         theirs = _aot_eager_fails(case)
