@@ -520,3 +520,14 @@ def test_sigmoid_of_the_gate_times_another_tensor_is_not_silu():
 
     _, _, report = compile_and_run(Glu(lookalike), _inputs(torch.float32, (3, 2 * FFN)), config=ONLY_SWIGLU)
     assert report.counts["swiglu"] == 0
+
+
+def test_gate_times_sigmoid_on_the_second_half_says_why():
+    # the written-out silu anchors a near miss like silu itself (found by tests/fuzz_cases.py)
+    def second_half(h):
+        gate, up = h.chunk(2, dim=-1)
+        return gate * (up * torch.sigmoid(up))
+
+    _, _, report = compile_and_run(Glu(second_half), _inputs(torch.float32, (3, 2 * FFN)), config=ONLY_SWIGLU)
+    assert report.counts["swiglu"] == 0
+    assert near_miss_reasons(report, "swiglu") == ["silu is applied to the second half: npu_swiglu activates the first half"]
