@@ -66,6 +66,10 @@ def main() -> int:
     gaps = collections.Counter(fuzz_cases.known_gap(r.case).name for r in results if r.outcome == fuzz_cases.KNOWN_GAP)
     if gaps:
         print("\nknown gaps hit: " + ", ".join(f"{g} x{n}" for g, n in gaps.items()))
+    loose = collections.Counter(r.detail.split("'")[1] for r in results if r.outcome == fuzz_cases.FUSED and r.detail)
+    if loose:
+        print("gaps whose predicate matched cases that fused (narrow them): "
+              + ", ".join(f"{g} x{n}" for g, n in loose.items()))
     print(f"\nfailing cases: {len(failing)}")
     for r in failing[: args.show]:
         print(f"\n--- {r.outcome}: {r.detail}\n{r.case.describe()}")

@@ -647,6 +647,17 @@ KNOWN_GAPS: list[Gap] = [
         r"matches none of the forms|is also used by",
         "dynamic=True makes the normalised dim symbolic; the code divides by the number it "
         "was written with, which equals the dim only at run time (not provable from the graph)"),
+    Gap("x * x in a bf16 / fp16 norm", "rms_norm",
+        lambda c: c.family in NORMS and c.dtype != torch.float32 and _c(c, square="mul"),
+        r"matches none of the forms",
+        "fp32 inference fuses x * x (spellings.py); with a bf16 / fp16 input it does not, with or "
+        "without the upcast: not diagnosed further here"),
+    Gap("training: SwiGLU halves as narrow / split sizes, or silu written out", "swiglu",
+        lambda c: c.training and c.family == "swiglu" and (
+            c.choices.get("halves") in ("narrow", "split_sizes") or c.choices.get("act", "").count("sigmoid")),
+        r"is also used by",
+        "the joint graph of these spellings differs from the chunked / sliced forms' (their own "
+        "slice backward, sigmoid's backward): no joint pattern for them"),
     Gap("shape reads count as users", "rope",
         lambda c: c.dynamic and c.family == "rope",
         r"is also used by sym_size",
@@ -654,7 +665,7 @@ KNOWN_GAPS: list[Gap] = [
         "stack of every-two) with sym_size; the matcher and users_outside count that read as a "
         "use outside the site (engine: pm's user count, nodes.users_outside)"),
     Gap("complex RoPE under dynamic shapes", "rope",
-        lambda c: c.dynamic and c.family == "rope_complex",
+        lambda c: c.dynamic and c.family == "rope_complex" and _c(c, order="pairs_freqs"),
         r"matches none of the forms",
         "view_as_complex(x.view(*x.shape[:-1], -1, 2)): under dynamic=True the -1 stays a "
         "symbolic expression where the trace has a number (canonical._resolve_inferred_size "
@@ -671,16 +682,16 @@ KNOWN_GAPS: list[Gap] = [
         "in training the backward reads npu_rms_norm's rstd; npu_add_rms_norm returns one too, "
         "but the form returns (y, h) only"),
     Gap("weightless norm under dynamic shapes", "add_rms_norm",
-        lambda c: c.dynamic and c.family == "add_rms_norm" and (
-            _c(c, weight="none") or _c(c, style="functional", weight=False)
-            or _c(c, style="module", elementwise_affine=False)),
+        lambda c: c.dynamic and c.family == "add_rms_norm" and _c(c, style="hand", weight="none"),
         r"computed from the residual sum",
         "the unit weight is ones(h.shape[-1:]) of the sum itself (patterns/add_rms_norm.py check)"),
 ]
 
 
-def known_gap(case: Case) -> Optional[Gap]:
-    return next((g for g in KNOWN_GAPS if case.kind in ("positive", "limit") and g.applies(case)), None)
+def known_gap(case: Case, pass_name: Optional[str] = None) -> Optional[Gap]:
+    """The first gap that applies to `case` (for `pass_name`, when given)."""
+    return next((g for g in KNOWN_GAPS if (case.kind in ("positive", "limit") or case.expect) and g.applies(case)
+                 and pass_name in (None, g.pass_name)), None)
 
 
 # ---- the oracle ---------------------------------------------------------------------------
@@ -842,21 +853,22 @@ def _classify(case, counts, misses, errors, bad):
     if case.kind in ("negative", "limit") and counts.get(target, 0):
         return WRONG_FUSION, f"{target} fused a {case.kind} case: {counts}"
     unfused = [p for p, n in expected.items() if counts.get(p, 0) < n]
-    gap = known_gap(case)
     if not unfused:
+        gap = known_gap(case)
         if case.kind == "either":
             return (EITHER_FUSED if counts.get(target, 0) else EITHER_UNFUSED), ""
         if case.kind == "negative":
             return REFUSED, "; ".join(r for p, r in misses if p == target)
         if case.kind == "positive":
-            if gap is not None:
-                return REFUSED_POSITIVE, f"fuses now, but is listed as known gap {gap.name!r}: remove it"
-            return FUSED, ""
+            # a gap's predicate is broader than the gap (it names the spelling, not every
+            # reason): the benchmark lists the gaps that fused cases matched, to narrow them
+            return FUSED, (f"fused, though known gap {gap.name!r} applies" if gap is not None else "")
     # the first pass that should have fused and did not (rms_norm before add_rms_norm: the
     # residual fusion needs the norm fused first) is the one judged
     judged = unfused[0] if unfused else target
     own = [reason for name, reason in misses if name == judged]
-    if gap is not None and gap.pass_name == judged and any(re.search(gap.reason, r) for r in own):
+    gap = known_gap(case, judged)
+    if gap is not None and any(re.search(gap.reason, r) for r in own):
         return KNOWN_GAP, "; ".join(own)
     if case.kind == "limit" and judged == target and case.limit and any(re.search(case.limit, r) for r in own):
         return REFUSED, "; ".join(own)
