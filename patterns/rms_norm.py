@@ -136,10 +136,14 @@ def check(site):
 
 # ---- near misses: a root of a mean of squares that no form consumed ------------------
 def _mean_of_squares(node):
-    """The mean.dim node under an rsqrt/sqrt (through the eps add), or None."""
+    """The mean node under an rsqrt/sqrt (through the eps add, either operand): a mean.dim,
+    or a sum.dim_IntList divided by a number (sum / n); else None."""
     if is_call(node, aten.add.Tensor, aten.add.Scalar):
+        node = next((a for a in node.args if isinstance(a, torch.fx.Node)
+                     and (is_call(a, aten.mean.dim) or _is_sum_over_number(a))), node.args[0])
+    if _is_sum_over_number(node):
         node = node.args[0]
-    if not is_call(node, aten.mean.dim):
+    elif not is_call(node, aten.mean.dim):
         return None
     square = node.args[0]
     if is_call(square, aten.pow.Tensor_Scalar) and square.args[1] == 2:
@@ -149,8 +153,21 @@ def _mean_of_squares(node):
     return None
 
 
+def _is_sum_over_number(node):
+    return (is_call(node, aten.div.Tensor) and not isinstance(node.args[1], torch.fx.Node)
+            and is_call(node.args[0], aten.sum.dim_IntList))
+
+
+def _is_root(node):
+    """rsqrt(v), sqrt(v), or v ** -0.5 (the spellings of the normaliser the forms accept)."""
+    return is_call(node, aten.rsqrt.default, aten.sqrt.default) or (
+        is_call(node, aten.pow.Tensor_Scalar) and node.args[1] in (-0.5, 0.5))
+
+
 def anchor(node):
-    return is_call(node, aten.rsqrt.default, aten.sqrt.default) and _mean_of_squares(node.args[0]) is not None
+    # every spelling a form accepts (spellings.py) anchors, so a site none of them matches is
+    # a near miss, never a silent one (the fuzz found sum / n and v ** -0.5 unreported)
+    return _is_root(node) and _mean_of_squares(node.args[0]) is not None
 
 
 def explain(root):
@@ -166,11 +183,13 @@ def explain(root):
     eps_add = root.args[0]
     if not is_call(eps_add, aten.add.Tensor, aten.add.Scalar):
         return "no eps is added before the square root"
-    if isinstance(eps_add.args[1], torch.fx.Node):
-        return f"eps is a tensor ({eps_add.args[1].name}), not a constant"
+    over_count = [u for u in mean.users if _is_sum_over_number(u)][:1]  # sum / n: the division too
+    eps = next((a for a in eps_add.args[:2] if a not in (mean, *over_count)), eps_add.args[1])
+    if isinstance(eps, torch.fx.Node):
+        return f"eps is a tensor ({eps.name}), not a constant"
     x = mean.args[0].args[0]
     normalising = [u for u in root.users if is_call(u, aten.mul.Tensor, aten.div.Tensor) and x in u.args]
-    chain = [mean.args[0], mean, eps_add, root, *normalising[:1]]
+    chain = [mean.args[0], mean, *over_count, eps_add, root, *normalising[:1]]
     shared = users_outside(chain[:-1], allowed=chain)
     if shared:
         node, user = shared
@@ -194,7 +213,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
-    anchor_ops=(aten.rsqrt.default, aten.sqrt.default),
+    anchor_ops=(aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar),
     explain=explain,
     # training graphs: x and the weight may need gradients (npu_rms_norm_backward gives both)
     differentiable=("x", "weight"),

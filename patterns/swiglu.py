@@ -76,9 +76,28 @@ def _piece_of(node):
     return None, None
 
 
+def _is_silu(node):
+    """silu(g), or g * sigmoid(g) (either order: the spelling the forms accept, spellings.py)."""
+    if is_call(node, aten.silu.default):
+        return True
+    if not is_call(node, aten.mul.Tensor):
+        return False
+    a, b = node.args[:2]
+    return any(is_call(s, aten.sigmoid.default) and s.args[0] is g for s, g in ((a, b), (b, a)))
+
+
+def _gate_of(silu):
+    if is_call(silu, aten.silu.default):
+        return silu.args[0]
+    a, b = silu.args[:2]
+    return b if is_call(a, aten.sigmoid.default) and a.args[0] is b else a
+
+
 def _silu_and_other(mul):
     """(silu node, the other factor) of a mul by a silu of a tensor, or None."""
-    silu = next((a for a in mul.args if is_call(a, aten.silu.default)), None)
+    if _is_silu(mul) and not is_call(mul, aten.silu.default):
+        return None  # g * sigmoid(g) itself: the silu, not a product gated by one
+    silu = next((a for a in mul.args if isinstance(a, torch.fx.Node) and _is_silu(a)), None)
     other = next((a for a in mul.args if a is not silu), silu)  # silu(x) * silu(x): itself
     if silu is None or not isinstance(other, torch.fx.Node) or tensor_meta(other) is None:
         return None  # silu(x) * 2.0 scales an activation, it gates nothing
@@ -106,8 +125,9 @@ def _unclamped(node):
 
 def explain(mul):
     silu, other = _silu_and_other(mul)
-    clamped = is_call(silu.args[0], aten.clamp.default) and is_call(other, aten.clamp.default)
-    gate, up = _unclamped(silu.args[0]), _unclamped(other)
+    gate = _gate_of(silu)
+    clamped = is_call(gate, aten.clamp.default) and is_call(other, aten.clamp.default)
+    gate, up = _unclamped(gate), _unclamped(other)
     gate_source, gate_half = _piece_of(gate)
     up_source, up_half = _piece_of(up)
     if clamped and gate_source is not None and gate_source is up_source:
@@ -124,7 +144,8 @@ def explain(mul):
     x = tensor_meta(gate_source)
     if x is not None and x.shape[-1] % 2:
         return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
-    pieces = [silu.args[0], other, silu]
+    pieces = [_gate_of(silu), other, silu] + ([a for a in silu.args if is_call(a, aten.sigmoid.default)]
+                                              if not is_call(silu, aten.silu.default) else [])
     shared = users_outside(pieces, allowed=pieces + [mul])
     if shared:
         node, user = shared

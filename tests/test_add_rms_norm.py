@@ -142,3 +142,43 @@ def test_bf16_not_fused_on_310p():
     module = DecoderLike().bfloat16()
     out, ref, report = compile_and_run(module, _inputs(torch.bfloat16), config=config)
     assert report.counts["add_rms_norm"] == 0
+
+
+class WeightlessChain(torch.nn.Module):
+    """Two residual adds each feeding a weightless RMSNorm (rms_norm's unit-weight form)."""
+
+    def forward(self, x, residual):
+        def norm(t):
+            h = t.float()
+            return (h / torch.sqrt(h.square().mean(-1, keepdim=True) + 1e-6)).to(t.dtype)
+
+        h = x + residual
+        h2 = h + norm(h) * 0.5
+        return norm(h2), h2
+
+
+def test_weight_computed_from_the_sum_is_refused_not_a_cycle():
+    # dynamic=True: the unit weight of a weightless norm is ones(h.shape[-1:]), read from the
+    # sum's symbolic size. Fusing the sum would make npu_add_rms_norm its own input: the pass
+    # raised in the topological sort and was reverted, losing every site (found by
+    # tests/fuzz_cases.py). Now each such site is a near miss that says so.
+    torch.manual_seed(0)
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+    backend = nff.backend.EmulationBackend(nff.FusionConfig())
+    compiled = torch.compile(WeightlessChain(), backend=backend, dynamic=True)
+    with torch.no_grad():
+        out, ref = compiled(x, residual), WeightlessChain()(x, residual)
+    report = backend.report
+    assert report.errors == []
+    assert report.counts["rms_norm"] == 2 and report.counts["add_rms_norm"] == 0
+    reasons = near_miss_reasons(report, "add_rms_norm")
+    assert len(reasons) == 2 and all("computed from the residual sum" in r for r in reasons), reasons
+    for a, b in zip(out, ref):
+        assert_within_ulps(a, b, ULPS[torch.float32])
+
+
+def test_weightless_norm_with_static_sizes_still_folds_the_add():
+    torch.manual_seed(0)
+    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+    out, ref, report = compile_and_run(WeightlessChain(), x, residual)
+    assert report.counts["add_rms_norm"] == 2, report.to_markdown()

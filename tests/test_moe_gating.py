@@ -390,3 +390,40 @@ def test_deepseek_v4_router_in_training_says_why():
     forward = [m.reason for g in backend.report.graphs if g.name == "forward" for r in g.passes
                if r.pass_name == "moe_gating" for m in r.near_misses]
     assert forward == [f"{reason} (here, the forward of a training step: its scores are saved for the backward)"]
+
+
+class Dim1Router(torch.nn.Module):
+    """Older transformers Mixtral: softmax and top-k over dim=1 of the 2-d (tokens, E) logits."""
+
+    def __init__(self, k=2, sorted_=True):
+        super().__init__()
+        self.k, self.sorted = k, sorted_
+
+    def forward(self, logits):
+        probs = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.k, dim=1, sorted=self.sorted)
+        if self.sorted:
+            return weights, experts
+        # uses indifferent to the order of the k experts: the routing map, a per-token sum
+        return torch.zeros_like(logits, dtype=torch.bool).scatter(1, experts, True), weights.sum(-1)
+
+
+@pytest.mark.parametrize("sorted_", [True, False], ids=["sorted", "unsorted"])
+def test_top_k_over_dim_1_of_2d_logits_fuses(sorted_):
+    # canonical.py writes topk's dim 1 of 2-d scores as -1, then leaves that default out, as
+    # the trace of `topk(probs, k, dim=-1)` does (found by the fuzz: tests/fuzz_cases.py)
+    logits = _tokens() * 2
+    out, ref, report = compile_and_run(Dim1Router(sorted_=sorted_), logits, config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 1, report.to_markdown()
+    assert report.fused_ops == {"npu.npu_moe_gating_top_k_softmax": 1}
+    assert torch.equal(out[1 if sorted_ else 0], ref[1 if sorted_ else 0])
+    assert_within_ulps(out[0 if sorted_ else 1], ref[0 if sorted_ else 1], 1)
+
+
+def test_top_k_over_dim_0_is_not_a_router():
+    class Dim0(torch.nn.Module):
+        def forward(self, logits):
+            return torch.topk(F.softmax(logits, dim=-1), 2, dim=0)
+
+    _, _, report = compile_and_run(Dim0(), _tokens(), config=ONLY_GATING)
+    assert report.counts["moe_gating"] == 0

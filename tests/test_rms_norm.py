@@ -361,3 +361,29 @@ def test_deepseek_v4_unweighted_norm(dtype, form, ulps):
     assert [s.form for s in report.sites] == [form]
     assert report.fused_ops == {"npu.npu_rms_norm": 1}
     assert_within_ulps(out, ref, ulps)
+
+
+# ---- every spelling a form accepts anchors a near miss (found by tests/fuzz_cases.py) ----
+class SumOverCountNoEps(Norm):
+    def forward(self, x):  # sum / n for the mean, and no eps: not fused, and said why
+        h = x.float()
+        return self.weight * (h * torch.rsqrt((h * h).sum(-1, keepdim=True) / x.shape[-1])).to(x.dtype)
+
+
+class PowNegHalfOverDim0(Norm):
+    def forward(self, x):  # (v + eps) ** -0.5 over the wrong dim
+        h = x.float()
+        return self.weight * (h * (h.pow(2).mean(0, keepdim=True) + self.eps) ** -0.5).to(x.dtype)
+
+
+@pytest.mark.parametrize("module, reason", [
+    (SumOverCountNoEps, "no eps is added"),
+    (PowNegHalfOverDim0, "normalises over dim"),
+])
+def test_other_spellings_leave_a_near_miss(module, reason):
+    # before, a mean written as sum / n or a normaliser written as ** -0.5 was no anchor:
+    # a site no form matched left no near miss at all
+    _, _, report = compile_and_run(module(), _inputs(torch.float32), config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 0
+    reasons = near_miss_reasons(report, "rms_norm")
+    assert len(reasons) == 1 and reason in reasons[0], reasons

@@ -484,3 +484,50 @@ def test_silu_times_its_own_input_is_not_called_separate_projections():
     assert report.counts["swiglu"] == 0
     (reason,) = near_miss_reasons(report, "swiglu")
     assert reason == "the silu and the tensor it multiplies are not the two halves of one tensor"
+
+
+# ---- silu written out: g * sigmoid(g) (spellings.py), found by the fuzz (tests/fuzz_cases.py) --
+def gate_times_sigmoid(h):
+    gate, up = h.chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def up_times_sigmoid_gate(h):
+    d = h.shape[-1] // 2
+    gate, up = h[..., :d], h[..., d:]
+    return up * (torch.sigmoid(gate) * gate)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("glu", [gate_times_sigmoid, up_times_sigmoid_gate], ids=lambda f: f.__name__)
+def test_silu_spelled_as_gate_times_sigmoid_fuses(glu, dtype):
+    # The gate is read twice (by the sigmoid and the product) where silu reads it once: the
+    # respelling counts that extra user (before, every such spelling was a silent miss).
+    # Tolerance: the unfused code rounds sigmoid(g), g * sigmoid(g) and the product, one
+    # rounding more than F.silu's: within 2 ulp of the fused op's one rounding at scale.
+    h = _inputs(dtype, (3, 2 * FFN), scale=3.0)
+    out, ref, report = compile_and_run(Glu(glu), h, config=ONLY_SWIGLU)
+    _assert_fused(report, ["chunked"])
+    assert report.graphs[0].ops_after["aten.sigmoid.default"] == 0
+    assert_close_at_scale(out, ref, AT_SCALE[dtype])
+
+
+def test_sigmoid_of_the_gate_times_another_tensor_is_not_silu():
+    # g * sigmoid(u) * u: the sigmoid is not of the tensor it multiplies
+    def lookalike(h):
+        gate, up = h.chunk(2, dim=-1)
+        return gate * torch.sigmoid(up) * up
+
+    _, _, report = compile_and_run(Glu(lookalike), _inputs(torch.float32, (3, 2 * FFN)), config=ONLY_SWIGLU)
+    assert report.counts["swiglu"] == 0
+
+
+def test_gate_times_sigmoid_on_the_second_half_says_why():
+    # the written-out silu anchors a near miss like silu itself (found by tests/fuzz_cases.py)
+    def second_half(h):
+        gate, up = h.chunk(2, dim=-1)
+        return gate * (up * torch.sigmoid(up))
+
+    _, _, report = compile_and_run(Glu(second_half), _inputs(torch.float32, (3, 2 * FFN)), config=ONLY_SWIGLU)
+    assert report.counts["swiglu"] == 0
+    assert near_miss_reasons(report, "swiglu") == ["silu is applied to the second half: npu_swiglu activates the first half"]

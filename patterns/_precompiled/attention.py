@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '69ece34cc4240623',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9244e2d082145020',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

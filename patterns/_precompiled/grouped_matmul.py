@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '019c10960ff9b27f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4b6ac03d26f638b1',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fd8bacff57add0dc',
+KEY = {'torch': '2.13.0+cpu', 'sources': '73da972f1637eb52',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

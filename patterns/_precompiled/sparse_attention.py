@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fa2689219d955a85',
+KEY = {'torch': '2.13.0+cpu', 'sources': '353e10a8fcdfb601',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9b024e6a1902e843',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b1271d9c97ef2e62',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -240,6 +240,13 @@ def _canonical_dims(node: Node) -> int:
             holder[key] = dims - rank if dims >= 0 else dims
     if node.target is aten.transpose.int and all(isinstance(d, int) for d in args[1:3]):
         args[1:3] = sorted(args[1:3])
+    # a trailing dim equal to its default as left out, as a trace records `topk(x, k, dim=-1)`:
+    # `topk(x, k, 1)` on 2-d x (older Mixtral routers) is then spelled like the pattern
+    schema = node.target._schema.arguments  # noqa: SLF001
+    last = len(args) - 1
+    if last in indices and last < len(schema) and schema[last].has_default_value() \
+            and not is_list and args[last] == schema[last].default_value and isinstance(args[last], int):
+        args.pop()
     if tuple(args) == tuple(node.args) and kwargs == dict(node.kwargs):
         return 0
     node.args, node.kwargs = tuple(args), kwargs

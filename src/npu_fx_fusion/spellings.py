@@ -19,6 +19,7 @@ The classes here extend torch's pattern matcher:
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, Optional
 
@@ -273,9 +274,23 @@ def _sqrt(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
 
 
 def _silu(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
-    """silu(x) == x * sigmoid(x) (either order)."""
+    """silu(x) == x * sigmoid(x) (either order). x is read twice there (by the sigmoid and
+    the product) where silu(x) reads it once: one more user than the trace counted."""
     (value,) = args
+    value = _with_one_more_user(value)
     return [Commutative(aten.mul.Tensor, value, _call(aten.sigmoid.default, value, users=1), _users=pm.MULTIPLE)]
+
+
+def _with_one_more_user(pattern: Any) -> Any:
+    """`pattern`, for a spelling that reads its value once more than the traced one: a copy
+    counting one user more (the pattern itself is shared with the traced spelling, whose
+    count must stay exact). An input (KeywordArg) or a MULTIPLE count is taken as it is."""
+    users = getattr(pattern, "users", None)
+    if not isinstance(users, int) or isinstance(users, bool):
+        return pattern
+    widened = copy.copy(pattern)
+    widened.users = users + 1
+    return widened
 
 
 def _mean(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:

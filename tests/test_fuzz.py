@@ -1,0 +1,76 @@
+"""The seeded differential fuzz (tests/fuzz_cases.py), a fixed slice of it: every case fuses
+as declared, or is refused with its near miss, or is a listed known gap with its near miss;
+never a miscompile, a wrong fusion, a compile failure, a reverted pass or a silent miss.
+
+The slice is seeds 0..CI_CASES-1 of `benchmarks/fuzz.py --seed 0` (the same cases), about
+0.6 s each on the shared 2-core machine. A failing case's id is its seed: its reproducer is
+`make_case(seed).describe()` (printed in the assertion) or
+`benchmarks/fuzz.py --cases 1 --seed <seed>`. The larger slice below is marked slow.
+"""
+import pytest
+import torch
+
+from fuzz_cases import (BAD_OUTCOMES, COMPILE_FAILURE, FUSED, KNOWN_GAP, MISCOMPILE, OK_OUTCOMES, REFUSED,
+                        SILENT_MISS, SLACK_ULPS, WRONG_FUSION, _classify, _compare, make_case, run_case)
+
+CI_CASES = 100
+SLOW_SEEDS = range(100_000, 100_400)
+
+
+def _check(seed):
+    result = run_case(make_case(seed))
+    assert result.outcome in OK_OUTCOMES, (
+        f"{result.outcome}: {result.detail}\n{result.case.describe()}\n"
+        f"fused {result.fused}; near misses {result.near_misses}")
+    return result
+
+
+@pytest.mark.parametrize("seed", range(CI_CASES))
+def test_fuzz_case(seed):
+    _check(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+def test_fuzz_case_more(seed):
+    _check(seed)
+
+
+def test_the_slice_covers_every_family_mode_and_kind():
+    cases = [make_case(seed) for seed in range(CI_CASES)]
+    assert {c.family for c in cases} == {"rms_norm", "add_rms_norm", "rope", "rope_complex", "swiglu", "router"}
+    assert {c.kind for c in cases} == {"positive", "negative", "limit", "either"}
+    assert {c.dtype for c in cases} == {torch.float32, torch.bfloat16, torch.float16}
+    assert {(c.training, c.dynamic) for c in cases} == {(False, False), (False, True), (True, False), (True, True)}
+    assert sum(c.kind == "positive" for c in cases) >= CI_CASES // 2
+
+
+def test_cases_are_reproducible_from_their_seed():
+    a, b = make_case(7), make_case(7)
+    assert a.source == b.source and a.choices == b.choices
+    (ma, ia), (mb, ib) = a.build(), b.build()
+    assert all(torch.equal(x, y) for x, y in zip(ia, ib))
+    assert all(torch.equal(p, q) for p, q in zip(ma.state_dict().values(), mb.state_dict().values()))
+
+
+# ---- the oracle can fail: each bad class is reachable ------------------------------------
+def test_the_oracle_calls_an_output_off_by_a_few_percent_a_miscompile():
+    case = make_case(3)
+    exact = torch.randn(4, 16, dtype=torch.float64)
+    eager = exact.to(case.dtype)
+    wrong = (exact * 1.03).to(case.dtype)  # e.g. eps in the wrong place, a swapped table
+    bad, _ = _compare(case, [wrong], [eager], [exact], SLACK_ULPS, "out")
+    assert bad
+    assert _classify(case, {"rms_norm": 1}, [], [], bad)[0] == MISCOMPILE
+    good, _ = _compare(case, [eager], [eager], [exact], SLACK_ULPS, "out")
+    assert good == []
+
+
+def test_the_oracle_classes():
+    positive = next(c for c in map(make_case, range(200)) if c.kind == "positive" and c.family == "swiglu")
+    negative = next(c for c in map(make_case, range(200)) if c.kind == "negative" and c.family == "swiglu")
+    assert _classify(positive, {"swiglu": 1}, [], [], [])[0] == FUSED
+    assert _classify(positive, {}, [], [], [])[0] == SILENT_MISS
+    assert _classify(negative, {"swiglu": 1}, [], [], [])[0] == WRONG_FUSION
+    assert _classify(negative, {}, [("swiglu", "silu is applied to the second half")], [], [])[0] == REFUSED
+    assert KNOWN_GAP in OK_OUTCOMES and COMPILE_FAILURE in BAD_OUTCOMES
