@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4b6ac03d26f638b1',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9e9d17e3839c62b3',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

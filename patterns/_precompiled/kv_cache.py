@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '73da972f1637eb52',
+KEY = {'torch': '2.13.0+cpu', 'sources': '315daa5e9f7e5e5f',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

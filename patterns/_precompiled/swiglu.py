@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b1271d9c97ef2e62',
+KEY = {'torch': '2.13.0+cpu', 'sources': '93af1309bde6173a',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

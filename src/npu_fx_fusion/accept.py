@@ -42,6 +42,7 @@ from .forms import Form, FusionPass, Reason, Site
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
+from .spellings import match as match_commutative
 from .spellings import may_match, respell_exact
 from .tracing import TRACERS, is_joint_kind, is_static, signature
 
@@ -377,7 +378,7 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
                 break
             if not may_match(entry.pattern, node):  # its arguments' ops rule it out
                 continue
-            match = entry.pattern.match(node)
+            match = match_commutative(entry.pattern, node)
             if not pm.is_match(match):
                 continue
             if len({pm.get_mutation_region_id(graph, n) for n in match.nodes}) != 1:
@@ -486,7 +487,7 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     if isinstance(exact, str):
         return exact
     exact_pattern, size_arguments = exact
-    exact_match = exact_pattern.match(match.output_nodes()[0])
+    exact_match = match_commutative(exact_pattern, match.output_nodes()[0])
     if not pm.is_match(exact_match):
         return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
     unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,29 +42,76 @@ class Commutative(pm.CallFunction):
     def _match(self, node: Node, ctx: pm.MatchContext) -> pm.MatchResult:
         if len(self.args) != 2 or not isinstance(node, Node):
             return super()._match(node, ctx)
-        straight = arguments_may_match(self, node.args)
-        crossed = arguments_may_match(self, node.args, crossed=True)
+        orders = [crossed for crossed in (False, True) if arguments_may_match(self, node.args, crossed)]
+        if not orders:  # the operands' own ops rule both orders out: no match of their subtrees needed
+            return pm.FailedMatch("function_mismatch: operands {} cannot be {}", node.args, self.args)
+        if (id(self), node) in _attempt.flipped:
+            orders.reverse()
         saved = len(ctx.pattern_to_node)
-        if straight:
-            first = super()._match(node, ctx)
-            if first or not crossed:
-                return first
+        first: Optional[pm.MatchResult] = None
+        for crossed in orders:
+            found = self._match_in_order(node, ctx, crossed)
+            if found:
+                if crossed is orders[0] and len(orders) == 2 and _attempt.choices is not None:
+                    # the other order was possible too: if the whole match fails, match() tries it
+                    _attempt.choices.append((id(self), node))
+                return found
             _undo_bindings(ctx, saved)
-        else:  # the operands' own ops rule this order out: no match of their subtrees needed
-            first = pm.FailedMatch("function_mismatch: operands {} cannot be {}", node.args, self.args)
-            if not crossed:
-                return first
+            first = first if first is not None else found
+        return first
+
+    def _match_in_order(self, node: Node, ctx: pm.MatchContext, crossed: bool) -> pm.MatchResult:
+        if not crossed:
+            return super()._match(node, ctx)
         args, flat = self.args, self.flat_args_kwargs
         self.args = (args[1], args[0])
         self.flat_args_kwargs = self.flatten(self.args, self.kwargs)
         try:
-            second = super()._match(node, ctx)
+            return super()._match(node, ctx)
         finally:
             self.args, self.flat_args_kwargs = args, flat
-        if not second:
-            _undo_bindings(ctx, saved)
-            return first
-        return second
+
+
+class _Attempt(threading.local):
+    """The operand orders of one match attempt (match()): the commutative calls whose second
+    order goes first (flipped), and where an order was chosen that another could replace."""
+
+    flipped: frozenset = frozenset()
+    choices: Optional[list] = None
+
+
+_attempt = _Attempt()
+# how many single flips match() tries after a failed match (each a whole match again)
+_RETRIES = 4
+
+
+def match(pattern: Any, node: Node) -> pm.MatchResult:
+    """pattern.match(node), with the operand orders of its commutative calls chosen jointly.
+
+    Commutative picks an order locally, the first whose subtrees match; a later sibling can
+    then fail for it: in `cos * q + sin * rotate_half(q)`, the first product matches the
+    pattern's `x * cos` with x = cos, and the second then cannot bind x to q. So a failed
+    match is tried again with one such choice flipped at a time (up to _RETRIES; a match that
+    needs two flipped together stays a miss, and gets its near miss)."""
+    if _attempt.choices is not None:  # nested in another match: its caller decides
+        return pattern.match(node)
+    choices: list = []
+    _attempt.choices = choices
+    try:
+        found = pattern.match(node)
+    finally:
+        _attempt.choices = None
+    if found:
+        return found
+    try:
+        for choice in choices[:_RETRIES]:
+            _attempt.flipped, _attempt.choices = frozenset([choice]), []  # (not recorded again)
+            again = pattern.match(node)
+            if again:
+                return again
+    finally:
+        _attempt.flipped, _attempt.choices = frozenset(), None
+    return found
 
 
 def op_may_match(pattern: Any, node: Any) -> bool:
@@ -373,7 +421,7 @@ class _FirstOf:
     def match(self, node: Node) -> pm.MatchResult:
         failure: Optional[pm.MatchResult] = None
         for pattern in self.patterns:
-            found = pattern.match(node)
+            found = match(pattern, node)
             if found:
                 return found
             failure = failure if failure is not None else found
