@@ -631,11 +631,6 @@ def _respelled_norm(case):
 
 NORMS = ("rms_norm", "add_rms_norm")
 KNOWN_GAPS: list[Gap] = [
-    Gap("1 / sqrt(v) reaches the graph as reciprocal(sqrt(v)) * 1", "rms_norm",
-        lambda c: c.family in NORMS and _c(c, normalise="recip_sqrt"),
-        r"matches none of the forms|is also used by",
-        "dynamo traces `1 / t` as reciprocal(t) times the number 1; the mul by 1 is not "
-        "canonicalised away (canonical.py), so no spelling of spellings.py applies"),
     Gap("training: respellings have no joint form", "rms_norm",
         lambda c: c.training and c.family in NORMS and _respelled_norm(c),
         r"is also used by|matches none of the forms",
@@ -647,24 +642,12 @@ KNOWN_GAPS: list[Gap] = [
         r"matches none of the forms|is also used by",
         "dynamic=True makes the normalised dim symbolic; the code divides by the number it "
         "was written with, which equals the dim only at run time (not provable from the graph)"),
-    Gap("x * x in a bf16 / fp16 norm", "rms_norm",
-        lambda c: c.family in NORMS and c.dtype != torch.float32 and _c(c, square="mul"),
-        r"matches none of the forms",
-        "fp32 inference fuses x * x (spellings.py); with a bf16 / fp16 input it does not, with or "
-        "without the upcast: not diagnosed further here"),
     Gap("training: SwiGLU halves as narrow / split sizes, or silu written out", "swiglu",
         lambda c: c.training and c.family == "swiglu" and (
             c.choices.get("halves") in ("narrow", "split_sizes") or c.choices.get("act", "").count("sigmoid")),
         r"is also used by",
         "the joint graph of these spellings differs from the chunked / sliced forms' (their own "
         "slice backward, sigmoid's backward): no joint pattern for them"),
-    Gap("RoPE written cos * x + sin * rotate(x)", "rope",
-        lambda c: c.family == "rope" and _c(c, terms="cos_x"),
-        r"matches none of the forms|not multiplied by a sin table",
-        "23 of the 30 RoPE positives refused in the 1000-case run (seed 0) are this operand order "
-        "of both products; spellings.Commutative should take it. The near miss 'the rotated x is "
-        "not multiplied by a sin table' it sometimes leaves is wrong too (rope.explain misses the "
-        "sin product in this order; not diagnosed further)"),
     Gap("shape reads count as users", "rope",
         lambda c: c.dynamic and c.family == "rope",
         r"is also used by sym_size",

@@ -87,8 +87,37 @@ class NoWeight(Norm):
         return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
+class TimesReciprocalSqrt(Norm):
+    # dynamo records 1 / t as reciprocal(t) * 1: canonical drops the noop multiply
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * (1 / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return self.weight * h.to(x.dtype)
+
+
+class TimesTwiceReciprocalSqrt(Norm):  # the look-alike: 2 / sqrt(v) is no noop
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * (2 / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+        return self.weight * h.to(x.dtype)
+
+
+class SquareAsProduct(Norm):  # x * x for x ** 2 (the structural pattern ignores the int 2)
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MeanOfCubes(Norm):  # the look-alike: x ** 3 has pow's structure, not its exponent
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(3).abs().mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
 FORMS = {
-    "hf_llama": HFLlama, "weight_after_cast": WeightAfterCast, "weight_before_cast": WeightBeforeCast,
+    "hf_llama": HFLlama, "times_reciprocal_sqrt": TimesReciprocalSqrt, "square_as_product": SquareAsProduct, "weight_after_cast": WeightAfterCast, "weight_before_cast": WeightBeforeCast,
     "torch_functional": Functional, "torch_module": TorchModule, "divide_by_sqrt": DivideBySqrt,
     "gemma": Gemma, "no_weight": NoWeight,
 }
@@ -170,7 +199,8 @@ class TwoDimWeight(Norm):
     (MeanWithoutKeepdim(), "without keepdim"),
     (TensorEps(), "eps is a tensor"),
     (SharedIntermediate(), "also used by"),
-], ids=["non_last_dim", "no_keepdim", "tensor_eps", "shared_intermediate"])
+    (TimesTwiceReciprocalSqrt(), "matches none of the forms"),
+], ids=["non_last_dim", "no_keepdim", "tensor_eps", "shared_intermediate", "twice_reciprocal_sqrt"])
 def test_does_not_fuse_and_says_why(module, reason):
     if isinstance(module, NonLastDim):
         module.weight = torch.nn.Parameter(torch.rand(64))
@@ -181,6 +211,12 @@ def test_does_not_fuse_and_says_why(module, reason):
     reasons = near_miss_reasons(report, "rms_norm")
     assert len(reasons) == 1 and reason in reasons[0], reasons
     assert report.near_misses[0].location.line > 0  # points at the user's source line
+    torch.testing.assert_close(out, ref)
+
+
+def test_a_mean_of_cubes_is_not_a_norm():
+    out, ref, report = compile_and_run(MeanOfCubes(), _inputs(torch.float32), config=ONLY_RMS)
+    assert report.counts["rms_norm"] == 0 and "npu.npu_rms_norm" not in report.fused_ops
     torch.testing.assert_close(out, ref)
 
 

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '315daa5e9f7e5e5f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8d13bf40fe9e1cf6',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -489,7 +489,10 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     exact_pattern, size_arguments = exact
     exact_match = match_commutative(exact_pattern, match.output_nodes()[0])
     if not pm.is_match(exact_match):
-        return f"{form.name} has its structure, but differs in sizes or constants: {exact_match}"
+        # (torch's failure names the pattern it expected whole: kilobytes for a norm's spellings)
+        failure = str(exact_match)
+        failure = failure if len(failure) <= 160 else failure[:160] + "..."
+        return f"{form.name} has its structure, but differs in sizes or constants: {failure}"
     unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
     if unequal:
         return f"{form.name} has its structure, but differs in sizes: {unequal}"

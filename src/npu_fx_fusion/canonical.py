@@ -126,6 +126,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       search functions, removes those as no-ops (remove_noop_ops), so a pattern never has
       one. A clone of a graph input stays (the input may be written back by a copy_), and
       so does one that leaves the graph (an output must not alias another value).
+    - no multiplication or division by the number 1 of a tensor whose result has its
+      metadata (`1 / sqrt(v)` reaches the graph as `reciprocal(sqrt(v)) * 1`): the search
+      functions lose those too (remove_noop_ops' mul_noop); exact for every float,
+      -0.0, inf and nan included (an add of 0 is not: -0.0 + 0 is +0.0, and stays).
     - one node per symbolic size: aot graphs can compute one SymInt expression twice
       (`sym_size(a2a, 0)` and `sym_sum(u2, u3)` for the rows an expert-parallel
       all-to-all received), where the exact retrace of a form (accept._exact_pattern)
@@ -156,6 +160,11 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
+        if _is_noop_by_one(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed += 1
+            continue
         if node.target in (aten.view.default, aten._unsafe_view.default):
             changed += _reshape_of_expand(graph, node)
         if node.target in _VIEWS:
@@ -216,6 +225,17 @@ def _is_noop_clone(node: Node) -> bool:
     source = node.args[0]
     return (isinstance(source, Node) and source.op != "placeholder"
             and not any(user.op == "output" for user in node.users) and same_meta(node, source))
+
+
+def _is_noop_by_one(node: Node) -> bool:
+    from torch._inductor.fx_passes.post_grad import same_meta
+
+    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(node.args) != 2 or node.kwargs:
+        return False
+    source, number = node.args
+    return (isinstance(source, Node) and not isinstance(number, (Node, bool)) and number == 1
+            and source.op != "placeholder" and not any(user.op == "output" for user in node.users)
+            and same_meta(node, source))
 
 
 def _canonical_dims(node: Node) -> int:

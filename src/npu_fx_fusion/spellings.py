@@ -310,7 +310,9 @@ def _pow(traced: pm.CallFunction, args: tuple, respelled: Callable) -> list:
     if exponent == -0.5:
         return [_call(aten.rsqrt.default, value),
                 _call(aten.reciprocal.default, _call(aten.sqrt.default, value, users=1))]
-    if exponent == 2:
+    if exponent == 2 or isinstance(exponent, pm.Ignored):
+        # (a structural pattern ignores ints, fx_to_pattern's ignore_types: the exact match,
+        # which keeps them, tells x ** 2 from x ** 3)
         return [_call(aten.mul.Tensor, value, value)]
     if exponent == 0.5:
         return [_call(aten.sqrt.default, value)]
