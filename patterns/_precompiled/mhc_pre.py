@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '399b331d79d5d8c0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '40a16713dd069117',
        'backward': {'cann_ops_transformer.mhc_pre_sinkhorn': True, 'npu.npu_mhc_pre': True, 'npu.npu_mhc_sinkhorn': True}}
 
 FORMS = {

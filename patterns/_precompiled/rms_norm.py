@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'defcf8489e9ed52e',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ab39b251b70ed302',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2c4cc64e803a1ca8',
+KEY = {'torch': '2.13.0+cpu', 'sources': '486caf8666496e0e',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6021f87553f43f54',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a03c49c3e46abab9',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

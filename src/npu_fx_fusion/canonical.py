@@ -126,10 +126,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       search functions, removes those as no-ops (remove_noop_ops), so a pattern never has
       one. A clone of a graph input stays (the input may be written back by a copy_), and
       so does one that leaves the graph (an output must not alias another value).
-    - no multiplication or division by the number 1 of a tensor whose result has its
-      metadata (`1 / sqrt(v)` reaches the graph as `reciprocal(sqrt(v)) * 1`): the search
-      functions lose those too (remove_noop_ops' mul_noop); exact for every float,
-      -0.0, inf and nan included (an add of 0 is not: -0.0 + 0 is +0.0, and stays).
+    - `1 / t` as `reciprocal(t)`: dynamo records it as `reciprocal(t) * 1`, a multiply by
+      the number 1 with the result's metadata (exact for every float, -0.0, inf and nan
+      included). Only after a reciprocal: elsewhere a model's multiply by a scale that
+      happens to be 1 (torchtitan's route_scale) is where a form has a scale argument.
     - one node per symbolic size: aot graphs can compute one SymInt expression twice
       (`sym_size(a2a, 0)` and `sym_sum(u2, u3)` for the rows an expert-parallel
       all-to-all received), where the exact retrace of a form (accept._exact_pattern)
@@ -160,7 +160,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
-        if _is_noop_by_one(node):
+        if _is_reciprocal_times_one(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             changed += 1
@@ -227,13 +227,13 @@ def _is_noop_clone(node: Node) -> bool:
             and not any(user.op == "output" for user in node.users) and same_meta(node, source))
 
 
-def _is_noop_by_one(node: Node) -> bool:
+def _is_reciprocal_times_one(node: Node) -> bool:
     from torch._inductor.fx_passes.post_grad import same_meta
 
-    if node.target not in (aten.mul.Tensor, aten.div.Tensor) or len(node.args) != 2 or node.kwargs:
+    if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
         return False
     source, number = node.args
-    return (isinstance(source, Node) and not isinstance(number, (Node, bool)) and number == 1
+    return (is_call(source, aten.reciprocal.default) and not isinstance(number, (Node, bool)) and number == 1
             and source.op != "placeholder" and not any(user.op == "output" for user in node.users)
             and same_meta(node, source))
 
