@@ -16,6 +16,7 @@ pass over one graph cannot do for the weights' other users. GeGLU and other gate
 """
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, users_outside
@@ -58,8 +59,11 @@ def check(site):
         return reason
     if x.shape[-1] % SWIGLU.limits["split_dim_multiple"]:
         return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
-    if not SWIGLU.limits["empty"] and x.numel() == 0:
-        return f"the gate_up tensor {list(x.shape)} is empty: npu_swiglu takes no empty tensors"
+    if not SWIGLU.limits["empty"] and not statically_known_true(x.numel() != 0):
+        # (a data-dependent row count, an expert's tokens in a per-expert loop: jetmoe, may be
+        # zero, and asking would raise GuardOnDataDependentSymNode)
+        return (f"the gate_up tensor {list(x.shape)} is or may be empty: npu_swiglu takes no empty "
+                "tensors")
     return None
 
 
