@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5c5675fe77faabe6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '26e2c20ab869acd0',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3ea7799a20e7cb3b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '447b91c3208e64d4',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ab39b251b70ed302',
+KEY = {'torch': '2.13.0+cpu', 'sources': '41abe1049b49c8c8',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

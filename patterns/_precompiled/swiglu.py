@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0a073420ce01a27c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3d078ebfd4024c3d',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -131,7 +131,6 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
                 # it here, not a near miss here and a fusion in the partitioned forward graph
                 ctx.gradient_free_only = True
                 count += _run_matcher(ctx, patterns.forward, gm.graph)
-                candidates = [n for n in candidates if not n._erased]  # noqa: SLF001
         if count != len(ctx.sites):  # the matcher and our bookkeeping must agree
             raise RuntimeError(f"{fusion_pass.name}: matcher replaced {count} sites, accepted {len(ctx.sites)}")
         _inherit_source_meta([n for n in ctx.inserted if not n._erased])  # noqa: SLF001
@@ -827,11 +826,14 @@ def _reads_tangents(node: Node, memo: dict) -> bool:
 # ---- near misses ---------------------------------------------------------------------------
 def _near_misses(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
                  anchors: Callable[[Node], bool], candidates: Optional[Sequence[Node]] = None) -> PassResult:
-    """Every anchor no form consumed (among `candidates`, if the run found them already): the
-    check that turned it down, or the pass's explanation, or that no form matched it."""
+    """Every anchor no form consumed: the check that turned it down, or the pass's
+    explanation, or that no form matched it. `candidates`: the anchors a walk of this graph
+    found earlier in the run (replacements since then erased some, and moved others)."""
     fusion_pass = ctx.fusion_pass
     if candidates is None:
         candidates = fusion_pass.candidate_anchors(gm.graph, anchors)
+    else:
+        candidates = sorted(n for n in candidates if not n._erased and fusion_pass.anchor(n))  # noqa: SLF001
     for node in candidates:
         reason = ctx.reason(node) or fusion_pass.explain(node) or _no_form_matched(fusion_pass.forms)
         if node in ctx.inexact and reason.startswith("matches none of the forms"):

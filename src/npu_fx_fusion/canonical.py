@@ -152,15 +152,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             graph.erase_node(node)
             changed += 1
             continue
-        if _is_noop_clone(node):
-            node.replace_all_uses_with(node.args[0])
-            graph.erase_node(node)
-            changed += 1
-            continue
         if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
-        if _is_reciprocal_times_one(node):
+        if _is_noop_clone(node) or _is_reciprocal_times_one(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             changed += 1
@@ -216,26 +211,29 @@ def _reshape_of_expand(graph: torch.fx.Graph, view: Node) -> int:
     return 1
 
 
-def _is_noop_clone(node: Node) -> bool:
+def _can_stand_for(source: Any, node: Node) -> bool:
+    """`source` may replace `node`, a no-op of it: a computed value (not an input, which may
+    be written back by a copy_) with node's metadata, where node leaves no output (an
+    output must not alias another value)."""
     from torch._inductor.fx_passes.post_grad import same_meta  # remove_noop_ops' own test
 
-    if node.target is not aten.clone.default or node.kwargs.get(
-            "memory_format", torch.preserve_format) is not torch.preserve_format:
-        return False
-    source = node.args[0]
     return (isinstance(source, Node) and source.op != "placeholder"
             and not any(user.op == "output" for user in node.users) and same_meta(node, source))
 
 
-def _is_reciprocal_times_one(node: Node) -> bool:
-    from torch._inductor.fx_passes.post_grad import same_meta
+def _is_noop_clone(node: Node) -> bool:
+    if node.target is not aten.clone.default or node.kwargs.get(
+            "memory_format", torch.preserve_format) is not torch.preserve_format:
+        return False
+    return _can_stand_for(node.args[0], node)
 
+
+def _is_reciprocal_times_one(node: Node) -> bool:
     if node.target is not aten.mul.Tensor or len(node.args) != 2 or node.kwargs:
         return False
     source, number = node.args
     return (is_call(source, aten.reciprocal.default) and not isinstance(number, (Node, bool)) and number == 1
-            and source.op != "placeholder" and not any(user.op == "output" for user in node.users)
-            and same_meta(node, source))
+            and _can_stand_for(source, node))
 
 
 def _canonical_dims(node: Node) -> int:
