@@ -32,12 +32,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 from torch._inductor import pattern_matcher as pm
-from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
-from .cleanup import LAYOUT_CHANGED, same_layout
+from .cleanup import LAYOUT_CHANGED, fake_copy, same_layout
 from .forms import Form, FusionPass, Reason, Site
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
@@ -202,7 +202,7 @@ class _Replacement(pm.ReplacementPatternEntry):
         super().__init__(pattern=pattern,
                          extra_check=lambda match: _accept(ctx, registration, match),
                          normalize_args=_replacement_arguments(registration.form.argnames))
-        self.ctx = ctx
+        self.ctx, self.registration = ctx, registration
 
     def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
         replaced = sorted(match.nodes)  # in graph order, while they are in the graph
@@ -285,12 +285,7 @@ def _in_mode(value: Any, fake_mode: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_in_mode(v, fake_mode) for v in value)
     if isinstance(value, FakeTensor) and value.fake_mode is not fake_mode:
-        # as the fake mode makes its cached outputs (FakeTensorMode._get_output_tensor_from_cache_entry):
-        # a meta tensor wrapped, not an empty_strided dispatched through the mode (5x slower,
-        # a tenth of a training step's passes)
-        with in_kernel_invocation_manager(fake_mode):
-            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return FakeTensor(fake_mode, meta, value.device)
+        return fake_copy(value, fake_mode)
     return value
 
 
@@ -377,7 +372,7 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
                 break
             if not may_match(entry.pattern, node):  # its arguments' ops rule it out
                 continue
-            match = match_commutative(entry.pattern, node)
+            match = _known_exact_match(ctx, entry.registration, node) or match_commutative(entry.pattern, node)
             if not pm.is_match(match):
                 continue
             if len({pm.get_mutation_region_id(graph, n) for n in match.nodes}) != 1:
@@ -430,6 +425,7 @@ class _Arguments:
     registration traced them, and the symbolic sizes among their shapes and strides.
     Made on demand: a trace kept for this signature needs none of it."""
 
+    nodes: dict  # each argument's node (or value) in the graph
     values: list
     requires_grad: list[bool]
     fake_mode: Any
@@ -443,22 +439,13 @@ class _Arguments:
                     if isinstance(v, torch.Tensor) else v for v, grad in zip(self.values, self.requires_grad)]
 
 
-def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
-    """(site, exact match, arguments) of a structural match, or why there is none.
-
-    The structural pattern took every size and scalar as a wildcard; here the form's search
-    is traced again at the match's own shapes, dtypes and scalars, and that trace must
-    match the same nodes exactly (as torch's register_replacement does, with the traces
-    kept per signature, and the scalars read from the match itself: a retrace that
-    names them by their example values would take a model size equal to an example for
-    the scalar).
-    """
-    form = registration.form
-    argnames = form.argnames
-    missing = [name for name in argnames if name not in match.kwargs]
+def _arguments(registration: Registration, kwargs: dict):
+    """The _Arguments of a match's bindings, or why a trace cannot take them."""
+    argnames = registration.form.argnames
+    missing = [name for name in argnames if name not in kwargs]
     if missing:
         return f"the pattern binds no {missing[0]}"
-    arg_nodes = {name: match.kwargs[name] for name in argnames}
+    arg_nodes = {name: kwargs[name] for name in argnames}
     values = [arg_nodes[n].meta.get("val") if isinstance(arg_nodes[n], Node) else arg_nodes[n] for n in argnames]
     if any(isinstance(arg_nodes[n], Node) and v is None for n, v in zip(argnames, values)):
         return "the matched nodes carry no tensor metadata (meta['val'])"
@@ -481,28 +468,104 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
                                                               for a in symbolic_sizes):
                     symbolic_sizes.append(size)
     key = signature([*symbolic_sizes, *values], requires_grad=[False] * len(symbolic_sizes) + requires_grad)
-    arguments = _Arguments(values, requires_grad, fake_mode, symbolic_sizes, key)
-    exact = _exact_pattern(ctx, registration, arguments)
-    if isinstance(exact, str):
-        return exact
-    exact_pattern, size_arguments = exact
-    exact_match = match_commutative(exact_pattern, match.output_nodes()[0])
-    if not pm.is_match(exact_match):
-        # (torch's failure names the pattern it expected whole: kilobytes for a norm's spellings)
-        failure = str(exact_match)
-        failure = failure if len(failure) <= 160 else failure[:160] + "..."
-        return f"{form.name} has its structure, but differs in sizes or constants: {failure}"
-    unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
-    if unequal:
-        return f"{form.name} has its structure, but differs in sizes: {unequal}"
+    return _Arguments(arg_nodes, values, requires_grad, fake_mode, symbolic_sizes, key)
+
+
+@dataclass(frozen=True)
+class KnownExact:
+    """An exact pattern that matched a site, at a static signature.
+
+    Every decoder layer repeats its sites' signatures, and at each the structural match
+    only leads to the exact pattern of the signature, matched from the same node (the
+    match's first output, where the structural one started). So a candidate tries the
+    exact patterns its registration already matched first, and where one matches with the
+    same signature, that is the exact match the structural one would have led to; the
+    acceptance checks all run on it as on any other."""
+
+    pattern: Any  # a PatternExpr, or spellings' _FirstOf of them
+    anchor: tuple  # (op, target) of the node it matched from
+    anchor_value: tuple  # the signature of the value it started from (to pass others by unmatched)
+    key: tuple  # the signature it was traced at
+    scalars: dict  # the arguments it has as literals (scalars), which it binds no node for
+
+
+_KNOWN_EXACT_PER_REGISTRATION = 4  # a model's sites of one form have few signatures
+
+
+def _known_exact_match(ctx: RunContext, registration: Registration, node: Node) -> Optional[pm.Match]:
+    """The match at `node` of an exact pattern `registration` matched before, at the
+    signature it was traced at; None if there is none."""
+    known_here = ctx.patterns.known_exact.get(registration, ())
+    value = signature([node.meta.get("val")]) if known_here else None
+    for known in known_here:
+        if known.anchor != (node.op, node.target) or known.anchor_value != value:
+            continue
+        match = match_commutative(known.pattern, node)
+        if not pm.is_match(match):
+            continue
+        arguments = _arguments(registration, {**known.scalars, **match.kwargs})
+        if isinstance(arguments, _Arguments) and arguments.key == known.key:
+            match.kwargs.update(known.scalars)
+            match.known_exact = known
+            return match
+    return None
+
+
+def _remember_exact(ctx: RunContext, registration: Registration, arguments: _Arguments,
+                    pattern: pm.PatternExpr, exact_match: pm.Match) -> None:
+    if arguments.key is None or not is_static(arguments.key):
+        return
+    scalars = {name: value for name, value in arguments.nodes.items() if name not in exact_match.kwargs}
+    if any(isinstance(value, (Node, torch.Tensor)) for value in scalars.values()):
+        return  # a node it does not bind: another site's, were it reused
+    known = ctx.patterns.known_exact.setdefault(registration, [])
+    if len(known) < _KNOWN_EXACT_PER_REGISTRATION and all(k.key != arguments.key for k in known):
+        start = exact_match.output_nodes()[0]
+        known.append(KnownExact(pattern, (start.op, start.target), signature([start.meta.get("val")]),
+                                arguments.key, scalars))
+
+
+def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
+    """(site, exact match, arguments) of a structural match, or why there is none.
+
+    The structural pattern took every size and scalar as a wildcard; here the form's search
+    is traced again at the match's own shapes, dtypes and scalars, and that trace must
+    match the same nodes exactly (as torch's register_replacement does, with the traces
+    kept per signature, and the scalars read from the match itself: a retrace that
+    names them by their example values would take a model size equal to an example for
+    the scalar). A match made by a KnownExact pattern is that exact match already.
+    """
+    form = registration.form
+    arguments = _arguments(registration, match.kwargs)
+    if isinstance(arguments, str):
+        return arguments
+    if getattr(match, "known_exact", None) is not None:
+        exact_match = match
+    else:
+        exact = _exact_pattern(ctx, registration, arguments)
+        if isinstance(exact, str):
+            return exact
+        exact_pattern, size_arguments = exact
+        exact_match = match_commutative(exact_pattern, match.output_nodes()[0])
+        if not pm.is_match(exact_match):
+            # (torch's failure names the pattern it expected whole: kilobytes for a norm's spellings)
+            failure = str(exact_match)
+            failure = failure if len(failure) <= 160 else failure[:160] + "..."
+            return f"{form.name} has its structure, but differs in sizes or constants: {failure}"
+        unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
+        if unequal:
+            return f"{form.name} has its structure, but differs in sizes: {unequal}"
+        if not size_arguments:
+            _remember_exact(ctx, registration, arguments, exact_pattern, exact_match)
     bound: dict[Node, Any] = {}
     for pattern, node in zip(exact_match.ctx.outputs, exact_match.output_nodes()):
         if node is not None and bound.setdefault(node, pattern) is not pattern:
             # two results of the form found as one value of the graph: one of them is not there
             return f"two outputs of {form.name} bind the one node {node.name}"
-    site_nodes = {name: exact_match.kwargs.get(name, arg_nodes[name]) for name in argnames}
-    site = Site(form, dict(zip(argnames, values)), list(exact_match.nodes), site_nodes, ctx.soc, ctx.mode,
-                keep_intermediate_rounding=ctx.keep_intermediate_rounding)
+    argnames = form.argnames
+    site_nodes = {name: exact_match.kwargs.get(name, arguments.nodes[name]) for name in argnames}
+    site = Site(form, dict(zip(argnames, arguments.values)), list(exact_match.nodes), site_nodes, ctx.soc,
+                ctx.mode, keep_intermediate_rounding=ctx.keep_intermediate_rounding)
     return site, exact_match, arguments
 
 

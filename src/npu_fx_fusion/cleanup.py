@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -205,25 +206,97 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                for user in node.users]
     heapq.heapify(pending)
     done: set = set()
+    # what a fused op's fake kernel returned for arguments of one layout: every decoder layer
+    # calls it with the same ones (torch's fake mode caches aten ops' results, never those
+    # of ops registered outside torch)
+    results: dict = {}
     with fake_mode:
         while pending:
             _, node = heapq.heappop(pending)
             if node in done or node.op == "output":
                 continue
             done.add(node)
-            for arg in node.all_input_nodes:
-                interpreter.env[arg] = arg.meta.get("val")
             before = node.meta.get("val")
-            try:
-                interpreter.run_node(node)
-            except RuntimeError:
-                if node.target is not aten.view.default:
-                    raise
-                node.target = aten.reshape.default
-                interpreter.run_node(node)
+            key = _fake_result_key(node)
+            if key is not None and key in results:
+                node.meta["val"] = fake_copy(results[key], fake_mode)
+            else:
+                for arg in node.all_input_nodes:
+                    interpreter.env[arg] = arg.meta.get("val")
+                try:
+                    interpreter.run_node(node)
+                except RuntimeError:
+                    if node.target is not aten.view.default:
+                        raise
+                    node.target = aten.reshape.default
+                    interpreter.run_node(node)
+                if key is not None and _static_layout(node.meta.get("val")):
+                    results[key] = node.meta["val"]
             if not same_layout(before, node.meta.get("val")):
                 for user in node.users:
                     heapq.heappush(pending, (order[user], user))
+
+
+def _fake_result_key(node: Node) -> Optional[tuple]:
+    """(target, the layouts and values of its arguments) of a call to an op registered
+    outside torch that returns new tensors (no view of an input), when every size is
+    static; None otherwise."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or torch._library.utils.is_builtin(target):  # noqa: SLF001
+        return None
+    if any(ret.alias_info is not None for ret in target._schema.returns):  # noqa: SLF001
+        return None
+
+    def layout(value: Any) -> Any:
+        if isinstance(value, Node):
+            if "val" not in value.meta:
+                raise _Unkeyable
+            return layout(value.meta["val"])
+        if isinstance(value, (list, tuple)):
+            return tuple(layout(v) for v in value)
+        if isinstance(value, dict):
+            return tuple((k, layout(v)) for k, v in value.items())
+        if isinstance(value, torch.Tensor):
+            if not _static_layout(value):
+                raise _Unkeyable
+            return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
+                    value.device, value.requires_grad)
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Unkeyable
+        hash(value)
+        return (type(value), value)
+
+    try:
+        return (target, layout(node.args), layout(node.kwargs))
+    except (_Unkeyable, TypeError):
+        return None
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _static_layout(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_static_layout(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return all(isinstance(size, int) for size in (*value.shape, *value.stride(), value.storage_offset()))
+    return not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def fake_copy(value: Any, fake_mode: Any) -> Any:
+    """A new fake value of `value`'s layout (a tensor, or a list or tuple of values) in
+    `fake_mode`, made as the fake mode makes its cached outputs
+    (FakeTensorMode._get_output_tensor_from_cache_entry): a meta tensor wrapped, not an
+    empty_strided dispatched through the mode (5x slower). Values that are not tensors are
+    returned as they are."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(fake_copy(v, fake_mode) for v in value)
+    if isinstance(value, torch.Tensor):
+        with in_kernel_invocation_manager(fake_mode):
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return FakeTensor(fake_mode, meta, value.device)
+    return value
 
 
 def same_layout(a: Any, b: Any) -> bool:

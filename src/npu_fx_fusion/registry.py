@@ -146,6 +146,9 @@ class PatternSet:
     # graph (accept.py)
     exact_patterns: dict = field(default_factory=dict)
     replacements: dict = field(default_factory=dict)
+    # per registration, the static exact patterns that matched a site (accept.KnownExact):
+    # tried at a candidate before the structural pattern
+    known_exact: dict = field(default_factory=dict)
 
     @functools.cached_property
     @deep_patterns()

@@ -208,18 +208,34 @@ class GraphCost:
 
     @staticmethod
     def of(graph: torch.fx.Graph) -> "GraphCost":
-        costs = [GraphCost.of_node(node) for node in graph.nodes]
-        return GraphCost(sum(c.launches for c in costs), sum(c.bytes_moved for c in costs))
+        launches = moved = 0
+        sizes: dict = {}  # node -> the bytes of its value, each counted once per graph
+
+        def size(node: torch.fx.Node) -> int:
+            if node not in sizes:
+                sizes[node] = _tensor_bytes(node.meta.get("val"))
+            return sizes[node]
+
+        for node in graph.nodes:
+            if _computes(node):
+                launches += 1
+                moved += size(node) + sum(size(arg) for arg in node.all_input_nodes)
+        return GraphCost(launches, moved)
 
     @staticmethod
     def of_node(node: torch.fx.Node) -> "GraphCost":
         """One launch moving its tensor inputs and outputs, or nothing for a free node."""
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
-            return GraphCost()
-        if node.target._opname in _FREE_OPS:  # noqa: SLF001
+        if not _computes(node):
             return GraphCost()
         moved = sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
         return GraphCost(1, moved + _tensor_bytes(node.meta.get("val")))
+
+
+def _computes(node: torch.fx.Node) -> bool:
+    """A call that launches a kernel: an aten or fused op that is not a view (a getitem or
+    a SymInt expression is no op)."""
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
+            and node.target._opname not in _FREE_OPS)  # noqa: SLF001
 
 
 def _tensor_bytes(value) -> int:

@@ -138,17 +138,85 @@ def arguments_may_match(pattern: Any, args: Any, crossed: bool = False) -> bool:
 
 def may_match(pattern: pm.PatternExpr, node: Node) -> bool:
     """A necessary condition for `pattern` (its first output, for a multi-output one) to
-    match at `node`: its op and its arguments' ops (in either order for a commutative call).
-    The matcher tries every registration at every node of an anchor op; most fail one level
-    down, after torch's matcher has matched every argument before the one that differs."""
-    if isinstance(pattern, pm.MultiOutputPattern):
-        pattern = pattern.outputs[0]
-    if isinstance(pattern, AnyOf):
-        return any(may_match(alternative, node) for alternative in pattern.alternatives)
-    if not op_may_match(pattern, node):
+    match at `node`: its op, its arguments' ops (in either order for a commutative call)
+    and, below a single-output pattern's root, their user counts. The matcher tries every
+    registration at every node of an anchor op; most fail one level down, after torch's
+    matcher has matched every argument before the one that differs. Compiled once per
+    pattern into set lookups (_prefilter): it runs thousands of times per graph."""
+    check = _PREFILTERS.get(pattern)
+    if check is None:
+        check = _PREFILTERS[pattern] = _prefilter(pattern)
+    return check(node)
+
+
+_PREFILTERS: dict = {}  # pattern -> its may_match
+
+
+def _prefilter(pattern: pm.PatternExpr) -> Callable[[Any], bool]:
+    # below the root of a single-output pattern every call must have its user count
+    # (torch's _match_users); a multi-output pattern's other outputs may sit there, with any
+    single_output = not isinstance(pattern, pm.MultiOutputPattern)
+    roots = _calls(pattern.outputs[0] if not single_output else pattern)
+    if roots is None:
+        return lambda node: True
+    alternatives = []
+    for root, _ in roots:
+        orders = [_argument_checks(root, False, single_output)]
+        if isinstance(root, Commutative):
+            orders.append(_argument_checks(root, True, single_output))
+        alternatives.append((root.op, root.fns_set, orders))
+
+    def check(node: Any) -> bool:
+        if not isinstance(node, Node):
+            return False
+        target = pm.extract_target(node)
+        for op, fns, orders in alternatives:
+            if node.op == op and target in fns and any(
+                    order is None or len(order) != len(node.args)
+                    or all(argument is None or argument(arg) for argument, arg in zip(order, node.args))
+                    for order in orders):
+                return True
         return False
-    return arguments_may_match(pattern, node.args) or (
-        isinstance(pattern, Commutative) and arguments_may_match(pattern, node.args, crossed=True))
+
+    return check
+
+
+def _calls(pattern: Any) -> Optional[list]:
+    """The (call pattern, its user count) that `pattern` is one of, through AnyOf; None
+    when it also matches what no call pattern does (an argument, a literal)."""
+    if isinstance(pattern, AnyOf):
+        calls = [_calls(alternative) for alternative in pattern.alternatives]
+        if any(c is None for c in calls):
+            return None
+        return [(call, pattern.users) for alternatives in calls for call, _ in alternatives]
+    if isinstance(pattern, pm._TargetExpr):  # noqa: SLF001 - CallFunction and its kin
+        return [(pattern, pattern.users)]
+    return None
+
+
+def _argument_checks(pattern: Any, crossed: bool, check_users: bool) -> Optional[list]:
+    """Per positional argument of a call pattern, a test of the graph's argument one level
+    down (None: any value), the two of a commutative call swapped if `crossed`; None where
+    it cannot tell (keyword arguments the matcher normalises)."""
+    if not isinstance(pattern, pm._TargetArgsExpr) or pattern.kwargs:  # noqa: SLF001
+        return None
+    checks: list = []
+    for expected in (pattern.args[::-1] if crossed else pattern.args):
+        calls = _calls(expected)
+        if calls is None:
+            checks.append(None)
+            continue
+        users = expected.users if check_users and isinstance(expected.users, int) else None
+        ops = [(call.op, call.fns_set) for call, _ in calls]
+
+        def argument(arg: Any, ops: list = ops, users: Optional[int] = users) -> bool:
+            if not isinstance(arg, Node) or (users is not None and len(arg.users) != users):
+                return False
+            target = pm.extract_target(arg)
+            return any(arg.op == op and target in fns for op, fns in ops)
+
+        checks.append(argument)
+    return checks
 
 
 def _undo_bindings(ctx: pm.MatchContext, saved: int) -> None:
