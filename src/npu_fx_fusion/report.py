@@ -243,11 +243,13 @@ def _tensor_bytes(value) -> int:
         return sum(_tensor_bytes(v) for v in value)
     if not isinstance(value, torch.Tensor):
         return 0
-    numel = 1
-    for size in value.shape:
-        if isinstance(size, torch.SymInt):  # a symbolic size: its hint, the size it was traced at
-            size = size.node.hint if size.node.hint is not None else 1
-        numel *= int(size)
+    numel = value.numel()
+    if isinstance(numel, torch.SymInt):  # symbolic sizes: their hints, the sizes it was traced at
+        numel = 1
+        for size in value.shape:
+            if isinstance(size, torch.SymInt):
+                size = size.node.hint if size.node.hint is not None else 1
+            numel *= int(size)
     return numel * value.element_size()
 
 
