@@ -7,6 +7,7 @@ site's sizes) is the one checked, and the one replaced; two outputs bound to one
 refused. (Found on DeepSeek-V4's compressed attention in training: the gradients of kv and of
 the compressed kv are two slices of one cat gradient, tests/test_sparse_mla.py.)
 """
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -109,3 +110,49 @@ def test_a_kept_call_of_an_op_called_a_different_number_of_times_gets_the_line_i
     added = calls(aten.mm.default, aten.clamp.default, aten.silu.default, aten.mul.Tensor, aten.mm.default)
     pairs = _aligned_calls(added, erased)
     assert [(added.index(new), erased.index(old)) for new, old in pairs] == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4)]
+
+
+# ---- canonical: implicit upcasts ---------------------------------------------------------
+def _upcast_graph(fn, *inputs):
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    before = gm(*inputs)
+    changed = canonicalize(gm.graph)
+    gm.recompile()
+    return gm, changed, before, gm(*inputs)
+
+
+def _mul_operands(gm):
+    (mul,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    return [str(a.target) if isinstance(a, torch.fx.Node) and a.op == "call_function" else a.name for a in mul.args]
+
+
+def test_an_operand_the_multiply_upcasts_reads_the_graphs_own_cast_of_it():
+    def norm_like(x, v):  # CpmAntLayerNorm: x bf16 times an fp32 normaliser, x also cast explicitly
+        return x.to(torch.float32).pow(2).sum(), x * v
+
+    x, v = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8)
+    gm, changed, before, after = _upcast_graph(norm_like, x, v)
+    assert changed == 1
+    assert _mul_operands(gm) == ["aten._to_copy.default", "v_1"]
+    for got, want in zip(after, before):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["result_not_wider", "no_cast_in_the_graph", "cast_after_the_op"])
+def test_an_operand_stays_where_no_earlier_cast_has_its_promoted_value(case):
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    if case == "result_not_wider":  # a 0-dim fp32 operand does not promote: the result is bf16
+        def fn(x, v):
+            return x.to(torch.float32).sum(), x * v
+        v = torch.tensor(3.0)
+    elif case == "no_cast_in_the_graph":  # no cast is added
+        def fn(x, v):
+            return x * v
+        v = torch.randn(4, 8)
+    else:
+        def fn(x, v):
+            return x * v, x.to(torch.float32).sum()
+        v = torch.randn(4, 8)
+    gm, changed, before, after = _upcast_graph(fn, x, v)
+    assert changed == 0
+    assert _mul_operands(gm) == ["x_1", "v_1"]

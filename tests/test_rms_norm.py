@@ -109,6 +109,12 @@ class SquareAsProduct(Norm):  # x * x for x ** 2 (the structural pattern ignores
         return self.weight * h.to(x.dtype)
 
 
+class ImplicitUpcast(Norm):  # transformers CpmAntLayerNorm: the multiply's type promotion upcasts x
+    def forward(self, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return (x * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+
+
 class MeanOfCubes(Norm):  # the look-alike: x ** 3 has pow's structure, not its exponent
     def forward(self, x):
         h = x.to(torch.float32)
@@ -119,7 +125,7 @@ class MeanOfCubes(Norm):  # the look-alike: x ** 3 has pow's structure, not its 
 FORMS = {
     "hf_llama": HFLlama, "times_reciprocal_sqrt": TimesReciprocalSqrt, "square_as_product": SquareAsProduct, "weight_after_cast": WeightAfterCast, "weight_before_cast": WeightBeforeCast,
     "torch_functional": Functional, "torch_module": TorchModule, "divide_by_sqrt": DivideBySqrt,
-    "gemma": Gemma, "no_weight": NoWeight,
+    "gemma": Gemma, "no_weight": NoWeight, "implicit_upcast": ImplicitUpcast,
 }
 
 

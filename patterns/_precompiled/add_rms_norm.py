@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '26e2c20ab869acd0',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e7a48b3833b73274',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dd89643ff00cffcc',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b7738fd43b590c95',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5b4ff2109264f939',
+KEY = {'torch': '2.13.0+cpu', 'sources': '24e3acfe5379479e',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

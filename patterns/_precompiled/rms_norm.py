@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '41abe1049b49c8c8',
+KEY = {'torch': '2.13.0+cpu', 'sources': '62aa1e1fa06edfcd',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

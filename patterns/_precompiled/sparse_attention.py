@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '081ea97506732762',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ea3ae02bf6cd5dcc',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3d078ebfd4024c3d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '42afff117d14a7e4',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

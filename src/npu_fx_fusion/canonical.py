@@ -126,6 +126,10 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       search functions, removes those as no-ops (remove_noop_ops), so a pattern never has
       one. A clone of a graph input stays (the input may be written back by a copy_), and
       so does one that leaves the graph (an output must not alias another value).
+    - an operand a binary op upcasts to its result's dtype (`x_bf16 * rsqrt(v_fp32)`,
+      transformers' CpmAntLayerNorm) as the graph's explicit cast of that operand
+      (`x.to(torch.float32)`), where it has one defined before: type promotion converts it
+      exactly, as the cast does. No cast is added where the graph has none.
     - `1 / t` as `reciprocal(t)`: dynamo records it as `reciprocal(t) * 1`, a multiply by
       the number 1 with the result's metadata (exact for every float, -0.0, inf and nan
       included). Only after a reciprocal: elsewhere a model's multiply by a scale that
@@ -155,6 +159,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
+        if node.target in _PROMOTING:
+            changed += _explicit_upcasts(node)
         if _is_noop_clone(node) or _is_reciprocal_times_one(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
@@ -170,6 +176,28 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _split_as_slices(graph, node)
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
+    return changed
+
+
+# binary ops that compute in their result's dtype, type promotion converting each operand
+_PROMOTING = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor})
+
+
+def _explicit_upcasts(node: Node) -> int:
+    result = node.meta.get("val")
+    if not isinstance(result, torch.Tensor) or not result.is_floating_point():
+        return 0
+    changed = 0
+    for index, operand in enumerate(node.args[:2]):
+        value = operand.meta.get("val") if isinstance(operand, Node) else None
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()
+                and value.element_size() < result.element_size()):
+            continue  # not upcast (a wider operand is rounded to the result: not a cast's value)
+        cast = next((user for user in operand.users if user < node and user.target is aten._to_copy.default
+                     and user.args == (operand,) and user.kwargs == {"dtype": result.dtype}), None)
+        if cast is not None:
+            node.update_arg(index, cast)
+            changed += 1
     return changed
 
 
