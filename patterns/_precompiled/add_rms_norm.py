@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e7a48b3833b73274',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'feab108c4e4c93fd',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '62aa1e1fa06edfcd',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'bb1be7a6a6fa50a7',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ea3ae02bf6cd5dcc',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4fe8ddbf515bd66c',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -43,7 +43,7 @@ from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, dee
                        pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import match as match_commutative
-from .spellings import may_match, respell_exact
+from .spellings import prefilter, respell_exact
 from .tracing import TRACERS, is_joint_kind, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -203,6 +203,7 @@ class _Replacement(pm.ReplacementPatternEntry):
                          extra_check=lambda match: _accept(ctx, registration, match),
                          normalize_args=_replacement_arguments(registration.form.argnames))
         self.ctx, self.registration = ctx, registration
+        self.may_match = prefilter(pattern)  # shared by the patterns that test the same
 
     def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
         replaced = sorted(match.nodes)  # in graph order, while they are in the graph
@@ -367,10 +368,14 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
         candidates = [node for node in candidates if not is_backward(node)]
     count = 0
     for node in candidates:
+        tested: dict = {}  # prefilter -> its verdict at this node
         for entry in entries[(node.op, node.target)]:
             if node._erased:  # noqa: SLF001 - replaced by an earlier match
                 break
-            if not may_match(entry.pattern, node):  # its arguments' ops rule it out
+            may = tested.get(entry.may_match)
+            if may is None:
+                may = tested[entry.may_match] = entry.may_match(node)
+            if not may:  # its arguments' ops rule it out
                 continue
             match = _known_exact_match(ctx, entry.registration, node) or match_commutative(entry.pattern, node)
             if not pm.is_match(match):

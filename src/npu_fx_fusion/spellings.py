@@ -141,30 +141,48 @@ def may_match(pattern: pm.PatternExpr, node: Node) -> bool:
     match at `node`: its op, its arguments' ops (in either order for a commutative call)
     and, below a single-output pattern's root, their user counts. The matcher tries every
     registration at every node of an anchor op; most fail one level down, after torch's
-    matcher has matched every argument before the one that differs. Compiled once per
-    pattern into set lookups (_prefilter): it runs thousands of times per graph."""
+    matcher has matched every argument before the one that differs."""
+    return prefilter(pattern)(node)
+
+
+def prefilter(pattern: pm.PatternExpr) -> Callable[[Any], bool]:
+    """may_match(pattern, ·), compiled once per pattern into set lookups (it runs thousands
+    of times per graph); patterns that test the same (a form's dtype variants) share one
+    function, so a caller can test a node once for all of them."""
     check = _PREFILTERS.get(pattern)
     if check is None:
-        check = _PREFILTERS[pattern] = _prefilter(pattern)
-    return check(node)
+        key, alternatives = _prefilter_tests(pattern)
+        check = _PREFILTERS[pattern] = _BY_TESTS.setdefault(key, _compiled(alternatives))
+    return check
 
 
 _PREFILTERS: dict = {}  # pattern -> its may_match
+_BY_TESTS: dict = {}  # what a prefilter tests -> the one function testing it
 
 
-def _prefilter(pattern: pm.PatternExpr) -> Callable[[Any], bool]:
+def _prefilter_tests(pattern: pm.PatternExpr) -> tuple[Any, Optional[list]]:
+    """(a hashable description, the alternatives: (op, targets, per operand order the
+    argument tests)) of what may_match tests; None alternatives: it cannot tell."""
     # below the root of a single-output pattern every call must have its user count
     # (torch's _match_users); a multi-output pattern's other outputs may sit there, with any
     single_output = not isinstance(pattern, pm.MultiOutputPattern)
-    roots = _calls(pattern.outputs[0] if not single_output else pattern)
+    roots = _calls(pattern if single_output else pattern.outputs[0])
     if roots is None:
-        return lambda node: True
+        return None, None
     alternatives = []
     for root, _ in roots:
-        orders = [_argument_checks(root, False, single_output)]
+        orders = [_argument_tests(root, False, single_output)]
         if isinstance(root, Commutative):
-            orders.append(_argument_checks(root, True, single_output))
-        alternatives.append((root.op, root.fns_set, orders))
+            orders.append(_argument_tests(root, True, single_output))
+        alternatives.append((root.op, frozenset(root.fns_set), tuple(orders)))
+    return tuple(alternatives), alternatives
+
+
+def _compiled(alternatives: Optional[list]) -> Callable[[Any], bool]:
+    if alternatives is None:
+        return lambda node: True
+    alternatives = [(op, fns, [None if order is None else [_argument_check(test) for test in order]
+                               for order in orders]) for op, fns, orders in alternatives]
 
     def check(node: Any) -> bool:
         if not isinstance(node, Node):
@@ -181,6 +199,20 @@ def _prefilter(pattern: pm.PatternExpr) -> Callable[[Any], bool]:
     return check
 
 
+def _argument_check(test: Optional[tuple]) -> Optional[Callable[[Any], bool]]:
+    if test is None:
+        return None
+    users, ops = test
+
+    def argument(arg: Any) -> bool:
+        if not isinstance(arg, Node) or (users is not None and len(arg.users) != users):
+            return False
+        target = pm.extract_target(arg)
+        return any(arg.op == op and target in fns for op, fns in ops)
+
+    return argument
+
+
 def _calls(pattern: Any) -> Optional[list]:
     """The (call pattern, its user count) that `pattern` is one of, through AnyOf; None
     when it also matches what no call pattern does (an argument, a literal)."""
@@ -194,29 +226,22 @@ def _calls(pattern: Any) -> Optional[list]:
     return None
 
 
-def _argument_checks(pattern: Any, crossed: bool, check_users: bool) -> Optional[list]:
-    """Per positional argument of a call pattern, a test of the graph's argument one level
-    down (None: any value), the two of a commutative call swapped if `crossed`; None where
-    it cannot tell (keyword arguments the matcher normalises)."""
+def _argument_tests(pattern: Any, crossed: bool, check_users: bool) -> Optional[tuple]:
+    """Per positional argument of a call pattern, what the graph's argument one level down
+    must be: (its user count or None, its (op, targets) alternatives), or None for any
+    value; the two of a commutative call swapped if `crossed`. None where it cannot tell
+    (keyword arguments the matcher normalises)."""
     if not isinstance(pattern, pm._TargetArgsExpr) or pattern.kwargs:  # noqa: SLF001
         return None
-    checks: list = []
+    tests: list = []
     for expected in (pattern.args[::-1] if crossed else pattern.args):
         calls = _calls(expected)
         if calls is None:
-            checks.append(None)
+            tests.append(None)
             continue
         users = expected.users if check_users and isinstance(expected.users, int) else None
-        ops = [(call.op, call.fns_set) for call, _ in calls]
-
-        def argument(arg: Any, ops: list = ops, users: Optional[int] = users) -> bool:
-            if not isinstance(arg, Node) or (users is not None and len(arg.users) != users):
-                return False
-            target = pm.extract_target(arg)
-            return any(arg.op == op and target in fns for op, fns in ops)
-
-        checks.append(argument)
-    return checks
+        tests.append((users, tuple((call.op, frozenset(call.fns_set)) for call, _ in calls)))
+    return tuple(tests)
 
 
 def _undo_bindings(ctx: pm.MatchContext, saved: int) -> None:
