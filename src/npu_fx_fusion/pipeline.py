@@ -45,10 +45,7 @@ def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Seque
     fresh fake mode per node, and a symbolic_trace graph has none: propagate fake values
     through those, from `example_inputs` or else from the placeholders' own metadata.
     """
-    computing = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr") and not _returns_nothing(n)]
-    vals = [n.meta.get("val") for n in computing]
-    modes = {id(v.fake_mode) for v in pytree.tree_leaves(vals) if isinstance(v, FakeTensor)}
-    if all(v is not None for v in vals) and len(modes) <= 1:
+    if _fake_values_of_one_mode(gm.graph):
         return
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     if example_inputs is not None:
@@ -63,6 +60,32 @@ def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Seque
             inputs = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
                       for v in placeholder_vals]
     FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+
+
+def _fake_values_of_one_mode(graph: torch.fx.Graph) -> bool:
+    """Every node that computes a value has one, and its fake tensors share one mode."""
+    modes: set = set()
+
+    def tensors(value: Any) -> Any:
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                yield from tensors(item)
+        elif isinstance(value, FakeTensor):
+            yield value
+
+    for node in graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        value = node.meta.get("val")
+        if value is None:
+            if not _returns_nothing(node):
+                return False
+            continue
+        if isinstance(value, FakeTensor):
+            modes.add(id(value.fake_mode))
+        elif isinstance(value, (list, tuple)):
+            modes.update(id(tensor.fake_mode) for tensor in tensors(value))
+    return len(modes) <= 1
 
 
 def _returns_nothing(node: torch.fx.Node) -> bool:
