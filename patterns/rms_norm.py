@@ -78,6 +78,12 @@ def no_weight(x, eps):
     return h.to(x.dtype)
 
 
+def no_weight_in_input_dtype(x, eps):
+    # no_weight without the upcast (in fp32 it is no_weight's trace): rounds once in the
+    # op, at every step in the code, as in_input_dtype
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 # ---- the fused calls --------------------------------------------------------------------
 def npu_rms_norm(x, weight, eps):
     return torch.ops.npu.npu_rms_norm(x, weight, eps)[0]
@@ -101,6 +107,12 @@ def npu_rms_norm_unit_weight(x, eps):
     return torch.ops.npu.npu_rms_norm(x, ones, eps)[0]
 
 
+def npu_rms_norm_unit_weight_once(x, eps):
+    # npu_rms_norm_unit_weight for no_weight_in_input_dtype (its own, as npu_rms_norm_once)
+    ones = torch.ones(x.shape[-1:], dtype=x.dtype, device=x.device)
+    return torch.ops.npu.npu_rms_norm(x, ones, eps)[0]
+
+
 FORMS = [
     Form(hf_llama, npu_rms_norm),
     Form(weight_before_cast, npu_rms_norm),
@@ -109,7 +121,8 @@ FORMS = [
     Form(gemma, npu_rms_norm_gemma),
     Form(in_input_dtype, npu_rms_norm_once, dtypes=(torch.bfloat16,)),
     Form(rstd_in_input_dtype, npu_rms_norm_unit_weight, dtypes=(torch.bfloat16, torch.float16)),
-    Form(no_weight, npu_rms_norm_unit_weight),  # last: it is a sub-pattern of the others
+    Form(no_weight, npu_rms_norm_unit_weight),  # last two: sub-patterns of the others
+    Form(no_weight_in_input_dtype, npu_rms_norm_unit_weight_once, dtypes=(torch.bfloat16,)),
 ]
 
 
@@ -118,9 +131,12 @@ IN_INPUT_DTYPE_NOTE = ("computed in fp32 and rounded once, where the code rounds
                       "within 1 ulp of exact, up to 3 ulp from the code's own result")
 
 
+ROUNDING_AT_EVERY_STEP = (in_input_dtype, no_weight_in_input_dtype)
+
+
 def check(site):
     x, weight = site["x"], site.args.get("weight")
-    if site.form.search is in_input_dtype and x.dtype != torch.float32:
+    if site.form.search in ROUNDING_AT_EVERY_STEP and x.dtype != torch.float32:
         if site.keep_intermediate_rounding:
             return (f"a {x.dtype} norm computed in {x.dtype} step by step; npu_rms_norm rounds once in fp32 "
                     "(FusionConfig.keep_intermediate_rounding keeps the code's roundings)")

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bb1be7a6a6fa50a7',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd4fa1e2dcc49144d',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {
@@ -31,6 +31,8 @@ FORMS = {
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
     'no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
         'keywords': [('aten._to_copy.default', 'device', "device(type='cpu')"), ('aten._to_copy.default', 'dtype', 'torch.bfloat16'), ('aten._to_copy.default', 'dtype', 'torch.float32'), ('aten._to_copy.default', 'layout', 'torch.strided')]},
+    'no_weight_in_input_dtype -> npu_rms_norm_unit_weight_once @ bfloat16': {'emitted_ops': ('npu.npu_rms_norm',),
+        'keywords': []},
 }
 
 
@@ -252,7 +254,17 @@ def _p15():  # no_weight [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, mul_Tensor, Ignored(), _users=0)
     return pattern
 
-def _p16():  # hf_llama [joint]
+def _p16():  # no_weight_in_input_dtype [forward]
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor)
+    pattern = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default, _users=0)
+    return pattern
+
+def _p17():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -286,7 +298,7 @@ def _p16():  # hf_llama [joint]
     ])
     return pattern
 
-def _p17():  # hf_llama [joint]
+def _p18():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -324,7 +336,7 @@ def _p17():  # hf_llama [joint]
     ])
     return pattern
 
-def _p18():  # hf_llama [joint-npu-cast]
+def _p19():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -363,7 +375,7 @@ def _p18():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p19():  # hf_llama [joint]
+def _p20():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -394,7 +406,7 @@ def _p19():  # hf_llama [joint]
     ])
     return pattern
 
-def _p20():  # hf_llama [joint]
+def _p21():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -429,7 +441,7 @@ def _p20():  # hf_llama [joint]
     ])
     return pattern
 
-def _p21():  # hf_llama [joint-npu-cast]
+def _p22():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -465,7 +477,7 @@ def _p21():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p22():  # hf_llama [joint]
+def _p23():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -486,7 +498,7 @@ def _p22():  # hf_llama [joint]
     ])
     return pattern
 
-def _p23():  # hf_llama [joint]
+def _p24():  # hf_llama [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
@@ -509,7 +521,7 @@ def _p23():  # hf_llama [joint]
     ])
     return pattern
 
-def _p24():  # hf_llama [joint-npu-cast]
+def _p25():  # hf_llama [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -533,7 +545,7 @@ def _p24():  # hf_llama [joint-npu-cast]
     ])
     return pattern
 
-def _p25():  # weight_before_cast [joint]
+def _p26():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -572,7 +584,7 @@ def _p25():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p26():  # weight_before_cast [joint-npu-cast]
+def _p27():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -612,7 +624,7 @@ def _p26():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p27():  # weight_before_cast [joint-npu]
+def _p28():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -651,7 +663,7 @@ def _p27():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p28():  # weight_before_cast [joint]
+def _p29():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -686,7 +698,7 @@ def _p28():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p29():  # weight_before_cast [joint-npu-cast]
+def _p30():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -722,7 +734,7 @@ def _p29():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p30():  # weight_before_cast [joint-npu]
+def _p31():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -757,7 +769,7 @@ def _p30():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p31():  # weight_before_cast [joint]
+def _p32():  # weight_before_cast [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -782,7 +794,7 @@ def _p31():  # weight_before_cast [joint]
     ])
     return pattern
 
-def _p32():  # weight_before_cast [joint-npu-cast]
+def _p33():  # weight_before_cast [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -808,7 +820,7 @@ def _p32():  # weight_before_cast [joint-npu-cast]
     ])
     return pattern
 
-def _p33():  # weight_before_cast [joint-npu]
+def _p34():  # weight_before_cast [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -833,7 +845,7 @@ def _p33():  # weight_before_cast [joint-npu]
     ])
     return pattern
 
-def _p34():  # divide_by_sqrt [joint]
+def _p35():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -869,7 +881,7 @@ def _p34():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p35():  # divide_by_sqrt [joint]
+def _p36():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -909,7 +921,7 @@ def _p35():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p36():  # divide_by_sqrt [joint-npu-cast]
+def _p37():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -950,7 +962,7 @@ def _p36():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p37():  # divide_by_sqrt [joint]
+def _p38():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
@@ -983,7 +995,7 @@ def _p37():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p38():  # divide_by_sqrt [joint]
+def _p39():  # divide_by_sqrt [joint]
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
@@ -1020,7 +1032,7 @@ def _p38():  # divide_by_sqrt [joint]
     ])
     return pattern
 
-def _p39():  # divide_by_sqrt [joint-npu-cast]
+def _p40():  # divide_by_sqrt [joint-npu-cast]
     npu = torch.ops.npu
     arg_weight = KeywordArg('weight')
     arg_x = KeywordArg('x')
@@ -1058,7 +1070,7 @@ def _p39():  # divide_by_sqrt [joint-npu-cast]
     ])
     return pattern
 
-def _p40():  # gemma [joint]
+def _p41():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1093,7 +1105,7 @@ def _p40():  # gemma [joint]
     ])
     return pattern
 
-def _p41():  # gemma [joint]
+def _p42():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1134,7 +1146,7 @@ def _p41():  # gemma [joint]
     ])
     return pattern
 
-def _p42():  # gemma [joint-npu-cast]
+def _p43():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1176,7 +1188,7 @@ def _p42():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p43():  # gemma [joint-npu]
+def _p44():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1217,7 +1229,7 @@ def _p43():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p44():  # gemma [joint]
+def _p45():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1249,7 +1261,7 @@ def _p44():  # gemma [joint]
     ])
     return pattern
 
-def _p45():  # gemma [joint]
+def _p46():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1286,7 +1298,7 @@ def _p45():  # gemma [joint]
     ])
     return pattern
 
-def _p46():  # gemma [joint-npu-cast]
+def _p47():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1324,7 +1336,7 @@ def _p46():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p47():  # gemma [joint-npu]
+def _p48():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1361,7 +1373,7 @@ def _p47():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p48():  # gemma [joint]
+def _p49():  # gemma [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1383,7 +1395,7 @@ def _p48():  # gemma [joint]
     ])
     return pattern
 
-def _p49():  # gemma [joint]
+def _p50():  # gemma [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1410,7 +1422,7 @@ def _p49():  # gemma [joint]
     ])
     return pattern
 
-def _p50():  # gemma [joint-npu-cast]
+def _p51():  # gemma [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1438,7 +1450,7 @@ def _p50():  # gemma [joint-npu-cast]
     ])
     return pattern
 
-def _p51():  # gemma [joint-npu]
+def _p52():  # gemma [joint-npu]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1465,7 +1477,7 @@ def _p51():  # gemma [joint-npu]
     ])
     return pattern
 
-def _p52():  # in_input_dtype [joint]
+def _p53():  # in_input_dtype [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1499,7 +1511,7 @@ def _p52():  # in_input_dtype [joint]
     ])
     return pattern
 
-def _p53():  # in_input_dtype [joint]
+def _p54():  # in_input_dtype [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1530,7 +1542,7 @@ def _p53():  # in_input_dtype [joint]
     ])
     return pattern
 
-def _p54():  # in_input_dtype [joint]
+def _p55():  # in_input_dtype [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1551,7 +1563,7 @@ def _p54():  # in_input_dtype [joint]
     ])
     return pattern
 
-def _p55():  # rstd_in_input_dtype [joint]
+def _p56():  # rstd_in_input_dtype [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=2)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1582,7 +1594,7 @@ def _p55():  # rstd_in_input_dtype [joint]
     ])
     return pattern
 
-def _p56():  # rstd_in_input_dtype [joint-npu-cast]
+def _p57():  # rstd_in_input_dtype [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=2)
@@ -1614,7 +1626,7 @@ def _p56():  # rstd_in_input_dtype [joint-npu-cast]
     ])
     return pattern
 
-def _p57():  # no_weight [joint]
+def _p58():  # no_weight [joint]
     arg_x = KeywordArg('x')
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
     mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
@@ -1641,7 +1653,7 @@ def _p57():  # no_weight [joint]
     ])
     return pattern
 
-def _p58():  # no_weight [joint]
+def _p59():  # no_weight [joint]
     arg_x = KeywordArg('x')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_x, dtype=Ignored(), _users=4)
     pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, _to_copy_default, Ignored())
@@ -1672,7 +1684,7 @@ def _p58():  # no_weight [joint]
     ])
     return pattern
 
-def _p59():  # no_weight [joint-npu-cast]
+def _p60():  # no_weight [joint-npu-cast]
     npu = torch.ops.npu
     arg_x = KeywordArg('x')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_x, Ignored(), _users=4)
@@ -1700,6 +1712,33 @@ def _p59():  # no_weight [joint-npu-cast]
     npu__npu_dtype_cast_backward_default_1 = CallFunction(npu._npu_dtype_cast_backward.default, add_Tensor_1, Ignored())
     pattern = MultiOutputPattern([npu__npu_dtype_cast_default_1,
       npu__npu_dtype_cast_backward_default_1,
+      None
+    ])
+    return pattern
+
+def _p61():  # no_weight_in_input_dtype [joint]
+    arg_x = KeywordArg('x')
+    pow_Tensor_Scalar = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mean_dim = CallFunction(aten.mean.dim, pow_Tensor_Scalar, Ignored(), True)
+    arg_eps = KeywordArg('eps')
+    add_Tensor = CallFunction(aten.add.Tensor, mean_dim, arg_eps)
+    rsqrt_default = CallFunction(aten.rsqrt.default, add_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, rsqrt_default)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_tangents_1, arg_x)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_1, Ignored(), True)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, sum_dim_IntList, Ignored())
+    pow_Tensor_Scalar_1 = CallFunction(aten.pow.Tensor_Scalar, rsqrt_default, Ignored())
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, pow_Tensor_Scalar_1)
+    expand_default = CallFunction(aten.expand.default, mul_Tensor_3, Ignored())
+    div_Tensor = CallFunction(aten.div.Tensor, expand_default, Ignored())
+    pow_Tensor_Scalar_2 = CallFunction(aten.pow.Tensor_Scalar, arg_x, Ignored())
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, pow_Tensor_Scalar_2, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, div_Tensor, mul_Tensor_4)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, arg_tangents_1, rsqrt_default)
+    add_Tensor_1 = CallFunction(aten.add.Tensor, mul_Tensor_5, mul_Tensor_6)
+    pattern = MultiOutputPattern([mul_Tensor,
+      add_Tensor_1,
       None
     ])
     return pattern
@@ -1740,92 +1779,96 @@ REGISTRATIONS = [
      (('call_function', 'aten._to_copy.default'),), _p14),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'forward-npu-cast', (),
      (('call_function', 'npu._npu_dtype_cast.default'),), _p15),  # form 7
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p16),  # form 0
+    ('no_weight_in_input_dtype -> npu_rms_norm_unit_weight_once @ bfloat16', 'forward', (),
+     (('call_function', 'aten.div.Tensor'), ('call_function', 'aten.mul.Tensor')), _p16),  # form 8
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p17),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p18),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p19),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p20),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p21),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p22),  # form 0
     ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p23),  # form 0
-    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten.mul.Tensor'),), _p24),  # form 0
+    ('hf_llama -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p25),  # form 0
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p25),  # form 1
+     (('call_function', 'aten._to_copy.default'),), _p26),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p26),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p27),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p27),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten._to_copy.default'),), _p28),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+     (('call_function', 'aten._to_copy.default'),), _p29),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p29),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p30),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p30),  # form 1
-    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
      (('call_function', 'aten._to_copy.default'),), _p31),  # form 1
+    ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten._to_copy.default'),), _p32),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p32),  # form 1
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p33),  # form 1
     ('weight_before_cast -> npu_rms_norm @ float32,bfloat16', 'joint-npu', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p33),  # form 1
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p34),  # form 3
+     (('call_function', 'aten._to_copy.default'),), _p34),  # form 1
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p35),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p36),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
      (('call_function', 'aten.mul.Tensor'),), _p37),  # form 3
     ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p38),  # form 3
-    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p39),  # form 3
+    ('divide_by_sqrt -> npu_rms_norm @ float32,bfloat16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p40),  # form 3
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p40),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p41),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p41),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p42),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x', 'weight'),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p42),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p43),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x', 'weight'),
-     (('call_function', 'aten._to_copy.default'),), _p43),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p44),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p44),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p45),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p45),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p46),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p46),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p47),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p47),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p48),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten.mul.Tensor'),), _p48),  # form 4
+     (('call_function', 'aten.mul.Tensor'),), _p49),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p49),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p50),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu-cast', ('weight',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p50),  # form 4
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p51),  # form 4
     ('gemma -> npu_rms_norm_gemma @ float32,bfloat16', 'joint-npu', ('weight',),
-     (('call_function', 'aten._to_copy.default'),), _p51),  # form 4
+     (('call_function', 'aten._to_copy.default'),), _p52),  # form 4
     ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x', 'weight'),
-     (('call_function', 'aten.mul.Tensor'),), _p52),  # form 5
-    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p53),  # form 5
-    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('weight',),
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p54),  # form 5
+    ('in_input_dtype -> npu_rms_norm_once @ bfloat16', 'joint', ('weight',),
+     (('call_function', 'aten.mul.Tensor'),), _p55),  # form 5
     ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p55),  # form 6
-    ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'joint-npu-cast', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p56),  # form 6
+    ('rstd_in_input_dtype -> npu_rms_norm_unit_weight @ bfloat16,float16', 'joint-npu-cast', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p57),  # form 6
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p57),  # form 7
+     (('call_function', 'aten.mul.Tensor'),), _p58),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint', ('x',),
-     (('call_function', 'aten._to_copy.default'),), _p58),  # form 7
+     (('call_function', 'aten._to_copy.default'),), _p59),  # form 7
     ('no_weight -> npu_rms_norm_unit_weight @ float32,bfloat16', 'joint-npu-cast', ('x',),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p59),  # form 7
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p60),  # form 7
+    ('no_weight_in_input_dtype -> npu_rms_norm_unit_weight_once @ bfloat16', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p61),  # form 8
 ]
