@@ -648,12 +648,13 @@ KNOWN_GAPS: list[Gap] = [
         r"is also used by",
         "the joint graph of these spellings differs from the chunked / sliced forms' (their own "
         "slice backward, sigmoid's backward): no joint pattern for them"),
-    Gap("RoPE cos * x with a split rotate_half under dynamic shapes", "rope",
-        lambda c: c.dynamic and c.family == "rope" and _c(c, terms="cos_x", rotation="split"),
+    Gap("a chunked rotate_half under dynamic shapes", "rope",
+        lambda c: c.dynamic and c.family == "rope" and _c(c, rotation="chunked"),
         r"matches none of the forms",
-        "3 cases of the 1000-case run (seeds 218, 348, 400) once spellings.match took cos * x in "
-        "static shapes: with torch.split's pieces under dynamic=True the first product still "
-        "binds the other way round (not diagnosed further)"),
+        "dynamic=True on q itself makes its head dim s symbolic; x.chunk(2, -1) becomes "
+        "split(x, (s + 1) // 2), read as the slices x[..., :(s + 1) // 2] and x[..., (s + 1) // 2:] "
+        "(canonical._split_as_slices), and still no form matches (not diagnosed further; "
+        "torch.split(x, s // 2) and x[..., :s // 2] fuse). A projection's head dim is static"),
     Gap("a Gemma weight on a norm computed in the half dtype", "rms_norm",
         lambda c: c.family in NORMS and c.dtype != torch.float32 and _c(c, style="hand", upcast="none", weight="gemma"),
         r"would give .* where the model computes float32",
@@ -674,10 +675,11 @@ KNOWN_GAPS: list[Gap] = [
         "resolves plain ints only)"),
     Gap("symbolic gate_up width", "swiglu",
         lambda c: c.dynamic and c.family == "swiglu" and _c(c, source="input"),
-        r"matches none of the forms|is also used by sym_size",
-        "dynamic=True on the gate_up tensor itself makes its last dim symbolic: chunk becomes "
-        "split((s + 1) // 2), which the canonical split-as-slices rule (static sizes) does not "
-        "read as halves. A projection's output has a static width, as in every model"),
+        r"matches none of the forms|is also used by sym_size|would give .* where the model computes",
+        "dynamic=True on the gate_up tensor itself makes its last dim symbolic s: chunk becomes "
+        "split((s + 1) // 2), whose halves npu_swiglu's floor(s / 2) equals only for an even s, "
+        "which nothing proves (the output check refuses it); torch.split(x, s // 2) reads as "
+        "halves. A projection's output has a static width, as in every model"),
     Gap("training: add_rms_norm's form has no rstd output", "add_rms_norm",
         lambda c: c.training and c.family == "add_rms_norm",
         r"rstd output is used",

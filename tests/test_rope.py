@@ -291,6 +291,37 @@ def test_every_form_fuses_with_symbolic_batch_and_sequence(case, dtype):
     assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
 
 
+class SplitHalvesRope(torch.nn.Module):
+    """rotate_half as torch.split(x, x.shape[-1] // 2), with `size` the split size."""
+
+    def __init__(self, size=lambda d: d // 2):
+        super().__init__()
+        self.size = size
+
+    def forward(self, q, cos, sin):
+        x1, x2 = torch.split(q, self.size(q.shape[-1]), dim=-1)
+        return q * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@pytest.mark.parametrize("size, fuses", [(lambda d: d // 2, True), (lambda d: 3 * d // 4, False)],
+                         ids=["halves", "three_quarters"])
+def test_a_split_at_a_symbolic_half_of_the_head_dim_reads_as_the_halves(size, fuses):
+    # dynamic=True on q itself makes its head dim symbolic: split(q, s // 2) reaches the
+    # graph with a SymInt size, which canonical._split_as_slices spells as the slices
+    # q[..., :s // 2] and q[..., s // 2:]; a split at three quarters is no rotate_half
+    module = SplitHalvesRope(size)
+    backend = GuardRecordingBackend(ONLY_ROPE)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch, seq in ((3, 7), (5, 9)):
+            q = inputs(torch.float32, (batch, 4, seq, 16))
+            cos, sin = (t.unsqueeze(1) for t in hf_tables(batch, seq, 16, torch.float32))
+            _assert_numerics(compiled(q, cos, sin), module(q, cos, sin))
+    assert backend.report.counts["rope"] == (1 if fuses else 0)
+    if not fuses:
+        assert near_miss_reasons(backend.report, "rope")
+
+
 # ---- torchair modes: interleave mode under max-autotune ----------------------------------
 @pytest.mark.parametrize("soc, alternative", [(None, True), ("Ascend910B", True), ("Ascend950", False)])
 def test_max_autotune_takes_the_half_mode_alternative_where_ge_ignores_the_mode(soc, alternative):

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'feab108c4e4c93fd',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'be0c217944d619ae',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '21b9ca9e0336d0b6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '21b88ae7f806566d',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

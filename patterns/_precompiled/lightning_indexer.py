@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bb556ae07a9848eb',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'acb76485e432d70c',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fda1f49a03231e6c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '55f5cf0bc76d6289',
        'backward': {'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm': False, 'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata': False}}
 
 FORMS = {

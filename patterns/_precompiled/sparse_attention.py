@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4fe8ddbf515bd66c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '25dd7ae8031ec4f0',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

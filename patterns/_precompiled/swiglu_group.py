@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dbb73cd0e4e7d1e9',
+KEY = {'torch': '2.13.0+cpu', 'sources': '54934feaf524d05b',
        'backward': {'cann_ops_nn.swiglu_group': True, 'npu.npu_clipped_swiglu': False}}
 
 FORMS = {

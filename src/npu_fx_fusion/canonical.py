@@ -300,22 +300,31 @@ def _canonical_dims(node: Node) -> int:
 
 
 def _split_as_slices(graph: torch.fx.Graph, split: Node) -> int:
-    """getitem(split(x, sizes, dim), i) -> slice(x, dim, start_i, end_i), for static sizes."""
+    """getitem(split(x, sizes, dim), i) -> slice(x, dim, start_i, end_i), for static sizes,
+    and for a split in two pieces of a symbolic size n (`x.chunk(2, -1)`, `torch.split(x,
+    x.shape[-1] // 2, -1)` under dynamic shapes): x[..., :n] and x[..., n:], as the slices
+    `x[..., : d // 2]` reach the graph."""
     source = tensor_meta(split.args[0])
     if source is None or len(split.args) < 2 or set(split.kwargs) - {"dim"}:
         return 0
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     length = source.shape[dim] if -source.dim() <= dim < source.dim() else None
     sizes = split.args[1]
-    if not isinstance(length, int) or not (isinstance(sizes, int) or all(isinstance(s, int) for s in sizes)):
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in split.users):
         return 0
-    if isinstance(sizes, int):  # split.Tensor: pieces of `sizes`, the last one shorter
-        sizes = [min(sizes, length - start) for start in range(0, length, sizes)] if sizes > 0 else []
-    if sum(sizes) != length or not all(
-            u.op == "call_function" and u.target is operator.getitem for u in split.users):
+    pieces = split.meta.get("val")
+    if (split.target is aten.split.Tensor and isinstance(sizes, Node) and isinstance(sizes.meta.get("val"), torch.SymInt)
+            and isinstance(pieces, (list, tuple)) and len(pieces) == 2 and length is not None):
+        bounds = [(0, sizes), (sizes, _END)]  # pieces of n, the last one the rest
+    elif isinstance(length, int) and (isinstance(sizes, int) or all(isinstance(s, int) for s in sizes)):
+        if isinstance(sizes, int):  # split.Tensor: pieces of `sizes`, the last one shorter
+            sizes = [min(sizes, length - start) for start in range(0, length, sizes)] if sizes > 0 else []
+        if sum(sizes) != length:
+            return 0
+        bounds = [(start, start + size) for start, size in zip(itertools.accumulate([0, *sizes[:-1]]), sizes)]
+    else:
         return 0
     dim = dim - source.dim() if dim >= 0 else dim
-    bounds = [(start, start + size) for start, size in zip(itertools.accumulate([0, *sizes[:-1]]), sizes)]
     for user in list(split.users):
         start, end = bounds[user.args[1]]
         with graph.inserting_before(user):
