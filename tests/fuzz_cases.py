@@ -650,7 +650,7 @@ KNOWN_GAPS: list[Gap] = [
         "slice backward, sigmoid's backward): no joint pattern for them"),
     Gap("a chunked rotate_half under dynamic shapes", "rope",
         lambda c: c.dynamic and c.family == "rope" and _c(c, rotation="chunked"),
-        r"matches none of the forms",
+        r"matches none of the forms|is also used by sym_size",  # (in training: the next gap's)
         "dynamic=True on q itself makes its head dim s symbolic; x.chunk(2, -1) becomes "
         "split(x, (s + 1) // 2), read as the slices x[..., :(s + 1) // 2] and x[..., (s + 1) // 2:] "
         "(canonical._split_as_slices), and still no form matches (not diagnosed further; "
