@@ -138,6 +138,20 @@ def test_an_operand_the_multiply_upcasts_reads_the_graphs_own_cast_of_it():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_backward_op_does_not_read_a_forward_cast():
+    # in a joint graph the forward's fp32 cast would be saved for the backward in place of
+    # the bf16 operand: twice its memory
+    def norm_like(x, v):
+        return x.to(torch.float32).pow(2).sum(), x * v
+
+    x, v = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8)
+    gm = make_fx(norm_like, tracing_mode="fake")(x, v)
+    (mul,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    mul.meta["autograd_backward"] = True
+    assert canonicalize(gm.graph) == 0
+    assert _mul_operands(gm) == ["x_1", "v_1"]
+
+
 @pytest.mark.parametrize("case", ["result_not_wider", "no_cast_in_the_graph", "cast_after_the_op"])
 def test_an_operand_stays_where_no_earlier_cast_has_its_promoted_value(case):
     x = torch.randn(4, 8, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '65ad0908f7d04307',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1b55da70802c6e84',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

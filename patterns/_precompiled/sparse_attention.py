@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '25dd7ae8031ec4f0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '88e248cf9508d960',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -193,8 +193,11 @@ def _explicit_upcasts(node: Node) -> int:
         if not (isinstance(value, torch.Tensor) and value.is_floating_point()
                 and value.element_size() < result.element_size()):
             continue  # not upcast (a wider operand is rounded to the result: not a cast's value)
+        # (in a joint graph a backward op reads a backward cast only: one of the forward's
+        # would be saved for the backward in place of the narrower operand)
         cast = next((user for user in operand.users if user < node and user.target is aten._to_copy.default
-                     and user.args == (operand,) and user.kwargs == {"dtype": result.dtype}), None)
+                     and user.args == (operand,) and user.kwargs == {"dtype": result.dtype}
+                     and is_backward(user) == is_backward(node)), None)
         if cast is not None:
             node.update_arg(index, cast)
             changed += 1
