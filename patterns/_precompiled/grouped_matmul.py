@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1b55da70802c6e84',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5e098eeb7ab6bcf2',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

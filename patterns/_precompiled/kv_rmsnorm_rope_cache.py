@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a0dfcf40f5eb4b31',
+KEY = {'torch': '2.13.0+cpu', 'sources': '85a6e376641bb558',
        'backward': {'npu.npu_kv_rmsnorm_rope_cache_v2_functional': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '88e248cf9508d960',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5b9be1bd14ad480f',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

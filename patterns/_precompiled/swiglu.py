@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '34e5ee99c0be0ece',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9aed6d771cbc9800',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

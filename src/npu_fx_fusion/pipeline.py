@@ -81,10 +81,7 @@ def _fake_values_of_one_mode(graph: torch.fx.Graph) -> bool:
             if not _returns_nothing(node):
                 return False
             continue
-        if isinstance(value, FakeTensor):
-            modes.add(id(value.fake_mode))
-        elif isinstance(value, (list, tuple)):
-            modes.update(id(tensor.fake_mode) for tensor in tensors(value))
+        modes.update(id(tensor.fake_mode) for tensor in tensors(value))
     return len(modes) <= 1
 
 

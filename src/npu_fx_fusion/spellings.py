@@ -151,8 +151,8 @@ def prefilter(pattern: pm.PatternExpr) -> Callable[[Any], bool]:
     function, so a caller can test a node once for all of them."""
     check = _PREFILTERS.get(pattern)
     if check is None:
-        key, alternatives = _prefilter_tests(pattern)
-        check = _PREFILTERS[pattern] = _BY_TESTS.setdefault(key, _compiled(alternatives))
+        tests = _prefilter_tests(pattern)
+        check = _PREFILTERS[pattern] = _BY_TESTS.setdefault(tests, _compiled(tests))
     return check
 
 
@@ -160,25 +160,25 @@ _PREFILTERS: dict = {}  # pattern -> its may_match
 _BY_TESTS: dict = {}  # what a prefilter tests -> the one function testing it
 
 
-def _prefilter_tests(pattern: pm.PatternExpr) -> tuple[Any, Optional[list]]:
-    """(a hashable description, the alternatives: (op, targets, per operand order the
-    argument tests)) of what may_match tests; None alternatives: it cannot tell."""
+def _prefilter_tests(pattern: pm.PatternExpr) -> Optional[tuple]:
+    """What may_match tests, hashable: per alternative of the root, (op, targets, per
+    operand order the argument tests); None where it cannot tell."""
     # below the root of a single-output pattern every call must have its user count
     # (torch's _match_users); a multi-output pattern's other outputs may sit there, with any
     single_output = not isinstance(pattern, pm.MultiOutputPattern)
     roots = _calls(pattern if single_output else pattern.outputs[0])
     if roots is None:
-        return None, None
+        return None
     alternatives = []
-    for root, _ in roots:
+    for root in roots:
         orders = [_argument_tests(root, False, single_output)]
         if isinstance(root, Commutative):
             orders.append(_argument_tests(root, True, single_output))
         alternatives.append((root.op, frozenset(root.fns_set), tuple(orders)))
-    return tuple(alternatives), alternatives
+    return tuple(alternatives)
 
 
-def _compiled(alternatives: Optional[list]) -> Callable[[Any], bool]:
+def _compiled(alternatives: Optional[tuple]) -> Callable[[Any], bool]:
     if alternatives is None:
         return lambda node: True
     alternatives = [(op, fns, [None if order is None else [_argument_check(test) for test in order]
@@ -214,15 +214,15 @@ def _argument_check(test: Optional[tuple]) -> Optional[Callable[[Any], bool]]:
 
 
 def _calls(pattern: Any) -> Optional[list]:
-    """The (call pattern, its user count) that `pattern` is one of, through AnyOf; None
-    when it also matches what no call pattern does (an argument, a literal)."""
+    """The call patterns that `pattern` is one of, through AnyOf; None when it also
+    matches what no call pattern does (an argument, a literal)."""
     if isinstance(pattern, AnyOf):
         calls = [_calls(alternative) for alternative in pattern.alternatives]
         if any(c is None for c in calls):
             return None
-        return [(call, pattern.users) for alternatives in calls for call, _ in alternatives]
+        return [call for alternatives in calls for call in alternatives]
     if isinstance(pattern, pm._TargetExpr):  # noqa: SLF001 - CallFunction and its kin
-        return [(pattern, pattern.users)]
+        return [pattern]
     return None
 
 
@@ -240,7 +240,7 @@ def _argument_tests(pattern: Any, crossed: bool, check_users: bool) -> Optional[
             tests.append(None)
             continue
         users = expected.users if check_users and isinstance(expected.users, int) else None
-        tests.append((users, tuple((call.op, frozenset(call.fns_set)) for call, _ in calls)))
+        tests.append((users, tuple((call.op, frozenset(call.fns_set)) for call in calls)))
     return tuple(tests)
 
 
