@@ -361,6 +361,38 @@ def test_swiglu_fuses_forward_and_backward(dtype):
     assert npu_ops(bw) == {"npu_swiglu_backward": 1}
 
 
+class NormThenSeparateSwiGLU(nn.Module):
+    """An RMSNorm (fuses in the joint graph) before a Llama MLP (gate and up projections
+    apart: a swiglu near miss there)."""
+
+    def __init__(self, dim=HIDDEN):
+        super().__init__()
+        self.norm = HFNorm(dim)
+        self.gate, self.up = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return F.silu(self.gate(h)) * self.up(h)
+
+
+def test_a_pass_done_in_the_joint_graph_skips_its_parts_and_one_with_a_near_miss_does_not():
+    report, fw, bw = train_and_compare(NormThenSeparateSwiGLU)
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+    joint, forward, backward = (next(g for g in report.graphs if g.name == name)
+                                for name in ("joint", "forward", "backward"))
+    joint_results = {r.pass_name: r for r in joint.passes}
+    assert len(joint_results["rms_norm"].sites) == 1 and joint_results["swiglu"].near_misses
+    for part in (forward, backward):
+        results = {r.pass_name: r for r in part.passes}
+        # rms_norm fused every candidate of the joint graph: not searched again
+        assert results["rms_norm"].skipped == "done in the joint graph this graph was split from"
+        # swiglu refused a site there: it runs again (a refused site may fuse forward-only)
+        assert results["swiglu"].skipped is None
+        # a pass with nothing to match on joint graphs runs after partitioning, as before
+        assert results["add_rms_norm"].skipped is None
+    assert any(m.pass_name == "swiglu" for r in forward.passes for m in r.near_misses)
+
+
 def test_disabled_pass_does_not_run_on_the_joint_graph():
     report, fw, bw = train_and_compare(HFNorm, config=nff.FusionConfig(disable={"rms_norm"}))
     assert npu_ops(fw) == {} and npu_ops(bw) == {}

@@ -111,6 +111,10 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     graph_report, dumper, folder = _begin_graph(gm, config, report, graph_name, mode)
 
     enabled = config.enabled_passes()
+    done_in_joint = _done_in_joint_graph(gm.graph)
+    for name in [name for name in enabled if name in done_in_joint]:
+        graph_report.passes.append(PassResult(name, skipped="done in the joint graph this graph was split from"))
+    enabled = [name for name in enabled if name not in done_in_joint]
     if enabled:
         # Patterns pin user counts: a dead node (an unused getitem of a multi-output op in
         # a make_fx graph) would look like a user. aot_autograd graphs have none.
@@ -180,8 +184,9 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
 
     run_passes for training graphs: each enabled pass that has joint patterns replaces a
     forward region AND its backward with the fused op and its backward op; the others
-    find nothing here and run after partitioning, as the forward/backward pipeline does
-    anyway. The same guarantees: a pass that raises is reverted, the graph is linted; the
+    find nothing here and run after partitioning, as do those that left a near miss here
+    (the passes done here skip the forward and backward graphs: _mark_done_in_joint_graph).
+    The same guarantees: a pass that raises is reverted, the graph is linted; the
     GraphReport is added to `report`. Partition the graph with the FusedJoint returned:
     a fused graph the partitioner cannot split is reverted there and split unfused.
     """
@@ -209,6 +214,8 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
             views_to_reshapes_where_needed(gm, new_nodes)
             gm.graph.lint()
             fused = True
+        _mark_done_in_joint_graph(gm.graph, [r.pass_name for r in graph_report.passes
+                                             if not r.error and not r.near_misses])
     except Exception as exc:
         # the passes each revert what fails in them; this is what fails between or after
         # them: the joint graph goes back unfused
@@ -268,6 +275,7 @@ class FusedJoint:
         report (and its dumps) as a failure of the passes would."""
         start = time.perf_counter()
         _revert(self.gm, self._snapshot, exc, self.config, self.graph_report, "joint graph's partition")
+        _mark_done_in_joint_graph(self.gm.graph, [])  # unfused: its parts get every pass
         self._snapshot = None
         graph_report = self.graph_report
         graph_report.nodes_after = len(self.gm.graph.nodes)
@@ -277,6 +285,30 @@ class FusedJoint:
         if self._folder:
             self._dumper.write(self._folder, "after.py", _graph_code(self.gm))
         self._dumper.write_reports(self.report)
+
+
+# The passes a joint graph's run completed, on its placeholders' meta: the partitioner
+# copies their meta into the forward graph's primals and the backward graph's tangents.
+_DONE_IN_JOINT = "npu_fx_fusion_done_in_joint"
+
+
+def _mark_done_in_joint_graph(graph: torch.fx.Graph, passes: Sequence[str]) -> None:
+    """Record that `passes` are done with the joint graph `graph`: each fused every
+    candidate it found there (no near miss, no error). Its forward and backward graphs are
+    then not searched again by them: the forward graph is the joint graph's forward half,
+    whose candidates they fused (forward forms too, at sites no gradient flows through).
+    A pass that left a near miss runs again after partitioning, where a site it refused may
+    still fuse forward-only (its backward then stays as autograd made it)."""
+    done = frozenset(passes)
+    for node in graph.find_nodes(op="placeholder"):
+        node.meta[_DONE_IN_JOINT] = done
+
+
+def _done_in_joint_graph(graph: torch.fx.Graph) -> frozenset:
+    """The passes done with the joint graph `graph` was partitioned from (none for a graph
+    that is not a part of a fused joint graph)."""
+    return next((node.meta[_DONE_IN_JOINT] for node in graph.find_nodes(op="placeholder")
+                 if _DONE_IN_JOINT in node.meta), frozenset())
 
 
 def _revert(gm: torch.fx.GraphModule, snapshot: Optional["_Snapshot"], exc: Exception, config: FusionConfig,
