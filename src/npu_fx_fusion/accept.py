@@ -41,6 +41,7 @@ from .cleanup import LAYOUT_CHANGED, fake_copy, same_layout
 from .forms import Form, FusionPass, Reason, Site
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
+from .replay import MatchShape
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import match as match_commutative
 from .spellings import prefilter, respell_exact
@@ -478,56 +479,64 @@ def _arguments(registration: Registration, kwargs: dict):
 
 @dataclass(frozen=True)
 class KnownExact:
-    """An exact pattern that matched a site, at a static signature.
+    """An exact match made at one site with a static signature, as its shape in the graph.
 
     Every decoder layer repeats its sites' signatures, and at each the structural match
     only leads to the exact pattern of the signature, matched from the same node (the
-    match's first output, where the structural one started). So a candidate tries the
-    exact patterns its registration already matched first, and where one matches with the
-    same signature, that is the exact match the structural one would have led to; the
-    acceptance checks all run on it as on any other."""
+    match's first output, where the structural one started). So a candidate is first
+    looked for as the shape of an exact match its registration already made
+    (replay.MatchShape: torch's matcher would match an isomorphic region the same way), and
+    where it is found with the same signature, that is the exact match the structural one
+    would have led to; the acceptance checks all run on it as on any other."""
 
-    pattern: Any  # a PatternExpr, or spellings' _FirstOf of them
+    shape: MatchShape
     anchor: tuple  # (op, target) of the node it matched from
     anchor_value: tuple  # the signature of the value it started from (to pass others by unmatched)
     key: tuple  # the signature it was traced at
     scalars: dict  # the arguments it has as literals (scalars), which it binds no node for
 
 
-_KNOWN_EXACT_PER_REGISTRATION = 4  # a model's sites of one form have few signatures
+# a model's sites of one form have few signatures and spellings; kept process-wide, the
+# most recently used first
+_KNOWN_EXACT_PER_REGISTRATION = 4
 
 
 def _known_exact_match(ctx: RunContext, registration: Registration, node: Node) -> Optional[pm.Match]:
-    """The match at `node` of an exact pattern `registration` matched before, at the
-    signature it was traced at; None if there is none."""
+    """The match at `node` of the shape of an exact match `registration` made before, at
+    the signature it was made at; None if there is none."""
     known_here = ctx.patterns.known_exact.get(registration, ())
     value = signature([node.meta.get("val")]) if known_here else None
     for known in known_here:
         if known.anchor != (node.op, node.target) or known.anchor_value != value:
             continue
-        match = match_commutative(known.pattern, node)
-        if not pm.is_match(match):
+        match = known.shape.find(node)
+        if match is None:
             continue
         arguments = _arguments(registration, {**known.scalars, **match.kwargs})
         if isinstance(arguments, _Arguments) and arguments.key == known.key:
             match.kwargs.update(known.scalars)
             match.known_exact = known
+            if known_here[0] is not known:  # most recently used first
+                known_here.remove(known)
+                known_here.insert(0, known)
             return match
     return None
 
 
 def _remember_exact(ctx: RunContext, registration: Registration, arguments: _Arguments,
-                    pattern: pm.PatternExpr, exact_match: pm.Match) -> None:
+                    exact_match: pm.Match) -> None:
     if arguments.key is None or not is_static(arguments.key):
         return
     scalars = {name: value for name, value in arguments.nodes.items() if name not in exact_match.kwargs}
     if any(isinstance(value, (Node, torch.Tensor)) for value in scalars.values()):
         return  # a node it does not bind: another site's, were it reused
     known = ctx.patterns.known_exact.setdefault(registration, [])
-    if len(known) < _KNOWN_EXACT_PER_REGISTRATION and all(k.key != arguments.key for k in known):
+    shape = MatchShape.of(exact_match)
+    if shape is not None and all(k.key != arguments.key or k.shape != shape for k in known):
         start = exact_match.output_nodes()[0]
-        known.append(KnownExact(pattern, (start.op, start.target), signature([start.meta.get("val")]),
-                                arguments.key, scalars))
+        known.insert(0, KnownExact(shape, (start.op, start.target), signature([start.meta.get("val")]),
+                                   arguments.key, scalars))
+        del known[_KNOWN_EXACT_PER_REGISTRATION:]  # the least recently used go
 
 
 def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
@@ -561,7 +570,7 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
         if unequal:
             return f"{form.name} has its structure, but differs in sizes: {unequal}"
         if not size_arguments:
-            _remember_exact(ctx, registration, arguments, exact_pattern, exact_match)
+            _remember_exact(ctx, registration, arguments, exact_match)
     bound: dict[Node, Any] = {}
     for pattern, node in zip(exact_match.ctx.outputs, exact_match.output_nodes()):
         if node is not None and bound.setdefault(node, pattern) is not pattern:

@@ -6,6 +6,7 @@ and backward). All of it renders as markdown or JSON.
 """
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -43,16 +44,22 @@ class SourceLocation:
 
     @staticmethod
     def of(node: torch.fx.Node) -> "SourceLocation":
-        file, line, code = "", 0, ""
-        trace = node.meta.get("stack_trace") or ""
-        frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
-        # The innermost frame may be inside torch (F.rms_norm for nn.RMSNorm): the user's
-        # line is the innermost frame outside it.
-        user_frames = [f for f in frames if not _in_torch(f[0])] or frames
-        if user_frames:
-            file, line_s, code = user_frames[-1]
-            line = int(line_s)
-        return SourceLocation(file, line, code.strip(), _module_path(node))
+        file, line, code = _user_frame(node.meta.get("stack_trace") or "")
+        return SourceLocation(file, line, code, _module_path(node))
+
+
+# Every node of a source line carries its stack trace, and every decoder layer repeats the
+# lines: each trace and module path is parsed once per process, not once per node.
+@functools.lru_cache(maxsize=4096)
+def _user_frame(trace: str) -> tuple[str, int, str]:
+    """(file, line, code) of the innermost frame of `trace` outside torch (F.rms_norm for
+    nn.RMSNorm is inside it), else its innermost frame; empty for no frame."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    user_frames = [f for f in frames if not _in_torch(f[0])] or frames
+    if not user_frames:
+        return "", 0, ""
+    file, line, code = user_frames[-1]
+    return file, int(line), code.strip()
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -66,7 +73,11 @@ def _module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
+    return _dotted_module_path(next(reversed(stack.values()))[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _dotted_module_path(path: str) -> str:
     # dynamo spells paths as L['self'].model.layers[0].norm or L__self___model...
     path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
