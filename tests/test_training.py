@@ -298,11 +298,19 @@ def _two_norms(x, y, w):
 
 
 def test_a_joint_graph_that_does_not_partition_is_compiled_unfused(monkeypatch):
-    # without backward_after_forward the fused graph of two returned sites does not
-    # partition: the compile must still succeed, unfused there, and say why
-    from npu_fx_fusion import accept
+    # a partitioner that fails on the fused graph (as torchair's default_partition did on a
+    # backward op placed among forward ones): the compile must still succeed, unfused
+    # there, and say why
+    from torch._functorch import partitioners
 
-    monkeypatch.setattr(accept, "backward_after_forward", lambda graph: 0)
+    partition = partitioners.default_partition
+
+    def fails_on_fused_graphs(gm, *args, **kwargs):
+        if npu_ops(gm):
+            raise AssertionError("Node getitem_7 was invalid, but is output")
+        return partition(gm, *args, **kwargs)
+
+    monkeypatch.setattr(partitioners, "default_partition", fails_on_fused_graphs)
     torch._dynamo.reset()
     inputs = [torch.randn(2, 4, 8, 16, requires_grad=True), torch.randn(2, 4, 8, 16, requires_grad=True),
               torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)]

@@ -135,13 +135,13 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
         if count != len(ctx.sites):  # the matcher and our bookkeeping must agree
             raise RuntimeError(f"{fusion_pass.name}: matcher replaced {count} sites, accepted {len(ctx.sites)}")
         _inherit_source_meta([n for n in ctx.inserted if not n._erased])  # noqa: SLF001
-        if ctx.sites and (joint or ctx.out_of_order):
+        if ctx.sites and ctx.out_of_order:
             # a replacement is inserted before the first node it replaces, and may read a
-            # value the graph computes later (Gemma's 1 + w; in a joint graph, the backward
-            # half): sort (stable: the rest keeps its order)
+            # value the graph computes later (Gemma's 1 + w): sort (stable: the rest keeps
+            # its order), and in a joint graph keep the backward after the forward
             pm.stable_topological_sort(gm.graph)
-        if ctx.sites and joint:
-            backward_after_forward(gm.graph)
+            if joint:
+                backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
     return _near_misses(ctx, gm, result, anchors, candidates)
@@ -208,15 +208,18 @@ class _Replacement(pm.ReplacementPatternEntry):
 
     def apply(self, match: pm.Match, graph: torch.fx.Graph, node: Node) -> None:
         replaced = sorted(match.nodes)  # in graph order, while they are in the graph
+        ctx = self.ctx
+        reads_gradient = (lambda n: _reads_tangents(n, ctx.from_tangents)) if ctx.joint else None
         added = insert_replacement(match, graph, match.replacement_graph, self.normalize_args(**match.kwargs),
-                                   self.ctx.fake_mode)
+                                   ctx.fake_mode, reads_gradient)
         _inherit_kept_calls(added, [n for n in replaced if n._erased])  # noqa: SLF001
         self.ctx.inserted.extend(added)
         self.ctx.out_of_order = self.ctx.out_of_order or _reads_later_node(added)
 
 
 def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torch.fx.GraphModule,
-                       args: Sequence[Any], fake_mode: Any = None) -> list[Node]:
+                       args: Sequence[Any], fake_mode: Any = None,
+                       reads_gradient: Optional[Callable[[Node], bool]] = None) -> list[Node]:
     """Copy `replacement` into `graph` in place of the matched nodes; returns the nodes added.
 
     What torch's ReplacementPatternEntry.replace_with_graph does, in time independent of
@@ -227,27 +230,46 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
     a node it reads that the graph defines later is the caller's to sort out
     (apply_pass sorts the graph then). The copies' fake values are made in `fake_mode`
     (the graph's) when the replacement was traced in another one.
+
+    In a joint graph (`reads_gradient`: whether a node is computed from the tangents), the
+    replacement's backward half (what it computes from a gradient argument) goes where
+    the backward half it replaces is: before the match's first backward node, or right
+    after its latest input where that comes later (an incoming gradient computed between
+    the match's backward nodes). So the backward stays after the forward, as torch's
+    default_partition needs, without sorting the graph.
     """
     added: list[Node] = []
     env: dict[Node, Any] = {}
+    from_gradient: set[Node] = set()  # the replacement's nodes computed from a gradient argument
     placeholders = iter(args)
     outputs = match.output_nodes()
     first_output = min(n for n in outputs if isinstance(n, Node))
-    with graph.inserting_before(first_output):
-        for node in replacement.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = next(placeholders)
-            elif node.op == "call_function":
+    first_backward = None
+    if reads_gradient is not None:
+        first_backward = min((n for n in match.nodes if reads_gradient(n)), default=None)
+    for node in replacement.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = value = next(placeholders)
+            if first_backward is not None and isinstance(value, Node) and reads_gradient(value):
+                from_gradient.add(node)
+        elif node.op == "call_function":
+            before = first_output
+            if first_backward is not None and any(i in from_gradient for i in node.all_input_nodes):
+                from_gradient.add(node)
+                inputs = [env[i] for i in node.all_input_nodes if isinstance(env[i], Node)]
+                latest = max(inputs, default=None)
+                before = latest.next if latest is not None and latest > first_backward else first_backward
+            with graph.inserting_before(before):
                 copied = graph.call_function(node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
-                pm._transfer_meta(new_meta=copied.meta, old_node=node)  # noqa: SLF001
-                if fake_mode is not None and "val" in copied.meta:
-                    copied.meta["val"] = _in_mode(copied.meta["val"], fake_mode)
-                added.append(copied)
-                env[node] = copied
-            elif node.op == "output":
-                result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
-            else:
-                raise NotImplementedError(f"a replacement graph with a {node.op} node ({node})")
+            pm._transfer_meta(new_meta=copied.meta, old_node=node)  # noqa: SLF001
+            if fake_mode is not None and "val" in copied.meta:
+                copied.meta["val"] = _in_mode(copied.meta["val"], fake_mode)
+            added.append(copied)
+            env[node] = copied
+        elif node.op == "output":
+            result = torch.fx.node.map_arg(node.args[0], env.__getitem__)
+        else:
+            raise NotImplementedError(f"a replacement graph with a {node.op} node ({node})")
     new_outputs = [result] if isinstance(result, Node) else list(result)
     if len(outputs) != len(new_outputs):
         if len(outputs) != 1:
