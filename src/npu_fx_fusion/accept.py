@@ -97,13 +97,16 @@ class RunContext:
 def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[str] = None,
                mode: Optional[str] = None, verify: bool = False, joint: bool = False,
                keep_intermediate_rounding: bool = False,
-               before_change: Optional[Callable[[], None]] = None) -> Optional[PassResult]:
+               before_change: Optional[Callable[[], None]] = None,
+               from_tangents: Optional[dict] = None) -> Optional[PassResult]:
     """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
 
     soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
     (a form whose op that mode cannot lower is refused, so a later form can serve);
     verify: check each site numerically before accepting it; before_change: called before
-    the pass's check first runs on a candidate (and may be called again). joint: `gm` is a joint
+    the pass's check first runs on a candidate (and may be called again); from_tangents: which
+    nodes of `gm` are computed from its tangents, as far as known (a memo the passes over
+    one joint graph share: rewrites never change the answer for a node). joint: `gm` is a joint
     forward+backward graph (canonical.normalize_joint_graph'ed): the pass's joint patterns
     run (its forward-only ones with forward_forms_on_joint), and only forward nodes anchor
     near misses; None when the pass has nothing to match there.
@@ -116,7 +119,8 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint,
                      fake_mode=torch._guards.detect_fake_mode(inputs),  # noqa: SLF001
-                     keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change)
+                     keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change,
+                     from_tangents={} if from_tangents is None else from_tangents)
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None:
         return None
@@ -263,7 +267,8 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
                 copied = graph.call_function(node.target, *torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__))
             pm._transfer_meta(new_meta=copied.meta, old_node=node)  # noqa: SLF001
             if fake_mode is not None and "val" in copied.meta:
-                copied.meta["val"] = _in_mode(copied.meta["val"], fake_mode)
+                item = _item_of_source(copied)
+                copied.meta["val"] = item if item is not None else _in_mode(copied.meta["val"], fake_mode)
             added.append(copied)
             env[node] = copied
         elif node.op == "output":
@@ -301,6 +306,18 @@ def _erase_dead(graph: torch.fx.Graph, candidates: set) -> None:
         inputs = node.all_input_nodes
         graph.erase_node(node)
         pending.extend(inputs)
+
+
+def _item_of_source(node: Node) -> Any:
+    """The value of `getitem(source, i)`: item i of source's, the one fake tensor both nodes
+    hold in any aot graph (None where node is no such getitem)."""
+    if node.target is not operator.getitem:
+        return None
+    source, index = node.args
+    values = source.meta.get("val") if isinstance(source, Node) else None
+    if isinstance(values, (list, tuple)) and isinstance(index, int) and -len(values) <= index < len(values):
+        return values[index]
+    return None
 
 
 def _in_mode(value: Any, fake_mode: Any) -> Any:
@@ -758,14 +775,13 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
     `spelled` are the (op, keyword, value) the form's search has, and the matcher compared
     (or bound to a scalar argument of the form, whatever its value: registry.SCALAR_ARGUMENT)."""
     for node in nodes:
-        if not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
+        if not node.kwargs or not isinstance(node.target, torch._ops.OpOverload):  # noqa: SLF001
             continue
-        defaults = {a.name: a.default_value for a in node.target._schema.arguments  # noqa: SLF001
-                    if a.has_default_value()}
+        op, defaults = str(node.target), _keyword_defaults(node.target)
         for key, value in node.kwargs.items():
-            if {(str(node.target), key, keyword_value(value)), (str(node.target), key, SCALAR_ARGUMENT)} & spelled:
+            if {(op, key, keyword_value(value)), (op, key, SCALAR_ARGUMENT)} & spelled:
                 continue
-            if isinstance(value, Node) and any(entry[:2] == (str(node.target), key) for entry in spelled):
+            if isinstance(value, Node) and any(entry[:2] == (op, key) for entry in spelled):
                 # a symbolic size computed in the graph (repeat_interleave's output_size, the
                 # rows an expert-parallel all-to-all received): the form spells this keyword,
                 # as an int at its static example, and the exact match at the match's own
@@ -774,6 +790,11 @@ def _unexpected_keyword(nodes: Sequence[Node], spelled: frozenset) -> Reason:
             if key not in _HARMLESS_KEYWORDS and (key not in defaults or defaults[key] != value):
                 return f"{node.name} ({node.target}) has {key}={value!r}, which the form does not compute"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_defaults(op: torch._ops.OpOverload) -> dict:  # noqa: SLF001
+    return {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}  # noqa: SLF001
 
 
 def _replacement_graph(ctx: RunContext, registration: Registration, arguments: _Arguments) -> torch.fx.GraphModule:

@@ -108,7 +108,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc, mode = config.soc or detect_soc(), config.mode or mode
-    graph_report, dumper, folder = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
 
     enabled = config.enabled_passes()
     done_in_joint = _done_in_joint_graph(gm.graph)
@@ -137,33 +137,36 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         original_nodes = set(_revert(gm, snapshot, exc, config, graph_report, "cleanup after the passes").values())
         graph_report.conversions_added.clear()  # the graph is back as it was: none added
 
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder)
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder, sizes)
     dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
     dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
 
 
 def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str]]:
-    """The graph's report as it is before fusion, and its dump folder with before.py."""
+                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str], dict]:
+    """The graph's report as it is before fusion, its dump folder with before.py, and the
+    bytes of each node's value (for the cost after fusion: the nodes that stay keep them)."""
+    sizes: dict = {}
     graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph))
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, sizes))
     dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     if folder:
         dumper.write(folder, "before.py", _graph_code(gm))
         dumper.keep_before(gm)
-    return graph_report, dumper, folder
+    return graph_report, dumper, folder, sizes
 
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                  graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str]) -> None:
+                  graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str],
+                  sizes: dict) -> None:
     """Complete the graph's report (the graph is linted where it changed), add it to
     `report`, trace and dump it."""
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
-    graph_report.cost_after = GraphCost.of(gm.graph)
+    graph_report.cost_after = GraphCost.of(gm.graph, sizes)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
     # With TORCH_TRACE set, the graph's report goes into torch's structured trace (tlparse
@@ -193,7 +196,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     start = time.perf_counter()
     npu_ops.ensure_registered()
     soc, mode = config.soc or detect_soc(), config.mode or mode
-    graph_report, dumper, folder = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
     # only passes with differentiable arguments have joint patterns (or match their
     # forward-only ones there: FusionPass.forward_forms_on_joint)
     passes = [name for name in config.enabled_passes()
@@ -205,8 +208,10 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         if passes:
             normalize_joint_graph(gm)
         original_nodes = set(gm.graph.nodes)
+        from_tangents: dict = {}  # accept._reads_tangents' memo, shared by the passes
         for name in passes:
-            result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True)
+            result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True,
+                                              from_tangents=from_tangents)
             if result is not None:
                 graph_report.passes.append(result)
         new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
@@ -220,7 +225,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         # the passes each revert what fails in them; this is what fails between or after
         # them: the joint graph goes back unfused
         _revert(gm, snapshot, exc, config, graph_report, "joint graph")
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder)
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder, sizes)
     return FusedJoint(gm, config, report, graph_report, snapshot if fused else None, dumper, folder)
 
 
@@ -392,7 +397,8 @@ class _Snapshot:
 
 
 def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str],
-             mode: Optional[str], original_nodes: set, joint: bool = False) -> tuple[Optional[PassResult], set]:
+             mode: Optional[str], original_nodes: set, joint: bool = False,
+             from_tangents: Optional[dict] = None) -> tuple[Optional[PassResult], set]:
     """Run one pass; (its result or None if it has nothing for this graph, the graph's
     original nodes as they are afterwards: rebuilt ones when the pass was reverted)."""
     fusion_pass = load_pass(name)
@@ -412,7 +418,7 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     try:
         result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint,
                             keep_intermediate_rounding=config.keep_intermediate_rounding,
-                            before_change=before_change)
+                            before_change=before_change, from_tangents=from_tangents)
         if result is None:  # no joint patterns: nothing to do, nothing to report
             return None, original_nodes
         if result.sites:

@@ -131,26 +131,51 @@ class _Walk:
     def run(self) -> None:
         """Assign every call: from each assigned node along its arguments, then (for the
         calls no argument reaches: the other outputs of a multi-output pattern) from the
-        users of an assigned or bound node, trying each that agrees in turn, as torch's
-        matcher tries each node its anchors lead to."""
-        while self.pending:
-            i = self.pending.pop()
-            call, node = self.shape.calls[i], self.nodes[i]
-            self._unify(call.args, node.args)
-            self._unify(call.kwargs, node.kwargs)
-        missing = next((i for i, node in enumerate(self.nodes) if node is None), None)
-        if missing is None:
-            return
-        for candidate in self._candidates(missing):
-            saved = list(self.nodes), dict(self.index), dict(self.bound)
-            try:
-                self.assign(missing, candidate)
-                self.run()
+        users of an assigned or bound node. Where several users agree with a call, each is
+        tried in turn, as torch's matcher tries each node its anchors lead to."""
+        while True:
+            while self.pending:
+                i = self.pending.pop()
+                call, node = self.shape.calls[i], self.nodes[i]
+                self._unify(call.args, node.args)
+                self._unify(call.kwargs, node.kwargs)
+            choice = self._fewest_candidates()
+            if choice is None:
                 return
-            except _NoMatch:
-                self.nodes, self.index, self.bound = saved
-                self.pending = []
-        raise _NoMatch
+            missing, candidates = choice
+            if len(candidates) == 1:
+                self.assign(missing, candidates[0])
+                continue
+            for candidate in candidates:
+                saved = list(self.nodes), dict(self.index), dict(self.bound)
+                try:
+                    self.assign(missing, candidate)
+                    self.run()
+                    return
+                except _NoMatch:
+                    self.nodes, self.index, self.bound = saved
+                    self.pending = []
+            raise _NoMatch
+
+    def _fewest_candidates(self) -> Optional[tuple[int, list[Node]]]:
+        """(a call not assigned yet, the nodes it can be), the first with at most one
+        candidate or else the one with the fewest; None when every call is assigned."""
+        best = None
+        for i, node in enumerate(self.nodes):
+            if node is not None:
+                continue
+            candidates = self._candidates(i)
+            if candidates is None:
+                continue  # nothing known around it yet
+            if not candidates:
+                raise _NoMatch
+            if best is None or len(candidates) < len(best[1]):
+                best = (i, candidates)
+                if len(candidates) == 1:
+                    break
+        if best is None and any(node is None for node in self.nodes):
+            raise _NoMatch  # calls no assigned node leads to
+        return best
 
     def _unify(self, template: Any, value: Any) -> None:
         if isinstance(template, _Matched):
@@ -180,14 +205,14 @@ class _Walk:
         elif type(value) is not type(template) or value != template:
             raise _NoMatch
 
-    def _candidates(self, i: int) -> list[Node]:
+    def _candidates(self, i: int) -> Optional[list[Node]]:
         """The nodes call i can be: users of the assigned or bound node among its arguments
         with the fewest users, with its op, target and user count, agreeing with it in every
-        argument already known."""
+        argument already known; None when none of its arguments is known yet."""
         call = self.shape.calls[i]
         known = self._known_arguments(call.args) + self._known_arguments(call.kwargs)
         if not known:
-            return []
+            return None
         source = min(known, key=lambda node: len(node.users))
         return [user for user in source.users
                 if user not in self.index and user.op == call.op and user.target == call.target

@@ -218,14 +218,18 @@ class GraphCost:
     bytes_moved: int = 0
 
     @staticmethod
-    def of(graph: torch.fx.Graph) -> "GraphCost":
+    def of(graph: torch.fx.Graph, sizes: Optional[dict] = None) -> "GraphCost":
+        """The cost of `graph`. sizes: the bytes of nodes' values, measured once and kept
+        (a node keeps its value's shape and dtype through every rewrite: the graph
+        measured again after fusion reuses what the one before it measured)."""
         launches = moved = 0
-        sizes: dict = {}  # node -> the bytes of its value, each counted once per graph
+        sizes = {} if sizes is None else sizes
 
         def size(node: torch.fx.Node) -> int:
-            if node not in sizes:
-                sizes[node] = _tensor_bytes(node.meta.get("val"))
-            return sizes[node]
+            found = sizes.get(node)
+            if found is None:
+                found = sizes[node] = _tensor_bytes(node.meta.get("val"))
+            return found
 
         for node in graph.nodes:
             if _computes(node):
