@@ -650,7 +650,7 @@ KNOWN_GAPS: list[Gap] = [
         "slice backward, sigmoid's backward): no joint pattern for them"),
     Gap("a chunked rotate_half under dynamic shapes", "rope",
         lambda c: c.dynamic and c.family == "rope" and _c(c, rotation="chunked"),
-        r"matches none of the forms|is also used by sym_size",  # (in training: the next gap's)
+        r"matches none of the forms",
         "dynamic=True on q itself makes its head dim s symbolic; x.chunk(2, -1) becomes "
         "split(x, (s + 1) // 2), read as the slices x[..., :(s + 1) // 2] and x[..., (s + 1) // 2:] "
         "(canonical._split_as_slices), and still no form matches (not diagnosed further; "
@@ -661,18 +661,6 @@ KNOWN_GAPS: list[Gap] = [
         "(n * (1 + w.float())).type_as(x) with n in bf16 / fp16: the product is fp32, no form has "
         "that structure, and the half-dtype norm under it is refused by its output dtype (seed 21, "
         "which the x * x gap hid before x * x matched)"),
-    Gap("shape reads count as users", "rope",
-        lambda c: c.dynamic and c.family == "rope",
-        r"is also used by sym_size",
-        "dynamic=True: dynamo reads a size of an intermediate (the slice of rotate_half, the "
-        "stack of every-two) with sym_size; the matcher and users_outside count that read as a "
-        "use outside the site (engine: pm's user count, nodes.users_outside)"),
-    Gap("complex RoPE under dynamic shapes", "rope",
-        lambda c: c.dynamic and c.family == "rope_complex" and _c(c, order="pairs_freqs"),
-        r"matches none of the forms",
-        "view_as_complex(x.view(*x.shape[:-1], -1, 2)): under dynamic=True the -1 stays a "
-        "symbolic expression where the trace has a number (canonical._resolve_inferred_size "
-        "resolves plain ints only)"),
     Gap("symbolic gate_up width", "swiglu",
         lambda c: c.dynamic and c.family == "swiglu" and _c(c, source="input"),
         r"matches none of the forms|is also used by sym_size|would give .* where the model computes",
@@ -685,12 +673,6 @@ KNOWN_GAPS: list[Gap] = [
         r"rstd output is used",
         "in training the backward reads npu_rms_norm's rstd; npu_add_rms_norm returns one too, "
         "but the form returns (y, h) only"),
-    Gap("weightless norm under dynamic shapes", "add_rms_norm",
-        lambda c: c.dynamic and c.family == "add_rms_norm" and (
-            _c(c, style="hand", weight="none") or _c(c, style="functional", weight=False)),
-        r"computed from the residual sum",
-        "the unit weight is ones(h.shape[-1:]) of the sum itself (patterns/add_rms_norm.py check); "
-        "F.rms_norm(h, shape, None) too (seeds 375, 403)"),
 ]
 
 

@@ -291,6 +291,33 @@ def test_every_form_fuses_with_symbolic_batch_and_sequence(case, dtype):
     assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", ["rotate_half", "rotate_every_two", "complex", "deepseek_even_odd"])
+def test_every_form_fuses_with_every_size_symbolic(case, training):
+    """dynamic=True: the head dim symbolic too. Dynamo sizes the flatten after
+    rotate_every_two's stack and the complex form's view from an intermediate's symbolic
+    size (`sym_size(x[..., 1::2], -1) * 2`); that read is taken from the graph's inputs
+    (canonical.size_reads_from_inputs), so it neither keeps the site from matching ("is also
+    used by sym_size") nor reads a node the replacement erased."""
+    module, make, _ = DYNAMIC_CASES[case]
+    backend = GuardRecordingBackend(ONLY_ROPE)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    with torch.set_grad_enabled(training):
+        for batch, seq in ((3, 7), (5, 9)):
+            args = make(batch, seq, torch.float32)
+            if training:  # q and k need a gradient, the tables are buffers
+                args = [a.requires_grad_() if i < 2 else a for i, a in enumerate(args)]
+            out, ref = compiled(*args), module(*args)
+            _assert_numerics([o.detach() for o in out], [r.detach() for r in ref])
+            if training:
+                grads = torch.autograd.grad(sum(o.sum() for o in out), args[:2])
+                expected = torch.autograd.grad(sum(r.sum() for r in ref), args[:2])
+                _assert_numerics(grads, expected)
+    report = backend.report
+    assert len(report.graphs) == (3 if training else 1)  # one compile: joint, forward, backward
+    assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
+
+
 class SplitHalvesRope(torch.nn.Module):
     """rotate_half as torch.split(x, x.shape[-1] // 2), with `size` the split size."""
 

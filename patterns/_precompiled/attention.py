@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9a22498fbbf13cbe',
+KEY = {'torch': '2.13.0+cpu', 'sources': '23869f16256bec85',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -35,7 +35,7 @@ from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .canonical import is_backward, same_shape
+from .canonical import is_backward, same_shape, size_reads_from_inputs
 from .capabilities import not_lowerable
 from .cleanup import LAYOUT_CHANGED, fake_copy, same_layout
 from .forms import Form, FusionPass, Reason, Site
@@ -262,6 +262,8 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
         if not node.users and not node.is_impure():
             graph.erase_node(node)
     _erase_dead(graph, read_by_match)
+    # the replacement's reads of its arguments' symbolic sizes, as canonicalize spells the graph's
+    size_reads_from_inputs(graph, [node for node in added if not node._erased])  # noqa: SLF001
     return [node for node in added if not node._erased]  # noqa: SLF001
 
 
