@@ -349,6 +349,47 @@ def test_a_split_at_a_symbolic_half_of_the_head_dim_reads_as_the_halves(size, fu
         assert near_miss_reasons(backend.report, "rope")
 
 
+class ChunkedRope(torch.nn.Module):
+    """rotate_half as x.chunk(2, -1); `even`: the code also checks the head dim is even
+    (torch._check: a guard the compiled graph has before any pass runs)."""
+
+    def __init__(self, even):
+        super().__init__()
+        self.even = even
+
+    def forward(self, q, cos, sin):
+        if self.even:
+            torch._check(q.shape[-1] % 2 == 0)
+        x1, x2 = q.chunk(2, dim=-1)
+        return q * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("even", [True, False], ids=["proven-even", "maybe-odd"])
+def test_a_chunk_of_a_symbolic_head_dim_fuses_only_where_it_is_proven_even(even, training):
+    # dynamic=True on q makes its head dim s symbolic: x.chunk(2, -1) splits it at
+    # (s + 1) // 2, npu_rotary_mul's half s // 2 only for an even s. The pass proves it from
+    # what the graph knows (nodes.known_equal) and adds no guard of its own: unproven, the
+    # site is a near miss saying so
+    module = ChunkedRope(even)
+    backend = GuardRecordingBackend(ONLY_ROPE)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    with torch.set_grad_enabled(training):
+        for batch, seq in ((3, 7), (5, 9)):
+            q = inputs(torch.float32, (batch, 4, seq, 16)).requires_grad_(training)
+            cos, sin = (t.unsqueeze(1) for t in hf_tables(batch, seq, 16, torch.float32))
+            out, ref = compiled(q, cos, sin), module(q, cos, sin)
+            _assert_numerics([out.detach()], [ref.detach()])
+            if training:
+                _assert_numerics(torch.autograd.grad(out.sum(), q), torch.autograd.grad(ref.sum(), q))
+    report = backend.report
+    assert report.counts["rope"] == (1 if even else 0)
+    assert not any("Mod" in str(guard) for guard in backend.added_guards), backend.added_guards
+    if not even:
+        reasons = near_miss_reasons(report, "rope")
+        assert reasons and all("not provably the half of its head dim" in r for r in reasons), reasons
+
+
 # ---- torchair modes: interleave mode under max-autotune ----------------------------------
 @pytest.mark.parametrize("soc, alternative", [(None, True), ("Ascend910B", True), ("Ascend950", False)])
 def test_max_autotune_takes_the_half_mode_alternative_where_ge_ignores_the_mode(soc, alternative):

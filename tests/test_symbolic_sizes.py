@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from npu_fx_fusion.accept import apply_pass
 from npu_fx_fusion.canonical import canonicalize
-from npu_fx_fusion.matching import Form, FusionPass, is_call
+from npu_fx_fusion.matching import Form, FusionPass, is_call, known_equal, uneven_halves
 
 aten = torch.ops.aten
 
@@ -150,3 +150,42 @@ def test_a_region_whose_intermediate_size_was_read_fuses_into_a_valid_graph():
     for shape in ((4, 6), (3, 10)):
         x = torch.randn(*shape)
         torch.testing.assert_close(gm(x), rotate_every_two(x), rtol=0, atol=0)
+
+
+# ---- nodes.known_equal: (s + 1) // 2 is s // 2 where the graph knows s is even -------------
+def _symbolic_width(check_even):
+    """A symbolic size s of a traced graph, and its shape environment; `check_even`: the traced
+    code checks s is even (torch._check: a guard the graph has)."""
+    def fn(x):
+        if check_even:
+            torch._check(x.shape[-1] % 2 == 0)
+        return x * 2
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(3, 8))
+    size = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[-1]
+    return size, size.node.shape_env
+
+
+@pytest.mark.parametrize("check_even", [True, False], ids=["proven-even", "maybe-odd"])
+def test_a_chunks_split_point_is_the_half_only_where_the_size_is_proven_even(check_even):
+    size, env = _symbolic_width(check_even)
+    guards = len(env.guards)
+    # x.chunk(2) splits at (s + 1) // 2; the shape environment alone does not reduce it
+    assert known_equal((size + 1) // 2, size // 2) is check_even
+    assert known_equal(size - (size + 1) // 2, size // 2) is check_even
+    assert not known_equal((size + 1) // 2, size // 2 + 1)  # never a wrong equality
+    assert not known_equal(size // 2, size // 4)
+    assert known_equal(size // 2, size // 2) and known_equal(2 * (size // 2), 2 * (size // 2))
+    assert len(env.guards) == guards  # proofs only: no guard added
+
+
+def test_uneven_halves_names_the_split_point_that_is_not_the_half():
+    def halves(x, split_at):
+        return x[..., :split_at(x.shape[-1])], x[..., split_at(x.shape[-1]):]
+
+    for split_at, uneven in ((lambda d: d // 2, False), (lambda d: (d + 1) // 2, True), (lambda d: 4, True)):
+        gm = make_fx(lambda x: halves(x, split_at), tracing_mode="symbolic")(torch.randn(3, 8))
+        canonicalize(gm.graph)
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        found = uneven_halves(list(gm.graph.nodes), x)
+        assert (found is not None) is uneven, found

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '23869f16256bec85',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'eec180dc1d3ed823',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -39,6 +39,7 @@ from .canonical import is_backward, same_shape, size_reads_from_inputs
 from .capabilities import not_lowerable
 from .cleanup import LAYOUT_CHANGED, fake_copy, same_layout
 from .forms import Form, FusionPass, Reason, Site
+from .nodes import known_equal
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
 from .report import FusedSite, NearMiss, PassResult, location_of
@@ -586,7 +587,7 @@ def _symbolic_size_bound_elsewhere(exact_match: pm.Match, sizes: dict[str, Any])
             continue
         bound = exact_match.kwargs[name]
         value = bound.meta.get("val") if isinstance(bound, Node) else bound
-        if not (isinstance(value, (int, torch.SymInt)) and statically_known_true(value == size)):
+        if not (isinstance(value, (int, torch.SymInt)) and known_equal(value, size)):
             shown = bound.name if isinstance(bound, Node) else repr(bound)
             return f"{shown} ({value}) stands where the form has the size {size}"
     return None
@@ -667,7 +668,8 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
                 argnames = [*size_arguments, *argnames]  # the placeholders' order
             else:
                 gm = trace(form.search, arguments.traced)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # (ValueError: a split in another number of pieces
+        # than the form unpacks, `gate, up = x.split(x.shape[-1] // 2)` of an odd width)
         found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
     else:
         found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames)), size_arguments

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from .nodes import is_call, tensor_meta
+from .nodes import is_call, known_equal, tensor_meta
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -615,10 +615,11 @@ def _plain_add(node: Any) -> bool:
 
 
 def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Provably the same shape. `a.shape == b.shape` guards on symbolic sizes, and raises
-    on data-dependent ones (the rows an expert-parallel all-to-all received:
-    GuardOnDataDependentSymNode, docs/expert-parallel.md)."""
-    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
+    """Provably the same shape (nodes.known_equal). `a.shape == b.shape` guards on symbolic
+    sizes, and raises on data-dependent ones (the rows an expert-parallel all-to-all
+    received: GuardOnDataDependentSymNode, docs/expert-parallel.md)."""
+    return a.dim() == b.dim() and (statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
+                                   or all(known_equal(x, y) for x, y in zip(a.shape, b.shape)))
 
 
 def _chain(root: Node) -> tuple[list[Node], list[Node]]:

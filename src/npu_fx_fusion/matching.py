@@ -9,7 +9,8 @@ use: importing a pattern module traces and registers nothing.
 """
 from .canonical import is_backward, is_joint_graph
 from .forms import Form, FusionPass, Reason, Site
-from .nodes import first_refused_use, is_call, normalized_dims, tensor_meta, users_outside
+from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
+                    users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
 # own kernel): a form whose search means the NPU's SDPA calls it instead of spelling the
 # FlashAttention call out again (the pattern tracers leave SDPA to the forms, its spelling
@@ -17,4 +18,5 @@ from .nodes import first_refused_use, is_call, normalized_dims, tensor_meta, use
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 
 __all__ = ["Form", "FusionPass", "Reason", "Site", "first_refused_use", "is_backward", "is_call",
-           "is_joint_graph", "normalized_dims", "sdpa_as_on_npu", "tensor_meta", "users_outside"]
+           "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "tensor_meta", "uneven_halves",
+           "users_outside"]
