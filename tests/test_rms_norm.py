@@ -339,6 +339,44 @@ def test_a_float_argument_stays_a_runtime_input():
     assert any("eps" in reason for reason in near_miss_reasons(backend.report, "rms_norm"))
 
 
+class FunctionalNoWeight(Norm):  # F.rms_norm(x, shape, None): nn.RMSNorm(elementwise_affine=False)
+    def __init__(self, dim=64, eps=3.7e-4):
+        super().__init__(dim, eps, weight=False)
+
+    def forward(self, x):
+        return F.rms_norm(x, x.shape[-1:], None, self.eps)
+
+
+@pytest.mark.parametrize("mark_dynamic", [None, (0, 1)], ids=["dynamic=True", "mark_dynamic(batch, seq)"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_weightless_norm_trains_fused_under_dynamic_shapes(dtype, mark_dynamic):
+    # the mean's backward divides by the count it averaged: `div.Tensor(g, 64)` in the joint
+    # form's trace, `div.Scalar(g, s1)` with the normalised dim symbolic; canonical spells
+    # both as div.Tensor (the fuzz's refused positive: an fp32 weightless F.rms_norm in
+    # training under dynamic=True, "rsqrt is also used by mul_22"). Gradients within the
+    # training tolerance of tests/test_training.py (npu_rms_norm_backward's closed form in
+    # fp32 against autograd's op-by-op derivative: a few ulp at the gradient's scale).
+    from helpers import RecordingBackend, assert_close_at_scale, npu_ops
+
+    torch._dynamo.reset()
+    module = FunctionalNoWeight()
+    backend = RecordingBackend(ONLY_RMS)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True if mark_dynamic is None else None)
+    x = _inputs(dtype, (2, 5, 64)).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    for dim in mark_dynamic or ():
+        torch._dynamo.mark_dynamic(x, dim)
+    out, ref = compiled(x), module(x_ref)
+    probe = torch.randn(out.shape).to(dtype)
+    (grad,), (grad_ref,) = torch.autograd.grad(out, x, probe), torch.autograd.grad(ref, x_ref, probe)
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
+    assert near_miss_reasons(backend.report, "rms_norm") == []
+    ulps = {torch.float32: 8, torch.bfloat16: 4}[dtype]
+    assert_close_at_scale(out.detach(), ref.detach(), ulps)
+    assert_close_at_scale(grad, grad_ref, ulps)
+
+
 # ---- a half-precision norm written without the fp32 upcast ---------------------------------
 class InInputDtype(Norm):
     def forward(self, x):

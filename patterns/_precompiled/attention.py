@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'eec180dc1d3ed823',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3c03575fc870a9af',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

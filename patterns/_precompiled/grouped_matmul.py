@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2b8089fe661b37f3',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f3209ab74bbfd7af',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dfd02720f26719da',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3cd40d413157855b',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

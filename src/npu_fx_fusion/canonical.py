@@ -112,7 +112,9 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     - the pieces of a split (chunk, split, split_with_sizes) as the slices they are, and
       a slice's bounds within the dim (`x[..., h:]` ends at 2**63 - 1, the second chunk at
       the dim's size): one view of the same elements, however it was taken;
-    - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor);
+    - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor),
+      or with a symbolic one (the mean's backward divides by its count s1 as
+      `div.Scalar(grad, s1)` under dynamic shapes, by 8 as `div.Tensor(grad, 8)` in a trace);
     - a reshape of an expanded tensor as `reshape`: torch decomposes it into a `view`
       where the expanded strides allow one (an expand of a size-1 dim: DeepSeek's group
       mask with n_group=1) and into `clone` + `_unsafe_view` elsewhere, the same values;
@@ -162,7 +164,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             graph.erase_node(node)
             changed += 1
             continue
-        if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
+        if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and _is_number(node.args[1]):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
         if node.target in _PROMOTING:
@@ -183,6 +185,14 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
     return changed
+
+
+def _is_number(arg: Any) -> bool:
+    """A Python number, or a node computing a symbolic one: under dynamic shapes the mean's
+    backward divides by its count as `div.Scalar(grad, s1)`, a SymInt node."""
+    if isinstance(arg, Node):
+        return isinstance(arg.meta.get("val"), (torch.SymInt, torch.SymFloat))
+    return True
 
 
 # binary ops that compute in their result's dtype, type promotion converting each operand
