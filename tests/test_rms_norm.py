@@ -377,6 +377,51 @@ def test_a_weightless_norm_trains_fused_under_dynamic_shapes(dtype, mark_dynamic
     assert_close_at_scale(grad, grad_ref, ulps)
 
 
+class SumOverCount(Norm):
+    """The mean written as sum / n: n the dim's size as the code reads it (None), or a number."""
+
+    def __init__(self, count=None):
+        super().__init__(weight=False)
+        self.count = count
+
+    def forward(self, x):
+        h = x.float()
+        count = x.shape[-1] if self.count is None else self.count
+        return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) / count + self.eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("count, dynamic, reason", [
+    (None, "dynamic=True", None),  # / x.shape[-1]: the dim's own symbolic size
+    (None, "mark_dynamic(batch, seq)", None),
+    (64, "static", None),
+    (64, "mark_dynamic(batch, seq)", None),  # the normalised dim stays static: 64 is its size
+    # dynamic=True: the dim is s, the code divides by the 64 it was written for: the mean only
+    # where s == 64, which nothing proves (the fuzz's 'sum / a literal n' gap, now a limit)
+    (64, "dynamic=True", r"divides by 64 where the normalised dim is s\d+"),
+    (32, "static", "divides by 32 where the normalised dim is 64"),  # the look-alike: not a mean
+])
+def test_a_mean_written_as_sum_over_n_fuses_where_n_is_provably_the_count(count, dynamic, reason):
+    import re
+
+    torch._dynamo.reset()
+    module = SumOverCount(count)
+    backend = nff.backend.EmulationBackend(ONLY_RMS)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True if dynamic == "dynamic=True" else None)
+    with torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7)):
+            x = _inputs(torch.float32, (batch, seq, 64))
+            if dynamic.startswith("mark_dynamic"):
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+            assert_within_ulps(compiled(x), module(x), ULPS[torch.float32])
+    reasons = near_miss_reasons(backend.report, "rms_norm")
+    if reason is None:
+        assert backend.report.counts["rms_norm"] >= 1 and reasons == []
+    else:
+        assert backend.report.counts["rms_norm"] == 0
+        assert reasons and all(re.fullmatch(reason, r) for r in reasons), reasons
+
+
 # ---- a half-precision norm written without the fp32 upcast ---------------------------------
 class InInputDtype(Norm):
     def forward(self, x):
