@@ -365,27 +365,36 @@ class ChunkedRope(torch.nn.Module):
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("even", [True, False], ids=["proven-even", "maybe-odd"])
-def test_a_chunk_of_a_symbolic_head_dim_fuses_only_where_it_is_proven_even(even, training):
+@pytest.mark.parametrize("even, dynamic", [(True, "dynamic=True"), (False, "dynamic=True"),
+                                           (False, "mark_dynamic(batch, seq)")],
+                         ids=["proven-even", "maybe-odd", "static-head-dim"])
+def test_a_chunk_of_a_symbolic_head_dim_fuses_only_where_it_is_proven_even(even, dynamic, training):
     # dynamic=True on q makes its head dim s symbolic: x.chunk(2, -1) splits it at
     # (s + 1) // 2, npu_rotary_mul's half s // 2 only for an even s. The pass proves it from
     # what the graph knows (nodes.known_equal) and adds no guard of its own: unproven, the
-    # site is a near miss saying so
+    # site is a near miss saying so. With batch and sequence dynamic, the head dim is static
+    # (as a projection makes it): the chunk fuses
     module = ChunkedRope(even)
     backend = GuardRecordingBackend(ONLY_ROPE)
-    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    fuses = even or dynamic != "dynamic=True"
+    compiled = torch.compile(module, backend=backend, fullgraph=True,
+                             dynamic=True if dynamic == "dynamic=True" else None)
     with torch.set_grad_enabled(training):
         for batch, seq in ((3, 7), (5, 9)):
             q = inputs(torch.float32, (batch, 4, seq, 16)).requires_grad_(training)
             cos, sin = (t.unsqueeze(1) for t in hf_tables(batch, seq, 16, torch.float32))
+            if dynamic != "dynamic=True":
+                for t, dims in ((q, (0, 2)), (cos, (0, 2)), (sin, (0, 2))):
+                    for dim in dims:
+                        torch._dynamo.mark_dynamic(t, dim)
             out, ref = compiled(q, cos, sin), module(q, cos, sin)
             _assert_numerics([out.detach()], [ref.detach()])
             if training:
                 _assert_numerics(torch.autograd.grad(out.sum(), q), torch.autograd.grad(ref.sum(), q))
     report = backend.report
-    assert report.counts["rope"] == (1 if even else 0)
+    assert report.counts["rope"] == (1 if fuses else 0)
     assert not any("Mod" in str(guard) for guard in backend.added_guards), backend.added_guards
-    if not even:
+    if not fuses:
         reasons = near_miss_reasons(report, "rope")
         assert reasons and all("not provably the half of its head dim" in r for r in reasons), reasons
 

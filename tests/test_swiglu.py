@@ -388,18 +388,27 @@ class GluOfAnInput(torch.nn.Module):
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("halves, fuses", [("chunk_checked_even", True), ("split_at_half", True),
-                                           ("chunk", False), ("narrow", False)])
-def test_halves_of_a_symbolic_width_fuse_only_where_they_are_provably_the_halves(halves, fuses, training):
+@pytest.mark.parametrize("halves, dynamic, fuses", [
+    ("chunk_checked_even", "dynamic=True", True), ("split_at_half", "dynamic=True", True),
+    ("chunk", "dynamic=True", False), ("narrow", "dynamic=True", False),
+    # the token count dynamic, the width static (as a projection makes it): all fuse
+    ("chunk", "mark_dynamic(tokens)", True), ("narrow", "mark_dynamic(tokens)", True)])
+def test_halves_of_a_symbolic_width_fuse_only_where_they_are_provably_the_halves(halves, dynamic, fuses, training):
     # npu_swiglu takes x[..., :s // 2] and x[..., s // 2:]; chunk's (s + 1) // 2 is that only
     # for an even s, narrow's literal FFN only for s == 2 * FFN. The pass proves it from what
     # the graph knows (nodes.known_equal), with no guard of its own: unproven, a near miss
+    if training and halves == "narrow" and fuses:
+        pytest.skip("a narrow's joint graph has no form: the fuzz's known gap 'training: SwiGLU halves as "
+                    "narrow / split sizes'")
     module = GluOfAnInput(halves)
     backend = GuardRecordingBackend(ONLY_SWIGLU)
-    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    compiled = torch.compile(module, backend=backend, fullgraph=True,
+                             dynamic=True if dynamic == "dynamic=True" else None)
     with torch.set_grad_enabled(training):
         for tokens in (3, 7):
             h = _inputs(torch.float32, (tokens, 2 * FFN), seed=tokens).requires_grad_(training)
+            if dynamic != "dynamic=True":
+                torch._dynamo.mark_dynamic(h, 0)
             out, ref = compiled(h), module(h)
             assert_within_ulps(out.detach(), ref.detach(), ULPS[torch.float32])
             if training:

@@ -74,7 +74,8 @@ def known_equal(a: Any, b: Any) -> bool:
     difference = _expression(a) - _expression(b)
     halved = {symbol: 2 * sympy.Dummy(integer=True, positive=True) for symbol in difference.free_symbols
               if statically_known_true(env.create_symintnode(symbol, hint=None) % 2 == 0)}
-    return bool(halved) and sympy.simplify(difference.subs(halved)) == 0
+    # (substituting re-evaluates torch's FloorDiv / Mod: (2k + 1) // 2 becomes k)
+    return bool(halved) and sympy.expand(difference.subs(halved)) == 0
 
 
 def _expression(size: Any) -> Any:
