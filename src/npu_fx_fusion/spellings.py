@@ -328,8 +328,8 @@ def sum_over_count(node: Any) -> Optional[tuple[Any, Any]]:
 class SumOverCount(pm._TargetExpr):  # noqa: SLF001 - a call_function pattern, as CallFunction is
     """`sum(x, dims, keepdim) / n`, n the number of elements each sum adds: a mean.
 
-    Matches a div.Tensor node whose divisor is that count as a literal (sum_over_count),
-    binding `x` as `source` does."""
+    Matches a div.Tensor node whose divisor is provably that count (sum_over_count,
+    nodes.known_equal), binding `x` as `source` does."""
 
     op = "call_function"
 
