@@ -67,16 +67,15 @@ def _computed_from(node, matched, limit=64):
 
 def check(site):
     # npu_add_rms_norm computes the sum itself, so its gamma must exist before the sum does.
-    # A gamma computed from the sum (the unit weight rms_norm gives a weightless norm is
-    # ones(h.shape[-1:]): under dynamic shapes it reads the sum's symbolic size) would make
-    # the fused op its own input: a cycle (found by tests/fuzz_cases.py; it raised in the
-    # graph's topological sort and the whole pass was reverted).
+    # A gamma computed from the sum would make the fused op its own input: a cycle (found by
+    # tests/fuzz_cases.py; it raised in the graph's topological sort and the whole pass was
+    # reverted). The unit weight of a weightless norm, ones(h.shape[-1:]), is not one: its
+    # symbolic size is read from the graph's inputs (canonical.size_reads_from_inputs).
     matched = set(site.nodes) - {n for n in site.arg_nodes.values() if isinstance(n, torch.fx.Node)}
     source = _computed_from(site.arg_nodes.get("weight"), matched)
     if source is not None:
-        return (f"the norm's weight is computed from the residual sum {source.name} (its size, for a "
-                "weightless norm under dynamic shapes): npu_add_rms_norm takes the weight as an input "
-                "of the sum it computes")
+        return (f"the norm's weight is computed from the residual sum {source.name}: npu_add_rms_norm "
+                "takes the weight as an input of the sum it computes")
     return unsupported("npu.npu_add_rms_norm", site.soc, x=site["x"], gamma=site["weight"],
                        x1=site["x"], x2=site["residual"])
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import unsupported
-from npu_fx_fusion.matching import (Form, FusionPass, is_call, normalized_dims, tensor_meta,
-                                    users_outside)
+from npu_fx_fusion.matching import (Form, FusionPass, is_call, known_equal, normalized_dims, sum_over_count,
+                                    tensor_meta, users_outside)
 
 aten = torch.ops.aten
 
@@ -170,8 +170,7 @@ def _mean_of_squares(node):
 
 
 def _is_sum_over_number(node):
-    return (is_call(node, aten.div.Tensor) and not isinstance(node.args[1], torch.fx.Node)
-            and is_call(node.args[0], aten.sum.dim_IntList))
+    return sum_over_count(node) is not None
 
 
 def _is_root(node):
@@ -200,6 +199,12 @@ def explain(root):
     if not is_call(eps_add, aten.add.Tensor, aten.add.Scalar):
         return "no eps is added before the square root"
     over_count = [u for u in mean.users if _is_sum_over_number(u)][:1]  # sum / n: the division too
+    if over_count:
+        count, elements = sum_over_count(over_count[0])
+        if not known_equal(count, elements):
+            # dynamic=True makes the normalised dim symbolic, and the code divides by the
+            # number it was written for: the mean only where they are equal, which nothing proves
+            return f"divides by {count} where the normalised dim is {elements}"
     eps = next((a for a in eps_add.args[:2] if a not in (mean, *over_count)), eps_add.args[1])
     if isinstance(eps, torch.fx.Node):
         return f"eps is a tensor ({eps.name}), not a constant"

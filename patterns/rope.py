@@ -25,9 +25,10 @@ Interleave mode and max-autotune: torchair's GE converter lowers npu_rotary_mul 
 alternative: de-interleave x (a copy), rotate halves, interleave the result back.
 """
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, users_outside
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, uneven_halves, users_outside
 
 aten = torch.ops.aten
 ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
@@ -41,8 +42,11 @@ def _rotate_half_sliced(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotate_half_chunked(x):
-    x1, x2 = x.chunk(2, dim=-1)
+def _rotate_half_split(x):
+    # x.chunk(2, dim=-1) and torch.split(x, h, -1), split at the half npu_rotary_mul rotates:
+    # with a symbolic head dim s, chunk splits at (s + 1) // 2, which only an even s makes
+    # the half (proven by the shape environment, else a near miss: explain)
+    x1, x2 = torch.split(x, x.shape[-1] // 2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
@@ -253,7 +257,7 @@ FORMS = [
     # the gradient of slices and of a split differ, hence two forms
     *(Form(_apply_form(rotate, name), rotary_mul_half, dtypes=(torch.float32,)) for rotate, name in (
         (_rotate_half_sliced, "rotate_half_sliced"),
-        (_rotate_half_chunked, "rotate_half_chunked"),
+        (_rotate_half_split, "rotate_half_split"),
     )),
     Form(_ROTATE_EVERY_TWO, rotary_mul_interleave, dtypes=(torch.float32,)),
     Form(_ROTATE_EVERY_TWO, rotary_mul_interleave_via_half, dtypes=(torch.float32,)),
@@ -493,8 +497,13 @@ def explain(node):
         return None
     x, inner = _rotation_parts(node)
     x_val = tensor_meta(x)
-    if x_val is not None and x_val.shape[-1] % 2:
+    # (proofs, not comparisons: a near miss must not add a guard to the compiled graph)
+    if x_val is not None and statically_known_true(x_val.shape[-1] % 2 == 1):
         return f"head_dim {x_val.shape[-1]} is odd: npu_rotary_mul rotates pairs"
+    uneven = uneven_halves(inner, x)
+    if uneven is not None:
+        return (f"x is split at {uneven}, not provably the half of its head dim {x_val.shape[-1]} (x.chunk(2, -1) "
+                "splits a symbolic d at (d + 1) // 2): npu_rotary_mul rotates the halves of an even head dim")
     consumers = [u for u in node.users if not is_call(u, aten.view.default, aten.flatten.using_ints)]
     rotated = node
     if is_call(node, aten.stack.default):  # the flatten(-2) that follows

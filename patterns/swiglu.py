@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, users_outside
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, uneven_halves, users_outside
 
 aten = torch.ops.aten
 SWIGLU = CAPABILITIES["npu.npu_swiglu"]
@@ -31,7 +31,10 @@ def chunked(x):
     # Phi-3 / GLM-4 MLP: up_states * self.activation_fn(gate); torch.split(x, [h, h], -1).
     # The engine reads a split as its slices and a product in either order, and
     # g * sigmoid(g) as silu(g) (canonical.py, spellings.py): one form for all of them.
-    gate, up = x.chunk(2, dim=-1)
+    # Spelled as the split at npu_swiglu's half: with a symbolic width s, chunk splits at
+    # (s + 1) // 2, which only an even s makes the half (proven by the shape environment,
+    # else a near miss: explain)
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -146,8 +149,13 @@ def explain(mul):
     if gate_half == 1 and up_half == 0:
         return "silu is applied to the second half: npu_swiglu activates the first half"
     x = tensor_meta(gate_source)
-    if x is not None and x.shape[-1] % 2:
+    # (proofs, not comparisons: a near miss must not add a guard to the compiled graph)
+    if x is not None and statically_known_true(x.shape[-1] % 2 == 1):
         return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
+    uneven = uneven_halves([gate, up], gate_source)
+    if uneven is not None:
+        return (f"the gate_up dim {x.shape[-1]} is split at {uneven}, not provably its half (x.chunk(2, -1) "
+                "splits a symbolic d at (d + 1) // 2): npu_swiglu takes the halves of an even dim")
     pieces = [_gate_of(silu), other, silu] + ([a for a in silu.args if is_call(a, aten.sigmoid.default)]
                                               if not is_call(silu, aten.silu.default) else [])
     shared = users_outside(pieces, allowed=pieces + [mul])

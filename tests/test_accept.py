@@ -170,3 +170,24 @@ def test_an_operand_stays_where_no_earlier_cast_has_its_promoted_value(case):
     gm, changed, before, after = _upcast_graph(fn, x, v)
     assert changed == 0
     assert _mul_operands(gm) == ["x_1", "v_1"]
+
+
+# ---- canonical: a symbolic number as a .Scalar operand -----------------------------------
+def test_a_division_by_a_symbolic_size_is_spelled_as_by_a_number():
+    # the mean's backward divides by its count: div.Scalar(g, s1) under dynamic shapes,
+    # div.Tensor(g, 64) in a static trace (canonical's add.Scalar -> add.Tensor rule)
+    aten = torch.ops.aten
+
+    def mean_backward_like(g, x):
+        return aten.div.Scalar(g, x.shape[-1]), aten.div.Tensor(g, x)  # the second: two tensors
+
+    gm = make_fx(mean_backward_like, tracing_mode="symbolic")(torch.randn(3, 8), torch.randn(3, 8))
+    assert canonicalize(gm.graph) >= 1
+    gm.recompile()
+    divisions = [n for n in gm.graph.nodes if n.target in (aten.div.Scalar, aten.div.Tensor)]
+    assert [n.target for n in divisions] == [aten.div.Tensor, aten.div.Tensor]
+    assert isinstance(divisions[0].args[1], torch.fx.Node)  # still the size the graph reads
+    for shape in ((3, 8), (2, 5)):
+        g, x = torch.randn(*shape), torch.randn(*shape) + 3
+        for got, want in zip(gm(g, x), mean_backward_like(g, x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

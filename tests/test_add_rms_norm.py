@@ -157,22 +157,62 @@ class WeightlessChain(torch.nn.Module):
         return norm(h2), h2
 
 
-def test_weight_computed_from_the_sum_is_refused_not_a_cycle():
-    # dynamic=True: the unit weight of a weightless norm is ones(h.shape[-1:]), read from the
-    # sum's symbolic size. Fusing the sum would make npu_add_rms_norm its own input: the pass
-    # raised in the topological sort and was reverted, losing every site (found by
-    # tests/fuzz_cases.py). Now each such site is a near miss that says so.
-    torch.manual_seed(0)
-    x, residual = torch.randn(3, 16), torch.randn(3, 16)
+def _compile_dynamic(module, *inputs, mark_dynamic=None):
+    """(fused outputs, eager outputs, report): dynamic=True, or with `mark_dynamic` the
+    dims it names of every input dynamic (the rest static)."""
     backend = nff.backend.EmulationBackend(nff.FusionConfig())
-    compiled = torch.compile(WeightlessChain(), backend=backend, dynamic=True)
+    if mark_dynamic is not None:
+        for t in inputs:
+            for dim in mark_dynamic:
+                torch._dynamo.mark_dynamic(t, dim)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True if mark_dynamic is None else None)
     with torch.no_grad():
-        out, ref = compiled(x, residual), WeightlessChain()(x, residual)
-    report = backend.report
+        return compiled(*inputs), module(*inputs), backend.report
+
+
+@pytest.mark.parametrize("mark_dynamic", [None, (0, 1)], ids=["dynamic=True", "mark_dynamic(batch, seq)"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_weightless_norm_under_dynamic_shapes_folds_the_add(dtype, mark_dynamic):
+    # dynamic=True: the unit weight rms_norm gives a weightless norm is ones(h.shape[-1:]), a read
+    # of the residual sum's symbolic size; read from the graph's inputs instead
+    # (canonical.size_reads_from_inputs), it is no longer computed from the sum, which
+    # npu_add_rms_norm computes itself. Before, every such site was a near miss (found by
+    # tests/fuzz_cases.py; and before that, a cycle that reverted the pass).
+    torch.manual_seed(0)
+    x, residual = torch.randn(2, 3, 16).to(dtype), torch.randn(2, 3, 16).to(dtype)
+    out, ref, report = _compile_dynamic(WeightlessChain(), x, residual, mark_dynamic=mark_dynamic)
     assert report.errors == []
-    assert report.counts["rms_norm"] == 2 and report.counts["add_rms_norm"] == 0
+    assert report.counts["rms_norm"] == 2 and report.counts["add_rms_norm"] == 2, report.to_markdown()
+    assert near_miss_reasons(report, "add_rms_norm") == []
+    for a, b in zip(out, ref):
+        assert_close_at_scale(a, b, ULPS[dtype])
+
+
+class WeightFromTheSum(torch.nn.Module):
+    """A residual add feeding a norm whose weight is a row of the sum itself."""
+
+    def forward(self, x, residual):
+        h = x + residual
+        weight = h[0, 0]
+        hf = h.float()
+        return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype), h
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic=True"])
+def test_weight_computed_from_the_sum_is_refused_not_a_cycle(dynamic):
+    # Fusing the sum would make npu_add_rms_norm its own input: the pass raised in the
+    # topological sort and was reverted, losing every site (found by tests/fuzz_cases.py).
+    # Now such a site is a near miss that says so.
+    torch.manual_seed(0)
+    x, residual = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    if dynamic:
+        out, ref, report = _compile_dynamic(WeightFromTheSum(), x, residual)
+    else:
+        out, ref, report = compile_and_run(WeightFromTheSum(), x, residual)
+    assert report.errors == []
+    assert report.counts["rms_norm"] == 1 and report.counts["add_rms_norm"] == 0, report.to_markdown()
     reasons = near_miss_reasons(report, "add_rms_norm")
-    assert len(reasons) == 2 and all("computed from the residual sum" in r for r in reasons), reasons
+    assert len(reasons) == 1 and "computed from the residual sum" in reasons[0], reasons
     for a, b in zip(out, ref):
         assert_within_ulps(a, b, ULPS[torch.float32])
 

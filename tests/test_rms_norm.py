@@ -339,6 +339,89 @@ def test_a_float_argument_stays_a_runtime_input():
     assert any("eps" in reason for reason in near_miss_reasons(backend.report, "rms_norm"))
 
 
+class FunctionalNoWeight(Norm):  # F.rms_norm(x, shape, None): nn.RMSNorm(elementwise_affine=False)
+    def __init__(self, dim=64, eps=3.7e-4):
+        super().__init__(dim, eps, weight=False)
+
+    def forward(self, x):
+        return F.rms_norm(x, x.shape[-1:], None, self.eps)
+
+
+@pytest.mark.parametrize("mark_dynamic", [None, (0, 1)], ids=["dynamic=True", "mark_dynamic(batch, seq)"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_weightless_norm_trains_fused_under_dynamic_shapes(dtype, mark_dynamic):
+    # the mean's backward divides by the count it averaged: `div.Tensor(g, 64)` in the joint
+    # form's trace, `div.Scalar(g, s1)` with the normalised dim symbolic; canonical spells
+    # both as div.Tensor (the fuzz's refused positive: an fp32 weightless F.rms_norm in
+    # training under dynamic=True, "rsqrt is also used by mul_22"). Gradients within the
+    # training tolerance of tests/test_training.py (npu_rms_norm_backward's closed form in
+    # fp32 against autograd's op-by-op derivative: a few ulp at the gradient's scale).
+    from helpers import RecordingBackend, assert_close_at_scale, npu_ops
+
+    torch._dynamo.reset()
+    module = FunctionalNoWeight()
+    backend = RecordingBackend(ONLY_RMS)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True if mark_dynamic is None else None)
+    x = _inputs(dtype, (2, 5, 64)).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    for dim in mark_dynamic or ():
+        torch._dynamo.mark_dynamic(x, dim)
+    out, ref = compiled(x), module(x_ref)
+    probe = torch.randn(out.shape).to(dtype)
+    (grad,), (grad_ref,) = torch.autograd.grad(out, x, probe), torch.autograd.grad(ref, x_ref, probe)
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
+    assert near_miss_reasons(backend.report, "rms_norm") == []
+    ulps = {torch.float32: 8, torch.bfloat16: 4}[dtype]
+    assert_close_at_scale(out.detach(), ref.detach(), ulps)
+    assert_close_at_scale(grad, grad_ref, ulps)
+
+
+class SumOverCount(Norm):
+    """The mean written as sum / n: n the dim's size as the code reads it (None), or a number."""
+
+    def __init__(self, count=None):
+        super().__init__(weight=False)
+        self.count = count
+
+    def forward(self, x):
+        h = x.float()
+        count = x.shape[-1] if self.count is None else self.count
+        return (h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) / count + self.eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("count, dynamic, reason", [
+    (None, "dynamic=True", None),  # / x.shape[-1]: the dim's own symbolic size
+    (None, "mark_dynamic(batch, seq)", None),
+    (64, "static", None),
+    (64, "mark_dynamic(batch, seq)", None),  # the normalised dim stays static: 64 is its size
+    # dynamic=True: the dim is s, the code divides by the 64 it was written for: the mean only
+    # where s == 64, which nothing proves (the fuzz's 'sum / a literal n' gap, now a limit)
+    (64, "dynamic=True", r"divides by 64 where the normalised dim is s\d+"),
+    (32, "static", "divides by 32 where the normalised dim is 64"),  # the look-alike: not a mean
+])
+def test_a_mean_written_as_sum_over_n_fuses_where_n_is_provably_the_count(count, dynamic, reason):
+    import re
+
+    torch._dynamo.reset()
+    module = SumOverCount(count)
+    backend = nff.backend.EmulationBackend(ONLY_RMS)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True if dynamic == "dynamic=True" else None)
+    with torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7)):
+            x = _inputs(torch.float32, (batch, seq, 64))
+            if dynamic.startswith("mark_dynamic"):
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+            assert_within_ulps(compiled(x), module(x), ULPS[torch.float32])
+    reasons = near_miss_reasons(backend.report, "rms_norm")
+    if reason is None:
+        assert backend.report.counts["rms_norm"] >= 1 and reasons == []
+    else:
+        assert backend.report.counts["rms_norm"] == 0
+        assert reasons and all(re.fullmatch(reason, r) for r in reasons), reasons
+
+
 # ---- a half-precision norm written without the fp32 upcast ---------------------------------
 class InInputDtype(Norm):
     def forward(self, x):

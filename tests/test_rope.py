@@ -291,6 +291,33 @@ def test_every_form_fuses_with_symbolic_batch_and_sequence(case, dtype):
     assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
 
 
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", ["rotate_half", "rotate_every_two", "complex", "deepseek_even_odd"])
+def test_every_form_fuses_with_every_size_symbolic(case, training):
+    """dynamic=True: the head dim symbolic too. Dynamo sizes the flatten after
+    rotate_every_two's stack and the complex form's view from an intermediate's symbolic
+    size (`sym_size(x[..., 1::2], -1) * 2`); that read is taken from the graph's inputs
+    (canonical.size_reads_from_inputs), so it neither keeps the site from matching ("is also
+    used by sym_size") nor reads a node the replacement erased."""
+    module, make, _ = DYNAMIC_CASES[case]
+    backend = GuardRecordingBackend(ONLY_ROPE)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    with torch.set_grad_enabled(training):
+        for batch, seq in ((3, 7), (5, 9)):
+            args = make(batch, seq, torch.float32)
+            if training:  # q and k need a gradient, the tables are buffers
+                args = [a.requires_grad_() if i < 2 else a for i, a in enumerate(args)]
+            out, ref = compiled(*args), module(*args)
+            _assert_numerics([o.detach() for o in out], [r.detach() for r in ref])
+            if training:
+                grads = torch.autograd.grad(sum(o.sum() for o in out), args[:2])
+                expected = torch.autograd.grad(sum(r.sum() for r in ref), args[:2])
+                _assert_numerics(grads, expected)
+    report = backend.report
+    assert len(report.graphs) == (3 if training else 1)  # one compile: joint, forward, backward
+    assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
+
+
 class SplitHalvesRope(torch.nn.Module):
     """rotate_half as torch.split(x, x.shape[-1] // 2), with `size` the split size."""
 
@@ -320,6 +347,56 @@ def test_a_split_at_a_symbolic_half_of_the_head_dim_reads_as_the_halves(size, fu
     assert backend.report.counts["rope"] == (1 if fuses else 0)
     if not fuses:
         assert near_miss_reasons(backend.report, "rope")
+
+
+class ChunkedRope(torch.nn.Module):
+    """rotate_half as x.chunk(2, -1); `even`: the code also checks the head dim is even
+    (torch._check: a guard the compiled graph has before any pass runs)."""
+
+    def __init__(self, even):
+        super().__init__()
+        self.even = even
+
+    def forward(self, q, cos, sin):
+        if self.even:
+            torch._check(q.shape[-1] % 2 == 0)
+        x1, x2 = q.chunk(2, dim=-1)
+        return q * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("even, dynamic", [(True, "dynamic=True"), (False, "dynamic=True"),
+                                           (False, "mark_dynamic(batch, seq)")],
+                         ids=["proven-even", "maybe-odd", "static-head-dim"])
+def test_a_chunk_of_a_symbolic_head_dim_fuses_only_where_it_is_proven_even(even, dynamic, training):
+    # dynamic=True on q makes its head dim s symbolic: x.chunk(2, -1) splits it at
+    # (s + 1) // 2, npu_rotary_mul's half s // 2 only for an even s. The pass proves it from
+    # what the graph knows (nodes.known_equal) and adds no guard of its own: unproven, the
+    # site is a near miss saying so. With batch and sequence dynamic, the head dim is static
+    # (as a projection makes it): the chunk fuses
+    module = ChunkedRope(even)
+    backend = GuardRecordingBackend(ONLY_ROPE)
+    fuses = even or dynamic != "dynamic=True"
+    compiled = torch.compile(module, backend=backend, fullgraph=True,
+                             dynamic=True if dynamic == "dynamic=True" else None)
+    with torch.set_grad_enabled(training):
+        for batch, seq in ((3, 7), (5, 9)):
+            q = inputs(torch.float32, (batch, 4, seq, 16)).requires_grad_(training)
+            cos, sin = (t.unsqueeze(1) for t in hf_tables(batch, seq, 16, torch.float32))
+            if dynamic != "dynamic=True":
+                for t, dims in ((q, (0, 2)), (cos, (0, 2)), (sin, (0, 2))):
+                    for dim in dims:
+                        torch._dynamo.mark_dynamic(t, dim)
+            out, ref = compiled(q, cos, sin), module(q, cos, sin)
+            _assert_numerics([out.detach()], [ref.detach()])
+            if training:
+                _assert_numerics(torch.autograd.grad(out.sum(), q), torch.autograd.grad(ref.sum(), q))
+    report = backend.report
+    assert report.counts["rope"] == (1 if fuses else 0)
+    assert not any("Mod" in str(guard) for guard in backend.added_guards), backend.added_guards
+    if not fuses:
+        reasons = near_miss_reasons(report, "rope")
+        assert reasons and all("not provably the half of its head dim" in r for r in reasons), reasons
 
 
 # ---- torchair modes: interleave mode under max-autotune ----------------------------------

@@ -15,7 +15,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from npu_fx_fusion.accept import apply_pass
-from npu_fx_fusion.matching import Form, FusionPass, is_call
+from npu_fx_fusion.canonical import canonicalize
+from npu_fx_fusion.matching import Form, FusionPass, is_call, known_equal, uneven_halves
 
 aten = torch.ops.aten
 
@@ -86,3 +87,105 @@ def test_two_independent_symbolic_sizes_are_both_inputs_of_the_retrace():
     gm = make_fx(flattened, tracing_mode="symbolic")(torch.randn(4, 6, 8))
     result = apply_pass(_pass(flattened, example=(2, 3, 5)), gm)
     assert len(result.sites) == 1
+
+
+# ---- a size read of an intermediate (canonical.size_reads_from_inputs) ---------------------
+def rotate_every_two(x):
+    # dynamo (and make_fx) size the flatten after the stack from a slice's symbolic size:
+    # `sym_size(x[..., 1::2], -1) * 2`, a read of an intermediate of the rotation
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def _size_reads(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.sym_size.int]
+
+
+def test_a_size_read_of_an_intermediate_reads_the_inputs_instead():
+    gm = make_fx(rotate_every_two, tracing_mode="symbolic")(torch.randn(4, 6))
+    assert any(read.args[0].op != "placeholder" for read in _size_reads(gm))
+    assert canonicalize(gm.graph) >= 1
+    gm.recompile()
+    gm.graph.lint()
+    assert all(read.args[0].op == "placeholder" for read in _size_reads(gm))
+    for shape in ((4, 6), (3, 10)):  # the one symbolic graph, at its own and another size
+        x = torch.randn(*shape)
+        torch.testing.assert_close(gm(x), rotate_every_two(x), rtol=0, atol=0)
+
+
+def test_a_data_dependent_size_read_stays_a_read():
+    # the rows nonzero finds are no input's size (an unbacked symbol): nothing else has them
+    def scaled_by_count(x):
+        found = x.nonzero()
+        return found * found.shape[0]
+
+    gm = make_fx(scaled_by_count, tracing_mode="symbolic")(torch.randn(4, 6))
+    assert canonicalize(gm.graph) == 0
+    (read,) = _size_reads(gm)
+    assert read.args[0].target is aten.nonzero.default
+
+
+def _rotation_pass():
+    """A test pass replacing rotate_every_two(x) by -rotate_every_two(-x), the same values."""
+    def negated_twice(x):
+        return -rotate_every_two(-x)
+
+    return FusionPass(name="test", fused_op="aten.neg", forms=[Form(rotate_every_two, negated_twice,
+                                                                    dtypes=(torch.float32,))],
+                      example={"x": lambda dtype: torch.empty(3, 8, dtype=dtype)}, check=lambda site: None,
+                      # the model's stack (its slices read the input), not the replacement's
+                      anchor=lambda node: (is_call(node, aten.stack.default)
+                                           and node.args[0][1].args[0].op == "placeholder"),
+                      explain=lambda node: None)
+
+
+def test_a_region_whose_intermediate_size_was_read_fuses_into_a_valid_graph():
+    # the read of the slice's size used to count as a use outside the region: the site was
+    # refused ("is also used by sym_size"), and replacing it would have erased what the read reads
+    gm = make_fx(rotate_every_two, tracing_mode="symbolic")(torch.randn(4, 6))
+    canonicalize(gm.graph)
+    result = apply_pass(_rotation_pass(), gm)
+    assert len(result.sites) == 1 and result.near_misses == []
+    gm.graph.lint()  # (no node reads an erased one)
+    gm.recompile()
+    for shape in ((4, 6), (3, 10)):
+        x = torch.randn(*shape)
+        torch.testing.assert_close(gm(x), rotate_every_two(x), rtol=0, atol=0)
+
+
+# ---- nodes.known_equal: (s + 1) // 2 is s // 2 where the graph knows s is even -------------
+def _symbolic_width(check_even):
+    """A symbolic size s of a traced graph, and its shape environment; `check_even`: the traced
+    code checks s is even (torch._check: a guard the graph has)."""
+    def fn(x):
+        if check_even:
+            torch._check(x.shape[-1] % 2 == 0)
+        return x * 2
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(3, 8))
+    size = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[-1]
+    return size, size.node.shape_env
+
+
+@pytest.mark.parametrize("check_even", [True, False], ids=["proven-even", "maybe-odd"])
+def test_a_chunks_split_point_is_the_half_only_where_the_size_is_proven_even(check_even):
+    size, env = _symbolic_width(check_even)
+    guards = len(env.guards)
+    # x.chunk(2) splits at (s + 1) // 2; the shape environment alone does not reduce it
+    assert known_equal((size + 1) // 2, size // 2) is check_even
+    assert known_equal(size - (size + 1) // 2, size // 2) is check_even
+    assert not known_equal((size + 1) // 2, size // 2 + 1)  # never a wrong equality
+    assert not known_equal(size // 2, size // 4)
+    assert known_equal(size // 2, size // 2) and known_equal(2 * (size // 2), 2 * (size // 2))
+    assert len(env.guards) == guards  # proofs only: no guard added
+
+
+def test_uneven_halves_names_the_split_point_that_is_not_the_half():
+    def halves(x, split_at):
+        return x[..., :split_at(x.shape[-1])], x[..., split_at(x.shape[-1]):]
+
+    for split_at, uneven in ((lambda d: d // 2, False), (lambda d: (d + 1) // 2, True), (lambda d: 4, True)):
+        gm = make_fx(lambda x: halves(x, split_at), tracing_mode="symbolic")(torch.randn(3, 8))
+        canonicalize(gm.graph)
+        x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+        found = uneven_halves(list(gm.graph.nodes), x)
+        assert (found is not None) is uneven, found

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9458dfceaa9e7ae0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '03d627fcbb613657',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c3990047f66ba713',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ce80f559798f041c',
        'backward': {'cann_ops_transformer.mhc_post': True, 'npu.npu_mhc_post': True}}
 
 FORMS = {

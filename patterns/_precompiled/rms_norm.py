@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd3836a693b117607',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c24018a9de419622',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

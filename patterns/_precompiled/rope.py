@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a90f6218675933e7',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b7cf3bcf412e1440',
        'backward': {'cann_ops_transformer.inplace_partial_rotary_mul': True, 'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {
@@ -29,7 +29,7 @@ FORMS = {
         'keywords': []},
     'rotate_half_sliced -> rotary_mul_half @ float32': {'emitted_ops': ('npu.npu_rotary_mul',),
         'keywords': []},
-    'rotate_half_chunked -> rotary_mul_half @ float32': {'emitted_ops': ('npu.npu_rotary_mul',),
+    'rotate_half_split -> rotary_mul_half @ float32': {'emitted_ops': ('npu.npu_rotary_mul',),
         'keywords': []},
     'rotate_every_two -> rotary_mul_interleave @ float32': {'emitted_ops': ('npu.npu_rotary_mul',),
         'keywords': []},
@@ -1351,7 +1351,7 @@ def _p39():  # rotate_half_sliced [joint]
     ])
     return pattern
 
-def _p40():  # rotate_half_chunked [joint]
+def _p40():  # rotate_half_split [joint]
     arg_x = KeywordArg('x')
     arg_cos = KeywordArg('cos')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_x, arg_cos)
@@ -1565,7 +1565,7 @@ REGISTRATIONS = [
      (('call_function', 'aten.cat.default'),), _p38),  # form 5
     ('rotate_half_sliced -> rotary_mul_half @ float32', 'joint', ('x',),
      (('call_function', 'aten.add.Tensor'),), _p39),  # form 6
-    ('rotate_half_chunked -> rotary_mul_half @ float32', 'joint', ('x',),
+    ('rotate_half_split -> rotary_mul_half @ float32', 'joint', ('x',),
      (('call_function', 'aten.add.Tensor'),), _p40),  # form 7
     ('rotate_every_two -> rotary_mul_interleave @ float32', 'joint', ('x',),
      (('call_function', 'aten.add.Tensor'),), _p41),  # form 8

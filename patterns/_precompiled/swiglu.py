@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9aed6d771cbc9800',
+KEY = {'torch': '2.13.0+cpu', 'sources': '26d99c49614f3b32',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -35,10 +35,11 @@ from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .canonical import is_backward, same_shape
+from .canonical import is_backward, same_shape, size_reads_from_inputs
 from .capabilities import not_lowerable
 from .cleanup import LAYOUT_CHANGED, fake_copy, same_layout
 from .forms import Form, FusionPass, Reason, Site
+from .nodes import known_equal
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
 from .replay import MatchShape
@@ -290,6 +291,8 @@ def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torc
         if not node.users and not node.is_impure():
             graph.erase_node(node)
     _erase_dead(graph, read_by_match)
+    # the replacement's reads of its arguments' symbolic sizes, as canonicalize spells the graph's
+    size_reads_from_inputs(graph, [node for node in added if not node._erased])  # noqa: SLF001
     return [node for node in added if not node._erased]  # noqa: SLF001
 
 
@@ -632,7 +635,7 @@ def _symbolic_size_bound_elsewhere(exact_match: pm.Match, sizes: dict[str, Any])
             continue
         bound = exact_match.kwargs[name]
         value = bound.meta.get("val") if isinstance(bound, Node) else bound
-        if not (isinstance(value, (int, torch.SymInt)) and statically_known_true(value == size)):
+        if not (isinstance(value, (int, torch.SymInt)) and known_equal(value, size)):
             shown = bound.name if isinstance(bound, Node) else repr(bound)
             return f"{shown} ({value}) stands where the form has the size {size}"
     return None
@@ -713,7 +716,8 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
                 argnames = [*size_arguments, *argnames]  # the placeholders' order
             else:
                 gm = trace(form.search, arguments.traced)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # (ValueError: a split in another number of pieces
+        # than the form unpacks, `gate, up = x.split(x.shape[-1] // 2)` of an odd width)
         found: Any = f"{form.name} does not trace at this site's shapes: {type(exc).__name__}: {exc}"
     else:
         found = respell_exact(pm.fx_to_pattern(gm, argnames=argnames)), size_arguments

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from .nodes import is_call, tensor_meta
+from .nodes import is_call, known_equal, tensor_meta
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -112,7 +112,9 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     - the pieces of a split (chunk, split, split_with_sizes) as the slices they are, and
       a slice's bounds within the dim (`x[..., h:]` ends at 2**63 - 1, the second chunk at
       the dim's size): one view of the same elements, however it was taken;
-    - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor);
+    - a binary op with a Python number as its .Tensor overload (add.Scalar -> add.Tensor),
+      or with a symbolic one (the mean's backward divides by its count s1 as
+      `div.Scalar(grad, s1)` under dynamic shapes, by 8 as `div.Tensor(grad, 8)` in a trace);
     - a reshape of an expanded tensor as `reshape`: torch decomposes it into a `view`
       where the expanded strides allow one (an expand of a size-1 dim: DeepSeek's group
       mask with n_group=1) and into `clone` + `_unsafe_view` elsewhere, the same values;
@@ -139,12 +141,18 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       all-to-all received), where the exact retrace of a form (accept._exact_pattern)
       has one placeholder per symbolic size, which torch's matcher binds to one node
       (_one_node_per_symbolic_size).
+    - a size read of a computed tensor (`sym_size(slice, 3)`: dynamo sizes a flatten after a
+      stack from its operand's size) as the same symbolic size computed from the graph's
+      inputs (`s92 // 2` of its SymInt input s92), where the shape environment gives it
+      from their symbols: a read is a use, and a pattern pins the users of its
+      intermediates, so the read of an intermediate kept the region from matching, and a
+      replacement erasing it would leave the read behind (size_reads_from_inputs).
     Each of these computes exactly what it replaces. Spellings that are equal in value
     but not bit for bit (x / sqrt(v) and x * rsqrt(v)) are not rewritten: the patterns
     accept them instead (spellings.py). Search functions and matched graphs are both
     canonicalised. Returns the number of nodes changed.
     """
-    changed = _one_node_per_symbolic_size(graph)
+    changed = size_reads_from_inputs(graph) + _one_node_per_symbolic_size(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -156,7 +164,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             graph.erase_node(node)
             changed += 1
             continue
-        if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and not isinstance(node.args[1], Node):
+        if node.target in _SCALAR_OVERLOADS and len(node.args) == 2 and _is_number(node.args[1]):
             node.target = _SCALAR_OVERLOADS[node.target]
             changed += 1
         if node.target in _PROMOTING:
@@ -177,6 +185,14 @@ def canonicalize(graph: torch.fx.Graph) -> int:
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
     return changed
+
+
+def _is_number(arg: Any) -> bool:
+    """A Python number, or a node computing a symbolic one: under dynamic shapes the mean's
+    backward divides by its count as `div.Scalar(grad, s1)`, a SymInt node."""
+    if isinstance(arg, Node):
+        return isinstance(arg.meta.get("val"), (torch.SymInt, torch.SymFloat))
+    return True
 
 
 # binary ops that compute in their result's dtype, type promotion converting each operand
@@ -223,6 +239,123 @@ def _one_node_per_symbolic_size(graph: torch.fx.Graph) -> int:
             graph.erase_node(node)
             changed += 1
     return changed
+
+
+# ops that read a size of a tensor (aten's spelling of `x.shape[i]`, `x.numel()` ...)
+_SIZE_READS = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default)
+
+
+def size_reads_from_inputs(graph: torch.fx.Graph, among: Optional[Iterable[Node]] = None) -> int:
+    """Each read of a symbolic size of a computed tensor (among `among`, default the whole
+    graph) reads the same size computed from the graph's inputs instead (and goes); returns
+    how many went.
+
+    The value is the read's own expression in the shape environment's symbols, which hold
+    for every input the compiled graph accepts (its guards), and each symbol comes from an
+    input: a SymInt placeholder, or a size of a tensor placeholder. A read whose symbols
+    do not all come from inputs (a data-dependent size: `u0` of an expert's token count)
+    or whose expression is not integer arithmetic stays a read.
+
+    A replacement gets this too (accept.insert_replacement): `ones(x.shape[-1:])` of a
+    weightless norm's fused call would read the size of x, the residual sum an
+    add_rms_norm then computes itself."""
+    reads = [n for n in (graph.nodes if among is None else among)
+             if n.op == "call_function" and n.target in _SIZE_READS
+             and isinstance(n.args[0], Node) and n.args[0].op != "placeholder"
+             and isinstance(n.meta.get("val"), torch.SymInt)]
+    if not reads:
+        return 0
+    sizes = _InputSizes(graph)
+    changed = 0
+    for read in reads:
+        value = sizes.node_for(read.meta["val"])
+        if value is not None:
+            read.replace_all_uses_with(value)
+            graph.erase_node(read)
+            changed += 1
+    sizes.erase_unused()
+    return changed
+
+
+class _InputSizes:
+    """Symbolic sizes as nodes computing them from a graph's inputs, made on demand at the
+    top of the graph (after the placeholders: only they are read)."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        import sympy
+        from torch.utils._sympy.functions import FloorDiv, Max, Min, Mod, PowByNatural, PythonMod
+
+        self.graph = graph
+        placeholders = graph.find_nodes(op="placeholder")
+        self.top = placeholders[-1].next if placeholders else None  # what the nodes made go before
+        self.made: list[Node] = []
+        self.nodes: dict = {}  # sympy expression -> (node or int, its value)
+        self.symbols: dict = {}  # symbol -> (placeholder, None: it is the SymInt / i: its size i)
+        for placeholder in placeholders:
+            value = placeholder.meta.get("val")
+            if isinstance(value, torch.SymInt):
+                self.symbols.setdefault(value.node.expr, (placeholder, None))
+            elif isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt):
+                        self.symbols.setdefault(size.node.expr, (placeholder, dim))
+        # sympy's classes of integer arithmetic -> the Python operator computing each
+        self.operators = [(sympy.Add, operator.add), (sympy.Mul, operator.mul), (FloorDiv, operator.floordiv),
+                          (PythonMod, operator.mod), (Mod, operator.mod), (PowByNatural, operator.pow),
+                          (Max, torch.sym_max), (Min, torch.sym_min)]
+
+    def node_for(self, value: torch.SymInt) -> Optional[Node]:
+        """A node computing `value` from the inputs, or None where it cannot be computed."""
+        found = self._expression(value.node.expr)
+        if found is None or not isinstance(found[0], Node) or not statically_known_true(found[1] == value):
+            return None
+        return found[0]
+
+    def _expression(self, expr: Any) -> Optional[tuple]:
+        if expr in self.nodes:
+            return self.nodes[expr]
+        if expr.is_Integer:
+            return int(expr), int(expr)
+        if expr.is_Symbol:
+            found = self._symbol(expr)
+        else:
+            op = next((op for kind, op in self.operators if isinstance(expr, kind)), None)
+            operands = [self._expression(arg) for arg in expr.args] if op is not None else [None]
+            if any(operand is None for operand in operands):
+                return None
+            found = operands[0]
+            for operand in operands[1:]:  # (Add and Mul take any number of terms)
+                found = self._call(op, found, operand)
+        self.nodes[expr] = found
+        return found
+
+    def _symbol(self, symbol: Any) -> Optional[tuple]:
+        if symbol not in self.symbols:
+            return None
+        placeholder, dim = self.symbols[symbol]
+        if dim is None:
+            return placeholder, placeholder.meta["val"]
+        # (a read of the same size further down then reads this one: _one_node_per_symbolic_size)
+        size = placeholder.meta["val"].shape[dim]
+        return self._made(aten.sym_size.int, (placeholder, dim), size), size
+
+    def _call(self, op: Any, a: tuple, b: tuple) -> tuple:
+        value = op(a[1], b[1])
+        if not isinstance(value, torch.SymInt):  # two numbers
+            return value, value
+        return self._made(op, (a[0], b[0]), value), value
+
+    def _made(self, target: Any, args: tuple, value: Any) -> Node:
+        with self.graph.inserting_before(self.top):
+            node = self.graph.call_function(target, args)
+        node.meta["val"] = value
+        self.made.append(node)
+        return node
+
+    def erase_unused(self) -> None:
+        for node in reversed(self.made):
+            if not node.users:
+                self.graph.erase_node(node)
 
 
 def _reshape_of_expand(graph: torch.fx.Graph, view: Node) -> int:
@@ -492,10 +625,11 @@ def _plain_add(node: Any) -> bool:
 
 
 def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Provably the same shape. `a.shape == b.shape` guards on symbolic sizes, and raises
-    on data-dependent ones (the rows an expert-parallel all-to-all received:
-    GuardOnDataDependentSymNode, docs/expert-parallel.md)."""
-    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
+    """Provably the same shape (nodes.known_equal). `a.shape == b.shape` guards on symbolic
+    sizes, and raises on data-dependent ones (the rows an expert-parallel all-to-all
+    received: GuardOnDataDependentSymNode, docs/expert-parallel.md)."""
+    return a.dim() == b.dim() and (statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
+                                   or all(known_equal(x, y) for x, y in zip(a.shape, b.shape)))
 
 
 def _chain(root: Node) -> tuple[list[Node], list[Node]]:

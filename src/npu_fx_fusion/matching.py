@@ -9,12 +9,15 @@ use: importing a pattern module traces and registers nothing.
 """
 from .canonical import is_backward, is_joint_graph
 from .forms import Form, FusionPass, Reason, Site
-from .nodes import first_refused_use, is_call, normalized_dims, tensor_meta, users_outside
+from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
+                    users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
 # own kernel): a form whose search means the NPU's SDPA calls it instead of spelling the
 # FlashAttention call out again (the pattern tracers leave SDPA to the forms, its spelling
 # depends on the SoC: npu_dispatch.traced_as_on_npu)
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
+from .spellings import sum_over_count
 
 __all__ = ["Form", "FusionPass", "Reason", "Site", "first_refused_use", "is_backward", "is_call",
-           "is_joint_graph", "normalized_dims", "sdpa_as_on_npu", "tensor_meta", "users_outside"]
+           "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
+           "uneven_halves", "users_outside"]

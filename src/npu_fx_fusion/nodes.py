@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 Node = torch.fx.Node
 
@@ -52,6 +53,58 @@ def first_refused_use(site: Any, accept: Callable[[Node, Node], bool],
             pending += [(u, user) for u in user.users]
         elif not accept(user, value):
             return user
+    return None
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """Sizes `a` and `b` (ints, or SymInts of one shape environment) are equal for every
+    input the graph accepts, proven without a guard: by the shape environment, or where it
+    does not see it, by writing each symbol it knows to be even as twice another one. A
+    chunk in two of a symbolic size s is split at (s + 1) // 2, the half s // 2 of an even s
+    only: the shape environment keeps `Eq(Mod(s, 2), 0)` (from a guard the graph already
+    has, e.g. a stack of the two halves), but does not reduce (s + 1) // 2 with it."""
+    if statically_known_true(a == b):
+        return True
+    symbolic = next((v for v in (a, b) if isinstance(v, torch.SymInt)), None)
+    if symbolic is None:
+        return False
+    import sympy
+
+    env = symbolic.node.shape_env
+    difference = _expression(a) - _expression(b)
+    halved = {symbol: 2 * sympy.Dummy(integer=True, positive=True) for symbol in difference.free_symbols
+              if statically_known_true(env.create_symintnode(symbol, hint=None) % 2 == 0)}
+    # (substituting re-evaluates torch's FloorDiv / Mod: (2k + 1) // 2 becomes k)
+    return bool(halved) and sympy.expand(difference.subs(halved)) == 0
+
+
+def _expression(size: Any) -> Any:
+    import sympy
+
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def uneven_halves(nodes: Sequence[Node], source: Node) -> Any:
+    """The first bound at which one of `nodes` slices `source`'s last dim (a slice of step 1)
+    that is neither its start, its end, nor provably its half (size // 2); None if there is
+    none. `x.chunk(2, -1)` of a symbolic size s is split at (s + 1) // 2, which is the half
+    only for an even s: code the fused op's halves compute only where s is proven even."""
+    value = tensor_meta(source)
+    if value is None or value.dim() == 0:
+        return None
+    size = value.shape[-1]
+    for node in nodes:
+        if not (is_call(node, torch.ops.aten.slice.Tensor) and node.args[0] is source
+                and len(node.args) > 1 and node.args[1] in (-1, value.dim() - 1)
+                and (len(node.args) < 5 or node.args[4] == 1)):
+            continue
+        for bound in node.args[2:4]:
+            bound = bound.meta.get("val") if isinstance(bound, Node) else bound
+            if not isinstance(bound, (int, torch.SymInt)):
+                return bound
+            if not any(known_equal(bound, at) for at in (0, size // 2, size)) and not (
+                    isinstance(bound, int) and bound >= 2**63 - 1):  # `x[a:]` ends at 2**63 - 1
+                return bound
     return None
 
 

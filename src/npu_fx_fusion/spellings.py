@@ -27,6 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch._inductor import pattern_matcher as pm
 
+from .nodes import known_equal
+
 aten = torch.ops.aten
 Node = torch.fx.Node
 
@@ -301,11 +303,33 @@ class AnyOf(pm.PatternExpr):
         return f"AnyOf({self.alternatives!r})"
 
 
+def sum_over_count(node: Any) -> Optional[tuple[Any, Any]]:
+    """(n, the number of elements each sum adds) of a node `sum(x, dims, keepdim) / n`, n a
+    number (a Python one, or a symbolic size the graph computes: `/ x.shape[-1]` under
+    dynamic shapes); None for any other node. The count is a SymInt where x's summed sizes
+    are symbolic: the mean only where the shape environment proves it equal to n
+    (nodes.known_equal), which it does not for a model's literal n under dynamic=True."""
+    if not (isinstance(node, Node) and node.target is aten.div.Tensor and len(node.args) == 2 and not node.kwargs):
+        return None
+    total, count = node.args
+    if isinstance(count, Node):
+        count = count.meta.get("val")
+    if not (isinstance(total, Node) and total.target is aten.sum.dim_IntList and total.args
+            and isinstance(count, (int, float, torch.SymInt)) and not isinstance(count, bool)):
+        return None
+    values = total.args[0].meta.get("val") if isinstance(total.args[0], Node) else None
+    if not isinstance(values, torch.Tensor):
+        return None
+    dims = total.args[1] if len(total.args) > 1 else None
+    summed = dims if dims else range(values.dim())  # (no dims, or [], sums every one)
+    return count, math.prod(values.shape[d] for d in summed)
+
+
 class SumOverCount(pm._TargetExpr):  # noqa: SLF001 - a call_function pattern, as CallFunction is
     """`sum(x, dims, keepdim) / n`, n the number of elements each sum adds: a mean.
 
-    Matches a div.Tensor node whose divisor is that count as a literal (static sizes only),
-    binding `x` as `source` does."""
+    Matches a div.Tensor node whose divisor is provably that count (sum_over_count,
+    nodes.known_equal), binding `x` as `source` does."""
 
     op = "call_function"
 
@@ -318,16 +342,13 @@ class SumOverCount(pm._TargetExpr):  # noqa: SLF001 - a call_function pattern, a
             return pm.FailedMatch("not a division: {}", node)
         if not self._match_users(node, ctx):
             return pm.FailedMatch("multiple_users {}", self)
-        total, count = node.args
-        summed = total.args[0] if isinstance(total, Node) and total.args else None
-        values = summed.meta.get("val") if isinstance(summed, Node) else None
-        if not isinstance(values, torch.Tensor) or not isinstance(count, (int, float)):
+        counted = sum_over_count(node)
+        if counted is None:
             return pm.FailedMatch("no count of summed elements at {}", node)
-        dims = total.args[1] if len(total.args) > 1 else None
-        sizes = [values.shape[d] for d in (dims if isinstance(dims, (list, tuple)) else range(values.dim()))]
-        if not all(isinstance(size, int) for size in sizes) or count != math.prod(sizes):
-            return pm.FailedMatch("{} divides a sum of {} elements by {}", node, sizes, count)
-        found = ctx.match(self.total, total)
+        count, elements = counted
+        if not known_equal(count, elements):
+            return pm.FailedMatch("{} divides a sum of {} elements by {}", node, elements, count)
+        found = ctx.match(self.total, node.args[0])
         if not found:
             return found
         match = pm.Match(ctx, self)
