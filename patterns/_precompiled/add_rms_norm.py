@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c9315d3d3915057d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '10a11bdcd2ae631d',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -48,9 +48,10 @@ log = logging.getLogger("npu_fx_fusion.registry")
 
 PRECOMPILED_PACKAGE = "npu_fx_fusion.patterns._precompiled"
 # The engine modules whose code decides what a trace (and so a pattern) looks like.
-# (npu_dispatch: the forward-npu traces run its kernels, and forms call its SDPA)
+# (npu_dispatch: the forward-npu traces run its kernels, and forms call its SDPA; nodes:
+# canonical and spellings prove sizes equal with its known_equal)
 _TRACE_SHAPING_MODULES = ("npu_fx_fusion.canonical", "npu_fx_fusion.tracing", "npu_fx_fusion.spellings",
-                          "npu_fx_fusion.npu_dispatch")
+                          "npu_fx_fusion.npu_dispatch", "npu_fx_fusion.nodes")
 
 # Deep patterns (DeepSeek-V4's 20-iteration Sinkhorn, patterns/mhc_pre.py: a chain of ~200
 # nodes forward, twice that joint) recurse once per pattern node, a few frames each, in torch's
