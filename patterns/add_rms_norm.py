@@ -11,11 +11,11 @@ pass needs no form of its own per RMSNorm spelling.
 Numerics (op_semantics.md 2.2): in bf16 the kernel computes rstd from the fp32 sum before
 rounding it to h, where the unfused graph normalises the rounded h: at most one ulp of
 bf16 apart. fp16 and fp32 match the unfused order. npu_add_rms_norm has no backward in
-torch_npu; the pipeline only sees forward/inference graphs after autograd has been
-partitioned away, where no gradient flows through the op.
+torch_npu, so the pass has no joint forms: it runs on inference graphs and on a training
+step's forward graph after partitioning, where npu_rms_norm_backward reads the rstd and h
+the forward saved, now from the fused op (its rstd: the same fp32 normaliser, from the
+unrounded sum in bf16).
 """
-import operator
-
 import torch
 
 from npu_fx_fusion.capabilities import unsupported
@@ -35,6 +35,20 @@ def residual_add_then_norm_default_eps(x, residual, weight):
     return torch.ops.npu.npu_rms_norm(h, weight)[0], h
 
 
+# A training step's forward graph saves the norm's rstd for npu_rms_norm_backward; the
+# fused op returns the same fp32 rstd (op_semantics.md 2.2), so the site folds the add too.
+def residual_add_then_norm_keeping_rstd(x, residual, weight, eps):
+    h = x + residual
+    y, rstd = torch.ops.npu.npu_rms_norm(h, weight, eps)
+    return y, rstd, h
+
+
+def residual_add_then_norm_keeping_rstd_default_eps(x, residual, weight):
+    h = x + residual
+    y, rstd = torch.ops.npu.npu_rms_norm(h, weight)
+    return y, rstd, h
+
+
 def npu_add_rms_norm(x, residual, weight, eps):
     y, _, h = torch.ops.npu.npu_add_rms_norm(x, residual, weight, eps)
     return y, h
@@ -45,9 +59,19 @@ def npu_add_rms_norm_default_eps(x, residual, weight):
     return y, h
 
 
+def npu_add_rms_norm_keeping_rstd(x, residual, weight, eps):
+    return torch.ops.npu.npu_add_rms_norm(x, residual, weight, eps)
+
+
+def npu_add_rms_norm_keeping_rstd_default_eps(x, residual, weight):
+    return torch.ops.npu.npu_add_rms_norm(x, residual, weight)
+
+
 FORMS = [
     Form(residual_add_then_norm, npu_add_rms_norm),
     Form(residual_add_then_norm_default_eps, npu_add_rms_norm_default_eps),
+    Form(residual_add_then_norm_keeping_rstd, npu_add_rms_norm_keeping_rstd),
+    Form(residual_add_then_norm_keeping_rstd_default_eps, npu_add_rms_norm_keeping_rstd_default_eps),
 ]
 
 
@@ -91,9 +115,6 @@ def explain(norm):
     operands = [tensor_meta(a) for a in add.args[:2]]
     if any(t is None for t in operands):
         return "one operand of the add is a scalar, not a residual tensor"
-    rstd_users = [u for u in norm.users if u.target is operator.getitem and u.args[1] == 1 and u.users]
-    if rstd_users:
-        return f"the norm's rstd output is used by {rstd_users[0].name}"
     return None
 
 

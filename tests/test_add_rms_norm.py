@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
+from helpers import assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons, npu_ops
 from test_rms_norm import HFLlama
 
 ULPS = {torch.float32: 8, torch.bfloat16: 3, torch.float16: 2}
@@ -222,3 +222,32 @@ def test_weightless_norm_with_static_sizes_still_folds_the_add():
     x, residual = torch.randn(3, 16), torch.randn(3, 16)
     out, ref, report = compile_and_run(WeightlessChain(), x, residual)
     assert report.counts["add_rms_norm"] == 2, report.to_markdown()
+
+
+class ResidualStream(torch.nn.Module):
+    """A branch added to the stream, the sum normalised and carried on (a decoder layer)."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.branch = torch.nn.Linear(dim, dim)
+        self.norm = HFLlama(dim)
+
+    def forward(self, x):
+        h = x + self.branch(x)
+        return self.norm(h) * 0.5 + h
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_training_forward_graph_folds_the_add_and_keeps_the_rstd_for_the_backward(dtype):
+    # The forward graph saves the norm's rstd for npu_rms_norm_backward: the form that
+    # returns it too fuses there. Gradients of x, the branch and the norm weight: within
+    # test_training's UNIT_ULPS at scale (bf16: the fused rstd comes from the unrounded sum,
+    # 0.5 ulp relative from the rounded one's, and the backward multiplies it in twice).
+    from test_training import train_and_compare
+
+    report, fw, bw = train_and_compare(ResidualStream, dtype)
+    assert npu_ops(fw) == {"npu_add_rms_norm": 1}
+    assert npu_ops(bw) == {"npu_rms_norm_backward": 1}
+    assert report.fused_ops["npu.npu_add_rms_norm"] == 1
+    assert near_miss_reasons(report, "add_rms_norm") == []

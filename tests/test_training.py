@@ -445,8 +445,9 @@ def test_torchtitan_llama3_training_step():
     torch.manual_seed(0)
     tm = build_torchtitan("llama3", dtype=torch.float32, num_layers=2)
     backend = _training_step_matches_eager(tm, torch.float32)
-    # 2 blocks x (attention norm, ffn norm) + the final norm; q and k rotated per block
-    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4}
+    # 2 blocks x (attention norm, ffn norm) + the final norm; q and k rotated per block. Every
+    # norm but the first folds the residual add in front of it, keeping the rstd its backward reads.
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4}
     assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4}
     assert backend.report.errors == []
 
@@ -460,7 +461,7 @@ def test_hf_llama_training_step(dtype):
     torch.manual_seed(0)
     tm = build_hf("llama", dtype=dtype, num_layers=2)
     backend = _training_step_matches_eager(tm, dtype)
-    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4}
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4}
     assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4}
 
 
@@ -472,7 +473,8 @@ def test_hf_phi3_training_step_fuses_swiglu():
     torch.manual_seed(0)
     backend = _training_step_matches_eager(build_hf("phi3", dtype=torch.float32, num_layers=2), torch.float32)
     # Phi-3's fused gate_up projection: up * silu(gate) on its two halves
-    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 5, "npu_rotary_mul": 4, "npu_swiglu": 2}
+    assert npu_ops(backend.graphs["forward"]) == {
+        "npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4, "npu_swiglu": 2}
     assert npu_ops(backend.graphs["backward"]) == {
         "npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4, "npu_swiglu_backward": 2}
 

@@ -11,13 +11,17 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '10a11bdcd2ae631d',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a8978ae4cd13bac1',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {
     'residual_add_then_norm -> npu_add_rms_norm @ float32,bfloat16': {'emitted_ops': ('npu.npu_add_rms_norm',),
         'keywords': []},
     'residual_add_then_norm_default_eps -> npu_add_rms_norm_default_eps @ float32,bfloat16': {'emitted_ops': ('npu.npu_add_rms_norm',),
+        'keywords': []},
+    'residual_add_then_norm_keeping_rstd -> npu_add_rms_norm_keeping_rstd @ float32,bfloat16': {'emitted_ops': ('npu.npu_add_rms_norm',),
+        'keywords': []},
+    'residual_add_then_norm_keeping_rstd_default_eps -> npu_add_rms_norm_keeping_rstd_default_eps @ float32,bfloat16': {'emitted_ops': ('npu.npu_add_rms_norm',),
         'keywords': []},
 }
 
@@ -49,6 +53,37 @@ def _p1():  # residual_add_then_norm_default_eps [forward]
     ])
     return pattern
 
+def _p2():  # residual_add_then_norm_keeping_rstd [forward]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    arg_residual = KeywordArg('residual')
+    add_Tensor = CallFunction(aten.add.Tensor, arg_x, arg_residual, _users=2)
+    arg_weight = KeywordArg('weight')
+    arg_eps = KeywordArg('eps')
+    npu_npu_rms_norm_default = CallFunction(npu.npu_rms_norm.default, add_Tensor, arg_weight, arg_eps, _users=2)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_rms_norm_default, 0)
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_rms_norm_default, 1)
+    pattern = MultiOutputPattern([operator_getitem,
+      operator_getitem_1,
+      add_Tensor
+    ])
+    return pattern
+
+def _p3():  # residual_add_then_norm_keeping_rstd_default_eps [forward]
+    npu = torch.ops.npu
+    arg_x = KeywordArg('x')
+    arg_residual = KeywordArg('residual')
+    add_Tensor = CallFunction(aten.add.Tensor, arg_x, arg_residual, _users=2)
+    arg_weight = KeywordArg('weight')
+    npu_npu_rms_norm_default = CallFunction(npu.npu_rms_norm.default, add_Tensor, arg_weight, _users=2)
+    operator_getitem = CallFunction(operator.getitem, npu_npu_rms_norm_default, 0)
+    operator_getitem_1 = CallFunction(operator.getitem, npu_npu_rms_norm_default, 1)
+    pattern = MultiOutputPattern([operator_getitem,
+      operator_getitem_1,
+      add_Tensor
+    ])
+    return pattern
+
 
 # (form key, kind, arguments traced as requiring grad, the (op, target)s a match
 #  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
@@ -57,4 +92,8 @@ REGISTRATIONS = [
      (('call_function', 'operator.getitem'),), _p0),  # form 0
     ('residual_add_then_norm_default_eps -> npu_add_rms_norm_default_eps @ float32,bfloat16', 'forward', (),
      (('call_function', 'operator.getitem'),), _p1),  # form 1
+    ('residual_add_then_norm_keeping_rstd -> npu_add_rms_norm_keeping_rstd @ float32,bfloat16', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p2),  # form 2
+    ('residual_add_then_norm_keeping_rstd_default_eps -> npu_add_rms_norm_keeping_rstd_default_eps @ float32,bfloat16', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p3),  # form 3
 ]
