@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, uneven_halves, users_outside
+from npu_fx_fusion.matching import (Form, FusionPass, NotEvaluable, Recognized, channels_of, is_backward, is_call,
+                                    tensor_meta, uneven_halves, users_outside)
 
 aten = torch.ops.aten
 SWIGLU = CAPABILITIES["npu.npu_swiglu"]
@@ -165,6 +166,129 @@ def explain(mul):
     return None
 
 
+# ---- halves recognised by what they are ------------------------------------------------------
+# The forms take the halves as slices, a split or a chunk. Any other way of taking them (an
+# unbind of a (2, h) view, a `+ 0.0` offset, a cast, a view of the pieces) is found by
+# reading the gate and the up factor of a silu-gated product with the channel algebra: each
+# of their channels must be one channel of one tensor x, the gate the first half of x's
+# channels and up the second, in order. Inference graphs: a training graph differentiates
+# the silu, which the algebra does not model, so there only the forms fuse.
+def recognize(graph, joint):
+    found = []
+    for mul in graph.find_nodes(op="call_function", target=aten.mul.Tensor):
+        parts = _silu_and_other(mul) if not (joint and is_backward(mul)) else None
+        if parts is None or (joint and any(is_backward(u) for u in mul.users)):
+            continue
+        silu, up = parts
+        gate = _gate_of(silu)
+        try:
+            gate_value, up_value = channels_of(gate), channels_of(up)
+        except NotEvaluable:
+            continue
+        halves = _halves(gate_value, up_value)
+        if halves is None:
+            continue
+        nodes = _region_nodes(mul, silu, gate, up, halves[0] if not isinstance(halves, str) else None)
+        if isinstance(halves, str):
+            found.append(Recognized("silu-gated halves (channel algebra)", mul, nodes, reason=halves))
+            continue
+        x, tracked = halves
+        shared = users_outside([n for n in nodes if n is not mul], allowed=nodes)
+        if shared:
+            node, user = shared
+            found.append(Recognized("silu-gated halves (channel algebra)", mul, nodes,
+                                    reason=f"intermediate {node.name} ({node.target}) is also used by {user.name}"))
+            continue
+        found.append(Recognized("silu-gated halves (channel algebra)", mul, nodes, {"x": x},
+                                _gated_halves_replacement(tracked, tensor_meta(mul)),
+                                {"x": _operand(x, tracked, tensor_meta(mul))}))
+    return found
+
+
+def _selection(value):
+    """(leaf, tracked dims, [x's channel per channel], the constants added) when every channel
+    of `value` is one channel of one tensor as it is (plus a constant), else None."""
+    leaf, tracked, picked, constants = None, None, [], set()
+    for poly in value.channels:
+        if isinstance(poly, dict):
+            poly = dict(poly)
+            constants.add(poly.pop((), 0.0))
+        if isinstance(poly, dict) and len(poly) == 1:
+            (mono, coef), = poly.items()
+            if coef == 1.0 and len(mono) == 1:
+                factor = value.factor(mono[0])
+                if factor.part == 0 and leaf in (None, factor.leaf) and tracked in (None, factor.tracked):
+                    leaf, tracked = factor.leaf, factor.tracked
+                    picked.append(factor.index)
+                    continue
+        return None
+    return (leaf, tracked, picked, constants) if leaf is not None else None
+
+
+def _halves(gate_value, up_value):
+    """(x, tracked dims) when gate and up are x's first and second halves; a reason when
+    they are two pieces of x npu_swiglu cannot take; None when they are not pieces of one x."""
+    gate, up = _selection(gate_value), _selection(up_value)
+    if gate is None or up is None or gate[0] is not up[0] or gate[1] != up[1]:
+        return None
+    x, tracked, gate_channels, gate_constants = gate
+    up_channels, up_constants = up[2], up[3]
+    if len(gate_channels) != len(up_channels) or set(gate_channels) & set(up_channels):
+        return None  # a broadcast, or the same channels twice (silu(x) * x): not two halves
+    offset = next((c for c in (*gate_constants, *up_constants) if c != 0.0), None)
+    if offset is not None:
+        return f"a constant {offset} is added to the gate or up half: npu_swiglu computes silu(gate) * up alone"
+    width = len(gate_channels)
+    total = 1
+    for size in tensor_meta(x).shape[tensor_meta(x).dim() - tracked:]:
+        total *= int(size)
+    if total % 2:
+        return f"the gate_up dim {total} is odd: npu_swiglu halves it"
+    if gate_channels == list(range(width)) and up_channels == list(range(width, 2 * width)) and total == 2 * width:
+        return x, tracked
+    if gate_channels == list(range(width, 2 * width)) and up_channels == list(range(width)):
+        return "silu is applied to the second half: npu_swiglu activates the first half"
+    if total != 2 * width:
+        return (f"gate and up are {width} channels each of a tensor of {total}: npu_swiglu takes a tensor "
+                "that is exactly the two halves")
+    return "gate and up are not x's first and second halves (interleaved or reordered channels)"
+
+
+def _region_nodes(mul, silu, gate, up, x):
+    """The product, the silu, and every node between x and the two factors."""
+    nodes, stack = {mul, silu}, [gate, up]
+    if not is_call(silu, aten.silu.default):
+        nodes.update(a for a in silu.args if isinstance(a, torch.fx.Node) and is_call(a, aten.sigmoid.default))
+    while stack:
+        node = stack.pop()
+        if node in nodes or node is x or x is None or node.op != "call_function":
+            continue
+        nodes.add(node)
+        stack.extend(node.all_input_nodes)
+    return sorted(nodes)
+
+
+def _operand(x, tracked, out):
+    value = tensor_meta(x)
+    lead = tuple(value.shape[:value.dim() - tracked])
+    width = 1
+    for size in value.shape[value.dim() - tracked:]:
+        width *= int(size)
+    return value.new_empty((*lead, width), dtype=out.dtype)
+
+
+def _gated_halves_replacement(tracked, out):
+    def npu_swiglu_recognized(x):
+        lead = x.shape[:x.dim() - tracked]
+        width = 1
+        for size in x.shape[x.dim() - tracked:]:
+            width *= size
+        y = torch.ops.npu.npu_swiglu(x.reshape(*lead, width).to(out.dtype).contiguous(), -1)
+        return y.reshape(out.shape if all(isinstance(s, int) for s in out.shape) else (*lead, *out.shape[len(lead):]))
+
+    return npu_swiglu_recognized
+
+
 PASS = FusionPass(
     name="swiglu",
     fused_op="npu.npu_swiglu",
@@ -176,4 +300,5 @@ PASS = FusionPass(
     explain=explain,
     # training graphs: npu_swiglu_backward gives x's gradient
     differentiable=("x",),
+    recognize=recognize,
 )

@@ -96,7 +96,7 @@ def test_a_kept_call_of_an_op_called_a_different_number_of_times_gets_the_line_i
     # moe_dispatch keeps the clamped SwiGLU's mul, one of the two muls of the block it replaces
     # (the other weighs the expert outputs, which finalize_routing does): the alignment of the
     # two call sequences pairs it with the model's act(gate) * up, not with the weighing
-    from npu_fx_fusion.accept import _aligned_calls
+    from npu_fx_fusion.insertion import _aligned_calls
 
     aten = torch.ops.aten
     graph = torch.fx.Graph()

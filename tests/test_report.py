@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from npu_fx_fusion import npu_ops
-from npu_fx_fusion.accept import _inherit_kept_calls, _inherit_source_meta
+from npu_fx_fusion.insertion import _inherit_kept_calls, _inherit_source_meta
 from npu_fx_fusion.cleanup import drop_lossless_round_trips
 from npu_fx_fusion.report import (FusedSite, GraphReport, PassResult, SourceLocation, added_conversions,
                                   op_table, pass_table, site_location)

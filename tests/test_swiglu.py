@@ -612,3 +612,58 @@ def test_gate_times_sigmoid_on_the_second_half_says_why():
     _, _, report = compile_and_run(Glu(second_half), _inputs(torch.float32, (3, 2 * FFN)), config=ONLY_SWIGLU)
     assert report.counts["swiglu"] == 0
     assert near_miss_reasons(report, "swiglu") == ["silu is applied to the second half: npu_swiglu activates the first half"]
+
+
+# ---- halves taken any other way: recognised by the channel algebra ---------------------------
+def unbind_of_pairs(h):  # the halves as an unbind of a (2, ffn) view
+    gate, up = h.view(*h.shape[:-1], 2, -1).unbind(-2)
+    return F.silu(gate) * up
+
+
+def zero_offset(h):  # GPT-OSS-style `(up + offset)`, with the offset a literal 0
+    gate, up = h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2:]
+    return F.silu(gate) * (up + 0.0)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("glu", [unbind_of_pairs, zero_offset], ids=lambda f: f.__name__)
+def test_halves_taken_any_other_way_are_recognised(glu, dtype, dynamic):
+    module = MLP(glu).to(dtype)
+    x = _inputs(dtype)
+    backend = EmulationBackend(ONLY_SWIGLU)
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(x)
+        ref = module(x)
+    report = backend.report
+    assert report.counts["swiglu"] == 1 and report.fused_ops == {SWIGLU: 1}
+    assert report.sites[0].form == "silu-gated halves (channel algebra)"
+    assert near_miss_reasons(report, "swiglu") == []
+    assert_close_at_scale(out, ref, AT_SCALE[dtype])
+
+
+def offset_one(h):  # GPT-OSS: `(up + 1)`
+    gate, up = h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2:]
+    return F.silu(gate) * (up + 1.0)
+
+
+def interleaved_halves(h):  # gate and up interleaved: npu_swiglu takes halves
+    return F.silu(h[..., ::2]) * h[..., 1::2]
+
+
+def halves_of_a_part(h):  # the halves of the first two thirds only
+    third = h.shape[-1] // 3
+    return F.silu(h[..., :third]) * h[..., third:2 * third]
+
+
+@pytest.mark.parametrize("glu, reason", [
+    (offset_one, "a constant 1.0 is added"),
+    (interleaved_halves, "not x's first and second halves"),
+    (halves_of_a_part, "that is exactly the two halves"),
+], ids=["offset_one", "interleaved", "part"])
+def test_pieces_that_are_not_npu_swiglus_halves_say_why(glu, reason):
+    out, ref, report = compile_and_run(Glu(glu), _inputs(torch.float32, (2, 5, 3 * 32)), config=ONLY_SWIGLU)
+    assert report.counts["swiglu"] == 0
+    reasons = near_miss_reasons(report, "swiglu")
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -35,8 +35,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
-from .insertion import (_inherit_kept_calls, _inherit_source_meta, _reads_later_node,  # noqa: F401 (tests)
-                        insert_replacement)
+from .insertion import _inherit_kept_calls, _inherit_source_meta, _reads_later_node, insert_replacement
 from .forms import Form, FusionPass, Reason, Site
 from .nodes import known_equal
 from .recognition import RecognitionRun, recognized_sites

@@ -764,6 +764,8 @@ def channel_gather(sources: Sequence[tuple[int, ...]], source_shape: Sequence[in
     """The ChannelGather that reads `sources[j]` (multi-indices into trailing dims of shape
     `source_shape`) with `signs[j]` (+1 / -1) for channel j, or None if no view program does."""
     signs = list(signs) if signs is not None else [1.0] * len(sources)
+    if any(sign not in (1.0, -1.0) for sign in signs):
+        return None  # a sign, not a scale: a view program negates, it does not multiply
     found = _gather(list(sources), tuple(source_shape), signs)
     if found is None and source_shape and source_shape[-1] % 2 == 0 and source_shape[-1] > 2:
         # a head dim's pairs (de-interleaving): the last dim as (n / 2, 2)
@@ -834,3 +836,18 @@ def _radices(count: int) -> list[tuple]:
     out += [(a, b, count // (a * b)) for a in divisors for b in divisors
             if count % (a * b) == 0 and count // (a * b) > 1]
     return out
+
+
+def channels_of(node: Node, include: Callable[[Node], bool] = lambda node: True) -> ChannelValue:
+    """`node`'s value as polynomials over its trailing dims: from the region around it when it
+    is a modelled op, else as a leaf (its last dim, each element itself). Raises NotEvaluable."""
+    if modelled(node) and include(node):
+        evaluated = evaluate_around(node, include)
+        value = evaluated.values.get(node)
+        if value is not None:
+            return value
+    meta = tensor_meta(node)
+    if meta is None or meta.dim() == 0 or not isinstance(meta.shape[-1], int):
+        raise NotEvaluable(f"{node.name} has no static last dim")
+    factors = [Factor(node, 1, index) for index in range(meta.shape[-1])]
+    return ChannelValue(node, (meta.shape[-1],), [Poly({(i,): 1.0}) for i in range(len(factors))], factors)

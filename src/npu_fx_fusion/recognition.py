@@ -124,6 +124,11 @@ def _site(run: RecognitionRun, found: Recognized) -> Site:
 
 
 def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason, Any]:
+    # the check reads the shape environment before anything is traced in it: a trace can
+    # teach it facts (a reshape's inferred size asserts its divisor is not 0)
+    reason = run.fusion_pass.check(site)
+    if reason:
+        return reason, None
     try:
         forward = _trace(run, found.replace, found.args)
         backward = _trace(run, found.backward_replace, found.backward_args) if found.backward_replace else None
@@ -133,9 +138,6 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
         reason = _emitted_ops_refused(run, graph)
         if reason:
             return reason, None
-    reason = run.fusion_pass.check(site)
-    if reason:
-        return reason, None
     reason = _output_differs(run.fusion_pass, forward, found.output)
     if reason is None and backward is not None:
         reason = _output_differs(run.fusion_pass, backward, found.backward_output)
