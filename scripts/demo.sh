@@ -7,9 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=4
 source scripts/venv.sh
-step "installing npu-fx-fusion and its demo extras (transformers, pydot) into .venv" pip_install '.[demo]'
+step "installing npu-fx-fusion[demo] (transformers, pydot)" pip_install '.[demo]'
 # Graphviz's `dot` lays out the graph drawings of --dump-dir (skipped without it).
-system_packages "the --dump-dir drawings (Graphviz)" dot:graphviz || true
+system_packages "the --dump-dir drawings" dot:graphviz || true
 echo "running: .venv/bin/npu-fx-fusion demo${*:+ $*}   (yourself: source .venv/bin/activate, then npu-fx-fusion ...)" >&2
 echo >&2
 exec "$VENV/bin/npu-fx-fusion" demo "$@"

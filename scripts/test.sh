@@ -8,21 +8,21 @@ STEPS=6
 source scripts/venv.sh
 
 # A regular (non-editable) install: the tests run against what users get.
-step "installing npu-fx-fusion and its test dependencies into .venv (not editable)" pip_install '.[test]'
+step "installing npu-fx-fusion[test] (not editable)" pip_install '.[test]'
 # torchtitan's models (test-only): installed without its training-stack dependencies,
 # plus the few modules its model code imports (triton only for an import at load time).
 install_torchtitan() {
     pip_install --no-deps 'torchtitan==0.3.0' && pip_install tyro einops 'spmd_types==0.2.3' triton
 }
-step "installing torchtitan 0.3.0 for its model code (no training stack) and what it imports" install_torchtitan
+step "installing torchtitan 0.3.0 (its model code only)" install_torchtitan
 # The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
-step "unpacking the torch-npu 2.13.0 wheel into .cache (never installed: read by the torchair tests)" \
+step "unpacking the torch-npu 2.13.0 wheel into .cache (not installed)" \
     env PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh
 # Graphviz's `dot` lays out the --dump-dir drawings, rsvg-convert renders them in
 # tests/test_drawing.py; chromium renders report.html in tests/test_report_html.py.
 # One call: one `apt-get update` on a fresh machine. It returns 1 only when packages are
 # missing and we are not root (an apt failure stops the script).
-system_packages "the drawing and browser tests (Graphviz, librsvg, chromium)" \
+system_packages "the drawing and browser tests" \
     dot:graphviz rsvg-convert:librsvg2-bin chromium:chromium || { NO_DRAWING=1; NO_BROWSER=1; }
 
 export NPU_FX_FUSION_REQUIRE_WHEEL=1   # the wheel tests fail instead of skipping here

@@ -27,10 +27,14 @@ step() {
     STEP=$((STEP + 1))
     log=$(mktemp)
     if [ -t 2 ]; then  # a terminal: a ticker of the seconds so far, redrawn in place
+        local columns line
+        columns=$(tput cols 2>/dev/null || echo 80)
         "$@" >"$log" 2>&1 &
         pid=$!
         while kill -0 "$pid" 2>/dev/null; do
-            printf '\r[%s/%s] %s ... %ds' "$STEP" "$STEPS" "$what" $((SECONDS - start)) >&2
+            line="[$STEP/$STEPS] $what ... $((SECONDS - start))s"
+            # cut to the terminal's width: a wrapped line would not be redrawn in place
+            printf '\r%s' "${line:0:$((columns - 1))}" >&2
             sleep 0.5
         done
         wait "$pid" || status=$?
@@ -68,9 +72,9 @@ make_venv() {
 if [ -x "$VENV/bin/python" ]; then
     step_done "${VENV#"$PWD"/} exists"
 else
-    step "creating ${VENV#"$PWD"/} (${PYTHON:-python3} -m venv, then the newest pip)" make_venv
+    step "creating ${VENV#"$PWD"/} (${PYTHON:-python3} -m venv)" make_venv
 fi
-step "installing torch 2.13.0 (the CPU build, about 200 MB on first use)" pip_install
+step "installing torch 2.13.0 (CPU build, ~200 MB the first time)" pip_install
 
 # Debian packages the optional parts need (Graphviz for the --dump-dir drawings, ...):
 # system_packages "what they are for" command:package ...: one step installing the
@@ -90,7 +94,7 @@ system_packages() {
         step_done "system packages for $why: ${missing[*]} missing, and not root to install them (sudo apt-get install ${missing[*]}); going on without"
         return 1
     fi
-    step "apt-get install ${missing[*]} (as root: $why)" apt_get_install "${missing[@]}" || exit 1
+    step "apt-get install ${missing[*]} (as root, for $why)" apt_get_install "${missing[@]}" || exit 1
 }
 
 apt_get_install() {
