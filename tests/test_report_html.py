@@ -183,6 +183,39 @@ def test_the_near_miss_is_marked_in_the_drawings(dump):
         assert f"near miss ({miss.pass_name}): dashed" in legend(root)[0]
 
 
+@pytest.fixture(scope="module")
+def moe_dump(tmp_path_factory):
+    """The layer drawings of `report hf:qwen3_moe --layers 1 --dump-dir DIR`: (before, after) SVG roots."""
+    missing = drawing.drawing_unavailable()
+    if missing:
+        _skip_or_fail(DRAWING_ENV, f"the layer drawings need pydot and Graphviz: {missing}")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("moe_dump")
+    torch._dynamo.reset()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["report", "hf:qwen3_moe", "--layers", "1", "--dump-dir", str(folder)]) == 0
+    (graph_folder,) = [p for p in folder.iterdir() if p.is_dir()]
+    return tuple(ET.fromstring((graph_folder / name).read_text()) for name in dumps.LAYER_FILES)
+
+
+def test_each_fused_site_has_one_colour_before_and_after(moe_dump):
+    before, after = moe_dump
+    (titles_before, _), (titles_after, _) = legend(before), legend(after)
+    labels = titles_after[1:]
+    assert titles_before[1:] == labels and len(labels) > 6
+    # the two ops of moe_dispatch's site are one site: one label, one colour
+    assert "npu_moe_finalize_routing + npu_moe_init_routing_v2" in labels
+    # every colour a fused op has after fusion is the colour of nodes it replaced before
+    colour_of = {}
+    for root in (before, after):
+        for g in drawn_nodes(root).values():
+            texts = [t.text for t in g.iter(f"{SVG}text")]
+            filled = fills(g) - {"none", drawing.IO_FILL}
+            if filled and texts[0].startswith(("[npu_", "npu_")):
+                colour_of.setdefault(root is before, set()).update(filled)
+    assert colour_of[False] == colour_of[True] and len(colour_of[True]) == len(labels)
+
+
 def _chromium():
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if shutil.which(name):

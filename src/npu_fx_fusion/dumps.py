@@ -235,6 +235,25 @@ def _near_miss_nodes(graph: torch.fx.Graph, layer: str, graph_report: "GraphRepo
     return found
 
 
+def _colour_kept_calls(before: torch.fx.Graph, before_nodes: dict[str, torch.fx.Node], label_of: dict[Any, str],
+                       highlight_before: dict[torch.fx.Node, str]) -> None:
+    """A site whose nodes were all made by an earlier fusion (grouped_matmul's expert GEMM,
+    which moe_dispatch's replacement calls again where the model called it) names none of
+    the graph before fusion. A kept call keeps the source line of the call it stands for
+    (accept._inherit_kept_calls), so the before-drawing nodes of that line, inside the
+    earlier site, take this site's colour: they became its op."""
+    from .report import SourceLocation
+
+    by_name = {n.name: n for n in before.nodes}
+    for site, label in label_of.items():
+        if not site.location.file or any(name in by_name for name in site.replaced):
+            continue
+        for name, node in before_nodes.items():
+            original = by_name.get(name)
+            if node in highlight_before and original is not None and SourceLocation.of(original) == site.location:
+                highlight_before[node] = label
+
+
 def layer_drawings(before: torch.fx.Graph, after: torch.fx.GraphModule, graph_report: "GraphReport",
                    title: str, original_nodes: Collection[torch.fx.Node] = ()) -> dict[str, str]:
     """{"layer_before.svg": ..., "layer_after.svg": ...} for the layer pick_layer chooses:
@@ -260,6 +279,7 @@ def layer_drawings(before: torch.fx.Graph, after: torch.fx.GraphModule, graph_re
         for name in site.replaced:
             if name in before_nodes and before_nodes[name].op == "call_function":
                 highlight_before.setdefault(before_nodes[name], label)
+    _colour_kept_calls(before, before_nodes, label_of, highlight_before)
     op_label = {}  # a fused op in the after drawing takes the label of the site that emitted it
     for label in label_of.values():
         for op in label.split(" + "):
