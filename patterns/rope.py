@@ -27,8 +27,14 @@ alternative: de-interleave x (a copy), rotate halves, interleave the result back
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import math
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, uneven_halves, users_outside
+from npu_fx_fusion.matching import (ChannelGather, Factor, Form, FusionPass, NotEvaluable, Recognized, channel_gather,
+                                    evaluate_around, is_backward, is_call, tensor_meta, uneven_halves, users_outside)
 
 aten = torch.ops.aten
 ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
@@ -421,6 +427,9 @@ def _check_inplace_partial(site):
 
 def check(site):
     replace = site.form.replace
+    recognized_mode = getattr(replace, "rotary_mode", None)
+    if recognized_mode is not None:
+        return _check_rotary_mul(site, recognized_mode)
     if replace in (inplace_partial_rotary_mul_bs1d, inplace_partial_rotary_mul_bsnd):
         return _check_inplace_partial(site)
     if replace is rotary_mul_on_rope_slice:
@@ -521,6 +530,442 @@ def explain(node):
     return None
 
 
+# ---- rotations recognised by what they compute -------------------------------------------------
+# The forms above are the spellings of transformers and torchtitan; any other spelling of the
+# same map (torchtune's pairs from a reshape and a stack, olmo-core's unbind of a (2, D/2)
+# view, a rotation by the negative angle, tables in another dtype than x ...) is found by
+# evaluating the region around an index op symbolically (channel_algebra.py): each output
+# channel j is then a sum of terms coefficient * x[u] * table[t]. It is npu_rotary_mul when
+#     y[j] = x'[j] * r1[j] + s_j * x'[p(j)] * r2[j]
+# for x' = x, or x with its pairs de-interleaved (or interleaved), p the partner of the op's
+# mode (half: j +- D/2; interleave: j ^ 1), s_j -1 for the first channel of a pair and +1 for
+# the second, over a block of channels (the rest passed through unchanged: partial RoPE), with
+# r1, r2 read out of one table each by plain views. The op then computes exactly the
+# region's math, in the region's arithmetic dtype (x and the tables cast to it, as the
+# region does by promotion or casts), rounding once.
+_SEEDS = (aten.cat.default, aten.stack.default, aten.slice.Tensor, aten.select.int, aten.view_as_complex.default,
+          aten.flip.default, aten.roll.default, aten.unbind.int)
+_ARITHMETIC = (aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor,
+               aten.div.Scalar)
+_WIDTH = {torch.float64: 3, torch.float32: 2, torch.bfloat16: 1, torch.float16: 1}
+
+
+@dataclass(frozen=True)
+class _Table:
+    leaf: torch.fx.Node
+    tracked: int  # the leaf's trailing dims the gather reads
+    is_complex: bool  # read through view_as_real (the part is the last index)
+    gather: ChannelGather
+    per_outer: bool  # one table per outer index (else one for all, broadcast over them)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    x: torch.fx.Node
+    x_tracked: int
+    x_gather: Optional[ChannelGather]  # None: x's channels as they are
+    outer: tuple  # the output's tracked dims outside the rotated dim (heads), each rotated alike
+    channels: int  # D: the rotated dim
+    block: tuple  # (a, b): the rotated channels of each D; the rest pass through
+    mode: str
+    r1: _Table
+    r2: _Table
+
+
+def recognize(graph, joint):
+    seen = set()
+    found = []
+    for node in graph.nodes:
+        if node in seen or not is_call(node, *_SEEDS, operator.getitem) or (joint and is_backward(node)):
+            continue
+        try:
+            evaluated = evaluate_around(node, include=lambda n: not (joint and is_backward(n)))
+        except NotEvaluable:
+            seen.add(node)
+            continue
+        seen.update(evaluated.region.nodes)
+        for output in evaluated.region.outputs:
+            value = evaluated.values.get(output)
+            if value is None or tensor_meta(output).is_complex():
+                continue
+            rotations = _rotations(value, output)
+            if not rotations:
+                continue
+            nodes = _ancestors_within(output, evaluated.region.nodes)
+            if isinstance(rotations, str):
+                found.append(Recognized("rotation (channel algebra)", output, nodes, reason=rotations))
+                continue
+            for rotation in rotations:
+                found.extend(_recognized(rotation, output, nodes, joint, evaluated.values))
+    return found
+
+
+def _ancestors_within(output, region_nodes):
+    inside, stack, out = set(region_nodes), [output], set()
+    while stack:
+        node = stack.pop()
+        if node in out or node not in inside:
+            continue
+        out.add(node)
+        stack.extend(node.all_input_nodes)
+    return sorted(out)
+
+
+def _terms(value, x):
+    """Per channel, [(coefficient, x's factor, the table's factor or None)], or None when a
+    term is not x's element times at most one other element."""
+    out = []
+    for poly in value.channels:
+        terms = []
+        for mono, coef in poly.items():
+            factors = [value.factor(f) for f in mono]
+            xs = [f for f in factors if f.leaf is x]
+            rest = [f for f in factors if f.leaf is not x]
+            if len(xs) != 1 or len(rest) > 1 or xs[0].part != 0:
+                return None
+            terms.append((coef, xs[0], rest[0] if rest else None))
+        out.append(terms)
+    return out
+
+
+def _rotations(value, output):
+    """The Rotations `value` can be read as (each rotated dim that fits, the output's last dim
+    first), a reason why a rotation-like map is not one the op computes, or None when it is
+    no rotation at all."""
+    monomials = [set(value.factor(f).leaf for f in mono) for poly in value.channels for mono in poly]
+    if not monomials:
+        return None
+    common = set.intersection(*monomials)
+    out_shape = tensor_meta(output).shape
+    lead = len(out_shape) - len(value.tracked_shape)
+    # x has the output's leading dims (the tables broadcast there)
+    candidates = sorted(common, key=lambda leaf: tuple(tensor_meta(leaf).shape[:lead]) != tuple(out_shape[:lead]))
+    reason = None
+    for x in candidates:
+        terms = _terms(value, x)
+        if terms is None or not any(len({t[1].index for t in channel}) > 1 for channel in terms):
+            continue  # not linear in x, or no channel mixes two of x's channels: no rotation
+        found = []
+        for outer, channels in _rotated_dims(value.tracked_shape):
+            fitted = _fit_rotation(value, x, terms, outer, channels)
+            if isinstance(fitted, Rotation):
+                found.append(fitted)
+            else:
+                reason = reason or fitted
+        if found:
+            return found
+    return reason
+
+
+def _rotated_dims(tracked_shape):
+    """(outer dims, D) splits of the output's tracked dims: the last dim, then the last two ..."""
+    for i in range(len(tracked_shape) - 1, -1, -1):
+        channels = math.prod(tracked_shape[i:])
+        if channels >= 2:
+            yield tuple(tracked_shape[:i]), channels
+
+
+def _x_orders(channels):
+    """x' = x, x de-interleaved ([x0, x2, ..., x1, x3, ...]) and x interleaved: j -> x's index."""
+    half = channels // 2
+    yield "identity", list(range(channels))
+    if channels % 2 == 0:
+        yield "de-interleaved", [(j % half) * 2 + j // half for j in range(channels)]
+        yield "interleaved", [(j // 2) + (j % 2) * half for j in range(channels)]
+
+
+def _partner(j, a, size, mode):
+    return a + ((j - a + size // 2) % size if mode == "half" else (j - a) ^ 1)
+
+
+def _first_of_pair(j, a, size, mode):
+    return (j - a) < size // 2 if mode == "half" else (j - a) % 2 == 0
+
+
+def _fit_rotation(value, x, terms, outer, channels):
+    x_tracked = next(t[1].tracked for channel in terms for t in channel)
+    x_shape = tuple(tensor_meta(x).shape[tensor_meta(x).dim() - x_tracked:])
+    total = len(terms)
+    if math.prod(x_shape) != total:
+        return f"the rotation's {total} channels are not x's {math.prod(x_shape)}"
+    # each output row of D channels reads only x's row at the same outer index
+    if any(t[1].index // channels != j // channels for j, channel in enumerate(terms) for t in channel):
+        return None if outer else "the rotation mixes channels of different rows"
+    rotated = sorted({j % channels for j, t in enumerate(terms) if len(t) == 2})
+    if not rotated:
+        return None
+    a, b = rotated[0], rotated[-1] + 1
+    if rotated != list(range(a, b)) or (b - a) % 2:
+        return "the rotated channels are not one block of an even number of channels"
+    reason = "its channels are not pairs of x's channels npu_rotary_mul rotates (half or interleaved)"
+    rows = total // channels
+    for order_name, order in _x_orders(channels):
+        x_index = [(j // channels) * channels + order[j % channels] for j in range(total)]
+        if any(terms[j] != [(1.0, terms[j][0][1], None)] or terms[j][0][1].index != x_index[j]
+               for j in range(total) if not a <= j % channels < b):
+            continue
+        for mode in ("half", "interleave"):
+            fitted = _fit_mode(terms, x_index, a, b, channels, rows, mode)
+            if isinstance(fitted, str):
+                reason = fitted if "table" in fitted else reason
+                continue
+            r1, r2 = fitted
+            x_gather = None
+            if order_name != "identity":
+                x_gather = channel_gather([_multi(x_shape, i) for i in x_index], x_shape)
+                if x_gather is None:
+                    continue
+            return Rotation(x, x_tracked, x_gather, outer, channels, (a, b), mode, r1, r2)
+    return reason
+
+
+def _multi(shape, index):
+    out = []
+    for size in reversed(shape):
+        out.append(index % size)
+        index //= size
+    return tuple(reversed(out))
+
+
+def _fit_mode(terms, x_index, a, b, channels, rows, mode):
+    size = b - a
+    direct, cross = [], []
+    for row in range(rows):
+        for j in range(row * channels + a, row * channels + b):
+            by_index = {t[1].index: t for t in terms[j]}
+            partner = row * channels + _partner(j - row * channels, a, size, mode)
+            here, there = by_index.get(x_index[j]), by_index.get(x_index[partner])
+            if here is None or there is None:
+                return f"channel {j} is not paired with its {mode} partner"
+            if here[2] is None or there[2] is None:
+                return f"channel {j} is not multiplied by a table"
+            sign = -1.0 if _first_of_pair(j - row * channels, a, size, mode) else 1.0
+            direct.append((here[0], here[2]))
+            cross.append((sign * there[0], there[2]))
+    tables = []
+    for which, entries in (("cos", direct), ("sin", cross)):
+        if any(abs(coef) != 1.0 for coef, _ in entries):
+            return f"the {which} table is scaled by {next(c for c, _ in entries if abs(c) != 1.0)}: not a rotation"
+        groups = {(f.leaf, f.tracked, tensor_meta(f.leaf).is_complex()) for _, f in entries}
+        if len(groups) != 1:
+            return f"the {which} table is read from {len(groups)} tensors: npu_rotary_mul takes one"
+        (leaf, tracked, is_complex), = groups
+        shape = tuple(tensor_meta(leaf).shape[tensor_meta(leaf).dim() - tracked:]) + ((2,) if is_complex else ())
+        sources = [f.multi_index() + ((f.part,) if is_complex else ()) for _, f in entries]
+        signs = [coef for coef, _ in entries]
+        per_row = size
+        # one table for every row (broadcast over the heads), or one per row
+        per_outer = any(sources[i] != sources[i % per_row] or signs[i] != signs[i % per_row]
+                        for i in range(len(sources)))
+        if not per_outer:
+            sources, signs = sources[:per_row], signs[:per_row]
+        gather = channel_gather(sources, shape, signs)
+        if gather is None:
+            return f"the {which} table is read in an order plain views cannot gather"
+        tables.append(_Table(leaf, tracked, is_complex, gather, per_outer))
+    return tables
+
+
+def _arithmetic_dtypes(nodes):
+    return {tensor_meta(n).dtype for n in nodes if is_call(n, *_ARITHMETIC)}
+
+
+def _shared_intermediate(rotation, output, nodes):
+    """A node between x and the output that something outside the rotation also reads: the
+    code would compute it anyway, and the fused op would only add work (the same refusal as
+    the forms' explain: "also used by")."""
+    inside = set(nodes)
+    on_x_path = {rotation.x}
+    for node in nodes:
+        if any(a in on_x_path for a in node.all_input_nodes):
+            on_x_path.add(node)
+    for node in nodes:
+        if node is output or node not in on_x_path:
+            continue
+        outside = next((u for u in node.users if u not in inside), None)
+        if outside is not None:
+            return f"intermediate {node.name} ({node.target}) is also used by {outside.name}"
+    return None
+
+
+def _recognized(rotation, output, nodes, joint, forward_values):
+    dtypes = _arithmetic_dtypes(nodes)
+    if not dtypes:
+        return []
+    shared = _shared_intermediate(rotation, output, nodes)
+    if shared:
+        return [Recognized("rotation (channel algebra)", output, nodes, reason=shared)]
+    compute = max(dtypes, key=lambda d: _WIDTH.get(d, 0))
+    out_dtype = tensor_meta(output).dtype
+    backward = None
+    if joint and any(is_backward(u) for n in nodes for u in n.users):
+        backward = _backward_of(rotation, output, nodes, forward_values)
+        if isinstance(backward, str):
+            return [Recognized("rotation (channel algebra)", output, nodes, reason=backward)]
+    notes = []
+    if len(dtypes) > 1:
+        notes.append(f"computes in {str(compute)[6:]} and rounds once where the code rounds in "
+                     f"{', '.join(sorted(str(d)[6:] for d in dtypes))}")
+    args = {"x": rotation.x, "table_cos": rotation.r1.leaf, "table_sin": rotation.r2.leaf}
+    out_tracked = _out_tracked(output, rotation)
+    found = []
+    for via_half in ((False, True) if rotation.mode == "interleave" else (False,)):
+        replace = _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half)
+        replace.rotary_mode = "half" if via_half else rotation.mode
+        name = f"rotation of {rotation.mode} pairs (channel algebra)" + (", as half mode" if via_half else "")
+        extra = {}
+        if backward is not None:
+            gradient_output, gradient_nodes, gradient = backward
+            extra = dict(backward_output=gradient_output, backward_nodes=gradient_nodes,
+                         backward_args={**args, "grad": gradient},
+                         backward_replace=_rotation_gradient(rotation, compute, out_tracked, via_half))
+        found.append(Recognized(name, output, nodes, args, replace, _site_args(rotation, compute),
+                                fused_op="npu.npu_rotary_mul", notes=notes, **extra))
+    return found
+
+
+def _factor_key(factor):
+    return (factor.leaf.name, factor.tracked, factor.index, factor.part)
+
+
+def _canonical(value, poly):
+    return {tuple(sorted((value.factor(f) for f in mono), key=_factor_key)): coef for mono, coef in poly.items()}
+
+
+def _backward_of(rotation, output, nodes, forward_values):
+    """In a joint graph: (the node computing x's gradient from the output's, the backward
+    region's nodes, the incoming gradient), where the backward computes exactly
+        dx[u] = sum over j of M[j, u] * g[j]    (M: the rotation, y = M x)
+    else the reason it does not."""
+    forward = set(nodes)
+    readers = [u for n in (*nodes, rotation.r1.leaf, rotation.r2.leaf) for u in n.users if is_backward(u)]
+    if not readers:
+        return "a gradient flows through the rotation, but no backward node reads it"
+    known = {n: forward_values[n] for n in nodes if n in forward_values}
+    try:
+        evaluated = evaluate_around(readers[0], include=is_backward, known=known)
+    except NotEvaluable as exc:
+        return f"the rotation's backward is not one the channel algebra reads: {exc}"
+    if any(r not in evaluated.region.nodes for r in readers):
+        return "the rotation's backward is spread over several regions"
+    value = forward_values[output]
+    x_count = value and len(value.channels)
+    for candidate in evaluated.region.outputs:
+        grad = evaluated.values.get(candidate)
+        if grad is None or len(grad.channels) != x_count:
+            continue
+        gradients = {grad.factor(f).leaf for poly in grad.channels for mono in poly for f in mono
+                     if is_backward(grad.factor(f).leaf) or grad.factor(f).leaf.op == "placeholder"}
+        gradients -= forward | {rotation.r1.leaf, rotation.r2.leaf}
+        if len(gradients) != 1:
+            continue
+        (g,) = gradients
+        g_tracked = next(grad.factor(f).tracked for poly in grad.channels for mono in poly for f in mono
+                         if grad.factor(f).leaf is g)
+        if _expected_gradient(value, rotation.x, g, g_tracked) == [_canonical(grad, p) for p in grad.channels]:
+            region = _ancestors_within(candidate, evaluated.region.nodes)
+            return candidate, region, g
+    return "the backward of the rotation does not compute its gradient alone (x's gradient summed with others?)"
+
+
+def _expected_gradient(value, x, g, g_tracked):
+    """[dx[u] as {factors: coefficient}] for the forward map `value` (y = M x)."""
+    count = len(value.channels)
+    expected = [dict() for _ in range(count)]
+    for j, poly in enumerate(value.channels):
+        g_factor = Factor(g, g_tracked, j)
+        for mono, coef in poly.items():
+            factors = [value.factor(f) for f in mono]
+            xs = [f for f in factors if f.leaf is x]
+            rest = [f for f in factors if f.leaf is not x]
+            key = tuple(sorted([*rest, g_factor], key=_factor_key))
+            out = expected[xs[0].index]
+            out[key] = out.get(key, 0.0) + coef
+    return [{k: c for k, c in e.items() if c != 0.0} for e in expected]
+
+
+def _out_tracked(output, rotation):
+    """The output's trailing dims that hold the outer dims and the rotated channels."""
+    shape = tensor_meta(output).shape
+    count, dims = 1, 0
+    wanted = math.prod(rotation.outer) * rotation.channels
+    while count < wanted and dims < len(shape):
+        dims += 1
+        count *= int(shape[-dims])
+    return tuple(int(s) for s in shape[len(shape) - dims:])
+
+
+def _table_of(table, t, outer):
+    gathered = table.gather(torch.view_as_real(t) if table.is_complex else t)
+    rows = outer if table.per_outer else (1,) * len(outer)
+    return gathered.reshape(*gathered.shape[:-1], *rows, gathered.shape[-1] // math.prod(rows))
+
+
+def _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half):
+    a, b = rotation.block
+    partial = (a, b) != (0, rotation.channels)
+    outer, channels = rotation.outer, rotation.channels
+
+    def npu_rotary_mul_recognized(x, table_cos, table_sin):
+        lead = x.shape[:x.dim() - rotation.x_tracked]
+        xv = rotation.x_gather(x) if rotation.x_gather is not None else x
+        xv = xv.reshape(*lead, *outer, channels).to(compute)
+        block = xv[..., a:b] if partial else xv
+        cos = _as_rank_of(_table_of(rotation.r1, table_cos, outer).to(compute), block)
+        sin = _as_rank_of(_table_of(rotation.r2, table_sin, outer).to(compute), block)
+        if via_half:
+            y = _interleave(torch.ops.npu.npu_rotary_mul(_deinterleave(block), _deinterleave(cos), _deinterleave(sin)))
+        else:
+            y = torch.ops.npu.npu_rotary_mul(block, cos, sin, rotation.mode)
+        if partial:
+            y = torch.cat([p for p in (xv[..., :a], y, xv[..., b:]) if p.shape[-1]], dim=-1)
+        return y.reshape(*lead, *out_tracked).to(out_dtype)
+
+    return npu_rotary_mul_recognized
+
+
+def _rotation_gradient(rotation, compute, out_tracked, via_half):
+    """dx from the incoming gradient: npu_rotary_mul_backward, the op torch_npu
+    differentiates npu_rotary_mul with (the passed-through channels' gradient is theirs)."""
+    a, b = rotation.block
+    partial = (a, b) != (0, rotation.channels)
+    outer, channels = rotation.outer, rotation.channels
+
+    def npu_rotary_mul_backward_recognized(x, table_cos, table_sin, grad):
+        lead = x.shape[:x.dim() - rotation.x_tracked]
+        xv = x.reshape(*lead, *outer, channels).to(compute)
+        g = grad.reshape(*lead, *outer, channels).to(compute)
+        x_block, g_block = (xv[..., a:b], g[..., a:b]) if partial else (xv, g)
+        cos = _as_rank_of(_table_of(rotation.r1, table_cos, outer).to(compute), x_block)
+        sin = _as_rank_of(_table_of(rotation.r2, table_sin, outer).to(compute), x_block)
+        if via_half:
+            dx = _interleave(torch.ops.npu.npu_rotary_mul_backward(
+                _deinterleave(g_block), _deinterleave(x_block), _deinterleave(cos), _deinterleave(sin))[0])
+        else:
+            dx = torch.ops.npu.npu_rotary_mul_backward(g_block, x_block, cos, sin, rotation.mode)[0]
+        if partial:
+            dx = torch.cat([p for p in (g[..., :a], dx, g[..., b:]) if p.shape[-1]], dim=-1)
+        return dx.reshape(x.shape).to(x.dtype)
+
+    return npu_rotary_mul_backward_recognized
+
+
+def _site_args(rotation, compute):
+    """The op's operands as check() reads them: x's rotated block, the tables at x's rank."""
+    x = tensor_meta(rotation.x)
+    a, b = rotation.block
+    lead = tuple(x.shape[:x.dim() - rotation.x_tracked]) + rotation.outer
+    block = x.new_empty((*lead, b - a), dtype=compute)
+    tables = []
+    for table in (rotation.r1, rotation.r2):
+        value = tensor_meta(table.leaf)
+        table_lead = tuple(value.shape[:value.dim() - table.tracked])
+        table_lead += rotation.outer if table.per_outer else (1,) * len(rotation.outer)
+        shape = (1,) * (len(lead) - len(table_lead)) + table_lead + (b - a,)
+        tables.append(value.new_empty(shape, dtype=compute))
+    return {"x": block, "cos": tables[0], "sin": tables[1]}
+
+
 PASS = FusionPass(
     name="rope",
     fused_op="npu.npu_rotary_mul",
@@ -549,4 +994,5 @@ PASS = FusionPass(
     # attention's eager / math forms were traced on the model's transposed (roped) views,
     # which a fused rope's contiguous output no longer is
     after=("kv_rmsnorm_rope_cache", "attention"),
+    recognize=recognize,
 )

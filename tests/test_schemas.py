@@ -1,6 +1,6 @@
 """Every stand-in op has exactly the schema of the real torch_npu op.
 
-The schemas live once, in npu_fx_fusion/npu_ops/schemas.py; here each is compared with
+The schemas live once, in each op's spec (npu_ops/spec.py); here each is compared with
 the `func:` line of the real torch-npu 2.13.0 wheel's
 torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml (scripts/fetch_torch_npu.sh
 unpacks it), both parsed by torch._C.parse_schema.
@@ -16,11 +16,14 @@ import re
 import pytest
 import torch
 
-from npu_fx_fusion.npu_ops.schemas import SCHEMAS
+from npu_fx_fusion.npu_ops import all_specs
 from torchair_harness.runner import torch_npu_dir_or_skip
 
 YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
-OURS = [(ns, name, schema) for ns, ops in SCHEMAS.items() for name, schema in ops.items()]
+OURS = sorted((spec.namespace, spec.name, spec.schema) for spec in all_specs().values())
+SCHEMAS = {}
+for _namespace, _name, _schema in OURS:
+    SCHEMAS.setdefault(_namespace, {})[_name] = _schema
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,7 @@ def test_other_packages_schemas_are_not_torch_npus(wheel_schemas, namespace, nam
 
 def test_cann_ops_transformer_schemas_equal_the_installed_package():
     if importlib.util.find_spec("cann_ops_transformer") is None:
-        pytest.skip("cann_ops_transformer is not installed: its schemas in npu_ops/schemas.py are copied from "
+        pytest.skip("cann_ops_transformer is not installed: its schemas in the op specs are copied from "
                     "its OpBuilder.schema() (hicann/ops-transformer, torch_extension/cann_ops_transformer/ops/"
                     "sparse_flash_mla_softmax_l1_norm.py) and cannot be compared here")
     try:

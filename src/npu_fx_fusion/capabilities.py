@@ -7,10 +7,11 @@ torch_npu op docs (`_op_plugin_docs.py` in the wheel) and shared/reference/op_se
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 import torch
+
+from .npu_ops.spec import FLOAT_DTYPES, OpCapability, SocLimits, all_specs
 
 log = logging.getLogger("npu_fx_fusion.capabilities")
 
@@ -22,7 +23,6 @@ SOCS: tuple[str, ...] = (
     "Ascend950",  # arch35
 )
 
-FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 # torchair's modes (CompilerConfig.mode) and npugraph_ex, by how they lower a graph:
 # max-autotune converts every node into a GE graph and needs a GE converter per op;
@@ -39,74 +39,9 @@ def check_soc_name(soc: str) -> str:
     return soc
 
 
-@dataclass(frozen=True)
-class SocLimits:
-    """Restrictions one SoC adds on top of an op's general limits."""
-
-    supported: bool = True
-    dtypes: Optional[frozenset] = None  # None: the op's general dtypes
-    mixed_gamma: bool = True  # fp32 gamma with an fp16/bf16 input
-
-
-@dataclass(frozen=True)
-class OpCapability:
-    op: str  # "npu.npu_rms_norm"
-    dtypes: frozenset
-    min_rank: int
-    max_rank: int
-    backward: Optional[str]  # the op torch_npu differentiates it with, None: inference only
-    # torchair 2.13 registers a GE converter for it (register_fx_node_ge_converter), so
-    # max-autotune can lower it; tests/test_torchair_backend.py checks this against the wheel
-    ge_converter: bool
-    socs: Mapping[str, SocLimits] = field(default_factory=dict)
-    same_shape: tuple[str, ...] = ()  # tensor arguments that must have one shape and dtype
-    # op-specific numeric limits read by the pattern's check ("max_head_dim": 896, ...)
-    limits: Mapping[str, Any] = field(default_factory=dict)
-    doc: str = ""
-    # FusionConfig(verify=True): the error a site may show against the code it replaces, in
-    # ulps of the output dtype at the output's scale. The fused ops round once where the
-    # unfused code rounds after each op: measured bounds (tests/test_<pass>.py) are 1-2 ulp,
-    # and the default leaves headroom for inputs that are random, not model activations.
-    verify_ulps: float = 4
-    # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
-    # torch.autograd.Function ("module.Class") that the passes emitting the op in training
-    # graphs call, whose backward is made of ops that need no autograd themselves
-    autograd_rule: Optional[str] = None
-    # nothing flows back through it: the passes use only integer outputs of it (top-k indices,
-    # tiling metadata), so a training graph may emit it although nothing differentiates it
-    gradient_free: bool = False
-
-
 CAPABILITIES: dict[str, OpCapability] = {
     cap.op: cap
     for cap in (
-        OpCapability(
-            op="npu.npu_rms_norm",
-            dtypes=FLOAT_DTYPES,
-            min_rank=1,
-            max_rank=8,
-            backward="npu.npu_rms_norm_backward",
-            ge_converter=True,
-            # fp32 gamma with fp16/bf16 x is documented for A2/A3 only.
-            socs={
-                "Ascend310P": SocLimits(dtypes=frozenset({torch.float32, torch.float16}), mixed_gamma=False),
-                "Ascend950": SocLimits(mixed_gamma=False),
-            },
-            doc="torch_npu docs: x 1-8 dims, fp16/bf16/fp32; gamma x.shape[n:], same dtype "
-            "(or fp32 with fp16/bf16 x on A2/A3)",
-        ),
-        OpCapability(
-            op="npu.npu_add_rms_norm",
-            dtypes=FLOAT_DTYPES,
-            min_rank=1,
-            max_rank=8,
-            backward=None,
-            ge_converter=True,
-            same_shape=("x1", "x2"),
-            socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float32, torch.float16}), mixed_gamma=False)},
-            doc="torch_npu docs: x1, x2 same shape, 1-8 dims; no bf16 on Atlas inference (310P); "
-            "no autograd (inference graphs only)",
-        ),
         OpCapability(
             op="npu.npu_rotary_mul",
             dtypes=FLOAT_DTYPES,
@@ -1259,3 +1194,15 @@ NOT_EMITTED: dict[str, OpCapability] = {
     )
 }
 # ---- end of the expert-parallel block ----
+
+
+# Ops declared with npu_ops.spec.op_spec carry their capability in their spec: one place per op.
+def _spec_capabilities() -> dict[str, OpCapability]:
+    rows = {spec.dotted: spec.capability for spec in all_specs().values() if spec.capability is not None}
+    twice = sorted(set(rows) & set(CAPABILITIES))
+    if twice:
+        raise ValueError(f"{', '.join(twice)}: a capability both in its op spec and in capabilities.py")
+    return rows
+
+
+CAPABILITIES.update(_spec_capabilities())

@@ -95,6 +95,36 @@ class Site:
         return None
 
 
+@dataclass
+class Recognized:
+    """A site a pass found by what a region computes (its `recognize`), not by a traced form.
+
+    The pass has evaluated the region (channel_algebra.py) and says what the fused call is:
+    `replace(**args)` computes the value of `output` from the region's inputs `args` (graph
+    nodes), with the fused op. `site_args` are the values its check reads (fake tensors:
+    the op's own operands, as the replacement builds them). `reason`: why the region, which
+    computes this pass's kind of thing, cannot be fused (a near miss, nothing replaced).
+
+    `backward`: in a joint graph, the region of the backward that computes the gradient of
+    the region's input from the gradient of its output, and its replacement
+    `backward_replace(**backward_args)` (the fused backward op): both are replaced, or
+    neither."""
+
+    name: str  # the spelling the report names ("rotation pairs, half mode")
+    output: Node
+    nodes: Sequence[Node]
+    args: Mapping[str, Any] = field(default_factory=dict)
+    replace: Optional[Callable] = None
+    site_args: Mapping[str, Any] = field(default_factory=dict)
+    fused_op: Optional[str] = None
+    reason: Optional[str] = None
+    notes: Sequence[str] = ()
+    backward_output: Optional[Node] = None
+    backward_nodes: Sequence[Node] = ()
+    backward_args: Mapping[str, Any] = field(default_factory=dict)
+    backward_replace: Optional[Callable] = None
+
+
 # A list while the tests run (tests/conftest.py): every (pass name, target) of an anchor
 # node whose target the pass's anchor_ops leave out, which its near-miss walk would skip.
 ANCHOR_OPS_MISSED: Optional[list] = None
@@ -139,6 +169,10 @@ class FusionPass:
               (("x", "weight") for a norm; rope's cos/sin come from buffers). Non-empty:
               the forms whose emitted ops have a backward are also matched on joint
               forward+backward graphs (docs/training.md).
+    recognize: recognize(graph, joint) -> [Recognized]: sites found by what a region of the
+              graph computes (channel_algebra.py), whatever its spelling; run after the
+              forms, on what they left. Each goes through the same acceptance (lowering,
+              check, the replacement's output shapes, verification) and report as a form's.
     forward_forms_on_joint: for a pass without `differentiable` whose sites carry no
               gradient in the models (DeepSeek-V3.2's indexer runs under no_grad): its
               forward-only patterns also run on joint graphs, where its check sees the
@@ -157,7 +191,8 @@ class FusionPass:
                  example_variants: Sequence[Mapping[str, Any]] = (),
                  prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None,
                  forward_forms_on_joint: bool = False,
-                 anchor_ops: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None):
+                 anchor_ops: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None,
+                 recognize: Optional[Callable[[torch.fx.Graph, bool], Sequence[Recognized]]] = None):
         self.name = name
         self.fused_op = fused_op
         self.example = dict(example)
@@ -175,6 +210,7 @@ class FusionPass:
         self.example_variants = tuple(dict(v) for v in example_variants)
         self.prefilter = prefilter
         self.forward_forms_on_joint = forward_forms_on_joint
+        self.recognize = recognize
         self._anchor_ops = anchor_ops
         self._forms_source = forms
         # Filled by the registration layer (registry.pattern_set) on first use: the traced

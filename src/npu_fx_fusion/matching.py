@@ -8,7 +8,10 @@ Registration (registry.py) and matching (accept.py) happen behind this surface, 
 use: importing a pattern module traces and registers nothing.
 """
 from .canonical import is_backward, is_joint_graph
-from .forms import Form, FusionPass, Reason, Site
+# what a region computes over its tensors' last dims, whatever its spelling (recognize=)
+from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, evaluate_around,
+                              modelled)
+from .forms import Form, FusionPass, Reason, Recognized, Site
 from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
                     users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
@@ -18,6 +21,7 @@ from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, te
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 from .spellings import sum_over_count
 
-__all__ = ["Form", "FusionPass", "Reason", "Site", "first_refused_use", "is_backward", "is_call",
+__all__ = ["ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
+           "channel_gather", "evaluate_around", "first_refused_use", "is_backward", "is_call", "modelled",
            "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
            "uneven_halves", "users_outside"]

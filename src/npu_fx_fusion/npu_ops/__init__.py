@@ -8,11 +8,15 @@ kernel computes (precision and rounding points included), a fake kernel for trac
 autograd where torch_npu defines a backward. Registration is lazy: importing
 npu_fx_fusion registers nothing.
 
-Adding an op: put its schema in schemas.py and its kernels in the module of its family
-(norm.py, ...) with the `stand_in` decorators; list the module in _FAMILY_MODULES.
+Adding an op: one `@op_spec(...)` on its reference kernel, in the module of its family
+(norm.py, ..., or a new module: every public module of this package is read), holding its
+schema, fake kernel, autograd, capability and opcheck samples (spec.py says how).
 """
 from ._library import (ensure_registered, real_torch_npu_available, registered_stand_ins,
                        stand_in_differentiable)
+from .spec import (FLOAT_DTYPES, LAYOUTS, OPCHECK_TESTS, OpCapability, OpSpec, Sample, SocLimits, all_specs,
+                   op_spec, spec_of)
 
 __all__ = ["ensure_registered", "real_torch_npu_available", "registered_stand_ins",
-           "stand_in_differentiable"]
+           "stand_in_differentiable", "FLOAT_DTYPES", "LAYOUTS", "OPCHECK_TESTS", "OpCapability", "OpSpec",
+           "Sample", "SocLimits", "all_specs", "op_spec", "spec_of"]

@@ -6,57 +6,20 @@ import importlib
 import importlib.util
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from .schemas import SCHEMAS
+from .spec import OpSpec, all_specs, op_spec
 
 log = logging.getLogger("npu_fx_fusion.npu_ops")
-
-# One module per op family; each declares its kernels with @stand_in at import.
-_FAMILY_MODULES = ("cast", "norm", "rope", "activation", "moe", "attention",
-                   # the NPU dispatch block (npu_dispatch.py): what torch_npu's own kernels call
-                   "fusion_attention", "dispatch_backward",
-                   # the inference attention block (issue 18)
-                   "infer_attention", "kv_cache",
-                   # DeepSeek-V4's hyper-connections
-                   "mhc")
 
 # Namespaces that belong to a package of their own rather than to torch_npu. Their
 # stand-ins are registered only when that package is not installed (then its real ops
 # are the ones to use, on an NPU, and defining look-alikes here would shadow them).
 _NAMESPACE_PACKAGES = {"cann_ops_transformer": "cann_ops_transformer", "cann_ops_nn": "cann_ops_nn"}
 
-
-@dataclass(frozen=True)
-class StandIn:
-    namespace: str
-    name: str
-    kernel: Callable
-    fake: Callable
-    backward: Optional[Callable] = None
-    setup_context: Optional[Callable] = None
-    # torch_npu differentiates the op with this op, which has no stand-in yet: backward
-    # raises NotImplementedError naming both instead of differentiating or dropping grads
-    missing_backward: Optional[str] = None
-    # keyword-only tensor arguments torch_npu differentiates (npu_sparse_flash_attention's
-    # query_rope / key_rope): autograd tracks them too, and `backward` returns their
-    # gradients after the positional ones, in this order
-    differentiable_kwargs: tuple[str, ...] = ()
-    # The extension packages (cann_ops_transformer, cann_ops_nn) differentiate their ops with a
-    # Python torch.autograd.Function in their public wrapper, not at the dispatcher: the raw op
-    # has no autograd. This names that Function, for the error a backward through the raw op
-    # raises (a pass emits the forward and backward ops itself, through its own Function).
-    python_autograd: Optional[str] = None
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.namespace}::{self.name}"
-
-
-_DECLARED: dict[str, StandIn] = {}
 _REGISTERED: list[str] = []
 # torch.library.Library objects unregister their ops when garbage-collected: keep them.
 _LIBRARIES: dict[str, torch.library.Library] = {}
@@ -65,28 +28,14 @@ _LIBRARIES: dict[str, torch.library.Library] = {}
 def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = None,
              setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None,
              differentiable_kwargs: tuple[str, ...] = (), python_autograd: Optional[str] = None):
-    """Declare the CPU reference kernel of `namespace::op` (decorator on the kernel).
-
-    `missing_backward`: the op torch_npu's autograd calls, when it has no stand-in yet.
-    `differentiable_kwargs`: keyword-only tensor arguments with a gradient (see StandIn).
-    `python_autograd`: the extension's autograd.Function that differentiates the op (see StandIn).
-    """
+    """The former declaration: `op_spec` with the schema taken from schemas.py (being moved
+    onto the specs; new ops use `op_spec` directly)."""
     namespace, name = qualname.split("::")
     if name not in SCHEMAS.get(namespace, {}):
         raise KeyError(f"{qualname} has no schema in npu_ops/schemas.py")
-    if (backward is None) != (setup_context is None):
-        raise ValueError(f"{qualname}: backward and setup_context go together")
-    if missing_backward is not None and backward is not None:
-        raise ValueError(f"{qualname}: a backward and a missing_backward exclude each other")
-    if differentiable_kwargs and backward is None:
-        raise ValueError(f"{qualname}: differentiable_kwargs need a backward")
-
-    def declare(kernel: Callable) -> Callable:
-        _DECLARED[qualname] = StandIn(namespace, name, kernel, fake, backward, setup_context,
-                                      missing_backward, tuple(differentiable_kwargs), python_autograd)
-        return kernel
-
-    return declare
+    return op_spec(qualname, schema=SCHEMAS[namespace][name], fake=fake, backward=backward,
+                   setup_context=setup_context, missing_backward=missing_backward,
+                   differentiable_kwargs=differentiable_kwargs, python_autograd=python_autograd)
 
 
 def real_torch_npu_available() -> bool:
@@ -145,13 +94,13 @@ def _no_backward(qualname: str, python_autograd: Optional[str] = None) -> Callab
     return backward
 
 
-def _missing_backward_message(op: StandIn) -> str:
+def _missing_backward_message(op: OpSpec) -> str:
     return (f"{op.qualname}: torch_npu differentiates it with {op.missing_backward}, which has no CPU "
             "stand-in yet, so the stand-in cannot backpropagate through it (run it under "
             "torch.no_grad(), or add the stand-in of the backward op)")
 
 
-def _missing_backward(op: StandIn) -> Callable:
+def _missing_backward(op: OpSpec) -> Callable:
     def backward(ctx, *grads):
         raise NotImplementedError(_missing_backward_message(op))
 
@@ -164,7 +113,7 @@ def _kwarg_only_tensor_names(schema) -> list[str]:
             and (utils.is_tensor_like_type(a.type) or utils.is_tensorlist_like_type(a.type))]
 
 
-def _register_autograd(lib: torch.library.Library, op: StandIn, backward: Callable,
+def _register_autograd(lib: torch.library.Library, op: OpSpec, backward: Callable,
                        setup_context: Callable) -> None:
     opoverload = getattr(getattr(torch.ops, op.namespace), op.name).default
     kwarg_tensors = _kwarg_only_tensor_names(opoverload._schema)  # noqa: SLF001
@@ -199,7 +148,7 @@ def _register_autograd(lib: torch.library.Library, op: StandIn, backward: Callab
     lib.impl(op.name, autograd_impl, "Autograd", with_keyset=True)
 
 
-def _autograd_with_keyword_grads(opoverload, op: StandIn, backward: Callable, setup_context: Callable) -> Callable:
+def _autograd_with_keyword_grads(opoverload, op: OpSpec, backward: Callable, setup_context: Callable) -> Callable:
     """make_autograd_impl for an op some of whose keyword-only tensors have a gradient.
 
     torch's generated autograd.Function passes keyword-only arguments around autograd;
@@ -252,9 +201,7 @@ def ensure_registered() -> tuple[str, ...]:
     if real_torch_npu_available():
         log.info("torch_npu is present: using its ops, no stand-ins registered")
         return ()
-    for module in _FAMILY_MODULES:
-        importlib.import_module(f"{__package__}.{module}")
-    for op in _DECLARED.values():
+    for op in all_specs().values():
         if _real_package_installed(op.namespace):
             log.info("%s: the %s package is installed, its ops are used: not registering the stand-in",
                      op.qualname, _NAMESPACE_PACKAGES[op.namespace])
@@ -263,7 +210,7 @@ def ensure_registered() -> tuple[str, ...]:
             log.info("%s is already defined elsewhere: not registering the stand-in", op.qualname)
             continue
         lib = _LIBRARIES.setdefault(op.namespace, torch.library.Library(op.namespace, "FRAGMENT"))
-        lib.define(SCHEMAS[op.namespace][op.name])
+        lib.define(op.schema)
         # CompositeExplicitAutograd: one Python kernel serves every device (CPU here).
         lib.impl(op.name, op.kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(op.qualname, op.fake, lib=lib)
@@ -297,7 +244,7 @@ def stand_in_differentiable(qualname: str) -> Optional[bool]:
 
     A stand-in without one, or whose backward op has no stand-in yet, raises when
     differentiated."""
-    op = _DECLARED.get(qualname)
+    op = all_specs().get(qualname)
     if op is None:
         return None
     return op.backward is not None and op.missing_backward is None

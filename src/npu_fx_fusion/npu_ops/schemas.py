@@ -15,13 +15,6 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "_npu_dtype_cast": "_npu_dtype_cast(Tensor self, ScalarType dtype) -> Tensor",
         # its derivative (NpuDtypeCastBackward0: `_npu_dtype_cast_backward(grad, self.scalar_type())`)
         "_npu_dtype_cast_backward": "_npu_dtype_cast_backward(Tensor grad, ScalarType dtype) -> Tensor",
-        "npu_rms_norm": "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
-        "npu_rms_norm_backward": (
-            "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
-        ),
-        "npu_add_rms_norm": (
-            "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
-        ),
         "npu_rotary_mul": (
             "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
         ),
@@ -32,11 +25,6 @@ SCHEMAS: dict[str, dict[str, str]] = {
         "npu_interleave_rope": "npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
         "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
         "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor",
-        # not emitted by us: torchair's own pattern pass makes it from npu_add_rms_norm + cast
-        "npu_add_rms_norm_cast": (
-            "npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
-            "-> (Tensor, Tensor, Tensor, Tensor)"
-        ),
         # ---- MoE (npu_ops/moe.py; op_semantics sections 5-7) ----
         "npu_moe_gating_top_k_softmax": (
             "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)"
