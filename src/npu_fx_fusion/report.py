@@ -13,7 +13,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import AbstractSet, Any, Callable, NamedTuple, Optional, Sequence
+from typing import AbstractSet, Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -154,10 +154,14 @@ class FusedSite:
     def of_match(pass_name: str, form: str, fused_op: str, nodes: Sequence[torch.fx.Node],
                  outputs: Sequence[Optional[torch.fx.Node]] = (),
                  is_anchor: Optional[Callable[[torch.fx.Node], bool]] = None,
-                 notes: Sequence[str] = (), verified: str = "", emitted: Sequence[str] = ()) -> "FusedSite":
+                 notes: Union[str, Sequence[str]] = (), verified: str = "",
+                 emitted: Sequence[str] = ()) -> "FusedSite":
         """The site of a match: its location (site_location), the nodes it replaces, the
         earlier fused ops it folds in (add_rms_norm consumes rms_norm's npu_rms_norm), its
-        notes joined, those naming a limit of the real kernel (ON_AN_NPU) kept apart too."""
+        notes joined, those naming a limit of the real kernel (ON_AN_NPU) kept apart too
+        (`notes` as one string: already joined with "; ")."""
+        if isinstance(notes, str):
+            notes = notes.split("; ") if notes else []
         consumed = tuple(_target_name(n.target).rsplit(".", 1)[0] for n in nodes if _is_fused_op(n))
         npu_limits = tuple(note[len(ON_AN_NPU):] for note in notes if note.startswith(ON_AN_NPU))
         return FusedSite(pass_name, form, fused_op, site_location(nodes, outputs, is_anchor), "; ".join(notes),
