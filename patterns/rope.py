@@ -34,7 +34,7 @@ from typing import Optional
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import (ChannelGather, Factor, Form, FusionPass, NotEvaluable, Recognized, channel_gather,
-                                    evaluate_around, is_backward, is_call, tensor_meta, uneven_halves, users_outside)
+                                    evaluate_around, is_backward, is_call, modelled, tensor_meta, uneven_halves, users_outside)
 
 aten = torch.ops.aten
 ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
@@ -575,6 +575,12 @@ class Rotation:
 def recognize(graph, joint):
     seen = set()
     found = []
+    # joint graphs: the backward nodes autograd made for each forward op (their seq_nr)
+    backward_by_seq = {}
+    if joint:
+        for n in graph.nodes:
+            if is_backward(n) and n.meta.get("seq_nr") is not None and modelled(n):
+                backward_by_seq.setdefault(n.meta["seq_nr"], []).append(n)
     for node in graph.nodes:
         if node in seen or not is_call(node, *_SEEDS, operator.getitem) or (joint and is_backward(node)):
             continue
@@ -596,7 +602,7 @@ def recognize(graph, joint):
                 found.append(Recognized("rotation (channel algebra)", output, nodes, reason=rotations))
                 continue
             for rotation in rotations:
-                found.extend(_recognized(rotation, output, nodes, joint, evaluated.values))
+                found.extend(_recognized(rotation, output, nodes, backward_by_seq, evaluated.values))
     return found
 
 
@@ -686,6 +692,8 @@ def _fit_rotation(value, x, terms, outer, channels):
     x_tracked = next(t[1].tracked for channel in terms for t in channel)
     x_shape = tuple(tensor_meta(x).shape[tensor_meta(x).dim() - x_tracked:])
     total = len(terms)
+    if channels % 2:
+        return f"head_dim {channels} is odd: npu_rotary_mul rotates pairs"
     if math.prod(x_shape) != total:
         return f"the rotation's {total} channels are not x's {math.prod(x_shape)}"
     # each output row of D channels reads only x's row at the same outer index
@@ -767,7 +775,8 @@ def _fit_mode(terms, x_index, a, b, channels, rows, mode):
 
 
 def _arithmetic_dtypes(nodes):
-    return {tensor_meta(n).dtype for n in nodes if is_call(n, *_ARITHMETIC)}
+    # a complex product computes in its parts' real dtype
+    return {tensor_meta(n).dtype.to_real() for n in nodes if is_call(n, *_ARITHMETIC)}
 
 
 def _shared_intermediate(rotation, output, nodes):
@@ -788,7 +797,7 @@ def _shared_intermediate(rotation, output, nodes):
     return None
 
 
-def _recognized(rotation, output, nodes, joint, forward_values):
+def _recognized(rotation, output, nodes, backward_by_seq, forward_values):
     dtypes = _arithmetic_dtypes(nodes)
     if not dtypes:
         return []
@@ -798,8 +807,9 @@ def _recognized(rotation, output, nodes, joint, forward_values):
     compute = max(dtypes, key=lambda d: _WIDTH.get(d, 0))
     out_dtype = tensor_meta(output).dtype
     backward = None
-    if joint and any(is_backward(u) for n in nodes for u in n.users):
-        backward = _backward_of(rotation, output, nodes, forward_values)
+    readers = _backward_nodes(nodes, backward_by_seq)
+    if readers:
+        backward = _backward_of(rotation, output, nodes, forward_values, readers)
         if isinstance(backward, str):
             return [Recognized("rotation (channel algebra)", output, nodes, reason=backward)]
     notes = []
@@ -832,15 +842,12 @@ def _canonical(value, poly):
     return {tuple(sorted((value.factor(f) for f in mono), key=_factor_key)): coef for mono, coef in poly.items()}
 
 
-def _backward_of(rotation, output, nodes, forward_values):
+def _backward_of(rotation, output, nodes, forward_values, readers):
     """In a joint graph: (the node computing x's gradient from the output's, the backward
     region's nodes, the incoming gradient), where the backward computes exactly
         dx[u] = sum over j of M[j, u] * g[j]    (M: the rotation, y = M x)
     else the reason it does not."""
     forward = set(nodes)
-    readers = [u for n in (*nodes, rotation.r1.leaf, rotation.r2.leaf) for u in n.users if is_backward(u)]
-    if not readers:
-        return "a gradient flows through the rotation, but no backward node reads it"
     known = {n: forward_values[n] for n in nodes if n in forward_values}
     try:
         evaluated = evaluate_around(readers[0], include=is_backward, known=known)
@@ -866,6 +873,13 @@ def _backward_of(rotation, output, nodes, forward_values):
             region = _ancestors_within(candidate, evaluated.region.nodes)
             return candidate, region, g
     return "the backward of the rotation does not compute its gradient alone (x's gradient summed with others?)"
+
+
+def _backward_nodes(nodes, backward_by_seq):
+    """The joint graph's backward nodes autograd made for the region's forward nodes (they
+    carry their forward op's seq_nr), that the channel algebra models."""
+    forward_ops = {n.meta.get("seq_nr") for n in nodes} - {None}
+    return sorted(n for seq in forward_ops for n in backward_by_seq.get(seq, ()))
 
 
 def _expected_gradient(value, x, g, g_tracked):

@@ -459,7 +459,6 @@ def _negative_cases():
         ("reused rotation", ReusesRotation(), (q, k, cos, sin), "also used by"),
         ("per-head tables", PerHeadTables(), (q, k, per_head, per_head), "do not broadcast to x"),
         ("odd head dim", OddHeadDim(), (odd, k, torch.randn(7), torch.randn(7)), "head_dim 7 is odd"),
-        ("fp32 tables, bf16 x", HFRope(), (q.bfloat16(), k.bfloat16(), cos, sin), "cos/sin are float32"),
     ]
 
 
@@ -568,3 +567,183 @@ def test_deepseek_v4_rope_dim_is_read_from_the_tables():
     out, ref, report = compile_and_run(module, hidden, config=ONLY_ROPE)
     assert report.counts["rope"] == 3
     assert_close_at_scale(out, ref, 2)
+
+
+# ---- other codebases' spellings: recognised by what they compute ----------------------------
+# Each is the library's own code, reduced to the rotation (the source named); none matches a
+# form above. The recognizer (patterns/rope.py, channel_algebra.py) reads each output channel
+# as terms of x and the tables and fuses where the map is npu_rotary_mul's.
+def torchtune_rope(x, cache):
+    # torchtune.modules.RotaryPositionalEmbeddings.forward (0.6.1): x [B, S, N, D], cache [S, D/2, 2]
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope_cache = cache.view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out = torch.stack([xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+                         xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1]], -1)
+    return x_out.flatten(3).type_as(x)
+
+
+def olmo_core_rope(x, sin, cos):
+    # olmo_core.nn.rope.RotaryEmbedding._rotate_half / _apply_rotary_pos_emb (3.0.0): x [B, N, S, D]
+    def rotate_half(t):
+        B, nh, T, hs = t.size()
+        t = t.view(B, nh, T, 2, hs // 2)
+        x1, x2 = t.unbind(dim=-2)
+        return torch.cat((-x2, x1), dim=-1)
+
+    return ((x * cos) + (rotate_half(x) * sin)).to(x.dtype)
+
+
+def negative_angle_rope(x, cos, sin):
+    # a rotation by -angle, written out per half: y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos
+    half = x.shape[-1] // 2
+    x1, x2, c, s = x[..., :half], x[..., half:], cos[..., :half], sin[..., :half]
+    return torch.cat((x1 * c + x2 * s, -x1 * s + x2 * c), dim=-1)
+
+
+class TwoRotations(nn.Module):
+    def __init__(self, rotate):
+        super().__init__()
+        self.rotate = rotate
+
+    def forward(self, q, k, *tables):
+        return self.rotate(q, *tables), self.rotate(k, *tables)
+
+
+def _torchtune_case(dtype, batch=2, seq=6):
+    q, k = inputs(dtype, (batch, seq, 4, 16)), inputs(dtype, (batch, seq, 2, 16), seed=1)
+    theta = angles(1, seq, 16)[0]
+    cache = torch.stack([theta.cos(), theta.sin()], dim=-1)  # fp32, as torchtune's buffer
+    return TwoRotations(torchtune_rope), (q, k, cache), ((0, 1), (0, 1), (0,))
+
+
+def _olmo_core_case(dtype, batch=2, seq=6):
+    q, k = inputs(dtype, (batch, 4, seq, 16)), inputs(dtype, (batch, 2, seq, 16), seed=1)
+    cos, sin = hf_tables(1, seq, 16, dtype)
+    return TwoRotations(olmo_core_rope), (q, k, sin[:, None], cos[:, None]), ((0, 2), (0, 2), (2,), (2,))
+
+
+def _negative_angle_case(dtype, batch=2, seq=6):
+    q, k = inputs(dtype, (batch, 4, seq, 16)), inputs(dtype, (batch, 2, seq, 16), seed=1)
+    cos, sin = hf_tables(batch, seq, 16, dtype)
+    return TwoRotations(negative_angle_rope), (q, k, cos[:, None], sin[:, None]), ((0, 2),) * 4
+
+
+def _promoted_tables_case(dtype, batch=2, seq=6):
+    # fp32 tables on the activations (Gemma-style buffers kept in fp32): torch computes in fp32
+    q, k = inputs(dtype, (batch, 4, seq, 16)), inputs(dtype, (batch, 2, seq, 16), seed=1)
+    cos, sin = hf_tables(batch, seq, 16, torch.float32)
+    return HFRope(), (q, k, cos, sin), ((0, 2), (0, 2), (0, 1), (0, 1))
+
+
+RECOGNISED_CASES = {"torchtune": _torchtune_case, "olmo_core": _olmo_core_case,
+                    "negative_angle": _negative_angle_case, "promoted_tables": _promoted_tables_case}
+
+
+def _assert_same(out, ref):
+    # the recognised rotation computes in the region's arithmetic dtype and rounds once: fp32
+    # regions agree to 1 ulp; a half-precision region rounds thrice where the op rounds once
+    for o, r in zip(out, ref):
+        if r.dtype == torch.float32:
+            assert_within_ulps(o, r, 1)
+        else:
+            assert_close_at_scale(o, r, 2)
+
+
+def _mark_dynamic(args, dims):
+    # batch and sequence symbolic, as a model's are under dynamic=True; the head dim stays
+    # static, as a model's does (it comes from the weights' shapes, not from an input)
+    for arg, which in zip(args, dims):
+        torch._dynamo.mark_dynamic(arg, list(which))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(RECOGNISED_CASES))
+def test_other_codebases_rotations_are_recognised(case, dtype, dynamic):
+    module, args, dims = RECOGNISED_CASES[case](dtype)
+    if dynamic:
+        _mark_dynamic(args, dims)
+    backend = nff.backend.EmulationBackend(ONLY_ROPE)
+    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out, ref = compiled(*args), module(*args)
+        if dynamic:  # the same graph serves another batch and sequence length
+            _, other, _ = RECOGNISED_CASES[case](dtype, batch=3, seq=9)
+            _assert_same(compiled(*other), module(*other))
+    report = backend.report
+    assert len(report.graphs) == 1  # one compile
+    assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
+    assert _fused(report) == {"npu.npu_rotary_mul": 2}
+    if case != "promoted_tables" or dtype != torch.float32:  # (fp32 everywhere: transformers' form)
+        assert all("channel algebra" in site.form for site in report.sites)
+    _assert_same(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(RECOGNISED_CASES))
+def test_other_codebases_rotations_train_through_the_backward_op(case, dtype):
+    module, args, _ = RECOGNISED_CASES[case](dtype)
+    q, k = (a.detach().clone().requires_grad_() for a in args[:2])
+    q_ref, k_ref = (a.detach().clone().requires_grad_() for a in args[:2])
+    backend = nff.backend.EmulationBackend(ONLY_ROPE)
+    out = torch.compile(module, backend=backend, fullgraph=True)(q, k, *args[2:])
+    ref = module(q_ref, k_ref, *args[2:])
+    grads = [torch.randn_like(o) for o in out]
+    torch.autograd.backward(out, grads)
+    torch.autograd.backward(ref, grads)
+    report = backend.report
+    assert report.fused_ops == {"npu.npu_rotary_mul": 2, "npu.npu_rotary_mul_backward": 2}, report.fused_ops
+    _assert_same([o.detach() for o in out], [r.detach() for r in ref])
+    _assert_same([q.grad, k.grad], [q_ref.grad, k_ref.grad])
+
+
+def test_promoted_tables_compute_in_the_promoted_dtype():
+    # bf16 x with fp32 tables: torch computes x * cos in fp32 and returns fp32; so does the op,
+    # on x cast to fp32 (exact): the result equals the model's to fp32 rounding
+    module, args, _ = _promoted_tables_case(torch.bfloat16)
+    out, ref, report = _run(module, *args)
+    assert report.counts["rope"] == 2 and all(o.dtype == torch.float32 for o in out)
+    for o, r in zip(out, ref):
+        assert_within_ulps(o, r, 1)
+
+
+class ScaledRotation(nn.Module):  # x * cos + rotate(x) * sin * 3: not a rotation
+    def forward(self, q, k, cos, sin, _):
+        return tuple(x * cos + rotate_half_sliced(x) * (sin * 2.0).to(x.dtype) * 1.5 for x in (q, k))
+
+
+class QuarterRotation(nn.Module):  # cat(-x[d/4:], x[:d/4]): pairs a quarter apart, not halves
+    def forward(self, q, k, cos, sin, _):
+        def rotate(x):
+            quarter = x.shape[-1] // 4
+            return torch.cat((-x[..., quarter:], x[..., :quarter]), dim=-1)
+
+        return tuple(x * cos + rotate(x) * sin for x in (q, k))
+
+
+class TwoTablesPerHalf(nn.Module):  # the first half's cos from one tensor, the second's from another
+    def forward(self, q, k, cos, sin, other_cos):
+        half = cos.shape[-1] // 2
+
+        def rope(x):
+            x1, x2 = x[..., :half], x[..., half:]
+            return torch.cat((x1 * cos[..., :half] - x2 * sin[..., :half],
+                              x2 * other_cos[..., half:] + x1 * sin[..., half:]), dim=-1)
+
+        return rope(q), rope(k)
+
+
+@pytest.mark.parametrize("module, reason", [
+    (ScaledRotation(), "not a rotation"),
+    (QuarterRotation(), "not pairs of x's channels"),
+    (TwoTablesPerHalf(), "from 2 tensors"),
+], ids=["scaled", "quarter", "two tables"])
+def test_look_alike_rotations_do_not_fuse_and_say_why(module, reason):
+    q, k = inputs(torch.float32), inputs(torch.float32, (2, 2, 6, 16), seed=1)
+    cos, sin = hf_tables(2, 6, 16, torch.float32)
+    out, ref, report = _run(module, q, k, cos[:, None], sin[:, None], cos[:, None] * 0.5)
+    assert report.counts["rope"] == 0, report.sites
+    reasons = near_miss_reasons(report, "rope")
+    assert len(reasons) == 2 and all(reason in r for r in reasons), reasons
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o, r)

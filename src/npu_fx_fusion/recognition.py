@@ -72,9 +72,12 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
     Returns (FusedSite list, [(Recognized, NearMiss)] of the refused)."""
     fusion_pass = run.fusion_pass
     sites, misses = [], []
+    # alternatives for one region come in the pass's order of preference: the first accepted
+    # is fused, the refusals before it become its note, and all of them a near miss if none is
+    refused: dict = {}
     for found in fusion_pass.recognize(graph, joint):
         if any(n._erased for n in (found.output, *found.nodes, *found.backward_nodes)):  # noqa: SLF001
-            continue  # a form (or an earlier recognised site) replaced it
+            continue  # a form (or an earlier alternative, or recognised site) replaced it
         reason = found.reason
         site = None
         if reason is None:
@@ -84,12 +87,13 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
             reason, graphs = _accept(run, found, site)
         if reason is not None:
             log.debug("%s: not fusing %s at %s: %s", fusion_pass.name, found.name, location_of(found.nodes), reason)
-            misses.append((found, NearMiss(fusion_pass.name, reason, location_of([found.output, *found.output.users]))))
+            refused.setdefault(found.output, []).append((found, reason))
             continue
         forward, backward = graphs
         nodes = list(found.nodes) + list(found.backward_nodes)
+        notes = [f"instead of {alternative.name}: {why}" for alternative, why in refused.pop(found.output, [])]
         site_record = FusedSite.of_match(fusion_pass.name, found.name, found.fused_op or fusion_pass.fused_op,
-                                         nodes, [found.output], None, _notes(run, found, site, graphs),
+                                         nodes, [found.output], None, [*notes, *_notes(run, found, site, graphs)],
                                          site.verified, [op for g in graphs if g is not None for op in emitted_ops(g)])
         insert_replacement(_RegionMatch(found.nodes, found.output), graph, forward,
                            [found.args[name] for name in found.args], run.fake_mode)
@@ -100,6 +104,10 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
             # the forward nodes only the replaced backward read
             _RegionMatch(found.nodes, found.output).erase_nodes()
         sites.append(site_record)
+    for output, refusals in refused.items():
+        found, reason = refusals[0]
+        if not output._erased:  # noqa: SLF001
+            misses.append((found, NearMiss(fusion_pass.name, reason, location_of([output, *output.users]))))
     return sites, misses
 
 
