@@ -31,7 +31,8 @@ if [[ -f "$MARKER" ]] && [[ "$(cat "$MARKER")" == "$WANT" ]]; then
     exit 0
 fi
 
-echo "fetch_torch_npu: installing $WANT into $DIR (python: $PYTHON)" >&2
+echo "fetch_torch_npu: unpacking $WANT into $DIR (python: $PYTHON) ..." >&2
+START=$SECONDS
 mkdir -p "$(dirname "$DIR")"
 # Build in a sibling temp folder and move it into place, so DIR is either complete or absent.
 TMP="$(mktemp -d "$DIR.tmp.XXXXXX")"
@@ -46,4 +47,5 @@ printf '%s' "$WANT" > "$TMP/.npu_fx_fusion_complete"
 rm -rf "$DIR"
 mv "$TMP" "$DIR"
 trap - EXIT
+echo "fetch_torch_npu: done ($((SECONDS - START)) s)" >&2
 echo "$DIR"

@@ -41,7 +41,7 @@ def qwen3_moe():
 def test_report_hf_model_with_verification(qwen3_moe):
     code, out, _ = qwen3_moe
     assert code == 0, out
-    assert "target: hf-qwen3_moe-grouped_mm-fp32" in out
+    assert out.startswith("# npu-fx-fusion report: hf-qwen3_moe-grouped_mm-fp32\n")
     # every fused site carries its verdict, and the cost estimate is there
     site_lines = [line for line in out.splitlines() if line.strip().startswith("- fused")]
     # attention, norms, rope, swiglu, moe_gating, moe_dispatch, grouped_matmul
@@ -56,9 +56,9 @@ def test_pass_table_says_how_many_norms_were_folded(qwen3_moe):
     # so the final graph holds 5 npu_rms_norm: the table must not leave that to arithmetic
     _, out, report = qwen3_moe
     assert report.folded == {"rms_norm": {"add_rms_norm": 4}}
-    assert "| rms_norm | 9 | 4 folded into add_rms_norm |" in out
+    assert "| rms_norm | 9 | 0 | 4 folded into add_rms_norm |" in out
     assert report.fused_ops["npu.npu_rms_norm"] == report.counts["rms_norm"] - 4
-    assert re.search(r"\| add_rms_norm \| 4 \| *\|", out)  # nothing folded into a later pass
+    assert re.search(r"\| add_rms_norm \| 4 \| 0 \| *\|", out)  # nothing folded into a later pass
 
 
 def test_op_table_keeps_the_view_to_reshape_step_apart(qwen3_moe):
@@ -104,7 +104,7 @@ def test_grouped_matmul_sites_point_at_the_gemm_line(qwen3_moe):
 
 def test_tolerance_says_where_it_comes_from(qwen3_moe):
     _, out, _ = qwen3_moe
-    (line,) = [line for line in out.splitlines() if line.startswith("outputs vs eager")]
+    (line,) = [line for line in out.splitlines() if line.startswith("- outputs vs eager")]
     assert re.search(r"tolerance \S+ = 0\.0001 \(fp32: fused ops only reorder float operations\) "
                      r"x \S+ \(the largest \|eager output\|, at least 1\): OK", line), line
 
@@ -169,7 +169,7 @@ def test_report_module_factory_and_file_factory(capsys, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["report", "nonsense"], "is not hf:TYPE, hf:DIR, torchtitan:NAME or module:factory"),
-    (["report", "hf:no_such_model"], "unknown HF model type 'no_such_model'"),
+    (["report", "hf:no_such_model"], "unknown transformers model type 'no_such_model'"),
     (["report", "hf:qwen3_moe@fancy_mm"], "unknown experts implementation 'fancy_mm'"),
     (["report", "hf:./no/such/dir"], "no config.json at ./no/such/dir"),
     (["report", "torchtitan:no_such_model"], "unknown torchtitan model 'no_such_model'"),
@@ -229,7 +229,13 @@ def test_a_failing_model_exits_1(capsys, tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     code, _, err = _run(capsys, "report", "broken_target:build")
-    assert code == 1 and "failed to run" in err
+    # one line: what failed, where in the model's code, and how to see the whole traceback
+    (line,) = err.splitlines()
+    assert code == 1 and "broken_target:build failed to run: RuntimeError" in line, err
+    assert "(at broken_target.py:6 in forward); --traceback prints the whole traceback" in line
+    code, _, err = _run(capsys, "report", "broken_target:build", "--traceback")
+    assert code == 1 and err.startswith("Traceback (most recent call last):")
+    assert 'broken_target.py", line 6, in forward' in err
 
 
 def test_console_script_runs_as_a_process_and_says_what_it_dumped(tmp_path):
@@ -242,7 +248,9 @@ def test_console_script_runs_as_a_process_and_says_what_it_dumped(tmp_path):
     written = sorted(os.path.relpath(os.path.join(root, f), tmp_path)
                      for root, _, files in os.walk(tmp_path) for f in files)
     assert listing[0] == f"{len(written)} files to {tmp_path}:"
-    described = {line.strip().split(": ", 1)[0]: line.split(": ", 1)[1] for line in listing[1:]}
+    files = [line for line in listing[1:] if line.startswith("  ") and not line.startswith("  open ")]
+    assert f"  open {tmp_path / 'report.html'} in a browser" in listing
+    described = {line.strip().split(": ", 1)[0]: line.split(": ", 1)[1] for line in files}
     assert sorted(described) == written  # every file, and each with what it is
     assert {"report.html", "report.md", "report.json", "graph_000_inference/after.py"} <= set(described)
     for path, what in described.items():
@@ -253,7 +261,7 @@ def test_console_script_runs_as_a_process_and_says_what_it_dumped(tmp_path):
 def test_the_report_says_which_graph_it_fused(capsys, flag, graph):
     code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", *flag)
     assert code == 0, out
-    assert f"Graphs fused: {graph}" in out
+    assert f"- graphs fused: {graph}" in out
     code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", "--format", "json", *flag)
     doc = json.loads(out)["report"]
     assert doc["graph_source"].startswith(graph)
@@ -282,3 +290,85 @@ def test_phase_needs_an_hf_target_and_room_in_the_cache(capsys):
     assert code == 2 and "--phase needs an hf:MODEL_TYPE target" in err
     code, _, err = _run(capsys, "report", "hf:llama", "--phase", "prefill", "--max-cache-len", "8")
     assert code == 2 and "cannot hold the 16-token prompt" in err
+
+
+# ---- the first screen, and bad input that names the fix -------------------------------------
+def test_the_first_screen_says_what_fused_what_an_npu_would_refuse_and_the_verdict(capsys):
+    code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1")
+    assert code == 0, out
+    first = out.split("\n## graph 0")[0]
+    assert first.startswith("# npu-fx-fusion report: hf-llama-fp32\n")
+    assert "- graphs fused: NPU graph" in first
+    # no SoC given: the fp32 attention fuses on the CPU stand-ins, and the report says an NPU would not
+    assert "- SoC limits: none applied" in first
+    assert "  - attention x1: npu.npu_fused_infer_attention_score does not support float32" in first
+    assert re.search(r"^- outputs vs eager: max abs diff .*: OK$", first, re.MULTILINE)
+    rows = [line for line in first.splitlines() if line.startswith("| ") and not line.startswith("| pass")]
+    assert [row.split(" | ")[0][2:] for row in rows] == ["rms_norm", "add_rms_norm", "attention", "rope", "swiglu"]
+    assert "more passes ran and found no candidate: kv_rmsnorm_rope_cache" in first
+    assert out.rstrip().splitlines()[-1] == "hf-llama-fp32: 8 fused sites, 1 near miss, outputs match eager"
+    # with the SoC given, its limits apply: the fp32 attention is a near miss, nothing is listed
+    code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", "--soc", "Ascend910B")
+    first = out.split("\n## graph 0")[0]
+    assert "- SoC limits: Ascend910B's" in first and "x1: npu.npu_fused_infer_attention_score" not in first
+    assert re.search(r"^\| attention \| 0 \| 1 \|", first, re.MULTILINE), first
+
+
+def test_the_op_table_is_the_same_in_every_run(capsys):
+    tables = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1")
+        assert code == 0
+        tables.append([line for line in out.splitlines() if line.startswith(("| aten.", "| npu."))])
+    assert tables[0] and tables[0] == tables[1]
+
+
+@pytest.fixture
+def config_dir(tmp_path):
+    def write(**fields):
+        config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                  "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+                  "torch_dtype": "float32", "rope_theta": 10000.0, "transformers_version": "4.46.0", **fields}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return f"hf:{tmp_path}"
+    return write
+
+
+def test_a_misspelt_config_key_fails_naming_the_right_one(capsys, config_dir):
+    target = config_dir(num_key_value_head=2)
+    code, out, err = _run(capsys, "report", target)
+    (line,) = err.splitlines()
+    assert code == 2 and out == ""
+    assert "'num_key_value_head' is not a key of transformers' llama config; did you mean " \
+           "'num_key_value_heads'? (--allow-unknown-keys builds it as it is)" in line
+    # spelt right: GQA, 2 KV heads for the 4 query heads
+    code, out, _ = _run(capsys, "report", config_dir(num_key_value_heads=2), "--layers", "1", "--format", "json")
+    assert code == 0 and json.loads(out)["report"]["counts"]["attention"] == 1
+    # keys no llama config reads but real configs carry (remote code, serialisation) pass
+    code, _, err = _run(capsys, "report", config_dir(num_key_value_heads=2, scoring_func="softmax", auto_map={},
+                                                     quantization_config={"quant_method": "fp8"}, head_dim=16),
+                        "--layers", "1", "--format", "json")
+    assert code == 0, err
+
+
+def test_a_misspelt_model_type_names_the_nearest_in_one_line(capsys):
+    code, _, err = _run(capsys, "report", "hf:lama")
+    (line,) = err.splitlines()
+    assert code == 2 and "unknown transformers model type 'lama'; did you mean 'llama'" in line
+    assert len(line) < 400, line  # not every model type
+    code, _, err = _run(capsys, "report", "torchtitan:lama3")
+    assert code == 2 and "did you mean 'llama3'?" in err
+
+
+def test_a_module_that_is_a_file_here_is_suggested_as_the_file(capsys, tmp_path, monkeypatch):
+    (tmp_path / "raising.py").write_text("def factory():\n    raise RuntimeError('boom in the factory')\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(capsys, "report", "raising:factory")
+    assert code == 2 and "No module named 'raising'; raising.py is here: give the file, raising.py:factory" in err
+    code, _, err = _run(capsys, "report", "raising.py:factry")
+    assert code == 2 and "has no callable 'factry'; did you mean 'factory'?" in err
+    code, _, err = _run(capsys, "report", "raising.py:factory")
+    (line,) = err.splitlines()
+    assert code == 1 and "raising.py:factory failed to build: RuntimeError: boom in the factory" in line
+    assert "(at raising.py:2 in factory); --traceback" in line

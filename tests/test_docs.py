@@ -10,11 +10,14 @@ The facts the docs state about the code are checked against it too: the models t
 README's table names, the pass order, the model types that do not build, the dump files.
 """
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -111,3 +114,36 @@ def test_models_page_lists_the_types_that_do_not_report():
 def test_every_dump_file_is_documented():
     text = _read("docs/reports-and-dumps.md")
     assert [name for name in FILES if f"`{name}`" not in text and f"/{name}`" not in text] == []
+
+
+def test_the_docs_say_how_to_enter_the_venv_and_its_command_is_there():
+    # the scripts make ./.venv; a reader must learn how to use it before the first command
+    for doc in ("README.md", "docs/getting-started.md"):
+        text = _read(doc)
+        assert "source .venv/bin/activate" in text and ".venv/bin/npu-fx-fusion" in text, doc
+    # the tests run in such a venv: its console script is where the docs say, and runs
+    script = os.path.join(os.path.dirname(sys.executable), "npu-fx-fusion")
+    proc = subprocess.run([script, "report", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "TARGET forms:" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_python_version_the_docs_name_is_the_one_the_pins_need():
+    pinned = importlib.metadata.metadata("transformers")["Requires-Python"]  # ">=3.11.0"
+    minimum = re.match(r">=\s*(\d+\.\d+)", pinned).group(1)
+    assert f"Python {minimum} or newer" in _read("README.md")
+    assert f"sys.version_info < ({minimum.replace('.', ', ')})" in _read("scripts/venv.sh")
+
+
+def _without_timings(line):
+    line = re.sub(r"\(\d+\.\d ms\)", "(ms)", line)
+    return re.sub(r"max abs diff [^,]+,", "max abs diff _,", line)
+
+
+def test_the_example_report_is_what_the_demo_prints(capsys):
+    text = _read("docs/reports-and-dumps.md")
+    (example,) = re.findall(r"Example \(from `bash scripts/demo.sh`.*?\n```\n(.*?)```", text, re.DOTALL)
+    lines = [line for line in example.splitlines() if line != "..."]
+    assert len(lines) > 20
+    assert main(["demo"]) == 0
+    printed = {_without_timings(line) for line in capsys.readouterr().out.splitlines()}
+    assert [line for line in lines if _without_timings(line) not in printed] == []

@@ -307,3 +307,22 @@ def test_dump_dir_writes_the_drawing_next_to_the_graph_code(can_draw, tmp_path):
     root = parse((folder / "after.svg").read_text())
     texts, _ = legend(root)
     assert "npu_rms_norm" in texts, texts
+
+
+def test_more_labels_than_the_palette_get_distinct_colours(can_draw):
+    def chain(x):
+        for step in range(12):
+            x = x + step
+        return x
+
+    gm = torch.fx.symbolic_trace(chain)
+    adds = [n for n in gm.graph.nodes if n.op == "call_function"]
+    highlight = {node: f"op_{index}" for index, node in enumerate(adds)}
+    root = parse(drawing.graph_svg(gm, highlight, "twelve ops"))
+    drawn = drawn_nodes(root)
+    colours = [next(iter(fills(drawn[node.name]) - {"none"})) for node in adds]
+    assert len(set(colours)) == 12  # PALETTE has 8: no colour repeats after it
+    titles, legend_fills = legend(root)
+    assert titles[1:] == [f"op_{index}" for index in range(12)] and set(colours) <= legend_fills
+    # light enough for black text: every channel above a third of full
+    assert all(min(int(c[i:i + 2], 16) for i in (1, 3, 5)) > 85 for c in colours), colours

@@ -12,8 +12,10 @@ import torch.fx
 from npu_fx_fusion import npu_ops
 from npu_fx_fusion.insertion import _inherit_kept_calls, _inherit_source_meta
 from npu_fx_fusion.cleanup import drop_lossless_round_trips
-from npu_fx_fusion.report import (FusedSite, GraphReport, PassResult, SourceLocation, added_conversions,
-                                  op_table, pass_table, site_location)
+import npu_fx_fusion as nff
+from npu_fx_fusion.report import (FusedSite, FusionReport, GraphCost, GraphReport, NearMiss, PassResult,
+                                  SourceLocation, added_conversions, human_bytes, op_table, pass_rows, pass_table,
+                                  site_location)
 
 aten = torch.ops.aten
 
@@ -103,8 +105,10 @@ def test_folded_sites_are_credited_to_the_pass_that_made_the_op():
         PassResult("other", sites=[_site("other", "npu.npu_x", ["npu.npu_rotary_mul"])]),
     ])
     assert graph.folded() == {"rms_norm": Counter(add_rms_norm=2)}
-    assert pass_table({"rms_norm": 3, "add_rms_norm": 2}, {"rms_norm": {"add_rms_norm": 2}})[2:] == [
-        "| rms_norm | 3 | 2 folded into add_rms_norm |", "| add_rms_norm | 2 |  |"]
+    report = FusionReport()
+    report.add(graph)
+    assert pass_table(pass_rows(report)[0])[2:] == [
+        "| rms_norm | 3 | 0 | 2 folded into add_rms_norm |", "| add_rms_norm | 2 | 0 |  |", "| other | 1 | 0 |  |"]
 
 
 def test_more_folds_than_sites_are_not_invented():
@@ -182,3 +186,145 @@ def test_the_view_to_reshape_step_is_not_a_row():
     assert [line for line in lines if line.startswith("| aten.")] == ["| aten.mul.Tensor | 3 | 1 |  |"]
     assert any("aten.view.default 5 -> 0, aten.reshape.default 0 -> 4" in line for line in lines)
     assert any(line.startswith("getitem 1 -> 3") for line in lines)
+
+
+# ---- what the report shows first ------------------------------------------------------------
+def _report_of(*passes, soc=None):
+    report = FusionReport()
+    report.soc = soc
+    report.add(GraphReport("inference", nodes_before=0, passes=list(passes)))
+    return report
+
+
+def test_the_pass_table_shows_only_passes_that_found_something():
+    miss = NearMiss("swiglu", "gate and up come from separate projections", SourceLocation())
+    report = _report_of(PassResult("kv_cache"), PassResult("rms_norm", sites=[_site("rms_norm", "npu.npu_rms_norm")]),
+                        PassResult("swiglu", near_misses=[miss]), PassResult("mhc_pre"),
+                        PassResult("rope", error="RuntimeError: boom"), PassResult("moe_gating", skipped="off"))
+    rows, quiet = pass_rows(report)
+    assert [(r.name, r.fused, r.near_misses) for r in rows] == [("rms_norm", 1, 0), ("swiglu", 0, 1), ("rope", 0, 0)]
+    assert "FAILED" in rows[2].note
+    assert quiet == ["kv_cache", "mhc_pre"]  # in pipeline order; a skipped pass did not run
+    text = report.to_markdown()
+    assert "2 more passes ran and found no candidate: kv_cache, mhc_pre." in text
+    assert "| kv_cache |" not in text and "**kv_cache**" not in text
+
+
+def test_sites_an_npu_would_refuse_are_on_the_first_screen():
+    refused = FusedSite("attention", "form", "npu.npu_fused_infer_attention_score", SourceLocation(),
+                        npu_limits=("npu.npu_fused_infer_attention_score does not support float32",))
+    report = _report_of(PassResult("attention", sites=[refused, refused]))
+    report.target, report.outputs_vs_eager = "hf-llama-fp32", {"ok": None, "why": "nothing computed"}
+    head = report.to_markdown().split("| pass |")[0]
+    assert head.startswith("# npu-fx-fusion report: hf-llama-fp32\n")
+    assert "SoC limits: none applied" in head and "2 fused sites here would not fuse on an NPU" in head
+    assert "  - attention x2: npu.npu_fused_infer_attention_score does not support float32" in head
+    assert "outputs vs eager: not compared: nothing computed" in head
+    assert "2 would not fuse on an NPU" in pass_rows(report)[0][0].note
+    # with a SoC given its limits applied: such a site is a near miss, nothing is listed
+    report = _report_of(PassResult("attention"), soc="Ascend910B")
+    (line,) = [line for line in report.summary_lines() if "SoC limits" in line]
+    assert line.startswith("- SoC limits: Ascend910B's (FusionConfig(soc=...) / --soc)")
+
+
+def test_of_match_keeps_the_limits_of_the_real_kernel_apart():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = _node(graph, aten.mul.Tensor, (x, x), line=3)
+    graph.output(y)
+    site = FusedSite.of_match("p", "form", "npu.npu_x", [y], [y],
+                              notes=["instead of f: why", "on an NPU: npu.npu_x does not support float32"],
+                              emitted=["npu.npu_x", "npu.npu_y"])
+    assert site.note == "instead of f: why; on an NPU: npu.npu_x does not support float32"
+    assert site.npu_limits == ("npu.npu_x does not support float32",)
+    assert site.emitted == ("npu.npu_x", "npu.npu_y")
+
+
+def test_op_table_rows_are_in_one_order():
+    before = Counter({"aten.mul.Tensor": 2, "aten.add.Tensor": 2, "aten.neg.default": 1, "aten.rsqrt.default": 1})
+    after = Counter({"npu.npu_rms_norm.default": 1})
+    tables = {tuple(op_table(GraphReport("g", nodes_before=0, ops_before=Counter(dict(items)), ops_after=after)))
+              for items in (before.items(), reversed(before.items()))}
+    assert len(tables) == 1
+    rows = [line.split(" | ")[0][2:] for line in tables.pop() if line.startswith("| ") and "---" not in line][1:]
+    assert rows == ["aten.add.Tensor", "aten.mul.Tensor", "aten.neg.default", "aten.rsqrt.default",
+                    "npu.npu_rms_norm.default"]
+
+
+# ---- the cost estimate ----------------------------------------------------------------------
+def test_a_constant_is_built_once_not_moved_per_run():
+    # x * mask, mask = triu(ones(64, 64)): the mask is the same at every run
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(64, 64, device="meta")
+    ones = _node(graph, aten.ones.default, ([64, 64],), shape=(64, 64))
+    mask = _node(graph, aten.triu.default, (ones, 1), shape=(64, 64))
+    y = _node(graph, aten.mul.Tensor, (x, mask), shape=(64, 64))
+    rand = _node(graph, aten.rand.default, ([64, 64],), shape=(64, 64))  # new numbers at every run
+    z = _node(graph, aten.add.Tensor, (y, rand), shape=(64, 64))
+    graph.output(z)
+    cost = GraphCost.of(graph)
+    tensor = 64 * 64 * 4
+    assert (cost.launches, cost.bytes_moved) == (3, 2 * tensor + tensor + 3 * tensor)  # mul, rand, add
+    assert (cost.constant_launches, cost.constant_bytes) == (2, tensor + 2 * tensor)  # ones, triu
+    line = GraphReport("g", nodes_before=0, cost_before=GraphCost(3, 100), cost_after=cost).cost_line()
+    assert "3 -> 3 kernel launches" in line and "built once, not per run" in line and "0 -> 2 launches" in line
+
+
+def test_bytes_read_as_people_write_them():
+    assert [human_bytes(n) for n in (512, 1750, 1.75e6, 22.2e6, 999.9e6, 5.0e9, 2.5e13)] == [
+        "512 B", "1.75 KB", "1.75 MB", "22.2 MB", "1 GB", "5 GB", "25 TB"]
+
+
+# ---- a compiled graph dynamo reuses (a graph break in every layer) ----------------------------
+class _Norm(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class _BreakingLayer(torch.nn.Module):
+    """Two norms with a graph break between them: dynamo compiles the layer's code as two
+    graphs and runs them for every layer."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.norm1, self.proj, self.norm2 = _Norm(dim), torch.nn.Linear(dim, dim), _Norm(dim)
+
+    def forward(self, x):
+        h = self.proj(self.norm1(x))
+        torch._dynamo.graph_break()
+        return x + self.norm2(h)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, dim=16, layers=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_BreakingLayer(dim) for _ in range(layers))
+        self.norm = _Norm(dim)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def test_a_reused_graph_counts_once_per_run():
+    torch._dynamo.reset()
+    model, x = _Stack(), torch.randn(2, 8, 16)
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=nff.get_npu_backend())(x)
+    torch.testing.assert_close(actual, expected)
+    report = nff.last_report()
+    # 9 norms run (2 in each of 4 layers, the final one) from 3 compiled graphs
+    assert report.counts["rms_norm"] == 3 and report.executed_counts["rms_norm"] == 9
+    assert sorted(g.runs for g in report.graphs) == [1, 4, 4]
+    text = report.to_markdown()
+    assert "| pass | fused sites | executed | near misses | note |" in text
+    assert "| rms_norm | 3 | 9 | 0 |  |" in text
+    assert "- graphs run so far: " in text and "4 times" in text
+    assert report.to_dict()["executed_counts"]["rms_norm"] == 9

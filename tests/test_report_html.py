@@ -25,6 +25,7 @@ import torch
 import npu_fx_fusion as nff
 from npu_fx_fusion import drawing, dumps
 from npu_fx_fusion.cli import main
+from npu_fx_fusion.report import pass_rows
 from test_drawing import SVG, colours_of, decode_png, drawn_nodes, fills, legend
 
 BROWSER_ENV = "NPU_FX_FUSION_REQUIRE_BROWSER"
@@ -97,14 +98,47 @@ def test_report_html_is_self_contained(dump):
 def test_report_html_has_the_pass_table_and_every_near_miss_with_its_line(dump):
     folder, report = dump
     rows = _page(folder).rows
-    for name, n in report.counts.items():
-        note = ", ".join(f"{k} folded into {into}" for into, k in report.folded.get(name, {}).items())
-        assert [name, str(n), note] in rows
-    assert ["rms_norm", "3", "2 folded into add_rms_norm"] in rows
+    shown, quiet = pass_rows(report)
+    for row in shown:
+        assert [row.name, str(row.fused), str(row.near_misses), row.note] in rows
+    assert ["rms_norm", "3", "0", "2 folded into add_rms_norm"] in rows
+    # the passes that found nothing are one line, not rows of zeros
+    assert quiet and not [row for row in rows if row and row[0] in quiet]
+    assert f"{len(quiet)} more passes ran and found no candidate: {', '.join(quiet)}." in _text(folder)
     assert report.near_misses  # Llama's separate gate and up projections
     for miss in report.near_misses:
         where = f"{miss.location.file.rsplit('/', 1)[-1]}:{miss.location.line}"
         assert [miss.pass_name, miss.reason, miss.location.module, where, miss.location.code] in rows
+
+
+def _text(folder):
+    """The page's text, tags dropped and entities decoded."""
+    return html.unescape(re.sub(r"<[^>]+>", "", (folder / "report.html").read_text()))
+
+
+def test_report_html_says_what_was_compiled_and_whether_it_matched(dump):
+    folder, report = dump
+    page = (folder / "report.html").read_text()
+    assert report.target == "hf-llama-fp32"
+    assert "<h1>npu-fx-fusion report: hf-llama-fp32</h1>" in page
+    text = _text(folder)
+    assert f"graphs fused: {report.graph_source}" in text
+    assert "SoC limits: none applied" in text and "npu_fused_infer_attention_score does not support float32" in text
+    verdict = re.search(r'<li class="ok">(outputs vs eager: [^<]*)', page)
+    assert verdict and verdict.group(1).strip().endswith(": OK"), page[:3000]
+    # the op table, before and after
+    rows = _page(folder).rows
+    assert ["op", "before", "after", "note"] in rows
+    (graph,) = report.graphs
+    assert ["npu.npu_rotary_mul.default", "0", "2", ""] in rows
+    assert graph.ops_after["npu.npu_rotary_mul.default"] == 2
+
+
+def test_report_md_says_what_was_compiled_and_whether_it_matched(dump):
+    folder, report = dump
+    text = (folder / "report.md").read_text()
+    assert text.startswith("# npu-fx-fusion report: hf-llama-fp32\n")
+    assert "- outputs vs eager: max abs diff" in text and ": OK" in text
 
 
 def test_layer_drawings_show_one_layer_before_and_after(dump):
@@ -120,7 +154,8 @@ def test_layer_drawings_show_one_layer_before_and_after(dump):
     titles_before, fills_before = legend(before)
     titles_after, fills_after = legend(after)
     assert titles_before[1:] == titles_after[1:] == [
-        "npu_rms_norm", "npu_rotary_mul", "npu_fused_infer_attention_score", "npu_add_rms_norm"]
+        "npu_rms_norm", "npu_rotary_mul", "npu_fused_infer_attention_score", "npu_add_rms_norm",
+        "near miss (swiglu): dashed"]
     assert fills_before == fills_after
     npu = {name: g for name, g in after_nodes.items() if labels[g].startswith("npu_")}
     fused = {name: g for name, g in npu.items() if fills(g) & set(drawing.PALETTE)}
@@ -130,6 +165,55 @@ def test_layer_drawings_show_one_layer_before_and_after(dump):
     replaced = {name for site in report.sites for name in site.replaced}
     highlighted = {name for name, g in before_nodes.items() if fills(g) & set(drawing.PALETTE)}
     assert highlighted and highlighted <= replaced
+    # one colour per label, no two alike
+    assert set(drawing.PALETTE[:4]) <= fills_after  # 4 labels, 4 distinct fills
+
+
+def test_the_near_miss_is_marked_in_the_drawings(dump):
+    folder, report = dump
+    (graph_folder,) = [p for p in folder.iterdir() if p.is_dir()]
+    (miss,) = [m for m in report.near_misses if m.location.module.startswith("lm.model.layers.0")]
+    for name in dumps.LAYER_FILES:
+        root = ET.fromstring((graph_folder / name).read_text())
+        dashed = [n for n, g in drawn_nodes(root).items()
+                  if any(shape.get("stroke") == drawing.NEAR_MISS_COLOUR and shape.get("stroke-dasharray")
+                         for shape in g)]
+        # swiglu's anchor: the product of silu(gate) and up, on the line of the near miss
+        assert len(dashed) == 1, (name, dashed)
+        assert f"near miss ({miss.pass_name}): dashed" in legend(root)[0]
+
+
+@pytest.fixture(scope="module")
+def moe_dump(tmp_path_factory):
+    """The layer drawings of `report hf:qwen3_moe --layers 1 --dump-dir DIR`: (before, after) SVG roots."""
+    missing = drawing.drawing_unavailable()
+    if missing:
+        _skip_or_fail(DRAWING_ENV, f"the layer drawings need pydot and Graphviz: {missing}")
+    pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("moe_dump")
+    torch._dynamo.reset()
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["report", "hf:qwen3_moe", "--layers", "1", "--dump-dir", str(folder)]) == 0
+    (graph_folder,) = [p for p in folder.iterdir() if p.is_dir()]
+    return tuple(ET.fromstring((graph_folder / name).read_text()) for name in dumps.LAYER_FILES)
+
+
+def test_each_fused_site_has_one_colour_before_and_after(moe_dump):
+    before, after = moe_dump
+    (titles_before, _), (titles_after, _) = legend(before), legend(after)
+    labels = titles_after[1:]
+    assert titles_before[1:] == labels and len(labels) > 6
+    # the two ops of moe_dispatch's site are one site: one label, one colour
+    assert "npu_moe_finalize_routing + npu_moe_init_routing_v2" in labels
+    # every colour a fused op has after fusion is the colour of nodes it replaced before
+    colour_of = {}
+    for root in (before, after):
+        for g in drawn_nodes(root).values():
+            texts = [t.text for t in g.iter(f"{SVG}text")]
+            filled = fills(g) - {"none", drawing.IO_FILL}
+            if filled and texts[0].startswith(("[npu_", "npu_")):
+                colour_of.setdefault(root is before, set()).update(filled)
+    assert colour_of[False] == colour_of[True] and len(colour_of[True]) == len(labels)
 
 
 def _chromium():
@@ -155,5 +239,5 @@ def test_report_html_renders_in_a_browser_without_errors(dump, tmp_path):
     width, height, pixels, channels = decode_png(screenshot.read_bytes())
     assert (width, height) == WINDOW
     seen = colours_of(pixels, channels)
-    # the drawings are on screen: their highlight colours are among the pixels
-    assert {bytes.fromhex(c[1:]) for c in drawing.PALETTE[:3]} <= seen
+    # the drawings are on screen: each of their highlight colours is among the pixels
+    assert {bytes.fromhex(c[1:]) for c in drawing.PALETTE[:4]} <= seen

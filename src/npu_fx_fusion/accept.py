@@ -353,7 +353,7 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
     match.ctx, match.nodes = exact_match.ctx, exact_match.nodes
     ctx.sites.append(FusedSite.of_match(ctx.fusion_pass.name, form.name, form.fused_op or ctx.fusion_pass.fused_op,
                                         exact_match.nodes, match.output_nodes(), ctx.fusion_pass.anchor,
-                                        "; ".join(_notes(ctx, site)), site.verified))
+                                        _notes(ctx, site), site.verified, ctx.patterns.emitted_ops[form]))
     return True
 
 

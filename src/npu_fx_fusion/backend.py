@@ -18,13 +18,13 @@ import contextlib
 import functools
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from .config import FusionConfig, check_environment
 from .lifted_floats import specialize_module_floats
-from .report import FusionReport
+from .report import FusionReport, GraphReport
 
 if TYPE_CHECKING:
     from .pipeline import FusedJoint
@@ -201,6 +201,7 @@ class EmulationBackend:
         self.pipeline = FusionPipeline(fusion_config)
         self.pipeline.report.graph_source = graph_source(self.pipeline.fusion_config)
         self._floats: dict[str, float] = {}  # lifted_floats: module floats specialised so far
+        self._joint: list[GraphReport] = []  # the joint graph's report, until its forward is compiled
 
     @property
     def report(self) -> FusionReport:
@@ -240,6 +241,7 @@ class EmulationBackend:
 
         with suspended():  # the passes trace their patterns both ways themselves
             fused = self.pipeline.run_joint(joint_gm)
+            self._joint = [fused.graph_report]  # its sites run whenever its forward runs
             return fused.partition(default_partition, joint_inputs, **kwargs)
 
     def _compile(self, phase: str, gm: torch.fx.GraphModule, example_inputs: Any):
@@ -247,10 +249,32 @@ class EmulationBackend:
 
         from .npu_dispatch import lower_for_cpu, suspended
 
+        graphs = self.report.graphs
+        first = len(graphs)
         with suspended():
             self.pipeline(gm, example_inputs, phase)
         lower_for_cpu(gm)
-        return make_boxed_func(gm.forward)
+        counted = graphs[first:]
+        if phase == "forward":
+            counted, self._joint = self._joint + counted, []
+        return make_boxed_func(counting_runs(gm.forward, counted))
+
+
+def counting_runs(compiled: Callable, graphs: Sequence[GraphReport]) -> Callable:
+    """`compiled`, adding each of its calls to the runs of `graphs` (GraphReport.runs): what
+    the report needs to count a compiled graph dynamo reuses once per use."""
+    if not graphs:
+        return compiled
+    for graph in graphs:
+        graph.runs = 0
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        for graph in graphs:
+            graph.runs += 1
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def get_npu_backend(compiler_config: Any = None, fusion_config: Optional[FusionConfig] = None):
@@ -320,8 +344,13 @@ class TorchairTrainingBackend:
         chained = functorch_config.joint_custom_pass
         if isinstance(chained, TorchairTrainingBackend._JointPass):
             chained = chained.chained  # a nested compile: do not stack our pass twice
+        graphs = self.pipeline.report.graphs
+        first = len(graphs)
         with functorch_config.patch(joint_custom_pass=self._JointPass(self, chained)), self._partitioning():
-            return self.torchair_backend(gm, example_inputs, **kwargs)
+            compiled = self.torchair_backend(gm, example_inputs, **kwargs)
+        # the graphs fused while torchair compiled this one: they run when it runs (a
+        # backward torchair compiles later, at its first run, is not counted)
+        return counting_runs(compiled, graphs[first:])
 
     @contextlib.contextmanager
     def _partitioning(self):

@@ -19,6 +19,7 @@ bad arguments or settings (a bad NPU_FX_FUSION* environment variable too).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import json
@@ -88,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--real-dims", action="store_true",
                          help="hf: targets at their configured sizes, traced on fake tensors (no numerics)")
         sub.add_argument("--disable", default="", help=f"comma-separated passes to turn off: {', '.join(PASS_NAMES)}")
-        sub.add_argument("--soc", default=None, choices=SOCS, help="Ascend SoC whose limits to honour")
+        sub.add_argument("--soc", default=None, choices=SOCS,
+                         help="Ascend SoC whose limits to honour (default: none; the report lists the fused "
+                              "sites an NPU would refuse)")
         sub.add_argument("--mode", default=None, choices=MODES,
                          help="torchair mode to fuse for (max-autotune: only ops with GE converters)")
         sub.add_argument("--verify", action="store_true", help="check every fused site numerically")
@@ -97,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--dump-dir", default=None,
                          help="write report.html, the graphs before/after, drawings and the report here")
         sub.add_argument("--format", default="markdown", choices=("markdown", "json"))
+        sub.add_argument("--traceback", action="store_true",
+                         help="when the model fails to build or run, print the whole traceback, not one line")
+        sub.add_argument("--allow-unknown-keys", action="store_true",
+                         help="hf:DIR / hf:FILE.json: build a config.json whose keys look misspelt as it is")
         _add_inference_arguments(sub)
     return parser
 
@@ -106,28 +113,32 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def load_target(target: str, dtype: Optional[torch.dtype], layers: Optional[int], *, real_dims: bool = False,
-                seq_len: Optional[int] = None) -> tuple[str, torch.nn.Module, tuple, bool]:
+                seq_len: Optional[int] = None, allow_unknown_keys: bool = False) -> tuple[str, torch.nn.Module, tuple, bool]:
     """(name, model, example_inputs, real_dims) for a TARGET string; TargetError if it
     names nothing. dtype None: the config's own (hf:DIR, --real-dims), else float32;
     layers / seq_len None: the target's defaults (2 layers, 16 tokens; tiny_models.build_hf's
-    per-type ones)."""
+    per-type ones); allow_unknown_keys: tiny_models.load_hf_config's."""
     kind, sep, rest = target.partition(":")
     if not sep or not rest:
         raise TargetError(f"TARGET {target!r} is not hf:TYPE, hf:DIR, torchtitan:NAME or module:factory")
     if real_dims and kind != "hf":
         raise TargetError("--real-dims applies to hf: targets (transformers configs) only")
     if kind == "hf":
-        return _load_hf(rest, dtype, layers, real_dims, seq_len)
+        return _load_hf(rest, dtype, layers, real_dims, seq_len, allow_unknown_keys)
     if kind == "torchtitan":
         from .tiny_models import TORCHTITAN_MODELS, build_torchtitan
 
         if rest not in TORCHTITAN_MODELS:
-            raise TargetError(f"unknown torchtitan model {rest!r}; supported: {', '.join(TORCHTITAN_MODELS)}")
+            raise TargetError(f"unknown torchtitan model {rest!r}; {_did_you_mean(rest, TORCHTITAN_MODELS)}"
+                              f"supported: {', '.join(TORCHTITAN_MODELS)}")
 
         tiny = build_torchtitan(rest, dtype=dtype or torch.float32, num_layers=2 if layers is None else layers)
         return tiny.name, tiny.model, tuple(tiny.example_inputs), False
     factory = _import_factory(kind, rest)
-    built = factory()
+    try:
+        built = factory()
+    except Exception as exc:  # the user's factory raised: their code failed, not the TARGET
+        raise TargetFailed(f"{target} failed to build", exc) from exc
     if not (isinstance(built, (tuple, list)) and len(built) == 2 and isinstance(built[0], torch.nn.Module)):
         raise TargetError(f"{target} must return (model, example_inputs), got {type(built).__name__}")
     model, inputs = built
@@ -135,28 +146,38 @@ def load_target(target: str, dtype: Optional[torch.dtype], layers: Optional[int]
     return target, model, inputs, False
 
 
+def _did_you_mean(given: str, valid: Sequence[str]) -> str:
+    """"did you mean 'x'? " for the valid values nearest `given` (difflib), else ""."""
+    import difflib
+
+    near = difflib.get_close_matches(given, valid, n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+
+
 def _load_hf(spec: str, dtype: Optional[torch.dtype], layers: Optional[int], real_dims: bool,
-             seq_len: Optional[int]) -> tuple[str, torch.nn.Module, tuple, bool]:
-    from .tiny_models import build_hf, build_hf_from_config, hf_config, hf_model_types, load_hf_config
+             seq_len: Optional[int], allow_unknown_keys: bool = False) -> tuple[str, torch.nn.Module, tuple, bool]:
+    from .tiny_models import (build_hf, build_hf_from_config, hf_config, hf_model_types, load_hf_config,
+                              unknown_model_type)
 
     kwargs = {}
     base, at, experts = spec.rpartition("@")
     if at and not _looks_like_path(experts):
         if experts not in EXPERTS_IMPLEMENTATIONS:
             raise TargetError(f"hf:{spec}: unknown experts implementation {experts!r}; "
+                              f"{_did_you_mean(experts, EXPERTS_IMPLEMENTATIONS)}"
                               f"valid: {', '.join(EXPERTS_IMPLEMENTATIONS)}")
         spec, kwargs = base, {"experts_implementation": experts}
     if _looks_like_path(spec) or (os.path.isdir(spec) and spec not in hf_model_types()):
         try:
-            config = load_hf_config(spec, num_layers=2 if layers is None else layers, real_dims=real_dims)
+            config = load_hf_config(spec, num_layers=2 if layers is None else layers, real_dims=real_dims,
+                                    allow_unknown_keys=allow_unknown_keys)
         except ValueError as exc:  # no config.json there, or not one transformers can read
             raise TargetError(f"hf:{spec}: {exc}") from None
         tiny = build_hf_from_config(config, dtype=dtype, real_dims=real_dims, seq_len=seq_len or 16,
                                     description=f"{config.model_type} from {spec}", **kwargs)
     else:
         if spec not in hf_model_types():
-            raise TargetError(f"unknown HF model type {spec!r}; transformers builds these as causal LMs: "
-                              f"{', '.join(hf_model_types())} (or give hf:path/to/model_dir)")
+            raise TargetError(f"hf:{spec}: {unknown_model_type(spec)}; or give hf:path/to/model_dir")
         if dtype is None and real_dims:  # the type's own default dtype, when it names one
             dtype = getattr(hf_config(spec, num_layers=2 if layers is None else layers, real_dims=True), "dtype", None)
             dtype = dtype if dtype in DTYPES.values() else None
@@ -165,21 +186,40 @@ def _load_hf(spec: str, dtype: Optional[torch.dtype], layers: Optional[int], rea
     return tiny.name, tiny.model, tuple(tiny.example_inputs), tiny.real_dims
 
 
+class TargetFailed(Exception):
+    """The TARGET names code that then failed (to import, build or run): exit code 1."""
+
+    def __init__(self, what: str, exc: BaseException):
+        super().__init__(f"{what}: {type(exc).__name__}: {exc}")
+        self.exc = exc
+
+
 def _import_factory(module_name: str, attr: str):
+    if module_name.endswith(".py"):
+        if not os.path.isfile(module_name):
+            raise TargetError(f"no such file: {module_name}")
+        spec = importlib.util.spec_from_file_location("_npu_fx_fusion_target", module_name)
+        module = importlib.util.module_from_spec(spec)
+        load = functools.partial(spec.loader.exec_module, module)
+    else:
+        module = None
+        load = functools.partial(importlib.import_module, module_name)
     try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise TargetError(f"no such file: {module_name}")
-            spec = importlib.util.spec_from_file_location("_npu_fx_fusion_target", module_name)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
+        module = load() or module
     except ModuleNotFoundError as exc:
-        raise TargetError(f"cannot import {module_name}: {exc}") from None
+        if exc.name != module_name.split(".")[0]:  # the module imports something missing
+            raise TargetFailed(f"{module_name} failed to import", exc) from exc
+        hint = ""
+        if os.path.isfile(module_name.replace(".", os.sep) + ".py"):
+            hint = (f"; {module_name.replace('.', os.sep)}.py is here: give the file, "
+                    f"{module_name.replace('.', os.sep)}.py:{attr}")
+        raise TargetError(f"cannot import {module_name}: {exc}{hint}") from None
+    except Exception as exc:  # the module's own code raised while it was imported
+        raise TargetFailed(f"{module_name} failed to import", exc) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise TargetError(f"{module_name} has no callable {attr!r}")
+        names = [name for name in dir(module) if not name.startswith("_") and callable(getattr(module, name))]
+        raise TargetError(f"{module_name} has no callable {attr!r}; {_did_you_mean(attr, names)}".rstrip("; "))
     return factory
 
 
@@ -238,46 +278,85 @@ def report(args: argparse.Namespace, target: str) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     try:
         name, model, inputs, real_dims = load_target(target, dtype, args.layers, real_dims=args.real_dims,
-                                                     seq_len=args.seq_len)
+                                                     seq_len=args.seq_len, allow_unknown_keys=args.allow_unknown_keys)
     except TargetError:
         raise
+    except TargetFailed as failed:
+        return _failed(args, str(failed), failed.exc)
     except Exception as exc:  # the target names a model, which then failed to build
-        print(f"npu-fx-fusion: {target} failed to build: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, f"{target} failed to build: {type(exc).__name__}: {exc}", exc)
     backend = nff.get_npu_backend(fusion_config=config)
     try:
         with torch.no_grad():
             expected = None if real_dims else model(*inputs)
             actual = torch.compile(model, backend=backend)(*inputs)
     except Exception as exc:  # the model or the compile failed: not an argument problem
-        print(f"npu-fx-fusion: {name} failed to run: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, f"{name} failed to run: {type(exc).__name__}: {exc}", exc)
     fusion_report = nff.last_report()
     verdict = None if real_dims else compare_with_eager(actual, expected)
+    fusion_report.target = name
+    fusion_report.outputs_vs_eager = verdict if verdict else {"ok": None, "why": NO_NUMERICS}
+    if args.dump_dir:  # again, now with the target and the verdict
+        from .dumps import Dumper
+
+        Dumper(args.dump_dir).write_reports(fusion_report)
     dumped = _dump_listing(args.dump_dir) if args.dump_dir else []
     if args.format == "json":
-        doc = {"target": name, "report": fusion_report.to_dict(),
-               "outputs_vs_eager": verdict if verdict else {"ok": None, "why": NO_NUMERICS}}
+        doc = {"target": name, "report": fusion_report.to_dict(), "outputs_vs_eager": fusion_report.outputs_vs_eager}
         if args.dump_dir:
             doc["dump"] = {"dir": os.path.abspath(args.dump_dir),
                            "files": [{"path": path, "what": what} for path, what in dumped]}
         print(json.dumps(doc, indent=2))
     else:
-        print(f"target: {name}")
         print(fusion_report.to_markdown())
-        if verdict is None:
-            print(f"outputs vs eager: not compared: {NO_NUMERICS}")
-        else:
-            print(f"outputs vs eager: max abs diff {verdict['max_abs_diff']:.3g}, tolerance "
-                  f"{verdict['tolerance']:.3g} = {verdict['tolerance_rule']}: "
-                  f"{'OK' if verdict['ok'] else 'MISMATCH'}")
         if fusion_report.errors:
             print(f"pass errors: {fusion_report.errors}")
         if args.dump_dir:
-            print(f"\ndump: wrote {len(dumped)} files to {os.path.abspath(args.dump_dir)}:")
+            print(f"dump: wrote {len(dumped)} files to {os.path.abspath(args.dump_dir)}:")
             print("\n".join(f"  {path}: {what}" for path, what in dumped))
+            print(f"  open {os.path.join(os.path.abspath(args.dump_dir), 'report.html')} in a browser\n")
+        print(summary_line(fusion_report))
     ok = verdict is None or verdict["ok"]
     return 0 if ok and not fusion_report.errors else 1
+
+
+def summary_line(fusion_report: Any) -> str:
+    """The last line: what fused, what did not, and the verdict, as pytest ends."""
+    sites, misses = len(fusion_report.sites), len(fusion_report.near_misses)
+    verdict = fusion_report.outputs_vs_eager or {}
+    outcome = {True: "outputs match eager", False: "OUTPUTS DIFFER FROM EAGER",
+               None: "outputs not compared"}[verdict.get("ok")]
+    errors = f", {len(fusion_report.errors)} pass errors" if fusion_report.errors else ""
+    return (f"{fusion_report.target}: {sites} fused {'site' if sites == 1 else 'sites'}, "
+            f"{misses} near {'miss' if misses == 1 else 'misses'}{errors}, {outcome}")
+
+
+def _failed(args: argparse.Namespace, message: str, exc: BaseException) -> int:
+    """Exit code 1 for a model that failed to import, build or run: one line saying where,
+    or with --traceback the whole traceback first."""
+    import traceback
+
+    if args.traceback:
+        traceback.print_exception(exc, file=sys.stderr)
+        print(f"npu-fx-fusion: {message}", file=sys.stderr)
+    else:
+        where = _user_frame(exc)
+        print(f"npu-fx-fusion: {message}" + (f" (at {where})" if where else "")
+              + "; --traceback prints the whole traceback", file=sys.stderr)
+    return 1
+
+
+def _user_frame(exc: BaseException) -> str:
+    """"file.py:6 in helper": the innermost frame of `exc` outside torch and npu_fx_fusion."""
+    import traceback
+
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not os.path.abspath(f.filename).startswith(library) and not f.filename.startswith("<")]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
 NO_NUMERICS = ("--real-dims traced the model at its configured sizes with fake tensors; "
@@ -390,8 +469,7 @@ def report_inference(args: argparse.Namespace, target: str) -> int:
             expected = step(ids, reference)
             actual = compiled(ids, cache)
     except Exception as exc:  # the model or the compile failed: not an argument problem
-        print(f"npu-fx-fusion: {tiny.name} failed to run: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return _failed(args, f"{tiny.name} failed to run: {type(exc).__name__}: {exc}", exc)
     fusion_report = nff.last_report()
     states = [(mine, ref) for m, r in zip(cache.layers, reference.layers)
               for mine, ref in ((m.keys, r.keys), (m.values, r.values))]
@@ -400,12 +478,12 @@ def report_inference(args: argparse.Namespace, target: str) -> int:
     verdicts = {name: diff <= OUTPUT_TOLERANCE[dtype] * max(1.0, scale) for name, (diff, scale) in checks.items()}
     summary = per_layer_summary(fusion_report)
     name = f"{tiny.name}-{args.phase}-static{args.max_cache_len}"
+    fusion_report.target = f"{name} ({args.phase} step over a StaticCache of {args.max_cache_len} positions)"
     if args.format == "json":
         print(json.dumps({"target": name, "report": fusion_report.to_dict(), "per_layer": summary,
                           "vs_eager": {k: {"max_abs_diff": checks[k][0], "ok": verdicts[k]} for k in checks}},
                          indent=2))
     else:
-        print(f"target: {name} ({args.phase} step over a StaticCache of {args.max_cache_len} positions)")
         print(fusion_report.to_markdown())
         print(f"## per layer ({args.phase})\n")
         print("\n".join(_per_layer_markdown(summary)))

@@ -6,6 +6,7 @@ order (derived from the passes' own declarations, catalog.py).
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from collections.abc import Iterable
@@ -37,8 +38,10 @@ def check_pass_names(names: Iterable[str], where: str) -> frozenset[str]:
     names = frozenset(names)
     unknown = sorted(names - set(pass_names()))
     if unknown:
+        near = [match for name in unknown for match in difflib.get_close_matches(name, pass_names(), n=1)]
+        guess = f"did you mean {', '.join(map(repr, near))}? " if near else ""
         raise ValueError(
-            f"unknown pass name(s) {', '.join(map(repr, unknown))} in {where}; "
+            f"unknown pass name(s) {', '.join(map(repr, unknown))} in {where}; {guess}"
             f"valid names: {', '.join(pass_names())}"
         )
     return names

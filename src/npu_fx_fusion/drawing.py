@@ -20,7 +20,7 @@ import logging
 import operator
 import shutil
 import subprocess
-from typing import Any, Collection, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
@@ -28,9 +28,12 @@ import torch.fx
 log = logging.getLogger("npu_fx_fusion.drawing")
 
 # Fill colours for the highlight labels, in order of first appearance in the graph; none
-# is the grey of inputs and outputs. More labels than colours reuse them.
+# is the grey of inputs and outputs. A drawing with more labels than these gets as many
+# hues spread evenly around the colour wheel instead (distinct_colours): no two labels of
+# one drawing share a colour.
 PALETTE = ("#ffb347", "#77dd77", "#84b6f4", "#fdfd96", "#ff6961", "#c3a6ff", "#f49ac2", "#76d7c4")
 IO_FILL = "#eeeeee"  # placeholders and the output
+NEAR_MISS_COLOUR = "#d62728"  # the dashed border of a near miss's nodes, and its legend text
 MAX_OUTPUT_EDGES = 8  # a graph returning more values has no edges into its output node
 DOT_TIMEOUT = 60.0  # seconds; a graph taking longer to lay out is not drawn
 
@@ -62,6 +65,20 @@ def fused_nodes(gm: torch.fx.GraphModule, original: Collection[torch.fx.Node] = 
     return found
 
 
+def distinct_colours(n: int) -> list[str]:
+    """`n` fill colours, pairwise distinct and light enough for black text: PALETTE's first
+    `n`, or for more than it holds `n` hues evenly spaced (HSL, 70% saturation, 75% lightness)."""
+    import colorsys
+
+    if n <= len(PALETTE):
+        return list(PALETTE[:n])
+    colours = []
+    for i in range(n):
+        red, green, blue = colorsys.hls_to_rgb((i / n + 0.08) % 1.0, 0.75, 0.7)
+        colours.append("#%02x%02x%02x" % (round(red * 255), round(green * 255), round(blue * 255)))
+    return colours
+
+
 def drawing_unavailable() -> Optional[str]:
     """Why graphs cannot be drawn here (pydot or Graphviz's `dot` missing), or None."""
     try:
@@ -74,14 +91,16 @@ def drawing_unavailable() -> Optional[str]:
 
 
 def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], title: str,
-              timeout: float = DOT_TIMEOUT, colours: Optional[Mapping[str, str]] = None) -> Optional[str]:
+              timeout: float = DOT_TIMEOUT, colours: Optional[Mapping[str, str]] = None,
+              near_misses: Optional[Mapping[torch.fx.Node, str]] = None) -> Optional[str]:
     """SVG text of `gm`'s graph; the nodes of `highlight` filled with a colour per label.
 
     `highlight` maps nodes to a short label (a pass or fused-op name); a legend above the
     graph lists the labels with their colours: `colours` ({label: "#rrggbb"}, so that two
-    drawings colour alike), else PALETTE in order of first appearance. Returns None, and
-    logs, when pydot or Graphviz's `dot` is missing (once per process) or `dot` takes over
-    `timeout` seconds.
+    drawings colour alike), else distinct_colours in order of first appearance.
+    `near_misses` maps nodes to the pass that left them unfused: drawn with a dashed red
+    border, the passes named in the legend. Returns None, and logs, when pydot or
+    Graphviz's `dot` is missing (once per process) or `dot` takes over `timeout` seconds.
     """
     global _missing_logged
     missing = drawing_unavailable()
@@ -92,11 +111,12 @@ def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], 
         return None
     import pydot
 
-    given, colours = colours or {}, {}
-    for node in gm.graph.nodes:  # colours in graph order, so the same graph draws the same
-        if node in highlight and highlight[node] not in colours:
-            label = highlight[node]
-            colours[label] = given.get(label) or PALETTE[len(colours) % len(PALETTE)]
+    near_misses = near_misses or {}
+    if colours is None:  # in graph order, so the same graph draws the same
+        labels = list(dict.fromkeys(highlight[node] for node in gm.graph.nodes if node in highlight))
+        colours = dict(zip(labels, distinct_colours(len(labels))))
+    else:  # the legend lists the labels this drawing has
+        colours = {label: colour for label, colour in colours.items() if label in set(highlight.values())}
     # A graph returning many values (the saved activations of a training forward, the
     # gradients of a backward) gets no edges into its output: dot routes each through
     # every rank in between, and lays 700 nodes out in minutes instead of seconds. Its
@@ -105,8 +125,9 @@ def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], 
     returned = set(output.all_input_nodes) if output is not None else set()
     collapsed = len(returned) > MAX_OUTPUT_EDGES
 
+    missed = sorted(set(near_misses.values()))
     dot = pydot.Dot("G", graph_type="digraph", rankdir="TB", labelloc="t", nodesep="0.15", ranksep="0.3",
-                    fontname="Helvetica", fontsize="12", label=_graph_label(title, colours))
+                    fontname="Helvetica", fontsize="12", label=_graph_label(title, colours, missed))
     dot.set_node_defaults(shape="box", fontname="Helvetica", fontsize="9", height="0.3", margin="0.05,0.02")
     dot.set_edge_defaults(arrowsize="0.5")
     for node in gm.graph.nodes:
@@ -116,6 +137,9 @@ def graph_svg(gm: torch.fx.GraphModule, highlight: Mapping[torch.fx.Node, str], 
             attrs.update(style="filled", fillcolor=colours[highlight[node]], penwidth="2")
         elif node.op in ("placeholder", "output"):
             attrs.update(style="filled", fillcolor=IO_FILL)
+        if node in near_misses:
+            attrs.update(color=NEAR_MISS_COLOUR, penwidth="2",
+                         style=",".join(filter(None, (attrs.get("style"), "dashed"))))
         if collapsed and node is output:
             lines.append(f"{len(returned)} values, double-bordered")
         elif collapsed and node in returned:
@@ -147,15 +171,17 @@ def _quoted(*lines: str) -> str:
     return '"' + "\\n".join(escaped) + '"'
 
 
-LEGEND_COLUMNS = 4  # legend cells per row: a drawing of a small graph stays narrow
+LEGEND_COLUMNS = 2  # legend cells per row: the legend does not widen the drawing of one layer
 
 
-def _graph_label(title: str, colours: Mapping[str, str]) -> str:
-    """An HTML-like DOT label: the title, then one coloured cell per highlight label, in
-    rows of LEGEND_COLUMNS."""
-    columns = max(min(len(colours), LEGEND_COLUMNS), 1)
-    rows = f'<tr><td colspan="{columns}"><b>{html.escape(title, quote=False)}</b></td></tr>'
+def _graph_label(title: str, colours: Mapping[str, str], near_misses: Sequence[str] = ()) -> str:
+    """An HTML-like DOT label: the title, then one coloured cell per highlight label, and
+    one red cell per pass with a near miss drawn, in rows of LEGEND_COLUMNS."""
     cells = [f'<td bgcolor="{colour}">{html.escape(label, quote=False)}</td>' for label, colour in colours.items()]
+    cells += [f'<td><font color="{NEAR_MISS_COLOUR}">near miss ({html.escape(name, quote=False)}): dashed</font></td>'
+              for name in near_misses]
+    columns = max(min(len(cells), LEGEND_COLUMNS), 1)
+    rows = f'<tr><td colspan="{columns}"><b>{html.escape(title, quote=False)}</b></td></tr>'
     for start in range(0, len(cells), columns):
         rows += f"<tr>{''.join(cells[start:start + columns])}</tr>"
     return f'<<table border="0" cellborder="1" cellspacing="2">{rows}</table>>'
@@ -169,8 +195,8 @@ def _node_label(node: torch.fx.Node, highlighted: Optional[str]) -> list[str]:
     else:
         name = _target_name(node.target)
     lines = [name]
-    if highlighted and highlighted != name:
-        lines.insert(0, f"[{highlighted}]")
+    if highlighted and highlighted != name:  # one line per op of a multi-op label: boxes stay narrow
+        lines[:0] = f"[{highlighted}]".replace(" + ", " +\n").split("\n")
     value = _value_text(node.meta.get("val"))
     if value:
         lines.append(value)

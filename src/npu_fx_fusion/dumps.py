@@ -186,8 +186,9 @@ def pick_layer(after: torch.fx.Graph, original_nodes: Collection[torch.fx.Node] 
     return max(per_layer, key=lambda layer: (len(set(per_layer[layer])), len(per_layer[layer])))
 
 
-def _final_ops(before: torch.fx.Graph, graph_report: "GraphReport") -> dict[Any, str]:
-    """{site: the fused op its nodes end up in ("npu_add_rms_norm")}.
+def _final_sites(before: torch.fx.Graph, graph_report: "GraphReport") -> dict[Any, Any]:
+    """{site: the site whose fused ops its nodes end up in}: itself, or a later site that
+    folded it in.
 
     A site a later site folded in (FusedSite.consumed: add_rms_norm takes rms_norm's
     npu_rms_norm) ends up in the later one's op. Which earlier site it was: one whose
@@ -195,7 +196,7 @@ def _final_ops(before: torch.fx.Graph, graph_report: "GraphReport") -> dict[Any,
     (the norm reads the residual add that add_rms_norm replaces)."""
     by_name = {n.name: n for n in before.nodes}
     sites = [site for result in graph_report.passes for site in result.sites]
-    final = {site: site.fused_op.split(".", 1)[-1] for site in sites}
+    final = {site: site for site in sites}
     for index, later in enumerate(sites):
         if not later.consumed:
             continue
@@ -208,12 +209,58 @@ def _final_ops(before: torch.fx.Graph, graph_report: "GraphReport") -> dict[Any,
     return final
 
 
+def _site_label(site: Any, present: Collection[str]) -> str:
+    """A site's label in the drawings: the fused ops its replacement put in the graph
+    ("npu_moe_init_routing_v2 + npu_moe_finalize_routing"), those of them `present`, else
+    its main op. One label, one colour: the nodes a site replaced and every op it emitted."""
+    ops = [op.split(".", 1)[-1] for op in site.emitted]
+    shown = [op for op in ops if op in present] or [site.fused_op.split(".", 1)[-1]]
+    return " + ".join(dict.fromkeys(shown))
+
+
+def _near_miss_nodes(graph: torch.fx.Graph, layer: str, graph_report: "GraphReport") -> dict[str, str]:
+    """{FX name: pass} of the nodes of `layer` on a line the passes left a near miss at:
+    the nodes of that source line in that module (a near miss names a line, not a node)."""
+    from .report import SourceLocation
+
+    lines = {(m.location.module, m.location.file, m.location.line): r.pass_name
+             for r in graph_report.passes for m in r.near_misses if m.location.file}
+    found = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and layer_of(node) == layer and not _is_plumbing(node):
+            where = SourceLocation.of(node)
+            name = lines.get((where.module, where.file, where.line))
+            if name is not None:
+                found[node.name] = name
+    return found
+
+
+def _colour_kept_calls(before: torch.fx.Graph, before_nodes: dict[str, torch.fx.Node], label_of: dict[Any, str],
+                       highlight_before: dict[torch.fx.Node, str]) -> None:
+    """A site whose nodes were all made by an earlier fusion (grouped_matmul's expert GEMM,
+    which moe_dispatch's replacement calls again where the model called it) names none of
+    the graph before fusion. A kept call keeps the source line of the call it stands for
+    (accept._inherit_kept_calls), so the before-drawing nodes of that line, inside the
+    earlier site, take this site's colour: they became its op."""
+    from .report import SourceLocation
+
+    by_name = {n.name: n for n in before.nodes}
+    for site, label in label_of.items():
+        if not site.location.file or any(name in by_name for name in site.replaced):
+            continue
+        for name, node in before_nodes.items():
+            original = by_name.get(name)
+            if node in highlight_before and original is not None and SourceLocation.of(original) == site.location:
+                highlight_before[node] = label
+
+
 def layer_drawings(before: torch.fx.Graph, after: torch.fx.GraphModule, graph_report: "GraphReport",
                    title: str, original_nodes: Collection[torch.fx.Node] = ()) -> dict[str, str]:
-    """{"layer_before.svg": ..., "layer_after.svg": ...} for the layer pick_layer chooses,
-    fused ops and the nodes they replaced in the same colour per fused op; {} when there
-    is no such layer or drawing is unavailable."""
-    from .drawing import PALETTE, fused_nodes, graph_svg
+    """{"layer_before.svg": ..., "layer_after.svg": ...} for the layer pick_layer chooses:
+    each fused site's replaced nodes (before) and the ops it emitted (after) in one colour,
+    distinct from every other site's; the nodes of a near miss's line dashed red. {} when
+    there is no such layer or drawing is unavailable."""
+    from .drawing import distinct_colours, fused_nodes, graph_svg
 
     layer = pick_layer(after.graph, original_nodes)
     if layer is None:
@@ -221,19 +268,32 @@ def layer_drawings(before: torch.fx.Graph, after: torch.fx.GraphModule, graph_re
     before_gm, before_nodes = _layer_module(before, layer)
     after_gm, after_nodes = _layer_module(after.graph, layer)
     # the layer's copies keep their FX names: what the whole graph highlights, by name
-    highlight_after = {after_nodes[node.name]: op for node, op in fused_nodes(after, original_nodes).items()
-                       if node.name in after_nodes and after_nodes[node.name].op == "call_function"}
+    fused_after = {after_nodes[node.name]: op for node, op in fused_nodes(after, original_nodes).items()
+                   if node.name in after_nodes and after_nodes[node.name].op == "call_function"}
+    present = set(fused_after.values())
+    label_of = {site: _site_label(final, present) for site, final in _final_sites(before, graph_report).items()}
     highlight_before = {}
-    for site, op in _final_ops(before, graph_report).items():
+    # a node two sites replaced (moe_dispatch's block around the expert GEMMs that
+    # grouped_matmul fuses) takes the label of the smaller, more specific one
+    for site, label in sorted(label_of.items(), key=lambda item: len(item[0].replaced)):
         for name in site.replaced:
             if name in before_nodes and before_nodes[name].op == "call_function":
-                highlight_before.setdefault(before_nodes[name], op)
+                highlight_before.setdefault(before_nodes[name], label)
+    _colour_kept_calls(before, before_nodes, label_of, highlight_before)
+    op_label = {}  # a fused op in the after drawing takes the label of the site that emitted it
+    for label in label_of.values():
+        for op in label.split(" + "):
+            op_label.setdefault(op, label)
+    highlight_after = {node: op_label.get(op, op) for node, op in fused_after.items()}
     labels = list(dict.fromkeys([*highlight_after.values(), *highlight_before.values()]))
-    colours = {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
+    colours = dict(zip(labels, distinct_colours(len(labels))))
     drawings = {}
-    for filename, gm, highlight, when in (("layer_before.svg", before_gm, highlight_before, "before fusion"),
-                                          ("layer_after.svg", after_gm, highlight_after, "after fusion")):
-        svg = graph_svg(gm, highlight, f"{title}: {layer}, {when}", colours=colours)
+    for filename, gm, nodes, graph, highlight, when in (
+            ("layer_before.svg", before_gm, before_nodes, before, highlight_before, "before fusion"),
+            ("layer_after.svg", after_gm, after_nodes, after.graph, highlight_after, "after fusion")):
+        missed = {nodes[name]: pass_name for name, pass_name in _near_miss_nodes(graph, layer, graph_report).items()
+                  if name in nodes}
+        svg = graph_svg(gm, highlight, f"{title}: {layer}, {when}", colours=colours, near_misses=missed)
         if svg is None:
             return {}
         drawings[filename] = svg
@@ -250,9 +310,12 @@ th { background: #f3f3f3; }
 td.n { text-align: right; }
 code { font-family: Menlo, Consolas, monospace; font-size: 0.92em; background: #f6f6f6; }
 .layers { display: flex; gap: 1em; align-items: flex-start; }
-.layer { flex: 1 1 50%; min-width: 0; border: 1px solid #ddd; padding: 0.5em; overflow: auto; max-height: 80vh; }
-.layer svg { width: 100%; height: auto; }
+.layer { flex: 1 1 50%; min-width: 0; border: 1px solid #ddd; padding: 0.5em; overflow: auto; max-height: 85vh; }
+.layer svg { max-width: none; height: auto; }
 .note { color: #666; font-size: 0.9em; }
+ul.summary li { margin: 0.2em 0; }
+li.ok { color: #1a7f37; } li.bad { color: #c62828; font-weight: bold; }
+details { margin: 0.5em 0; }
 """
 
 
@@ -270,42 +333,60 @@ def _location_cells(location: Any) -> str:
 
 def report_html(report: "FusionReport", dump_dir: Optional[str] = None) -> str:
     """A self-contained HTML page of `report` (inline CSS and SVG, no script, no network):
-    the pass table, the fused ops, every near miss with its source line, and for each
-    graph dumped under `dump_dir` its layer drawings side by side."""
+    what was compiled, which graph and SoC limits, the outputs-vs-eager verdict, the pass
+    table, the fused ops, for each graph its cost, its layer drawings side by side (for a
+    graph dumped under `dump_dir`) and its op table, every near miss with its source line."""
     from .drawing import drawing_unavailable
+    from .report import _quiet_line, graph_title, op_changes, pass_rows
 
     e = html.escape
+    title = "npu-fx-fusion report" + (f": {report.target}" if report.target else "")
     out = ["<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
-           "<title>npu-fx-fusion report</title>", f"<style>{_CSS}</style></head><body>",
-           "<h1>npu-fx-fusion report</h1>"]
+           f"<title>{e(title)}</title>", f"<style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
     if not report.graphs:
         return "\n".join(out + ["<p>No graph was compiled.</p></body></html>"])
-    folded = report.folded
-    out += ["<h2>Fused sites per pass</h2>", "<table><tr><th>pass</th><th>fused sites</th><th>note</th></tr>"]
-    for name, n in report.counts.items():
-        note = ", ".join(f"{k} folded into {into}" for into, k in folded.get(name, {}).items())
-        out.append(f"<tr><td>{e(name)}</td><td class=\"n\">{n}</td><td>{e(note)}</td></tr>")
+    out.append(_summary_html(report))
+    rows, quiet = pass_rows(report)
+    executed = report.reused
+    out += ["<h2>Fused sites per pass</h2>",
+            "<table><tr><th>pass</th><th>fused sites</th>" + ("<th>executed</th>" if executed else "")
+            + "<th>near misses</th><th>note</th></tr>"]
+    for row in rows:
+        out.append(f"<tr><td>{e(row.name)}</td><td class=\"n\">{row.fused}</td>"
+                   + (f"<td class=\"n\">{row.executed}</td>" if executed else "")
+                   + f"<td class=\"n\">{row.near_misses}</td><td>{e(row.note)}</td></tr>")
     out.append("</table>")
+    if quiet:
+        out.append(f"<p class=\"note\">{e(_quiet_line(quiet))}</p>")
     fused = ", ".join(f"<code>{e(op)}</code> &times;{n}" for op, n in report.fused_ops.items()) or "none"
     out.append(f"<p>Fused ops in the final graphs: {fused}</p>")
 
     for index, g in enumerate(report.graphs):
-        mode = f", torchair mode {g.mode}" if g.mode else ""
-        out.append(f"<h2>Graph {index}: {e(g.name)} ({g.nodes_before} &rarr; {g.nodes_after} nodes{e(mode)})</h2>")
+        out.append(f"<h2>Graph {index}: {e(graph_title(g))}</h2>")
         out.append(f"<p class=\"note\">{e(g.cost_line())}</p>")
         folder = _graph_folder(dump_dir, index, g.name)
         drawings = [_read(folder, name) for name in LAYER_FILES] if folder else [None, None]
         if all(drawings):
             out += ["<h3>One decoder layer, before and after fusion</h3>",
-                    "<p class=\"note\">Each fused op and the nodes it replaced share a colour; views, "
-                    "reshapes and getitems are drawn as edges; grey boxes are values from outside "
-                    "the layer. Hover a box for its FX name.</p>",
+                    "<p class=\"note\">Each fused site's replaced nodes (left) and the ops it emitted (right) "
+                    "share a colour; nodes on a near miss's source line have a dashed red border; views, "
+                    "reshapes and getitems are drawn as edges; grey boxes are values from outside the layer. "
+                    "Hover a box for its FX name; scroll a drawing to see all of it.</p>",
                     "<div class=\"layers\">"]
             out += [f"<div class=\"layer\">{_svg_body(svg)}</div>" for svg in drawings]
             out.append("</div>")
         elif dump_dir:
             why = drawing_unavailable() or "no decoder layer with a fused op in this graph"
             out.append(f"<p class=\"note\">No layer drawing: {e(why)}.</p>")
+        ops, sentences = op_changes(g)
+        if ops:
+            out += ["<details><summary>ops before and after fusion</summary>",
+                    "<table><tr><th>op</th><th>before</th><th>after</th><th>note</th></tr>"]
+            out += [f"<tr><td><code>{e(op)}</code></td><td class=\"n\">{before}</td><td class=\"n\">{after}</td>"
+                    f"<td>{e(note)}</td></tr>" for op, before, after, note in ops]
+            out.append("</table>")
+            out += [f"<p class=\"note\">{e(sentence)}</p>" for sentence in sentences]
+            out.append("</details>")
 
     misses = report.near_misses
     out.append(f"<h2>Near misses ({len(misses)})</h2>")
@@ -331,6 +412,30 @@ def report_html(report: "FusionReport", dump_dir: Optional[str] = None) -> str:
                 for path, what in describe_dump(dump_dir) if path != "report.html"]
         out.append("</table>")
     out.append("</body></html>")
+    return "\n".join(out)
+
+
+def _summary_html(report: "FusionReport") -> str:
+    """FusionReport.summary_lines as an HTML list (nested items for the sub-bullets), the
+    verdict in green or red."""
+    e = html.escape
+    items: list[list[str]] = []
+    for line in report.summary_lines():
+        if line.startswith("  - "):
+            items[-1].append(line[4:])
+        else:
+            items.append([line[2:]])
+    out = ["<ul class=\"summary\">"]
+    for head, *subs in items:
+        css = ""
+        if head.startswith("outputs vs eager:"):
+            ok = (report.outputs_vs_eager or {}).get("ok")
+            css = {True: " class=\"ok\"", False: " class=\"bad\""}.get(ok, "")
+        out.append(f"<li{css}>{e(head)}")
+        if subs:
+            out.append("<ul>" + "".join(f"<li>{e(sub)}</li>" for sub in subs) + "</ul>")
+        out.append("</li>")
+    out.append("</ul>")
     return "\n".join(out)
 
 

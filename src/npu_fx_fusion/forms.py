@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 import torch.fx
 
+from .report import ON_AN_NPU
+
 Node = torch.fx.Node
 Reason = Optional[str]  # None: fine; a string: why not
 
@@ -89,7 +91,7 @@ class Site:
             return None
         if self.soc is not None:
             return broken[0]
-        self.notes.extend(f"on an NPU: {reason}" for reason in broken)
+        self.notes.extend(ON_AN_NPU + reason for reason in broken)
         return None
 
 

@@ -107,7 +107,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     start = time.perf_counter()
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
-    soc, mode = config.soc or detect_soc(), config.mode or mode
+    soc, mode = _soc(config, report), config.mode or mode
     graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
 
     enabled = config.enabled_passes()
@@ -141,6 +141,15 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
     dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
+
+
+def _soc(config: FusionConfig, report: FusionReport) -> Optional[str]:
+    """The SoC whose limits the passes apply: FusionConfig.soc, else the NPU's (torch_npu),
+    else None (CPU emulation: limits the stand-ins do not have become notes). The report
+    says which (FusionReport.soc)."""
+    soc = config.soc or detect_soc()
+    report.soc, report.soc_detected = soc, config.soc is None and soc is not None
+    return soc
 
 
 def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
@@ -195,7 +204,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     """
     start = time.perf_counter()
     npu_ops.ensure_registered()
-    soc, mode = config.soc or detect_soc(), config.mode or mode
+    soc, mode = _soc(config, report), config.mode or mode
     graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
     # only passes with differentiable arguments have joint patterns (or match their
     # forward-only ones there: FusionPass.forward_forms_on_joint)

@@ -93,8 +93,8 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
         nodes = list(found.nodes) + list(found.backward_nodes)
         notes = [f"instead of {alternative.name}: {why}" for alternative, why in refused.pop(found.output, [])]
         site_record = FusedSite.of_match(fusion_pass.name, found.name, found.fused_op or fusion_pass.fused_op,
-                                         nodes, [found.output], None,
-                                         "; ".join([*notes, *_notes(run, found, site, graphs)]), site.verified)
+                                         nodes, [found.output], None, [*notes, *_notes(run, found, site, graphs)],
+                                         site.verified, [op for g in graphs if g is not None for op in emitted_ops(g)])
         insert_replacement(_RegionMatch(found.nodes, found.output), graph, forward,
                            [found.args[name] for name in found.args], run.fake_mode)
         if backward is not None:

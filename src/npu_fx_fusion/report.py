@@ -13,7 +13,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import AbstractSet, Any, Callable, NamedTuple, Optional, Sequence
+from typing import AbstractSet, Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.fx
@@ -22,6 +22,10 @@ from .nodes import functional_target
 
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
 FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer", "cann_ops_nn")
+# A site's note that starts so names a limit of the real kernel the site breaks: with no
+# SoC given (CPU emulation) such a site fuses, and the report lists it as one an NPU would
+# refuse (forms.Site.hardware_limits writes these notes).
+ON_AN_NPU = "on an NPU: "
 
 
 @dataclass(frozen=True)
@@ -139,17 +143,29 @@ class FusedSite:
     verified: str = ""  # FusionConfig(verify=True): the measured error, or why not checked
     replaced: tuple[str, ...] = ()  # the FX names of the nodes the fusion replaced
     consumed: tuple[str, ...] = ()  # fused ops of earlier sites among them ("npu.npu_rms_norm")
+    # every fused op the form's replacement calls ("npu.npu_moe_init_routing_v2",
+    # "npu.npu_moe_finalize_routing"): the drawings colour them as one site
+    emitted: tuple[str, ...] = ()
+    # the limits of the real kernel this site breaks (its notes' "on an NPU: ..."): fused
+    # because no SoC was given (CPU emulation), refused on an NPU
+    npu_limits: tuple[str, ...] = ()
 
     @staticmethod
     def of_match(pass_name: str, form: str, fused_op: str, nodes: Sequence[torch.fx.Node],
                  outputs: Sequence[Optional[torch.fx.Node]] = (),
                  is_anchor: Optional[Callable[[torch.fx.Node], bool]] = None,
-                 note: str = "", verified: str = "") -> "FusedSite":
-        """The site of a match: its location (site_location), the nodes it replaces and the
-        earlier fused ops it folds in (add_rms_norm consumes rms_norm's npu_rms_norm)."""
+                 notes: Union[str, Sequence[str]] = (), verified: str = "",
+                 emitted: Sequence[str] = ()) -> "FusedSite":
+        """The site of a match: its location (site_location), the nodes it replaces, the
+        earlier fused ops it folds in (add_rms_norm consumes rms_norm's npu_rms_norm), its
+        notes joined, those naming a limit of the real kernel (ON_AN_NPU) kept apart too
+        (`notes` as one string: already joined with "; ")."""
+        if isinstance(notes, str):
+            notes = notes.split("; ") if notes else []
         consumed = tuple(_target_name(n.target).rsplit(".", 1)[0] for n in nodes if _is_fused_op(n))
-        return FusedSite(pass_name, form, fused_op, site_location(nodes, outputs, is_anchor), note, verified,
-                         tuple(n.name for n in nodes), consumed)
+        npu_limits = tuple(note[len(ON_AN_NPU):] for note in notes if note.startswith(ON_AN_NPU))
+        return FusedSite(pass_name, form, fused_op, site_location(nodes, outputs, is_anchor), "; ".join(notes),
+                         verified, tuple(n.name for n in nodes), consumed, tuple(emitted) or (fused_op,), npu_limits)
 
 
 class NearMiss(NamedTuple):
@@ -173,7 +189,8 @@ class PassResult:
         return {
             "pass": self.pass_name,
             "fused": len(self.sites),
-            "sites": [dict(asdict(s), location=str(s.location), replaced=list(s.replaced), consumed=list(s.consumed))
+            "sites": [dict(asdict(s), location=str(s.location), replaced=list(s.replaced), consumed=list(s.consumed),
+                           emitted=list(s.emitted), npu_limits=list(s.npu_limits))
                       for s in self.sites],
             "near_misses": [{"reason": m.reason, "location": str(m.location)} for m in self.near_misses],
             "error": self.error,
@@ -206,23 +223,34 @@ _FREE_OPS = frozenset({
 
 @dataclass(frozen=True)
 class GraphCost:
-    """An estimate from the FX graph alone: kernels launched and tensor bytes read + written.
+    """An estimate from the FX graph alone: kernels launched and tensor bytes read + written,
+    per step, and apart from them what is built once.
 
     Every call node that computes (not a view, a getitem or a SymInt expression) counts as
     one launch and moves its tensor inputs and outputs once. It ignores caching, kernel
     internals and fusion done later by the graph compiler: a comparison of graphs, not a
     timing.
+
+    Constants are not per-step traffic: a value computed from no graph input (a causal-mask
+    template from `ones` + `triu`, an `arange` of static sizes, a get_attr buffer; no
+    random op on the way, constant_nodes) is the same at every step, and the graph compiler
+    builds it once (torchair's GE folds it into a Const). The launches and bytes that build
+    it are `constant_launches` / `constant_bytes`, and a per-step op reading it is not
+    charged for it: such templates are read in part, or stay resident (sparse_mode 3's
+    compressed 2048x2048 causal mask: the kernel reads the tiles on the diagonal).
     """
 
-    launches: int = 0
-    bytes_moved: int = 0
+    launches: int = 0  # per step
+    bytes_moved: int = 0  # per step
+    constant_launches: int = 0  # once: building the constants
+    constant_bytes: int = 0  # once: the bytes building them moves, and get_attr buffers
 
     @staticmethod
     def of(graph: torch.fx.Graph, sizes: Optional[dict] = None) -> "GraphCost":
         """The cost of `graph`. sizes: the bytes of nodes' values, measured once and kept
         (a node keeps its value's shape and dtype through every rewrite: the graph
         measured again after fusion reuses what the one before it measured)."""
-        launches = moved = 0
+        launches = moved = constant_launches = constant_moved = 0
         sizes = {} if sizes is None else sizes
 
         def size(node: torch.fx.Node) -> int:
@@ -231,11 +259,19 @@ class GraphCost:
                 found = sizes[node] = _tensor_bytes(node.meta.get("val"))
             return found
 
+        constants = constant_nodes(graph)
         for node in graph.nodes:
-            if _computes(node):
+            if node.op == "get_attr" and node.users:
+                constant_moved += size(node)
+            elif not _computes(node):
+                continue
+            elif node in constants:
+                constant_launches += 1
+                constant_moved += size(node) + sum(size(arg) for arg in node.all_input_nodes)
+            else:
                 launches += 1
-                moved += size(node) + sum(size(arg) for arg in node.all_input_nodes)
-        return GraphCost(launches, moved)
+                moved += size(node) + sum(size(arg) for arg in node.all_input_nodes if arg not in constants)
+        return GraphCost(launches, moved, constant_launches, constant_moved)
 
     @staticmethod
     def of_node(node: torch.fx.Node) -> "GraphCost":
@@ -244,6 +280,30 @@ class GraphCost:
             return GraphCost()
         moved = sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
         return GraphCost(1, moved + _tensor_bytes(node.meta.get("val")))
+
+
+def constant_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes whose values are the same at every step: get_attr, and calls whose inputs
+    are all such nodes (none: `ones`, `arange` of static sizes) through ops that neither
+    draw random numbers nor mutate. A graph input, a symbolic size or a random op on the
+    way makes a value per-step."""
+    constants: set[torch.fx.Node] = set()
+    for node in graph.nodes:  # topological: a node's inputs are decided before it
+        if node.op == "get_attr":
+            constants.add(node)
+        elif node.op == "call_function" and _deterministic_and_pure(node.target) and all(
+                arg in constants for arg in node.all_input_nodes):
+            constants.add(node)
+    return constants
+
+
+def _deterministic_and_pure(target: Any) -> bool:
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return False
+    return (torch.Tag.nondeterministic_seeded not in target.tags
+            and not target._schema.is_mutable)  # noqa: SLF001
 
 
 def _computes(node: torch.fx.Node) -> bool:
@@ -295,11 +355,17 @@ class GraphReport:
     cost_after: GraphCost = field(default_factory=GraphCost)
     # dtype conversions the fusions added, by what they convert for (added_conversions)
     conversions_added: Counter = field(default_factory=Counter)
+    # how often the compiled graph has run so far: dynamo reuses one compiled graph wherever
+    # the same code runs under the same guards (a graph break inside a decoder layer: every
+    # layer runs the layer's graphs). None: not counted (fuse(), or a graph torchair's
+    # backend compiled after dynamo's call returned)
+    runs: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {
             "name": self.name,
             "mode": self.mode,
+            "runs": self.runs,
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
             "ops_before": dict(self.ops_before),
@@ -311,11 +377,17 @@ class GraphReport:
         }
 
     def cost_line(self) -> str:
+        """The estimated cost before and after, per step, and what is built once (GraphCost)."""
         b, a = self.cost_before, self.cost_after
-        return (f"estimated cost (from the graph: launches of computing ops, tensor bytes in + out): "
+        line = (f"estimated cost per run (from the graph: launches of computing ops, tensor bytes in + out): "
                 f"{b.launches} -> {a.launches} kernel launches ({_ratio(a.launches, b.launches)}), "
-                f"{_megabytes(b.bytes_moved)} -> {_megabytes(a.bytes_moved)} moved "
+                f"{human_bytes(b.bytes_moved)} -> {human_bytes(a.bytes_moved)} moved "
                 f"({_ratio(a.bytes_moved, b.bytes_moved)})")
+        if b.constant_bytes or a.constant_bytes or b.constant_launches or a.constant_launches:
+            line += (f"; built once, not per run (constants: values computed from no graph input): "
+                     f"{b.constant_launches} -> {a.constant_launches} launches, "
+                     f"{human_bytes(b.constant_bytes)} -> {human_bytes(a.constant_bytes)}")
+        return line
 
     @property
     def fused_ops(self) -> Counter:
@@ -415,6 +487,14 @@ class FusionReport:
         # which graph the passes saw: an NPU compile's (torchair, or CPU emulation with the
         # NPU dispatch reproduced) or the plain CPU trace; None: the caller's own (fuse())
         self.graph_source: Optional[str] = None
+        # the SoC whose limits the passes applied (FusionConfig.soc, else detected from
+        # torch_npu on an NPU), None for none; soc_detected: it was detected, not given
+        self.soc: Optional[str] = None
+        self.soc_detected = False
+        # what the CLI compiled and how its outputs compared with eager (cli.compare_with_eager,
+        # or {"ok": None, "why": ...} when nothing was computed); None when not known
+        self.target: Optional[str] = None
+        self.outputs_vs_eager: Optional[dict] = None
 
     def add(self, graph: GraphReport) -> None:
         self.graphs.append(graph)
@@ -424,12 +504,31 @@ class FusionReport:
 
     @property
     def counts(self) -> dict[str, int]:
-        """{pass_name: fused sites} over all graphs, for every pass that ran."""
+        """{pass_name: fused sites} over all graphs, for every pass that ran; a compiled
+        graph counts once however often it runs (executed_counts counts its runs)."""
         counts: dict[str, int] = {}
         for result in self._results():
             if result.skipped is None:
                 counts[result.pass_name] = counts.get(result.pass_name, 0) + len(result.sites)
         return counts
+
+    @property
+    def executed_counts(self) -> dict[str, int]:
+        """{pass_name: fused sites run so far}: each graph's sites once per run of it (a
+        graph dynamo reused for 4 layers counts 4 times). Graphs whose runs are not
+        counted (GraphReport.runs None) count once."""
+        counts: dict[str, int] = {}
+        for g in self.graphs:
+            runs = 1 if g.runs is None else g.runs
+            for result in g.passes:
+                if result.skipped is None:
+                    counts[result.pass_name] = counts.get(result.pass_name, 0) + len(result.sites) * runs
+        return counts
+
+    @property
+    def reused(self) -> bool:
+        """A compiled graph has run more than once (then counts and executed_counts differ)."""
+        return any(g.runs is not None and g.runs > 1 for g in self.graphs)
 
     @property
     def fused_ops(self) -> dict[str, int]:
@@ -442,7 +541,7 @@ class FusionReport:
         total = Counter()
         for g in self.graphs:
             total.update(g.fused_ops)
-        return dict(total)
+        return dict(sorted(total.items()))
 
     @property
     def folded(self) -> dict[str, dict[str, int]]:
@@ -465,36 +564,85 @@ class FusionReport:
     def errors(self) -> list[tuple[str, str]]:
         return [(r.pass_name, r.error) for r in self._results() if r.error]
 
+    @property
+    def npu_refusals(self) -> Counter:
+        """{(pass_name, limit): fused sites}: sites fused only because no SoC was given,
+        with the limit of the real kernel each breaks (FusedSite.npu_limits)."""
+        return Counter((site.pass_name, "; ".join(site.npu_limits)) for site in self.sites if site.npu_limits)
+
+    def summary_lines(self) -> list[str]:
+        """The report's first lines: which graph was fused, which SoC's limits applied and
+        what an NPU would refuse, whether the outputs matched eager, which graphs ran more
+        than once."""
+        lines = []
+        if self.graph_source:
+            lines.append(f"- graphs fused: {self.graph_source}")
+        lines += self.soc_lines()
+        if self.outputs_vs_eager is not None:
+            lines.append(f"- outputs vs eager: {verdict_text(self.outputs_vs_eager)}")
+        if self.reused:
+            runs = ", ".join(f"graph {i} ({g.name}) {_times(g.runs)}" for i, g in enumerate(self.graphs)
+                             if g.runs is not None)
+            lines.append(f"- graphs run so far: {runs}. Dynamo reuses a compiled graph wherever the same code "
+                         "runs under the same guards (a graph break in a decoder layer: each layer runs it); "
+                         "the pass table's `executed` column counts each fused site once per run")
+        return lines
+
+    def soc_lines(self) -> list[str]:
+        """Which SoC's limits the passes applied; with none, the fused sites an NPU's kernels
+        would refuse (FusedSite.npu_limits), grouped by pass and limit."""
+        if self.soc is not None:
+            how = "detected from torch_npu" if self.soc_detected else "FusionConfig(soc=...) / --soc"
+            return [f"- SoC limits: {self.soc}'s ({how}): a site that breaks one is a near miss saying which"]
+        refusals = self.npu_refusals
+        if not refusals:
+            return ["- SoC limits: none applied (--soc SOC or FusionConfig(soc=...) applies one's); "
+                    "no fused site breaks a limit of the real kernels"]
+        total = sum(refusals.values())
+        return ([f"- SoC limits: none applied (no --soc / FusionConfig(soc=...)), so {total} fused "
+                 f"{'site' if total == 1 else 'sites'} here would not fuse on an NPU: the CPU stand-ins run "
+                 "what the real kernels refuse"]
+                + [f"  - {name} x{n}: {limit}" for (name, limit), n in sorted(refusals.items())]
+                + ["  - --soc SOC (e.g. Ascend910B) applies that SoC's limits: such sites are then near misses"])
+
     def to_dict(self) -> dict:
-        return {"graph_source": self.graph_source, "counts": self.counts, "folded": self.folded,
-                "fused_ops": self.fused_ops,
+        return {"target": self.target, "graph_source": self.graph_source, "soc": self.soc,
+                "outputs_vs_eager": self.outputs_vs_eager, "counts": self.counts,
+                "executed_counts": self.executed_counts, "folded": self.folded, "fused_ops": self.fused_ops,
                 "graphs": [g.to_dict() for g in self.graphs]}
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_markdown(self) -> str:
-        lines = ["# npu-fx-fusion report", ""]
-        if self.graph_source:
-            lines += [f"Graphs fused: {self.graph_source}.", ""]
+        title = "# npu-fx-fusion report" + (f": {self.target}" if self.target else "")
+        lines = [title, ""]
         if not self.graphs:
             return "\n".join(lines + ["No graph was compiled."]) + "\n"
-        lines += pass_table(self.counts, self.folded)
+        lines += self.summary_lines() + [""]
+        rows, quiet = pass_rows(self)
+        lines += pass_table(rows, executed=self.reused)
+        if quiet:
+            lines += ["", _quiet_line(quiet)]
         lines += ["", "Fused ops in the final graphs: "
                   + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
         for index, g in enumerate(self.graphs):
-            mode = f", torchair mode {g.mode}" if g.mode else ""
-            lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes{mode})", "",
-                      g.cost_line(), ""]
+            lines += [f"## graph {index}: {graph_title(g)}", "", g.cost_line(), ""]
             skipped = [r for r in g.passes if r.skipped]
+            found_nothing = []
             for r in g.passes:
                 if r.skipped:
+                    continue
+                if not (r.sites or r.near_misses or r.error):
+                    found_nothing.append(r.pass_name)
                     continue
                 lines.append(_pass_line(r))
                 lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}"
                           + (f" ({s.note})" if s.note else "")
                           + (f" [{s.verified}]" if s.verified else "") for s in r.sites]
                 lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
+            if found_nothing:
+                lines.append(f"- no candidate for: {', '.join(found_nothing)}")
             if skipped:
                 lines.append(f"- not run: {', '.join(r.pass_name for r in skipped)} ({skipped[0].skipped})")
             lines += op_table(g)
@@ -502,13 +650,73 @@ class FusionReport:
         return "\n".join(lines)
 
 
-def pass_table(counts: dict[str, int], folded: dict[str, dict[str, int]]) -> list[str]:
-    """The headline table: fused sites per pass, and how many a later pass folded in."""
-    lines = ["| pass | fused sites | note |", "|---|---|---|"]
-    for name, n in counts.items():
-        note = ", ".join(f"{k} folded into {into}" for into, k in folded.get(name, {}).items())
-        lines.append(f"| {name} | {n} | {note} |")
+def graph_title(g: GraphReport) -> str:
+    """"inference (213 -> 124 nodes)", with its torchair mode and runs when known."""
+    mode = f", torchair mode {g.mode}" if g.mode else ""
+    runs = f", ran {_times(g.runs)}" if g.runs is not None and g.runs != 1 else ""
+    return f"{g.name} ({g.nodes_before} -> {g.nodes_after} nodes{mode}){runs}"
+
+
+def _times(n: int) -> str:
+    return {0: "not yet", 1: "once"}.get(n, f"{n} times")
+
+
+def verdict_text(verdict: dict) -> str:
+    """The outputs-vs-eager verdict in words: "max abs diff ..., tolerance ... = ...: OK"."""
+    if verdict.get("ok") is None:
+        return f"not compared: {verdict.get('why', '')}"
+    return (f"max abs diff {verdict['max_abs_diff']:.3g}, tolerance {verdict['tolerance']:.3g} = "
+            f"{verdict['tolerance_rule']}: {'OK' if verdict['ok'] else 'MISMATCH'}")
+
+
+class PassRow(NamedTuple):
+    """One line of the pass table: a pass that found something (fused sites, near misses,
+    or an error)."""
+
+    name: str
+    fused: int
+    near_misses: int
+    executed: int  # fused sites counted once per run of their graph
+    note: str
+
+
+def pass_rows(report: FusionReport) -> tuple[list[PassRow], list[str]]:
+    """The pass table's rows, in pipeline order, and the passes that ran and found no
+    candidate (no site, no near miss, no error), which the table leaves out."""
+    near = Counter(m.pass_name for m in report.near_misses)
+    failed = {name for name, _ in report.errors}
+    folded, executed = report.folded, report.executed_counts
+    refused = Counter()
+    for (name, _), n in report.npu_refusals.items():
+        refused[name] += n
+    rows, quiet = [], []
+    for name, n in report.counts.items():
+        if not (n or near[name] or name in failed):
+            quiet.append(name)
+            continue
+        notes = [f"{k} folded into {into}" for into, k in folded.get(name, {}).items()]
+        if refused[name]:
+            notes.append(f"{refused[name]} would not fuse on an NPU (SoC limits, above)")
+        if name in failed:
+            notes.append("FAILED in a graph, which was left as it was (below)")
+        rows.append(PassRow(name, n, near[name], executed.get(name, n), ", ".join(notes)))
+    return rows, quiet
+
+
+def pass_table(rows: Sequence[PassRow], executed: bool = False) -> list[str]:
+    """The headline table: per pass that found something, its fused sites, near misses,
+    and how many a later pass folded in; with `executed`, the sites counted per run."""
+    head = "| pass | fused sites |" + (" executed |" if executed else "") + " near misses | note |"
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for row in rows:
+        lines.append(f"| {row.name} | {row.fused} |" + (f" {row.executed} |" if executed else "")
+                     + f" {row.near_misses} | {row.note} |")
     return lines
+
+
+def _quiet_line(quiet: Sequence[str]) -> str:
+    return (f"{len(quiet)} more {'pass' if len(quiet) == 1 else 'passes'} ran and found no candidate: "
+            f"{', '.join(quiet)}.")
 
 
 # Ops whose count changes by our own bookkeeping, not by a fusion: shown below the op
@@ -532,36 +740,50 @@ def _conversions_note(op: str, g: "GraphReport") -> str:
             + "; ".join(f"{what} (x{n})" for what, n in chains.items()))
 
 
-def op_table(g: "GraphReport") -> list[str]:
-    """The ops a fusion changed, before and after; conversions it added explained."""
-    changed = sorted(set(g.ops_before) | set(g.ops_after), key=lambda op: g.ops_after[op] - g.ops_before[op])
-    changed = [op for op in changed if g.ops_before[op] != g.ops_after[op]]
-    shown = [op for op in changed if op not in _BOOKKEEPING_OPS]
-    if not changed:
-        return []
-    lines = []
-    if shown:
-        lines += ["", "| op | before | after | note |", "|---|---|---|---|"]
-        for op in shown:
-            why = _conversions_note(op, g)
-            lines.append(f"| {op} | {g.ops_before[op]} | {g.ops_after[op]} | {why} |")
+def op_changes(g: "GraphReport") -> tuple[list[tuple[str, int, int, str]], list[str]]:
+    """The ops fusion changed: rows (op, count before, after, note on conversions), fewest
+    after first and then by name (the same order in every run), and sentences on the
+    bookkeeping changes the rows leave out (views that became reshapes, getitems)."""
+    changed = sorted((op for op in set(g.ops_before) | set(g.ops_after) if g.ops_before[op] != g.ops_after[op]),
+                     key=lambda op: (g.ops_after[op] - g.ops_before[op], op))
+    rows = [(op, g.ops_before[op], g.ops_after[op], _conversions_note(op, g))
+            for op in changed if op not in _BOOKKEEPING_OPS]
+    sentences = []
     views = [op for op in changed if op in _VIEW_OPS]
     if views:
-        lines += ["", "Views after fused ops became reshapes (fused ops return contiguous tensors; "
-                  "torchair's view_to_reshape does this to every view): "
-                  + ", ".join(f"{op} {g.ops_before[op]} -> {g.ops_after[op]}" for op in views) + "."]
+        sentences.append("Views after fused ops became reshapes (fused ops return contiguous tensors; "
+                         "torchair's view_to_reshape does this to every view): "
+                         + ", ".join(f"{op} {g.ops_before[op]} -> {g.ops_after[op]}" for op in views) + ".")
     if "getitem" in changed:
-        lines += [f"getitem {g.ops_before['getitem']} -> {g.ops_after['getitem']}: "
-                  "the outputs of multi-output ops (fused ops return several tensors)."]
+        sentences.append(f"getitem {g.ops_before['getitem']} -> {g.ops_after['getitem']}: "
+                         "the outputs of multi-output ops (fused ops return several tensors).")
+    return rows, sentences
+
+
+def op_table(g: "GraphReport") -> list[str]:
+    """The ops a fusion changed, before and after, as markdown (op_changes)."""
+    rows, sentences = op_changes(g)
+    lines = []
+    if rows:
+        lines += ["", "| op | before | after | note |", "|---|---|---|---|"]
+        lines += [f"| {op} | {before} | {after} | {note} |" for op, before, after, note in rows]
+    if sentences:
+        lines += [""] + sentences
     return lines
 
 
-def _megabytes(n: int) -> str:
-    """Bytes in MB, or GB / TB from 10 GB on (a --real-dims trace of a large model)."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9)):
-        if n >= 10 * size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n / 1e6:.3g} MB"
+_BYTE_UNITS = (("B", 1), ("KB", 1e3), ("MB", 1e6), ("GB", 1e9), ("TB", 1e12))
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps three significant digits below 1000: "512 B",
+    "1.75 MB", "5 GB" (never "5e+03 MB")."""
+    for unit, size in _BYTE_UNITS[:-1]:
+        text = f"{n / size:.3g}"
+        if float(text) < 1000:
+            return f"{text} {unit}"
+    unit, size = _BYTE_UNITS[-1]
+    return f"{n / size:.3g} {unit}"
 
 
 def _pass_line(r: PassResult) -> str:

@@ -20,6 +20,7 @@ builders, so importing this module costs nothing and never fails.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass
@@ -393,6 +394,21 @@ def hf_model_types() -> tuple[str, ...]:
     return tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
 
 
+def unknown_model_type(model_type: str) -> str:
+    """One line for a model_type transformers does not build as a causal LM: the nearest
+    valid ones, and where the rest are listed (not all of them: there are about 200)."""
+    import difflib
+
+    import transformers
+
+    types = hf_model_types()
+    near = difflib.get_close_matches(model_type, types, n=3, cutoff=0.6)
+    guess = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+    return (f"unknown transformers model type {model_type!r}; {guess}transformers {transformers.__version__} "
+            f"builds {len(types)} types as causal LMs (docs/survey.md lists them; "
+            f"npu_fx_fusion.tiny_models.hf_model_types() returns them)")
+
+
 def _layer_count(fields: dict[str, Any]) -> Optional[int]:
     counts = [fields[key] for key in _LAYER_COUNTS if isinstance(fields.get(key), int)]
     return max(counts) if counts else None
@@ -531,9 +547,7 @@ def hf_config(model_type: str, *, num_layers: int = 2, real_dims: bool = False,
         cfg_kwargs.update(config_overrides)
         return transformers.AutoConfig.for_model(model_type, **cfg_kwargs)
     if model_type not in hf_model_types():
-        raise ValueError(
-            f"unknown HF model type {model_type!r}: transformers {transformers.__version__} builds "
-            f"these as causal LMs: {', '.join(hf_model_types())}")
+        raise ValueError(unknown_model_type(model_type))
     config_class = _config_class(model_type)
     defaults = config_class().to_dict()
     fields = _cut_depth(defaults, num_layers)
@@ -561,12 +575,64 @@ def _config_from_fields(config_class: Any, fields: dict[str, Any], num_layers: O
     return config_class.from_dict(fields)
 
 
+def _config_keys(config_class: Any) -> set[str]:
+    """The top-level keys `config_class` reads: its and its bases' constructor arguments,
+    their attribute_map aliases, and what every PretrainedConfig serialises."""
+    from transformers import PretrainedConfig
+
+    keys = set(PretrainedConfig().to_dict())
+    for cls in config_class.__mro__:
+        if "__init__" in vars(cls):
+            keys.update(inspect.signature(cls.__init__).parameters)
+        keys.update(getattr(cls, "attribute_map", None) or {})
+    return keys - {"self", "kwargs"}
+
+
+@functools.lru_cache(maxsize=1)
+def _config_source_names() -> frozenset[str]:
+    """Every identifier in transformers' configuration_*.py files: a key one of them names
+    is read by some config class. Reading the sources takes about half a second; importing
+    every config class to ask them would take seconds."""
+    import glob
+    import os
+    import re
+
+    import transformers
+
+    names: set[str] = set()
+    for path in glob.glob(os.path.join(os.path.dirname(transformers.__file__), "models", "*", "configuration_*.py")):
+        with open(path, encoding="utf-8") as f:
+            names.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", f.read()))
+    return frozenset(names)
+
+
+def check_config_keys(file: str, fields: dict[str, Any], model_type: str) -> None:
+    """ValueError, one line naming the nearest valid key, for a top-level key of a
+    config.json that its config class does not read and that looks like a misspelling of
+    one it does (`num_key_value_head`: transformers would keep it as a stray attribute and
+    build the model without GQA). Keys no config class reads and close to none
+    (remote-code settings such as DeepSeek's `scoring_func`, `torch_dtype`, `auto_map`)
+    pass, as do keys another config class names (`head_dim` next to DeepSeek's `v_head_dim`)."""
+    import difflib
+
+    known = _config_keys(_config_class(model_type))
+    for key in fields:
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if near and key not in _config_source_names():
+            raise ValueError(f"{file}: {key!r} is not a key of transformers' {model_type} config; did you mean "
+                             f"{near[0]!r}? (--allow-unknown-keys builds it as it is)")
+
+
 def load_hf_config(path: str, *, num_layers: Optional[int] = None, real_dims: bool = False,
-                   **config_overrides: Any) -> Any:
+                   allow_unknown_keys: bool = False, **config_overrides: Any) -> Any:
     """A config from a local model directory or config.json (no hub access, no weights).
 
     Cut to `num_layers` (None: as deep as configured); unless real_dims, at tiny sizes
     (_TINY_SIZES) with the rest of the config (MoE, MLA, layer types, rope scaling) kept.
+    A key that looks like a misspelt one of its config class is an error
+    (check_config_keys) unless `allow_unknown_keys`.
     """
     _import_optional("transformers", _HF_INSTALL_HINT)
     import json
@@ -585,6 +651,8 @@ def load_hf_config(path: str, *, num_layers: Optional[int] = None, real_dims: bo
         known = "needs its own remote code (auto_map), which is never run here" if "auto_map" in fields else (
             "is not a causal-LM model_type of this transformers version")
         raise ValueError(f"{file}: model_type {model_type!r} {known}")
+    if not allow_unknown_keys:
+        check_config_keys(file, fields, model_type)
     return _config_from_fields(_config_class(model_type), fields, num_layers, real_dims, config_overrides)
 
 
