@@ -10,12 +10,28 @@ largest value); a type that does not build says why.
 model: as benchmarks/dynamic_survey.py takes them (hf:<model_type>[:<experts>] or
 torchtitan:<name>); default: every type tiny_models.hf_model_types() lists, then torchtitan's
 llama3 and deepseek_v3. Roughly 10-20 s a model on a shared 2-core machine.
+
+Other codebases (issue 28): torchtune, litgpt, olmo-core and torchtitan-npu's own models
+(npu_fx_fusion.tiny_third_party), in fp32 static, bf16 with dynamic=True, and one training
+step (forward and backward fused, gradients compared with eager; npu_dispatch=False, and
+whether the same step crashes with it). Here a site present is counted from the model
+itself (tests/third_party_sites.py), so a site no pass noticed shows as silent:
+
+    .venv/bin/python benchmarks/survey.py --third-party [LIBRARY|LIBRARY:NAME ...] [--json FILE]
+        [--timeout S] [--sites]
+
+Each model runs in its own process (torchtitan-npu needs torchtitan 0.2.2, and a hung
+compile is stopped after --timeout seconds), printing a line per mode as it goes. --json
+keeps every record (docs/survey-third-party.md is written from one); --sites prints each
+model's unfused sites. About 1-2 minutes a model on a shared 2-core machine.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -53,12 +69,126 @@ def survey(spec: str) -> dict:
     return row
 
 
+# ---- other codebases (issue 28) ------------------------------------------------------------
+THIRD_PARTY_MODES = ("fp32", "bf16 dynamic", "training")
+
+
+def third_party_specs(selection) -> tuple[list[str], list[tuple[str, str]]]:
+    """(LIBRARY:NAME specs to survey, [(spec, why not)]) of `selection` (libraries or specs)."""
+    from npu_fx_fusion import tiny_third_party
+
+    specs, skipped = [], []
+    for item in selection or tiny_third_party.LIBRARIES:
+        library, _, name = item.partition(":")
+        if name:
+            specs.append(item)
+            continue
+        for architecture in tiny_third_party.third_party_models(library):
+            spec = f"{library}:{architecture.name}"
+            (skipped.append((spec, architecture.skip)) if architecture.skip else specs.append(spec))
+    return specs, skipped
+
+
+def measure_one(spec: str) -> list[dict]:
+    """Every mode of one model (run in its own process by survey_third_party)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+    import logging
+
+    import third_party_sites
+
+    logging.getLogger("npu_fx_fusion").setLevel(logging.ERROR)  # reverted passes are in the record
+    library, name = spec.split(":", 1)
+    records = []
+    for mode in THIRD_PARTY_MODES:
+        dtype = None
+        if library == "torchtitan_npu" and name == "deepseek_v4":  # it runs in bfloat16 only
+            dtype = torch.bfloat16
+        record = third_party_sites.to_json(third_party_sites.measure(library, name, mode, dtype=dtype))
+        print(f"    {spec} [{mode}] {_cell(record)} ({record['seconds']} s){' ' + record['note'] if record['note'] else ''}",
+              file=sys.stderr, flush=True)
+        records.append(record)
+    return records
+
+
+def _cell(record: dict) -> str:
+    """fused / present (near-missed, silent) of one record."""
+    if "present" not in record:
+        return "-"
+    present = sum(record["present"].values())
+    fused = sum(record["fused"].values())
+    near = sum(record["near"].values())
+    return f"{fused} / {present} ({near} near, {present - fused - near} silent)"
+
+
+def survey_third_party(selection, timeout: float, json_path=None, show_sites=False) -> None:
+    specs, skipped = third_party_specs(selection)
+    print(f"{len(specs)} models, {len(skipped)} not built", flush=True)
+    print("| model | " + " | ".join(f"{m} fused / present (near, silent)" for m in THIRD_PARTY_MODES)
+          + " | training crash with NPU dispatch | notes |")
+    print("|---" * (len(THIRD_PARTY_MODES) + 3) + "|")
+    records, start = [], time.perf_counter()
+    totals = collections.defaultdict(collections.Counter)
+    for i, spec in enumerate(specs, 1):
+        print(f"  [{i}/{len(specs)}] {spec} ...", file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run([sys.executable, __file__, "--measure", spec], stdout=subprocess.PIPE,
+                                  text=True, timeout=timeout, check=False)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            rows = json.loads(lines[-1][len("RESULT "):]) if lines else [
+                {"spec": spec, "mode": m, "note": f"the process failed (exit {done.returncode})"}
+                for m in THIRD_PARTY_MODES]
+        except subprocess.TimeoutExpired:
+            rows = [{"spec": spec, "mode": m, "note": f"stopped after {timeout:.0f} s"} for m in THIRD_PARTY_MODES]
+        records += rows
+        library = spec.split(":")[0]
+        for row in rows:
+            if "present" in row:
+                for key in ("present", "fused", "near"):
+                    totals[(library, row["mode"])][key] += sum(row[key].values())
+                    totals[("all", row["mode"])][key] += sum(row[key].values())
+        training = next((r for r in rows if r["mode"] == "training"), {})
+        crash = training.get("crash_with_dispatch") or ("no" if "present" in training else "-")
+        notes = "; ".join(f"{r['mode']}: {r['note'].strip('; ')}" for r in rows if r.get("note"))
+        print(f"| {spec} | " + " | ".join(_cell(r) for r in rows) + f" | {crash[:80]} | {notes[:300]} |", flush=True)
+        if show_sites:
+            for row in rows:
+                for s in row.get("silent", []):
+                    print(f"    {row['mode']} SILENT {s['category']} {s['module']} {s['source']}")
+                for category, pass_name, reason, where in row.get("near_reasons", []):
+                    print(f"    {row['mode']} NEAR {category} ({pass_name}): {reason[:160]} @ {where[:120]}")
+    for spec, why in skipped:
+        print(f"| {spec} | " + " | ".join("-" for _ in THIRD_PARTY_MODES) + f" | - | not built: {why} |")
+    print()
+    for (library, mode), t in sorted(totals.items()):
+        silent = t["present"] - t["fused"] - t["near"]
+        print(f"{library} {mode}: {t['fused']} / {t['present']} fused ({t['fused'] / max(t['present'], 1):.0%}), "
+              f"{t['near']} near misses, {silent} silent")
+    crashes = sum(1 for r in records if r["mode"] == "training" and r.get("crash_with_dispatch"))
+    trained = sum(1 for r in records if r["mode"] == "training" and "present" in r)
+    print(f"training steps that crash with NPU dispatch: {crashes} of {trained}; "
+          f"{len(specs)} models in {time.perf_counter() - start:.0f} s")
+    if json_path:
+        pathlib.Path(json_path).write_text(json.dumps({"records": records, "skipped": skipped}, indent=1))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*")
     parser.add_argument("--limit", type=int, help="only the first N models")
     parser.add_argument("--reasons", action="store_true", help="print each model's near-miss reasons")
+    parser.add_argument("--third-party", action="store_true",
+                        help="survey torchtune / litgpt / olmo_core / torchtitan_npu models (models: libraries or specs)")
+    parser.add_argument("--json", help="--third-party: write every record here")
+    parser.add_argument("--timeout", type=float, default=1200, help="--third-party: seconds per model")
+    parser.add_argument("--sites", action="store_true", help="--third-party: print each model's unfused sites")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # the per-model process of --third-party
     args = parser.parse_args(argv)
+    if args.measure:
+        print("RESULT " + json.dumps(measure_one(args.measure)), flush=True)
+        return
+    if args.third_party:
+        survey_third_party(args.models, args.timeout, args.json, args.sites)
+        return
     models = args.models or [*(f"hf:{t}" for t in tiny_models.hf_model_types()),
                              "torchtitan:llama3", "torchtitan:deepseek_v3"]
     models = models[:args.limit] if args.limit else models
