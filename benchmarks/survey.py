@@ -22,8 +22,10 @@ itself (tests/third_party_sites.py), so a site no pass noticed shows as silent:
 
 Each model runs in its own process (torchtitan-npu needs torchtitan 0.2.2, and a hung
 compile is stopped after --timeout seconds), printing a line per mode as it goes. --json
-keeps every record (docs/survey-third-party.md is written from one); --sites prints each
-model's unfused sites. About 1-2 minutes a model on a shared 2-core machine.
+keeps every record; --sites prints each model's unfused sites. `--listing FILE.json ...`
+prints the table, the totals and every unfused site grouped by code and reason, from such
+records (docs/survey-third-party.md is written from it). About 1-2 minutes a model on a
+quiet 2-core machine (4 when it is shared).
 """
 from __future__ import annotations
 
@@ -120,14 +122,53 @@ def _cell(record: dict) -> str:
     return f"{fused} / {present} ({near} near, {present - fused - near} silent)"
 
 
+TABLE_HEAD = ("| model | " + " | ".join(f"{m} fused / present (near, silent)" for m in THIRD_PARTY_MODES)
+              + " | training crash with NPU dispatch | notes |\n" + "|---" * (len(THIRD_PARTY_MODES) + 3) + "|")
+
+
+def _row(spec: str, rows: list[dict]) -> str:
+    """The table row of one model's records."""
+    training = next((r for r in rows if r["mode"] == "training"), {})
+    crash = training.get("crash_with_dispatch") or ("no" if "present" in training else "-")
+    notes = "; ".join(f"{r['mode']}: {r['note'].strip('; ')}" for r in rows if r.get("note"))
+    return f"| {spec} | " + " | ".join(_cell(r) for r in rows) + f" | {crash[:80]} | {notes[:300]} |"
+
+
+def _summary(records: list[dict], skipped) -> str:
+    """The rows of the models not built, and the totals per library and mode."""
+    lines = [f"| {spec} | " + " | ".join("-" for _ in THIRD_PARTY_MODES) + f" | - | not built: {why} |"
+             for spec, why in skipped]
+    totals = collections.defaultdict(collections.Counter)
+    for row in records:
+        if "present" in row:
+            for library in (row["spec"].split(":")[0], "all"):
+                for key in ("present", "fused", "near"):
+                    totals[(library, row["mode"])][key] += sum(row[key].values())
+    lines.append("")
+    for (library, mode), t in sorted(totals.items()):
+        silent = t["present"] - t["fused"] - t["near"]
+        lines.append(f"{library} {mode}: {t['fused']} / {t['present']} fused "
+                     f"({t['fused'] / max(t['present'], 1):.0%}), {t['near']} near misses, {silent} silent")
+    trained = [r for r in records if r["mode"] == "training" and "present" in r]
+    crashes = [r for r in trained if r.get("crash_with_dispatch")]
+    lines.append(f"training steps that crash with NPU dispatch: {len(crashes)} of {len(trained)}")
+    return "\n".join(lines)
+
+
+def _sites(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        lines += [f"    {row['mode']} SILENT {s['category']} {s['module']} {s['source']}" for s in row.get("silent", [])]
+        lines += [f"    {row['mode']} NEAR {category} ({pass_name}): {reason[:160]} @ {where[:120]}"
+                  for category, pass_name, reason, where in row.get("near_reasons", [])]
+    return "\n".join(lines)
+
+
 def survey_third_party(selection, timeout: float, json_path=None, show_sites=False) -> None:
     specs, skipped = third_party_specs(selection)
     print(f"{len(specs)} models, {len(skipped)} not built", flush=True)
-    print("| model | " + " | ".join(f"{m} fused / present (near, silent)" for m in THIRD_PARTY_MODES)
-          + " | training crash with NPU dispatch | notes |")
-    print("|---" * (len(THIRD_PARTY_MODES) + 3) + "|")
+    print(TABLE_HEAD)
     records, start = [], time.perf_counter()
-    totals = collections.defaultdict(collections.Counter)
     for i, spec in enumerate(specs, 1):
         print(f"  [{i}/{len(specs)}] {spec} ...", file=sys.stderr, flush=True)
         try:
@@ -140,35 +181,58 @@ def survey_third_party(selection, timeout: float, json_path=None, show_sites=Fal
         except subprocess.TimeoutExpired:
             rows = [{"spec": spec, "mode": m, "note": f"stopped after {timeout:.0f} s"} for m in THIRD_PARTY_MODES]
         records += rows
-        library = spec.split(":")[0]
-        for row in rows:
-            if "present" in row:
-                for key in ("present", "fused", "near"):
-                    totals[(library, row["mode"])][key] += sum(row[key].values())
-                    totals[("all", row["mode"])][key] += sum(row[key].values())
-        training = next((r for r in rows if r["mode"] == "training"), {})
-        crash = training.get("crash_with_dispatch") or ("no" if "present" in training else "-")
-        notes = "; ".join(f"{r['mode']}: {r['note'].strip('; ')}" for r in rows if r.get("note"))
-        print(f"| {spec} | " + " | ".join(_cell(r) for r in rows) + f" | {crash[:80]} | {notes[:300]} |", flush=True)
+        print(_row(spec, rows), flush=True)
         if show_sites:
-            for row in rows:
-                for s in row.get("silent", []):
-                    print(f"    {row['mode']} SILENT {s['category']} {s['module']} {s['source']}")
-                for category, pass_name, reason, where in row.get("near_reasons", []):
-                    print(f"    {row['mode']} NEAR {category} ({pass_name}): {reason[:160]} @ {where[:120]}")
-    for spec, why in skipped:
-        print(f"| {spec} | " + " | ".join("-" for _ in THIRD_PARTY_MODES) + f" | - | not built: {why} |")
-    print()
-    for (library, mode), t in sorted(totals.items()):
-        silent = t["present"] - t["fused"] - t["near"]
-        print(f"{library} {mode}: {t['fused']} / {t['present']} fused ({t['fused'] / max(t['present'], 1):.0%}), "
-              f"{t['near']} near misses, {silent} silent")
-    crashes = sum(1 for r in records if r["mode"] == "training" and r.get("crash_with_dispatch"))
-    trained = sum(1 for r in records if r["mode"] == "training" and "present" in r)
-    print(f"training steps that crash with NPU dispatch: {crashes} of {trained}; "
-          f"{len(specs)} models in {time.perf_counter() - start:.0f} s")
+            print(_sites(rows))
+    print(_summary(records, skipped))
+    print(f"{len(specs)} models in {time.perf_counter() - start:.0f} s")
     if json_path:
         pathlib.Path(json_path).write_text(json.dumps({"records": records, "skipped": skipped}, indent=1))
+
+
+def _generic(reason: str) -> str:
+    """A near-miss reason with its sizes, node names and symbols blanked, to group alike ones."""
+    import re
+
+    reason = re.sub(r"\bs\d+\b", "s*", reason)
+    reason = re.sub(r"\b(mul|add|rsqrt|output|view|cat|sub|neg|getitem|slice|expand|clone|to)_\d+\b", r"\1_*", reason)
+    return re.sub(r"\b\d+\b", "#", reason)
+
+
+def third_party_listing(json_paths) -> str:
+    """The table, the totals and every unfused site of --third-party --json files (merged),
+    the sites grouped: per category, each distinct (near-miss reason, source line) or silent
+    site's source, with its count per mode and the models."""
+    records, skipped = [], []
+    for json_path in json_paths:
+        data = json.loads(pathlib.Path(json_path).read_text())
+        records += data["records"]
+        skipped += [tuple(s) for s in data["skipped"] if tuple(s) not in skipped]
+    by_model = collections.defaultdict(list)
+    for record in records:
+        by_model[record["spec"]].append(record)
+    out = [TABLE_HEAD, *(_row(spec, rows) for spec, rows in by_model.items()), _summary(records, skipped), ""]
+    groups = collections.defaultdict(lambda: {"modes": collections.Counter(), "models": set(), "example": ""})
+    for record in records:
+        model = record["spec"]
+        for category, pass_name, reason, where in record.get("near_reasons", []):
+            where_code = where.split(" @ ", 1)[-1]
+            group = groups[(category, "near", pass_name, _generic(reason), where_code)]
+            group["modes"][record["mode"]] += 1
+            group["models"].add(model)
+            group["example"] = reason
+        for site in record.get("silent", []):
+            group = groups[(site["category"], "silent", "", "", site["source"])]
+            group["modes"][record["mode"]] += 1
+            group["models"].add(model)
+    lines = []
+    for (category, kind, pass_name, reason, where), group in sorted(
+            groups.items(), key=lambda item: (item[0][0], item[0][1], -sum(item[1]["modes"].values()))):
+        modes = ", ".join(f"{m} {n}" for m, n in sorted(group["modes"].items()))
+        models = ", ".join(sorted(group["models"]))
+        what = f"near miss ({pass_name}): {group['example']}" if kind == "near" else "silent"
+        lines.append(f"- **{category}**, {what}\n  - at `{where}`\n  - {modes}; {models}")
+    return "\n".join(out + lines)
 
 
 def main(argv=None):
@@ -181,8 +245,14 @@ def main(argv=None):
     parser.add_argument("--json", help="--third-party: write every record here")
     parser.add_argument("--timeout", type=float, default=1200, help="--third-party: seconds per model")
     parser.add_argument("--sites", action="store_true", help="--third-party: print each model's unfused sites")
+    parser.add_argument("--listing", metavar="JSON", nargs="+",
+                        help="print the table, totals and every unfused site, grouped, of --third-party --json "
+                             "files (no compile)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # the per-model process of --third-party
     args = parser.parse_args(argv)
+    if args.listing:
+        print(third_party_listing(args.listing))
+        return
     if args.measure:
         print("RESULT " + json.dumps(measure_one(args.measure)), flush=True)
         return

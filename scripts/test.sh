@@ -11,6 +11,15 @@ pip_install '.[test]'
 # plus the few modules its model code imports (triton only for an import at load time).
 pip_install --no-deps 'torchtitan==0.3.0'
 pip_install tyro einops 'spmd_types==0.2.3' triton
+# Model code of other codebases (tests/test_third_party_models.py, benchmarks/survey.py
+# --third-party; npu_fx_fusion.tiny_third_party builds them): each library without its
+# training stack. Their packages import modules their models never call (datasets, Lightning,
+# torchao, cached_path, ...), which tiny_third_party stands in for while they import;
+# olmo-core's config classes need dataclass-extensions (its Registrable configs), nothing else.
+pip_install --no-deps 'torchtune==0.6.1' 'litgpt==0.5.13' 'ai2-olmo-core==3.0.0' 'dataclass-extensions==0.5.0'
+# torchtitan-npu's own models need torchtitan 0.2.2, not the 0.3.0 above: unpacked into their
+# own folder (.cache/torchtitan-0.2.2), put on sys.path only in the process that builds them.
+PYTHON="$VENV/bin/python" bash scripts/fetch_torchtitan_npu.sh >/dev/null
 # The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
 PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh >/dev/null
 # Graphviz's `dot` lays out the --dump-dir drawings, rsvg-convert renders them in
