@@ -62,6 +62,16 @@ def _norm_inputs(weight_dtype=None, offset=False):
     return make
 
 
+# olmo-core's RMSNorm ({weighted}: the weight, and the cast back, in RMSNorm's or QwenRMSNorm's order)
+_OLMO_NORM = (
+    "def forward(self, x):\n"
+    "    with torch.autocast(enabled=False, device_type=x.device.type):\n"
+    "        og_dtype = x.dtype\n"
+    "        x = x.float()\n"
+    "        variance = x.pow(2).mean(-1, keepdim=True)\n"
+    "        x = x * torch.rsqrt(variance + self.eps)\n"
+    "{weighted}")
+
 NORMS = {
     "torchtune.RMSNorm": Spelling(
         "torchtune modules/rms_norm.py:58: F.rms_norm of the fp32 upcast, weight fp32", "rms_norm",
@@ -99,25 +109,11 @@ NORMS = {
         _norm_inputs(offset=True), {"rms_norm": 1}),
     "olmo_core.RMSNorm": Spelling(
         "olmo-core nn/layer_norm.py:272: under autocast(enabled=False), weight.type_as(x) * x", "rms_norm",
-        "def forward(self, x):\n"
-        "    with torch.autocast(enabled=False, device_type=x.device.type):\n"
-        "        og_dtype = x.dtype\n"
-        "        x = x.float()\n"
-        "        variance = x.pow(2).mean(-1, keepdim=True)\n"
-        "        x = x * torch.rsqrt(variance + self.eps)\n"
-        "        x = self.weight.type_as(x) * x\n"
-        "        return x.to(og_dtype)",
+        _OLMO_NORM.format(weighted="        x = self.weight.type_as(x) * x\n        return x.to(og_dtype)"),
         _norm_inputs(), {"rms_norm": 1}),
     "olmo_core.QwenRMSNorm": Spelling(
         "olmo-core nn/layer_norm.py:303: cast back before the weight", "rms_norm",
-        "def forward(self, x):\n"
-        "    with torch.autocast(enabled=False, device_type=x.device.type):\n"
-        "        og_dtype = x.dtype\n"
-        "        x = x.float()\n"
-        "        variance = x.pow(2).mean(-1, keepdim=True)\n"
-        "        x = x * torch.rsqrt(variance + self.eps)\n"
-        "        x = x.to(og_dtype)\n"
-        "        return x * self.weight.type_as(x)",
+        _OLMO_NORM.format(weighted="        x = x.to(og_dtype)\n        return x * self.weight.type_as(x)"),
         _norm_inputs(), {"rms_norm": 1}),
     "torchtitan_npu.RMSNorm": Spelling(
         "torchtitan-npu models/deepseek_v4/model/model.py:111 (V3.2's at :67 with pow): fp32 weight times the "
@@ -161,6 +157,49 @@ def _freqs_cis(angles):
     return (torch.polar(torch.ones_like(angles), angles).to(torch.complex64),)
 
 
+# torchtune's Qwen2 / Phi3 RoPE: cos and sin the halves of one cache ({cast}: Qwen2 casts them to x's dtype)
+_CACHE_HALVES = (
+    "def forward(self, x, cache):\n"
+    "    seq_len = x.size(1)\n"
+    "    head_dim = x.size(-1)\n"
+    "    rope_cache = cache[:seq_len]\n"
+    "    rope_cache = rope_cache.view(-1, seq_len, 1, head_dim * 2)\n"
+    "    cos = rope_cache[..., :head_dim]{cast}\n"
+    "    sin = rope_cache[..., head_dim:]{cast}\n"
+    "    x1 = x[..., : x.shape[-1] // 2]\n"
+    "    x2 = x[..., x.shape[-1] // 2 :]\n"
+    "    rotated = torch.cat((-x2, x1), dim=-1)\n"
+    "    x_out = (x * cos) + (rotated * sin)\n"
+    "    return x_out.type_as(x)")
+# litgpt's apply_rope ({interleave}: apply_rope_interleave's de-interleaving first)
+_LITGPT_ROPE = (
+    "def forward(self, x, cos, sin):\n"
+    "    cos = cos.unsqueeze(0)\n"
+    "    sin = sin.unsqueeze(0)\n"
+    "{interleave}"
+    "    head_size_half = x.size(-1) // 2\n"
+    "    x1 = x[..., :head_size_half]\n"
+    "    x2 = x[..., head_size_half:]\n"
+    "    rotated = torch.cat((-x2, x1), dim=-1)\n"
+    "    dims_diff = x.dim() - cos.dim()\n"
+    "    if dims_diff > 0:\n"
+    "        new_shape = cos.shape[0:1] + (1,) * dims_diff + cos.shape[1:]\n"
+    "        cos = cos.view(*new_shape)\n"
+    "        sin = sin.view(*new_shape)\n"
+    "    roped = (x * cos) + (rotated * sin)\n"
+    "    return roped.to(dtype=x.dtype)")
+# torchtitan-npu's DeepSeek-V4 apply_rotary_emb ({conj}: inverse=True; {view}: 4-D or 3-D x)
+_V4_ROPE = (
+    "def forward(self, x, freqs_cis):\n"
+    "    original_dtype = x.dtype\n"
+    "    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))\n"
+    "    seqlen = x_complex.size(1)\n"
+    "    freqs_cis = freqs_cis[:seqlen]\n"
+    "{conj}"
+    "    freqs_cis = freqs_cis.view({view}, x_complex.size(-1))\n"
+    "    x_rotated = torch.view_as_real(x_complex * freqs_cis).flatten(-2)\n"
+    "    return x_rotated.to(original_dtype)")
+
 ROPES = {
     "torchtune.RotaryPositionalEmbeddings": Spelling(
         "torchtune modules/position_embeddings.py:118: interleaved pairs as reshape(..., -1, 2), a (S, D/2, 2) "
@@ -183,71 +222,19 @@ ROPES = {
         {"rope": 1}),
     "torchtune.Qwen2RotaryPositionalEmbeddings": Spelling(
         "torchtune models/qwen2/_positional_embeddings.py:105: cos and sin as the halves of one (S, 2D) cache, "
-        "cast to x's dtype, rotate_half by slices", "rope",
-        "def forward(self, x, cache):\n"
-        "    seq_len = x.size(1)\n"
-        "    head_dim = x.size(-1)\n"
-        "    rope_cache = cache[:seq_len]\n"
-        "    rope_cache = rope_cache.view(-1, seq_len, 1, head_dim * 2)\n"
-        "    cos = rope_cache[..., :head_dim].to(x.dtype)\n"
-        "    sin = rope_cache[..., head_dim:].to(x.dtype)\n"
-        "    x1 = x[..., : x.shape[-1] // 2]\n"
-        "    x2 = x[..., x.shape[-1] // 2 :]\n"
-        "    rotated = torch.cat((-x2, x1), dim=-1)\n"
-        "    x_out = (x * cos) + (rotated * sin)\n"
-        "    return x_out.type_as(x)",
+        "cast to x's dtype, rotate_half by slices", "rope", _CACHE_HALVES.format(cast=".to(x.dtype)"),
         _rope_inputs("BSND", lambda a: (torch.cat(_halves(a), dim=-1),), tables_fp32=True), {"rope": 1}),
     "torchtune.Phi3RotaryPositionalEmbeddings": Spelling(
         "torchtune models/phi3/_position_embeddings.py:100: the same with the fp32 cache not cast: x * cos "
-        "promotes a half x to fp32, type_as(x) casts back", "rope",
-        "def forward(self, x, cache):\n"
-        "    seq_len = x.size(1)\n"
-        "    head_dim = x.size(-1)\n"
-        "    rope_cache = cache[:seq_len]\n"
-        "    rope_cache = rope_cache.view(-1, seq_len, 1, head_dim * 2)\n"
-        "    cos = rope_cache[..., :head_dim]\n"
-        "    sin = rope_cache[..., head_dim:]\n"
-        "    x1 = x[..., : x.shape[-1] // 2]\n"
-        "    x2 = x[..., x.shape[-1] // 2 :]\n"
-        "    rotated = torch.cat((-x2, x1), dim=-1)\n"
-        "    x_out = (x * cos) + (rotated * sin)\n"
-        "    return x_out.type_as(x)",
+        "promotes a half x to fp32, type_as(x) casts back", "rope", _CACHE_HALVES.format(cast=""),
         _rope_inputs("BSND", lambda a: (torch.cat(_halves(a), dim=-1),), tables_fp32=True), {"rope": 1}),
     "litgpt.apply_rope": Spelling(
         "litgpt model.py:1144: rotate_half by slices on (B, nh, T, hs), (1, T, hs) tables viewed to 4-D", "rope",
-        "def forward(self, x, cos, sin):\n"
-        "    cos = cos.unsqueeze(0)\n"
-        "    sin = sin.unsqueeze(0)\n"
-        "    head_size_half = x.size(-1) // 2\n"
-        "    x1 = x[..., :head_size_half]\n"
-        "    x2 = x[..., head_size_half:]\n"
-        "    rotated = torch.cat((-x2, x1), dim=-1)\n"
-        "    dims_diff = x.dim() - cos.dim()\n"
-        "    if dims_diff > 0:\n"
-        "        new_shape = cos.shape[0:1] + (1,) * dims_diff + cos.shape[1:]\n"
-        "        cos = cos.view(*new_shape)\n"
-        "        sin = sin.view(*new_shape)\n"
-        "    roped = (x * cos) + (rotated * sin)\n"
-        "    return roped.to(dtype=x.dtype)",
-        _rope_inputs("BNSD", _halves), {"rope": 1}),
+        _LITGPT_ROPE.format(interleave=""), _rope_inputs("BNSD", _halves), {"rope": 1}),
     "litgpt.apply_rope_interleave": Spelling(
         "litgpt model.py:1176: pairs de-interleaved by view(..., d // 2, 2).transpose(-1, -2), then rotate_half", "rope",
-        "def forward(self, x, cos, sin):\n"
-        "    cos = cos.unsqueeze(0)\n"
-        "    sin = sin.unsqueeze(0)\n"
-        "    *batch_dims, d = x.shape\n"
-        "    x = x.view(*batch_dims, d // 2, 2).transpose(-1, -2).reshape(*batch_dims, d)\n"
-        "    head_size_half = x.size(-1) // 2\n"
-        "    x1 = x[..., :head_size_half]\n"
-        "    x2 = x[..., head_size_half:]\n"
-        "    rotated = torch.cat((-x2, x1), dim=-1)\n"
-        "    dims_diff = x.dim() - cos.dim()\n"
-        "    if dims_diff > 0:\n"
-        "        new_shape = cos.shape[0:1] + (1,) * dims_diff + cos.shape[1:]\n"
-        "        cos = cos.view(*new_shape)\n"
-        "        sin = sin.view(*new_shape)\n"
-        "    roped = (x * cos) + (rotated * sin)\n"
-        "    return roped.to(dtype=x.dtype)",
+        _LITGPT_ROPE.format(interleave="    *batch_dims, d = x.shape\n"
+                                       "    x = x.view(*batch_dims, d // 2, 2).transpose(-1, -2).reshape(*batch_dims, d)\n"),
         _rope_inputs("BNSD", _halves), {"rope": 1}),
     "olmo_core.RotaryEmbedding": Spelling(
         "olmo-core nn/rope.py:470-486: full precision (q, k upcast), rotate_half as "
@@ -284,40 +271,15 @@ ROPES = {
         _rope_inputs("BSND", _freqs_cis), {"rope": 1}),
     "torchtitan_npu.v4_rope": Spelling(
         "torchtitan-npu models/deepseek_v4/model/model.py:29: complex pairs by unflatten(-1, (-1, 2)), "
-        "flatten(-2) back", "rope",
-        "def forward(self, x, freqs_cis):\n"
-        "    original_dtype = x.dtype\n"
-        "    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))\n"
-        "    seqlen = x_complex.size(1)\n"
-        "    freqs_cis = freqs_cis[:seqlen]\n"
-        "    freqs_cis = freqs_cis.view(1, seqlen, 1, x_complex.size(-1))\n"
-        "    x_rotated = torch.view_as_real(x_complex * freqs_cis).flatten(-2)\n"
-        "    return x_rotated.to(original_dtype)",
+        "flatten(-2) back", "rope", _V4_ROPE.format(conj="", view="1, seqlen, 1"),
         _rope_inputs("BSND", _freqs_cis), {"rope": 1}),
     "torchtitan_npu.v4_rope_3d": Spelling(
         "torchtitan-npu models/deepseek_v4/model/model.py:63: the same on a 3-D (B, S, D) x (the compressor's kv)",
-        "rope",
-        "def forward(self, x, freqs_cis):\n"
-        "    original_dtype = x.dtype\n"
-        "    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))\n"
-        "    seqlen = x_complex.size(1)\n"
-        "    freqs_cis = freqs_cis[:seqlen]\n"
-        "    freqs_cis = freqs_cis.view(1, seqlen, x_complex.size(-1))\n"
-        "    x_rotated = torch.view_as_real(x_complex * freqs_cis).flatten(-2)\n"
-        "    return x_rotated.to(original_dtype)",
-        _rope_inputs("BSD", _freqs_cis), {"rope": 1}),
+        "rope", _V4_ROPE.format(conj="", view="1, seqlen"), _rope_inputs("BSD", _freqs_cis), {"rope": 1}),
     "torchtitan_npu.v4_rope_inverse": Spelling(
         "torchtitan-npu models/deepseek_v4/model/model.py:61 (inverse=True, the attention output's): a rotation "
         "by the negative angle, freqs_cis.conj(): npu_rotary_mul with the sin table negated", "rope",
-        "def forward(self, x, freqs_cis):\n"
-        "    original_dtype = x.dtype\n"
-        "    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))\n"
-        "    seqlen = x_complex.size(1)\n"
-        "    freqs_cis = freqs_cis[:seqlen]\n"
-        "    freqs_cis = freqs_cis.conj()\n"
-        "    freqs_cis = freqs_cis.view(1, seqlen, 1, x_complex.size(-1))\n"
-        "    x_rotated = torch.view_as_real(x_complex * freqs_cis).flatten(-2)\n"
-        "    return x_rotated.to(original_dtype)",
+        _V4_ROPE.format(conj="    freqs_cis = freqs_cis.conj()\n", view="1, seqlen, 1"),
         _rope_inputs("BSND", _freqs_cis), {"rope": 1}),
 }
 
