@@ -45,6 +45,14 @@ __all__ = [
 
 
 @dataclass
+def did_you_mean(given: str, valid, n: int = 3) -> str:
+    """"did you mean 'x' or 'y'? " for the valid names nearest `given` (difflib), else ""."""
+    import difflib
+
+    near = difflib.get_close_matches(given, list(valid), n=n, cutoff=0.6)
+    return f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+
+
 class TinyModel:
     """A built model plus the inputs to call it with.
 
@@ -397,13 +405,10 @@ def hf_model_types() -> tuple[str, ...]:
 def unknown_model_type(model_type: str) -> str:
     """One line for a model_type transformers does not build as a causal LM: the nearest
     valid ones, and where the rest are listed (not all of them: there are about 200)."""
-    import difflib
-
     import transformers
 
     types = hf_model_types()
-    near = difflib.get_close_matches(model_type, types, n=3, cutoff=0.6)
-    guess = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+    guess = did_you_mean(model_type, types)
     return (f"unknown transformers model type {model_type!r}; {guess}transformers {transformers.__version__} "
             f"builds {len(types)} types as causal LMs (docs/survey.md lists them; "
             f"npu_fx_fusion.tiny_models.hf_model_types() returns them)")
