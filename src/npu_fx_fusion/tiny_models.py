@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-@dataclass
 def did_you_mean(given: str, valid, n: int = 3) -> str:
     """"did you mean 'x' or 'y'? " for the valid names nearest `given` (difflib), else ""."""
     import difflib
@@ -53,6 +52,7 @@ def did_you_mean(given: str, valid, n: int = 3) -> str:
     return f"did you mean {' or '.join(map(repr, near))}? " if near else ""
 
 
+@dataclass
 class TinyModel:
     """A built model plus the inputs to call it with.
 
