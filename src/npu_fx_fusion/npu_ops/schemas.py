@@ -9,12 +9,6 @@ graph rewritten on CPU is op-for-op the graph that runs on an NPU.
 # namespace -> {op name -> schema}
 SCHEMAS: dict[str, dict[str, str]] = {
     "npu": {
-        # What torch_npu's kernels call to convert dtypes (softmax with a dtype); `.to(dtype)`
-        # itself is aten._to_copy in an NPU aot graph too (dispatch_inventory.DTYPE_CAST).
-        # Patterns with casts are registered in both spellings.
-        "_npu_dtype_cast": "_npu_dtype_cast(Tensor self, ScalarType dtype) -> Tensor",
-        # its derivative (NpuDtypeCastBackward0: `_npu_dtype_cast_backward(grad, self.scalar_type())`)
-        "_npu_dtype_cast_backward": "_npu_dtype_cast_backward(Tensor grad, ScalarType dtype) -> Tensor",
         "npu_rotary_mul": (
             "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
         ),
@@ -333,23 +327,6 @@ SCHEMAS["npu"].update({
         "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
         'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, '
         "Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "repeat_interleave_backward_int": (
-        "repeat_interleave_backward_int(Tensor grad, Tensor self, SymInt repeats, int? dim=None) -> Tensor"
-    ),
-    "repeat_interleave_backward_tensor": (
-        "repeat_interleave_backward_tensor(Tensor grad, Tensor self, Tensor repeats, int? dim=None) -> Tensor"
-    ),
-    "kl_div_backward": (
-        "kl_div_backward(Tensor grad_output, Tensor self, Tensor target, int reduction=Mean, *, "
-        "bool log_target=False) -> Tensor"
-    ),
-    "kl_div_target_backward": (
-        "kl_div_target_backward(Tensor grad_output, Tensor self, Tensor target, int reduction=Mean, *, "
-        "bool log_target=False) -> Tensor"
-    ),
-    "l1_loss_backward": (
-        "l1_loss_backward(Tensor grad_output, Tensor self, Tensor target, int reduction) -> Tensor"
     ),
 })
 # ---- end of the NPU dispatch block ----
