@@ -42,89 +42,6 @@ def check_soc_name(soc: str) -> str:
 CAPABILITIES: dict[str, OpCapability] = {
     cap.op: cap
     for cap in (
-        OpCapability(
-            op="npu.npu_rotary_mul",
-            dtypes=FLOAT_DTYPES,
-            min_rank=3,  # TND
-            max_rank=4,  # BNSD / BSND / SBND
-            backward="npu.npu_rotary_mul_backward",
-            ge_converter=True,
-            same_shape=("r1", "r2"),
-            limits={
-                "modes": ("half", "interleave", "quarter"),
-                "max_head_dim": 896,  # exclusive: D < 896
-                "head_dim_multiple": 2,
-                "max_batch_heads": 1000,  # half: B < 1000 and N < 1000, each (exclusive)
-                "interleave_max_batch_heads": 1000,  # interleave: B * N < 1000 (exclusive)
-                "grad_max_batch_heads": 1024,  # half, r1/r2 needing grads: B * N <= 1024
-                # interleave: r1/r2 are 11SD / 1S1D / S11D / T1D only, no per-batch cos/sin
-                "interleave_per_batch_tables": False,
-                "interleave_mode_socs": ("Ascend910B", "Ascend910_93", "Ascend950"),
-                "quarter_mode_socs": ("Ascend950",),
-                # SoCs with only the jit_compile=True kernel: half mode, 4-D x, D == 128,
-                # B and N <= 1000 (inclusive)
-                "jit_compile_only_socs": ("Ascend310P",),
-                "jit_compile_head_dim": 128,
-                "jit_compile_max_batch_heads": 1000,
-                # torchair before arch35 lowers a call without `rotate` to GE RotaryMul,
-                # which has no mode attribute: under max-autotune only half mode is right
-                "ge_half_only_without_rotate_socs": ("Ascend910B", "Ascend910_93", "Ascend310P"),
-                # ... and the backward to RotaryMulGrad: 4-D, static shapes, D % 64 == 0,
-                # at most 1024 elements over the dims where r1 broadcasts
-                "ge_backward_head_dim_multiple": 64,
-                "ge_backward_max_broadcast": 1024,
-            },
-            doc="op_semantics 3.1 / torch_npu docs (_op_plugin_docs.py): fp16/bf16/fp32; x 3-D or "
-            "4-D; r1/r2 broadcast to x, one shape and dtype; jit_compile=False (A2/A3): D < 896 and "
-            "even; half B, N < 1000 and B*N <= 1024 with r1/r2 grads; interleave B*N < 1000 and "
-            "11SD-style r1/r2; jit_compile=True (the only kernel listed for Atlas inference, 310P): "
-            "half, 4-D, D == 128, B, N <= 1000. quarter only on arch35 (950), per the GE converter "
-            "custom/npu_rotary_mul.py, which also maps a call without rotate to the mode-less "
-            "RotaryMul on other SoCs; GE backward limits from custom/npu_rotary_mul_backward.py. "
-            "`rotate` has no backward",
-        ),
-        OpCapability(
-            op="npu.npu_interleave_rope",
-            dtypes=frozenset({torch.float16, torch.bfloat16}),
-            min_rank=4,  # BNSD
-            max_rank=4,
-            backward=None,
-            ge_converter=True,
-            same_shape=("cos", "sin"),
-            # documented products: Atlas A2 and A3 only
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "head_dim": 64,  # x, cos and sin: D == 64 exactly
-                "table_heads": 1,  # cos/sin are (B, 1, S or 1, 64)
-                "contiguous": True,
-                # torchair 2.13's InterleaveRope IR (auto_generated_ge_raw_ops.py) lists fp16
-                # inputs only; the op docs say bf16 too. Unconfirmed either way, so a bf16
-                # site under max-autotune takes the exact half-mode alternative instead.
-                "ge_dtypes": (torch.float16,),
-            },
-            doc="op_semantics 3.3 / torch_npu docs: x (B, N, S, 64) fp16/bf16, contiguous; cos/sin "
-            "(B, 1, S or 1, 64), same dtype as x, sin shaped like cos; A2/A3 only (hiascend "
-            "torch_npu.npu_interleave_rope page; 950 not covered by those docs); no autograd "
-            "(inference graphs only)",
-        ),
-        OpCapability(
-            op="npu.npu_swiglu",
-            dtypes=FLOAT_DTYPES,
-            min_rank=1,
-            max_rank=8,
-            backward="npu.npu_swiglu_backward",
-            ge_converter=True,
-            # documented products: Atlas A2 (and A3 in the performance-tuning guide)
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "split_dim_multiple": 2,  # self.size(dim) even
-                "contiguous": True,
-                "empty": False,  # no empty tensors
-            },
-            doc="op_semantics 4.1 / torch_npu docs: fp32/fp16/bf16, 1-8 dims, size(dim) even, "
-            "contiguous and non-empty; the first half is the gate; products A2/A3 (torch_npu "
-            "docs and the hiascend SwiGlu tuning guide; 950 not covered by those docs)",
-        ),
         # ---- MoE (npu_ops/moe.py). `x` of unsupported() is the op's first tensor input. ----
         OpCapability(
             op="npu.npu_moe_gating_top_k_softmax",
@@ -759,43 +676,6 @@ CAPABILITIES.update({
             ge_converter=False, socs=_A2_A3_950, limits={"package": "cann_ops_transformer"},
             doc="mhc_post's backward (COT ops/mhc_post_backward.py); no GE converter",
         ),
-        # -- partial RoPE ---------------------------------------------------------------------
-        OpCapability(
-            op="cann_ops_transformer.inplace_partial_rotary_mul",
-            dtypes=FLOAT_DTYPES,
-            min_rank=4,
-            max_rank=4,  # BSND
-            backward=None,  # the extension's InplacePartialRotaryMulFn (mark_dirty), mirrored by ours
-            autograd_rule="npu_fx_fusion.patterns.rope.InplacePartialRotaryMul",
-            ge_converter=True,
-            socs=_A2_A3_950,
-            limits={
-                "package": "cann_ops_transformer",
-                "ge_converter_source": "ops/graph_convert/graph_convert_inplace_partial_rotary_mul.py "
-                                       "(GE InplacePartialRotaryMul)",
-                "backward_op": "cann_ops_transformer.inplace_partial_rotary_mul_backward",
-                "max_head_dim": 1024, "head_dim_multiple": 2, "slice_multiple": 2,
-                "contiguous": True,
-                # r1 / r2 as x's letters (1: broadcast), per SoC
-                "table_layouts_950": ("BSND", "B1ND", "B11D", "111D"),
-                "table_layouts_a2_a3": ("BS1D", "B11D"),
-                # torchtitan-npu's pre-AOT pattern README says "A5 only"; the COT doc and the kernel's
-                # binary configs (ascend910b, ascend910_93, ascend950) list all three
-                "socs_evidence": "COT doc and kernel configs: 950, A2, A3 (torchtitan-npu README: A5 only)",
-            },
-            doc="deepseek_v4.md 6.2 / COT docs/zh/inplace_partial_rotary_mul.md: x (B, S, N, D) fp16/bf16/fp32, "
-            "contiguous, D <= 1024 and even; partial_slice [start, end) of D, even length = r1/r2's last dim; r1/r2 "
-            "one dtype, broadcast BSND/B1ND/B11D/111D (950) or BS1D/B11D (A2/A3); in place; training through "
-            "InplacePartialRotaryMulFn (no r1/r2 grads); COT GE converter InplacePartialRotaryMul",
-        ),
-        OpCapability(
-            op="cann_ops_transformer.inplace_partial_rotary_mul_backward", dtypes=FLOAT_DTYPES, min_rank=4,
-            max_rank=4, backward=None, ge_converter=True, socs=_A2_A3_950,
-            limits={"package": "cann_ops_transformer",
-                    "ge_converter_source": "ops/graph_convert/graph_convert_inplace_partial_rotary_mul_backward.py "
-                                           "(GE InplacePartialRotaryMulGrad)"},
-            doc="inplace_partial_rotary_mul's backward: grad_output rotated back in place",
-        ),
         # -- compressed sparse MLA attention and its indexer ------------------------------------
         OpCapability(
             op="cann_ops_transformer.sparse_flash_mla",
@@ -874,47 +754,6 @@ CAPABILITIES.update({
             max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
             limits={"package": "cann_ops_transformer"},
             doc="lightning_indexer's tiling metadata (COT ops/lightning_indexer.py); its GE converter raises",
-        ),
-        # -- clamped SwiGLU -------------------------------------------------------------------------
-        OpCapability(
-            op="cann_ops_nn.swiglu_group",
-            dtypes=FLOAT_DTYPES,
-            min_rank=1,
-            max_rank=8,
-            backward=None,  # SwigluGroupFn in the extension, mirrored by ours (swiglu_group_backward)
-            autograd_rule="npu_fx_fusion.patterns.swiglu_group.SwigluGroup",
-            ge_converter=False,  # CON has converters for the backward and the quant ops, not this one
-            socs=_ONLY_950,
-            limits={"package": "cann_ops_nn", "backward_op": "cann_ops_nn.swiglu_group_backward",
-                    "weight_dtype": torch.float32, "contiguous": True, "clamp_off": -1.0},
-            doc="deepseek_v4.md 12.2 / CON aclnnSwigluGroup.md and activation/swiglu_group/torch_extension/"
-            "swiglu_group.py: Ascend 950 only; x fp16/bf16/fp32 1-8 dims, contiguous; weight fp32, one per row; "
-            "clamp_limit > 0 clamps the gate above and up both ways (-1.0: off); training through SwigluGroupFn "
-            "(swiglu_group_backward); no forward GE converter found",
-        ),
-        OpCapability(
-            op="cann_ops_nn.swiglu_group_backward", dtypes=FLOAT_DTYPES, min_rank=2, max_rank=3, backward=None,
-            ge_converter=True, socs=_ONLY_950,
-            limits={"package": "cann_ops_nn",
-                    "ge_converter_source": "torch_extension/cann_ops_nn/ops/activation/swiglu_group_backward/"
-                                           "graph_convert_swiglu_group_backward.py"},
-            doc="CON swiglu_group_backward.md: grad_output / x 2-D or 3-D, weight (.., 1) fp32 with y_origin (the "
-            "unweighted forward), clamp_limit >= 0 (0: off), open-interval clamp masks; Ascend 950",
-        ),
-        OpCapability(
-            op="npu.npu_clipped_swiglu",
-            dtypes=FLOAT_DTYPES,
-            min_rank=2,
-            max_rank=8,
-            backward=None,  # none in torch_npu: inference only
-            ge_converter=True,  # custom/npu_clipped_swiglu.py -> GE ClippedSwiglu
-            # torch_npu's docstring lists Atlas A2 / A3 inference series only (ops-nn ships kernel
-            # configs for ascend950 too; the torch_npu API's docs are followed)
-            socs=_A2_A3_INFERENCE,
-            limits={"contiguous": True, "group_index_dtype": torch.int64},
-            doc="deepseek_v4.md 12.3 / torch_npu docstring npu_clipped_swiglu: fp16/bf16/fp32, > 1 dim, contiguous, "
-            "dim even; A = min(A, limit), B = clamp(B, -limit, limit), y = A sigmoid(alpha A) (B + bias), halves or "
-            "even/odd; Atlas A2/A3 inference series; no autograd; GE converter ClippedSwiglu",
         ),
     )
 })

@@ -9,16 +9,6 @@ graph rewritten on CPU is op-for-op the graph that runs on an NPU.
 # namespace -> {op name -> schema}
 SCHEMAS: dict[str, dict[str, str]] = {
     "npu": {
-        "npu_rotary_mul": (
-            "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
-        ),
-        "npu_rotary_mul_backward": (
-            "npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') "
-            "-> (Tensor, Tensor, Tensor)"
-        ),
-        "npu_interleave_rope": "npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
-        "npu_swiglu": "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
-        "npu_swiglu_backward": "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor",
         # ---- MoE (npu_ops/moe.py; op_semantics sections 5-7) ----
         "npu_moe_gating_top_k_softmax": (
             "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)"
@@ -162,10 +152,6 @@ SCHEMAS["npu"].update({
         "npu_mhc_post_backward(Tensor grad_y, Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) "
         "-> (Tensor, Tensor, Tensor, Tensor)"
     ),
-    "npu_clipped_swiglu": (
-        "npu_clipped_swiglu(Tensor x, *, Tensor? group_index=None, int dim=-1, float alpha=1.702, float limit=7.0, "
-        "float bias=1.0, bool interleaved=True) -> Tensor"
-    ),
 })
 
 # cann_ops_transformer (CANN ops-transformer PyTorch extension; not on the package index):
@@ -188,14 +174,6 @@ SCHEMAS["cann_ops_transformer"].update({
     "mhc_post_backward": (
         "mhc_post_backward(Tensor gradOutput, Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> "
         "(Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "inplace_partial_rotary_mul": (
-        "inplace_partial_rotary_mul(Tensor(a!) x, Tensor r1, Tensor r2, *, "
-        'str rotary_mode="interleave", int[2] partial_slice=[0, 0]) -> ()'
-    ),
-    "inplace_partial_rotary_mul_backward": (
-        "inplace_partial_rotary_mul_backward(Tensor(a!) grad_output, Tensor r1, Tensor r2, *, "
-        'str rotary_mode="interleave", int[2] partial_slice=[0, 0]) -> ()'
     ),
     "sparse_flash_mla_metadata": (
         "sparse_flash_mla_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
@@ -272,15 +250,6 @@ SCHEMAS["cann_ops_transformer"].update({
 # the revision whose clamp_limit default is 0.0, "no clamp", and whose weight is (.., 1); an older one
 # defaults it to -1.0).
 SCHEMAS["cann_ops_nn"] = {
-    "swiglu_group": (
-        "swiglu_group(Tensor x, *, Tensor? weight=None, Tensor? group_index=None, "
-        "float clamp_limit=-1.0) -> Tensor"
-    ),
-    "swiglu_group_backward": (
-        "swiglu_group_backward(Tensor grad_output, Tensor x, *, Tensor? weight=None, "
-        "Tensor? y_origin=None, Tensor? group_index=None, float clamp_limit=0.0) "
-        "-> (Tensor, Tensor?)"
-    ),
 }
 # ---- end of the DeepSeek-V4 block ----
 
