@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from npu_fx_fusion.npu_ops import LAYOUTS, OPCHECK_TESTS, all_specs, ensure_registered, real_torch_npu_available
+from torchair_harness.runner import torch_npu_dir_or_skip
+from torchair_harness.wheel_meta import wheel_meta_functions
 
 SPECS = all_specs()
 
@@ -110,6 +113,8 @@ def test_opcheck(qualname, dtype, layout):
     spec = SPECS[qualname]
     op = getattr(getattr(torch.ops, spec.namespace), spec.name).default
     tests = [name for name in OPCHECK_TESTS if name not in spec.opcheck_skips]
+    if not tests:
+        pytest.skip(f"{qualname} passes no check: {'; '.join(sorted(set(spec.opcheck_skips.values())))}")
     checked = 0
     for sample in spec.samples(dtype):
         laid_out = _laid_out(sample, layout)
@@ -117,6 +122,59 @@ def test_opcheck(qualname, dtype, layout):
             continue
         args, kwargs = _with_grads(sample, *laid_out)
         torch.library.opcheck(op, args, kwargs, test_utils=tests)
+        checked += 1
+    if checked == 0:
+        pytest.skip(f"no sample of {qualname} has an input the {layout} layout applies to")
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of t's shape, dtype and strides (a sliced or expanded view's too)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _signature(outputs):
+    """(shape, dtype, strides) of each output; an int or None as itself."""
+    flat = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [(tuple(o.shape), o.dtype, tuple(o.stride())) if isinstance(o, torch.Tensor) else o for o in flat]
+
+
+def _agree(ours, wheels) -> bool:
+    if len(ours) != len(wheels):
+        return False
+    # torch_npu's Meta returns None for an absent optional output, which a registered op
+    # cannot return for a `Tensor` in its schema: the stand-ins return an empty (0,) tensor there
+    return all(w == o or (w is None and isinstance(o, tuple) and o[0] == (0,)) for o, w in zip(ours, wheels))
+
+
+def _meta_cases():
+    for qualname, spec in sorted(SPECS.items()):
+        if spec.namespace == "npu" and spec.samples is not None:
+            for layout in spec.layouts:
+                yield pytest.param(qualname, layout, id=f"{qualname}-{layout}")
+
+
+@pytest.mark.parametrize("qualname, layout", list(_meta_cases()))
+def test_fake_is_the_wheels_meta(qualname, layout):
+    """On an NPU a compile traces with torch_npu's Meta functions: where the wheel has a Python
+    one, our fake gives the same shapes, dtypes and strides, on every sample and input layout
+    (the kernel then returns those strides: test_opcheck)."""
+    meta = wheel_meta_functions(torch_npu_dir_or_skip()).get(SPECS[qualname].name)
+    if meta is None:
+        pytest.skip(f"{qualname} has no Python Meta function in the wheel (its fake is allocated in C++)")
+    spec = SPECS[qualname]
+    op = getattr(getattr(torch.ops, spec.namespace), spec.name).default
+    checked = 0
+    for sample in spec.samples(sorted(spec.opcheck_dtypes, key=str)[0]):
+        laid_out = _laid_out(sample, layout)
+        if laid_out is None:
+            continue
+        args, kwargs = laid_out
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            ours = _signature(op(*tree_map_only(torch.Tensor, mode.from_tensor, args),
+                                 **tree_map_only(torch.Tensor, mode.from_tensor, kwargs)))
+        wheels = _signature(meta(*tree_map_only(torch.Tensor, _meta_copy, args),
+                                 **tree_map_only(torch.Tensor, _meta_copy, kwargs)))
+        assert _agree(ours, wheels), f"{qualname} ({layout}): ours {ours}, the wheel's Meta {wheels}"
         checked += 1
     if checked == 0:
         pytest.skip(f"no sample of {qualname} has an input the {layout} layout applies to")

@@ -306,43 +306,6 @@ SCHEMAS["npu"].update({
 # its in-place twin, which torchair's recover_view_inplace_pattern substitutes for the functional one)
 # and 187 (the functional latent-cache op the pass emits; v1 at 183 hides its in-place write).
 SCHEMAS["npu"].update({
-    "npu_fused_infer_attention_score": (
-        "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
-        "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
-        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
-        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
-        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, "
-        "Tensor? value_antiquant_scale=None, Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
-        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, "
-        "Tensor? value_shared_prefix=None, SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
-        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, "
-        "int pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", "
-        "int num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, "
-        "int antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, "
-        "bool softmax_lse_flag=False) -> (Tensor, Tensor)"
-    ),
-    "scatter_update": (
-        "scatter_update(Tensor self, Tensor indices, Tensor updates, int axis) -> Tensor"
-    ),
-    "scatter_update_": (
-        "scatter_update_(Tensor(a!) self, Tensor indices, Tensor updates, int axis) -> Tensor(a!)"
-    ),
-    # v1 is never emitted (its schema hides its in-place cache write); it is defined because
-    # torchair's converter module for the family registers v1 first, and fails to import
-    # (taking _v2_functional's converter with it) where the op does not exist
-    "npu_kv_rmsnorm_rope_cache": (
-        "npu_kv_rmsnorm_rope_cache(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor k_cache, "
-        "Tensor ckv_cache, *, Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, "
-        "Tensor? c_kv_offset=None, Tensor? v=None, float epsilon=1e-5, str cache_mode='Norm', "
-        "bool is_output_kv=False) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_kv_rmsnorm_rope_cache_v2_functional": (
-        "npu_kv_rmsnorm_rope_cache_v2_functional(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, "
-        "Tensor index, Tensor k_cache, Tensor ckv_cache, *, Tensor? k_rope_scale=None, "
-        "Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, "
-        "float epsilon=1e-5, str cache_mode='Norm', bool is_output_kv=False, int? k_cache_dtype=None, "
-        "int? ckv_cache_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
 })
 # ---- end of the inference attention block ----
 
