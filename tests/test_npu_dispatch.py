@@ -530,6 +530,43 @@ def test_training_under_npu_dispatch_runs_matmul_backward_on_cpu():
     torch.testing.assert_close(model.proj.weight.grad, eager.proj.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+class _ProjectedAttention(torch.nn.Module):
+    """q / k / v as decoder code makes them: a projection viewed (B, S, N, D) and transposed to
+    BNSD, so SDPA sees non-contiguous inputs (litgpt, olmo-core, HF)."""
+
+    def __init__(self, heads, kv_heads, dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.q = torch.nn.Linear(16, heads * dim, bias=False)
+        self.kv = torch.nn.Linear(16, 2 * kv_heads * dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, self.dim).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return y.transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("batch, seq, kv_heads", [(1, 4, 4), (2, 6, 2)], ids=["B=1 MHA", "B=2 GQA"])
+def test_training_through_emulated_sdpa_on_transposed_qkv_gives_eagers_gradients(batch, seq, kv_heads):
+    """The emulation's SDPA is npu_fusion_attention_v3, differentiated by its grad op: with
+    transposed q / k / v the grad op's outputs must have the strides its fake promises (a
+    contiguous dq, as op-plugin allocates it), or the compiled backward's `view` of dq fails."""
+    x = torch.randn(batch, seq, 16)
+    model, eager = _ProjectedAttention(4, kv_heads), _ProjectedAttention(4, kv_heads)
+    out, ref, report = compile_and_run(model, x, grad=True)
+    out.sum().backward()
+    eager(x).sum().backward()
+    assert report.graphs[0].ops_before["npu.npu_fusion_attention_v3.default"] == 1
+    backward = next(g for g in report.graphs if g.name == "backward")
+    assert backward.ops_before["npu.npu_fusion_attention_grad_v3.default"] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, dict(eager.named_parameters())[name].grad, rtol=1e-4, atol=1e-5)
+
+
 # ---- transformers' NPU branch -------------------------------------------------------------------
 class _TransformersSdpa(torch.nn.Module):
     """transformers' sdpa_attention_forward with a float (additive) mask."""

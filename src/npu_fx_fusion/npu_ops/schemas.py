@@ -260,43 +260,6 @@ SCHEMAS["cann_ops_nn"] = {
 # gives the aten ops torch_npu differentiates itself (npu_ops/dispatch_backward.py, lines
 # 893, 895, 109, 111, 113). Compared with the wheel by tests/test_schemas.py.
 SCHEMAS["npu"].update({
-    "npu_fusion_attention_v3": (
-        "npu_fusion_attention_v3(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
-        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
-        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
-        "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, "
-        'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", '
-        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_fusion_attention_grad_v3": (
-        "npu_fusion_attention_grad_v3(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
-        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
-        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
-        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
-        "int next_tockens=2147483647, int inner_precise=0, Tensor? seed=None, Tensor? offset=None, "
-        "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, "
-        'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", '
-        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_fusion_attention": (
-        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
-        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
-        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
-        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None, '
-        "Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, "
-        "int)"
-    ),
-    "npu_fusion_attention_grad": (
-        "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
-        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
-        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
-        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, "
-        "int next_tockens=2147483647, int inner_precise=0, int seed=0, int offset=0, int numels=0, "
-        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-        'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, '
-        "Tensor, Tensor, Tensor, Tensor)"
-    ),
 })
 # ---- end of the NPU dispatch block ----
 
