@@ -55,14 +55,15 @@ def relayout(t: torch.Tensor, layout: str):
 def _selected(sample, key, value) -> bool:
     if sample.layout_args is not None:
         return key in sample.layout_args
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
+    return value.is_floating_point()
 
 
 def _laid_out(sample, layout):
-    """The sample's arguments with `layout` applied, or None if it changed no tensor."""
+    """The sample's arguments with `layout` applied, or None if it changed no tensor (a
+    `Tensor[]` argument's tensors are laid out one by one)."""
     changed = False
 
-    def apply(key, value):
+    def apply_one(key, value):
         nonlocal changed
         if not isinstance(value, torch.Tensor) or not _selected(sample, key, value):
             return value
@@ -71,6 +72,11 @@ def _laid_out(sample, layout):
             return value
         changed = True
         return new
+
+    def apply(key, value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(apply_one(key, v) for v in value)
+        return apply_one(key, value)
 
     args = tuple(apply(i, a) for i, a in enumerate(sample.args))
     kwargs = {k: apply(k, v) for k, v in sample.kwargs.items()}

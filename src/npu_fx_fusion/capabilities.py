@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .npu_ops.spec import FLOAT_DTYPES, OpCapability, SocLimits, all_specs
+from .npu_ops.spec import FLOAT_DTYPES, OpCapability, SocLimits, all_specs, documented_ops
 
 log = logging.getLogger("npu_fx_fusion.capabilities")
 
@@ -42,223 +42,6 @@ def check_soc_name(soc: str) -> str:
 CAPABILITIES: dict[str, OpCapability] = {
     cap.op: cap
     for cap in (
-        # ---- MoE (npu_ops/moe.py). `x` of unsupported() is the op's first tensor input. ----
-        OpCapability(
-            op="npu.npu_moe_gating_top_k_softmax",
-            dtypes=FLOAT_DTYPES,
-            min_rank=2,
-            max_rank=3,
-            backward=None,
-            ge_converter=True,
-            # the v1 docstring lists Atlas A2 only (v2 adds A3); torchair's converter warns
-            # that arch35 no longer supports v1 (use npu_moe_gating_top_k_softmax_v2)
-            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
-            limits={
-                "max_k": 1024,  # 0 < k <= E and k <= 1024
-                "finished_dtype": torch.bool,  # shape x.shape[:-1]
-                "renormalises": False,  # top-k of the softmax, no division by their sum
-            },
-            doc="op_semantics 5.1 / torch_npu docstring (_op_plugin_docs.py npu_moe_gating_top_k_softmax): "
-            "x 2-D/3-D fp16/bf16/fp32, 0 < k <= E, k <= 1024, finished bool of x.shape[:-1]; products: "
-            "Atlas A2 (A3 listed for _v2 only); GE converter custom/moe_gating_top_k_softmax.py warns it "
-            "is unsupported on Ascend950; no autograd (inference graphs only)",
-        ),
-        OpCapability(
-            op="npu.npu_moe_gating_top_k",
-            dtypes=FLOAT_DTYPES,
-            min_rank=2,
-            max_rank=2,
-            backward="npu.npu_moe_gating_top_k_backward",
-            ge_converter=True,
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "max_experts": 2048,  # x.shape[-1] <= 2048
-                "min_group_size": 3,  # E / group_count > 2 (the wheel docstring)
-                "max_aligned_experts": 2048,  # align32(E / group_count) * group_count <= 2048
-                "group_select_modes": (0, 1),  # 0 group max, 1 sum of the group's top 2
-                "norm_types": (0, 1),  # 0 softmax, 1 sigmoid
-                "renorm": (0,),  # the wheel docstring: only 0 (the CANN README adds 1)
-                "bias_same_dtype": True,  # bias (E,) in x's dtype
-                "hash_mode_max_k": 64,  # input_ids/tid2eid (CANN README)
-                # autograd: backward reads norm_out, so the forward needs out_flag=True, and
-                # supports sigmoid (norm_type=1) only
-                "backward_norm_types": (1,),
-                "backward_needs_out_flag": True,
-                "backward_socs": ("Ascend910B", "Ascend910_93"),
-                # torch_npu 7.0.0 docs (hiascend ptaoplist_002365) on A2/A3: E == 256,
-                # k <= 32, k_group == 4, bias required; later docs lift these
-                "legacy_a2_a3": {"experts": 256, "max_k": 32, "k_group": 4, "bias_required": True},
-            },
-            doc="op_semantics 5.2 / torch_npu docstring (_op_plugin_docs.py npu_moe_gating_top_k): x 2-D "
-            "fp16/bf16/fp32, E <= 2048, E % group_count == 0 and E/group_count > 2, "
-            "align32(E/group_count)*group_count <= 2048, 1 <= k_group <= group_count, "
-            "1 <= k <= k_group*E/group_count, renorm 0 only; CANN README hicann/ops-transformer "
-            "moe/moe_gating_top_k (renorm=1 = softmax-mode renorm, hash mode k <= 64; products A2, A3, "
-            "950) and moe/moe_gating_top_k_backward (A2/A3 only, sigmoid only); torch_npu 7.0.0 "
-            "page ptaoplist_002365 for the older A2/A3 limits",
-        ),
-        OpCapability(
-            op="npu.npu_moe_init_routing_v2",
-            dtypes=FLOAT_DTYPES | {torch.int8},  # int8 x only without (re)quantisation
-            min_rank=2,
-            max_rank=2,
-            backward=None,
-            ge_converter=True,
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "expert_idx_dtype": torch.int32,  # (N, K)
-                "drop_pad_modes": (0,),  # dropless only
-                # the docs: count (1) and key_value (2) only, with the flag True; the Meta
-                # function also accepts 0 (cumsum), the V3 README does not
-                "expert_tokens_num_types": (1, 2),
-                "expert_tokens_num_flag": True,
-                "quant_modes": (-1, 1),  # none, dynamic int8 (newer CANN: MX/FP8/INT4 modes)
-                "max_expert_num": 10240,
-                "key_value_max_expert_num": 5120,
-                "active_num_equals_rows": True,  # V3 README: unused, must equal N*K
-                "row_idx_types": (0, 1),  # 0 gather (src -> dst), 1 scatter (dst -> src)
-                "socs_of_docs": ("Ascend910B", "Ascend910_93"),
-            },
-            doc="op_semantics 6.1 / torch_npu docstring (_op_plugin_docs.py npu_moe_init_routing_v2) and "
-            "the aclnnMoeInitRoutingV3 doc (hicann/ops-transformer moe/moe_init_routing_v3): x (N, H) "
-            "fp16/bf16/fp32/int8, expert_idx (N, K) int32, drop_pad_mode 0, expert_tokens_num_type 1/2 "
-            "with the flag True, quant_mode -1/1, expert_num <= 10240 (<= 5120 key_value), "
-            "active_num unused (= N*K); products A2/A3 (950 not covered by those docs); no autograd",
-        ),
-        OpCapability(
-            op="npu.npu_moe_compute_expert_tokens",
-            dtypes=frozenset({torch.int32}),
-            min_rank=1,
-            max_rank=1,
-            backward=None,
-            ge_converter=True,
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "max_num_expert": 2048,  # 0 < num_expert <= 2048
-                "max_elements": 2**24,  # exclusive
-                "output": "cumsum",  # inclusive end offsets: group_list_type=0
-            },
-            doc="op_semantics 6.2 / torch_npu docstring (_op_plugin_docs.py "
-            "npu_moe_compute_expert_tokens): 1-D int32 sorted expert ids in [0, num_expert), fewer than "
-            "2^24, 0 < num_expert <= 2048; products Ascend950 and Atlas A2 (A3 not listed); inference",
-        ),
-        OpCapability(
-            op="npu.npu_moe_token_permute",
-            dtypes=FLOAT_DTYPES,
-            min_rank=2,
-            max_rank=2,
-            backward="npu.npu_moe_token_permute_grad_v2",
-            ge_converter=False,
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "max_topk": 512,
-                "max_index": 16777215,  # indices.numel() and values < 16777215 (exclusive)
-                "index_dtypes": (torch.int32, torch.int64),  # (T,) or (T, topK)
-                "padded_mode": False,
-                "int8_tokens_socs": ("Ascend950",),
-            },
-            doc="op_semantics 6.3 / torch_npu docstring (_op_plugin_docs.py ~L16842 "
-            "npu_moe_token_permute): tokens (T, H) fp16/bf16/fp32 (int8 on 950), indices 1-D/2-D "
-            "int32/int64 < 16777215, topK <= 512, padded_mode False; products A2, A3, 950; "
-            "sorted_indices is the inverse of the stable argsort (Megatron's is the argsort); "
-            "no GE converter in torchair 2.13",
-        ),
-        OpCapability(
-            op="npu.npu_moe_token_unpermute",
-            dtypes=FLOAT_DTYPES,
-            min_rank=2,
-            max_rank=2,
-            backward="npu.npu_moe_token_unpermute_grad_v2",
-            ge_converter=False,
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "max_topk": 512,  # A2/A3
-                "sorted_indices_dtype": torch.int32,  # (T*topK,), no duplicates
-                "padded_mode": False,
-                "restore_shape": None,
-                # on 950 torch_npu forwards to aclnnMoeFinalizeRoutingV2
-            },
-            doc="op_semantics 6.3 / torch_npu docstring (_op_plugin_docs.py ~L16931 "
-            "npu_moe_token_unpermute): permuted_tokens (T*topK, H) fp16/bf16/fp32, sorted_indices int32 "
-            "without duplicates, probs (T, topK), padded_mode False, restore_shape None, topK <= 512 on "
-            "A2/A3; products A2, A3, 950; no GE converter in torchair 2.13",
-        ),
-        OpCapability(
-            op="npu.npu_moe_finalize_routing",
-            dtypes=FLOAT_DTYPES,
-            min_rank=2,  # expanded_permuted_rows (N*K, H) dropless
-            max_rank=3,  # (E, C, H) drop-pad
-            backward=None,
-            ge_converter=True,
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                # the wheel docstring documents 0 only (k-major); the op-plugin master doc and
-                # the MoeFinalizeRoutingV2 kernel add 1 (drop-pad), 2 (token-major, pairs with
-                # npu_moe_init_routing_v2) and 3; torch_npu calls V2 for all but the full
-                # mode-0 call (GE converter custom/npu_moe_finalize_routing.py likewise)
-                "documented_drop_pad_modes": (0,),
-                "v2_drop_pad_modes": (0, 1, 2, 3),
-                "index_dtype": torch.int32,
-                # skip2 None => skip1 None per the wheel docstring; the master doc says the
-                # reverse (op_semantics 11.8)
-                "skip1_needs_skip2": True,
-            },
-            doc="op_semantics 6.4 / torch_npu docstring (_op_plugin_docs.py npu_moe_finalize_routing): "
-            "expanded_permuted_rows (N*K, H) fp16/bf16/fp32, skip1/skip2 (N, H) and bias (E, H) and "
-            "scales (N, K) in its dtype, expanded_src_to_dst_row (N*K,) int32, drop_pad_mode 0; product "
-            "Atlas A2 (docstring); modes 1-3 from the op-plugin master doc; no autograd",
-        ),
-        OpCapability(
-            op="npu.npu_grouped_matmul",
-            dtypes=FLOAT_DTYPES,  # the float (non-quantised) expert GEMM the MoE passes emit
-            min_rank=2,
-            max_rank=2,  # x of group_type 0 and 2 (group_type -1 takes 2-6 dims)
-            backward=None,  # no autograd in torch_npu ...
-            # ... so training graphs call it through our rule: dx by a group_type 0 call, dw by
-            # a group_type 2 one (patterns/grouped_matmul.py)
-            autograd_rule="npu_fx_fusion.patterns.grouped_matmul.GroupedMatmul",
-            ge_converter=True,
-            # Atlas inference (310P): fp16 only, group_type 0 only, N % 16 == 0
-            socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float16}))},
-            limits={
-                # A2/A3 (aclnnGroupedMatmulV5): -1, 0 and 2 (K-split, float only); the wheel's
-                # older docstring lists -1 and 0; 310P: 0 only
-                "group_types": (-1, 0, 2),
-                "310p_group_types": (0,),
-                "split_items_single_output": (2, 3),  # group_type 0 and 2
-                "group_list_types": (0, 1),  # cumsum, counts (2, sparse pairs: int8 only)
-                "group_list_dtype": torch.int64,
-                "max_groups_single_weight": 1024,  # one (E, K, N) weight; group_type 2: 1024 groups
-                "max_groups_weight_list": 128,
-                "max_inner_dim": 65536,  # exclusive: x's K and weight's N (or K transposed)
-                "x_transposed": False,  # group_type 0
-                "weight_transposed": True,  # a transposed view of (E, N, K); group_type 0
-                # group_type 2 (aclnnGroupedMatmulV5, "groupType支持场景"): one x (M, K) that
-                # must be a transposed view (its InnerLimit axis is then M), one (K, N) weight
-                # that must not be, output (G, M, N) (Meta), group_list over K with its last
-                # end (cumsum) or sum (counts) <= K, no bias, non-quantised dtypes only
-                "k_split_x_transposed": True,
-                "k_split_weight_transposed": False,
-                "k_split_bias": False,
-                # [inferred] an empty K group's output is zeros: MindSpeed and others use the
-                # group_type 2 output as the expert weight gradient directly, with experts
-                # that receive no tokens; the docs do not say it, the stand-in zero-fills.
-                "k_split_empty_group": "zeros",
-                # [unverified] torchair's GE converter (custom/grouped_matmul.py) passes
-                # transpose_x=False for every group_type and lowers the x^T view as its own
-                # Transpose; whether GE folds it into the K-split kernel's transposed x has
-                # not been run on hardware (reduce-overhead / npugraph_ex pass the view)
-                "k_split_ge_transpose_x": "unverified",
-                "310p_n_multiple": 16,
-            },
-            doc="op_semantics 7 / torch_npu docstring (_op_plugin_docs.py npu_grouped_matmul): float "
-            "x/weight fp16/bf16/fp32 (310P fp16 only, N % 16 == 0), group_type 0 needs split_item 2/3, "
-            "a 3-D weight and a group_list of at most 1024 groups (128 for weight lists), cumsum "
-            "(group_list_type 0) or counts (1), InnerLimit 65536, weight may be transposed, x not; "
-            "group_type 2 (CANN aclnnGroupedMatmulV5, ops-transformer gmm/grouped_matmul docs): x "
-            "transposed, weight not, split_item 2/3, no bias, output (G, M, N) (the wheel's Meta); "
-            "products A2/A3 and Atlas inference; no autograd in torch_npu (our rule: autograd_rule)",
-        ),
     )
 }
 
@@ -758,17 +541,6 @@ CAPABILITIES.update({
     )
 })
 
-# npu_moe_gating_top_k's sqrt-softplus mode (norm_type 2, DeepSeek-V4's routers): CANN README
-# (mirror-cann/ops-transformer 3a280bc moe/moe_gating_top_k/README.md) "仅Ascend 950PR/Ascend
-# 950DT支持"; the torch_npu docstring documents 0 / 1 only, so whether its host path passes 2
-# through is unverified (deepseek_v4.md 11.2). No backward (sigmoid only).
-_GATING = CAPABILITIES["npu.npu_moe_gating_top_k"]
-CAPABILITIES["npu.npu_moe_gating_top_k"] = OpCapability(
-    **{**_GATING.__dict__,
-       "limits": {**_GATING.limits, "norm_types": (0, 1, 2), "norm_type_socs": {2: ("Ascend950",)},
-                  "norm_type_2_torch_npu_docs": "undocumented (0 / 1 only)"}})
-
-
 def only_on(op: str) -> Optional[str]:
     """For a SoC-restricted op: "<op> runs on <SoCs> only" (a site's note in emulation, where no
     SoC is known), else None."""
@@ -777,6 +549,24 @@ def only_on(op: str) -> Optional[str]:
     return f"{op} runs on {', '.join(socs)} only" if len(socs) < len(SOCS) else None
 # ---- end of the DeepSeek-V4 block ----
 
+# ---- NPU dispatch block: the FlashAttention ops torch_npu's own SDPA kernel calls ----
+# (npu_dispatch.py, npu_ops/fusion_attention.py). Appended as a block of its own. Limits from
+# the wheel's npu_fusion_attention_v3 docstring (_op_plugin_docs.py ~L1895) and op_semantics 9.1;
+# SoC gates from op-plugin's kernels (npu_fusion_attention_v3_symint refuses Ascend950, whose
+# SDPA calls npu_fusion_attention instead; below Ascend910B1 SDPA takes its math path).
+_FA_LIMITS = {
+    "max_head_dim": 768,  # Dq = Dk >= Dv, 1..768
+    "max_query_heads": 256,  # Nq 1..256, Nq % Nkv == 0
+    "layouts": ("BSH", "SBH", "BSND", "BNSD", "TND"),  # TND is not stood in on CPU
+    "sparse_modes": tuple(range(9)),  # 0-3 stood in on CPU
+    "atten_mask": "bool / uint8, True = masked out; SS, B1SS, BNSS, 11SS; sparse_mode 2 / 3: triu(ones(2048, 2048), 1)",
+}
+CAPABILITIES.update({
+    cap.op: cap
+    for cap in (
+    )
+})
+# ---- end of the NPU dispatch block ----
 
 # ---- Inference attention and KV-cache writes (npu_ops/infer_attention.py, npu_ops/kv_cache.py;
 # shared/reference/attention_inference.md sections 3-5) ----
@@ -791,91 +581,10 @@ CAPABILITIES.update({
 
 
 
-# ---- Expert parallel (npu_ops/moe.py's re_routing block; patterns/moe_dispatch.py's EP forms) ----
-# Appended as a block of its own.
-CAPABILITIES.update({
-    cap.op: cap
-    for cap in (
-        OpCapability(
-            op="npu.npu_moe_re_routing",
-            dtypes=frozenset({torch.float16, torch.bfloat16, torch.int8}),  # tokens (950: fp8/fp4 too)
-            min_rank=2,  # tokens (A, H)
-            max_rank=2,
-            backward=None,  # no autograd in torch_npu ...
-            # ... so training graphs call it through our rule (backward: npu_moe_token_unpermute,
-            # as torchtitan-npu's NPUMoeReRouting)
-            autograd_rule="npu_fx_fusion.patterns.moe_dispatch.ReRouting",
-            ge_converter=True,  # custom/npu_moe_re_routing.py -> GE MoeReRouting
-            # torch_npu doc: Atlas A2/A3; the CANN README adds 950 and Kirin (no bf16 there)
-            socs={"Ascend310P": SocLimits(supported=False)},
-            limits={
-                "max_hidden": 16384,  # exclusive: 0 < H < 16384
-                "counts_dtypes": (torch.int32, torch.int64),  # (ranks, local experts)
-                "expert_token_num_types": (1,),  # counts
-                "idx_types": (0,),  # the gather index (950 adds 1, scatter)
-                # the torch_npu doc says the counts "must be > 0" (取值必须大于0); the CANN
-                # kernels copy nothing for a zero count (moe_re_routing.h: zero ubFactor
-                # chunks and no tail; arch35 moe_re_routing_re_regbase.h: `if (currTokenNum
-                # == 0) continue;`) and the host cannot read the device counts: zeros are
-                # computed, not refused (docs/expert-parallel.md)
-                "zero_counts": "computed (kernel source), against the doc's > 0",
-            },
-            doc="op_semantics 6.5 / torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
-            "torch_npu-npu_moe_re_routing.md) and the CANN README (ops-transformer moe/moe_re_routing): "
-            "tokens (A, H) fp16/bf16/int8, 0 < H < 16384, expert_token_num_per_rank (N, E) int32/int64 "
-            "summing to A, per_token_scales (A,) fp32, expert_token_num_type 1 and idx_type 0 only; "
-            "outputs sized from the inputs (the wheel's Meta); products A2/A3 (950 in the CANN README); "
-            "no autograd",
-        ),
-    )
-})
-# Ops no pass emits, whose documented limits a near miss quotes: MC2, which moe_dispatch
-# reports for every expert-parallel token exchange (docs/expert-parallel.md says why it is
-# never emitted). Not in CAPABILITIES: a pass may emit only what that table lists, and
-# every op there has a stand-in.
-NOT_EMITTED: dict[str, OpCapability] = {
-    cap.op: cap
-    for cap in (
-        OpCapability(
-            op="npu.npu_moe_distribute_dispatch_v2",
-            dtypes=frozenset({torch.float16, torch.bfloat16}),  # x (BS, H); A2 also packed int4 (int32)
-            min_rank=2,
-            max_rank=2,
-            backward=None,  # inference only (the doc: 该接口支持推理场景下使用)
-            ge_converter=True,  # custom/moe_distribute_dispatch_v2.py
-            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
-            limits={
-                "group": "an HCCL communicator name (group_ep), the EP domain carrying no other operator",
-                "max_top_k": 16,  # 0 < K <= 16 (12 with comm_alg fullmesh_v2)
-                "max_batch": {"Ascend910B": 256, "Ascend910_93": 512},  # BS per rank (fullmesh / v1)
-                "hidden": {"Ascend910B": (1, 7168, 32), "Ascend910_93": (1024, 8192, 1)},  # min, max, multiple
-                "a2_world_sizes": (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256),  # fullmesh
-                "a3_world_sizes": (2, 768),  # inclusive range
-                "a3_max_experts_times_ranks": 2048,  # local experts * world size
-                "tp": "reserved: tp_world_size 0/1 only",
-            },
-            doc="torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
-            "torch_npu-npu_moe_distribute_dispatch_v2.md, 约束说明): inference only, paired with combine_v2 "
-            "with identical group_ep, ep_world_size, moe_expert_num, shared-expert and global_bs settings on "
-            "every rank and layer; group_ep an HCCL group name; K <= 16; BS <= 256 (A2 fullmesh) / 512 (A3); "
-            "H (0, 7168] multiple of 32 on A2, [1024, 8192] on A3; A2/A3 only",
-        ),
-        OpCapability(
-            op="npu.npu_moe_distribute_combine_v2",
-            dtypes=frozenset({torch.float16, torch.bfloat16}),  # expand_x
-            min_rank=2,
-            max_rank=2,
-            backward=None,  # inference only
-            ge_converter=True,  # custom/moe_distribute_combine_v2.py
-            socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
-            limits={"pairs_with": "npu.npu_moe_distribute_dispatch_v2"},
-            doc="torch_npu doc torch_npu-npu_moe_distribute_combine_v2.md: the reverse of dispatch_v2 "
-            "(its assist_info_for_combine, ep_recv_counts passed unchanged), the weighted sum of each "
-            "token's k rows (expert_scales fp32); inference only; the limits of dispatch_v2",
-        ),
-    )
-}
-# ---- end of the expert-parallel block ----
+# Ops no pass emits and no stand-in computes, whose documented limits a near miss quotes
+# (npu_ops.spec.documented_op: MC2, in npu_ops/moe.py). Not in CAPABILITIES: a pass may emit
+# only what that table lists, and every op there has a stand-in.
+NOT_EMITTED: dict[str, OpCapability] = {cap.op: cap for cap in documented_ops().values()}
 
 
 # Ops declared with npu_ops.spec.op_spec carry their capability in their spec: one place per op.

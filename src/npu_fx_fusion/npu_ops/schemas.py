@@ -10,61 +10,6 @@ graph rewritten on CPU is op-for-op the graph that runs on an NPU.
 SCHEMAS: dict[str, dict[str, str]] = {
     "npu": {
         # ---- MoE (npu_ops/moe.py; op_semantics sections 5-7) ----
-        "npu_moe_gating_top_k_softmax": (
-            "npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)"
-        ),
-        "npu_moe_gating_top_k": (
-            "npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, "
-            "Tensor? tid2eid=None, int k_group=1, int group_count=1, int group_select_mode=0, int renorm=0, "
-            "int norm_type=0, bool out_flag=False, float routed_scaling_factor=1.0, float eps=1e-20) "
-            "-> (Tensor, Tensor, Tensor)"
-        ),
-        "npu_moe_gating_top_k_backward": (
-            "npu_moe_gating_top_k_backward(Tensor x_norm, Tensor grad_y, Tensor expertIdx, *, int renorm=0, "
-            "int norm_type=0, float routed_scaling_factor=1.0, float eps=1e-20) -> Tensor"
-        ),
-        "npu_moe_init_routing_v2": (
-            "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
-            "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
-            "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, "
-            "int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) "
-            "-> (Tensor, Tensor, Tensor, Tensor)"
-        ),
-        "npu_moe_compute_expert_tokens": (
-            "npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor"
-        ),
-        "npu_moe_token_permute": (
-            "npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, "
-            "bool padded_mode=False) -> (Tensor, Tensor)"
-        ),
-        "npu_moe_token_permute_grad_v2": (
-            "npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, "
-            "SymInt tokens_size_0, ScalarType tokens_dtype, SymInt num_topK, bool padded_mode=False) -> Tensor"
-        ),
-        "npu_moe_token_unpermute": (
-            "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, "
-            "bool padded_mode=False, int[]? restore_shape=None) -> Tensor"
-        ),
-        "npu_moe_token_unpermute_grad_v2": (
-            "npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, "
-            "SymInt permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, "
-            "bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)"
-        ),
-        "npu_moe_finalize_routing": (
-            "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
-            "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, "
-            "int? drop_pad_mode=0, int? k=1) -> Tensor"
-        ),
-        # The default overload only: the `.List` one (int[] group_list) is not stood in.
-        "npu_grouped_matmul": (
-            "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
-            "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
-            "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
-            "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
-            "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
-            "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
-            "int? per_token_scale_dtype=None) -> Tensor[]"
-        ),
     },
 }
 
@@ -276,9 +221,5 @@ SCHEMAS["npu"].update({
 # ---- Expert parallel (npu_ops/moe.py, the re_routing block; op_semantics 6.5) ----
 # torch_npu 2.13.0 yaml line 625. Appended as a block of its own.
 SCHEMAS["npu"].update({
-    "npu_moe_re_routing": (
-        "npu_moe_re_routing(Tensor tokens, Tensor expert_token_num_per_rank, *, Tensor? per_token_scales=None, "
-        "int expert_token_num_type=1, int idx_type=0, int? tokens_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
 })
 # ---- end of the expert-parallel block ----
