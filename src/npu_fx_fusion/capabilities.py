@@ -39,11 +39,7 @@ def check_soc_name(soc: str) -> str:
     return soc
 
 
-CAPABILITIES: dict[str, OpCapability] = {
-    cap.op: cap
-    for cap in (
-    )
-}
+CAPABILITIES: dict[str, OpCapability] = {}
 
 
 def check_mode_name(mode: str) -> str:
@@ -339,126 +335,6 @@ _HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 CAPABILITIES.update({
     cap.op: cap
     for cap in (
-        # -- mHC ------------------------------------------------------------------------------
-        OpCapability(
-            op="npu.npu_mhc_pre",
-            dtypes=_HALF_DTYPES,  # x; phi / alpha / bias / gamma fp32
-            min_rank=3,  # [T, n, D]
-            max_rank=4,  # [B, S, n, D]
-            backward="npu.npu_mhc_pre_backward",
-            ge_converter=False,  # torchair 2.13: none (its docs show reduce-overhead only)
-            socs=_ONLY_950,
-            limits={
-                "streams": (4, 6, 8),  # n
-                "max_dim": 16384, "dim_multiple": 16,  # D in 1..16384, 16-aligned
-                "backward_needs_out_flag": True,  # the backward reads inv_rms / h_mix / h_pre
-                "phi_dtype": torch.float32,
-            },
-            doc="deepseek_v4.md 3.2 / torch_npu docstring npu_mhc_pre (_op_plugin_docs.py): Ascend 950 only; x "
-            "bf16/fp16 [B, S, n, D] or [T, n, D], phi fp32 [n^2 + 2n, nD], alpha [3] (or [2]: two mappings), "
-            "bias [n^2 + 2n], gamma fp32 [n, D]; n 4 / 6 / 8, D <= 16384 and 16-aligned; h_res returned BEFORE "
-            "Sinkhorn; autograd NpuMhcPreBackward0 (needs out_flag=1); no GE converter in torchair 2.13",
-        ),
-        OpCapability(
-            op="npu.npu_mhc_pre_backward", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
-            ge_converter=False, socs=_ONLY_950,
-            doc="npu_mhc_pre's backward (NpuMhcPreBackward0): grads of x, phi, alpha, bias, gamma from those of "
-            "h_in, h_post and the pre-Sinkhorn h_res; Ascend 950; no GE converter",
-        ),
-        OpCapability(
-            op="npu.npu_mhc_sinkhorn",
-            dtypes=frozenset({torch.float32}),
-            min_rank=3,
-            max_rank=4,
-            backward="npu.npu_mhc_sinkhorn_backward",
-            ge_converter=False,
-            socs=_ONLY_950,
-            limits={"streams": (4, 6, 8), "iterations": (1, 100), "backward_needs_out_flag": True},
-            doc="deepseek_v4.md 3.2 / torch_npu docstring npu_mhc_sinkhorn: fp32 [B, S, n, n] or [T, n, n], n 4 / 6 / "
-            "8, num_iters 1..100; softmax + eps, a column normalisation, then num_iters - 1 row / column "
-            "normalisations (each + eps): transformers' loop exactly; 'Atlas A5' (950) only; autograd "
-            "NpuMhcSinkhornBackward0 (needs out_flag=1); no GE converter",
-        ),
-        OpCapability(
-            op="npu.npu_mhc_sinkhorn_backward", dtypes=frozenset({torch.float32}), min_rank=3, max_rank=4,
-            backward=None, ge_converter=False, socs=_ONLY_950,
-            doc="npu_mhc_sinkhorn's backward, from its norm_out / sum_out; Ascend 950; no GE converter",
-        ),
-        OpCapability(
-            op="npu.npu_mhc_post",
-            dtypes=_HALF_DTYPES,  # x and h_out; h_res / h_post fp32
-            min_rank=3,
-            max_rank=4,
-            backward="npu.npu_mhc_post_backward",
-            ge_converter=False,
-            socs=_ONLY_950,
-            limits={"streams": (4, 6, 8), "h_res_none_socs": ("Ascend950",)},
-            doc="deepseek_v4.md 4.2 / torch_npu docstring npu_mhc_post: y = h_res^T x + h_out (x) h_post; x, h_out "
-            "bf16/fp16 (one dtype), h_res, h_post fp32; n 4 / 6 / 8; 950 only; autograd NpuMhcPostBackward0; no GE "
-            "converter",
-        ),
-        OpCapability(
-            op="npu.npu_mhc_post_backward", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
-            ge_converter=False, socs=_ONLY_950,
-            doc="npu_mhc_post's backward (NpuMhcPostBackward0); Ascend 950; no GE converter",
-        ),
-        OpCapability(
-            op="cann_ops_transformer.mhc_pre_sinkhorn",
-            dtypes=frozenset({torch.bfloat16}),  # x; phi / alpha / bias fp32
-            min_rank=4,
-            max_rank=4,  # (B, S, N, C) only: the Meta reads four sizes
-            backward=None,  # no dispatcher autograd: the extension's MhcPreSinkhornFunction ...
-            autograd_rule="npu_fx_fusion.patterns.mhc_pre.MhcPreSinkhorn",  # ... mirrored by ours
-            ge_converter=True,
-            socs=_A2_A3_950,
-            limits={
-                "package": "cann_ops_transformer",
-                "ge_converter_source": "ops/graph_convert/graph_convert_mhc_pre_sinkhorn.py (GE MhcPreSinkhorn)",
-                "backward_op": "cann_ops_transformer.mhc_pre_sinkhorn_backward",
-                "streams": (4,),  # N = 4 only
-                "iterations": (20,),  # numIters = 20 only
-                "a2_a3_dim_multiple": 128, "a2_a3_max_dim": 100000,  # C on A2/A3
-                "dims_950": (4096, 7168),  # C on 950
-            },
-            doc="deepseek_v4.md 3.3 / COT docs/zh/mhc_pre_sinkhorn.md: 950, A2, A3; x bf16 (B, S, N, C), N = 4 and "
-            "numIters = 20 only, C 128-aligned in [1, 100000] on A2/A3 and 4096 / 7168 on 950; positional "
-            "(hcMult, numIters, hcEps, normEps, outFlag); training through MhcPreSinkhornFunction "
-            "(mhc_pre_sinkhorn_backward); COT GE converter MhcPreSinkhorn",
-        ),
-        OpCapability(
-            op="cann_ops_transformer.mhc_pre_sinkhorn_backward", dtypes=frozenset({torch.bfloat16}), min_rank=4,
-            max_rank=4, backward=None, ge_converter=True, socs=_A2_A3_950,
-            limits={"package": "cann_ops_transformer",
-                    "ge_converter_source": "ops/graph_convert/graph_convert_mhc_pre_sinkhorn_backward.py "
-                                           "(GE MhcPreSinkhornBackward)"},
-            doc="mhc_pre_sinkhorn's backward (COT ops/mhc_pre_sinkhorn_backward.py): dx, dphi, dalpha, dbias",
-        ),
-        OpCapability(
-            op="cann_ops_transformer.mhc_post",
-            dtypes=_HALF_DTYPES,
-            min_rank=3,
-            max_rank=4,
-            backward=None,  # the extension's MhcPostFunction (mhc_post_backward), mirrored by ours
-            autograd_rule="npu_fx_fusion.patterns.mhc_post.MhcPost",
-            ge_converter=False,  # the extension has no converter for it
-            # The 950 conflict (deepseek_v4.md 16.3): the extension doc (docs/zh/mhc_post.md) says 950
-            # "不支持"; the kernel's own README (mhc/mhc_post/README.md) lists 950 as supported, the
-            # kernel has arch35 (950) sources (op_kernel/arch35/mhc_post*.h, op_tiling/arch35/*) and
-            # torchtitan-npu calls it on A5. Decided from the kernel: supported on 950 (the
-            # extension doc read as stale); npu_mhc_post is preferred there anyway (patterns/mhc_post.py).
-            socs=_A2_A3_950,
-            limits={"package": "cann_ops_transformer", "backward_op": "cann_ops_transformer.mhc_post_backward",
-                    "streams": (4, 6, 8),
-                    "950_evidence": "kernel README and arch35 kernel sources: supported (extension doc: not)"},
-            doc="deepseek_v4.md 4.2 / COT docs/zh/mhc_post.md: x, h_out bf16/fp16, h_res (required) and h_post "
-            "fp32, (B, S, n, D) or (T, n, D); A2 / A3 (and 950, see the socs comment); training through "
-            "MhcPostFunction (mhc_post_backward); no GE converter",
-        ),
-        OpCapability(
-            op="cann_ops_transformer.mhc_post_backward", dtypes=_HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
-            ge_converter=False, socs=_A2_A3_950, limits={"package": "cann_ops_transformer"},
-            doc="mhc_post's backward (COT ops/mhc_post_backward.py); no GE converter",
-        ),
         # -- compressed sparse MLA attention and its indexer ------------------------------------
         OpCapability(
             op="cann_ops_transformer.sparse_flash_mla",
@@ -549,24 +425,6 @@ def only_on(op: str) -> Optional[str]:
     return f"{op} runs on {', '.join(socs)} only" if len(socs) < len(SOCS) else None
 # ---- end of the DeepSeek-V4 block ----
 
-# ---- NPU dispatch block: the FlashAttention ops torch_npu's own SDPA kernel calls ----
-# (npu_dispatch.py, npu_ops/fusion_attention.py). Appended as a block of its own. Limits from
-# the wheel's npu_fusion_attention_v3 docstring (_op_plugin_docs.py ~L1895) and op_semantics 9.1;
-# SoC gates from op-plugin's kernels (npu_fusion_attention_v3_symint refuses Ascend950, whose
-# SDPA calls npu_fusion_attention instead; below Ascend910B1 SDPA takes its math path).
-_FA_LIMITS = {
-    "max_head_dim": 768,  # Dq = Dk >= Dv, 1..768
-    "max_query_heads": 256,  # Nq 1..256, Nq % Nkv == 0
-    "layouts": ("BSH", "SBH", "BSND", "BNSD", "TND"),  # TND is not stood in on CPU
-    "sparse_modes": tuple(range(9)),  # 0-3 stood in on CPU
-    "atten_mask": "bool / uint8, True = masked out; SS, B1SS, BNSS, 11SS; sparse_mode 2 / 3: triu(ones(2048, 2048), 1)",
-}
-CAPABILITIES.update({
-    cap.op: cap
-    for cap in (
-    )
-})
-# ---- end of the NPU dispatch block ----
 
 # ---- Inference attention and KV-cache writes (npu_ops/infer_attention.py, npu_ops/kv_cache.py;
 # shared/reference/attention_inference.md sections 3-5) ----

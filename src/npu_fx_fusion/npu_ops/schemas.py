@@ -79,24 +79,6 @@ SCHEMAS["cann_ops_transformer"] = {
 # mhc_pre and its backward, 557 / 560 mhc_post and its backward, 832 clipped_swiglu, 878 / 880
 # mhc_sinkhorn and its backward), compared with the wheel by tests/test_schemas.py.
 SCHEMAS["npu"].update({
-    "npu_mhc_pre": (
-        "npu_mhc_pre(Tensor x, Tensor phi, Tensor alpha, Tensor bias, *, Tensor? gamma=None, float norm_eps=1e-6, "
-        "float hc_eps=1e-6, int out_flag=0, int inner_precise=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_mhc_pre_backward": (
-        "npu_mhc_pre_backward(Tensor x, Tensor phi, Tensor alpha, Tensor grad_h_in, Tensor grad_h_post, "
-        "Tensor grad_h_res, Tensor inv_rms, Tensor h_mix, Tensor h_pre, Tensor h_post, Tensor? gamma=None, "
-        "float hc_eps=1e-6, Tensor? grad_x_post=None, int inner_precise=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "npu_mhc_sinkhorn": (
-        "npu_mhc_sinkhorn(Tensor x, *, float eps=1e-6, SymInt num_iters=20, int out_flag=0) -> (Tensor, Tensor, Tensor)"
-    ),
-    "npu_mhc_sinkhorn_backward": "npu_mhc_sinkhorn_backward(Tensor grad_y, Tensor norm, Tensor sum) -> Tensor",
-    "npu_mhc_post": "npu_mhc_post(Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) -> Tensor",
-    "npu_mhc_post_backward": (
-        "npu_mhc_post_backward(Tensor grad_y, Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) "
-        "-> (Tensor, Tensor, Tensor, Tensor)"
-    ),
 })
 
 # cann_ops_transformer (CANN ops-transformer PyTorch extension; not on the package index):
@@ -106,20 +88,6 @@ SCHEMAS["npu"].update({
 # sparse_flash_mla_grad, lightning_indexer}.py of mirror-cann/ops-transformer at 3a280bc (2026-07-21),
 # spaces (and their absence) included.
 SCHEMAS["cann_ops_transformer"].update({
-    "mhc_pre_sinkhorn": (
-        "mhc_pre_sinkhorn(Tensor x, Tensor phi, Tensor alpha, Tensor bias, int hcMult, int numIters, float hcEps, "
-        "float normEps, bool outFlag) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "mhc_pre_sinkhorn_backward": (
-        "mhc_pre_sinkhorn_backward(Tensor gradHin, Tensor gradHPost, Tensor gradHRes, Tensor x, Tensor phi, "
-        "Tensor alpha, Tensor bias, Tensor hPre, Tensor hcBeforeNorm, Tensor invRms, Tensor sumOut, Tensor normOut, "
-        "float hcEps) -> (Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "mhc_post": "mhc_post(Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> Tensor",
-    "mhc_post_backward": (
-        "mhc_post_backward(Tensor gradOutput, Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> "
-        "(Tensor, Tensor, Tensor, Tensor)"
-    ),
     "sparse_flash_mla_metadata": (
         "sparse_flash_mla_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, "
         "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, "
