@@ -3,7 +3,7 @@
 These are the ops torch_npu's own `scaled_dot_product_attention` kernel calls
 (ScaledDotProductAttentionKernelNpuOpApi.cpp: `_v3` below Ascend950, the plain one on
 Ascend950), so they are what an NPU aot graph holds for SDPA (npu_dispatch.py). Schemas:
-the wheel's yaml (schemas.py). Semantics: the wheel's docstring of npu_fusion_attention_v3
+the wheel's yaml (in each op_spec). Semantics: the wheel's docstring of npu_fusion_attention_v3
 (`_op_plugin_docs.py` ~L1895), op_semantics.md 9.1, output shapes and dtypes from op-plugin's
 FlashAttentionKernelNpuOpApi.cpp (infer_fa_v3_output_tensors, npu_fusion_attention_v3_symint)
 and the wheel's Meta (`npu_fusion_attention_forward`), autograd from op-plugin's

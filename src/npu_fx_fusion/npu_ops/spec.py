@@ -12,12 +12,31 @@ its family (norm.py, moe.py, ...):
         ...
 
 Everything else is derived from the spec: the stand-in library (`ensure_registered`), the
-schema table the wheel is checked against (`schemas.SCHEMAS`), the capability table the
+schemas the wheel is checked against (tests/test_schemas.py), the capability table the
 passes ask (`capabilities.CAPABILITIES`, with each op's SoC limits, GE converter and
-`verify_ulps` tolerance), and the op-level tests (`torch.library.opcheck` over every spec's
-samples, in every dtype its capability lists and in the input layouts it accepts). A new op
-is one spec in a family module (a new module of this package is found without being listed)
-and nothing else in the engine changes.
+`verify_ulps` tolerance), and the op-level tests (tests/test_op_specs.py: `torch.library.opcheck`
+over every spec's samples, in every dtype its capability lists and in the input layouts it
+accepts, and each fake against torch_npu's own Meta function). A new op is one spec in a family
+module (a new module of this package is found without being listed) and nothing else in the
+engine changes; an op without samples fails the tests.
+
+Schemas are copied character for character: torch_npu's from the wheel's
+torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml (compared with it by the tests); the
+extension packages' from their OpBuilder.schema(): cann_ops_transformer's from
+torch_extension/cann_ops_transformer/ops/*.py of mirror-cann/ops-transformer at 3a280bc
+(2026-07-21), spaces and their absence included; cann_ops_nn's from hicann/ops-nn
+activation/swiglu_group/torch_extension/swiglu_group.py (3caf360) and
+torch_extension/cann_ops_nn/ops/activation/swiglu_group_backward/swiglu_group_backward.py
+(0188283, the revision whose clamp_limit defaults to 0.0, "no clamp", with a (.., 1) weight).
+Those are compared with the installed package where there is one.
+
+Fakes give what the NPU compile's fake tensors are: the wheel's Meta function where it has a
+Python one (torch_npu/op_plugin/meta/_meta_registrations.py), else how op-plugin allocates the
+outputs in C++ (named in a comment at the fake), or the extension's register_meta. Most
+allocate contiguous outputs (torch.empty, new_empty, apply_tensor_without_format); an
+empty_like(input) keeps a transposed or channels-last input's strides. The reference kernel
+returns exactly those strides (`in_layout_of`, `.contiguous()`): a compile plans views from
+the fake's strides, and a kernel that returns others fails the compiled graph at run time.
 """
 from __future__ import annotations
 
