@@ -22,8 +22,8 @@ FUZZ_ENV = "NPU_FX_FUSION_FUZZ"  # how many more cases the slow slice takes (def
 MORE_SEEDS = range(100_000, 100_000 + int(os.environ.get(FUZZ_ENV, "0") or 0))
 
 
-def _check(seed):
-    result = run_case(make_case(seed))
+def _check(seed, family=None):
+    result = run_case(make_case(seed, family))
     assert result.outcome in OK_OUTCOMES, (
         f"{result.outcome}: {result.detail}\n{result.case.describe()}\n"
         f"fused {result.fused}; near misses {result.near_misses}")
@@ -33,6 +33,27 @@ def _check(seed):
 @pytest.mark.parametrize("seed", range(CI_CASES))
 def test_fuzz_case(seed):
     _check(seed)
+
+
+# Decoder blocks around SDPA (a named family: the fixed slice's seeds keep their cases), chosen
+# to cover issue 29's training crash (q / k / v made non-contiguous by .view().transpose(),
+# GQA by enable_gqa and by repeat_kv, B=1 and B=2, dynamic=True) and an inference block.
+# `benchmarks/fuzz.py --family attention_block --cases N` runs more.
+BLOCK_SEEDS = (0, 3, 8, 10, 14)
+
+
+@pytest.mark.parametrize("seed", BLOCK_SEEDS)
+def test_attention_block_case(seed):
+    _check(seed, "attention_block")
+
+
+def test_the_block_slice_covers_the_crash_and_inference():
+    cases = [make_case(seed, "attention_block") for seed in BLOCK_SEEDS]
+    training = [c for c in cases if c.training]
+    assert {c.choices["gqa"] for c in training} == {"enable_gqa", "repeat_kv", "none"}
+    assert {c.choices["shapes"].split(",")[0] for c in training} == {"x [1", "x [2"}
+    assert any(c.dynamic for c in training) and any(not c.training for c in cases)
+    assert all(".view(B, S, " in c.source and ".transpose(1, 2)" in c.source for c in cases)
 
 
 @pytest.mark.slow
