@@ -18,9 +18,9 @@ from .npu_ops.spec import FLOAT_DTYPES, SOCS, OpCapability, SocLimits, all_specs
 
 log = logging.getLogger("npu_fx_fusion.capabilities")
 
-__all__ = ["ACL_MODES", "CAPABILITIES", "FLOAT_DTYPES", "GE_MODES", "MODES", "NOT_EMITTED", "SOCS", "OpCapability", "SocLimits",
-           "capability", "check_mode_name", "check_soc_name", "detect_soc", "has_backward", "not_lowerable",
-           "only_on", "unsupported"]
+__all__ = ["ACL_MODES", "CAPABILITIES", "FLOAT_DTYPES", "GE_MODES", "MODES", "NOT_EMITTED", "SOCS", "OpCapability",
+           "SocLimits", "capability", "check_mode_name", "check_soc_name", "detect_soc", "has_backward",
+           "not_lowerable", "only_on", "unsupported"]
 
 # torchair's modes (CompilerConfig.mode) and npugraph_ex, by how they lower a graph:
 # max-autotune converts every node into a GE graph and needs a GE converter per op;

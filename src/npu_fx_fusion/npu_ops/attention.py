@@ -197,8 +197,10 @@ def _dsa_inputs(dtype):
     """Queries, keys and weights in BSND (B=2, S1=3, N1=4) and TND (lengths 2 and 4), paged keys
     (block size 4), the lengths, and sparse indices (-1 ending a list) for both query layouts."""
     return SimpleNamespace(
-        q4=randn(2, 3, 4, 8, dtype=dtype), k4=randn(2, 5, 1, 8, dtype=dtype, seed=1), w4=randn(2, 3, 4, dtype=dtype, seed=2),
-        q3=randn(6, 4, 8, dtype=dtype, seed=3), k3=randn(9, 1, 8, dtype=dtype, seed=4), w3=randn(6, 4, dtype=dtype, seed=5),
+        q4=randn(2, 3, 4, 8, dtype=dtype), k4=randn(2, 5, 1, 8, dtype=dtype, seed=1),
+        w4=randn(2, 3, 4, dtype=dtype, seed=2),
+        q3=randn(6, 4, 8, dtype=dtype, seed=3), k3=randn(9, 1, 8, dtype=dtype, seed=4),
+        w3=randn(6, 4, dtype=dtype, seed=5),
         paged=randn(6, 4, 1, 8, dtype=dtype, seed=6), table=torch.tensor([[3, 0], [1, 5]], dtype=torch.int32),
         cq=torch.tensor([2, 6], dtype=torch.int32), ck=torch.tensor([4, 9], dtype=torch.int32),
         lens_k=torch.tensor([5, 7], dtype=torch.int32),
@@ -217,8 +219,8 @@ def _indexer_samples(dtype):
     t = _dsa_inputs(dtype)
     yield Sample((t.q4, t.k4, t.w4), dict(sparse_count=3))
     yield Sample((t.q4, t.k4, t.w4), dict(sparse_count=7, sparse_mode=0, return_value=True))
-    yield Sample((t.q3, t.k3, t.w3), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.ck, layout_query="TND",
-                                          layout_key="TND", sparse_count=4, return_value=True))
+    yield Sample((t.q3, t.k3, t.w3), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.ck,
+                                          layout_query="TND", layout_key="TND", sparse_count=4, return_value=True))
     yield Sample((t.q4, t.paged, t.w4), dict(actual_seq_lengths_key=t.lens_k, block_table=t.table, layout_key="PA_BSND",
                                              sparse_count=4))
     yield Sample((t.q3, t.paged, t.w3), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.lens_k,
@@ -232,7 +234,8 @@ def _indexer_grad_samples(dtype):
     yield Sample((t.q4, t.k4, randn(2, 3, 1, 3, dtype=dtype, seed=14), idx4, t.w4))
     tnd = dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.ck)
     idx3 = npu_lightning_indexer(t.q3, t.k3, t.w3, sparse_count=4, layout_query="TND", layout_key="TND", **tnd)[0]
-    yield Sample((t.q3, t.k3, randn(6, 1, 4, dtype=dtype, seed=15), idx3, t.w3), dict(layout="TND", sparse_mode=0, **tnd))
+    yield Sample((t.q3, t.k3, randn(6, 1, 4, dtype=dtype, seed=15), idx3, t.w3),
+                 dict(layout="TND", sparse_mode=0, **tnd))
 
 
 def _sfa_samples(dtype):
@@ -244,8 +247,9 @@ def _sfa_samples(dtype):
     yield Sample((t.sq3, t.sk3, t.sk3, t.si3, 0.5), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_kv=t.ck,
                                                        layout_query="TND", layout_kv="TND", return_softmax_lse=True),
                  grad_args=(0, 1, 2))
-    yield Sample((t.sq3, t.spaged, t.spaged, t.si3, 0.5), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_kv=t.lens_k,
-                                                             block_table=t.table, layout_query="TND", layout_kv="PA_BSND"))
+    yield Sample((t.sq3, t.spaged, t.spaged, t.si3, 0.5),
+                 dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_kv=t.lens_k, block_table=t.table,
+                      layout_query="TND", layout_kv="PA_BSND"))
 
 
 def _sfa_grad_args(q, k, v, idx, scale, dtype, sparse_block_size=1, **kwargs):
@@ -268,7 +272,8 @@ def _sfa_grad_samples(dtype):
 def _l1_norm_metadata_samples(dtype):
     t = _dsa_inputs(torch.float32)
     yield Sample((4, 1, 16), dict(batch_size=2, max_seqlen_q=3, max_seqlen_k=5))
-    yield Sample((4, 1, 16), dict(cu_seqlens_q=t.cu_q, cu_seqlens_k=t.cu_k, layout_q="TND", layout_k="TND", mask_mode=3))
+    yield Sample((4, 1, 16), dict(cu_seqlens_q=t.cu_q, cu_seqlens_k=t.cu_k, layout_q="TND", layout_k="TND",
+                                  mask_mode=3))
 
 
 def _l1_norm_samples(dtype):

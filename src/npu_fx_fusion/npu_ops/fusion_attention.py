@@ -630,8 +630,9 @@ def _fa_grad_fake(query, key, value, dy, head_num, input_layout, *, pse=None, pa
                 "inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, int[]? "
                 "actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
                 'bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)',
-         fake=_fa_grad_fake, samples=_grad_samples(
-             npu_fusion_attention, ("attention_in", "softmax_max", "softmax_sum", "softmax_in", "seed", "offset", "numels")),
+         fake=_fa_grad_fake,
+         samples=_grad_samples(npu_fusion_attention, ("attention_in", "softmax_max", "softmax_sum", "softmax_in", "seed",
+                                                      "offset", "numels")),
          capability=OpCapability(
              dtypes=FLOAT_DTYPES,
              min_rank=3,

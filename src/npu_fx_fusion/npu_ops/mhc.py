@@ -532,7 +532,8 @@ def _post_autograd_backward(ctx, grad):
 
 @op_spec("npu::npu_mhc_post",
          schema="npu_mhc_post(Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) -> Tensor",
-         fake=_post_fake, samples=_npu_post_samples, backward=_post_autograd_backward, setup_context=_post_setup_context,
+         fake=_post_fake, samples=_npu_post_samples, backward=_post_autograd_backward,
+         setup_context=_post_setup_context,
          capability=OpCapability(
              dtypes=HALF_DTYPES,  # x and h_out; h_res / h_post fp32
              min_rank=3,

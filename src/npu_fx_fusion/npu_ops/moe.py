@@ -166,7 +166,8 @@ def _re_routing_samples(dtype):
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 ranks x 3 local experts, empty buckets included
     tokens = (randn(7, 4, seed=119) * 20).to(dtype)  # int8 tokens too
     yield Sample((tokens, counts))
-    yield Sample((tokens, counts.int()), dict(per_token_scales=torch.rand(7, generator=torch.Generator().manual_seed(119))))
+    scales = torch.rand(7, generator=torch.Generator().manual_seed(119))
+    yield Sample((tokens, counts.int()), dict(per_token_scales=scales))
 
 
 # =====================================================================================
