@@ -145,7 +145,8 @@ def rotary_mul_half_deinterleaved_pair_angles(x, pair_cos, pair_sin):
 
 def _tables_from_complex(freqs):
     """freqs_cis -> (cos, sin), each angle repeated for its pair: interleave-mode tables."""
-    table = torch.view_as_real(freqs)
+    # resolve_conj: freqs_cis.conj() (an inverse rotation) is a lazy conjugate view_as_real refuses
+    table = torch.view_as_real(freqs.resolve_conj())
     cos, sin = table[..., 0], table[..., 1]
     return (cos.unsqueeze(-1).expand(*cos.shape, 2).flatten(-2),
             sin.unsqueeze(-1).expand(*sin.shape, 2).flatten(-2))
@@ -572,6 +573,7 @@ class Rotation:
     mode: str
     r1: _Table
     r2: _Table
+    out_dims: tuple = (0, 0)  # the output's (rank, leading dims the algebra did not track)
 
 
 def recognize(graph, joint):
@@ -655,7 +657,7 @@ def _rotations(value, output, evaluated):
             continue  # not linear in x, or no channel mixes two of x's channels: no rotation
         found = []
         for outer, channels in _rotated_dims(value.tracked_shape):
-            fitted = _fit_rotation(value, x, terms, outer, channels, evaluated)
+            fitted = _fit_rotation(value, x, terms, outer, channels, evaluated, (len(out_shape), lead))
             if isinstance(fitted, Rotation):
                 found.append(fitted)
             else:
@@ -690,7 +692,7 @@ def _first_of_pair(j, a, size, mode):
     return (j - a) < size // 2 if mode == "half" else (j - a) % 2 == 0
 
 
-def _fit_rotation(value, x, terms, outer, channels, evaluated):
+def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
     x_tracked = next(t[1].tracked for channel in terms for t in channel)
     x_shape = tuple(tensor_meta(x).shape[tensor_meta(x).dim() - x_tracked:])
     total = len(terms)
@@ -725,7 +727,7 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated):
                 x_gather = channel_gather([_multi(x_shape, i) for i in x_index], x_shape)
                 if x_gather is None:
                     continue
-            return Rotation(x, x_tracked, x_gather, outer, channels, (a, b), mode, r1, r2)
+            return Rotation(x, x_tracked, x_gather, outer, channels, (a, b), mode, r1, r2, out_dims)
     return reason
 
 
@@ -923,11 +925,17 @@ def _table_shape(table, rotation, table_shape):
     or size-1 dims that broadcast over what the algebra tracked of x.)"""
     a, b = rotation.block
     rows = rotation.outer if table.per_outer else (1,) * len(rotation.outer)
-    return (*table_shape[:table.leading], *rows, b - a)
+    # The table's leading dims line up with the output's last untracked ones. x may leave a
+    # dim untracked that the output tracks (k's one head, where only the table's unsqueeze
+    # made that dim): in x's frame ones stand between the table's leading dims and the rows.
+    out_rank, out_lead = rotation.out_dims
+    x_lead = tensor_meta(rotation.x).dim() - rotation.x_tracked
+    gap = x_lead - out_lead if out_rank == x_lead + len(rotation.outer) + 1 else 0
+    return (*table_shape[:table.leading], *(1,) * max(gap, 0), *rows, b - a)
 
 
 def _table_of(table, t, rotation):
-    gathered = table.gather(torch.view_as_real(t) if table.is_complex else t)
+    gathered = table.gather(torch.view_as_real(t.resolve_conj()) if table.is_complex else t)
     return gathered.reshape(_table_shape(table, rotation, t.shape))
 
 

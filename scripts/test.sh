@@ -40,6 +40,9 @@ export NPU_FX_FUSION_REQUIRE_WHEEL=1   # the wheel tests fail instead of skippin
 [ -n "${NO_DRAWING:-}" ] || export NPU_FX_FUSION_REQUIRE_DRAWING=1   # and the drawing tests
 [ -n "${NO_BROWSER:-}" ] || export NPU_FX_FUSION_REQUIRE_BROWSER=1   # and the browser test
 # Everything, slow tests included (a quick subset: bash scripts/test.sh -m "not slow");
-# the 20 slowest tests are listed at the end.
-echo "running: .venv/bin/python -m pytest${*:+ $*}" >&2
-exec "$VENV/bin/python" -m pytest -p no:cacheprovider --durations=20 "$@"
+# the 20 slowest tests are listed at the end. Two pytest-xdist workers, one per core of the CI
+# machine; --dist loadgroup keeps each xdist_group (tests/conftest.py) on one worker.
+# NPU_FX_FUSION_TEST_WORKERS=0 runs in one process (pytest's -n 0).
+echo "running: .venv/bin/python -m pytest -n ${NPU_FX_FUSION_TEST_WORKERS:-2}${*:+ $*}" >&2
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider --durations=20 \
+    -n "${NPU_FX_FUSION_TEST_WORKERS:-2}" --dist loadgroup "$@"
