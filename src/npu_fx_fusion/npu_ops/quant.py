@@ -21,12 +21,10 @@ from typing import Optional
 
 import torch
 
-from .spec import OpCapability, Sample, SocLimits, in_layout_of, op_spec
+from .spec import SCALAR_TYPE_ENUM, OpCapability, Sample, SocLimits, in_layout_of, op_spec
 
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
-# c10's ScalarType enum values, which torch_npu's `int? ..._dtype` arguments take (M:
-# TORCH_DTYPE_MAP / TORCH_DTYPE_ENUM_VALUE_TO_SCALAR_TYPE_MAP)
-DTYPE_ENUM = {torch.int8: 1, torch.int32: 3, torch.float16: 5, torch.float32: 6, torch.bfloat16: 15}
+DTYPE_ENUM = SCALAR_TYPE_ENUM  # the `int? ..._dtype` arguments (M: TORCH_DTYPE_MAP)
 _ENUM_DTYPE = {value: dtype for dtype, value in DTYPE_ENUM.items()}
 INT8_MAX = 127.0  # K dynamic_quant_base.h DYNAMIC_QUANT_INT8_SYM_SCALE: the scale is amax / 127
 # Atlas inference (310P): fp16 only, last dim a multiple of 32 (K aclnnDynamicQuant.md, 约束说明)

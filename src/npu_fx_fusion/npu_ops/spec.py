@@ -30,6 +30,21 @@ import torch
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
+# torch_npu's `int? ..._dtype` arguments (output_dtype, dst_type, y_dtype ...) take c10's
+# ScalarType enum values (the wheel's op_plugin/meta/_meta_registrations.py TORCH_DTYPE_MAP)
+SCALAR_TYPE_ENUM = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+                    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
+
+
+def dtype_argument(dtype: torch.dtype) -> int:
+    """The int a torch_npu op's dtype argument takes for `dtype`."""
+    return SCALAR_TYPE_ENUM[dtype]
+
+
+def dtype_of_argument(value: int) -> torch.dtype:
+    """The dtype an int dtype argument of a torch_npu op names."""
+    return next(dtype for dtype, enum in SCALAR_TYPE_ENUM.items() if enum == value)
+
 
 @dataclass(frozen=True)
 class SocLimits:
