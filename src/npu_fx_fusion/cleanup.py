@@ -75,7 +75,8 @@ _EXACT_IN = {
 
 def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int:
     """`convert(convert(x, wide), x.dtype)` -> `x` where `wide` holds every value of x's
-    dtype exactly, when fusion introduced either conversion.
+    dtype exactly, when fusion introduced either conversion; views between the two stay, now
+    of x (`convert(view(convert(x, wide)), x.dtype)` -> `view(x)`).
 
     Two fusions meeting at an integer tensor each convert it to what their own op or the
     model declares: moe_gating's replacement widens npu_moe_gating_top_k_softmax's int32
@@ -97,17 +98,33 @@ def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int
     for outer in list(graph.nodes):
         to = dtype_only(outer)
         inner = outer.args[0] if to is not None else None
+        views = []  # views between the two conversions (a fused op's rows reshaped back)
+        while inner is not None and inner.op == "call_function" and inner.target in _RESHAPES \
+                and len(inner.users) == 1:
+            views.append(inner)
+            inner = inner.args[0] if isinstance(inner.args[0], Node) else None
         wide = dtype_only(inner) if inner is not None else None
         source = inner.args[0].meta.get("val") if wide is not None else None
         if (not isinstance(source, torch.Tensor) or source.dtype != to
                 or wide not in _EXACT_IN.get(to, ()) or {outer, inner} <= original_nodes):
             continue
-        outer.replace_all_uses_with(inner.args[0])
+        value = inner.args[0]
+        for view in reversed(views):  # the same views, of the narrow tensor
+            with graph.inserting_before(outer):
+                value = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+            if "val" in view.meta:
+                value.meta["val"] = view.meta["val"].to(to)
+        outer.replace_all_uses_with(value)
         graph.erase_node(outer)
-        if not inner.users:
-            graph.erase_node(inner)
+        for node in [*views, inner]:
+            if not node.users:
+                graph.erase_node(node)
         bypassed += 1
     return bypassed
+
+
+_RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                       torch.ops.aten._unsafe_view.default})
 
 
 def _hashable(value: Any) -> Any:
