@@ -6,6 +6,7 @@ Below the matching layer: imports only nodes.py.
 from __future__ import annotations
 
 import heapq
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -48,6 +49,31 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
     merged = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in conversions:
+            continue
+        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        earlier = first.setdefault(key, node)
+        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+            merged += 1
+    return merged
+
+
+def merge_repeated_fused_calls(graph: torch.fx.Graph, original_nodes: set, pure_ops: frozenset) -> int:
+    """One node for each repeated call of a fused op (`pure_ops`: functional, deterministic)
+    with the same arguments, where fusion introduced one of the two; their getitems too.
+
+    Code that computes one value several times (transformers' q, k and v projections each
+    quantize the same normed hidden state) becomes several identical fused calls, one per
+    site; the ops are pure, so they are one value, and a later pass that fuses the call with
+    its producer (a norm feeding the quantization) sees it read once. Returns the number of
+    nodes merged."""
+    first: dict[Any, Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not (node.target in pure_ops or (
+                node.target is operator.getitem and isinstance(node.args[0], Node)
+                and node.args[0].target in pure_ops)):
             continue
         key = (node.target, _hashable(node.args), _hashable(node.kwargs))
         earlier = first.setdefault(key, node)
