@@ -215,8 +215,10 @@ class QuantizedDecoderBlock(nn.Module):
 
     def forward(self, x, residual):
         h = x + residual
-        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        normed = self.norm_weight * (h.to(torch.float32) * torch.rsqrt(variance + self.eps)).to(h.dtype)
+        hidden = h.to(torch.float32)  # LlamaRMSNorm.forward
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        normed = self.norm_weight * hidden.to(h.dtype)
         return self.proj(normed), h
 
 
