@@ -76,6 +76,10 @@ class OpCapability:
     # unfused code rounds after each op: measured bounds (tests/test_<pass>.py) are 1-2 ulp,
     # and the default leaves headroom for inputs that are random, not model activations.
     verify_ulps: float = 4
+    # FusionConfig(verify=True), integer outputs: how many units a value may differ by (0: equal).
+    # A quantization the op computes in fp32 where the code rounds first lands one unit off
+    # where that rounding crosses a .5
+    verify_integer_steps: int = 0
     # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves
