@@ -26,6 +26,7 @@ closer to exact (a note; FusionConfig.keep_intermediate_rounding refuses it).
 import torch
 
 from npu_fx_fusion.capabilities import capability, unsupported
+from npu_fx_fusion.constants import evaluate_constant
 from npu_fx_fusion.matching import Form, FusionPass, is_call, normalized_dims, tensor_meta
 
 aten = torch.ops.aten
@@ -131,8 +132,13 @@ def check(site):
     return None
 
 
-# ---- near misses: a cast of floats to int8 that no form consumed --------------------------------
-_CASTS = (aten._to_copy.default,)
+# ---- near misses: a quantization to integers that no form consumed -------------------------------
+# Two kinds of site: a cast of rounded floats to int8, and a rounding to integers in a row's
+# scale that is never cast (a fake quantization, dequantized in place: compressed-tensors' QDQ).
+_VIEWS = (aten.view.default, aten.reshape.default, aten.expand.default)
+_FILLS = (aten.full.default, aten.full_like.default, aten.zeros.default, aten.zeros_like.default,
+          aten.ones.default, aten.ones_like.default)
+_REDUCTIONS = (aten.amax.default, aten.max.dim, aten.max.default, aten.aminmax.default, aten.amin.default)
 
 
 def _int8_cast_source(node):
@@ -148,30 +154,81 @@ def _int8_cast_source(node):
     return source if value is not None and value.is_floating_point() else None
 
 
-_FILLS = (aten.full.default, aten.full_like.default, aten.zeros.default, aten.zeros_like.default,
-          aten.ones.default, aten.ones_like.default)
+def _strip(node):
+    """(the rounding or other op under the views, clamp and zero-point add of a quantization,
+    the clamp's bounds)."""
+    lo = hi = None
+    while True:
+        if is_call(node, *_VIEWS):
+            node = node.args[0]
+        elif is_call(node, aten.clamp.default, aten.clamp.Tensor) and lo is None:
+            lo, hi = (list(node.args[1:]) + [None, None])[:2]
+            node = node.args[0]
+        elif is_call(node, aten.add.Tensor) and any(is_call(a, aten.round.default) for a in node.args[:2]):
+            node = next(a for a in node.args[:2] if is_call(a, aten.round.default))  # + a zero point
+        else:
+            return node, lo, hi
+
+
+def _quotient(round_node):
+    """What a rounding rounds, under a clamp and a zero-point add (compressed-tensors clamps
+    before it rounds): x / scale, x * (1 / scale) ..."""
+    value = round_node.args[0]
+    while is_call(value, aten.clamp.default, aten.clamp.Tensor, aten.add.Tensor, *_VIEWS):
+        value = value.args[0]
+    return value
+
+
+def _is_row_scaled(round_node):
+    """A rounding of values divided by a scale computed from a reduction (not a constant)."""
+    return any(is_call(n, *_REDUCTIONS) for n in _walk_up(_quotient(round_node)))
+
+
+def _fake_quantization(node):
+    """A rounding in a reduced scale whose result is never cast to int8 (every use stays float)."""
+    if not is_call(node, aten.round.default) or not _is_row_scaled(node):
+        return False
+    pending, seen = list(node.users), set()
+    while pending:
+        user = pending.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if _int8_cast_source(user) is not None:
+            return False
+        if is_call(user, *_VIEWS, aten.clamp.default, aten.clamp.Tensor, aten.add.Tensor):
+            pending.extend(user.users)
+    return True
 
 
 def anchor(node):
-    # a cast of computed floats (a constant fill cast to int8 is a zero point, not a quantization)
     source = _int8_cast_source(node)
-    while is_call(source, aten.view.default, aten.reshape.default, aten.expand.default):
-        source = source.args[0]
-    return source is not None and not is_call(source, *_FILLS)
-
-
-def _constant(node, value_node):
-    """The number `node` (a div / mul) combines `value_node` with, or None."""
-    other = [a for a in node.args[:2] if a is not value_node]
-    return other[0] if other and isinstance(other[0], (int, float)) else None
+    if source is not None:
+        # a cast of computed floats (a constant fill rounded and cast is a zero point, not a quantization)
+        base = source
+        while is_call(base, aten.round.default, aten.clamp.default, aten._to_copy.default, *_VIEWS):
+            base = base.args[0]
+        return not is_call(base, *_FILLS)
+    return _fake_quantization(node)
 
 
 def _walk_up(start, limit=24):
-    """The nodes `start` is computed from, breadth first, up to `limit` of them."""
+    """The nodes `start` (the quotient before rounding) is computed from, breadth first, up to
+    `limit` of them, not looking past a tensor as large as `start`: the quantized tensor's own
+    history is not the scale's."""
+    value = tensor_meta(start)
+    full = value.numel() if value is not None else None
+
+    def large(node):
+        found = tensor_meta(node)
+        return found is not None and full is not None and found.numel() == full
+
     seen, order, todo = {start}, [], [start]
     while todo and len(order) < limit:
         node = todo.pop(0)
         order.append(node)
+        if node is not start and large(node):
+            continue
         for parent in node.all_input_nodes:
             if parent not in seen:
                 seen.add(parent)
@@ -179,24 +236,25 @@ def _walk_up(start, limit=24):
     return order
 
 
-def explain(cast):
-    value = _int8_cast_source(cast)
-    while is_call(value, aten.view.default, aten.reshape.default):
-        value = value.args[0]
-    lo = hi = None
-    if is_call(value, aten.clamp.default):
-        lo, hi = (list(value.args[1:]) + [None, None])[:2]
-        value = value.args[0]
-    if is_call(value, aten.add.Tensor) and any(is_call(a, aten.round.default) for a in value.args[:2]):
-        value = next(a for a in value.args[:2] if is_call(a, aten.round.default))  # + a zero point
-    if not is_call(value, aten.round.default):
-        if any(is_call(n, aten.floor.default, aten.sign.default) for n in _walk_up(value, 8)):
+def _number(arg):
+    """A Python number, or the value of a constant scalar tensor the graph computes (compressed-tensors'
+    `bit_range / 2` of two tensor constants), else None."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return arg
+    value = evaluate_constant(arg) if isinstance(arg, torch.fx.Node) else None
+    return value.item() if value is not None and value.numel() == 1 else None
+
+
+def explain(node):
+    fake = is_call(node, aten.round.default)
+    rounding, lo, hi = (node, None, None) if fake else _strip(_int8_cast_source(node))
+    if not is_call(rounding, aten.round.default):
+        if any(is_call(n, aten.floor.default, aten.sign.default) for n in _walk_up(rounding, 8)):
             return ("rounds half away from zero (sign(v) * floor(|v| + 0.5)); npu_dynamic_quant rounds half to "
                     "even, as torch.round does")
         return "the values are not rounded before the int8 cast (a cast truncates); npu_dynamic_quant rounds"
-    ancestors = _walk_up(value.args[0])
-    reductions = [n for n in ancestors if is_call(n, aten.amax.default, aten.max.dim, aten.max.default,
-                                                  aten.aminmax.default, aten.amin.default)]
+    ancestors = _walk_up(_quotient(rounding))
+    reductions = [n for n in ancestors if is_call(n, *_REDUCTIONS)]
     for reduction in reductions:
         source = tensor_meta(reduction.args[0])
         dims = reduction.args[1] if len(reduction.args) > 1 else None
@@ -206,15 +264,18 @@ def explain(cast):
             return f"the scale is the max over {over}; npu_dynamic_quant scales each token (row) by its own max"
     if not reductions:
         return "the scale is not a row max of |x| computed here (a static or precomputed scale)"
-    for node in ancestors:
-        if is_call(node, aten.div.Tensor, aten.mul.Tensor):
-            number = next((a for a in node.args[:2] if isinstance(a, (int, float)) and a not in (1, 1.0)), None)
+    for step in ancestors:
+        if is_call(step, aten.div.Tensor, aten.mul.Tensor):
+            number = next((n for n in map(_number, step.args[:2]) if n is not None and n != 1), None)
             if number is not None and abs(number - QMAX) > 1e-9 and abs(number * QMAX - 1) > 1e-6:
-                return (f"the scale comes from max|x| and {number}: npu_dynamic_quant's scale is max|x| / {QMAX} "
+                return (f"the scale comes from max|x| and {number:g}: npu_dynamic_quant's scale is max|x| / {QMAX} "
                         "(a divisor of 127.5 is the [-128, 127] range's, another quantization)")
     if any(is_call(n, aten.amin.default, aten.aminmax.default) for n in reductions):
         return "the scale comes from the row's min and max (asymmetric); npu_dynamic_quant is symmetric (max |x|)"
-    if lo is not None and (lo not in NON_BINDING_LOWER or hi != QMAX):
+    if fake:
+        return ("a fake quantization: the rounded values are dequantized in place, never cast to int8; "
+                "npu_dynamic_quant outputs int8 for an int8 GEMM")
+    if isinstance(lo, (int, float)) and (lo not in NON_BINDING_LOWER or hi != QMAX):
         return f"clamps to [{lo}, {hi}]: npu_dynamic_quant's values span [-127, 127] with no clamp"
     quantized = _uncast(reductions[0].args[0])
     if is_call(quantized, aten.abs.default):
@@ -246,7 +307,7 @@ PASS = FusionPass(
     },
     check=check,
     anchor=anchor,
-    anchor_ops=lambda: (aten._to_copy.default,
+    anchor_ops=lambda: (aten._to_copy.default, aten.round.default,
                         getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)),
     explain=explain,
 )

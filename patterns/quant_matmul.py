@@ -155,7 +155,9 @@ def check(site):
     if k > limit or n > limit:
         return f"npu_quant_matmul takes K and N up to {limit}, got K={k}, N={n}"
     if "x_scale" not in site.args:  # the bare GEMM: an int32 output
-        return unsupported("npu.npu_quant_matmul", site.soc, x=torch.empty((1, 1), dtype=torch.bfloat16))
+        if site.soc in capability("npu.npu_quant_matmul").limits["int32_output_socs_excluded"]:
+            return f"npu_quant_matmul has no int32 output on {site.soc}"
+        return None
     x_scale = site["x_scale"]
     w_scale = site["weight_scale"] if "weight_scale" in site.args else site["w_scale"]
     rows = q.numel() // q.shape[-1]
@@ -167,13 +169,10 @@ def check(site):
         return f"the weight scale {tuple(w_scale.shape)} is not per output channel ({n},)"
     if x_scale.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"the activation scale is {x_scale.dtype}"
-    out = torch.empty((1, 1), dtype=torch.bfloat16 if "bf16" in site.form.name else torch.float16)
-    problem = unsupported("npu.npu_quant_matmul", site.soc, x=out)
-    if problem:
-        return problem
     if site.soc in capability("npu.npu_quant_matmul").limits["pertoken_socs_excluded"]:
         return f"npu_quant_matmul takes no per-token scale on {site.soc}"
-    return None
+    out = torch.empty((1, 1), dtype=torch.bfloat16 if "bf16" in site.form.name else torch.float16)
+    return unsupported("npu.npu_quant_matmul", site.soc, x=out)
 
 
 # ---- near misses: an int8 GEMM left as it was --------------------------------------------------

@@ -112,3 +112,12 @@ def test_norms_the_op_cannot_take_are_near_misses(module, reason):
     assert report.fused_ops["npu.npu_dynamic_quant"] == 1 and report.fused_ops["npu.npu_quant_matmul"] == 1
     assert any(reason in r for r in near_miss_reasons(report, "add_rms_norm_quant")), \
         near_miss_reasons(report, "add_rms_norm_quant")
+
+
+def test_verification_allows_the_one_step_the_fp32_norm_moves_a_value():
+    # FusionConfig(verify=True) compares integer outputs within the op's verify_integer_steps (1)
+    block = qm.QuantizedDecoderBlock(64, 32, dtype=torch.bfloat16)
+    _, _, report = compile_and_run(block, *_inputs(torch.bfloat16), config=nff.FusionConfig(verify=True))
+    assert report.fused_ops.get("npu.npu_add_rms_norm_dynamic_quant") == 1
+    sites = [s for g in report.graphs for p in g.passes if p.pass_name == "add_rms_norm_quant" for s in p.sites]
+    assert sites[0].verified.startswith("verified")

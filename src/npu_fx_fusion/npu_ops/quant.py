@@ -94,6 +94,8 @@ def _dynamic_quant_samples(dtype):
              dtypes=HALF_DTYPES, min_rank=2, max_rank=8, backward=None, ge_converter=True,
              socs={"Ascend310P": _310P_FP16},
              limits={"310p_last_dim_multiple": 32},
+             # 127 / amax and x / (amax / 127) are an fp32 rounding apart: a q one off at a .5
+             verify_integer_steps=1,
              doc="D: per-token symmetric dynamic quantization, scale = rowMax(|x|) / 127, y = round(x / scale); "
              "x fp16/bf16, 2-8 dims (K aclnnDynamicQuant.md), non-contiguous allowed; A2/A3 (and 950); "
              "inference only"),
@@ -206,7 +208,8 @@ def _quant_matmul_samples(dtype):
              dtypes=HALF_DTYPES, min_rank=2, max_rank=6, backward=None, ge_converter=True,
              # Atlas inference (310P): no pertoken_scale, no bf16 output (D, table 1)
              socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float16}))},
-             limits={"max_k_n": 65535, "pertoken_socs_excluded": ("Ascend310P",)},
+             limits={"max_k_n": 65535, "pertoken_socs_excluded": ("Ascend310P",),
+                     "int32_output_socs_excluded": ("Ascend310P",)},
              doc="D: x1 int8 (M, K) 2-6 dims, x2 int8 (K, N) (a transposed (N, K) allowed), scale (1,)/(N,) "
              "fp32 or bf16, pertoken_scale (M,) fp32 (A2/A3 only), output fp16/bf16/int8/int32; "
              "K and N <= 65535; inference only"),
@@ -399,6 +402,10 @@ def _add_rms_norm_dynamic_quant_samples(dtype):
          capability=OpCapability(
              dtypes=HALF_DTYPES, min_rank=2, max_rank=8, backward=None, ge_converter=True, same_shape=("x1", "x2"),
              socs={"Ascend310P": SocLimits(supported=False)},
+             # it quantizes the fp32 norm, the unfused pair the norm rounded to bf16: a q one off at
+             # a .5, and the fp32 scale (the row max / 127) a bf16 rounding apart, 2^-8 relative,
+             # which is 2^15 fp32 ulps
+             verify_integer_steps=1, verify_ulps=2.0**16,
              doc="D: x1, x2 fp16/bf16, 2-8 dims, one shape; gamma (and smooth scales, beta) 1-d of x1's last dim "
              "in x1's dtype; A2/A3 only; inference only"),
          samples=_add_rms_norm_dynamic_quant_samples,
