@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
@@ -45,10 +45,16 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
     """
     npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
     conversions = _CONVERSIONS | _MASKS | ({npu_cast.default} if npu_cast is not None else set())
+    return _merge_repeats(graph, original_nodes, lambda node: node.target in conversions)
+
+
+def _merge_repeats(graph: torch.fx.Graph, original_nodes: set, merges: Callable[[Node], bool]) -> int:
+    """Each call node that `merges` and that repeats an earlier one (same op, same arguments) is
+    replaced by it where fusion introduced one of the two; the model's own repeats stay."""
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in conversions:
+        if node.op != "call_function" or not merges(node):
             continue
         key = (node.target, _hashable(node.args), _hashable(node.kwargs))
         earlier = first.setdefault(key, node)
@@ -68,20 +74,11 @@ def merge_repeated_fused_calls(graph: torch.fx.Graph, original_nodes: set, pure_
     site; the ops are pure, so they are one value, and a later pass that fuses the call with
     its producer (a norm feeding the quantization) sees it read once. Returns the number of
     nodes merged."""
-    first: dict[Any, Node] = {}
-    merged = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or not (node.target in pure_ops or (
-                node.target is operator.getitem and isinstance(node.args[0], Node)
-                and node.args[0].target in pure_ops)):
-            continue
-        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
-        earlier = first.setdefault(key, node)
-        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
-            node.replace_all_uses_with(earlier)
-            graph.erase_node(node)
-            merged += 1
-    return merged
+    def merges(node: Node) -> bool:
+        return node.target in pure_ops or (node.target is operator.getitem and isinstance(node.args[0], Node)
+                                           and node.args[0].target in pure_ops)
+
+    return _merge_repeats(graph, original_nodes, merges)
 
 
 # dtype -> the dtypes that hold each of its values exactly (a conversion there and back is
