@@ -184,19 +184,24 @@ def _group_size(site, k):
 _MATMULS = (aten.matmul.default, aten.mm.default, aten.bmm.default, aten.linear.default)
 
 
+_QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)  # not int64: indices, positions
+
+
 def _integer_source(node, limit=10):
-    """The integer tensor `node` (a matmul operand) is dequantized from, within a few ops, or None."""
-    seen, todo = set(), [node]
+    """The integer tensor `node` (a matmul operand) is dequantized from: an int8 / uint8 / int16 /
+    int32 tensor of 2+ dims reached within a few ops through a multiply (the scale), else None."""
+    seen, todo = set(), [(node, False)]
     while todo and len(seen) < limit:
-        current = todo.pop()
+        current, scaled = todo.pop()
         if not isinstance(current, torch.fx.Node) or current in seen:
             continue
         seen.add(current)
         value = tensor_meta(current)
-        if value is not None and not value.is_floating_point() and value.dtype != torch.bool and value.dim() >= 2:
-            return current
+        if value is not None and value.dtype in _QUANTIZED_DTYPES and value.dim() >= 2:
+            return current if scaled else None
         if current.op == "call_function":
-            todo.extend(current.all_input_nodes)
+            scaled = scaled or is_call(current, aten.mul.Tensor)
+            todo.extend((parent, scaled) for parent in current.all_input_nodes)
     return None
 
 
