@@ -58,6 +58,21 @@ SOCS: tuple[str, ...] = (
     "Ascend950",  # arch35
 )
 
+# torch_npu's `int? ..._dtype` arguments (output_dtype, dst_type, y_dtype ...) take c10's
+# ScalarType enum values (the wheel's op_plugin/meta/_meta_registrations.py TORCH_DTYPE_MAP)
+SCALAR_TYPE_ENUM = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+                    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
+
+
+def dtype_argument(dtype: torch.dtype) -> int:
+    """The int a torch_npu op's dtype argument takes for `dtype`."""
+    return SCALAR_TYPE_ENUM[dtype]
+
+
+def dtype_of_argument(value: int) -> torch.dtype:
+    """The dtype an int dtype argument of a torch_npu op names."""
+    return next(dtype for dtype, enum in SCALAR_TYPE_ENUM.items() if enum == value)
+
 
 @dataclass(frozen=True)
 class SocLimits:
@@ -97,6 +112,10 @@ class OpCapability:
     # unfused code rounds after each op: measured bounds (tests/test_<pass>.py) are 1-2 ulp,
     # and the default leaves headroom for inputs that are random, not model activations.
     verify_ulps: float = 4
+    # FusionConfig(verify=True), integer outputs: how many units a value may differ by (0: equal).
+    # A quantization the op computes in fp32 where the code rounds first lands one unit off
+    # where that rounding crosses a .5
+    verify_integer_steps: int = 0
     # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves
