@@ -8,7 +8,7 @@ Registration (registry.py) and matching (accept.py) happen behind this surface, 
 use: importing a pattern module traces and registers nothing.
 """
 from .canonical import is_backward, is_joint_graph
-from .forms import Form, FusionPass, Reason, Site
+from .forms import Form, FusionPass, Reason, Site, is_training_graph
 from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
                     users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
@@ -16,8 +16,10 @@ from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, te
 # FlashAttention call out again (the pattern tracers leave SDPA to the forms, its spelling
 # depends on the SoC: npu_dispatch.traced_as_on_npu)
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
+# the communicator (`hcom`) a collective op takes for a c10d process group, and that group's facts
+from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
 from .spellings import sum_over_count
 
-__all__ = ["Form", "FusionPass", "Reason", "Site", "first_refused_use", "is_backward", "is_call",
-           "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
-           "uneven_halves", "users_outside"]
+__all__ = ["Form", "FusionPass", "Reason", "Site", "first_refused_use", "group_backend", "group_size", "hcom_of",
+           "is_backward", "is_call", "is_joint_graph", "is_training_graph", "known_equal", "no_communicator_reason",
+           "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta", "uneven_halves", "users_outside"]
