@@ -19,8 +19,9 @@ Exactness: a matmul acts row by row, so gathering rows and multiplying them is m
 and gathering, in any row order; the gathered rows must only come back in the order the model
 uses them. Gather dim 0 and the one-sequence view: x's rows, flattened, are the gathered
 tensor's rows in order. Several sequences (batch > 1): x is handed over sequence-major
-(x.transpose(0, 1), one copy), so rank-major rows are sequence-major rows of the whole batch,
-transposed back as a view.
+(x.transpose(0, 1), a copy), so rank-major rows are sequence-major rows of the whole batch,
+transposed back (two more copies: the model's layout, which a training step's backward reads
+the saved gathered input with).
 
 In a training step's backward, the gradient of a row-parallel matmul under SP is the same
 shape: the incoming gradient's sequence slices, all-gathered, multiplied by the weight
@@ -85,6 +86,12 @@ def gather_sequence_gradient_then_matmul_backward(grad, saved, weight_t, ranks, 
     return torch.ops.aten.matmul_backward(full, saved, weight_t, [True, True])
 
 
+def gather_sequences_gradient_then_matmul_backward(grad, saved_sequences, weight_t, ranks, group_name):
+    gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(grad, ranks, group_name))
+    full = torch.cat(torch.chunk(gathered, ranks), dim=1)
+    return torch.ops.aten.matmul_backward(full, saved_sequences, weight_t, [True, True])
+
+
 # ---- the fused calls -------------------------------------------------------------------------
 def _gather_mm(rows, weight_t, ranks, group_name, inference):
     """npu_all_gather_base_mm on 2-D rows; in an inference graph in comm_mode "aiv", the mode
@@ -116,10 +123,12 @@ def _one_sequence(x, ranks):
 
 def _sequences(x, ranks):
     # (b, s, d) handed over sequence-major, (s, b, d) flattened: rank-major gathered rows are then
-    # (ranks * s, b) in order, the whole batch's sequence dim; transposed back, a view
+    # (ranks * s, b) in order, the whole batch's sequence dim; transposed back into the model's
+    # contiguous layout (the gathered input may be saved for the backward, which reads it with
+    # the strides it was traced with)
     batch, seq, width = x.shape
     rows = x.transpose(0, 1).reshape(seq * batch, width)
-    return rows, lambda gathered: gathered.view(ranks * seq, batch, gathered.shape[-1]).transpose(0, 1)
+    return rows, lambda gathered: gathered.view(ranks * seq, batch, gathered.shape[-1]).transpose(0, 1).contiguous()
 
 
 def _named(fn, name):
@@ -136,12 +145,13 @@ npu_all_gather_mm_sequences_aiv = _named(_replacements(_sequences, True), "npu_a
 
 
 def _backward_replacement(gather_rows):
-    def fused(grad, saved, weight_t, ranks, group_name):  # (saved: the form's saved_rows too)
+    def fused(grad, saved, weight_t, ranks, group_name):  # (saved: the form's saved_rows ... too)
         rows, arrange = gather_rows(grad, ranks)
         out, gathered = _gather_mm(rows, weight_t.t(), ranks, group_name, inference=False)
         # the weight's gradient from the gathered gradient, as matmul_backward folds it: the saved
-        # input's rows against the gradient's, one 2-D matmul
-        grad_weight = torch.matmul(saved.reshape(-1, saved.shape[-1]).t(), gathered)
+        # input's rows against the gradient's rows in the model's order, one 2-D matmul
+        full_grad = arrange(gathered)
+        grad_weight = torch.matmul(saved.reshape(-1, saved.shape[-1]).t(), full_grad.reshape(-1, full_grad.shape[-1]))
         return arrange(out).view(saved.shape), grad_weight.view(weight_t.shape)
 
     return fused
@@ -150,10 +160,13 @@ def _backward_replacement(gather_rows):
 npu_all_gather_mm_backward = _named(_backward_replacement(_dim0), "npu_all_gather_mm_backward")
 npu_all_gather_mm_sequence_backward = _named(_backward_replacement(_one_sequence),
                                              "npu_all_gather_mm_sequence_backward")
+npu_all_gather_mm_sequences_backward = _named(_backward_replacement(_sequences),
+                                              "npu_all_gather_mm_sequences_backward")
 
 # the rank counts the op takes (A3's too: the check refuses those of another SoC); one slice per
 # rank makes the batch form's structure depend on the count
-RANK_VARIANTS = [{"ranks": ranks} for ranks in (4, 8, 16, 32)]
+RANK_VARIANTS = [{"ranks": ranks, "saved_sequences": lambda dtype, ranks=ranks: torch.empty(3, 5 * ranks, 24, dtype=dtype)}
+                 for ranks in (4, 8, 16, 32)]
 # a 2-D x (tokens flattened): its matmul has no views; the gather on dim 0 only
 FLAT_VARIANT = [{"x": lambda dtype: torch.empty(5, 24, dtype=dtype),
                  "grad": lambda dtype: torch.empty(5, 16, dtype=dtype),
@@ -170,6 +183,8 @@ FORMS = [
          example_variants=FLAT_VARIANT),
     Form(gather_sequence_gradient_then_matmul_backward, npu_all_gather_mm_sequence_backward, npu_only=True,
          example_variants=()),
+    Form(gather_sequences_gradient_then_matmul_backward, npu_all_gather_mm_sequences_backward, npu_only=True,
+         example_variants=RANK_VARIANTS),
 ]
 INFERENCE_FORMS = (npu_all_gather_mm_aiv, npu_all_gather_mm_sequence_aiv, npu_all_gather_mm_sequences_aiv)
 
@@ -213,6 +228,12 @@ def explain(all_gather):
     if any(is_call(m, aten.addmm.default) for m in matmuls):
         return f"the matmul reading the gathered tensor adds a bias: {OP} does not support a nonzero bias"
     shard = tensor_meta(all_gather.args[0])
+    waited = [u for u in all_gather.users if is_call(u, c10d.wait_tensor.default)]
+    views = [v for w in waited for v in w.users if is_call(v, aten.view.default)]
+    if any(is_call(u, aten.slice.Tensor) for v in views for u in v.users):
+        return ("the gathered sequence is sliced back to the model's length before the matmul: DTensor pads a "
+                "sequence the ranks may not divide evenly (dynamic shapes), and the padding rows would need "
+                "the fused output sliced too; not matched in this version")
     if shard is not None and shard.dim() > 3:
         return f"the gathered shard has {shard.dim()} dims: only 2-D and 3-D ones (sequence parallel) are matched"
     return ("the gathered tensor reaches a matmul, but not as a gather on dim 0, the one-sequence view or the "
@@ -232,11 +253,12 @@ PASS = FusionPass(
         "x": lambda dtype: torch.empty(3, 5, 24, dtype=dtype),
         "ranks": 2,
         "group_name": "tp_group_example",
-        # the saved input of the forward linear (24 -> 16), (6, 5, 24) for a gather on dim 0, one
-        # sequence (1, 30, 24) for the sequence's
+        # the saved input of the forward linear (24 -> 16): (6, 5, 24) for a gather on dim 0, one
+        # sequence (1, 30, 24), 3 sequences of the 2 ranks' 5 tokens (3, 10, 24)
         "grad": lambda dtype: torch.empty(3, 5, 16, dtype=dtype),
         "saved_rows": lambda dtype: torch.empty(6, 5, 24, dtype=dtype),
         "saved": lambda dtype: torch.empty(1, 30, 24, dtype=dtype),
+        "saved_sequences": lambda dtype: torch.empty(3, 10, 24, dtype=dtype),
         "weight_t": lambda dtype: torch.empty(16, 24, dtype=dtype).t(),
     },
     check=check,

@@ -23,6 +23,8 @@ MatmulAllReduceAddRmsNorm is reached through vllm-ascend's own extension, not to
 the op's x3 cannot carry the residual: it is added inside the all-reduce (aclnnMatmulAllReduceV2:
 allreduce(x1 @ x2 + bias + x3)), so it would be summed once per rank.
 """
+import operator
+
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
@@ -82,6 +84,9 @@ def explain(all_reduce):
     source = reduced
     while is_call(source, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         source = source.args[0]
+    if is_call(source, operator.getitem) and is_call(source.args[0], aten.matmul_backward.default):
+        # a column-parallel linear's input gradient, all-reduced in a training step's backward
+        return training_only_reason(OP)
     if not is_call(source, aten.mm.default, aten.matmul.default, aten.addmm.default):
         return (f"the all-reduced tensor is computed by {describe(source)}, not a matmul (an embedding's "
                 "partial sums, a sum of gradients)")

@@ -15,7 +15,8 @@ rows), each tile's transfer overlapping the next tile's matmul.
 Exactness: a matmul acts row by row, so the rows only have to reach the kernel in the order
 the model scatters them. Dim 0: x's rows, flattened, in order. Dim 1 (the sequence): x handed
 over sequence-major (x.transpose(0, 1): a copy for a batch, a view for one sequence), so each
-rank's block of rows is its slice of every sequence, transposed back as a view.
+rank's block of rows is its slice of every sequence, transposed back into the model's layout
+(again a copy for a batch only).
 
 In a training step's backward, the gradient of a column-parallel linear under SP is the same
 shape: matmul_backward's input gradient, reduce-scattered over the sequence. It becomes
@@ -89,10 +90,11 @@ def _dim0(x, ranks):
 
 def _sequence(x, ranks):
     # (b, s, k) handed over sequence-major: rank r's block of rows is its s / ranks tokens of every
-    # sequence, (s / ranks, b) in order; transposed back, a view
+    # sequence, (s / ranks, b) in order; transposed back into the model's contiguous layout (for
+    # one sequence neither transpose copies)
     batch, seq, width = x.shape
     rows = x.transpose(0, 1).reshape(seq * batch, width)
-    return rows, lambda out: out.view(seq // ranks, batch, out.shape[-1]).transpose(0, 1)
+    return rows, lambda out: out.view(seq // ranks, batch, out.shape[-1]).transpose(0, 1).contiguous()
 
 
 def _forward_replacement(scatter_rows, inference, name):
