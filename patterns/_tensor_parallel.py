@@ -63,7 +63,9 @@ def scenario_choice(site, op, mode_argument_form):
     """Which of a training / inference pair of replacements fits the graph: the op's default
     communication mode (ai_cpu) is documented for training, comm_mode="aiv" for training and
     inference; torchair 2.13's GE converters (max-autotune) refuse any comm_mode on A2/A3.
-    `mode_argument_form`: whether this site's form emits comm_mode="aiv". None, or why not."""
+    `mode_argument_form`: whether this site's form emits comm_mode="aiv" (the passes try it
+    first: where both refuse, an inference graph in max-autotune, its reason is reported).
+    None, or why not."""
     limits = CAPABILITIES[op].limits
     training = is_training_graph(site.nodes[0].graph)
     if not mode_argument_form:
@@ -72,7 +74,7 @@ def scenario_choice(site, op, mode_argument_form):
         return (f"{op} in its default communication mode (ai_cpu) is documented for training only "
                 "(comm_mode为ai_cpu时：该接口仅在训练场景下使用): this is an inference graph")
     if training:
-        return "a training graph takes the default communication mode"
+        return "a training graph takes the default communication mode (ai_cpu, documented for training)"
     if site.mode == "max-autotune" and not limits["ge_comm_mode"]:
         return (f"an inference graph needs {op}(comm_mode='aiv'), and torchair 2.13's GE converter refuses "
                 "comm_mode on Atlas A2/A3: max-autotune cannot lower it")

@@ -173,12 +173,12 @@ FLAT_VARIANT = [{"x": lambda dtype: torch.empty(5, 24, dtype=dtype),
                  "saved_rows": lambda dtype: torch.empty(10, 24, dtype=dtype)}]
 
 FORMS = [
-    Form(gather_then_matmul, npu_all_gather_mm, example_variants=FLAT_VARIANT),
     Form(gather_then_matmul, npu_all_gather_mm_aiv, example_variants=FLAT_VARIANT),
-    Form(gather_sequence_then_matmul, npu_all_gather_mm_sequence, example_variants=()),
+    Form(gather_then_matmul, npu_all_gather_mm, example_variants=FLAT_VARIANT),
     Form(gather_sequence_then_matmul, npu_all_gather_mm_sequence_aiv, example_variants=()),
-    Form(gather_sequences_then_matmul, npu_all_gather_mm_sequences, example_variants=RANK_VARIANTS),
+    Form(gather_sequence_then_matmul, npu_all_gather_mm_sequence, example_variants=()),
     Form(gather_sequences_then_matmul, npu_all_gather_mm_sequences_aiv, example_variants=RANK_VARIANTS),
+    Form(gather_sequences_then_matmul, npu_all_gather_mm_sequences, example_variants=RANK_VARIANTS),
     Form(gather_gradient_then_matmul_backward, npu_all_gather_mm_backward, npu_only=True,
          example_variants=FLAT_VARIANT),
     Form(gather_sequence_gradient_then_matmul_backward, npu_all_gather_mm_sequence_backward, npu_only=True,

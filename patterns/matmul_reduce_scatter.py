@@ -135,10 +135,10 @@ FLAT_VARIANT = [{"x": lambda dtype: torch.empty(96, 16, dtype=dtype),
                  "saved": lambda dtype: torch.empty(96, 16, dtype=dtype)}]
 
 FORMS = [
-    Form(matmul_then_reduce_scatter, npu_mm_reduce_scatter, example_variants=FLAT_VARIANT),
     Form(matmul_then_reduce_scatter, npu_mm_reduce_scatter_aiv, example_variants=FLAT_VARIANT),
-    Form(matmul_then_reduce_scatter_sequence, npu_mm_reduce_scatter_sequence, example_variants=RANK_VARIANTS),
+    Form(matmul_then_reduce_scatter, npu_mm_reduce_scatter, example_variants=FLAT_VARIANT),
     Form(matmul_then_reduce_scatter_sequence, npu_mm_reduce_scatter_sequence_aiv, example_variants=RANK_VARIANTS),
+    Form(matmul_then_reduce_scatter_sequence, npu_mm_reduce_scatter_sequence, example_variants=RANK_VARIANTS),
     Form(matmul_backward_then_reduce_scatter, npu_mm_reduce_scatter_backward, npu_only=True,
          example_variants=FLAT_VARIANT),
     Form(matmul_backward_then_reduce_scatter_sequence, npu_mm_reduce_scatter_sequence_backward, npu_only=True,

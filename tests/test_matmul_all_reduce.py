@@ -123,17 +123,29 @@ def test_the_residual_add_and_norm_after_it_become_npu_add_rms_norm():
     assert any(str(source(arg).target).startswith(OP) for arg in add_norm.args[:2])
 
 
-def test_the_matched_nodes_must_share_a_torchair_scope():
+@pytest.fixture
+def torchair_scope_ops():
+    """torchair's scope markers (torchair/scope/_scope.py defines them when it is imported; the
+    torchair tests run in subprocesses), for this test only."""
+    if hasattr(torch.ops.air, "scope_enter"):
+        yield
+        return
+    lib = torch.library.Library("air", "FRAGMENT")
+    lib.define("scope_enter(str[] keys, str[] values, bool need_execute=False) -> None")
+    lib.define("scope_exit(bool need_execute=False) -> None")
+    lib.impl("scope_enter", lambda keys, values, need_execute=False: None, "CompositeExplicitAutograd")
+    lib.impl("scope_exit", lambda need_execute=False: None, "CompositeExplicitAutograd")
+    torch.fx.node.has_side_effect(torch.ops.air.scope_enter.default)
+    torch.fx.node.has_side_effect(torch.ops.air.scope_exit.default)
+    yield
+    lib._destroy()
+    for name in ("scope_enter", "scope_exit"):  # the namespace caches the packets it handed out
+        torch.ops.air.__dict__.pop(name, None)
+
+
+def test_the_matched_nodes_must_share_a_torchair_scope(torchair_scope_ops):
     """A collective the user put in a scope of its own (torchair's npu_stream_switch: another
     stream) is not fused with a matmul outside it."""
-    lib = torch.library.Library("air", "FRAGMENT")
-    if not hasattr(torch.ops.air, "scope_enter"):  # torchair defines these when it is imported
-        lib.define("scope_enter(str[] keys, str[] values, bool need_execute=False) -> None")
-        lib.define("scope_exit(bool need_execute=False) -> None")
-        lib.impl("scope_enter", lambda keys, values, need_execute=False: None, "CompositeExplicitAutograd")
-        lib.impl("scope_exit", lambda need_execute=False: None, "CompositeExplicitAutograd")
-        torch.fx.node.has_side_effect(torch.ops.air.scope_enter.default)
-        torch.fx.node.has_side_effect(torch.ops.air.scope_exit.default)
 
     class OnAStream(torch.nn.Module):
         def __init__(self, weight):
