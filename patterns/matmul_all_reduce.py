@@ -91,8 +91,9 @@ def explain(all_reduce):
         return (f"the all-reduced tensor is computed by {describe(source)}, not a matmul (an embedding's "
                 "partial sums, a sum of gradients)")
     if is_call(source, aten.addmm.default):
-        return ("the matmul adds a bias before the all-reduce: each rank's bias would be summed "
-                f"(the rowwise bias belongs after it); {OP}'s bias is inside the all-reduce too")
+        # (DTensor hands a row-parallel linear's bias in as a Partial: the op's bias would take it,
+        # allreduce(x1 @ x2 + bias); no form for it in this version)
+        return "the matmul adds a bias before the all-reduce (addmm): not matched in this version"
     meta = tensor_meta(source)
     if meta is not None and meta.dim() > 3:
         return f"the matmul's output has {meta.dim()} dims: {OP} takes x 2-D or 3-D"
