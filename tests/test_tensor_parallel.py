@@ -190,10 +190,31 @@ def worker_torchtitan(rank, world_size, name, sequence_parallel, dtype):
         results = _step(model, fused, tm.example_inputs, training)
         unfused = _step(model, compiled["unfused"][0], tm.example_inputs, training)
         out["training" if training else "inference"] = {
-            "vs_unfused": _differences([results[1], unfused[1]]), "vs_eager": _differences(results),
-            "eager": results[0], "fused_ops": dict(report.fused_ops), "errors": report.errors,
+            "vs_unfused": _differences([results[1], unfused[1]]), "ulps_from_eager": _ulps_at_scale(*results),
+            "fused_ops": dict(report.fused_ops), "errors": report.errors,
             "near_misses": [(m.pass_name, m.reason) for m in report.near_misses]}
     return out
+
+
+def _ulps_at_scale(eager, fused):
+    """The largest |fused - eager| of the output and of each gradient, in ulp of that tensor's
+    largest eager value."""
+    from helpers import ulp
+
+    pairs = [(eager[0], fused[0]), *((eager[1][n], fused[1][n]) for n in eager[1])]
+    return max(((f.double() - e.double()).abs().max() / ulp(e.abs().max().reshape(1)).double()).item()
+               for e, f in pairs)
+
+
+# Compiled vs eager, whatever the fusions: the NPU dispatch emulation computes attention as
+# torch_npu's kernels do (one rounding after an fp32 softmax, docs/npu-graph.md) where eager
+# CPU SDPA rounds otherwise; the difference travels through the layers (measured: <= 2 ulp at
+# each tensor's scale in fp32, <= 1 in bf16, benchmarks/bench_tensor_parallel.py)
+EAGER_ULPS = 8
+
+
+def _assert_close_to_eager(outcome, dtype):
+    assert outcome["ulps_from_eager"] <= EAGER_ULPS, (dtype, outcome["ulps_from_eager"])
 
 
 @pytest.mark.multiprocess

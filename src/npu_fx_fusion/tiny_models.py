@@ -782,6 +782,36 @@ def _cast_floating_params(model: nn.Module, dtype: torch.dtype) -> None:
                 mod._buffers[key] = buf.to(dtype)
 
 
+def _torchtitan_flavor(configs: Any, flavor: str, attention_mod: Any, num_layers: int, name: str,
+                       **flavor_kwargs: Any) -> Any:
+    """The model config of torchtitan's `flavor`, cut to `num_layers`, attention on SDPA."""
+    # "flex" is the flavor's default backend; we swap it right away because flex
+    # attention needs a BlockMask input and a compiled kernel, while SDPA runs (and
+    # traces) on CPU with the causal mask built in.
+    cfg = configs[flavor](attn_backend="flex", **flavor_kwargs)
+    if num_layers > len(cfg.layers):
+        raise ValueError(f"torchtitan {name} {flavor} has {len(cfg.layers)} layers; asked for {num_layers}")
+    cfg.layers = cfg.layers[:num_layers]
+    for layer_cfg in cfg.layers:
+        layer_cfg.attention.inner_attention = attention_mod.ScaledDotProductAttention.Config()
+    return cfg
+
+
+def _build_torchtitan_model(cfg: Any, *, dtype: torch.dtype, seed: int, batch: int, seq_len: int) -> tuple:
+    """(model, token ids) of a torchtitan model config: weights and tokens seeded, in `dtype`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cfg.build()
+        # torchtitan builds parameters first and initializes them separately (so the
+        # same code works after meta-device init); without this call weights are
+        # uninitialized memory and the RoPE cache may be missing.
+        model.init_states(buffer_device=torch.device("cpu"))
+        ids = _random_ids(cfg.vocab_size, batch, seq_len)
+    if dtype != torch.float32:
+        _cast_floating_params(model, dtype)
+    return model, ids
+
+
 def build_torchtitan(
     name: str,
     *,
@@ -819,28 +849,9 @@ def build_torchtitan(
         "torchtitan.models.common.attention", _TORCHTITAN_INSTALL_HINT
     )
 
-    # "flex" is the flavor's default backend; we swap it right away because flex
-    # attention needs a BlockMask input and a compiled kernel, while SDPA runs (and
-    # traces) on CPU with the causal mask built in.
-    cfg = getattr(models_mod, configs_attr)["debugmodel"](attn_backend="flex", **flavor_kwargs)
-    if num_layers > len(cfg.layers):
-        raise ValueError(
-            f"torchtitan {name} debugmodel has {len(cfg.layers)} layers; asked for {num_layers}"
-        )
-    cfg.layers = cfg.layers[:num_layers]
-    for layer_cfg in cfg.layers:
-        layer_cfg.attention.inner_attention = attention_mod.ScaledDotProductAttention.Config()
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cfg.build()
-        # torchtitan builds parameters first and initializes them separately (so the
-        # same code works after meta-device init); without this call weights are
-        # uninitialized memory and the RoPE cache may be missing.
-        model.init_states(buffer_device=torch.device("cpu"))
-        ids = _random_ids(cfg.vocab_size, batch, seq_len)
-    if dtype != torch.float32:
-        _cast_floating_params(model, dtype)
+    cfg = _torchtitan_flavor(getattr(models_mod, configs_attr), "debugmodel", attention_mod, num_layers,
+                             name, **flavor_kwargs)
+    model, ids = _build_torchtitan_model(cfg, dtype=dtype, seed=seed, batch=batch, seq_len=seq_len)
     model.eval()
 
     return TinyModel(
@@ -1083,24 +1094,13 @@ def build_torchtitan_tp(
     set_sharding = getattr(_import_optional(sharding_module, _TORCHTITAN_INSTALL_HINT), setter)
     parallelize_mod = _import_optional(parallelize_module, _TORCHTITAN_INSTALL_HINT)
 
-    cfg = getattr(models_mod, configs_attr)[flavor](attn_backend="flex")
-    if num_layers > len(cfg.layers):
-        raise ValueError(f"torchtitan {name} {flavor} has {len(cfg.layers)} layers; asked for {num_layers}")
-    cfg.layers = cfg.layers[:num_layers]
-    for layer_cfg in cfg.layers:  # SDPA: traces on CPU (flex attention needs a compiled BlockMask)
-        layer_cfg.attention.inner_attention = attention_mod.ScaledDotProductAttention.Config()
+    cfg = _torchtitan_flavor(getattr(models_mod, configs_attr), flavor, attention_mod, num_layers, name)
     sharding = {"enable_sp": sequence_parallel}
     if "enable_ep" in inspect.signature(set_sharding).parameters:
         sharding["enable_ep"] = False
     set_sharding(cfg, **sharding)
     spmd.set_spmd_backend(spmd_backend)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cfg.build()
-        model.init_states(buffer_device=torch.device("cpu"))
-        ids = _random_ids(cfg.vocab_size, batch, seq_len)
-    if dtype != torch.float32:
-        _cast_floating_params(model, dtype)
+    model, ids = _build_torchtitan_model(cfg, dtype=dtype, seed=seed, batch=batch, seq_len=seq_len)
     parallel_dims = parallel_dims_mod.ParallelDims(
         dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world, spmd_backend=spmd_backend)
     with unittest.mock.patch.object(parallel_dims_mod, "device_type", "cpu"):

@@ -38,12 +38,15 @@ from .spec import OpCapability, Sample, SocLimits, op_spec
 HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
 _UNSUPPORTED = SocLimits(supported=False)
 
-# the documented scenario of each op's default (ai_cpu) communication mode, and of comm_mode="aiv"
-# (the hiascend torch_npu pages of npu_all_gather_base_mm / npu_mm_reduce_scatter_base, 约束说明:
-# "comm_mode为ai_cpu时: 该接口支持训练场景下使用" / "仅在训练场景下使用"; "comm_mode为aiv时，训练和推理场景
-# 均可使用"); torchair 2.13's GE converters refuse any comm_mode below Ascend950 (A2/A3 use the
-# ai_cpu kernel there), so a GE graph (max-autotune) gets the training-only mode
-_TRAINING_AND_INFERENCE_WITH_AIV = {
+# The limits npu_all_gather_base_mm and npu_mm_reduce_scatter_base share (their docs, 参数说明 and 约束说明),
+# among them the documented scenario of their default (ai_cpu) communication mode and of comm_mode="aiv"
+# (the hiascend torch_npu pages, 约束说明: "comm_mode为ai_cpu时: 该接口支持训练场景下使用" / "仅在训练场景下
+# 使用"; "comm_mode为aiv时，训练和推理场景均可使用"); torchair 2.13's GE converters refuse any comm_mode below
+# Ascend950 (A2/A3 use the ai_cpu kernel there), so a GE graph (max-autotune) gets the training-only mode
+_GATHER_SCATTER_LIMITS = {
+    "k_range": (256, 65535),  # k in [256, 65535)
+    "world_sizes": {"Ascend910B": (2, 4, 8), "Ascend910_93": (2, 4, 8, 16, 32)},
+    "x1_contiguous": True,  # input 不支持输入转置后的tensor
     "default_mode_scenarios": ("training",),
     "aiv_scenarios": ("training", "inference"),
     "ge_comm_mode": False,  # torchair 2.13: "comm_mode ... not supported on Ascend910B/Ascend910C"
@@ -163,11 +166,8 @@ def _all_gather_mm_samples(dtype):
              dtypes=HALF_DTYPES, min_rank=2, max_rank=2, backward=None, ge_converter=True,
              socs={"Ascend310P": _UNSUPPORTED, "Ascend950": _UNSUPPORTED},  # Atlas A2 and A3 only
              limits={
-                 "k_range": (256, 65535),  # k in [256, 65535)
-                 "world_sizes": {"Ascend910B": (2, 4, 8), "Ascend910_93": (2, 4, 8, 16, 32)},
+                 **_GATHER_SCATTER_LIMITS,
                  "gather_index": 0,  # 当前版本仅支持输入0: the first input is gathered, on its dim 0
-                 "x1_contiguous": True,  # input 不支持输入转置后的tensor
-                 **_TRAINING_AND_INFERENCE_WITH_AIV,
              },
              doc="torch_npu 2.13 docstring of npu_all_gather_base_mm and the hiascend page: output = "
              "allgather(x1) @ x2, gather_out = allgather(x1), gathered on dim 0 in rank order; x1 (m, k) not "
@@ -212,12 +212,9 @@ def _mm_reduce_scatter_samples(dtype):
              dtypes=HALF_DTYPES, min_rank=2, max_rank=2, backward=None, ge_converter=True,
              socs={"Ascend310P": _UNSUPPORTED, "Ascend950": _UNSUPPORTED},  # Atlas A2 and A3 only
              limits={
-                 "k_range": (256, 65535),  # k in [256, 65535)
-                 "world_sizes": {"Ascend910B": (2, 4, 8), "Ascend910_93": (2, 4, 8, 16, 32)},
+                 **_GATHER_SCATTER_LIMITS,
                  "m_divisible_by_world_size": True,  # m轴需要整除world_size
-                 "x1_contiguous": True,
                  "reduce_ops": ("sum",),
-                 **_TRAINING_AND_INFERENCE_WITH_AIV,
              },
              doc="torch_npu 2.13 docstring of npu_mm_reduce_scatter_base, the hiascend page and CANN "
              "aclnnMatmulReduceScatter: output = reducescatter(x1 @ x2), rank r keeps rows [r * m / ranks, "
