@@ -89,3 +89,11 @@ def test_max_autotune_inference_cannot_lower_the_inference_mode():
 def test_atlas_inference_has_no_mc2():
     report, _ = _sequence_parallel(2, config=nff.FusionConfig(enable=TP_PASSES, soc="Ascend310P"))
     assert near_miss_reasons(report, "matmul_reduce_scatter") == [f"{OP} is not available on Ascend310P"]
+
+
+def test_symbolic_sizes_fuse_the_same():
+    """dynamic=True: the sequence's slices are symbolic; the scatter needs no padding."""
+    with fake_world(2):
+        block = feed_forward(sequence_parallel=True)
+        report, _ = capture(block, torch.randn(1, 8, 256, dtype=torch.bfloat16), dynamic=True)
+    assert _site_forms(report) == ["matmul_then_reduce_scatter_sequence"]
