@@ -9,9 +9,10 @@ passes (matmul_all_reduce, all_gather_matmul, matmul_reduce_scatter) and reports
 
 - sites fused / present: the passes' fused sites, and their candidates (the collectives next to a
   matmul they anchor at: fused sites plus near misses), over every graph of the compile;
-- launches per layer, before -> after the passes: the estimated kernel launches
-  (report.GraphCost: every computing call node, a collective and its wait_tensor included) of
-  the model with 2 layers minus the model with 1, inference graph or forward + backward;
+- launches per layer, without -> with the passes: the estimated kernel launches
+  (report.GraphCost: every computing call node, a collective and its wait_tensor included; dead
+  code left out) of the model with 2 layers minus the model with 1, the inference graph or a
+  training step's forward + backward;
 - the largest difference over the output (and in training every parameter's gradient) from
   the same compile without the passes (what the fusions change: 0 on gloo) and from eager
   (what compiling changes too: the NPU dispatch emulation's attention kernels round otherwise).
@@ -52,11 +53,27 @@ def _largest_difference(a, b):
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def _compile_and_run(name, sequence_parallel, dtype, training, layers, compare):
-    """Compiled with the tensor-parallel passes: launches before -> after them, sites, near misses;
-    with `compare`, the largest difference of its results from the same compile without passes
-    (what the fusions change) and from eager (what the compile changes too: the NPU dispatch
-    emulation's attention, docs/npu-graph.md)."""
+def _launches(recorded):
+    """Estimated launches of a compile's graphs (report.GraphCost), a training step's forward +
+    backward (its joint graph is partitioned into those), dead code left out: aot_autograd's
+    partitioned backward keeps recomputations nothing reads, which the pipeline removes and any
+    graph compiler would."""
+    import copy
+
+    from npu_fx_fusion.report import GraphCost
+
+    total = 0
+    for phase, gm in recorded.items():
+        graph = copy.deepcopy(gm.graph)
+        graph.eliminate_dead_code()
+        total += GraphCost.of(graph).launches
+    return total
+
+
+def _compile_and_run(name, sequence_parallel, dtype, training, layers, passes):
+    """torchtitan's `name` with `layers` layers compiled with `passes` (the tensor-parallel
+    ones, or none) and run (a training step: the mean square of the output backward): its
+    results (output, every parameter's whole gradient), launches, sites, near misses."""
     import npu_fx_fusion as nff
     from helpers import RecordingBackend
     from npu_fx_fusion.tiny_models import build_torchtitan_tp
@@ -64,33 +81,29 @@ def _compile_and_run(name, sequence_parallel, dtype, training, layers, compare):
     torch._dynamo.reset()
     tm = build_torchtitan_tp(name, sequence_parallel=sequence_parallel, dtype=dtype, num_layers=layers)
     model = tm.model.train(training)
-    backend = RecordingBackend(nff.FusionConfig(enable=set(TP_PASSES)))
-    fused = _run(model, torch.compile(model, backend=backend, fullgraph=True), tm.example_inputs, training)
+    backend = RecordingBackend(nff.FusionConfig(enable=set(passes)))
+    results = _run(model, torch.compile(model, backend=backend, fullgraph=True), tm.example_inputs, training)
     report = backend.report
-    graphs = [g for g in report.graphs if g.name != "joint"]
-    result = {"launches": (sum(g.cost_before.launches for g in graphs), sum(g.cost_after.launches for g in graphs)),
-              "sites": {p: sum(1 for s in report.sites if s.pass_name == p) for p in TP_PASSES},
-              "misses": {p: [m.reason for m in report.near_misses if m.pass_name == p] for p in TP_PASSES},
-              "errors": report.errors}
-    if compare:
-        torch._dynamo.reset()
-        unfused_backend = RecordingBackend(nff.FusionConfig(enable=set()))
-        unfused = _run(model, torch.compile(model, backend=unfused_backend, fullgraph=True), tm.example_inputs,
-                       training)
-        eager = _run(model, model, tm.example_inputs, training)
-        result["vs_unfused"] = _largest_difference(fused, unfused)
-        result["vs_eager"] = _largest_difference(fused, eager)
-        result["scale"] = max(t.double().abs().max().item() for t in eager.values())
-    return result
+    return {"results": results, "eager": _run(model, model, tm.example_inputs, training),
+            "launches": _launches(backend.graphs),
+            "sites": {p: sum(1 for s in report.sites if s.pass_name == p) for p in TP_PASSES},
+            "misses": {p: [m.reason for m in report.near_misses if m.pass_name == p] for p in TP_PASSES},
+            "errors": report.errors}
 
 
 def worker(rank, world_size, name, sequence_parallel, dtype, training):
+    """Per layer: launches without and with the passes (2 layers minus 1); sites and near misses
+    of the 2-layer model; its fused results against the unfused compile and against eager."""
     dtype = getattr(torch, dtype)
-    one = _compile_and_run(name, sequence_parallel, dtype, training, 1, compare=False)
-    two = _compile_and_run(name, sequence_parallel, dtype, training, 2, compare=True)
-    per_layer = tuple(b - a for a, b in zip(one["launches"], two["launches"]))
-    return {"per_layer": per_layer, "sites": two["sites"], "misses": two["misses"], "errors": one["errors"] + two["errors"],
-            **{key: two[key] for key in ("vs_unfused", "vs_eager", "scale")}}
+    runs = {(layers, bool(passes)): _compile_and_run(name, sequence_parallel, dtype, training, layers, passes)
+            for layers in (1, 2) for passes in ((), TP_PASSES)}
+    fused, unfused = runs[(2, True)], runs[(2, False)]
+    per_layer = tuple(runs[(2, on)]["launches"] - runs[(1, on)]["launches"] for on in (False, True))
+    return {"per_layer": per_layer, "sites": fused["sites"], "misses": fused["misses"],
+            "errors": [e for run in runs.values() for e in run["errors"]],
+            "vs_unfused": _largest_difference(fused["results"], unfused["results"]),
+            "vs_eager": _largest_difference(fused["results"], fused["eager"]),
+            "scale": max(t.double().abs().max().item() for t in fused["eager"].values())}
 
 
 def main(worlds):

@@ -27,13 +27,16 @@ def world_sizes(op, soc):
     return tuple(sorted({n for per_soc in sizes.values() for n in per_soc}))
 
 
-def group_reason(op, group_name, soc):
+def group_reason(op, group_name, soc, world_size=None):
     """Why `op` cannot run on the c10d group `group_name`, or None: the group must exist here
-    (and be an HCCL group where torch_npu's real op runs), with a rank count the op takes."""
+    (and be an HCCL group where torch_npu's real op runs), with a rank count the op takes, the
+    collective's `world_size` if it names one (world_size必须等于实际通信域中的rank总数)."""
     reason = no_communicator_reason(group_name)
     if reason:
         return reason
     ranks, allowed = group_size(group_name), world_sizes(op, soc)
+    if world_size is not None and world_size != ranks:
+        return f"the collective names {world_size} ranks, its group has {ranks}"
     if ranks not in allowed:
         where = f" on {soc}" if soc else ""
         return f"the group has {ranks} ranks: {op} takes {', '.join(map(str, allowed))}{where}"

@@ -198,7 +198,7 @@ def check(site):
     reason = (unsupported(OP, site.soc, x=x.flatten(0, -2))
               or same_dtype_reason(OP, x, weight)
               or k_range_reason(OP, x.shape[-1])
-              or group_reason(OP, group_name, site.soc)
+              or group_reason(OP, group_name, site.soc, site["ranks"])
               or scenario_choice(site, OP, site.form.replace in INFERENCE_FORMS))
     return reason or one_domain_reason(site, hcom_of(group_name))
 

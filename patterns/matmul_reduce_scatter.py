@@ -157,7 +157,7 @@ def check(site):
     reason = (unsupported(OP, site.soc, x=rows)
               or same_dtype_reason(OP, x, weight)
               or k_range_reason(OP, x.shape[-1])
-              or group_reason(OP, group_name, site.soc)
+              or group_reason(OP, group_name, site.soc, site["ranks"])
               or (f"{rows.shape[0]} rows are not divisible by the {ranks} ranks ({OP}: m轴需要整除world_size)"
                   if rows.shape[0] % ranks else None)
               or scenario_choice(site, OP, site.form.replace in INFERENCE_FORMS))
