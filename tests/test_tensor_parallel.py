@@ -207,14 +207,16 @@ def _ulps_at_scale(eager, fused):
 
 
 # Compiled vs eager, whatever the fusions: the NPU dispatch emulation computes attention as
-# torch_npu's kernels do (one rounding after an fp32 softmax, docs/npu-graph.md) where eager
-# CPU SDPA rounds otherwise; the difference travels through the layers (measured: <= 2 ulp at
-# each tensor's scale in fp32, <= 1 in bf16, benchmarks/bench_tensor_parallel.py)
-EAGER_ULPS = 8
+# torch_npu's kernels do (one rounding after an fp32 softmax) and a matmul's backward as one
+# matmul_backward (docs/npu-graph.md), where eager CPU rounds otherwise; the difference travels
+# through the layers into the output and every gradient. Measured on 2 ranks, qwen3 TP+SP: in
+# ulp at each tensor's scale, bf16 1.25 (inference) and 3.25 (training step), fp32 5 and 18
+# (fp32's ulp is 2**16 times finer: the same few roundings count for more of them).
+EAGER_ULPS = {"bfloat16": 8, "float32": 64}
 
 
 def _assert_close_to_eager(outcome, dtype):
-    assert outcome["ulps_from_eager"] <= EAGER_ULPS, (dtype, outcome["ulps_from_eager"])
+    assert outcome["ulps_from_eager"] <= EAGER_ULPS[dtype], (dtype, outcome["ulps_from_eager"])
 
 
 @pytest.mark.multiprocess
