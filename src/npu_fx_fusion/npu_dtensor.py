@@ -19,6 +19,7 @@ removed after (DTensor caches its propagation per op: cleared both ways).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch
@@ -47,8 +48,9 @@ def _matmul_backward_shardings(grad, tensor1, tensor2, mask):
 @contextlib.contextmanager
 def sharding_rules() -> Iterator[None]:
     """torch_npu's DTensor rule for aten.matmul_backward, registered inside this block (where
-    torch.distributed is available and no rule is registered already: torch_npu's own)."""
-    if not torch.distributed.is_available():
+    DTensor is in use: its module imported, as a model with DTensors has; and no rule is
+    registered already: torch_npu's own)."""
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can reach the trace
         yield
         return
     from torch.distributed.tensor import DTensor
