@@ -750,7 +750,24 @@ def _first_failure(ctx: RunContext, registration: Registration, site: Site, matc
             or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
             or ctx.fusion_pass.check(site)
             or _outputs_differ(ctx, registration, match, arguments, replacement)
+            or _slower(ctx, site, match, replacement[0])
             or (_verify(ctx, site, match) if ctx.verify else None))
+
+
+def _slower(ctx: RunContext, site: Site, match: pm.Match, replacement: torch.fx.GraphModule) -> Reason:
+    """A fusion that the cost model estimates slower than the code it replaces is not taken
+    (cost_model.py: launches and a roofline of the SoC). Without a torchair mode (CPU
+    emulation) the op's own kernel is assumed, and a site max-autotune would make slower
+    says so in its note."""
+    from .cost_model import slower
+
+    added = list(replacement.graph.nodes)
+    reason = slower(match.nodes, added, site.soc, ctx.mode)
+    if reason is None and ctx.mode is None:
+        in_ge = slower(match.nodes, added, site.soc, "max-autotune")
+        if in_ge is not None:
+            site.notes.append(f"under max-autotune it would stay unfused: {in_ge}")
+    return reason
 
 
 def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:

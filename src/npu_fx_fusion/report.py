@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from .nodes import functional_target
+from .npu_ops.spec import tensor_bytes
 
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
 FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer", "cann_ops_nn")
@@ -228,7 +229,7 @@ class GraphCost:
         def size(node: torch.fx.Node) -> int:
             found = sizes.get(node)
             if found is None:
-                found = sizes[node] = _tensor_bytes(node.meta.get("val"))
+                found = sizes[node] = tensor_bytes(node.meta.get("val"))
             return found
 
         for node in graph.nodes:
@@ -242,8 +243,8 @@ class GraphCost:
         """One launch moving its tensor inputs and outputs, or nothing for a free node."""
         if not _computes(node):
             return GraphCost()
-        moved = sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
-        return GraphCost(1, moved + _tensor_bytes(node.meta.get("val")))
+        moved = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+        return GraphCost(1, moved + tensor_bytes(node.meta.get("val")))
 
 
 def _computes(node: torch.fx.Node) -> bool:
@@ -251,21 +252,6 @@ def _computes(node: torch.fx.Node) -> bool:
     a SymInt expression is no op)."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
             and node.target._opname not in _FREE_OPS)  # noqa: SLF001
-
-
-def _tensor_bytes(value) -> int:
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    if not isinstance(value, torch.Tensor):
-        return 0
-    numel = value.numel()
-    if isinstance(numel, torch.SymInt):  # symbolic sizes: their hints, the sizes it was traced at
-        numel = 1
-        for size in value.shape:
-            if isinstance(size, torch.SymInt):
-                size = size.node.hint if size.node.hint is not None else 1
-            numel *= int(size)
-    return numel * value.element_size()
 
 
 def _ratio(after: int, before: int) -> str:
