@@ -101,6 +101,13 @@ class FusionConfig:
               rounds every step to the input dtype, npu_rms_norm rounds once (closer to
               the exact result; each such site's note gives the measured difference).
               Such sites are near misses instead. Default False: fuse them.
+    merge_projections: in inference, merge the linear layers that read one input (q/k/v,
+              gate/up) into one matmul on their concatenated weights, when the backend
+              compiles the model (get_npu_backend, the emulation backend): each merged
+              parameter becomes a view of the one buffer (no second copy of the weights),
+              and a rebound parameter is copied back into it before the next call
+              (merged_projections.py). False: keep every linear as the model wrote it.
+              Reported as the pass `merged_projections`; off with NPU_FX_FUSION=0 too.
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
@@ -119,6 +126,7 @@ class FusionConfig:
     verify: bool = False
     npu_dispatch: bool = True
     keep_intermediate_rounding: bool = False
+    merge_projections: bool = True
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -155,7 +163,7 @@ class FusionConfig:
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"FusionConfig(dump_dir=...) takes a path (str or os.PathLike) or None, got "
                             f"{self.dump_dir!r} ({type(self.dump_dir).__name__})")
-        for name in ("strict", "verify", "npu_dispatch", "keep_intermediate_rounding"):
+        for name in ("strict", "verify", "npu_dispatch", "keep_intermediate_rounding", "merge_projections"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FusionConfig({name}=...) takes True or False, got {value!r} "

@@ -99,16 +99,19 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
 
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
-               mode: Optional[str] = None) -> GraphReport:
+               mode: Optional[str] = None, earlier_results: Sequence[PassResult] = ()) -> GraphReport:
     """Fuse `gm` in place with the passes `config` enables; add its GraphReport to `report`.
 
     `mode` is the torchair mode the graph will be lowered in (FusionConfig.mode wins).
+    `earlier_results`: what a transform of the graph this one was traced from did (the
+    backend's merged_projections on the dynamo graph), reported with this graph.
     """
     start = time.perf_counter()
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc, mode = config.soc or detect_soc(), config.mode or mode
     graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report.passes.extend(earlier_results)
 
     enabled = config.enabled_passes()
     done_in_joint = _done_in_joint_graph(gm.graph)
@@ -182,7 +185,8 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
 
 
 def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
-                     graph_name: str = "joint", mode: Optional[str] = None) -> "FusedJoint":
+                     graph_name: str = "joint", mode: Optional[str] = None,
+                     earlier_results: Sequence[PassResult] = ()) -> "FusedJoint":
     """Fuse a joint forward+backward graph (aot_autograd's, before partitioning) in place.
 
     run_passes for training graphs: each enabled pass that has joint patterns replaces a
@@ -197,6 +201,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     npu_ops.ensure_registered()
     soc, mode = config.soc or detect_soc(), config.mode or mode
     graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report.passes.extend(earlier_results)
     # only passes with differentiable arguments have joint patterns (or match their
     # forward-only ones there: FusionPass.forward_forms_on_joint)
     passes = [name for name in config.enabled_passes()
