@@ -755,10 +755,9 @@ def _first_failure(ctx: RunContext, registration: Registration, site: Site, matc
 
 
 def _slower(ctx: RunContext, site: Site, match: pm.Match, replacement: torch.fx.GraphModule) -> Reason:
-    """A fusion that the cost model estimates slower than the code it replaces is not taken
-    (cost_model.py: launches and a roofline of the SoC). Without a torchair mode (CPU
-    emulation) the op's own kernel is assumed, and a site max-autotune would make slower
-    says so in its note."""
+    """A fusion the cost model estimates slower than the code it replaces, whatever the
+    sizes, is not taken (cost_model.slower). Without a torchair mode (CPU emulation) the
+    op's own kernel is assumed, and a site max-autotune would refuse says so in its note."""
     from .cost_model import slower
 
     added = list(replacement.graph.nodes)

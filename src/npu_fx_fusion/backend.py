@@ -72,15 +72,14 @@ class FusionPipeline:
         """Merge the linears of a dynamo graph that share an input (merged_projections.py),
         before aot_autograd traces it; returns the example inputs to trace it with and what
         wraps the compiled callable (the per-call check of the merged parameters)."""
-        from .config import fusion_switched_off
-
-        unchanged = (list(example_inputs), lambda compiled: compiled)
-        if not self.fusion_config.merge_projections or fusion_switched_off():
-            return unchanged
         from .merged_projections import PASS_NAME, merge_projections
 
+        unchanged = (list(example_inputs), lambda compiled: compiled)
+        if not self.fusion_config.transform_enabled(PASS_NAME):
+            return unchanged
+
         try:
-            merged = merge_projections(gm, example_inputs)
+            merged = merge_projections(gm, example_inputs, verify=self.fusion_config.verify)
         except Exception as exc:  # noqa: BLE001 - reported, or re-raised with strict
             if self.fusion_config.strict:
                 raise

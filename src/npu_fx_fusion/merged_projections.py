@@ -123,10 +123,11 @@ def _repoint(param: torch.Tensor, rows: torch.Tensor) -> None:
              tuple(param.shape))
 
 
-def merge_projections(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> MergedWeights:
+def merge_projections(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], verify: bool = False) -> MergedWeights:
     """Merge the linears of `gm` (a dynamo graph) that share an input, in place (module
     docstring). Returns what it did: the per-call check and the report of sites and near
-    misses."""
+    misses. verify (FusionConfig.verify): each group's merged linear is first compared with
+    its separate linears on a random input, and one that differs is not merged."""
     merged = MergedWeights()
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     real = {node: value for node, value in zip(placeholders, example_inputs)}
@@ -135,6 +136,10 @@ def merge_projections(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
     training = torch.is_grad_enabled()
     for group in groups:
         reason = _refusal(group, real, training)
+        verified = ""
+        if reason is None and verify:
+            ok, verified = _verdict(group)
+            reason = None if ok else f"verification failed: {verified}"
         if reason is not None:
             merged.result.near_misses.append(NearMiss(PASS_NAME, reason, _location(group.linears)))
             continue
@@ -148,11 +153,35 @@ def merge_projections(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
         _rewrite(gm, group, buffer, bias_buffer)
         merged.result.sites.append(FusedSite(
             PASS_NAME, f"{len(group.linears)} linears on one input", FUSED_OP, _location(group.linears), note,
-            replaced=tuple(n.name for n in group.linears)))
+            verified, replaced=tuple(n.name for n in group.linears)))
     if merged.result.sites:
         gm.graph.lint()
         gm.recompile()
     return merged
+
+
+# The merged linear sums each output's products as the separate one does; a BLAS may block
+# the wider matmul differently: float rounding at the output's scale (verify.py's measure)
+VERIFY_ULPS = 4
+
+
+def _verdict(group: _Group) -> tuple[bool, str]:
+    """The merged linear against the separate ones on a random input (before anything is
+    moved: the concatenation is a temporary copy of this group's weights)."""
+    from .verify import SEED, _error_in_ulps
+
+    first = group.weights[0]
+    generator = torch.Generator().manual_seed(SEED)
+    x = torch.randn(4, first.shape[1], generator=generator).to(first.dtype).to(first.device)
+    biases = group.biases if group.biases[0] is not None else [None] * len(group.weights)
+    with torch.no_grad():
+        separate = torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(group.weights, biases)], -1)
+        merged = torch.nn.functional.linear(x, torch.cat(list(group.weights)),
+                                            None if biases[0] is None else torch.cat(list(biases)))
+    error, _ = _error_in_ulps(merged, separate)
+    ok = error <= VERIFY_ULPS
+    return ok, (f"verified: max error {error:.2g} ulp at the output's scale (tolerance {VERIFY_ULPS})" if ok
+                else f"error {error:.3g} ulp exceeds {VERIFY_ULPS}")
 
 
 def _groups(graph: torch.fx.Graph) -> list[_Group]:

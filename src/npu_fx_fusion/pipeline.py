@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import npu_ops
+from . import cost_model, npu_ops
 from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import detect_soc
@@ -152,7 +152,8 @@ def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionR
     bytes of each node's value (for the cost after fusion: the nodes that stay keep them)."""
     sizes: dict = {}
     graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, sizes))
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, sizes),
+                               roofline_before=cost_model.estimates(gm.graph, mode))
     dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     if folder:
@@ -170,6 +171,7 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
     graph_report.cost_after = GraphCost.of(gm.graph, sizes)
+    graph_report.roofline_after = cost_model.estimates(gm.graph, graph_report.mode)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
     # With TORCH_TRACE set, the graph's report goes into torch's structured trace (tlparse
@@ -291,6 +293,7 @@ class FusedJoint:
         graph_report.nodes_after = len(self.gm.graph.nodes)
         graph_report.ops_after = op_counts(self.gm.graph)
         graph_report.cost_after = GraphCost.of(self.gm.graph)
+        graph_report.roofline_after = cost_model.estimates(self.gm.graph, graph_report.mode)
         graph_report.seconds += time.perf_counter() - start
         if self._folder:
             self._dumper.write(self._folder, "after.py", _graph_code(self.gm))

@@ -281,6 +281,9 @@ class GraphReport:
     cost_after: GraphCost = field(default_factory=GraphCost)
     # dtype conversions the fusions added, by what they convert for (added_conversions)
     conversions_added: Counter = field(default_factory=Counter)
+    # {SoC: cost_model.Estimate}: the roofline estimate of the graph before and after
+    roofline_before: dict = field(default_factory=dict)
+    roofline_after: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -293,6 +296,9 @@ class GraphReport:
             "conversions_added": dict(self.conversions_added),
             "seconds": round(self.seconds, 6),
             "estimated_cost": {"before": asdict(self.cost_before), "after": asdict(self.cost_after)},
+            "estimated_time": {soc: {"before": self.roofline_before[soc].to_dict(),
+                                     "after": self.roofline_after[soc].to_dict()}
+                               for soc in self.roofline_before if soc in self.roofline_after},
             "passes": [r.to_dict() for r in self.passes],
         }
 
@@ -302,6 +308,13 @@ class GraphReport:
                 f"{b.launches} -> {a.launches} kernel launches ({_ratio(a.launches, b.launches)}), "
                 f"{_megabytes(b.bytes_moved)} -> {_megabytes(a.bytes_moved)} moved "
                 f"({_ratio(a.bytes_moved, b.bytes_moved)})")
+
+    def time_line(self) -> str:
+        """Each SoC's estimated device time before and after (cost_model.py)."""
+        parts = [f"{soc} {self.roofline_before[soc].seconds * 1e6:.1f} -> {self.roofline_after[soc].seconds * 1e6:.1f} us"
+                 for soc in self.roofline_before if soc in self.roofline_after]
+        return ("estimated device time (cost_model.py: launches + roofline per SoC; a comparison, not a timing): "
+                + ", ".join(parts))
 
     @property
     def fused_ops(self) -> Counter:
@@ -472,6 +485,8 @@ class FusionReport:
             mode = f", torchair mode {g.mode}" if g.mode else ""
             lines += [f"## graph {index}: {g.name} ({g.nodes_before} -> {g.nodes_after} nodes{mode})", "",
                       g.cost_line(), ""]
+            if g.roofline_before and g.roofline_after:
+                lines += [g.time_line(), ""]
             skipped = [r for r in g.passes if r.skipped]
             for r in g.passes:
                 if r.skipped:
