@@ -102,6 +102,16 @@ def test_a_rebound_parameter_is_copied_into_the_buffer_before_the_next_call():
     assert model.k_proj.weight.untyped_storage().data_ptr() == buffer_ptr  # pointed back into it
 
 
+def test_compiled_under_inference_mode_the_weights_stay_updatable():
+    model = _model()
+    backend = EmulationBackend(nff.FusionConfig())
+    with torch.inference_mode():
+        torch.compile(model, backend=backend)(torch.randn(2, 3, HIDDEN))
+    assert backend.report.counts[PASS] == 2
+    assert not model.q_proj.weight.is_inference()
+    model.load_state_dict(model.state_dict())  # in place, outside inference mode
+
+
 def test_in_place_updates_and_load_state_dict_need_nothing():
     model = _model()
     x = torch.randn(2, 3, HIDDEN)

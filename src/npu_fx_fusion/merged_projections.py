@@ -291,10 +291,14 @@ def _concatenate(tensors: Sequence[torch.Tensor]) -> torch.nn.Parameter:
     the re-pointed parameters keeps it alive (`_npu_fx_fusion_merged`), so that a later
     compile finds it for as long as the model lives."""
     first = tensors[0]
-    buffer = torch.nn.Parameter(torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]),
-                                            dtype=first.dtype, device=first.device), requires_grad=False)
+    # a normal tensor even under torch.inference_mode(): the parameters become views of it,
+    # and an inference tensor could not be updated in place outside that mode later
+    # (load_state_dict, an optimizer)
+    with torch.inference_mode(False):
+        buffer = torch.nn.Parameter(torch.empty((sum(t.shape[0] for t in tensors), *first.shape[1:]),
+                                                dtype=first.dtype, device=first.device), requires_grad=False)
     start = 0
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():
         for tensor in tensors:
             rows = buffer.data[start:start + tensor.shape[0]]
             rows.copy_(tensor.detach())
