@@ -23,13 +23,17 @@ intermediate, and a two-write pattern of two identical halves can bind both halv
 write): the first fused write recomputes them for the second, and once both are fused
 nothing reads them.
 
-The fused write is emitted on a (B * N_kv, max_cache_len, D) view of the cache, viewed
+The fused write is emitted on a (B, 1, N_kv, max_cache_len, D) view of the cache, viewed
 back: `placeholder -> view -> scatter_update -> view -> copy_(placeholder)` is what
 torchair's recover_view_inplace_pattern turns into the in-place scatter_update_ and
 drops the copy_ (CANN >= 8.3.RC1), so the step writes S rows instead of copying the cache
 (GE's converter of the functional op is TensorMove + Scatter). A same-shape view would not
-do: torchair's remove_noop_ops runs first and deletes it. Merging B and N_kv needs a
-contiguous cache, which StaticCache allocates.
+do: torchair's remove_noop_ops runs first and deletes it. The inserted unit dim keeps the
+batch as dim 0, whose rows the offsets index (aclnnInplaceScatterUpdate: "indices 1-D:
+one offset per batch (highest) dim along axis"), so the update goes in as a view of what
+the model computed, whatever its strides (the kernel takes non-contiguous updates, per the
+torch_npu docs): a key or value that is a slice of a merged q/k/v projection is not
+copied first, as a (B * N_kv, S, D) view of it would have to be.
 
 The NPU kernel does not check bounds ("索引越界不校验"): where eager index_copy raises
 once a StaticCache overflows, the fused write would write past the cache. The site's note
@@ -57,15 +61,19 @@ def static_cache_write(cache, update, start):
 
 
 # ---- the fused call -----------------------------------------------------------------------
-def scatter_update_write(cache, update, start):
-    """scatter_update on the (B * N, max_len, D) view: every row writes at `start`."""
+def _scatter_update_rows(cache, offsets, update):
+    """scatter_update on the (B, 1, N, max_len, D) view: batch row b writes at offsets[b]."""
     batch, heads, length, dim = cache.shape
-    rows = batch * heads
-    offsets = start.expand(rows)  # int64 (rows,): the same contiguous run for every row
-    written = torch.ops.npu.scatter_update(cache.view(rows, length, dim), offsets,
-                                           update.reshape(rows, update.shape[2], dim), -2)
+    written = torch.ops.npu.scatter_update(cache.view(batch, 1, heads, length, dim), offsets,
+                                           update.unsqueeze(1), -2)
+    return written.view(batch, heads, length, dim)
+
+
+def scatter_update_write(cache, update, start):
+    # int64 (B,): the same contiguous run for every batch row
+    written = _scatter_update_rows(cache, start.expand(cache.shape[0]), update)
     position = torch.arange(update.shape[-2], device=update.device) + start
-    return written.view(batch, heads, length, dim), position
+    return written, position
 
 
 def static_cache_write_at(cache, position, update):
@@ -76,12 +84,8 @@ def static_cache_write_at(cache, position, update):
 
 
 def scatter_update_write_at(cache, position, update):
-    batch, heads, length, dim = cache.shape
-    rows = batch * heads
-    offsets = position.narrow(0, 0, 1).expand(rows)  # position[0] = start, for every row (views)
-    written = torch.ops.npu.scatter_update(cache.view(rows, length, dim), offsets,
-                                           update.reshape(rows, update.shape[2], dim), -2)
-    return written.view(batch, heads, length, dim)
+    # position[0] = start, for every batch row (views)
+    return _scatter_update_rows(cache, position.narrow(0, 0, 1).expand(cache.shape[0]), update)
 
 
 FORMS = [
@@ -107,9 +111,6 @@ def check(site):
         return f"the cache is {cache.dim()}-d and its update {update.dim()}-d, not (B, N, max_len, D)"
     if (cache.shape[0], cache.shape[1], cache.shape[3]) != (update.shape[0], update.shape[1], update.shape[3]):
         return f"the cache {list(cache.shape)} and its update {list(update.shape)} differ outside the sequence dim"
-    if not cache.is_contiguous():
-        return ("the cache is not contiguous: the fused write views it as (B * N, max_len, D), which "
-                "torchair's in-place recovery needs")
     reason = unsupported("npu.scatter_update", site.soc, x=cache)
     if reason:
         return reason

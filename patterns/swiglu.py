@@ -8,11 +8,12 @@ split, and either operand order (Phi-3 and GLM-4 write `up * act(gate)`). The op
 in fp32 and rounds once; the unfused bf16/fp16 code rounds after silu and after the
 multiply, so the two differ by about one ulp there.
 
-Not fused, and reported: gate and up from two separate projections (HF Llama / Qwen
-MLPs, torchtitan FeedForward): npu_swiglu would need their outputs concatenated, one
-extra copy per step, unless the weights are folded into one projection, which a graph
-pass over one graph cannot do for the weights' other users. GeGLU and other gates
-(gelu, relu) are not SwiGLU and never match.
+Gate and up from two separate projections (HF Llama / Qwen MLPs, torchtitan FeedForward)
+are the two halves of one tensor once merged_projections has merged the projections (in
+inference, when the backend compiles the model: merged_projections.py); elsewhere
+(training graphs, fuse() on an aot graph, the transform disabled) they are reported:
+npu_swiglu would need their outputs concatenated, one extra copy per step. GeGLU and other
+gates (gelu, relu) are not SwiGLU and never match.
 """
 import torch
 import torch.nn.functional as F
@@ -145,7 +146,8 @@ def explain(mul):
         if _is_projection(gate) and _is_projection(up):
             return ("gate and up come from separate projections: npu_swiglu needs them as the two "
                     "halves of one tensor (one gate_up projection), and concatenating them would "
-                    "add a copy per step")
+                    "add a copy per step (merged_projections merges the projections in inference "
+                    "where the backend compiles the model)")
         return "the silu and the tensor it multiplies are not the two halves of one tensor"
     if gate_half == 1 and up_half == 0:
         return "silu is applied to the second half: npu_swiglu activates the first half"

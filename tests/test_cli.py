@@ -44,8 +44,10 @@ def test_report_hf_model_with_verification(qwen3_moe):
     assert out.startswith("# npu-fx-fusion report: hf-qwen3_moe-grouped_mm-fp32\n")
     # every fused site carries its verdict, and the cost estimate is there
     site_lines = [line for line in out.splitlines() if line.strip().startswith("- fused")]
-    # attention, norms, rope, swiglu, moe_gating, moe_dispatch, grouped_matmul
-    assert len(site_lines) == 2 + 9 + 4 + 4 + 2 + 2 + 2 + 4
+    # attention, norms, rope, swiglu, moe_gating, moe_dispatch, grouped_matmul; then
+    # merged_projections (each layer's q/k/v) and rope_qk (each layer's q and k: Qwen3's
+    # q_norm / k_norm leave them dense)
+    assert len(site_lines) == 2 + 9 + 4 + 4 + 2 + 2 + 2 + 4 + 2 + 2
     assert all("[verified: max error" in line for line in site_lines), site_lines
     assert "kernel launches" in out and "moved" in out
     assert "outputs vs eager" in out and "OK" in out
@@ -55,7 +57,7 @@ def test_pass_table_says_how_many_norms_were_folded(qwen3_moe):
     # 9 norms fused; the 4 after a residual add were then folded into npu_add_rms_norm,
     # so the final graph holds 5 npu_rms_norm: the table must not leave that to arithmetic
     _, out, report = qwen3_moe
-    assert report.folded == {"rms_norm": {"add_rms_norm": 4}}
+    assert report.folded == {"rms_norm": {"add_rms_norm": 4}, "rope": {"rope_qk": 4}}
     assert "| rms_norm | 9 | 0 | 4 folded into add_rms_norm |" in out
     assert report.fused_ops["npu.npu_rms_norm"] == report.counts["rms_norm"] - 4
     assert re.search(r"\| add_rms_norm \| 4 \| 0 \| *\|", out)  # nothing folded into a later pass
@@ -307,9 +309,10 @@ def test_the_first_screen_says_what_fused_what_an_npu_would_refuse_and_the_verdi
     assert "  - attention x1: npu.npu_fused_infer_attention_score does not support float32" in first
     assert re.search(r"^- outputs vs eager: max abs diff .*: OK$", first, re.MULTILINE)
     rows = [line for line in first.splitlines() if line.startswith("| ") and not line.startswith("| pass")]
-    assert [row.split(" | ")[0][2:] for row in rows] == ["rms_norm", "add_rms_norm", "attention", "rope", "swiglu"]
-    assert "more passes ran and found no candidate: kv_rmsnorm_rope_cache" in first
-    assert out.rstrip().splitlines()[-1] == "hf-llama-fp32: 8 fused sites, 1 near miss, outputs match eager"
+    assert [row.split(" | ")[0][2:] for row in rows] == ["merged_projections", "rms_norm", "add_rms_norm", "attention",
+                                                         "rope", "rope_qk", "swiglu"]
+    assert re.search(r"more passes ran and found no candidate: .*kv_rmsnorm_rope_cache", first)
+    assert out.rstrip().splitlines()[-1] == "hf-llama-fp32: 11 fused sites, 1 near miss, outputs match eager"
     # with the SoC given, its limits apply: the fp32 attention is a near miss, nothing is listed
     code, out, _ = _run(capsys, "report", "hf:llama", "--layers", "1", "--soc", "Ascend910B")
     first = out.split("\n## graph 0")[0]

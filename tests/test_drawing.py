@@ -218,7 +218,7 @@ def test_two_layer_llama_svg_stays_small(can_draw, tmp_path):
     with torch.no_grad():
         torch.compile(tiny.model, backend=backend, fullgraph=True)(*tiny.example_inputs)
     (gm,) = backend.graphs
-    fused = {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul", "npu_fused_infer_attention_score"}
+    fused = {"npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul", "npu_fused_infer_attention_score", "npu_swiglu"}
     (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     svg = (folder / "after.svg").read_text()
     root = parse(svg)

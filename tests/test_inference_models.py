@@ -56,12 +56,14 @@ def _counts(norms, ropes, attention=2, writes=4, latent=0, swiglu=0, moe=0, gemm
 
 
 MODELS = {
-    "llama": Model("llama", _counts(5, 4)),
-    "qwen3": Model("qwen3", _counts(9, 4)),  # + q_norm / k_norm per layer
+    # gate and up of each layer merged into one projection (merged_projections), then swiglu
+    "llama": Model("llama", _counts(5, 4, swiglu=2)),
+    "qwen3": Model("qwen3", _counts(9, 4, swiglu=2)),  # + q_norm / k_norm per layer
     "qwen3_moe": Model("qwen3_moe", _counts(9, 4, swiglu=2, moe=2, gemms=4)),
     # the kv norm and the k rope of each layer go into the latent op, whose two writes it
-    # does itself; layer 0 dense (a separate gate/up MLP), layer 1 MoE with a shared expert
-    "deepseek_v3": Model("deepseek_v3", _counts(7, 2, writes=0, latent=2, swiglu=1, moe=1, gemms=2),
+    # does itself; layer 0 dense (a gate/up MLP), layer 1 MoE with a shared expert: both
+    # gate/up pairs merged (merged_projections), then swiglu, as in the routed experts
+    "deepseek_v3": Model("deepseek_v3", _counts(7, 2, writes=0, latent=2, swiglu=3, moe=1, gemms=2),
                          prolog_near_misses=2),
 }
 

@@ -512,7 +512,10 @@ def test_the_switch_and_the_report_say_which_graph_was_fused(npu_dispatch_on, tm
     assert report.graph_source in report.to_markdown() and report.to_dict()["graph_source"] == report.graph_source
     (before,) = list(tmp_path.rglob("before.py"))
     assert ("torch.ops.aten.matmul.default" in before.read_text()) == npu_dispatch_on
-    assert ("Ascend910B" in (tmp_path / "report.md").read_text()) == npu_dispatch_on
+    # the header names the SoC the graph was traced for (the cost estimate further down names
+    # the SoCs it has figures for, whatever the graph)
+    header = (tmp_path / "report.md").read_text().split("| pass |", 1)[0]
+    assert ("Ascend910B" in header) == npu_dispatch_on
     torch.testing.assert_close(out, ref)
 
 

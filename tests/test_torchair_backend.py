@@ -497,6 +497,54 @@ def scenario_rope_and_swiglu_max_autotune(dump_dir: str):
     }
 
 
+class ProjectionsBlock(nn.Module):
+    """q/k/v and gate/up as separate bias-free linears (transformers' Llama layer)."""
+
+    def __init__(self, hidden: int = HIDDEN):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, n, bias=False) for n in (hidden, 32, 32))
+        self.gate_proj, self.up_proj = nn.Linear(hidden, 2 * hidden, bias=False), nn.Linear(hidden, 2 * hidden,
+                                                                                          bias=False)
+        self.down_proj = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        h = x + q * torch.cat((k, v), -1)
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def scenario_merged_projections_max_autotune(dump_dir: str):
+    import re
+
+    import npu_fx_fusion as nff
+
+    config, graphs = _max_autotune_config(dump_dir)
+    backend = nff.get_npu_backend(compiler_config=config)
+    model = _model(ProjectionsBlock)
+    x = torch.randn(2, 3, HIDDEN)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model, backend=backend)
+        actual = compiled(x)
+        model.k_proj.weight.data = torch.randn(32, HIDDEN)  # rebound: copied back into the buffer
+        rebound = (compiled(x), model(x))
+    dumps = _ge_dumps(dump_dir)
+    report = nff.last_report()
+    weights = [model.q_proj.weight, model.k_proj.weight, model.v_proj.weight]
+    return {
+        "max_diff": _max_diff([actual], [expected]),
+        "rebound_diff": _max_diff([rebound[0]], [rebound[1]]),
+        "counts": {p: n for p, n in report.counts.items() if n},
+        "one_storage": len({w.untyped_storage().data_ptr() for w in weights}) == 1,
+        "npu_ops_torchair_lowered": graphs,
+        # the merged weights reach GE as graph inputs, read in place, never as constants
+        "ge_matmuls": len(re.findall(r"\bge\.(?:MatMul|MatMulV2|BatchMatMul|BatchMatMulV2)\(", dumps)),
+        # (gate_up's merged weight is the one [256, 64] tensor)
+        "ge_consts_of_weight_shape": len(re.findall(r"ge\.Const\([^\n]*\b256, 64\b", dumps)),
+        "ge_data_of_merged_shape": len(re.findall(r"ge\.Data\([^\n]*\[256, 64\]", dumps)),
+    }
+
+
 def scenario_rope_reduce_overhead_optimize_fx():
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -774,6 +822,16 @@ def test_rope_and_swiglu_lower_to_ge_under_max_autotune(tmp_path):
     assert r["notes"] == ["", "instead of rotary_mul_from_complex"], r
     assert r["npu_ops_torchair_lowered"] == [["npu.npu_rotary_mul.default"] * 2 + ["npu.npu_swiglu.default"]], r
     assert r["ge_ops"] == ["RotaryMul", "RotaryMul", "SwiGlu"], r
+
+
+def test_merged_projections_reach_ge_as_one_matmul_on_a_weight_input(tmp_path):
+    r = run_scenario(scenario_merged_projections_max_autotune, dump_dir=str(tmp_path / "ge_dump"))
+    assert r["max_diff"] < 1e-4 and r["rebound_diff"] < 1e-4, r
+    assert r["counts"] == {"merged_projections": 2, "swiglu": 1}, r
+    assert r["one_storage"], r
+    assert r["npu_ops_torchair_lowered"] == [["npu.npu_swiglu.default"]], r
+    assert r["ge_matmuls"] == 3, r  # qkv, gate_up, down
+    assert r["ge_consts_of_weight_shape"] == 0 and r["ge_data_of_merged_shape"] >= 1, r
 
 
 def test_reduce_overhead_keeps_interleave_mode():

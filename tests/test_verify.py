@@ -53,8 +53,10 @@ def test_a_right_replacement_is_verified_and_says_so():
 def test_every_site_of_a_real_model_verifies():
     tiny = build_hf("deepseek_v3", dtype=torch.bfloat16)
     out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs, config=nff.FusionConfig(verify=True))
-    # attention, norms, rope, swiglu, moe_dispatch, moe_gating (compared in expert order), grouped_matmul
-    assert len(report.sites) == 2 + 9 + 4 + 4 + 1 + 1 + 1 + 2
+    # attention, norms, rope, swiglu, moe_dispatch, moe_gating (compared in expert order),
+    # grouped_matmul; then merged_projections (each layer's q_a / kv_a down-projections, the dense
+    # MLP's and the shared expert's gate / up) and the swiglu of the two merged gate / up
+    assert len(report.sites) == 2 + 9 + 4 + 4 + 1 + 1 + 1 + 2 + 4 + 2
     assert all(s.verified.startswith("verified: max error") for s in report.sites), \
         [s.verified for s in report.sites]
     assert not any("verification failed" in r for p in ("rms_norm", "rope", "swiglu", "grouped_matmul")

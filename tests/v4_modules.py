@@ -176,7 +176,8 @@ def fused_calls(gm) -> dict:
 #   RMSNorm: input_layernorm, post_attention_layernorm, q_a_norm, q_b_norm (unweighted) and kv_norm
 #     per layer (5 x 3), the CSA and HCA compressors' kv_norm (2), the CSA indexer's (1), hc_head's
 #     input_norm and the final norm (2): 20 (the mHC input norms are part of mhc_pre's form)
-#   the shared expert's clamped SwiGLU: 3, never fused (separate gate and up projections)
+#   the shared expert's clamped SwiGLU: 3, not fused with separate gate and up projections (merged
+#     by merged_projections, they fuse: tests/test_deepseek_v4.py)
 V4_FAMILIES = {
     "mHC pre": ("mhc_pre", None, 6),
     "mHC post": ("mhc_post", None, 6),

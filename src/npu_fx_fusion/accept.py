@@ -644,6 +644,7 @@ def _first_failure(ctx: RunContext, registration: Registration, site: Site, matc
             or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
             or ctx.fusion_pass.check(site)
             or _outputs_differ(ctx, registration, match, arguments, replacement)
+            or _slower(ctx, site, match, replacement[0])
             or (_verify(ctx, site, match) if ctx.verify else None))
 
 
@@ -680,6 +681,21 @@ def _torchair_scopes(graph: torch.fx.Graph) -> dict:
             stack.pop()
         scopes[node] = tuple(stack)
     return scopes
+
+
+def _slower(ctx: RunContext, site: Site, match: pm.Match, replacement: torch.fx.GraphModule) -> Reason:
+    """A fusion the cost model estimates slower than the code it replaces, whatever the
+    sizes, is not taken (cost_model.slower). Without a torchair mode (CPU emulation) the
+    op's own kernel is assumed, and a site max-autotune would refuse says so in its note."""
+    from .cost_model import slower
+
+    added = list(replacement.graph.nodes)
+    reason = slower(match.nodes, added, site.soc, ctx.mode)
+    if reason is None and ctx.mode is None:
+        in_ge = slower(match.nodes, added, site.soc, "max-autotune")
+        if in_ge is not None:
+            site.notes.append(f"under max-autotune it would stay unfused: {in_ge}")
+    return reason
 
 
 def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:

@@ -64,6 +64,38 @@ class FusionPipeline:
         self.chained = chained
         self.report = FusionReport()
         self._graph_ids = itertools.count()
+        # what merge_projections did to the dynamo graph, for the report of the next graph
+        # aot_autograd makes of it
+        self._pending: list = []
+
+    def merge_projections(self, gm: torch.fx.GraphModule, example_inputs: Any) -> tuple[list, Callable]:
+        """Merge the linears of a dynamo graph that share an input (merged_projections.py),
+        before aot_autograd traces it; returns the example inputs to trace it with and what
+        wraps the compiled callable (the per-call check of the merged parameters)."""
+        from .merged_projections import PASS_NAME, merge_projections
+
+        unchanged = (list(example_inputs), lambda compiled: compiled)
+        if not self.fusion_config.transform_enabled(PASS_NAME):
+            return unchanged
+
+        try:
+            merged = merge_projections(gm, example_inputs, verify=self.fusion_config.verify)
+        except Exception as exc:  # noqa: BLE001 - reported, or re-raised with strict
+            if self.fusion_config.strict:
+                raise
+            from .pipeline import _one_line
+            from .report import PassResult
+
+            log.warning("merged_projections failed: %s", _one_line(exc))
+            self._pending.append(PassResult(PASS_NAME, error=_one_line(exc)))
+            return unchanged
+        if merged.result.sites or merged.result.near_misses:
+            self._pending.append(merged.result)
+        return merged.trace_inputs(example_inputs), merged.wrap
+
+    def _take_pending(self) -> list:
+        pending, self._pending = self._pending, []
+        return pending
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any = None, config: Any = None) -> None:
         if self.chained is not None:
@@ -75,7 +107,8 @@ class FusionPipeline:
         name = _graph_kind(config) or f"graph{next(self._graph_ids)}"
         mode = self.fusion_config.mode or _torchair_mode(config)
         _set_last_report(self.report)
-        run_passes(gm, self.fusion_config, self.report, graph_name=name, mode=mode)
+        run_passes(gm, self.fusion_config, self.report, graph_name=name, mode=mode,
+                   earlier_results=self._take_pending())
 
     def run_joint(self, gm: torch.fx.GraphModule, config: Any = None) -> "FusedJoint":
         """The joint-graph passes on a training graph, before it is partitioned
@@ -85,7 +118,8 @@ class FusionPipeline:
 
         _set_last_report(self.report)
         return run_joint_passes(gm, self.fusion_config, self.report, graph_name="joint",
-                                mode=self.fusion_config.mode or _torchair_mode(config))
+                                mode=self.fusion_config.mode or _torchair_mode(config),
+                                earlier_results=self._take_pending())
 
 
 def _graph_kind(config: Any) -> Optional[str]:
@@ -215,6 +249,7 @@ class EmulationBackend:
         config = self.pipeline.fusion_config
         if config.enabled_passes():
             specialize_module_floats(gm, example_inputs, self._floats)
+        example_inputs, checked = self.pipeline.merge_projections(gm, example_inputs)
         trace_scope = contextlib.ExitStack()
         if config.npu_dispatch:
             from .npu_dtensor import sharding_rules
@@ -223,7 +258,7 @@ class EmulationBackend:
             trace_scope.enter_context(npu_dispatch.emulated(config.soc))
             trace_scope.enter_context(sharding_rules())  # a tensor-parallel model's DTensors reach torch_npu's ops
         with trace_scope:
-            return aot_module_simplified(
+            return checked(aot_module_simplified(
                 gm,
                 example_inputs,
                 fw_compiler=functools.partial(self._compile, "forward"),
@@ -233,7 +268,7 @@ class EmulationBackend:
                 partition_fn=self._partition,
                 decompositions={},
                 keep_inference_input_mutations=True,
-            )
+            ))
 
     def _partition(self, joint_gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """Fuse the joint graph, then split it as torchair does (default_partition: its
@@ -344,13 +379,14 @@ class TorchairTrainingBackend:
 
         if self.pipeline.fusion_config.enabled_passes():
             specialize_module_floats(gm, example_inputs, self._floats)
+        example_inputs, checked = self.pipeline.merge_projections(gm, example_inputs)
         chained = functorch_config.joint_custom_pass
         if isinstance(chained, TorchairTrainingBackend._JointPass):
             chained = chained.chained  # a nested compile: do not stack our pass twice
         graphs = self.pipeline.report.graphs
         first = len(graphs)
         with functorch_config.patch(joint_custom_pass=self._JointPass(self, chained)), self._partitioning():
-            compiled = self.torchair_backend(gm, example_inputs, **kwargs)
+            compiled = checked(self.torchair_backend(gm, example_inputs, **kwargs))
         # the graphs fused while torchair compiled this one: they run when it runs (a
         # backward torchair compiles later, at its first run, is not counted)
         return counting_runs(compiled, graphs[first:])

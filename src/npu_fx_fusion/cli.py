@@ -23,6 +23,7 @@ import functools
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -437,6 +438,37 @@ def per_layer_summary(fusion_report: Any) -> dict:
     return dict(sorted(layers.items()))
 
 
+def per_layer_estimate(fusion_report: Any) -> dict:
+    """{group: {soc: {"launches": [before, after], "us": [before, after]}}} over the graph(s) of
+    `fusion_report`, from each graph's roofline estimate (cost_model.py); groups are the decoder
+    layers ("layers.0", ...) and "other" (embedding, final norm, head, shared tables)."""
+    rows: dict = {}
+    for graph in fusion_report.graphs:
+        for which, estimates in ((0, graph.roofline_before), (1, graph.roofline_after)):
+            for soc, estimate in estimates.items():
+                for group, (launches, _, seconds) in estimate.groups.items():
+                    row = rows.setdefault(group, {}).setdefault(soc, {"launches": [0, 0], "us": [0.0, 0.0]})
+                    row["launches"][which] += launches
+                    row["us"][which] += seconds * 1e6
+    return dict(sorted(rows.items(), key=lambda item: (item[0] == "other", _layer_index(item[0]))))
+
+
+def _layer_index(group: str) -> int:
+    tail = group.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _per_layer_estimate_markdown(rows: dict) -> list[str]:
+    socs = sorted({soc for row in rows.values() for soc in row})
+    header = "| group | launches | " + " | ".join(f"{soc} us" for soc in socs) + " |"
+    lines = [header, "|---|---|" + "---|" * len(socs)]
+    for group, row in rows.items():
+        first = row[socs[0]]
+        times = " | ".join(f"{row[soc]['us'][0]:.1f} -> {row[soc]['us'][1]:.1f}" for soc in socs)
+        lines.append(f"| {group} | {first['launches'][0]:g} -> {first['launches'][1]:g} | {times} |")
+    return lines
+
+
 def _per_layer_markdown(summary: dict) -> list[str]:
     lines = ["| layer | attention calls fused | cache writes fused | fused ops |", "|---|---|---|---|"]
     for layer, row in summary.items():
@@ -491,16 +523,21 @@ def report_inference(args: argparse.Namespace, target: str) -> int:
               "cache": _max_difference([a for a, _ in states], [e for _, e in states])}
     verdicts = {name: diff <= OUTPUT_TOLERANCE[dtype] * max(1.0, scale) for name, (diff, scale) in checks.items()}
     summary = per_layer_summary(fusion_report)
+    estimate = per_layer_estimate(fusion_report)
     name = f"{tiny.name}-{args.phase}-static{args.max_cache_len}"
     fusion_report.target = f"{name} ({args.phase} step over a StaticCache of {args.max_cache_len} positions)"
     if args.format == "json":
         print(json.dumps({"target": name, "report": fusion_report.to_dict(), "per_layer": summary,
+                          "per_layer_estimate": estimate,
                           "vs_eager": {k: {"max_abs_diff": checks[k][0], "ok": verdicts[k]} for k in checks}},
                          indent=2))
     else:
         print(fusion_report.to_markdown())
         print(f"## per layer ({args.phase})\n")
         print("\n".join(_per_layer_markdown(summary)))
+        print("\nEstimated launches and device time per layer, before -> after the passes on the aot graph "
+              "(cost_model.py; merged_projections acts before, on the dynamo graph):\n")
+        print("\n".join(_per_layer_estimate_markdown(estimate)))
         for key, (diff, _) in checks.items():
             print(f"{key} vs eager: max abs diff {diff:.3g}: {'OK' if verdicts[key] else 'MISMATCH'}")
         if fusion_report.errors:
@@ -508,9 +545,22 @@ def report_inference(args: argparse.Namespace, target: str) -> int:
     return 0 if all(verdicts.values()) and not fusion_report.errors else 1
 
 
+# Loggers whose warnings at import time say nothing about the report: transformers imports
+# torchao where it is installed (the quantization tests install it), which warns on a CPU
+# machine that its CUDA extensions did not load, and registers enums torch's pytree warns are
+# deprecated. The command line quiets them below errors; the library leaves logging alone.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_import_noise() -> None:
+    for name in _IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)  # exits with 2 and a usage message on bad syntax
+    _quiet_import_noise()
     target = args.target if args.command == "report" else f"hf:{args.model}"
     try:
         return report(args, target)

@@ -31,18 +31,25 @@ SWITCH_ON = ("1", "true", "on", "yes")
 SWITCH_OFF = ("0", "false", "off", "no")
 
 
+# Transforms the backends run on the dynamo graph, before aot_autograd (not patterns/ passes):
+# named, enabled and disabled like the passes (FusionConfig.enable / disable,
+# NPU_FX_FUSION_DISABLE, the CLI's --disable), and reported as passes.
+DYNAMO_TRANSFORMS = ("merged_projections",)
+
+
 def check_pass_names(names: Iterable[str], where: str) -> frozenset[str]:
     """Return `names` as a frozenset, or raise ValueError naming the unknown ones."""
     if isinstance(names, str):  # a bare string would otherwise be read as letters
         names = [names]
     names = frozenset(names)
-    unknown = sorted(names - set(pass_names()))
+    valid = (*DYNAMO_TRANSFORMS, *pass_names())
+    unknown = sorted(names - set(valid))
     if unknown:
-        near = [match for name in unknown for match in difflib.get_close_matches(name, pass_names(), n=1)]
+        near = [match for name in unknown for match in difflib.get_close_matches(name, valid, n=1)]
         guess = f"did you mean {', '.join(map(repr, near))}? " if near else ""
         raise ValueError(
             f"unknown pass name(s) {', '.join(map(repr, unknown))} in {where}; {guess}"
-            f"valid names: {', '.join(pass_names())}"
+            f"valid names: {', '.join(valid)}"
         )
     return names
 
@@ -104,6 +111,15 @@ class FusionConfig:
               rounds every step to the input dtype, npu_rms_norm rounds once (closer to
               the exact result; each such site's note gives the measured difference).
               Such sites are near misses instead. Default False: fuse them.
+    merge_projections: in inference, merge the linear layers that read one input (q/k/v,
+              gate/up) into one matmul on their concatenated weights, when the backend
+              compiles the model (get_npu_backend, the emulation backend): each merged
+              parameter becomes a view of the one buffer (no second copy of the weights),
+              and a rebound parameter is copied back into it before the next call
+              (merged_projections.py). False: keep every linear as the model wrote it. It
+              is also the transform `merged_projections` (DYNAMO_TRANSFORMS), named like a
+              pass: `enable` without it, `disable={"merged_projections"}`,
+              NPU_FX_FUSION_DISABLE=merged_projections and NPU_FX_FUSION=0 turn it off too.
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
@@ -122,6 +138,7 @@ class FusionConfig:
     verify: bool = False
     npu_dispatch: bool = True
     keep_intermediate_rounding: bool = False
+    merge_projections: bool = True
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -158,11 +175,19 @@ class FusionConfig:
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"FusionConfig(dump_dir=...) takes a path (str or os.PathLike) or None, got "
                             f"{self.dump_dir!r} ({type(self.dump_dir).__name__})")
-        for name in ("strict", "verify", "npu_dispatch", "keep_intermediate_rounding"):
+        for name in ("strict", "verify", "npu_dispatch", "keep_intermediate_rounding", "merge_projections"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"FusionConfig({name}=...) takes True or False, got {value!r} "
                                 f"({type(value).__name__})")
+
+    def transform_enabled(self, name: str) -> bool:
+        """A transform of DYNAMO_TRANSFORMS runs (after the environment overrides)."""
+        if name == "merged_projections" and not self.merge_projections:
+            return False
+        if fusion_switched_off() or (self.enable is not None and name not in self.enable):
+            return False
+        return name not in set(self.disable) | _env_disabled()
 
     def enabled_passes(self) -> tuple[str, ...]:
         """The passes to run now, in pipeline order, after the environment overrides."""

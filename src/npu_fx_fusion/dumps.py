@@ -22,6 +22,7 @@ import html
 import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -197,15 +198,36 @@ def _final_sites(before: torch.fx.Graph, graph_report: "GraphReport") -> dict[An
     by_name = {n.name: n for n in before.nodes}
     sites = [site for result in graph_report.passes for site in result.sites]
     final = {site: site for site in sites}
+    # how many sites of each pass a later pass folded away (GraphReport.folded): an op the
+    # later site puts back in the graph (moe_dispatch's block around npu_swiglu) is not
+    # folded, its earlier site keeps its own label
+    budget = {(producer, consumer): n for producer, into in graph_report.folded().items() for consumer, n in into.items()}
+
+    def fold(earlier: Any, later: Any) -> None:
+        final[earlier] = final[later]
+        budget[earlier.pass_name, later.pass_name] -= 1
+        wanted[earlier.fused_op] -= 1
+
     for index, later in enumerate(sites):
         if not later.consumed:
             continue
         replaced = set(later.replaced)
+        wanted = Counter(later.consumed)
         for earlier in sites[:index]:
-            if earlier.fused_op in later.consumed and any(
+            if budget.get((earlier.pass_name, later.pass_name), 0) > 0 and wanted[earlier.fused_op] > 0 and any(
                     arg.name in replaced for name in earlier.replaced if name in by_name
                     for arg in by_name[name].all_input_nodes):
-                final[earlier] = final[later]
+                fold(earlier, later)
+        # A later site that replaced the earlier fused ops themselves and nothing of the
+        # graph before fusion around them (rope_qk takes q's and k's npu_rotary_mul): the
+        # earlier sites of those ops not yet folded anywhere, those of its own module first
+        # (its layer). Which of them it was does not change a drawing: the label is the op's.
+        if all(name in by_name for name in later.replaced):
+            continue
+        free = [site for site in sites[:index] if final[site] is site and wanted[site.fused_op] > 0]
+        for earlier in sorted(free, key=lambda site: site.location.module != later.location.module):
+            if wanted[earlier.fused_op] > 0 and budget.get((earlier.pass_name, later.pass_name), 0) > 0:
+                fold(earlier, later)
     return final
 
 

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from . import npu_ops
+from . import cost_model, npu_ops
 from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import detect_soc
@@ -114,16 +114,19 @@ def _pure_fused_ops() -> frozenset:
 
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
-               mode: Optional[str] = None) -> GraphReport:
+               mode: Optional[str] = None, earlier_results: Sequence[PassResult] = ()) -> GraphReport:
     """Fuse `gm` in place with the passes `config` enables; add its GraphReport to `report`.
 
     `mode` is the torchair mode the graph will be lowered in (FusionConfig.mode wins).
+    `earlier_results`: what a transform of the graph this one was traced from did (the
+    backend's merged_projections on the dynamo graph), reported with this graph.
     """
     start = time.perf_counter()
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc, mode = _soc(config, report), config.mode or mode
     graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report.passes.extend(earlier_results)
 
     enabled = config.enabled_passes()
     done_in_joint = _done_in_joint_graph(gm.graph)
@@ -175,7 +178,8 @@ def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionR
     bytes of each node's value (for the cost after fusion: the nodes that stay keep them)."""
     sizes: dict = {}
     graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, sizes))
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, sizes),
+                               roofline_before=cost_model.estimates(gm.graph, mode))
     dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     if folder:
@@ -193,6 +197,7 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
     graph_report.cost_after = GraphCost.of(gm.graph, sizes)
+    graph_report.roofline_after = cost_model.estimates(gm.graph, graph_report.mode)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
     # With TORCH_TRACE set, the graph's report goes into torch's structured trace (tlparse
@@ -208,7 +213,8 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
 
 
 def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
-                     graph_name: str = "joint", mode: Optional[str] = None) -> "FusedJoint":
+                     graph_name: str = "joint", mode: Optional[str] = None,
+                     earlier_results: Sequence[PassResult] = ()) -> "FusedJoint":
     """Fuse a joint forward+backward graph (aot_autograd's, before partitioning) in place.
 
     run_passes for training graphs: each enabled pass that has joint patterns replaces a
@@ -223,6 +229,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     npu_ops.ensure_registered()
     soc, mode = _soc(config, report), config.mode or mode
     graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report.passes.extend(earlier_results)
     # only passes with differentiable arguments have joint patterns (or match their
     # forward-only ones there: FusionPass.forward_forms_on_joint)
     passes = [name for name in config.enabled_passes()
@@ -312,6 +319,7 @@ class FusedJoint:
         graph_report.nodes_after = len(self.gm.graph.nodes)
         graph_report.ops_after = op_counts(self.gm.graph)
         graph_report.cost_after = GraphCost.of(self.gm.graph)
+        graph_report.roofline_after = cost_model.estimates(self.gm.graph, graph_report.mode)
         graph_report.seconds += time.perf_counter() - start
         if self._folder:
             self._dumper.write(self._folder, "after.py", _graph_code(self.gm))

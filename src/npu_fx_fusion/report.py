@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from .nodes import functional_target
+from .npu_ops.spec import tensor_bytes
 
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
 FUSED_OP_NAMESPACES = ("npu", "cann_ops_transformer", "cann_ops_nn")
@@ -256,7 +257,7 @@ class GraphCost:
         def size(node: torch.fx.Node) -> int:
             found = sizes.get(node)
             if found is None:
-                found = sizes[node] = _tensor_bytes(node.meta.get("val"))
+                found = sizes[node] = tensor_bytes(node.meta.get("val"))
             return found
 
         constants = constant_nodes(graph)
@@ -278,8 +279,8 @@ class GraphCost:
         """One launch moving its tensor inputs and outputs, or nothing for a free node."""
         if not _computes(node):
             return GraphCost()
-        moved = sum(_tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
-        return GraphCost(1, moved + _tensor_bytes(node.meta.get("val")))
+        moved = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+        return GraphCost(1, moved + tensor_bytes(node.meta.get("val")))
 
 
 def constant_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -311,21 +312,6 @@ def _computes(node: torch.fx.Node) -> bool:
     a SymInt expression is no op)."""
     return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)  # noqa: SLF001
             and node.target._opname not in _FREE_OPS)  # noqa: SLF001
-
-
-def _tensor_bytes(value) -> int:
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    if not isinstance(value, torch.Tensor):
-        return 0
-    numel = value.numel()
-    if isinstance(numel, torch.SymInt):  # symbolic sizes: their hints, the sizes it was traced at
-        numel = 1
-        for size in value.shape:
-            if isinstance(size, torch.SymInt):
-                size = size.node.hint if size.node.hint is not None else 1
-            numel *= int(size)
-    return numel * value.element_size()
 
 
 def _ratio(after: int, before: int) -> str:
@@ -360,6 +346,9 @@ class GraphReport:
     # layer runs the layer's graphs). None: not counted (fuse(), or a graph torchair's
     # backend compiled after dynamo's call returned)
     runs: Optional[int] = None
+    # {SoC: cost_model.Estimate}: the roofline estimate of the graph before and after
+    roofline_before: dict = field(default_factory=dict)
+    roofline_after: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -373,6 +362,9 @@ class GraphReport:
             "conversions_added": dict(self.conversions_added),
             "seconds": round(self.seconds, 6),
             "estimated_cost": {"before": asdict(self.cost_before), "after": asdict(self.cost_after)},
+            "estimated_time": {soc: {"before": self.roofline_before[soc].to_dict(),
+                                     "after": self.roofline_after[soc].to_dict()}
+                               for soc in self.roofline_before if soc in self.roofline_after},
             "passes": [r.to_dict() for r in self.passes],
         }
 
@@ -388,6 +380,13 @@ class GraphReport:
                      f"{b.constant_launches} -> {a.constant_launches} launches, "
                      f"{human_bytes(b.constant_bytes)} -> {human_bytes(a.constant_bytes)}")
         return line
+
+    def time_line(self) -> str:
+        """Each SoC's estimated device time before and after (cost_model.py)."""
+        parts = [f"{soc} {self.roofline_before[soc].seconds * 1e6:.1f} -> {self.roofline_after[soc].seconds * 1e6:.1f} us"
+                 for soc in self.roofline_before if soc in self.roofline_after]
+        return ("estimated device time (cost_model.py: launches + roofline per SoC; a comparison, not a timing): "
+                + ", ".join(parts))
 
     @property
     def fused_ops(self) -> Counter:
@@ -628,6 +627,8 @@ class FusionReport:
                   + (", ".join(f"{op} x{n}" for op, n in self.fused_ops.items()) or "none"), ""]
         for index, g in enumerate(self.graphs):
             lines += [f"## graph {index}: {graph_title(g)}", "", g.cost_line(), ""]
+            if g.roofline_before and g.roofline_after:
+                lines += [g.time_line(), ""]
             skipped = [r for r in g.passes if r.skipped]
             found_nothing = []
             for r in g.passes:

@@ -123,8 +123,40 @@ class OpCapability:
     # nothing flows back through it: the passes use only integer outputs of it (top-k indices,
     # tiling metadata), so a training graph may emit it although nothing differentiates it
     gradient_free: bool = False
+    # The op's device work where it is not the default the cost model assumes (one launch
+    # reading its tensor inputs and writing its outputs, one vector operation per output
+    # element): work(call: OpCall) -> {"launches", "bytes", "cube_flops", "vector_elems"}
+    # (any subset; cost_model.py). E.g. a matmul-like op's cube FLOPs, an op that writes only
+    # part of a cache, or the copies a torchair lowering adds around the kernel.
+    work: Optional[Callable[["OpCall"], Mapping[str, float]]] = None
     # "npu.npu_rms_norm": filled in from the spec that holds the capability
     op: str = ""
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor (or of a list of tensors): symbolic sizes at their hints, the sizes
+    the graph was traced at."""
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return 0
+    numel = 1
+    for size in value.shape:
+        if isinstance(size, torch.SymInt):
+            size = size.node.hint if size.node.hint is not None else 1
+        numel *= int(size)
+    return numel * value.element_size()
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One call of an op, as the cost model shows it to OpCapability.work: its arguments by
+    schema name (fake tensors, scalars), its outputs (a list of fake tensors) and the torchair
+    mode it is lowered in (None: the op's own kernel, as in an ACL graph or eagerly)."""
+
+    args: Mapping[str, Any]
+    outputs: list
+    mode: Optional[str] = None
 
 
 # The input layouts opcheck tries, each derived from a sample's contiguous tensors (same
