@@ -1037,6 +1037,14 @@ CAPABILITIES.update({
                 # torchair's ACL modes rewrite it to its .out overload with a static workspace
                 # and make actual_seq_lengths(_kv) replay parameters (acl_graph.py:108-135)
                 "acl_out_rewrite": True,
+                # page attention (block_table): block_size <= 512, 16-aligned for fp16/bf16 with
+                # Q_S = 1, 128..512 and a multiple of 128 with Q_S > 1; the (blocks, block_size, H)
+                # cache layout takes N_kv * D <= 65535; actual_seq_lengths_kv required
+                "paged_decode_block_multiple": 16,
+                "paged_prefill_block_multiple": 128,
+                "paged_min_prefill_block_size": 128,
+                "paged_max_block_size": 512,
+                "paged_max_hidden": 65535,
             },
             doc="attention_inference.md 3.1-3.2 / torch_npu 2.13.0 docstring (_op_plugin_docs.py "
             "npu_fused_infer_attention_score, ~L8053) and Meta function: query fp16/bf16/int8 (no fp32), "
@@ -1044,7 +1052,10 @@ CAPABILITIES.update({
             "B <= 65536, N <= 256, D <= 512 and 16-aligned, N*D < 65535 in BSH/BSND; Q_S = 1 (IFA branch): "
             "KV_S <= 262144, sparse_mode / pre / next ignored, inner_precise 0/1; GQA num_heads % "
             "num_key_value_heads == 0, ratio <= 64; mask True = masked, sparse_mode 2/3/4 with the "
-            "compressed 2048x2048 mask; products Atlas A2/A3; GE converter "
+            "compressed 2048x2048 mask; page attention: block_table (B, max_blocks) int32, unchecked ids, "
+            "actual_seq_lengths_kv required, block_size 16-aligned <= 512 (Q_S = 1) or 128..512 multiple of "
+            "128 (Q_S > 1), caches (blocks, block_size, H) or (blocks, N, block_size, D), mask last dim >= "
+            "max_blocks * block_size; products Atlas A2/A3; GE converter "
             "custom/fused_infer_attention_score.py (.default only); no autograd",
         ),
         OpCapability(

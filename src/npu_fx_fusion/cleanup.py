@@ -195,6 +195,47 @@ def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence
     gm.recompile()
 
 
+def copies_for_contiguous_inputs(graph: torch.fx.Graph, takes_contiguous: Any) -> int:
+    """A contiguous copy in front of each tensor argument a fused op needs contiguous
+    (`takes_contiguous(node)`) and does not get, by the graph's values once the fused ops'
+    layouts have been propagated (views_to_reshapes_where_needed).
+
+    A pass records `.contiguous()` for the layout it sees; a later pass can change that
+    layout (the fused rope returns contiguous BNSD where the model's rope kept the BSND memory
+    of its projection, so a select and a transpose of it that were contiguous are not any
+    more). Returns the number of copies inserted."""
+    inserted = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not takes_contiguous(node):
+            continue
+        for arg in [*node.args, *node.kwargs.values()]:
+            value = arg.meta.get("val") if isinstance(arg, Node) else None
+            if not isinstance(value, torch.Tensor) or _surely_contiguous(value):
+                continue
+            with graph.inserting_before(node):
+                copy = graph.call_function(aten.clone.default, (arg,), {"memory_format": torch.contiguous_format})
+            fake_mode = value.fake_mode if isinstance(value, FakeTensor) else None
+            copy.meta["val"] = value.clone(memory_format=torch.contiguous_format) if fake_mode is None else \
+                _contiguous_fake(value, fake_mode)
+            node.replace_input_with(arg, copy)
+            inserted += 1
+    return inserted
+
+
+def _surely_contiguous(value: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    try:
+        return bool(guard_or_false(value.is_contiguous()))
+    except Exception:  # noqa: BLE001 - undecidable: copy (torchair drops a copy that copies nothing)
+        return False
+
+
+def _contiguous_fake(value: torch.Tensor, fake_mode: Any) -> torch.Tensor:
+    with fake_mode:
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+
+
 def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_mode: Any) -> None:
     """Recompute meta["val"] of the users of `changed` (nodes whose values are new), and of
     theirs, while the values differ; a view that fails becomes a reshape."""
@@ -225,7 +266,7 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                     interpreter.env[arg] = arg.meta.get("val")
                 try:
                     interpreter.run_node(node)
-                except RuntimeError:
+                except (RuntimeError, ValueError):  # fake mode raises ValueError for a view of strides
                     if node.target is not aten.view.default:
                         raise
                     node.target = aten.reshape.default

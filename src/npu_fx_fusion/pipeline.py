@@ -25,12 +25,13 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from . import npu_ops
 from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
-from .capabilities import detect_soc
+from .capabilities import CAPABILITIES, detect_soc
 from .catalog import load_pass
-from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, views_to_reshapes_downstream,
+from .cleanup import (copies_for_contiguous_inputs, drop_lossless_round_trips, merge_repeated_conversions,
                       views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
+from .nodes import op_name
 from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
@@ -97,6 +98,15 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
+def _takes_contiguous_inputs(node: torch.fx.Node) -> bool:
+    """A call of a fused op whose kernel takes no strided tensor (its capability's limits)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return False
+    capability = CAPABILITIES.get(op_name(target))
+    return capability is not None and bool(capability.limits.get("contiguous"))
+
+
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
                mode: Optional[str] = None) -> GraphReport:
@@ -127,7 +137,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         for name in enabled:
             result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
             graph_report.passes.append(result)
-        views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
+        views_to_reshapes_where_needed(gm, [n for n in gm.graph.nodes if n not in original_nodes])
+        copies_for_contiguous_inputs(gm.graph, _takes_contiguous_inputs)
         merge_repeated_conversions(gm.graph, original_nodes)
         drop_lossless_round_trips(gm.graph, original_nodes)
         graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
