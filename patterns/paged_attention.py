@@ -75,8 +75,11 @@ def _blocks(cache, block_table):
     return cache[block_table].view(batch, count * block_size, heads, dim).transpose(1, 2).contiguous()
 
 
-def _slots(rows, block_table, positions, block_size):
-    slots = block_table[:, positions // block_size] * block_size + positions % block_size
+def _slots(block_table, positions, block_size):
+    return block_table[:, positions // block_size] * block_size + positions % block_size
+
+
+def _at(rows, slots):
     return rows[slots].transpose(1, 2).contiguous()
 
 
@@ -94,16 +97,32 @@ def block_gather_prefill(query, key_cache, value_cache, block_table, atten_mask,
 
 
 def slot_gather_decode(query, key_rows, value_rows, block_table, positions, atten_mask, block_size, scale):
-    return _fia(query, _slots(key_rows, block_table, positions, block_size),
-                _slots(value_rows, block_table, positions, block_size), atten_mask=atten_mask,
-                num_heads=query.shape[1], scale=scale, input_layout="BNSD", num_key_value_heads=key_rows.shape[1])[0]
+    slots = _slots(block_table, positions, block_size)  # one slot tensor for the keys and the values
+    return _fia(query, _at(key_rows, slots), _at(value_rows, slots), atten_mask=atten_mask, num_heads=query.shape[1],
+                scale=scale, input_layout="BNSD", num_key_value_heads=key_rows.shape[1])[0]
 
 
 def slot_gather_prefill(query, key_rows, value_rows, block_table, positions, atten_mask, block_size, scale):
-    return _fia(query, _slots(key_rows, block_table, positions, block_size),
-                _slots(value_rows, block_table, positions, block_size), atten_mask=atten_mask,
-                num_heads=query.shape[1], scale=scale, input_layout="BNSD", num_key_value_heads=key_rows.shape[1],
-                inner_precise=2)[0]
+    slots = _slots(block_table, positions, block_size)
+    return _fia(query, _at(key_rows, slots), _at(value_rows, slots), atten_mask=atten_mask, num_heads=query.shape[1],
+                scale=scale, input_layout="BNSD", num_key_value_heads=key_rows.shape[1], inner_precise=2)[0]
+
+
+def slot_gathers_decode(query, key_rows, value_rows, block_table, positions, value_positions, atten_mask, block_size,
+                        scale):
+    """The slots computed once for the keys and once for the values."""
+    keys = _at(key_rows, _slots(block_table, positions, block_size))
+    values = _at(value_rows, _slots(block_table, value_positions, block_size))
+    return _fia(query, keys, values, atten_mask=atten_mask, num_heads=query.shape[1], scale=scale,
+                input_layout="BNSD", num_key_value_heads=key_rows.shape[1])[0]
+
+
+def slot_gathers_prefill(query, key_rows, value_rows, block_table, positions, value_positions, atten_mask,
+                         block_size, scale):
+    keys = _at(key_rows, _slots(block_table, positions, block_size))
+    values = _at(value_rows, _slots(block_table, value_positions, block_size))
+    return _fia(query, keys, values, atten_mask=atten_mask, num_heads=query.shape[1], scale=scale,
+                input_layout="BNSD", num_key_value_heads=key_rows.shape[1], inner_precise=2)[0]
 
 
 # ---- the fused calls ---------------------------------------------------------------------------
@@ -141,11 +160,23 @@ def fia_paged_slots_prefill(query, key_rows, value_rows, block_table, positions,
                       atten_mask, scale, inner_precise=2)
 
 
+def fia_paged_slot_pairs_decode(query, key_rows, value_rows, block_table, positions, value_positions, atten_mask,
+                                block_size, scale):
+    return fia_paged_slots_decode(query, key_rows, value_rows, block_table, positions, atten_mask, block_size, scale)
+
+
+def fia_paged_slot_pairs_prefill(query, key_rows, value_rows, block_table, positions, value_positions, atten_mask,
+                                 block_size, scale):
+    return fia_paged_slots_prefill(query, key_rows, value_rows, block_table, positions, atten_mask, block_size, scale)
+
+
 FORMS = [
     Form(block_gather_decode, fia_paged_decode, dtypes=(torch.float32,)),  # no casts: one trace
     Form(block_gather_prefill, fia_paged_prefill, dtypes=(torch.float32,)),
     Form(slot_gather_decode, fia_paged_slots_decode, dtypes=(torch.float32,)),
     Form(slot_gather_prefill, fia_paged_slots_prefill, dtypes=(torch.float32,)),
+    Form(slot_gathers_decode, fia_paged_slot_pairs_decode, dtypes=(torch.float32,)),
+    Form(slot_gathers_prefill, fia_paged_slot_pairs_prefill, dtypes=(torch.float32,)),
 ]
 
 
@@ -182,9 +213,13 @@ def _slot_caches(site):
     """(key cache, value cache) as blocks of the matched block_size, or the reason not."""
     key_rows, value_rows, block_size = site["key_rows"], site["value_rows"], site["block_size"]
     positions = site.arg_nodes["positions"]
-    if not (is_call(positions, aten.arange.default) and len(positions.args) == 1):
-        return None, None, (f"the positions of the slot arithmetic are {getattr(positions, 'target', positions)}, "
-                            "not arange(L) from 0: slot p is not proven to be position p of the sequence")
+    for node in (positions, site.arg_nodes.get("value_positions", positions)):
+        if not (is_call(node, aten.arange.default) and len(node.args) == 1):
+            return None, None, (f"the positions of the slot arithmetic are {getattr(node, 'target', node)}, not "
+                                "arange(L) from 0: slot p is not proven to be position p of the sequence")
+    if not known_equal(tensor_meta(site.arg_nodes.get("value_positions", positions)).shape[0],
+                       tensor_meta(positions).shape[0]):
+        return None, None, "the keys and the values are gathered at different numbers of positions"
     if not isinstance(block_size, int) or block_size <= 0:
         return None, None, f"the block size {block_size} is not a positive constant"
     if key_rows.dim() != 3 or value_rows.dim() != 3:
@@ -251,19 +286,19 @@ def anchor(node):
 
 def explain(node):
     gather = _gather_under(node.args[1])
+    cache = tensor_meta(gather.args[0])
+    if is_call(gather, aten.index.Tensor) and cache is not None and cache.dim() == 4:
+        return ("the keys are gathered block by block from a paged cache, but not as the forms read it: key and "
+                "value through one block table, each viewed (B, blocks * block_size, N, D) and transposed to BNSD")
     indices = gather.args[2] if is_call(gather, aten.index_select.default, aten.gather.default) else gather.args[1]
     if isinstance(indices, (list, tuple)):
         indices = next((i for i in indices if i is not None), None)
-    source = indices
-    while is_call(source, aten._to_copy.default, aten.view.default, aten.reshape.default, aten.flatten.using_ints):
-        source = source.args[0]
-    if isinstance(source, torch.fx.Node) and source.op == "placeholder":
+    while is_call(indices, aten._to_copy.default, aten.view.default, aten.reshape.default, aten.flatten.using_ints):
+        indices = indices.args[0]
+    if isinstance(indices, torch.fx.Node) and indices.op == "placeholder":
         return ("the keys are gathered at slots that are a graph input (transformers' PagedAttentionCache passes "
                 "read_index, computed on the host): nothing in the graph proves slot = block_table[b, p // "
                 "block_size] * block_size + p % block_size, so FIA cannot read the cache through a block table")
-    cache = tensor_meta(gather.args[0])
-    if is_call(gather, aten.index.Tensor) and cache is not None and cache.dim() == 4:
-        return None  # a block gather: the form's own check said why
     return ("the keys are gathered at slots the graph computes, but not as block_table[b, p // block_size] * "
             "block_size + p % block_size with one block size and p = arange(L): the layout is not proven")
 
@@ -273,25 +308,27 @@ PASS = FusionPass(
     fused_op=FIA_OP,
     forms=FORMS,
     example={
-        # B=2 sequences of M=3 blocks of 4 slots, 5 blocks in the cache; N=4 query heads over N_kv=2, D=8
+        # B=2 sequences of M=3 blocks of 5 slots, 4 blocks in the cache; N=4 query heads over N_kv=2, D=8.
+        # The block size 5 marks the scalar in the slot arithmetic: no other size of the trace is 5
         "query": lambda dtype: torch.empty(2, 4, 1, 8, dtype=dtype),
-        "key_cache": lambda dtype: torch.empty(5, 4, 2, 8, dtype=dtype),
-        "value_cache": lambda dtype: torch.empty(5, 4, 2, 8, dtype=dtype),
+        "key_cache": lambda dtype: torch.empty(4, 5, 2, 8, dtype=dtype),
+        "value_cache": lambda dtype: torch.empty(4, 5, 2, 8, dtype=dtype),
         "key_rows": lambda dtype: torch.empty(20, 2, 8, dtype=dtype),
         "value_rows": lambda dtype: torch.empty(20, 2, 8, dtype=dtype),
-        "block_table": lambda dtype: torch.tensor([[0, 3, 1], [4, 2, 0]]),
-        "positions": lambda dtype: torch.arange(12),
-        "block_size": 4,
-        "atten_mask": lambda dtype: torch.zeros(2, 1, 1, 12, dtype=torch.bool),
+        "block_table": lambda dtype: torch.tensor([[0, 3, 1], [2, 0, 1]]),
+        "positions": lambda dtype: torch.arange(15),
+        "value_positions": lambda dtype: torch.arange(15),
+        "block_size": 5,
+        "atten_mask": lambda dtype: torch.zeros(2, 1, 1, 15, dtype=torch.bool),
         "scale": 2.0**-3,
     },
     example_variants=[
         # prefill: 3 queries
         {"query": lambda dtype: torch.empty(2, 4, 3, 8, dtype=dtype),
-         "atten_mask": lambda dtype: torch.zeros(2, 1, 3, 12, dtype=torch.bool)},
+         "atten_mask": lambda dtype: torch.zeros(2, 1, 3, 15, dtype=torch.bool)},
         # one key head (MQA): the transposed gather is contiguous, no copy before FIA
-        {"key_cache": lambda dtype: torch.empty(5, 4, 1, 8, dtype=dtype),
-         "value_cache": lambda dtype: torch.empty(5, 4, 1, 8, dtype=dtype),
+        {"key_cache": lambda dtype: torch.empty(4, 5, 1, 8, dtype=dtype),
+         "value_cache": lambda dtype: torch.empty(4, 5, 1, 8, dtype=dtype),
          "key_rows": lambda dtype: torch.empty(20, 1, 8, dtype=dtype),
          "value_rows": lambda dtype: torch.empty(20, 1, 8, dtype=dtype)},
     ],
@@ -312,6 +349,6 @@ def _verification_input(name, args):
         blocks = int(cache.shape[0]) if cache is not None else int(args["key_rows"].shape[0]) // args["block_size"]
         shape = [int(s) for s in args["block_table"].shape]
         return torch.randint(0, blocks, shape, dtype=args["block_table"].dtype)
-    if name == "positions":
-        return torch.arange(int(args["positions"].shape[0]))
+    if name in ("positions", "value_positions"):
+        return torch.arange(int(args[name].shape[0]))
     return None

@@ -132,6 +132,9 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       transformers' CpmAntLayerNorm) as the graph's explicit cast of that operand
       (`x.to(torch.float32)`), where it has one defined before: type promotion converts it
       exactly, as the cast does. No cast is added where the graph has none.
+    - no slice of a whole symbolic dim (`x[:, :, None]` in transformers' repeat_kv keeps
+      `slice(x, 0, 0, 2**63 - 1)` of a dynamic batch in the graph, where a static one has
+      none, and traces are static): the same view of every element.
     - `1 / t` as `reciprocal(t)`: dynamo records it as `reciprocal(t) * 1`, a multiply by
       the number 1 with the result's metadata (exact for every float, -0.0, inf and nan
       included). Only after a reciprocal: elsewhere a model's multiply by a scale that
@@ -169,7 +172,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += 1
         if node.target in _PROMOTING:
             changed += _explicit_upcasts(node)
-        if _is_noop_clone(node) or _is_reciprocal_times_one(node):
+        if _is_noop_clone(node) or _is_reciprocal_times_one(node) or _is_whole_symbolic_slice(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             changed += 1
@@ -473,6 +476,19 @@ def _split_as_slices(graph: torch.fx.Graph, split: Node) -> int:
 
 
 _END = 2**63 - 1  # what `x[a:]` passes as the end of a slice
+
+
+def _is_whole_symbolic_slice(node: Node) -> bool:
+    """slice(x, dim, 0, 2**63 - 1) (step 1) of a dim whose size is symbolic: x itself."""
+    if node.target is not aten.slice.Tensor or node.kwargs:
+        return False
+    source = tensor_meta(node.args[0])
+    dim = node.args[1] if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else _END
+    step = node.args[4] if len(node.args) > 4 else 1
+    return (source is not None and isinstance(dim, int) and -source.dim() <= dim < source.dim()
+            and isinstance(source.shape[dim], torch.SymInt) and (start, end, step) == (0, _END, 1))
 
 
 def _canonical_slice_bounds(node: Node) -> int:
