@@ -147,3 +147,48 @@ def test_a_write_into_a_strided_cache_is_a_near_miss():
     (reason,) = near_miss_reasons(backend.report, "paged_kv_cache")
     assert "not contiguous" in reason
     assert near_miss_reasons(backend.report, "kv_cache") == []  # a dim-0 write is not kv_cache's
+
+
+# ---- torchair makes the single-cache write in place -----------------------------------------------
+def scenario_torchair_reinplaces_the_rows_write():
+    """torchair's own remove_noop_ops and recover_view_inplace_pattern on the fused graph of a
+    (slots, N, D) cache: npu_scatter_nd_update_ in place, no copy_ back."""
+    import torch
+    import torchair  # noqa: F401  (behind the harness stubs)
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+    from torchair.patterns import _recover_view_inplace_pattern as recover
+
+    import test_paged_kv_cache as t
+    from helpers import RecordingBackend
+
+    recover._is_supported_cann_version = lambda version: True  # the CANN gate (>= 8.3.RC1)
+    backend = RecordingBackend()
+    key, _, slots = t._tokens(3, 0)
+    with torch.no_grad():
+        torch.compile(t.SlotRows(), backend=backend, fullgraph=True)(key, slots)
+        gm = backend.graphs["inference"]
+        remove_noop_ops(gm.graph)
+
+        class Config:  # what recover_view_inplace_pattern reads
+            class mode:
+                value = "max-autotune"
+
+        recover.recover_view_inplace_pattern(gm, None, Config())
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        cache = torch.zeros(t.BLOCKS * t.BLOCK, t.NKV, t.D)
+        args = [cache if tuple(n.meta["val"].shape) == tuple(cache.shape) else (slots if n.meta["val"].dtype ==
+                torch.int64 else key) for n in gm.graph.nodes if n.op == "placeholder"]
+        gm.recompile()
+        gm(*args)
+    return {"targets": targets, "written": bool(torch.equal(cache[slots], key)),
+            "elsewhere": float(cache.sum() - cache[slots].sum())}
+
+
+def test_torchair_reinplaces_the_rows_write():
+    from torchair_harness.runner import run_scenario
+
+    result = run_scenario(scenario_torchair_reinplaces_the_rows_write)
+    targets = result["targets"]
+    assert targets.count("npu.npu_scatter_nd_update_.default") == 1 and "npu.npu_scatter_nd_update.default" not in targets
+    assert "aten.copy_.default" not in targets
+    assert result["written"] and result["elsewhere"] == 0.0

@@ -186,21 +186,38 @@ def _scatter_nd_update_samples(dtype):
          sample_dtypes=(torch.float32, torch.float16, torch.bfloat16),
          layouts=("contiguous", "transposed", "sliced"))
 def npu_scatter_nd_update(self, indices, updates):
+    out = self.clone(memory_format=torch.contiguous_format)
+    _scatter_nd_update_into(_ND, out, indices, updates)
+    return in_layout_of(out, self)
+
+
+def _scatter_nd_update_into(op, data, indices, updates):
     if indices.dtype not in (torch.int32, torch.int64) or indices.dim() < 2:
-        raise RuntimeError(f"{_ND}: indices must be int32/int64 with at least 2 dims, got {indices.dtype} "
+        raise RuntimeError(f"{op}: indices must be int32/int64 with at least 2 dims, got {indices.dtype} "
                            f"{tuple(indices.shape)}")
     depth = indices.shape[-1]
-    if depth > self.dim() or tuple(updates.shape) != tuple(indices.shape[:-1]) + tuple(self.shape[depth:]):
-        raise RuntimeError(f"{_ND}: updates {tuple(updates.shape)} must be indices.shape[:-1] + "
-                           f"self.shape[{depth}:] = {tuple(indices.shape[:-1]) + tuple(self.shape[depth:])}")
-    out = self.clone(memory_format=torch.contiguous_format)
-    rows = updates.reshape(-1, *self.shape[depth:])
+    if depth > data.dim() or tuple(updates.shape) != tuple(indices.shape[:-1]) + tuple(data.shape[depth:]):
+        raise RuntimeError(f"{op}: updates {tuple(updates.shape)} must be indices.shape[:-1] + "
+                           f"self.shape[{depth}:] = {tuple(indices.shape[:-1]) + tuple(data.shape[depth:])}")
+    rows = updates.reshape(-1, *data.shape[depth:])
     for row, index in enumerate(indices.reshape(-1, depth).tolist()):
-        if any(not 0 <= i < size for i, size in zip(index, self.shape)):
-            raise IndexError(f"{_ND}: index {index} is outside {tuple(self.shape[:depth])}; the NPU kernel does "
+        if any(not 0 <= i < size for i, size in zip(index, data.shape)):
+            raise IndexError(f"{op}: index {index} is outside {tuple(data.shape[:depth])}; the NPU kernel does "
                              "not check this and would write out of bounds")
-        out[tuple(index)] = rows[row]
-    return in_layout_of(out, self)
+        data[tuple(index)] = rows[row]
+
+
+def _scatter_nd_update__fake(self, indices, updates):
+    return self
+
+
+@op_spec(f"npu::{_ND}_", schema=f"{_ND}_(Tensor(a!) self, Tensor indices, Tensor updates) -> Tensor(a!)",
+         fake=_scatter_nd_update__fake)
+def npu_scatter_nd_update_(self, indices, updates):
+    # Only torchair's recover_view_inplace_pattern emits it (from npu_scatter_nd_update between
+    # two views and a copy_ into a graph input); the passes never do.
+    _scatter_nd_update_into(f"{_ND}_", self, indices, updates)
+    return self
 
 
 # ---- FIA's page-attention read ------------------------------------------------------------
