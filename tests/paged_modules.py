@@ -112,3 +112,78 @@ def paged_decode_attention(module, query, key, value, attention_mask, scaling=No
     q = query.transpose(1, 2).reshape(count, 1, heads, dim).transpose(1, 2)
     out = masked_attention(q, gather_blocks(k_cache, table), gather_blocks(v_cache, table), lengths, scaling)
     return out.transpose(0, 2), None  # (1, tokens, N, D)
+
+
+# ---- transformers' continuous batching, its cache update traced ---------------------------------
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
+
+
+def cb_model(kind, layers=2, dtype=torch.float32):
+    """A tiny random transformers Llama or Qwen3 (Qwen3: RMSNorm on q and k)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM._from_config(LlamaConfig(**common), attn_implementation="sdpa", dtype=dtype)
+    else:
+        model = Qwen3ForCausalLM._from_config(Qwen3Config(**common, head_dim=16), attn_implementation="sdpa",
+                                              dtype=dtype)
+    return model.eval()
+
+
+class traced_continuous_batching:
+    """transformers' continuous batching with PagedAttentionCache.update traced into the graph
+    (it is @torch.compiler.disable as shipped), and with `fast_path` its decode fast path (a
+    block table) on CPU, served by paged_decode_attention: transformers keeps that path for
+    flash attention on CUDA / XPU. `processor(model)` gives a batch processor with PROMPTS
+    queued, its model switched to the paged attention when `fast_path`."""
+
+    def __init__(self, fast_path):
+        self.fast_path = fast_path
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+        from transformers.generation.continuous_batching import cache, initialization
+
+        self._saved = [(cache.PagedAttentionCache, "update", cache.PagedAttentionCache.update)]
+        cache.PagedAttentionCache.update = cache.PagedAttentionCache.update._torchdynamo_orig_callable
+        if self.fast_path:
+            self._saved.append((initialization, "ensure_decode_fast_path_is_available",
+                                initialization.ensure_decode_fast_path_is_available))
+            initialization.ensure_decode_fast_path_is_available = lambda *args, **kwargs: None
+            AttentionInterface.register("paged_decode_torch", paged_decode_attention)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in self._saved:
+            setattr(owner, name, value)
+
+    def processor(self, model, page_size=16):
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        config = ContinuousBatchingConfig(num_blocks=16, page_size=page_size, max_batch_tokens=64,
+                                          max_requests_per_batch=4, max_blocks_per_request=4 if self.fast_path else 0)
+        manager = model.init_continuous_batching(
+            generation_config=GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=-1, pad_token_id=0),
+            continuous_batching_config=config)
+        processor = manager._create_batch_processor()
+        manager.add_requests(inputs=PROMPTS, max_new_tokens=8)
+        if self.fast_path:  # after the manager sized its inputs (masks for SDPA's varlen prefill)
+            model.config._attn_implementation = "paged_decode_torch"
+        return processor
+
+
+def cb_step(processor, model):
+    """One batch through `model` (eager or compiled); its tokens fed back. Returns the
+    logits and whether the batch took the block table."""
+    assert processor.prepare_next_batch()
+    kwargs = processor.inputs_and_outputs.get_model_kwargs()
+    logits = model(**kwargs).logits
+    tokens = logits[:, kwargs["logits_indices"], :].argmax(-1).squeeze(0).to(torch.int32)
+    processor.inputs_and_outputs.output_ids[0, :tokens.numel()].copy_(tokens)
+    processor.update_batch()
+    return logits, kwargs["block_table"] is not None

@@ -33,8 +33,14 @@ _MASKS = frozenset({
 })
 
 
+# The wrap of a block table into the cache's blocks (`table % num_blocks`) that each paged
+# attention site's replacement makes of the one table the layers share: equally pure.
+_TABLE_WRAPS = frozenset({torch.ops.aten.remainder.Scalar})
+
+
 def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """One node for each repeated conversion (or attention mask, _MASKS) that fusion introduced.
+    """One node for each repeated conversion (or attention mask, _MASKS, or block-table wrap,
+    _TABLE_WRAPS) that fusion introduced.
 
     Replacements are traced one site at a time, so two fused ops reading the same tensor
     each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
@@ -43,7 +49,7 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
     they are. Returns the number of nodes merged.
     """
     npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-    conversions = _CONVERSIONS | _MASKS | ({npu_cast.default} if npu_cast is not None else set())
+    conversions = _CONVERSIONS | _MASKS | _TABLE_WRAPS | ({npu_cast.default} if npu_cast is not None else set())
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
