@@ -155,31 +155,21 @@ def scenario_torchair_reinplaces_the_rows_write():
     (slots, N, D) cache: npu_scatter_nd_update_ in place, no copy_ back."""
     import torch
     import torchair  # noqa: F401  (behind the harness stubs)
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-    from torchair.patterns import _recover_view_inplace_pattern as recover
 
     import test_paged_kv_cache as t
     from helpers import RecordingBackend
+    from torchair_harness.runner import recover_view_inplace
 
-    recover._is_supported_cann_version = lambda version: True  # the CANN gate (>= 8.3.RC1)
     backend = RecordingBackend()
     key, _, slots = t._tokens(3, 0)
     with torch.no_grad():
         torch.compile(t.SlotRows(), backend=backend, fullgraph=True)(key, slots)
         gm = backend.graphs["inference"]
-        remove_noop_ops(gm.graph)
-
-        class Config:  # what recover_view_inplace_pattern reads
-            class mode:
-                value = "max-autotune"
-
-        recover.recover_view_inplace_pattern(gm, None, Config())
-        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        targets = recover_view_inplace(gm, "max-autotune")
         cache = torch.zeros(t.BLOCKS * t.BLOCK, t.NKV, t.D)
-        args = [cache if tuple(n.meta["val"].shape) == tuple(cache.shape) else (slots if n.meta["val"].dtype ==
-                torch.int64 else key) for n in gm.graph.nodes if n.op == "placeholder"]
-        gm.recompile()
-        gm(*args)
+        placeholders = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        gm(*[cache if tuple(v.shape) == tuple(cache.shape) else slots if v.dtype == torch.int64 else key
+             for v in placeholders])
     return {"targets": targets, "written": bool(torch.equal(cache[slots], key)),
             "elsewhere": float(cache.sum() - cache[slots].sum())}
 
