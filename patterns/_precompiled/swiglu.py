@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e991881baf31e0d2',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'dd0bb3b0ae9fbec5',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
