@@ -12,20 +12,20 @@ prims = torch.ops.prims
 inf = float('inf')
 
 KEY = {'torch': '2.13.0+cpu', 'sources': '232ee658fe1b3e63',
-       'backward': {}}
+       'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {
-    'block_gather_decode -> fia_paged_decode @ float32': {'emitted_ops': (),
+    'block_gather_decode -> fia_paged_decode @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('npu.npu_fused_infer_attention_score.default', 'atten_mask', '<node>'), ('npu.npu_fused_infer_attention_score.default', 'input_layout', "'BNSD'"), ('npu.npu_fused_infer_attention_score.default', 'num_heads', '4'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '1'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '2'), ('npu.npu_fused_infer_attention_score.default', 'scale', '<scalar argument>')]},
-    'block_gather_prefill -> fia_paged_prefill @ float32': {'emitted_ops': (),
+    'block_gather_prefill -> fia_paged_prefill @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('npu.npu_fused_infer_attention_score.default', 'atten_mask', '<node>'), ('npu.npu_fused_infer_attention_score.default', 'inner_precise', '2'), ('npu.npu_fused_infer_attention_score.default', 'input_layout', "'BNSD'"), ('npu.npu_fused_infer_attention_score.default', 'num_heads', '4'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '1'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '2'), ('npu.npu_fused_infer_attention_score.default', 'scale', '<scalar argument>')]},
-    'slot_gather_decode -> fia_paged_slots_decode @ float32': {'emitted_ops': (),
+    'slot_gather_decode -> fia_paged_slots_decode @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('npu.npu_fused_infer_attention_score.default', 'atten_mask', '<node>'), ('npu.npu_fused_infer_attention_score.default', 'input_layout', "'BNSD'"), ('npu.npu_fused_infer_attention_score.default', 'num_heads', '4'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '1'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '2'), ('npu.npu_fused_infer_attention_score.default', 'scale', '<scalar argument>')]},
-    'slot_gather_prefill -> fia_paged_slots_prefill @ float32': {'emitted_ops': (),
+    'slot_gather_prefill -> fia_paged_slots_prefill @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('npu.npu_fused_infer_attention_score.default', 'atten_mask', '<node>'), ('npu.npu_fused_infer_attention_score.default', 'inner_precise', '2'), ('npu.npu_fused_infer_attention_score.default', 'input_layout', "'BNSD'"), ('npu.npu_fused_infer_attention_score.default', 'num_heads', '4'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '1'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '2'), ('npu.npu_fused_infer_attention_score.default', 'scale', '<scalar argument>')]},
-    'slot_gathers_decode -> fia_paged_slot_pairs_decode @ float32': {'emitted_ops': (),
+    'slot_gathers_decode -> fia_paged_slot_pairs_decode @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('npu.npu_fused_infer_attention_score.default', 'atten_mask', '<node>'), ('npu.npu_fused_infer_attention_score.default', 'input_layout', "'BNSD'"), ('npu.npu_fused_infer_attention_score.default', 'num_heads', '4'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '1'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '2'), ('npu.npu_fused_infer_attention_score.default', 'scale', '<scalar argument>')]},
-    'slot_gathers_prefill -> fia_paged_slot_pairs_prefill @ float32': {'emitted_ops': (),
+    'slot_gathers_prefill -> fia_paged_slot_pairs_prefill @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten.clone.default', 'memory_format', 'torch.contiguous_format'), ('npu.npu_fused_infer_attention_score.default', 'atten_mask', '<node>'), ('npu.npu_fused_infer_attention_score.default', 'inner_precise', '2'), ('npu.npu_fused_infer_attention_score.default', 'input_layout', "'BNSD'"), ('npu.npu_fused_infer_attention_score.default', 'num_heads', '4'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '1'), ('npu.npu_fused_infer_attention_score.default', 'num_key_value_heads', '2'), ('npu.npu_fused_infer_attention_score.default', 'scale', '<scalar argument>')]},
 }
 
