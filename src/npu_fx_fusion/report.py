@@ -547,8 +547,8 @@ def op_table(g: "GraphReport") -> list[str]:
             lines.append(f"| {op} | {g.ops_before[op]} | {g.ops_after[op]} | {why} |")
     views = [op for op in changed if op in _VIEW_OPS]
     if views:
-        lines += ["", "Views after fused ops became reshapes (fused ops return contiguous tensors; "
-                  "torchair's view_to_reshape does this to every view): "
+        lines += ["", "Views and reshapes (inside fused code they go; a view a fused op's contiguous output "
+                  "breaks became a reshape; torchair's view_to_reshape makes every view one): "
                   + ", ".join(f"{op} {g.ops_before[op]} -> {g.ops_after[op]}" for op in views) + "."]
     if "getitem" in changed:
         lines += [f"getitem {g.ops_before['getitem']} -> {g.ops_after['getitem']}: "
