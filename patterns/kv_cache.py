@@ -147,7 +147,9 @@ def _reinplace_note(cache):
 
 # ---- near misses: an index_copy no form consumed -------------------------------------------
 def anchor(node):
-    return is_call(node, aten.index_copy.default)
+    # a write along dim 0 writes whole token rows: paged_kv_cache's (a slot-mapping write)
+    cache = tensor_meta(node.args[0]) if is_call(node, aten.index_copy.default) else None
+    return cache is not None and not (cache.dim() >= 2 and node.args[1] % cache.dim() == 0)
 
 
 def _is_arange_plus_start(index):

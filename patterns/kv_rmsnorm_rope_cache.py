@@ -112,12 +112,15 @@ def check(site):
 
 
 # ---- near misses --------------------------------------------------------------------------
-MLA_PROLOG = ("npu_mla_prolog_v3 would also fuse the q and kv projections and their norms, but it computes "
-              "absorbed MLA (the query projected into the latent space through W_UK, attention over the latent "
-              "cache, W_UV after it): transformers expands the whole latent cache through kv_b_proj every step "
-              "and attends per head. Getting there splits kv_b_proj into W_UK / W_UV and moves them across the "
-              "attention, replaces the attention by FIA's MLA mode, and re-lays out three weights as FRACTAL_NZ: "
-              "a rewrite of the model's algebra and parameters, not a local graph pattern")
+MLA_PROLOG = ("npu_mla_prolog_v3 would also fuse the q and kv projections and their norms, but its query output "
+              "is the absorbed one only (torch_npu 2.13 docstring, outputs: query = q^N = c_Q W^UQ W^UK of shape "
+              "(B, S, N, Hckv = 512), query_rope, dequant scales): it feeds attention over the latent cache (FIA "
+              "with query_rope / key_rope, N_kv = 1, D 512 + 64) and W^UV after it, where transformers expands the "
+              "whole latent cache through kv_b_proj every step and attends per head with D 128 + 64. And "
+              "weight_dq, weight_uq_qr and weight_dkv_kr are taken in FRACTAL_NZ only (the docstring: 数据格式支持"
+              "FRACTAL_NZ), which the graph's ND parameters are not: serving code casts them once after loading "
+              "(vllm-ascend attention/mla_v1.py process_weights_after_loading). Using it replaces the attention "
+              "and the parameters' format, not a local pattern (docs/passes/kv_rmsnorm_rope_cache.md)")
 
 
 def _latent_op_output(node):

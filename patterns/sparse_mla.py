@@ -284,6 +284,8 @@ def _metadata_reason(site):
 
 def _attention_reason(site):
     query, kv, sinks = site["query"], site["kv"], site["sinks"]
+    if _symbolic(query):
+        return SYMBOLIC
     if query.dim() != 4 or kv.dim() != 4:
         return f"query {list(query.shape)} / kv {list(kv.shape)} are not (B, H, S, D) / (B, 1, S, D)"
     batch, heads, seq_len, dim = query.shape
@@ -461,12 +463,18 @@ def anchor(node):
     return _sink_softmax(node)
 
 
+# the sliding mask is evaluated at compile time, the metadata op takes int sizes
+SYMBOLIC = ("DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from static sizes "
+            "and the metadata ops take static ones")
+
+
+def _symbolic(value):
+    return value is not None and any(isinstance(size, torch.SymInt) for size in value.shape)
+
+
 def explain(node):
-    values = tensor_meta(node)
-    if values is not None and any(isinstance(size, torch.SymInt) for size in values.shape):
-        # the sliding mask is evaluated at compile time, the metadata op takes int sizes
-        return ("DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from "
-                "static sizes and the metadata ops take static ones")
+    if _symbolic(tensor_meta(node)):
+        return SYMBOLIC
     return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
             "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
             "its masks and, for CSA, the lightning indexer in the same graph)")

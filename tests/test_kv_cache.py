@@ -145,13 +145,11 @@ def scenario_torchair_reinplaces_the_fused_write():
     steps 2 and 3) on our fused decode graph: scatter_update_ in place, no copy_ back."""
     import torch
     import torchair  # noqa: F401  (behind the harness stubs)
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-    from torchair.patterns import _recover_view_inplace_pattern as recover
 
     import test_kv_cache as t
     from helpers import RecordingBackend
+    from torchair_harness.runner import recover_view_inplace
 
-    recover._is_supported_cann_version = lambda version: True  # the CANN gate (>= 8.3.RC1)
     module = t.Writes()
     backend = RecordingBackend()
     compiled = torch.compile(module, backend=backend, fullgraph=True)
@@ -159,14 +157,7 @@ def scenario_torchair_reinplaces_the_fused_write():
         key, value = t._kv(1, 0)
         compiled(key, value)
         gm = backend.graphs["inference"]
-        remove_noop_ops(gm.graph)
-
-        class Config:  # what recover_view_inplace_pattern reads
-            class mode:
-                value = "reduce-overhead"
-
-        recover.recover_view_inplace_pattern(gm, None, Config())
-        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        targets = recover_view_inplace(gm, "reduce-overhead")
         # run the rewritten graph on fresh zero caches, writing at position 3: the writes land
         # in the caches themselves (the same tensor as key and value: which is which is moot)
         caches, args = [], []

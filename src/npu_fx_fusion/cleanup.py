@@ -34,8 +34,14 @@ _MASKS = frozenset({
 })
 
 
+# The wrap of a block table into the cache's blocks (`table % num_blocks`) that each paged
+# attention site's replacement makes of the one table the layers share: equally pure.
+_TABLE_WRAPS = frozenset({torch.ops.aten.remainder.Scalar})
+
+
 def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """One node for each repeated conversion (or attention mask, _MASKS) that fusion introduced.
+    """One node for each repeated conversion (or attention mask, _MASKS, or block-table wrap,
+    _TABLE_WRAPS) that fusion introduced.
 
     Replacements are traced one site at a time, so two fused ops reading the same tensor
     each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
@@ -44,7 +50,7 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
     they are. Returns the number of nodes merged.
     """
     npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-    conversions = _CONVERSIONS | _MASKS | ({npu_cast.default} if npu_cast is not None else set())
+    conversions = _CONVERSIONS | _MASKS | _TABLE_WRAPS | ({npu_cast.default} if npu_cast is not None else set())
     return _merge_repeats(graph, original_nodes, lambda node: node.target in conversions)
 
 
@@ -235,6 +241,47 @@ def views_to_reshapes_where_needed(gm: torch.fx.GraphModule, new_nodes: Sequence
     gm.recompile()
 
 
+def copies_for_contiguous_inputs(graph: torch.fx.Graph, takes_contiguous: Any) -> int:
+    """A contiguous copy in front of each tensor argument a fused op needs contiguous
+    (`takes_contiguous(node)`) and does not get, by the graph's values once the fused ops'
+    layouts have been propagated (views_to_reshapes_where_needed).
+
+    A pass records `.contiguous()` for the layout it sees; a later pass can change that
+    layout (the fused rope returns contiguous BNSD where the model's rope kept the BSND memory
+    of its projection, so a select and a transpose of it that were contiguous are not any
+    more). Returns the number of copies inserted."""
+    inserted = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not takes_contiguous(node):
+            continue
+        for arg in [*node.args, *node.kwargs.values()]:
+            value = arg.meta.get("val") if isinstance(arg, Node) else None
+            if not isinstance(value, torch.Tensor) or _surely_contiguous(value):
+                continue
+            with graph.inserting_before(node):
+                copy = graph.call_function(aten.clone.default, (arg,), {"memory_format": torch.contiguous_format})
+            fake_mode = value.fake_mode if isinstance(value, FakeTensor) else None
+            copy.meta["val"] = value.clone(memory_format=torch.contiguous_format) if fake_mode is None else \
+                _contiguous_fake(value, fake_mode)
+            node.replace_input_with(arg, copy)
+            inserted += 1
+    return inserted
+
+
+def _surely_contiguous(value: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    try:
+        return bool(guard_or_false(value.is_contiguous()))
+    except Exception:  # noqa: BLE001 - undecidable: copy (torchair drops a copy that copies nothing)
+        return False
+
+
+def _contiguous_fake(value: torch.Tensor, fake_mode: Any) -> torch.Tensor:
+    with fake_mode:
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+
+
 def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_mode: Any) -> None:
     """Recompute meta["val"] of the users of `changed` (nodes whose values are new), and of
     theirs, while the values differ; a view that fails becomes a reshape."""
@@ -265,7 +312,7 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                     interpreter.env[arg] = arg.meta.get("val")
                 try:
                     interpreter.run_node(node)
-                except RuntimeError:
+                except (RuntimeError, ValueError):  # fake mode raises ValueError for a view of strides
                     if node.target is not aten.view.default:
                         raise
                     node.target = aten.reshape.default

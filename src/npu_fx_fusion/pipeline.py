@@ -26,12 +26,13 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from . import cost_model, npu_ops
 from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
-from .capabilities import detect_soc
+from .capabilities import CAPABILITIES, detect_soc
 from .catalog import load_pass
-from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, merge_repeated_fused_calls,
-                      views_to_reshapes_downstream, views_to_reshapes_where_needed)
+from .cleanup import (copies_for_contiguous_inputs, drop_lossless_round_trips, merge_repeated_conversions,
+                      merge_repeated_fused_calls, views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
+from .nodes import op_name
 from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
@@ -112,6 +113,15 @@ def _pure_fused_ops() -> frozenset:
     return frozenset(ops)
 
 
+def _takes_contiguous_inputs(node: torch.fx.Node) -> bool:
+    """A call of a fused op whose kernel takes no strided tensor (its capability's limits)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return False
+    capability = CAPABILITIES.get(op_name(target))
+    return capability is not None and bool(capability.limits.get("contiguous"))
+
+
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
                mode: Optional[str] = None, earlier_results: Sequence[PassResult] = ()) -> GraphReport:
@@ -147,7 +157,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
             graph_report.passes.append(result)
             if result.sites:  # before the next pass: one call per value it may fuse further
                 merge_repeated_fused_calls(gm.graph, original_nodes, _pure_fused_ops())
-        views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
+        views_to_reshapes_where_needed(gm, [n for n in gm.graph.nodes if n not in original_nodes])
+        copies_for_contiguous_inputs(gm.graph, _takes_contiguous_inputs)
         merge_repeated_conversions(gm.graph, original_nodes)
         drop_lossless_round_trips(gm.graph, original_nodes)
         graph_report.conversions_added = added_conversions(gm.graph, original_nodes)

@@ -403,10 +403,14 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
 def _emitted_ops(fusion_pass: FusionPass, form: Form) -> tuple[str, ...]:
     """The non-aten ops the form's replacement calls, read from a trace of it; ops the
     search already contains (a custom op of the model the replacement keeps, an earlier
-    pass's npu op) are carried over, not emitted. Every one needs a capabilities entry."""
+    pass's npu op) are carried over, not emitted, unless it is the op the form declares it
+    emits (a pass that calls an earlier pass's op anew: paged_attention gives FIA a block
+    table). Every one needs a capabilities entry."""
     inputs = [fusion_pass.example_value(n, form.dtypes[0]) for n in form.argnames]
     trace = TRACERS[FORWARD_NPU] if form.npu_only else trace_without_decompositions
-    ops = sorted(custom_ops(trace(form.replace, inputs)) - custom_ops(trace(form.search, inputs)))
+    replaced = custom_ops(trace(form.replace, inputs))
+    declared = {form.fused_op or fusion_pass.fused_op} & replaced
+    ops = sorted((replaced - custom_ops(trace(form.search, inputs))) | declared)
     for op in ops:
         capability(op)  # raises for an op the table lacks
     return tuple(ops)

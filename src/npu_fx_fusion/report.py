@@ -752,8 +752,8 @@ def op_changes(g: "GraphReport") -> tuple[list[tuple[str, int, int, str]], list[
     sentences = []
     views = [op for op in changed if op in _VIEW_OPS]
     if views:
-        sentences.append("Views after fused ops became reshapes (fused ops return contiguous tensors; "
-                         "torchair's view_to_reshape does this to every view): "
+        sentences.append("Views and reshapes (inside fused code they go; a view a fused op's contiguous output "
+                         "breaks became a reshape; torchair's view_to_reshape makes every view one): "
                          + ", ".join(f"{op} {g.ops_before[op]} -> {g.ops_after[op]}" for op in views) + ".")
     if "getitem" in changed:
         sentences.append(f"getitem {g.ops_before['getitem']} -> {g.ops_after['getitem']}: "

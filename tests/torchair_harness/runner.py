@@ -141,3 +141,23 @@ def _child(spec: dict) -> int:
 
 if __name__ == "__main__":
     sys.exit(_child(json.loads(sys.argv[1])))
+
+
+def recover_view_inplace(gm: Any, mode: str) -> list:
+    """torchair's remove_noop_ops and recover_view_inplace_pattern (its _optimize_fx steps 2
+    and 3) on a fused graph, inside a scenario (torchair importable), its CANN gate (>= 8.3.RC1)
+    lifted; the graph's call targets after them, as strings."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+    from torchair.patterns import _recover_view_inplace_pattern as recover
+
+    recover._is_supported_cann_version = lambda version: True
+    remove_noop_ops(gm.graph)
+
+    class Config:  # what recover_view_inplace_pattern reads
+        class mode:
+            value = None
+
+    Config.mode.value = mode
+    recover.recover_view_inplace_pattern(gm, None, Config())
+    gm.recompile()
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]

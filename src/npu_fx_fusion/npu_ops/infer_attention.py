@@ -31,8 +31,10 @@ The conventions the stand-in implements (and refuses to guess beyond):
 Precision: scores, softmax and the value product in fp32 (float64 stays float64), one
 rounding to the query's dtype. Whether the kernel rounds the probabilities to fp16/bf16
 before the second matmul is not documented (attention_inference.md 3.5, question 3).
-Quantisation, paged KV (block_table), shared prefixes, pse_shift, MLA rope inputs and
-sparse_mode 4 are not implemented: the kernel raises NotImplementedError for them.
+Paged KV (block_table, block_size): key and value are the caches, read through the table
+(paged_cache.paged_key_value), with actual_seq_lengths_kv required. Quantisation, shared
+prefixes, pse_shift, MLA rope inputs and sparse_mode 4 are not implemented: the kernel
+raises NotImplementedError for them.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .paged_cache import paged_key_value, paged_value_dim
 from .spec import OpCapability, Sample, SocLimits, op_spec, randn
 
 DEFAULT_TOKENS = 2147483647  # pre_tokens / next_tokens: "everything"
@@ -49,7 +52,7 @@ MAX_GROUP = 64  # num_heads / num_key_value_heads <= 64
 
 _UNSUPPORTED = ("pse_shift", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
                 "quant_offset2", "antiquant_scale", "antiquant_offset", "key_antiquant_scale",
-                "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset", "block_table",
+                "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
                 "query_padding_size", "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
                 "actual_shared_prefix_len", "query_rope", "key_rope", "key_rope_antiquant_scale")
 
@@ -262,7 +265,10 @@ def _fia_fake(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_
     kv_heads = num_heads if num_key_value_heads == 0 else num_key_value_heads
     q = _to_bnsd(query, query_layout, num_heads, "query")
     batch, heads, queries, _ = q.shape
-    dim_v = value.shape[-1] if query_layout != "BSH" else value.shape[-1] // kv_heads
+    if block_table is not None:  # page attention: value is the paged cache
+        dim_v = paged_value_dim(value, kv_heads)
+    else:
+        dim_v = value.shape[-1] if query_layout != "BSH" else value.shape[-1] // kv_heads
     if out_layout == "BNSD":
         shape = (batch, heads, queries, dim_v)
     elif out_layout == "BSND":
@@ -313,6 +319,14 @@ def _fia_fake(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_
                  # torchair's ACL modes rewrite it to its .out overload with a static workspace
                  # and make actual_seq_lengths(_kv) replay parameters (acl_graph.py:108-135)
                  "acl_out_rewrite": True,
+                 # page attention (block_table): block_size <= 512, 16-aligned for fp16/bf16 with
+                 # Q_S = 1, 128..512 and a multiple of 128 with Q_S > 1; the (blocks, block_size, H)
+                 # cache layout takes N_kv * D <= 65535; actual_seq_lengths_kv required
+                 "paged_decode_block_multiple": 16,
+                 "paged_prefill_block_multiple": 128,
+                 "paged_min_prefill_block_size": 128,
+                 "paged_max_block_size": 512,
+                 "paged_max_hidden": 65535,
              },
              doc="attention_inference.md 3.1-3.2 / torch_npu 2.13.0 docstring (_op_plugin_docs.py "
              "npu_fused_infer_attention_score, ~L8053) and Meta function: query fp16/bf16/int8 (no fp32), "
@@ -320,7 +334,10 @@ def _fia_fake(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_
              "B <= 65536, N <= 256, D <= 512 and 16-aligned, N*D < 65535 in BSH/BSND; Q_S = 1 (IFA branch): "
              "KV_S <= 262144, sparse_mode / pre / next ignored, inner_precise 0/1; GQA num_heads % "
              "num_key_value_heads == 0, ratio <= 64; mask True = masked, sparse_mode 2/3/4 with the "
-             "compressed 2048x2048 mask; products Atlas A2/A3; GE converter "
+             "compressed 2048x2048 mask; page attention: block_table (B, max_blocks) int32, unchecked ids, "
+             "actual_seq_lengths_kv required, block_size 16-aligned <= 512 (Q_S = 1) or 128..512 multiple of "
+             "128 (Q_S > 1), caches (blocks, block_size, H) or (blocks, N, block_size, D), mask last dim >= "
+             "max_blocks * block_size; products Atlas A2/A3; GE converter "
              "custom/fused_infer_attention_score.py (.default only); no autograd",
          ))  # no autograd in torch_npu: inference only
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
@@ -338,9 +355,12 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     unsupported = dict(zip(_UNSUPPORTED, (
         pse_shift, dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2, antiquant_scale,
         antiquant_offset, key_antiquant_scale, key_antiquant_offset, value_antiquant_scale, value_antiquant_offset,
-        block_table, query_padding_size, kv_padding_size, key_shared_prefix, value_shared_prefix,
+        query_padding_size, kv_padding_size, key_shared_prefix, value_shared_prefix,
         actual_shared_prefix_len, query_rope, key_rope, key_rope_antiquant_scale)))
     query_layout, out_layout = _query_out_layouts(input_layout)
+    if block_table is not None:  # page attention: the caches read through the table (paged_cache.py)
+        key, value = paged_key_value(key, value, block_table, block_size, query_layout, num_heads,
+                                     num_key_value_heads, actual_seq_lengths_kv, OP)
     heads, kv_heads = _heads(query, key, query_layout, num_heads, num_key_value_heads)
     q = _to_bnsd(query, query_layout, heads, "query")
     k = _to_bnsd(key, query_layout, kv_heads, "key")

@@ -124,7 +124,7 @@ def scatter_update(self, indices, updates, axis):
 # torch's functionalization refuses a custom op whose output aliases an input (torch_npu's schema
 # `-> Tensor(a!)`), so aot_autograd cannot trace it; only torchair's own re-inplacing pass emits
 # it, after functionalization, so no aot graph holds it on an NPU either
-_ALIASED_OUTPUT = "functionalization refuses a custom op returning its mutated input (Tensor(a!) -> Tensor(a!))"
+ALIASED_OUTPUT = "functionalization refuses a custom op returning its mutated input (Tensor(a!) -> Tensor(a!))"
 
 
 def _scatter_update__fake(self, indices, updates, axis):
@@ -140,7 +140,7 @@ def _scatter_update__samples(dtype):
          schema="scatter_update_(Tensor(a!) self, Tensor indices, Tensor updates, int axis) -> Tensor(a!)",
          fake=_scatter_update__fake, samples=_scatter_update__samples, sample_dtypes=FLOAT_DTYPES,
          layouts=("contiguous", "transposed", "sliced", "channels_last"),  # no write into an expanded tensor
-         opcheck_skips=dict.fromkeys(("test_aot_dispatch_static", "test_aot_dispatch_dynamic"), _ALIASED_OUTPUT))
+         opcheck_skips=dict.fromkeys(("test_aot_dispatch_static", "test_aot_dispatch_dynamic"), ALIASED_OUTPUT))
 def scatter_update_(self, indices, updates, axis):
     # Only torchair's recover_view_inplace_pattern emits it (from scatter_update between
     # two views and a copy_ into a graph input); the passes never do.
