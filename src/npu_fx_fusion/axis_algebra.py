@@ -386,11 +386,14 @@ class AxisEvaluation:
         if isinstance(arg, Node):
             meta = tensor_meta(arg)
             if meta is not None and meta.dim() == 0 and arg.op == "call_function" and not modelled(arg):
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
                 from .constants import evaluate_constant
 
-                value = evaluate_constant(arg)
-                if value is not None:
-                    return None, value.item()
+                with unset_fake_temporarily():  # a real tensor, read inside the compile's fake mode
+                    value = evaluate_constant(arg)
+                    if value is not None:
+                        return None, value.item()
             return self.value(arg), None
         if isinstance(arg, (int, float, bool)):
             return None, arg

@@ -115,7 +115,14 @@ def sparse_mode_of(mask_node: Any, visible_when: str = "true") -> tuple[Optional
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # passes run inside the compile's fake mode
-        return _sparse_mode(evaluate_constant(mask_node), visible_when)
+        value = evaluate_constant(mask_node)
+        if value is None and _has_symbolic_size(mask_node):  # a proof for every size instead
+            meta = mask_node.meta["val"]
+            roles = tuple(None if size == 1 else "b" for size in meta.shape[:-2]) + ("s", "t")
+            term = MaskTerm(mask_node, "false" if visible_when == "true" else "nonzero", roles)
+            mode, why = mask_mode([term], meta.shape[-2], meta.shape[-1])
+            return {"none": 0, "causal": 3}.get(mode), why
+        return _sparse_mode(value, visible_when)
 
 
 def _sparse_mode(value: Optional[torch.Tensor], visible_when: str) -> tuple[Optional[int], str]:
@@ -257,7 +264,7 @@ def mask_mode(terms: Sequence[MaskTerm], queries: Any, keys: Any) -> tuple[Optio
             return _static_mode(visible)
     from .symbolic_values import symbolic_mask_mode
 
-    return symbolic_mask_mode(terms)
+    return symbolic_mask_mode(terms, queries, keys)
 
 
 def _static_mode(visible: torch.Tensor) -> tuple[Optional[str], str]:
