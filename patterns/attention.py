@@ -13,7 +13,12 @@ The unfused forms are what transformers' attention reaches an aot graph as on CP
 - eager attention (`eager_attention_forward`): matmul, * scale, + the additive mask
   `where(mask, 0, finfo.min)`, softmax in fp32, dropout(p=0) (a clone in the aot graph), matmul;
 - GQA: transformers' `repeat_kv` (unsqueeze, expand, reshape) of the key and the value
-  before attention. FIA reads N_kv heads itself (num_key_value_heads), so the copy goes.
+  before attention. FIA reads N_kv heads itself (num_key_value_heads), so the copy goes;
+- SDPA with the model's own float mask (`triu(full(-inf), 1)`, litgpt's sliding window),
+  proven to hold only 0 and hiding values.
+Any other spelling (other codebases: a divided or folded scale, baddbmm / bmm, einsum
+layouts, several masks) is recognised by what it computes (`recognize`, the engine's axis
+algebra), and what FIA cannot compute (a soft-cap, a bias) is a near miss saying so.
 
 The mask decides the sparse_mode (FIA's mask is True where a key is NOT attended, the
 opposite of SDPA's bool mask):
@@ -83,6 +88,19 @@ def sdpa_cpu_masked(query, key, value, mask, scale):
 def sdpa_cpu_masked_gqa(query, grouped_key, grouped_value, mask, scale):
     groups = query.shape[1] // grouped_key.shape[1]
     return sdpa_cpu_masked(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), mask, scale)
+
+
+def sdpa_cpu_additive(query, key, value, bias, scale):
+    """F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, scale=s) on CPU: the
+    model's own additive mask (`triu(full(-inf), 1)`, litgpt's sliding window), which the
+    check proves holds only 0 and hiding values."""
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(query, key, value, attn_mask=bias,
+                                                                      scale=scale)[0]
+
+
+def sdpa_cpu_additive_gqa(query, grouped_key, grouped_value, bias, scale):
+    groups = query.shape[1] // grouped_key.shape[1]
+    return sdpa_cpu_additive(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), bias, scale)
 
 
 def sdpa_cpu_causal(query, key, value, scale):
@@ -249,6 +267,8 @@ FORMS = [
     Form(sdpa_npu_causal, fia_top_left_causal, dtypes=FP32),
     *_forms(sdpa_cpu_masked_gqa, "bool", FP32),
     *_forms(sdpa_cpu_masked, "bool", FP32),
+    *_forms(sdpa_cpu_additive_gqa, "additive", FP32),
+    *_forms(sdpa_cpu_additive, "additive", FP32),
     Form(sdpa_cpu_causal_gqa, fia_top_left_causal, dtypes=FP32),
     Form(sdpa_cpu_causal, fia_top_left_causal, dtypes=FP32),
     *_forms(sdpa_math_masked, "math", FP32),
@@ -277,6 +297,21 @@ def _additive_mask_condition(bias_node):
         return None
     # the dtype's minimum (transformers' eager mask) or -inf: exp(min - max) is 0 in the fp32 softmax
     return condition if fill_value <= torch.finfo(bias.dtype).min else None
+
+
+def _additive_mask_reason(bias_node):
+    """Why an additive mask is not one FIA can take as `bias != 0`, or None: it must hold only
+    0 and hiding values (-inf, a dtype's minimum, constants.hides), 0 somewhere."""
+    if _additive_mask_condition(bias_node) is not None:
+        return None
+    values = value_set(bias_node)
+    if values is None or not all(x == 0.0 or hides(x) for x in values):
+        shown = "" if values is None else f" (it holds {sorted(values)})"
+        return (f"the additive mask is not only 0 and -inf or a large negative{shown}: values in between (a bias) "
+                "are not a mask FIA can take")
+    if 0.0 not in values:
+        return "the additive mask hides every key"
+    return None
 
 
 def _scalar_of(node):
@@ -354,9 +389,11 @@ def _mask_form_reason(site, batch, queries, keys):
     if _recognized_mode(site) is not None or _MODE[site.form.replace] == _TOP_LEFT:
         return None  # a recognised site's masks were read and proven where it was found
     mask = site.args.get("mask", site.args.get("bias"))
-    if "bias" in site.args and _additive_mask_condition(site.arg_nodes["bias"]) is None:
-        return ("the additive mask is not where(mask, 0, -inf or the dtype's minimum): values in between "
-                "(a bias) are not a mask FIA can take")
+    if "bias" in site.args:
+        reason = _additive_mask_reason(site.arg_nodes["bias"])
+        if reason is not None:
+            return reason
+        site.notes += filter(None, (fill_note(x) for x in value_set(site.arg_nodes["bias"]) or () if x != 0.0))
     if "mask" in site.args and mask.dtype != torch.bool:
         return f"the mask is {str(mask.dtype)[6:]}, not bool"
     if list(mask.shape) not in _fia_mask_shapes(batch, queries, keys):
@@ -455,8 +492,9 @@ def explain(node):
         if dropout:
             return f"SDPA with dropout_p={dropout}: FIA has no dropout"
         mask = node.kwargs.get("attn_mask")
-        if mask is not None and _additive_mask_condition(mask) is None:
-            return "SDPA's mask is not a bool mask made additive (where(mask, 0, -inf)): a float bias FIA cannot take"
+        reason = _additive_mask_reason(mask) if mask is not None else None
+        if reason is not None:
+            return f"SDPA's float mask: {reason}"
         return None
     probs_users = [u for u in node.users]
     dropout = next((u for u in probs_users if is_call(u, aten.native_dropout.default, aten.dropout.default)), None)
@@ -736,8 +774,8 @@ def _region(output, inputs):
 
 def _site(value, product, softmax, q, k, v, read, layout):
     terms, notes = _terms(read, layout)
-    if terms is None:
-        return _refused(notes, product, softmax)
+    if notes is None:  # (terms is then the reason)
+        return _refused(terms, product, softmax)
     inputs = {"query": q.node, "key": k.node, "value": v.node}
     masks = {f"mask_{i}": term.node for i, term in enumerate(terms)}
     nodes = _region(product, {*inputs.values(), *masks.values()})

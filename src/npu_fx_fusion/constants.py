@@ -46,6 +46,9 @@ def evaluate_constant(node: Any, max_nodes: int = 400) -> Optional[torch.Tensor]
         current = pending.pop()
         if current in needed:
             continue
+        if current.op == "get_attr" and _lifted_constant(current) is not None:
+            needed[current] = None
+            continue
         if current.op != "call_function" or _is_nondeterministic(current.target):
             return None
         if _has_symbolic_size(current):
@@ -77,12 +80,31 @@ def _evaluate(node: Node, needed: dict) -> Optional[torch.Tensor]:
     graph.output(env[node])
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    root = torch.nn.Module()
+    for current in needed:
+        if current.op == "get_attr":
+            setattr(root, current.target, _lifted_constant(current))
     with unset_fake_temporarily(), torch.no_grad():
         try:
-            value = torch.fx.GraphModule(torch.nn.Module(), graph)()
+            value = torch.fx.GraphModule(root, graph)()
         except Exception:  # an op that cannot run here: unknown, not an error of the model
             return None
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _lifted_constant(node: Node) -> Optional[torch.Tensor]:
+    """The value of a tensor the model made from Python data in its forward, which tracing
+    lifted into an attribute (`_tensor_constant0`: the 0.0 of `mask[i, a:b] = 0.0`): the
+    same at every call. Parameters and buffers are inputs (or may be updated): None."""
+    target = node.target
+    if not isinstance(target, str) or not target.startswith("_tensor_constant") or "." in target:
+        return None
+    value = getattr(node.graph.owning_module, target, None)
+    if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+        return None
+    from torch._subclasses.fake_tensor import is_fake
+
+    return None if is_fake(value) else value
 
 
 def _is_nondeterministic(target: Any) -> bool:
