@@ -13,7 +13,12 @@ The unfused forms are what transformers' attention reaches an aot graph as on CP
 - eager attention (`eager_attention_forward`): matmul, * scale, + the additive mask
   `where(mask, 0, finfo.min)`, softmax in fp32, dropout(p=0) (a clone in the aot graph), matmul;
 - GQA: transformers' `repeat_kv` (unsqueeze, expand, reshape) of the key and the value
-  before attention. FIA reads N_kv heads itself (num_key_value_heads), so the copy goes.
+  before attention. FIA reads N_kv heads itself (num_key_value_heads), so the copy goes;
+- SDPA with the model's own float mask (`triu(full(-inf), 1)`, litgpt's sliding window),
+  proven to hold only 0 and hiding values.
+Any other spelling (other codebases: a divided or folded scale, baddbmm / bmm, einsum
+layouts, several masks) is recognised by what it computes (`recognize`, the engine's axis
+algebra), and what FIA cannot compute (a soft-cap, a bias) is a near miss saying so.
 
 The mask decides the sparse_mode (FIA's mask is True where a key is NOT attended, the
 opposite of SDPA's bool mask):
@@ -43,13 +48,16 @@ Hardware limits (fp16/bf16 only, head dims, head counts) come from the capabilit
 in emulation (no SoC) a site fuses and the note says what a real NPU would refuse.
 """
 import math
+import operator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import Form, FusionPass, is_call, sdpa_as_on_npu, tensor_meta
+from npu_fx_fusion.constants import MaskTerm, fill_note, hidden_keys, hides, mask_mode, sparse_mode_of, value_set
+from npu_fx_fusion.matching import (AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes, atoms_of,
+                                    is_call, read_masked_scores, rearrange, sdpa_as_on_npu, strip_casts, tensor_meta)
 
 aten = torch.ops.aten
 FIA = CAPABILITIES["npu.npu_fused_infer_attention_score"]
@@ -80,6 +88,19 @@ def sdpa_cpu_masked(query, key, value, mask, scale):
 def sdpa_cpu_masked_gqa(query, grouped_key, grouped_value, mask, scale):
     groups = query.shape[1] // grouped_key.shape[1]
     return sdpa_cpu_masked(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), mask, scale)
+
+
+def sdpa_cpu_additive(query, key, value, bias, scale):
+    """F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask, scale=s) on CPU: the
+    model's own additive mask (`triu(full(-inf), 1)`, litgpt's sliding window), which the
+    check proves holds only 0 and hiding values."""
+    return aten._scaled_dot_product_flash_attention_for_cpu.default(query, key, value, attn_mask=bias,
+                                                                      scale=scale)[0]
+
+
+def sdpa_cpu_additive_gqa(query, grouped_key, grouped_value, bias, scale):
+    groups = query.shape[1] // grouped_key.shape[1]
+    return sdpa_cpu_additive(query, repeat_kv(grouped_key, groups), repeat_kv(grouped_value, groups), bias, scale)
 
 
 def sdpa_cpu_causal(query, key, value, scale):
@@ -246,6 +267,8 @@ FORMS = [
     Form(sdpa_npu_causal, fia_top_left_causal, dtypes=FP32),
     *_forms(sdpa_cpu_masked_gqa, "bool", FP32),
     *_forms(sdpa_cpu_masked, "bool", FP32),
+    *_forms(sdpa_cpu_additive_gqa, "additive", FP32),
+    *_forms(sdpa_cpu_additive, "additive", FP32),
     Form(sdpa_cpu_causal_gqa, fia_top_left_causal, dtypes=FP32),
     Form(sdpa_cpu_causal, fia_top_left_causal, dtypes=FP32),
     *_forms(sdpa_math_masked, "math", FP32),
@@ -274,6 +297,21 @@ def _additive_mask_condition(bias_node):
         return None
     # the dtype's minimum (transformers' eager mask) or -inf: exp(min - max) is 0 in the fp32 softmax
     return condition if fill_value <= torch.finfo(bias.dtype).min else None
+
+
+def _additive_mask_reason(bias_node):
+    """Why an additive mask is not one FIA can take as `bias != 0`, or None: it must hold only
+    0 and hiding values (-inf, a dtype's minimum, constants.hides), 0 somewhere."""
+    if _additive_mask_condition(bias_node) is not None:
+        return None
+    values = value_set(bias_node)
+    if values is None or not all(x == 0.0 or hides(x) for x in values):
+        shown = "" if values is None else f" (it holds {sorted(values)})"
+        return (f"the additive mask is not only 0 and -inf or a large negative{shown}: values in between (a bias) "
+                "are not a mask FIA can take")
+    if 0.0 not in values:
+        return "the additive mask hides every key"
+    return None
 
 
 def _scalar_of(node):
@@ -341,14 +379,21 @@ def check(site):
     return None
 
 
+def _recognized_mode(site):
+    """"causal", "none" or "explicit" for a site recognised by what it computes, else None."""
+    return getattr(site.form.replace, "mask_mode", None)
+
+
 def _mask_form_reason(site, batch, queries, keys):
     """Whether the mask is one FIA can take at all (whatever the proof picks)."""
-    if _MODE[site.form.replace] == _TOP_LEFT:
-        return None
+    if _recognized_mode(site) is not None or _MODE[site.form.replace] == _TOP_LEFT:
+        return None  # a recognised site's masks were read and proven where it was found
     mask = site.args.get("mask", site.args.get("bias"))
-    if "bias" in site.args and _additive_mask_condition(site.arg_nodes["bias"]) is None:
-        return ("the additive mask is not where(mask, 0, -inf or the dtype's minimum): values in between "
-                "(a bias) are not a mask FIA can take")
+    if "bias" in site.args:
+        reason = _additive_mask_reason(site.arg_nodes["bias"])
+        if reason is not None:
+            return reason
+        site.notes += filter(None, (fill_note(x) for x in value_set(site.arg_nodes["bias"]) or () if x != 0.0))
     if "mask" in site.args and mask.dtype != torch.bool:
         return f"the mask is {str(mask.dtype)[6:]}, not bool"
     if list(mask.shape) not in _fia_mask_shapes(batch, queries, keys):
@@ -359,6 +404,8 @@ def _mask_form_reason(site, batch, queries, keys):
 
 def _mask_reason(site, queries, keys):
     """The proof behind the replacement's sparse_mode (None: it holds)."""
+    if _recognized_mode(site) is not None:
+        return None
     wanted = _MODE[site.form.replace]
     if wanted == _TOP_LEFT:
         site.notes.append("is_causal=True: sparse_mode "
@@ -445,8 +492,9 @@ def explain(node):
         if dropout:
             return f"SDPA with dropout_p={dropout}: FIA has no dropout"
         mask = node.kwargs.get("attn_mask")
-        if mask is not None and _additive_mask_condition(mask) is None:
-            return "SDPA's mask is not a bool mask made additive (where(mask, 0, -inf)): a float bias FIA cannot take"
+        reason = _additive_mask_reason(mask) if mask is not None else None
+        if reason is not None:
+            return f"SDPA's float mask: {reason}"
         return None
     probs_users = [u for u in node.users]
     dropout = next((u for u in probs_users if is_call(u, aten.native_dropout.default, aten.dropout.default)), None)
@@ -492,6 +540,326 @@ def _explain_flash_attention(node):
     if extras:
         return f"{name} with {', '.join(extras)}: not SDPA's call, which passes none of them"
     return None
+
+
+# ---- attention recognised by what it computes ---------------------------------------------------
+# The forms above are the spellings of SDPA and transformers' eager attention. Any other spelling
+# of the same function (the scale as a division by sqrt(d), baddbmm's alpha, q or k scaled
+# before the product; einsum over BSND, bmm over (B*N, S, D) views; k and v repeated for
+# grouped queries by expand + reshape or repeat_interleave; a float mask added, a bool mask
+# through masked_fill / where, several of them; casts anywhere) is found by evaluating the
+# region that ends in the product of the probabilities with v (axis_algebra.py): it is FIA's
+#     out[b, h, s, e] = sum_t softmax_t(c * sum_d q[b, h, s, d] k[b, h // G, t, d] + masks)[..] v[b, h // G, t, e]
+# when every index plays that role: the batch and key heads shared by q, k and v, the query
+# positions and head groups q's own, the keys summed with v, d summed in the scores; the
+# masks hide keys only (0 or -inf / a large negative: constants.hides), per batch, query and
+# key, never per head. Which index is the batch and which the heads is read from q's layout
+# (its first dim of shared indices is the batch), never from sizes.
+_NORMALISED = ("softmax", "safe_softmax")
+_PRODUCTS = (aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.mm.default)
+_PASSES_PROBABILITIES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                         aten.clone.default, aten.contiguous.default, aten.permute.default, aten.transpose.int,
+                         aten.unsqueeze.default, aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The atoms of each role, in the order FIA's BNSD dims take them."""
+
+    batch: tuple
+    heads_kv: tuple  # the key / value heads
+    group: tuple  # the query heads per key head (minor: query head h reads key head h // G)
+    queries: tuple
+    keys: tuple
+    dim: tuple
+    dim_v: tuple
+
+
+def recognize(graph, joint):
+    """Attention sites by what a region computes; refused ones say why (a near miss)."""
+    if joint:
+        return []  # FIA has no backward: training keeps SDPA (npu_fusion_attention_v3 on an NPU)
+    evaluation = AxisEvaluation()
+    found = []
+    softmaxes = [n for target in (aten._softmax.default, aten._safe_softmax.default)
+                 for n in graph.find_nodes(op="call_function", target=target)]
+    for softmax in sorted(softmaxes):
+        product = _product_of(softmax)
+        if product is None:
+            continue
+        try:
+            value = evaluation.value(product)
+            site = _attention(value, product, softmax)
+        except NotEvaluable:
+            continue
+        if site is not None:
+            found.append(site)
+    return found
+
+
+def _product_of(softmax):
+    """The matmul / bmm that reads the probabilities (through casts, copies and views)."""
+    frontier, seen = [softmax], 0
+    while frontier and seen < 12:
+        node = frontier.pop(0)
+        seen += 1
+        for user in node.users:
+            if is_call(user, *_PRODUCTS):
+                return user
+            if is_call(user, *_PASSES_PROBABILITIES):
+                frontier.append(user)
+    return None
+
+
+def _attention(value, product, softmax):
+    expr = value.expr
+    if expr.op != "sum" or expr.node is not product:
+        return None
+    pair = expr.args[0].args
+    probs = [i for i, f in enumerate(pair) if strip_casts(f).op in _NORMALISED]
+    if len(probs) != 1:
+        return None
+    p, v = strip_casts(pair[probs[0]]), strip_casts(pair[1 - probs[0]], lossless_only=True)
+    keys = expr.atoms
+    if set(p.atoms) != set(keys) or v.contains(*_NORMALISED) or p.node is not softmax:
+        return None
+    read = read_masked_scores(p.args[0])
+    if read.scores is None:
+        return _unread(read, product, softmax)
+    q, k = (strip_casts(f, lossless_only=True) for f in read.factors)
+    if set(keys) & q.free:
+        q, k = k, q
+    layout = _layout(q, k, v, read, keys, value)
+    if isinstance(layout, str):
+        return _refused(layout, product, softmax)
+    return _site(value, product, softmax, q, k, v, read, layout)
+
+
+def _unread(read, product, softmax):
+    """A near miss for probabilities over something that is not a masked, scaled q @ k^T."""
+    rest = strip_casts(read.rest)
+    if rest.contains("tanh"):
+        return _refused("the scores are soft-capped (cap * tanh(s / cap)): npu_fused_infer_attention_score has no "
+                        "soft-cap", product, softmax)
+    if rest.op == "add" and all(a.contains("sum") for a in rest.args):
+        return _refused("the scores are a sum of two products (MLA's nope and rope parts?): "
+                        "npu_fused_infer_attention_score takes one query @ key^T", product, softmax)
+    if not rest.contains("sum"):
+        return None  # a softmax of something else before a matmul: not an attention
+    return _refused(f"the scores are {rest.op}(...) of query @ key^T, not the product scaled by a constant and "
+                    "masked: npu_fused_infer_attention_score computes softmax(scale * q @ k^T + mask)",
+                    product, softmax)
+
+
+def _refused(reason, product, softmax):
+    return Recognized("attention (axis algebra)", product, [softmax, product], reason=reason)
+
+
+def _layout(q, k, v, read, keys, value):
+    """The AttentionLayout of the site, or why its indices do not play FIA's roles."""
+    dim = set(read.scores.atoms)
+    qa, ka, va = q.free, k.free, v.free
+    keys = set(keys)
+    if not dim <= qa or not dim <= ka:
+        return "the scores do not sum over a head dim of both query and key"
+    if not keys <= ka or not keys <= va or keys & qa:
+        return "the probabilities are not summed with value over the keys of the scores"
+    shared = (qa & ka & va) - dim - keys
+    if ((qa & ka) - va - dim) or ((ka & va) - qa - keys) or ((qa & va) - ka):
+        return "query, key and value do not share their batch and head indices as attention does"
+    own = qa - ka - va - dim
+    dim_v = va - ka - qa - keys
+    out = set(atoms_of(value.dims))
+    if out != shared | own | dim_v:
+        return "the output's indices are not the query's rows and the value's columns"
+    masked = set()
+    for mask in read.masks:
+        masked |= set(atoms_of(mask.dims))
+    order_q = [a for group in q.dims for a in group]
+    # q's head dim holds the key heads' indices and the group's: the group is a query-only
+    # index sharing a dim of q with a shared one
+    group, queries, extra_heads = [], [], []
+    for d, atoms in enumerate(q.dims):
+        owned = [a for a in atoms if a in own]
+        if not owned:
+            continue
+        if any(a in shared for a in atoms):
+            first_owned = min(atoms.index(a) for a in owned)
+            if any(atoms.index(a) > first_owned for a in atoms if a in shared):
+                return ("the query heads read the key heads tiled (repeat): query head h reads key head h % N_kv, "
+                        "npu_fused_infer_attention_score groups them (h // G)")
+            group += owned
+        elif masked and not (set(owned) & masked):
+            extra_heads.append(owned)  # heads the key and value broadcast over (one key head)
+        else:
+            queries.append(owned)
+    if not queries and extra_heads:  # no mask says which: the dim nearest the head dim is the queries'
+        queries.append(extra_heads.pop())
+    if len(queries) != 1:
+        return "the query rows are not one dim of the query"
+    if extra_heads and group:
+        return "the query heads are grouped over the key heads in more than one way"
+    group += [a for owned in extra_heads for a in owned]
+    shared_dims = [[a for a in atoms if a in shared] for atoms in q.dims]
+    head_dims = [d for d, atoms in enumerate(q.dims) if any(a in group for a in atoms)]
+    batch, heads = [], []
+    for d, atoms in enumerate(shared_dims):
+        if not atoms:
+            continue
+        if d in head_dims or batch:
+            heads += atoms
+        else:
+            batch += atoms
+    if masked & (set(heads) | set(group)):
+        return "the mask differs per head: npu_fused_infer_attention_score takes one mask for every head"
+    unplaced = masked - set(batch) - set(queries[0]) - keys
+    if unplaced:
+        return "the mask has an index that is neither the batch, the queries nor the keys"
+    order_k = [a for g in k.dims for a in g]
+    return AttentionLayout(tuple(batch), tuple(heads), tuple(group), tuple(queries[0]),
+                           tuple(sorted(keys, key=order_k.index)), tuple(sorted(dim, key=order_q.index)),
+                           tuple(sorted(dim_v, key=[a for g in v.dims for a in g].index)))
+
+
+def _roles(dims, layout):
+    roles = []
+    for atoms in dims:
+        found = {("b" if a in layout.batch else "s" if a in layout.queries else "t" if a in layout.keys else "?")
+                 for a in atoms}
+        if len(found) > 1 or "?" in found:
+            raise NotEvaluable("a mask dim mixes the batch, queries and keys")
+        roles.append(found.pop() if found else None)
+    return tuple(roles)
+
+
+def _terms(read, layout):
+    """The masks as MaskTerms and the notes they bring, or the reason one is not a mask."""
+    terms, notes = [], []
+    for mask in read.masks:
+        roles = _roles(mask.dims, layout)
+        if mask.kind in ("fill", "keep"):
+            if not hides(float(mask.fill)):
+                return (f"the scores are filled with {mask.fill} where masked: a soft mask (hidden keys keep a share "
+                        "of the softmax), not one npu_fused_infer_attention_score applies"), None
+            terms.append(MaskTerm(mask.node, "true" if mask.kind == "fill" else "false", roles))
+            notes.append(fill_note(float(mask.fill)))
+            continue
+        values = value_set(mask.node)
+        if values is None or not all(x == 0.0 or hides(x) for x in values):
+            shown = "" if values is None else f" (it holds {sorted(values)})"
+            return (f"the additive mask {mask.node.name} is not only 0 and -inf or a large negative{shown}: values in "
+                    "between (a bias) are not a mask npu_fused_infer_attention_score takes"), None
+        if 0.0 not in values:
+            return f"the additive mask {mask.node.name} hides every key", None
+        terms.append(MaskTerm(mask.node, "nonzero", roles))
+        notes += [fill_note(x) for x in values if x != 0.0]
+    return terms, [n for n in notes if n]
+
+
+def _region(output, inputs):
+    """The nodes between `inputs` and `output`; None if the region reads a graph input it
+    does not know."""
+    region, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        if node in region or node in inputs:
+            continue
+        if node.op != "call_function":
+            return None
+        region.add(node)
+        # (a size argument is a SymInt node the replacement reads from its own inputs)
+        stack.extend(a for a in node.all_input_nodes if tensor_meta(a) is not None)
+    return sorted(region)
+
+
+def _site(value, product, softmax, q, k, v, read, layout):
+    terms, notes = _terms(read, layout)
+    if notes is None:  # (terms is then the reason)
+        return _refused(terms, product, softmax)
+    inputs = {"query": q.node, "key": k.node, "value": v.node}
+    masks = {f"mask_{i}": term.node for i, term in enumerate(terms)}
+    nodes = _region(product, {*inputs.values(), *masks.values()})
+    if nodes is None:
+        return None
+    inside = set(nodes)
+    for node in nodes:
+        outside = next((u for u in node.users if u not in inside), None)
+        if node is not product and outside is not None:
+            if node is softmax or node in softmax.users:
+                reason = ("the attention probabilities are used outside the attention (returned, or saved for a "
+                          "backward): npu_fused_infer_attention_score does not give them")
+            else:
+                reason = f"intermediate {node.name} ({node.target}) is also used by {outside.name}"
+            return Recognized("attention (axis algebra)", product, nodes, reason=reason)
+    scale = read.scale
+    if not isinstance(scale, (int, float)):
+        return _refused(f"the scale {scale} is not a constant", product, softmax)
+    metas = {name: tensor_meta(node) for name, node in inputs.items()}
+    sizes = {}
+    for expr, meta in ((q, metas["query"]), (k, metas["key"]), (v, metas["value"])):
+        sizes.update(atom_sizes(meta, expr.dims))
+    group = {name: _size(sizes, atoms) for name, atoms in (
+        ("batch", layout.batch), ("heads", layout.heads_kv + layout.group), ("heads_kv", layout.heads_kv),
+        ("queries", layout.queries), ("keys", layout.keys), ("dim", layout.dim), ("dim_v", layout.dim_v))}
+    mode, why = mask_mode(terms, group["queries"], group["keys"])
+    compute = tensor_meta(read.scores.node if read.scores.node is not None else product).dtype
+    dtype = metas["query"].dtype if len({m.dtype for m in metas.values()}) == 1 else compute
+    replace = _fia_replacement(q.dims, k.dims, v.dims, layout, terms, float(scale), mode or "explicit",
+                               dtype, value.dims, tensor_meta(product).dtype)
+    query = metas["query"].new_empty((group["batch"], group["heads"], group["queries"], group["dim"]), dtype=dtype)
+    key = metas["key"].new_empty((group["batch"], group["heads_kv"], group["keys"], group["dim"]), dtype=dtype)
+    val = metas["value"].new_empty((group["batch"], group["heads_kv"], group["keys"], group["dim_v"]), dtype=dtype)
+    site_args = {"query": query, "key": key, "value": val, "scale": float(scale)}
+    if mode is None and terms:
+        batched = any("b" in t.roles for t in terms)
+        site_args["mask"] = query.new_empty((group["batch"] if batched else 1, 1, group["queries"], group["keys"]),
+                                            dtype=torch.bool)
+        notes.append(f"explicit mask ({why})")
+        notes.append(_FULL_ROW[softmax.target is aten._safe_softmax.default])
+    elif terms:
+        notes.append(why)
+    return Recognized("attention (axis algebra)", product, nodes, {**inputs, **masks}, replace, site_args,
+                      fused_op="npu.npu_fused_infer_attention_score", notes=notes)
+
+
+_FULL_ROW = {
+    False: ("a query row that hides every key: the model's softmax gives NaN (-inf) or spreads it over all keys (a "
+            "finite fill), npu_fused_infer_attention_score (invalid-row correction) gives 0"),
+    True: "a query row that hides every key gives 0 in both (_safe_softmax, invalid-row correction)",
+}
+
+
+def _size(sizes, atoms):
+    out = 1
+    for a in atoms:
+        out = out * sizes[a]
+    return out
+
+
+def _fia_replacement(q_dims, k_dims, v_dims, layout, terms, scale, mode, dtype, out_dims, out_dtype):
+    heads = layout.heads_kv + layout.group
+    bnsd_q = (layout.batch, heads, layout.queries, layout.dim)
+    bnsd_k = (layout.batch, layout.heads_kv, layout.keys, layout.dim)
+    bnsd_v = (layout.batch, layout.heads_kv, layout.keys, layout.dim_v)
+    bnsd_out = (layout.batch, heads, layout.queries, layout.dim_v)
+
+    def npu_fused_infer_attention_score_recognized(query, key, value, *masks):
+        sizes = {**atom_sizes(query, q_dims), **atom_sizes(key, k_dims), **atom_sizes(value, v_dims)}
+        q = rearrange(query, q_dims, bnsd_q, sizes).to(dtype)
+        k = rearrange(key, k_dims, bnsd_k, sizes).to(dtype)
+        v = rearrange(value, v_dims, bnsd_v, sizes).to(dtype)
+        if mode == "causal":
+            out = _fia(q, k, v, scale, _compressed_mask(q), sparse_mode=3)
+        elif mode == "none":
+            out = _fia(q, k, v, scale)
+        else:  # FIA's mask: True = hidden, (B or 1, 1, S, T)
+            hidden = hidden_keys(masks, terms)
+            hidden = hidden.expand(hidden.shape[0], q.shape[2], k.shape[2]).unsqueeze(1).contiguous()
+            out = _fia(q, k, v, scale, hidden)
+        return rearrange(out.to(out_dtype), bnsd_out, out_dims, sizes)
+
+    npu_fused_infer_attention_score_recognized.mask_mode = mode
+    return npu_fused_infer_attention_score_recognized
 
 
 def could_match(graph):
@@ -576,4 +944,5 @@ PASS = FusionPass(
     # DeepSeek-V3.2's top-k attention is dense attention under an arbitrary mask too:
     # sparse_attention takes it first
     after=("sparse_attention",),
+    recognize=recognize,
 )

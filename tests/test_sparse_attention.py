@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+from helpers import GuardRecordingBackend, assert_close_at_scale, compile_and_run, is_size_limit, near_miss_reasons
 
 BOTH = nff.FusionConfig(enable={"sparse_attention", "lightning_indexer"})
 SEQ = 16
@@ -140,6 +140,39 @@ def test_masks_the_op_cannot_express_are_not_fused(mask, reason, npu_dispatch):
         assert misses and all(reason in m or "reach" in m for m in misses), (pass_name, misses)
     assert any(reason in m for m in near_miss_reasons(report, "sparse_attention"))
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_under_dynamic_shapes_the_mask_is_proven_for_every_size_and_the_top_k_guarded(mask):
+    """With the sequence symbolic the model's mask is another tensor at every size: it is
+    proven right-down causal over all sizes (symbolic_values.py), and the indexer's
+    `min(index_topk, S)` is taken as index_topk behind a guard S >= index_topk (a shorter
+    sequence compiles again, without the fusion there). A sliding window is proven not
+    causal and neither fuses."""
+    backend = GuardRecordingBackend(BOTH)
+    layer = AttentionLayer(index_topk=8, mask=mask)
+    compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for seq in (16, 11):  # one graph serves both (S >= 8)
+            assert_close_at_scale(compiled(_hidden(seq=seq)), layer(_hidden(seq=seq)), 4)
+        assert len(backend.report.graphs) == 1
+        first = backend.report
+        if mask == "window":
+            assert first.counts["sparse_attention"] == 0 and first.counts["lightning_indexer"] == 0
+            assert any("neither right-down causal nor empty for every size" in m
+                       for m in near_miss_reasons(first, "sparse_attention"))
+            return
+        assert first.counts["sparse_attention"] == 1 and first.counts["lightning_indexer"] == 1
+        notes = " ".join(s.note for s in first.sites)
+        assert "index_topk taken as 8: a guard" in notes, notes
+        # the guard bounds the sequence by 8 and pins nothing (the other guards: kernels' size limits)
+        assert all(is_size_limit(g) for g in backend.added_guards), backend.added_guards
+        assert any(8 in g.atoms() for g in backend.added_guards), backend.added_guards
+        # below the guard: a second compile, where min(8, S) is S (not a constant): unfused
+        assert_close_at_scale(compiled(_hidden(seq=5)), layer(_hidden(seq=5)), 4)
+    assert len(backend.report.graphs) == 2
+    second = backend.report.graphs[1]
+    assert [len(r.sites) for r in second.passes if r.pass_name == "lightning_indexer"] == [0]
 
 
 def test_an_soc_with_the_kernels_limits_refuses_the_tiny_head_dims():

@@ -38,7 +38,7 @@ from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
 from .insertion import _inherit_kept_calls, _inherit_source_meta, _reads_later_node, insert_replacement
 from .forms import Form, FusionPass, Reason, Site
-from .nodes import known_equal
+from .nodes import constant_on_a_size_range, known_equal
 from .recognition import RecognitionRun, recognized_sites
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
                        pattern_set)
@@ -643,6 +643,7 @@ def _first_failure(ctx: RunContext, registration: Registration, site: Site, matc
             or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
             or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
             or ctx.fusion_pass.check(site)
+            or _specialise_sizes(site, arguments)
             or _outputs_differ(ctx, registration, match, arguments, replacement)
             or _slower(ctx, site, match, replacement[0])
             or (_verify(ctx, site, match) if ctx.verify else None))
@@ -705,9 +706,34 @@ def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:
             return f"{name} is {value!r}, not a tensor"
         if fusion_pass.is_scalar(name) and isinstance(site.arg_nodes.get(name), Node):
             if isinstance(value, (torch.SymInt, torch.SymFloat)):  # e.g. min(index_topk, S), S dynamic
+                constant = constant_on_a_size_range(value)
+                if constant is not None:
+                    # the check reads the constant; the guard comes once the check accepts the
+                    # site (_specialise_sizes), so a site the check refuses pins no size range
+                    site.args[name] = constant[0]
+                    site.specialised[name] = constant
+                    continue
                 return (f"{name} is {value}, computed from the graph's symbolic sizes (dynamic shapes), "
-                        "not a constant the fused op can take")
+                        "not a constant the fused op can take, nor one over a range of sizes a guard could keep")
             return f"{name} is a tensor computed in the graph, not a constant"
+    return None
+
+
+def _specialise_sizes(site: Site, arguments: _Arguments) -> Reason:
+    """A scalar that is a constant over a range of sizes (min(index_topk, S): index_topk for
+    every S >= index_topk) is taken as that constant, guarded as dynamo guards its own
+    specialisations: the compiled graph then serves the sizes in the range, and a call
+    outside it compiles again (without the fusion there). The replacement is traced with
+    the constant. The guard comes after the pass's own check, so a site it refuses pins no
+    range, and before the output check, which needs it to prove the output shapes equal
+    (`Min(8, S)` is 8 only where S >= 8)."""
+    for name, (constant, guard) in site.specialised.items():
+        if not guard():
+            return f"{name} is not {constant} at this compile's sizes"
+        arguments.values[site.form.argnames.index(name)] = constant
+        arguments.__dict__.pop("traced", None)  # traced again with the constant
+        site.notes.append(f"{name} taken as {constant}: a guard keeps this graph to the sizes where it is "
+                          f"(a call outside them compiles again)")
     return None
 
 

@@ -85,6 +85,9 @@ class Site:
     # FusionConfig.keep_intermediate_rounding: a form whose fused op computes in more
     # precision than the code (rounds once where the code rounds each step) is refused
     keep_intermediate_rounding: bool = False
+    # scalars computed from symbolic sizes that are a constant over a range of them
+    # (min(index_topk, S)): {name: (constant, guard)}, guarded once the site is accepted
+    specialised: dict = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]

@@ -7,6 +7,9 @@ as near misses (docs/adding-a-pattern.md). The helpers below read nodes in those
 Registration (registry.py) and matching (accept.py) happen behind this surface, on first
 use: importing a pattern module traces and registers nothing.
 """
+# what a region of contractions, reductions and elementwise ops computes, whatever its layouts
+from .axis_algebra import (AxisEvaluation, Expr, MaskedScores, MaskUse, atom_sizes, atoms_of, read_masked_scores,
+                           rearrange, scale_and_rest, strip_casts)
 from .canonical import is_backward, is_joint_graph
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
@@ -25,7 +28,9 @@ from .npu_ops.spec import dtype_argument
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
 from .spellings import sum_over_count
 
-__all__ = ["ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
+__all__ = ["AxisEvaluation", "Expr", "MaskedScores", "MaskUse", "atom_sizes", "atoms_of", "read_masked_scores",
+           "rearrange", "scale_and_rest", "strip_casts",
+           "ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
            "channel_gather", "channels_of", "dtype_argument", "evaluate_around", "first_refused_use", "group_backend",
            "group_size", "hcom_of", "is_backward", "is_call", "is_joint_graph", "is_training_graph", "known_equal",
            "modelled", "no_communicator_reason", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",

@@ -141,3 +141,37 @@ def custom_ops(gm: torch.fx.GraphModule) -> set[str]:
     return {op_name(t) for t in targets
             if isinstance(t, torch._ops.OpOverload)  # noqa: SLF001
             and t.namespace not in ("aten", "prims")}
+
+
+def constant_on_a_size_range(value: Any) -> Optional[tuple[int, Callable[[], bool]]]:
+    """For a SymInt that is one constant over an unbounded range of its sizes, (c, guard):
+    `min(k, S)` is k for every S >= k, `max(k, S)` for every S <= k. `guard()` installs that
+    range as a guard of the compiled graph, as dynamo does when it specialises a size (a
+    compile at a size outside it recompiles), and returns whether it holds here. None for
+    anything else: guarding `S == 16` itself would pin the size, one compile per length."""
+    if not isinstance(value, torch.SymInt):
+        return None
+    expr = value.node.expr
+    kind = type(expr).__name__
+    if kind not in ("Min", "Max"):
+        return None
+    constants = [a for a in expr.args if a.is_number]
+    hint = value.node.hint
+    if len(constants) != 1 or hint is None or int(constants[0]) != int(hint):
+        return None
+    c = int(constants[0])
+    others = [a for a in expr.args if not a.is_number]
+
+    def guard() -> bool:
+        # on each size expression itself (S >= k): the shape environment then narrows the
+        # size's range, and proves min(k, S) == k wherever the graph reads it
+        from torch.fx.experimental.symbolic_shapes import guard_bool
+
+        env = value.node.shape_env
+        held = True
+        for other in others:
+            size = env.create_symintnode(other, hint=int(env.guarding_hint_or_throw(other)))
+            held = held and guard_bool(size >= c if kind == "Min" else size <= c)
+        return held
+
+    return c, guard

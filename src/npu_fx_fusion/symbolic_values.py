@@ -1,0 +1,715 @@
+"""Values a graph computes from its symbolic sizes only, as formulas of their indices.
+
+Under dynamic shapes the causal mask a model builds from `arange`s of the sequence length is
+another tensor at every size, so evaluating it once (constants.evaluate_constant) proves
+nothing. But it is a function of its indices and of the size symbols: element [b, h, i, j]
+of `arange(S)[None, :] <= arange(S)[:, None]` is `j <= i`, whatever S is. This module
+evaluates a subgraph that reads no tensor input (aranges, constants, sizes; arithmetic,
+comparisons, logic, where, views, expand, slice, cat, index with index tensors, cumsum of a
+constant, triu / tril) into one sympy formula per node over one index symbol per dim, and
+decides a boolean formula over the box of every index (0 <= i < size) for every size the
+shape environment allows (each symbol at least its lower bound):
+
+- a comparison linear in the indices is decided from its least and greatest value over the
+  box (a polynomial in the size symbols with every coefficient of one sign, after writing
+  each symbol as its lower bound plus a non-negative part);
+- a conjunction narrows the box with its one-index bounds (`i < 1` makes i 0) and
+  intersects the ranges its comparisons give each linear form of the indices (`j - i <= 0`
+  and `j - i >= 1` are empty);
+- `where`, `cat` and a cast of a bool are piecewise: each piece is decided under its
+  condition.
+
+A mask is then right-down causal when `visible and not causal` and `causal and not visible`
+are both decided False: a proof for every size, not a test at some. Anything else (a tensor
+input, an op this module does not know, a formula it cannot decide) is "not proven", and
+the pass keeps the mask as a tensor. Nothing here names an op family.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import sympy
+import torch
+import torch.fx
+
+Node = torch.fx.Node
+aten = torch.ops.aten
+
+_IDX = tuple(sympy.Symbol(f"_i{d}", integer=True, nonnegative=True) for d in range(12))
+# the roles of an attention mask's dims
+_ROLE = {"b": sympy.Symbol("_batch", integer=True, nonnegative=True),
+         "s": sympy.Symbol("_query", integer=True, nonnegative=True),
+         "t": sympy.Symbol("_key", integer=True, nonnegative=True)}
+MAX_NODES = 400
+
+
+class NotSymbolic(Exception):
+    """The node's value is not a formula this module builds or decides."""
+
+
+@dataclass(frozen=True)
+class Formula:
+    shape: tuple  # sympy sizes
+    expr: Any  # sympy: over _IDX[:len(shape)]
+
+
+# ---- sizes ----------------------------------------------------------------------------------------------
+def _size(value: Any) -> Any:
+    if isinstance(value, int):
+        return sympy.Integer(value)
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    raise NotSymbolic(f"a size {value!r}")
+
+
+def _meta_shape(node: Node) -> tuple:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise NotSymbolic(f"{node.name} is not a tensor")
+    return tuple(_size(s) for s in value.shape)
+
+
+def _is_one(size: Any) -> bool:
+    return size == 1
+
+
+# ---- evaluation ------------------------------------------------------------------------------------------
+class _Evaluation:
+    def __init__(self, lower: dict):
+        self.values: dict[Node, Formula] = {}
+        self.lower = lower  # each size symbol's least value
+
+    def value(self, node: Any) -> Any:
+        """A Formula for a tensor node, a sympy number for a Python scalar or a SymInt node."""
+        if not isinstance(node, Node):
+            if isinstance(node, bool):
+                return sympy.true if node else sympy.false
+            if isinstance(node, (int, float)):
+                return sympy.Integer(node) if isinstance(node, int) else _float(node)
+            if isinstance(node, torch.SymInt):
+                return node.node.expr
+            raise NotSymbolic(f"an argument {node!r}")
+        found = self.values.get(node)
+        if found is None:
+            if len(self.values) > MAX_NODES:
+                raise NotSymbolic("the subgraph is too large")
+            found = self.values[node] = _evaluate(self, node)
+        return found
+
+
+def _float(x: float) -> Any:
+    if x == float("inf"):
+        return sympy.oo
+    if x == float("-inf"):
+        return -sympy.oo
+    return sympy.Rational(x) if float(x).is_integer() else sympy.Float(x)
+
+
+def _evaluate(ev: _Evaluation, node: Node) -> Any:
+    meta = node.meta.get("val")
+    if isinstance(meta, torch.SymInt):
+        return meta.node.expr
+    if node.op != "call_function":
+        raise NotSymbolic(f"{node.name} is a graph input")
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    handler = _HANDLERS.get(name)
+    if handler is None:
+        raise NotSymbolic(f"{node.target} is not evaluated symbolically")
+    shape = _meta_shape(node)
+    expr = handler(ev, node, shape)
+    return Formula(shape, expr)
+
+
+def _scalar_or(ev: _Evaluation, arg: Any, shape: tuple) -> Any:
+    """An operand as an expression over the output's indices (broadcast)."""
+    value = ev.value(arg)
+    if not isinstance(value, Formula):
+        return value
+    return _broadcast(value, shape)
+
+
+def _broadcast(value: Formula, shape: tuple) -> Any:
+    offset = len(shape) - len(value.shape)
+    mapping = {}
+    for d, size in enumerate(value.shape):
+        mapping[_IDX[d]] = sympy.Integer(0) if _is_one(size) else _IDX[d + offset]
+    return value.expr.xreplace(mapping)
+
+
+def _arange(ev, node, shape):
+    args = [ev.value(a) for a in node.args]
+    start, step = (args[0], args[2] if len(args) > 2 else 1) if len(args) > 1 else (0, 1)
+    return sympy.sympify(start) + step * _IDX[0]
+
+
+def _constant(index):
+    def handler(ev, node, shape):
+        value = node.args[index] if len(node.args) > index else node.kwargs.get("fill_value")
+        return ev.value(value)
+    return handler
+
+
+def _fixed(value):
+    return lambda ev, node, shape: value
+
+
+def _binary(op):
+    def handler(ev, node, shape):
+        a, b = (_scalar_or(ev, x, shape) for x in node.args[:2])
+        alpha = node.kwargs.get("alpha", 1)
+        if alpha != 1:
+            b = b * alpha
+        return op(a, b)
+    return handler
+
+
+def _compare(op):
+    def handler(ev, node, shape):
+        a, b = (_scalar_or(ev, x, shape) for x in node.args[:2])
+        return _relation(op, a, b)
+    return handler
+
+
+def _relation(op, a, b):
+    if isinstance(a, sympy.Piecewise) or isinstance(b, sympy.Piecewise):
+        return _fold(lambda x, y: _relation(op, x, y), a, b)
+    return op(a, b)
+
+
+def _fold(fn, *args):
+    """fn applied to each piece of the piecewise arguments."""
+    for i, a in enumerate(args):
+        if isinstance(a, sympy.Piecewise):
+            pieces = []
+            for value, cond in a.args:
+                rest = list(args)
+                rest[i] = value
+                pieces.append((_fold(fn, *rest), cond))
+            return sympy.Piecewise(*pieces)
+    return fn(*args)
+
+
+def _logic(op):
+    def handler(ev, node, shape):
+        args = [_as_bool(_scalar_or(ev, x, shape)) for x in node.args[:2]]
+        return op(*args)
+    return handler
+
+
+def _as_bool(expr: Any) -> Any:
+    if expr is sympy.true or expr is sympy.false or isinstance(expr, (sympy.logic.boolalg.Boolean,)):
+        return expr
+    if isinstance(expr, sympy.Piecewise):
+        return _piecewise_bool(_fold(_as_bool, expr))
+    return sympy.Ne(expr, 0)
+
+
+def _piecewise_bool(expr: Any) -> Any:
+    """A piecewise of booleans as one boolean formula."""
+    if not isinstance(expr, sympy.Piecewise):
+        return expr
+    out, previous = [], []
+    for value, cond in expr.args:
+        out.append(sympy.And(cond, *[sympy.Not(p) for p in previous], _piecewise_bool(value)))
+        previous.append(cond)
+    return sympy.Or(*out)
+
+
+def _not(ev, node, shape):
+    return sympy.Not(_as_bool(_scalar_or(ev, node.args[0], shape)))
+
+
+def _where(ev, node, shape):
+    cond = _as_bool(_scalar_or(ev, node.args[0], shape))
+    a, b = (_scalar_or(ev, x, shape) for x in node.args[1:3])
+    return sympy.Piecewise((a, cond), (b, True))
+
+
+def _masked_fill(ev, node, shape):
+    x = _scalar_or(ev, node.args[0], shape)
+    cond = _as_bool(_scalar_or(ev, node.args[1], shape))
+    return sympy.Piecewise((_scalar_or(ev, node.args[2], shape), cond), (x, True))
+
+
+def _cast(ev, node, shape):
+    x = _scalar_or(ev, node.args[0], shape)
+    meta = node.meta["val"]
+    if meta.dtype == torch.bool:
+        return _as_bool(x)
+    if isinstance(x, sympy.logic.boolalg.Boolean):
+        return sympy.Piecewise((1, x), (0, True))
+    return x
+
+
+def _unary_map(fn):
+    def handler(ev, node, shape):
+        x = _scalar_or(ev, node.args[0], shape)
+        return _fold(fn, x)
+    return handler
+
+
+def _log(x):
+    if x == 0:
+        return -sympy.oo
+    if x == 1:
+        return sympy.Integer(0)
+    return sympy.log(x)
+
+
+def _isinf(x):
+    return sympy.true if x in (sympy.oo, -sympy.oo) else sympy.false if x.is_number else _unknown("isinf")
+
+
+def _unknown(what):
+    raise NotSymbolic(f"{what} of a formula")
+
+
+def _view_like(ev, node, shape):
+    """A view that only inserts or removes dims of size 1 (anything else is not followed)."""
+    x = ev.value(node.args[0])
+    src = [(d, s) for d, s in enumerate(x.shape) if not _is_one(s)]
+    dst = [(d, s) for d, s in enumerate(shape) if not _is_one(s)]
+    if len(src) != len(dst) or any(sympy.simplify(a[1] - b[1]) != 0 for a, b in zip(src, dst)):
+        raise NotSymbolic(f"{node.name} reshapes")
+    mapping = {_IDX[d]: sympy.Integer(0) for d, s in enumerate(x.shape) if _is_one(s)}
+    mapping.update({_IDX[a[0]]: _IDX[b[0]] for a, b in zip(src, dst)})
+    return x.expr.xreplace(mapping)
+
+
+def _same(ev, node, shape):
+    return ev.value(node.args[0]).expr
+
+
+def _unsqueeze(ev, node, shape):
+    x = ev.value(node.args[0])
+    d = node.args[1] % (len(x.shape) + 1)
+    mapping = {_IDX[i]: _IDX[i + 1 if i >= d else i] for i in range(len(x.shape))}
+    return x.expr.xreplace(mapping)
+
+
+def _squeeze(ev, node, shape):
+    return _view_like(ev, node, shape)
+
+
+def _expand(ev, node, shape):
+    x = ev.value(node.args[0])
+    return _broadcast(x, shape)
+
+
+def _permute(ev, node, shape):
+    x = ev.value(node.args[0])
+    rank = len(x.shape)
+    if "transpose" in getattr(node.target, "__name__", ""):
+        a, b = node.args[1] % rank, node.args[2] % rank
+        order = list(range(rank))
+        order[a], order[b] = order[b], order[a]
+    else:
+        order = [d % rank for d in node.args[1]]
+    return x.expr.xreplace({_IDX[src]: _IDX[dst] for dst, src in enumerate(order)})
+
+
+def _slice(ev, node, shape):
+    x = ev.value(node.args[0])
+    rank = len(x.shape)
+    d = (node.args[1] if len(node.args) > 1 else 0) % rank
+    start = node.args[2] if len(node.args) > 2 else 0
+    step = node.args[4] if len(node.args) > 4 else 1
+    start = ev.value(start) if start is not None else 0
+    if isinstance(start, sympy.Basic) and start.is_number and start < 0:
+        start = start + x.shape[d]
+    if not isinstance(step, int):
+        raise NotSymbolic("a slice with a symbolic step")
+    return x.expr.xreplace({_IDX[d]: start + step * _IDX[d]})
+
+
+def _select(ev, node, shape):
+    x = ev.value(node.args[0])
+    rank = len(x.shape)
+    d = node.args[1] % rank
+    index = ev.value(node.args[2])
+    mapping = {_IDX[d]: index}
+    mapping.update({_IDX[i]: _IDX[i - 1] for i in range(d + 1, rank)})
+    return x.expr.xreplace(mapping)
+
+
+def _cat(ev, node, shape):
+    tensors = node.args[0]
+    rank = len(shape)
+    d = (node.args[1] if len(node.args) > 1 else 0) % rank
+    pieces, offset = [], sympy.Integer(0)
+    for t in tensors:
+        value = ev.value(t)
+        if len(value.shape) != rank:
+            raise NotSymbolic("a cat of a 1-d empty tensor")
+        expr = value.expr.xreplace({_IDX[d]: _IDX[d] - offset})
+        offset = offset + value.shape[d]
+        pieces.append((expr, sympy.Lt(_IDX[d], offset)))
+    pieces[-1] = (pieces[-1][0], True)
+    return sympy.Piecewise(*pieces)
+
+
+def _triangle(upper):
+    def handler(ev, node, shape):
+        x = ev.value(node.args[0])
+        k = ev.value(node.args[1]) if len(node.args) > 1 else 0
+        rank = len(shape)
+        row, col = _IDX[rank - 2], _IDX[rank - 1]
+        keep = sympy.Ge(col - row, k) if upper else sympy.Le(col - row, k)
+        if node.meta["val"].dtype == torch.bool:
+            return sympy.And(_as_bool(x.expr), keep)
+        return sympy.Piecewise((x.expr, keep), (0, True))
+    return handler
+
+
+def _index(ev, node, shape):
+    x = ev.value(node.args[0])
+    indices = list(node.args[1])
+    if any(i is None for i in indices):
+        raise NotSymbolic("an index with None")
+    count = len(indices)
+    lead = len(shape) - (len(x.shape) - count)
+    mapping = {}
+    for k, index in enumerate(indices):
+        value = ev.value(index)
+        if not isinstance(value, Formula):
+            raise NotSymbolic("an index that is not a tensor")
+        mapping[_IDX[k]] = _broadcast(value, shape[:lead])
+    for k in range(count, len(x.shape)):
+        mapping[_IDX[k]] = _IDX[k - count + lead]
+    return x.expr.xreplace(mapping)
+
+
+def _cumsum(ev, node, shape):
+    x = ev.value(node.args[0])
+    d = node.args[1] % len(shape)
+    summand = x.expr
+    if isinstance(summand, sympy.logic.boolalg.Boolean) or summand in (sympy.true, sympy.false):
+        summand = sympy.Piecewise((1, summand), (0, True))
+    box = _Box.of(shape, ev.lower)
+    decided = _decide_value(summand, box)
+    if decided is None or decided.has(_IDX[d]):
+        raise NotSymbolic("a cumsum of a value that varies along it")
+    return decided * (_IDX[d] + 1)
+
+
+_HANDLERS = {
+    "arange": _arange, "full": _constant(1), "new_full": _constant(2), "full_like": _constant(1),
+    "scalar_tensor": _constant(0), "ones": _fixed(sympy.Integer(1)), "new_ones": _fixed(sympy.Integer(1)),
+    "ones_like": _fixed(sympy.Integer(1)), "zeros": _fixed(sympy.Integer(0)), "new_zeros": _fixed(sympy.Integer(0)),
+    "zeros_like": _fixed(sympy.Integer(0)),
+    "add": _binary(lambda a, b: a + b), "sub": _binary(lambda a, b: a - b), "mul": _binary(lambda a, b: a * b),
+    "neg": _unary_map(lambda x: -x), "log": _unary_map(_log), "isinf": _unary_map(_isinf),
+    "eq": _compare(sympy.Eq), "ne": _compare(sympy.Ne), "lt": _compare(sympy.Lt), "le": _compare(sympy.Le),
+    "gt": _compare(sympy.Gt), "ge": _compare(sympy.Ge),
+    "bitwise_and": _logic(sympy.And), "logical_and": _logic(sympy.And), "bitwise_or": _logic(sympy.Or),
+    "logical_or": _logic(sympy.Or), "bitwise_not": _not, "logical_not": _not,
+    "where": _where, "masked_fill": _masked_fill,
+    "_to_copy": _cast, "convert_element_type": _cast, "_npu_dtype_cast": _cast,
+    "view": _view_like, "_unsafe_view": _view_like, "reshape": _view_like, "squeeze": _squeeze,
+    "unsqueeze": _unsqueeze, "expand": _expand, "permute": _permute, "transpose": _permute,
+    "slice": _slice, "select": _select, "cat": _cat, "triu": _triangle(True), "tril": _triangle(False),
+    "index": _index, "cumsum": _cumsum,
+    "clone": _same, "contiguous": _same, "alias": _same, "lift_fresh_copy": _same, "detach": _same,
+}
+
+
+# ---- deciding formulas over the box of indices -------------------------------------------------------
+@dataclass
+class _Box:
+    """Each index symbol's range [lo, hi] (sympy, in the size symbols), and each size symbol's
+    lower bound."""
+
+    ranges: dict
+    lower: dict
+
+    @staticmethod
+    def of(shape: Sequence[Any], lower: dict) -> "_Box":
+        ranges = {s: (sympy.Integer(0), size - 1) for s, size in zip(_IDX, shape)}
+        return _Box(ranges, lower)
+
+    def narrowed(self, symbol: Any, lo: Any = None, hi: Any = None) -> "_Box":
+        ranges = dict(self.ranges)
+        old_lo, old_hi = ranges[symbol]
+        ranges[symbol] = (_max(old_lo, lo, self.lower) if lo is not None else old_lo,
+                          _min(old_hi, hi, self.lower) if hi is not None else old_hi)
+        return _Box(ranges, self.lower)
+
+
+def _nonnegative(expr: Any, lower: dict) -> bool:
+    """expr >= 0 for every value of its size symbols: written with each symbol as its least
+    value plus a non-negative part, a polynomial whose every coefficient is >= 0."""
+    expr = sympy.expand(expr)
+    if expr.is_number:
+        return bool(expr >= 0) if expr.is_comparable else False
+    if expr.free_symbols & (set(_IDX) | set(_ROLE.values())):
+        return False
+    substitution = {s: lower.get(s, 0) + sympy.Dummy(f"u_{s}", nonnegative=True) for s in expr.free_symbols}
+    poly = sympy.expand(expr.xreplace(substitution))
+    if poly.is_number:
+        return bool(poly >= 0)
+    try:
+        coefficients = sympy.Poly(poly, *poly.free_symbols).coeffs()
+    except sympy.PolynomialError:
+        return False
+    return all(c.is_comparable and c >= 0 for c in coefficients) and poly.xreplace(
+        {v: 0 for v in poly.free_symbols}) >= 0
+
+
+def _max(a, b, lower):
+    """The larger of two bounds where the sizes' ranges decide it, else sympy.Max."""
+    if _nonnegative(a - b, lower):
+        return a
+    return b if _nonnegative(b - a, lower) else sympy.Max(a, b)
+
+
+def _min(a, b, lower):
+    return -_max(-a, -b, lower)
+
+
+def _linear(expr: Any, box: _Box) -> Optional[tuple[dict, Any]]:
+    """({index symbol: integer coefficient}, rest) of an expression linear in the box's
+    indices, or None."""
+    expr = sympy.expand(expr)
+    coefficients = {}
+    rest = expr
+    for symbol in box.ranges:
+        c = expr.coeff(symbol)
+        if c != 0:
+            if not c.is_Integer:
+                return None
+            coefficients[symbol] = int(c)
+            rest = rest - c * symbol
+    rest = sympy.expand(rest)
+    if rest.free_symbols & set(box.ranges):
+        return None
+    return coefficients, rest
+
+
+def _bounds(coefficients: dict, rest: Any, box: _Box) -> tuple[Any, Any]:
+    lo = hi = rest
+    for symbol, c in coefficients.items():
+        a, b = box.ranges[symbol]
+        lo, hi = (lo + c * a, hi + c * b) if c > 0 else (lo + c * b, hi + c * a)
+    return lo, hi
+
+
+def _atom(rel: Any, box: _Box) -> Any:
+    """A comparison as canonical  L + c <= 0  (L linear in the indices, integer coefficients),
+    decided to True / False over the box where it can be."""
+    lhs, rhs = rel.lhs, rel.rhs
+    if any(x in (sympy.oo, -sympy.oo, sympy.zoo) for x in (lhs, rhs)):
+        return rel.func(lhs, rhs)
+    if isinstance(rel, (sympy.Eq, sympy.Ne)):
+        d = lhs - rhs
+        both = sympy.And(_le(d, box), _le(-d, box))
+        return _simplify(both if isinstance(rel, sympy.Eq) else sympy.Not(both), box)
+    if isinstance(rel, (sympy.Ge, sympy.Gt)):
+        lhs, rhs = rhs, lhs
+    d = lhs - rhs + (1 if isinstance(rel, (sympy.Lt, sympy.Gt)) else 0)
+    return _le(d, box)
+
+
+def _le(d: Any, box: _Box) -> Any:
+    """d <= 0 (integers), decided where the box decides it."""
+    found = _linear(d, box)
+    if found is None:
+        return sympy.Le(sympy.expand(d), 0)
+    coefficients, rest = found
+    lo, hi = _bounds(coefficients, rest, box)
+    if _nonnegative(-hi, box.lower):
+        return sympy.true
+    if _nonnegative(lo - 1, box.lower):
+        return sympy.false
+    return sympy.Le(sympy.expand(d), 0)
+
+
+def _simplify(formula: Any, box: _Box, depth: int = 0) -> Any:
+    if depth > 40:
+        raise NotSymbolic("the formula is too deep")
+    if formula in (sympy.true, sympy.false) or formula is True or formula is False:
+        return sympy.true if formula in (sympy.true, True) else sympy.false
+    if isinstance(formula, sympy.Piecewise):
+        return _simplify(_piecewise_bool(formula), box, depth + 1)
+    if isinstance(formula, sympy.ITE):  # sympy's own spelling of a piecewise boolean
+        c, a, b = formula.args
+        return _simplify(sympy.Or(sympy.And(c, a), sympy.And(sympy.Not(c), b)), box, depth + 1)
+    if isinstance(formula, sympy.Not):
+        inner = _simplify(formula.args[0], box, depth + 1)
+        if inner in (sympy.true, sympy.false):
+            return sympy.false if inner == sympy.true else sympy.true
+        if isinstance(inner, sympy.Le):  # not (d <= 0) is -d + 1 <= 0 over the integers
+            return _le(-inner.lhs + 1, box)
+        if isinstance(inner, sympy.And):
+            return _simplify(sympy.Or(*[sympy.Not(a) for a in inner.args]), box, depth + 1)
+        if isinstance(inner, sympy.Or):
+            return _simplify(sympy.And(*[sympy.Not(a) for a in inner.args]), box, depth + 1)
+        raise NotSymbolic(f"a negation of {inner}")
+    if isinstance(formula, sympy.Or):
+        parts = [_simplify(a, box, depth + 1) for a in formula.args]
+        if any(p == sympy.true for p in parts):
+            return sympy.true
+        parts = [p for p in parts if p != sympy.false]
+        return sympy.Or(*parts) if parts else sympy.false
+    if isinstance(formula, sympy.And):
+        return _conjunction(list(formula.args), box, depth)
+    if isinstance(formula, sympy.core.relational.Relational):
+        lhs, rhs = formula.lhs, formula.rhs
+        if isinstance(lhs, sympy.Piecewise) or isinstance(rhs, sympy.Piecewise):
+            return _simplify(_piecewise_bool(_relation(formula.func, lhs, rhs)), box, depth + 1)
+        return _atom(formula, box)
+    if isinstance(formula, sympy.Basic) and formula.is_number:
+        return sympy.true if formula != 0 else sympy.false
+    raise NotSymbolic(f"a formula {formula}")
+
+
+def _conjunction(parts: list, box: _Box, depth: int) -> Any:
+    """And of parts: narrow the box with one-index bounds, intersect the ranges of each
+    linear form, substitute fixed indices, distribute over a small Or."""
+    for _ in range(8):
+        simplified = []
+        for p in parts:
+            s = _simplify(p, box, depth + 1)
+            if s == sympy.false:
+                return sympy.false
+            if s != sympy.true:
+                simplified += list(s.args) if isinstance(s, sympy.And) else [s]
+        narrowed = box
+        for p in simplified:
+            bound = _one_index_bound(p, narrowed)
+            if bound is not None:
+                narrowed = narrowed.narrowed(*bound)
+                lo, hi = narrowed.ranges[bound[0]]
+                if _nonnegative(lo - hi - 1, box.lower):
+                    return sympy.false
+        if _empty_linear_ranges(simplified, narrowed):
+            return sympy.false
+        fixed = {s: lo for s, (lo, hi) in narrowed.ranges.items() if sympy.expand(hi - lo) == 0}
+        if fixed and any(p.has(*fixed) for p in simplified):
+            simplified = [p.xreplace(fixed) for p in simplified]
+        elif narrowed.ranges == box.ranges:
+            parts = simplified
+            break
+        box, parts = narrowed, simplified
+    if not parts:
+        return sympy.true
+    ors = [p for p in parts if isinstance(p, sympy.Or)]
+    if ors and len(ors[0].args) <= 8:
+        rest = [p for p in parts if p is not ors[0]]
+        return _simplify(sympy.Or(*[sympy.And(a, *rest) for a in ors[0].args]), box, depth + 1)
+    return sympy.And(*parts)
+
+
+def _one_index_bound(part: Any, box: _Box) -> Optional[tuple]:
+    if not isinstance(part, sympy.Le) or part.rhs != 0:
+        return None
+    found = _linear(part.lhs, box)
+    if found is None or len(found[0]) != 1:
+        return None
+    (symbol, c), = found[0].items()
+    rest = found[1]
+    if abs(c) != 1 and not rest.is_number:
+        return None  # (a bound floor(-r / c) of a symbolic r: not a polynomial to compare)
+    if c > 0:  # c i + r <= 0: i <= floor(-r / c)
+        return symbol, None, -rest if c == 1 else sympy.floor(-rest / c)
+    return symbol, rest if c == -1 else sympy.ceiling(rest / -c), None
+
+
+def _empty_linear_ranges(parts: list, box: _Box) -> bool:
+    """Two comparisons bound one linear form of the indices from both sides with nothing between."""
+    bounds: dict = {}
+    for p in parts:
+        if not isinstance(p, sympy.Le) or p.rhs != 0:
+            continue
+        found = _linear(p.lhs, box)
+        if found is None or len(found[0]) < 2:
+            continue
+        coefficients, rest = found
+        sign = 1 if next(iter(sorted(coefficients.items(), key=lambda kv: kv[0].name)))[1] > 0 else -1
+        key = tuple(sorted((s.name, sign * c) for s, c in coefficients.items()))
+        hi_or_lo = bounds.setdefault(key, [[], []])
+        # sign 1: form <= -rest ; sign -1: form >= rest
+        (hi_or_lo[0] if sign > 0 else hi_or_lo[1]).append(-rest if sign > 0 else rest)
+    for his, los in bounds.values():
+        for hi in his:
+            for lo in los:
+                if _nonnegative(lo - hi - 1, box.lower):
+                    return True
+    return False
+
+
+def _decide_value(expr: Any, box: _Box) -> Optional[Any]:
+    """A numeric formula with its pieces decided over the box (one piece left), or None."""
+    if isinstance(expr, sympy.Piecewise):
+        for value, cond in expr.args:
+            decided = _simplify(cond, box)
+            if decided == sympy.true:
+                return _decide_value(value, box)
+            if decided != sympy.false:
+                return None
+        return None
+    if isinstance(expr, sympy.logic.boolalg.Boolean):
+        decided = _simplify(expr, box)
+        return sympy.Integer(1) if decided == sympy.true else sympy.Integer(0) if decided == sympy.false else None
+    return expr
+
+
+# ---- masks ---------------------------------------------------------------------------------------------
+def symbolic_mask_mode(terms: Sequence[Any], queries: Any, keys: Any) -> tuple[Optional[str], str]:
+    """constants.mask_mode for masks computed from symbolic sizes only: (mode, why)."""
+    try:
+        hidden = _hidden_formula(terms, _shape_env_lower_bounds(terms))
+    except NotSymbolic as exc:
+        return None, (f"the attention mask cannot be proven causal at compile time: it is computed from graph inputs "
+                      f"or in a way the symbolic proof does not follow ({exc})")
+    S, T = _size(queries), _size(keys)
+    lower = _shape_env_lower_bounds(terms)
+    ranges = {_ROLE["s"]: (sympy.Integer(0), S - 1), _ROLE["t"]: (sympy.Integer(0), T - 1)}
+    batch = next((_meta_shape(t.node)[d] for t in terms for d, role in enumerate(t.roles) if role == "b"), None)
+    if batch is not None:
+        ranges[_ROLE["b"]] = (sympy.Integer(0), batch - 1)
+    box = _Box(ranges, lower)
+    visible = sympy.Not(hidden)
+    causal = sympy.Le(_ROLE["t"] - _ROLE["s"] - (T - S), 0)
+    try:
+        if _simplify(hidden, box) == sympy.false:
+            return "none", "the attention mask masks nothing (proven for every size)"
+        if (_simplify(sympy.And(visible, sympy.Not(causal)), box) == sympy.false
+                and _simplify(sympy.And(causal, sympy.Not(visible)), box) == sympy.false):
+            return "causal", "the attention mask is right-down causal (proven for every size)"
+    except NotSymbolic as exc:
+        return None, f"the attention mask could not be decided symbolically ({exc})"
+    return None, ("the attention mask is neither right-down causal nor empty for every size (padding, a window, "
+                  "or a mask this proof cannot decide)")
+
+
+def _hidden_formula(terms: Sequence[Any], lower: dict) -> Any:
+    ev = _Evaluation(lower)
+    parts = []
+    for term in terms:
+        value = ev.value(term.node)
+        if not isinstance(value, Formula):
+            raise NotSymbolic("a mask that is not a tensor")
+        mapping = {}
+        for d, role in enumerate(term.roles):  # (a proof over the batch's index holds for every batch)
+            mapping[_IDX[d]] = _ROLE[role] if role is not None else sympy.Integer(0)
+        expr = value.expr.xreplace(mapping)
+        if term.hides == "true":
+            parts.append(_as_bool(expr))
+        elif term.hides == "false":
+            parts.append(sympy.Not(_as_bool(expr)))
+        else:
+            parts.append(_as_bool(expr))  # an additive mask: hidden where not 0
+    return sympy.Or(*parts)
+
+
+def _shape_env_lower_bounds(terms: Sequence[Any]) -> dict:
+    for term in terms:
+        value = term.node.meta.get("val")
+        for size in getattr(value, "shape", ()):
+            if isinstance(size, torch.SymInt):
+                env = size.node.shape_env
+                return {s: int(r.lower) if r.lower.is_finite else 0 for s, r in env.var_to_range.items()}
+    return {}
