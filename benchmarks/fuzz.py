@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 import fuzz_cases  # noqa: E402
-from fuzz_cases import BAD_OUTCOMES, FAMILIES, OUTCOMES, make_case, run_case  # noqa: E402
+from fuzz_cases import BAD_OUTCOMES, FAMILIES, LIBRARY, OUTCOMES, make_case, run_case  # noqa: E402
 
 
 def figures(results) -> str:
@@ -27,7 +27,7 @@ def figures(results) -> str:
         by_family["all"][r.outcome] += 1
     shown = [o for o in OUTCOMES if by_family["all"][o]]
     lines = ["| family | cases | " + " | ".join(shown) + " |", "|---" * (len(shown) + 2) + "|"]
-    for family in [*FAMILIES, "all"]:
+    for family in [*FAMILIES, LIBRARY, "all"]:
         counts = by_family.get(family)
         if counts:
             lines.append(f"| {family} | {sum(counts.values())} | " + " | ".join(str(counts[o]) for o in shown) + " |")
@@ -45,7 +45,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", action="append", choices=FAMILIES, help="only these families")
+    parser.add_argument("--family", action="append", choices=(*FAMILIES, LIBRARY),
+                        help="only these families (library: model code of other codebases, drawn only when named)")
     parser.add_argument("--show", type=int, default=1000, help="print at most this many failing cases")
     parser.add_argument("--quiet", action="store_true", help="no progress line per case")
     args = parser.parse_args()

@@ -4,7 +4,7 @@
 # Setup prints one line per step; a second run finds everything in place in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=6
+STEPS=7
 source scripts/venv.sh
 
 # A regular (non-editable) install: the tests run against what users get.
@@ -15,6 +15,18 @@ install_torchtitan() {
     pip_install --no-deps 'torchtitan==0.3.0' && pip_install tyro einops 'spmd_types==0.2.3' triton
 }
 step "installing torchtitan 0.3.0 (its model code only)" install_torchtitan
+# Model code of other codebases (tests/test_third_party_models.py, benchmarks/survey.py
+# --third-party; npu_fx_fusion.tiny_third_party builds them): each library without its
+# training stack. Their packages import modules their models never call (datasets, Lightning,
+# torchao, cached_path, ...), which tiny_third_party stands in for while they import;
+# olmo-core's config classes need dataclass-extensions (its Registrable configs), nothing else.
+install_other_codebases() {
+    pip_install --no-deps 'torchtune==0.6.1' 'litgpt==0.5.13' 'ai2-olmo-core==3.0.0' 'dataclass-extensions==0.5.0' &&
+    # torchtitan-npu's own models need torchtitan 0.2.2, not the 0.3.0 above: unpacked into their
+    # own folder (.cache/torchtitan-0.2.2), put on sys.path only in the process that builds them.
+    PYTHON="$VENV/bin/python" bash scripts/fetch_torchtitan_npu.sh >/dev/null
+}
+step "installing torchtune, litgpt, olmo-core and torchtitan-npu (their model code only)" install_other_codebases
 # The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
 step "unpacking the torch-npu 2.13.0 wheel into .cache (not installed)" \
     env PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh

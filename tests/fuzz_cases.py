@@ -46,6 +46,9 @@ from npu_fx_fusion.backend import EmulationBackend
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FAMILIES = ("rms_norm", "add_rms_norm", "rope", "rope_complex", "swiglu", "router")
+# drawn only when asked for (make_case(seed, "library"), benchmarks/fuzz.py --family library):
+# model code of other codebases, tests/fuzz_library.py
+LIBRARY = "library"
 
 # Outcome classes. OK_OUTCOMES are the right answers; the others are failures.
 FUSED = "fused"  # a positive fused its sites, numerics within tolerance
@@ -608,7 +611,15 @@ def _make_router(rng, seed, case_kw):
                 "moe_gating", limit, dtype, dynamic, training, build, index_outputs)
 
 
-MAKERS = {"rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
+def _make_library(rng, seed, case_kw):
+    """Model code of other codebases (tests/fuzz_library.py; not in FAMILIES' rotation)."""
+    import fuzz_library
+
+    return fuzz_library.make(rng, seed, case_kw)
+
+
+MAKERS = {"library": _make_library,
+          "rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
           "rope": _make_rope, "rope_complex": _make_rope_complex, "swiglu": _make_swiglu, "router": _make_router}
 
 

@@ -168,7 +168,10 @@ def test_report_module_factory_and_file_factory(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["report", "nonsense"], "is not hf:TYPE, hf:DIR, torchtitan:NAME or module:factory"),
+    (["report", "nonsense"], "is not hf:TYPE, hf:DIR, torchtitan:NAME, torchtune:NAME, litgpt:NAME, "
+                             "olmo_core:NAME, torchtitan_npu:NAME or module:factory"),
+    (["report", "torchtune:no_such_builder"], "unknown torchtune model builder 'no_such_builder'"),
+    (["report", "litgpt:no_such_config"], "unknown litgpt config 'no_such_config'"),
     (["report", "hf:no_such_model"], "unknown transformers model type 'no_such_model'"),
     (["report", "hf:qwen3_moe@fancy_mm"], "unknown experts implementation 'fancy_mm'"),
     (["report", "hf:./no/such/dir"], "no config.json at ./no/such/dir"),

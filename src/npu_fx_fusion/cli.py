@@ -31,6 +31,8 @@ import torch
 
 from .capabilities import MODES, SOCS
 from .config import PASS_NAMES, FusionConfig, check_environment, check_pass_names
+from .tiny_third_party import LIBRARIES as THIRD_PARTY_LIBRARIES
+from .tiny_third_party import build_third_party
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Output tolerance, relative to the largest |output| (at least 1): fp32 fusions reorder
@@ -53,6 +55,11 @@ TARGET forms:
   hf:DIR, hf:FILE.json a local model directory or config.json: no hub access, no weights;
                        built tiny with its structure kept, or at its sizes with --real-dims
   torchtitan:NAME      a tiny torchtitan model: llama3, deepseek_v3
+  torchtune:BUILDER    a torchtune 0.6.1 model builder (llama3_2_1b, gemma2_2b, qwen2_5_0_5b, ...)
+  litgpt:CONFIG        a litgpt 0.5.13 config name (Llama-3.2-1B, Mixtral-8x7B-v0.1, ...)
+  olmo_core:BUILDER    an olmo-core 3.0.0 TransformerConfig builder (olmo2_1B, olmo3_7B, ...)
+  torchtitan_npu:NAME  torchtitan-npu's own deepseek_v3, deepseek_v32, deepseek_v4, converters
+                       off (torchtitan 0.2.2 from .cache/torchtitan-0.2.2: scripts/test.sh)
   module:factory       a callable in an importable module returning (model, example_inputs)
   file.py:factory      the same, from a Python file
 
@@ -120,7 +127,8 @@ def load_target(target: str, dtype: Optional[torch.dtype], layers: Optional[int]
     per-type ones); allow_unknown_keys: tiny_models.load_hf_config's."""
     kind, sep, rest = target.partition(":")
     if not sep or not rest:
-        raise TargetError(f"TARGET {target!r} is not hf:TYPE, hf:DIR, torchtitan:NAME or module:factory")
+        raise TargetError(f"TARGET {target!r} is not hf:TYPE, hf:DIR, torchtitan:NAME, "
+                          f"{', '.join(f'{kind}:NAME' for kind in THIRD_PARTY_LIBRARIES)} or module:factory")
     if real_dims and kind != "hf":
         raise TargetError("--real-dims applies to hf: targets (transformers configs) only")
     if kind == "hf":
@@ -133,6 +141,14 @@ def load_target(target: str, dtype: Optional[torch.dtype], layers: Optional[int]
                               f"supported: {', '.join(TORCHTITAN_MODELS)}")
 
         tiny = build_torchtitan(rest, dtype=dtype or torch.float32, num_layers=2 if layers is None else layers)
+        return tiny.name, tiny.model, tuple(tiny.example_inputs), False
+    if kind in THIRD_PARTY_LIBRARIES:
+
+        sizes = {k: v for k, v in (("num_layers", layers), ("seq_len", seq_len)) if v is not None}
+        try:
+            tiny = build_third_party(kind, rest, dtype=dtype or torch.float32, **sizes)
+        except (ValueError, ImportError, RuntimeError) as exc:  # an unknown name, a library not installed
+            raise TargetError(f"{target}: {str(exc).splitlines()[0]}") from None
         return tiny.name, tiny.model, tuple(tiny.example_inputs), False
     factory = _import_factory(kind, rest)
     try:

@@ -1,0 +1,244 @@
+"""Model code of other codebases: torchtune, litgpt, olmo-core and torchtitan-npu's own models (issue 28).
+
+Each model is built tiny from its library's own config API (npu_fx_fusion.tiny_third_party)
+and compiled with the emulation backend in fp32 with static shapes. Its sites are counted
+from the model itself (tests/third_party_sites.py: the census), so a site no pass noticed
+counts as silent. Asserted, per model:
+
+- the logits equal eager's (fp32: 1e-4 of their largest value; the fused ops compute the
+  same fp32 arithmetic in another order);
+- no pass raised;
+- the census finds the sites of third_party_sites.PRESENT (the table the survey's counts
+  are stated against);
+- no category fuses fewer sites, or leaves more silent ones, than BEFORE records (the state
+  before the engine is generalised: benchmarks/survey.py --third-party, docs/survey-third-party.md).
+  As the engine improves, BEFORE's fused counts rise to PRESENT's and its silent ones fall to
+  0: tighten them there (the issue's "done when" is fused + near == present, silent == 0).
+
+The default slice builds one small model of each library and checks the census and the
+attribution on them; the compiled models are slow (one a library by default,
+NPU_FX_FUSION_THIRD_PARTY=all for every model, about 15 minutes). torchtitan-npu's models need
+torchtitan 0.2.2 while this process may hold 0.3.0: they run in a subprocess.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import third_party_sites as sites_mod
+from npu_fx_fusion import tiny_third_party
+from npu_fx_fusion.report import FusedSite, GraphReport, NearMiss, PassResult, SourceLocation
+from third_party_sites import BEFORE, PRESENT, Site, attribute, census, measure
+
+SWEEP_ENV = "NPU_FX_FUSION_THIRD_PARTY"  # "all": every model in the slow slice
+DEFAULT_MODELS = ("torchtune:llama3_2_1b", "litgpt:Qwen3-0.6B", "olmo_core:olmo2_100M", "torchtitan_npu:deepseek_v3")
+MODELS = sorted(PRESENT) if os.environ.get(SWEEP_ENV, "").strip().lower() == "all" else list(DEFAULT_MODELS)
+FP32_TOLERANCE = 1e-4
+
+
+def _installed(library):
+    try:
+        tiny_third_party._import_library(library, {"torchtune": "torchtune.models.llama3", "litgpt": "litgpt.model",
+                                                   "olmo_core": "olmo_core.nn.transformer"}[library])
+    except ImportError:
+        return False
+    return True
+
+
+def _needs(spec):
+    library = spec.split(":")[0]
+    if library == "torchtitan_npu":
+        if not os.path.isdir(os.path.join(tiny_third_party.torchtitan_npu_dir(), "torchtitan_npu")):
+            pytest.skip("torchtitan-npu is not unpacked (scripts/fetch_torchtitan_npu.sh)")
+    elif not _installed(library):
+        pytest.skip(f"{library} is not installed (scripts/test.sh installs it)")
+
+
+# ---- builders and import shims (quick) ---------------------------------------------------------
+def test_the_import_shims_leave_no_placeholder_behind():
+    for library in ("torchtune", "litgpt", "olmo_core"):
+        if not _installed(library):
+            pytest.skip(f"{library} is not installed")
+    for library, names in tiny_third_party._IMPORT_ONLY.items():
+        for name in names:
+            module = sys.modules.get(name)
+            assert module is None or not isinstance(getattr(module.__spec__, "loader", None),
+                                                    tiny_third_party._AbsentModules), name
+    assert not any(isinstance(f, tiny_third_party._AbsentModules) for f in sys.meta_path)
+
+
+def test_a_placeholder_binds_names_and_does_nothing():
+    cls = tiny_third_party._placeholder("RequirementCache")
+    instance = cls("litlogger>=0.1.7")  # litgpt.constants calls it at import
+    assert not instance and isinstance(instance.anything, type) and not instance()
+    assert (torch.Tensor | cls) is not None  # usable in an annotation
+
+
+@pytest.mark.parametrize("library, built, skipped", [("torchtune", 16, 4), ("litgpt", 22, 0), ("olmo_core", 10, 4)])
+def test_every_builder_is_one_tiny_architecture(library, built, skipped):
+    if not _installed(library):
+        pytest.skip(f"{library} is not installed")
+    architectures = tiny_third_party.third_party_models(library)
+    assert sum(not a.skip for a in architectures) == built
+    assert sum(bool(a.skip) for a in architectures) == skipped
+    builders = [b for a in architectures for b in a.builders]
+    assert len(builders) == len(set(builders))  # each builder stands in exactly one group
+    assert all(a.name in a.builders for a in architectures if not a.skip)
+    assert {f"{library}:{a.name}" for a in architectures if not a.skip} <= set(PRESENT)
+
+
+def test_an_unknown_name_says_what_there_is():
+    if not _installed("torchtune"):
+        pytest.skip("torchtune is not installed")
+    with pytest.raises(ValueError, match="unknown torchtune model builder 'llama9'.*llama3_2_1b"):
+        tiny_third_party.build_third_party("torchtune", "llama9")
+
+
+def test_torchtitan_npu_refuses_a_process_holding_another_torchtitan(monkeypatch):
+    fake = types.ModuleType("torchtitan")
+    fake.__file__ = "/elsewhere/torchtitan/__init__.py"
+    monkeypatch.setitem(sys.modules, "torchtitan", fake)
+    folder = tiny_third_party.torchtitan_npu_dir()
+    if not os.path.isdir(os.path.join(folder, "torchtitan_npu")):
+        pytest.skip("torchtitan-npu is not unpacked")
+    with pytest.raises(RuntimeError, match="fresh process"):
+        tiny_third_party.build_third_party("torchtitan_npu", "deepseek_v3")
+
+
+# ---- the census and the attribution (quick) ------------------------------------------------------
+@pytest.mark.parametrize("spec", DEFAULT_MODELS[:3])
+def test_the_census_counts_the_table(spec):
+    _needs(spec)
+    library, name = spec.split(":")
+    tiny = tiny_third_party.build_third_party(library, name)
+    assert dict(sites_mod.present(census(tiny.model, tiny.example_inputs, library))) == PRESENT[spec]
+
+
+def test_the_census_refuses_a_module_class_nobody_read():
+    class Mystery(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    with pytest.raises(ValueError, match="no entry for.*Mystery"):
+        census(torch.nn.Sequential(Mystery()), (torch.randn(2, 4),), "torchtune")
+
+
+def test_the_census_counts_an_add_feeding_a_norm():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RMSNorm(4))
+
+    class Residual(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(4)
+
+        def forward(self, x):
+            return self.norm(x + 1)
+
+    key = f"{Residual.__module__}.{Residual.__qualname__}"
+    sites_mod.SITES["torch"][key] = sites_mod.NONE  # a module with no site of its own
+    try:
+        plain = census(model, (torch.randn(2, 4),), "torchtune")
+        residual = census(Residual(), (torch.randn(2, 4, requires_grad=True),), "torchtune")
+    finally:
+        del sites_mod.SITES["torch"][key]
+    assert dict(sites_mod.present(plain)) == {"rms_norm": 1}
+    assert dict(sites_mod.present(residual)) == {"rms_norm": 1, "add_rms_norm": 1}
+
+
+def _report(graphs):
+    """A FusionReport-like object of graphs [[(pass, "fused" | reason, module path, line)]]."""
+    report = types.SimpleNamespace(graphs=[])
+    for items in graphs:
+        graph = GraphReport(name="inference", nodes_before=0)
+        for pass_name, what, module, line in items:
+            location = SourceLocation("model.py", line, "code", module)
+            result = PassResult(pass_name)
+            if what == "fused":
+                result.sites.append(FusedSite(pass_name, "form", "npu.op", location))
+            else:
+                result.near_misses.append(NearMiss(pass_name, what, location))
+            graph.passes.append(result)
+        report.graphs.append(graph)
+    return report
+
+
+def _site(category, module, line=10):
+    return Site(category, module, "model.py:1 (X.forward)", 1, ("model.py", line - 5, line + 5))
+
+
+def test_attribution_matches_by_module_and_leaves_the_rest_silent():
+    sites = [_site("rms_norm", "layers.0.norm"), _site("rms_norm", "layers.1.norm"), _site("rope", "layers.0.attn"),
+             _site("rope", "layers.0.attn")]
+    report = _report([[("rms_norm", "fused", "layers.1.norm", 10), ("rope", "cos/sin do not broadcast", "layers.0.attn", 10),
+                       ("swiglu", "separate projections", "layers.0.mlp", 10)]])
+    a = attribute(sites, report)
+    assert (a.fused, a.near) == ({"rms_norm": 1}, {"rope": 1})
+    assert sorted((s.category, s.module) for s in a.silent) == [("rms_norm", "layers.0.norm"), ("rope", "layers.0.attn")]
+    assert a.extra == [("near", "swiglu", "separate projections", "layers.0.mlp @ model.py:10: code")]
+    assert a.totals() == (4, 1, 1, 2)
+
+
+def test_a_reused_graph_counts_once_per_run_and_relative_paths_match():
+    # after a graph break dynamo compiles the block's frame once and runs it for both layers;
+    # its modules are named relative to the block ("norm" for "layers.0.norm")
+    sites = [_site("rms_norm", "layers.0.norm"), _site("rms_norm", "layers.1.norm")]
+    report = _report([[("rms_norm", "fused", "norm", 10)]])
+    assert attribute(sites, report).fused == {"rms_norm": 1}
+    assert attribute(sites, report, repeats={0: 2}).fused == {"rms_norm": 2}
+
+
+def test_a_dense_fusion_of_a_sparse_attention_is_a_near_miss_of_it():
+    a = attribute([_site("sparse_attention", "layers.0.attn")], _report([[("attention", "fused", "layers.0.attn", 10)]]))
+    assert a.fused == {} and a.near == {"sparse_attention": 1}
+    assert "not as a sparse attention" in a.near_reasons[0][2]
+
+
+def test_training_leaves_dense_attention_out():
+    sites = [_site("attention", "layers.0.attn"), _site("rms_norm", "layers.0.norm")]
+    assert sites_mod.present(sites, training=True) == {"rms_norm": 1}
+    assert attribute(sites, _report([[]]), training=True).totals() == (1, 0, 0, 1)
+
+
+# ---- whole models, fp32 static (slow) --------------------------------------------------------------
+def _measure_in_subprocess(spec, mode):
+    library, name = spec.split(":")
+    code = ("import json, sys, logging; sys.path.insert(0, 'tests'); import third_party_sites as t; "
+            "logging.getLogger('npu_fx_fusion').setLevel(logging.ERROR); "
+            f"print('RESULT ' + json.dumps(t.to_json(t.measure({library!r}, {name!r}, {mode!r}))))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=1200)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _record(spec, mode):
+    library, name = spec.split(":")
+    if library == "torchtitan_npu":
+        return _measure_in_subprocess(spec, mode)
+    return sites_mod.to_json(measure(library, name, mode))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MODELS)
+def test_fp32_static_logits_equal_eager_and_nothing_regresses(spec):
+    _needs(spec)
+    if spec == "torchtitan_npu:deepseek_v4":
+        pytest.skip("V4 runs in bfloat16 only (its Hadamard matrix and top-k mask are bfloat16)")
+    record = _record(spec, "fp32")
+    assert "present" in record, record["note"]
+    assert record["error"] <= FP32_TOLERANCE, record["note"]
+    assert "pass errors" not in record["note"], record["note"]
+    assert record["present"] == PRESENT[spec]
+    silent = {}
+    for site in record["silent"]:
+        silent[site["category"]] = silent.get(site["category"], 0) + 1
+    before = BEFORE[spec]
+    for category, (present, fused, _near, silent_before) in before.items():
+        assert record["fused"].get(category, 0) >= fused, (category, record)
+        assert silent.get(category, 0) <= silent_before, (category, [s for s in record["silent"]
+                                                                    if s["category"] == category])
