@@ -10,7 +10,7 @@ use: importing a pattern module traces and registers nothing.
 from .canonical import is_backward, is_joint_graph
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
-                              evaluate_around, modelled)
+                              SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors)
 from .forms import Form, FusionPass, Reason, Recognized, Site
 from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
                     users_outside)
@@ -21,7 +21,7 @@ from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, te
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 from .spellings import sum_over_count
 
-__all__ = ["ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
-           "channel_gather", "channels_of", "evaluate_around", "first_refused_use", "is_backward", "is_call", "modelled",
+__all__ = ["SHAPE_ONLY_OPS", "ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
+           "channel_gather", "channels_of", "evaluate_around", "evaluate_slice", "first_refused_use", "is_backward", "is_call", "modelled", "real_tensors",
            "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
            "uneven_halves", "users_outside"]
