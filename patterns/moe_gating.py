@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import (SHAPE_ONLY_OPS, Form, FusionPass, NotEvaluable, Recognized, channels_of,
@@ -535,7 +536,51 @@ def _act_of(node):
         softplus = node.args[0]
         if tuple(softplus.args[1:3]) in ((), (1,), (1, 20), (1.0, 20.0)):
             return "sqrt_softplus", softplus.args[0]
+    if is_call(node, aten.sqrt.default) and isinstance(node.args[0], Node):
+        source = _softplus_source(node.args[0])
+        if source is not None:
+            return "sqrt_softplus", source
     return None
+
+
+# a softplus spelled elementwise (torchtitan-npu V4: log1p(exp(-|x|)) + relu(x)) is recognised by
+# running it: on these values it must give F.softplus's within _SOFTPLUS_ULPS (the same function,
+# rounded in another order: the op's own softplus is not bit-identical to either)
+_SOFTPLUS_PROBE = (-100.0, -20.0, -3.0, -1.0, -0.25, -1e-3, 0.0, 1e-3, 0.25, 1.0, 3.0, 15.0, 20.0, 25.0, 100.0)
+_SOFTPLUS_ULPS = 4
+_MAX_SOFTPLUS_NODES = 12
+
+
+def _softplus_source(node):
+    """x, when `node` is an elementwise function of the one tensor x that computes softplus(x)."""
+    region, sources, pending = set(), set(), [node]
+    while pending:
+        current = pending.pop()
+        if current in region:
+            continue
+        pointwise = current.op == "call_function" and torch.Tag.pointwise in getattr(current.target, "tags", ())
+        if not pointwise or current is not node and len(region) >= _MAX_SOFTPLUS_NODES:
+            sources.add(current)
+            continue
+        region.add(current)
+        pending.extend(current.all_input_nodes)
+    if len(sources) != 1 or len(region) < 2:
+        return None
+    (source,) = sources
+    meta = tensor_meta(source)
+    if meta is None or meta.dtype != torch.float32 or tensor_meta(node).dtype != torch.float32:
+        return None
+    with real_tensors():
+        probe = torch.tensor(_SOFTPLUS_PROBE, dtype=torch.float32)
+        try:
+            (value,) = evaluate_slice([node], {source: probe}, limit=_MAX_SOFTPLUS_NODES)
+        except NotEvaluable:
+            return None
+        expected = F.softplus(probe)
+        if value.shape != probe.shape or value.dtype != torch.float32:
+            return None
+        allowed = _SOFTPLUS_ULPS * (torch.nextafter(expected, torch.full_like(expected, float("inf"))) - expected)
+        return source if bool(((value - expected).abs() <= allowed).all()) else None
 
 
 def _linear_terms(poly, value):

@@ -147,6 +147,43 @@ def test_group_limited_router_with_a_scattered_bool_mask_fuses(dynamic, new_ones
     assert_close_at_scale(out[0], ref[0], 2)
 
 
+class V4Router(Gate):
+    """torchtitan-npu 0.2.2 deepseek_v4/model/moe.py:141-165: sqrt of a softplus written
+    log1p(exp(-|x|)) + relu(x), bias, sorted top-k, gather, route_norm, route_scale."""
+
+    def forward(self, x):
+        logits = self.gate(x).to(torch.float32)
+        scores = self.softplus(logits).sqrt()
+        ids = (scores + self.expert_bias).topk(self.k, dim=-1)[1]
+        weights = scores.gather(dim=1, index=ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * 1.5, ids
+
+
+def _softplus_stable(x):
+    return torch.log1p(torch.exp(-x.abs())) + torch.relu(x)
+
+
+def _softplus_overflowing(x):  # softplus up to x ~ 88, inf beyond: not the op's
+    return torch.log1p(torch.exp(x))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_v4_sqrt_softplus_router_with_an_elementwise_softplus_fuses(dynamic):
+    out, ref, report = _run(V4Router(k=4, softplus=_softplus_stable), _x(10), dynamic=dynamic)
+    assert report.counts["moe_gating"] == 1, near_miss_reasons(report, "moe_gating")
+    assert report.fused_ops == {"npu.npu_moe_gating_top_k": 1}
+    assert torch.equal(out[1], ref[1])
+    # the stand-in's softplus is F.softplus: 1 ulp from the stable spelling, then sqrt, sum, division
+    assert_close_at_scale(out[0], ref[0], 4)
+
+
+def test_an_elementwise_function_that_is_not_softplus_everywhere_is_not_read_as_one():
+    out, ref, report = _run(V4Router(k=4, softplus=_softplus_overflowing), _x(10))
+    assert report.counts["moe_gating"] == 0
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 class ScaledChoiceRouter(Gate):
     def forward(self, x):
         scores = torch.sigmoid(self.gate(x))
