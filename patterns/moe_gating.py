@@ -920,6 +920,11 @@ def _renorm_divisor(node, value):
     return None
 
 
+def _uses(node):
+    """How many nodes read `node`, the graph's output aside (_router_outputs checks that one)."""
+    return sum(1 for u in node.users if u.op != "output")
+
+
 def _read_steps(router):
     """The renormalisation, scales, casts and views after the weights, one at a time, while each
     is the only use of the value before it."""
@@ -941,9 +946,10 @@ def _read_steps(router):
             div = next((u for u in users if is_call(u, aten.div.Tensor) and u.args[0] is current), None)
             divisor = div.args[1] if div is not None else None
             eps = _renorm_divisor(divisor, current) if div is not None else None
-            if eps is not None and set(users) <= {div, divisor, *divisor.all_input_nodes} and len(divisor.users) == 1:
+            if eps is not None and set(users) <= {div, divisor, *divisor.all_input_nodes} and \
+                    _uses(divisor) == 1:
                 inner = [divisor] + ([divisor.args[0]] if is_call(divisor, aten.add.Tensor) else [])
-                if all(len(n.users) == 1 for n in inner):
+                if all(_uses(n) == 1 for n in inner):
                     step = ("renorm", div, eps, [div, *inner])
         if step is None:
             return
@@ -1022,6 +1028,9 @@ def _router_outputs(router):
         if node in outputs or node is router.act_node:
             continue
         outside = [u for u in node.users if u not in router.nodes]
+        if any(u.op == "output" for u in outside):
+            return (f"{node.name}, a value inside the router, is also an output of the graph (in a training "
+                    "step's forward: saved for its backward): the fused op gives the chosen weights and ids only")
         if outside and (node is values or node in (router.weights, *(s[1] for s in router.steps))):
             return (f"{node.name}, a value of the router's top-k, is also read by {outside[0].name}: the fused op "
                     "gives the chosen weights and ids only")
@@ -1111,8 +1120,15 @@ def recognize(graph, joint):
         if isinstance(router, str):
             found.append(Recognized(name, topk, [topk], reason=router))
             continue
-        outputs = _router_outputs(router)
         nodes = sorted(router.nodes)
+        act = router.act_node
+        if not joint and act is not None and any(u.op == "output" for u in act.users) and _training_reason(act):
+            # the forward of a partitioned training graph, as the forms say it (the joint graph's near
+            # miss said why): the scores over all experts are saved for a backward the op has not
+            found.append(Recognized(name, topk, nodes, reason=f"{_training_reason(act)} (here, the forward of a "
+                                    "training step: its scores are saved for the backward)"))
+            continue
+        outputs = _router_outputs(router)
         if isinstance(outputs, str):
             found.append(Recognized(name, topk, nodes, reason=outputs))
             continue
@@ -1123,13 +1139,6 @@ def recognize(graph, joint):
                     f"a router in training whose weights get a gradient ({backward.name}): its backward is "
                     "not rewritten for the recognised spellings")))
                 continue
-        act = router.act_node
-        if not joint and act is not None and any(u.op == "output" for u in act.users) and _training_reason(act):
-            # the forward of a partitioned training graph, as the forms say it (the joint graph's near
-            # miss said why): the scores over all experts are saved for a backward the op has not
-            found.append(Recognized(name, outputs, nodes, reason=f"{_training_reason(act)} (here, the forward of a "
-                                    "training step: its scores are saved for the backward)"))
-            continue
         replace, fused_op, reason = _router_replacement(router)
         if reason:
             found.append(Recognized(name, outputs, nodes, reason=reason))
