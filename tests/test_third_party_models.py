@@ -191,15 +191,6 @@ def test_a_reused_graph_counts_once_per_run_and_relative_paths_match():
     assert attribute(sites, report, repeats={0: 2}).fused == {"rms_norm": 2}
 
 
-def test_a_sub_module_named_relative_to_its_sites_frame_is_attributed_to_the_site():
-    # torchtitan's MoE breaks the graph: dynamo compiles MoE.forward's frame, whose router is
-    # "router", and the router's code (another class) is not in the MoE site's span
-    moe = Site("moe_router", "layers.1.moe", "moe.py:380 (MoE.forward)", 1, ("moe.py", 380, 440), ("router", "experts"))
-    report = _report([[("moe_gating", "the order of the k experts reaches output", "router", 326)]])
-    assert attribute([moe], report).near == {"moe_router": 1}
-    assert attribute([_site("moe_router", "layers.1.moe")], report).extra  # without its sub-modules: not matched
-
-
 def test_a_dense_fusion_of_a_sparse_attention_is_a_near_miss_of_it():
     a = attribute([_site("sparse_attention", "layers.0.attn")], _report([[("attention", "fused", "layers.0.attn", 10)]]))
     assert a.fused == {} and a.near == {"sparse_attention": 1}

@@ -65,9 +65,6 @@ class Site:
     source: str  # where the code is: "file.py:line (Class.forward)" or the function's
     count: int = 1
     span: tuple = ()  # (absolute file, first line, last line) of the class or function
-    # its module's sub-module paths relative to it: a graph compiled for the module's own frame
-    # (after a graph break) names them so ("router" for "layers.1.moe.router")
-    descendants: tuple = ()
 
     def holds(self, file: str, line: int) -> bool:
         return bool(self.span) and file == self.span[0] and self.span[1] <= line <= self.span[2]
@@ -259,9 +256,8 @@ def census(model: nn.Module, inputs: tuple, library: str) -> list[Site]:
         if not any(m is module for m, _ in stack) and _in(module):
             path = path_of(module)
             stack.append((module, path))
-            descendants = tuple(name for name, _ in module.named_modules() if name)
             for category, count in rules[_qualname(module)](module, path).items():
-                sites.append(Site(category, path, _source(module), count, _span(module), descendants))
+                sites.append(Site(category, path, _source(module), count, _span(module)))
                 if category in _NORMS and args and getattr(args[0], "grad_fn", None) is not None \
                         and type(args[0].grad_fn).__name__ == "AddBackward0":
                     sites.append(Site("add_rms_norm", path, _source(module), 1, _span(module)))
@@ -334,13 +330,11 @@ def _match(location: Any, site: Site) -> int:
     A graph compiled for a sub-module's frame (after a graph break) names modules relative
     to it ("attn" for "transformer.h.0.attn"): a path matches the site's, or its end.
     4: the item's source line is in the site's code and the paths agree; 3: the paths agree;
-    2: the item is inside the site's module (or names one of its sub-modules, relative to its
-    frame); 1: only the source line, or an item with no
+    2: the item is inside the site's module; 1: only the source line, or an item with no
     module path."""
     item, path = location.module, site.module
     same = item == path or path.endswith("." + item) if item else False
-    inside = bool(item) and (item.startswith(path + ".") or f".{item}".find(f".{path}.") >= 0 or not path
-                             or item in site.descendants)
+    inside = bool(item) and (item.startswith(path + ".") or f".{item}".find(f".{path}.") >= 0 or not path)
     in_code = site.holds(location.file, location.line)
     if same and in_code:
         return 4
