@@ -379,7 +379,9 @@ def order_dependent_use(site, top_k):
 
 # ---- near misses: a router top-k left unfused ---------------------------------------------
 def _is_sqrt_softplus(node):
-    return is_call(node, aten.sqrt.default) and is_call(node.args[0], aten.softplus.default)
+    """sqrt(softplus(x)), however the softplus is spelled (_act_of: the router reading's own test)."""
+    act = _act_of(node) if isinstance(node, torch.fx.Node) else None
+    return act is not None and act[0] == "sqrt_softplus"
 
 
 def _router_scores(node):
