@@ -1,6 +1,7 @@
 """The seeded differential fuzz of the passes, at scale (issue 15; tests/fuzz_cases.py).
 
     .venv/bin/python benchmarks/fuzz.py [--cases 1000] [--seed 0] [--family rope ...] [--show N]
+    .venv/bin/python benchmarks/fuzz.py --family attention_block --cases 40   # SDPA blocks, mostly training
 
 Case i has seed `seed + i`: `make_case(seed + i)` in tests/fuzz_cases.py rebuilds it. Prints
 the figures (cases, outcomes per class, per family) and every failing case's reproducer
@@ -17,7 +18,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 import fuzz_cases  # noqa: E402
-from fuzz_cases import BAD_OUTCOMES, FAMILIES, LIBRARY, OUTCOMES, make_case, run_case  # noqa: E402
+from fuzz_cases import BAD_OUTCOMES, FAMILIES, NAMED_FAMILIES, OUTCOMES, make_case, run_case  # noqa: E402
 
 
 def figures(results) -> str:
@@ -27,7 +28,7 @@ def figures(results) -> str:
         by_family["all"][r.outcome] += 1
     shown = [o for o in OUTCOMES if by_family["all"][o]]
     lines = ["| family | cases | " + " | ".join(shown) + " |", "|---" * (len(shown) + 2) + "|"]
-    for family in [*FAMILIES, LIBRARY, "all"]:
+    for family in [*FAMILIES, *NAMED_FAMILIES, "all"]:
         counts = by_family.get(family)
         if counts:
             lines.append(f"| {family} | {sum(counts.values())} | " + " | ".join(str(counts[o]) for o in shown) + " |")
@@ -45,8 +46,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", action="append", choices=(*FAMILIES, LIBRARY),
-                        help="only these families (library: model code of other codebases, drawn only when named)")
+    parser.add_argument("--family", action="append", choices=FAMILIES + NAMED_FAMILIES,
+                        help=f"only these families ({', '.join(NAMED_FAMILIES)}: only when named here)")
     parser.add_argument("--show", type=int, default=1000, help="print at most this many failing cases")
     parser.add_argument("--quiet", action="store_true", help="no progress line per case")
     args = parser.parse_args()

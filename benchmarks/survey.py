@@ -202,12 +202,18 @@ def _generic(reason: str) -> str:
 def third_party_listing(json_paths) -> str:
     """The table, the totals and every unfused site of --third-party --json files (merged),
     the sites grouped: per category, each distinct (near-miss reason, source line) or silent
-    site's source, with its count per mode and the models."""
+    site's source, with its count per mode and the models. Later records of a model replace
+    earlier ones (a re-run of some models after a whole survey)."""
+    import third_party_sites
+
     records, skipped = [], []
     for json_path in json_paths:
         data = json.loads(pathlib.Path(json_path).read_text())
-        records += data["records"]
+        # attributed again as third_party_sites does now, where a record keeps its census and items
+        records += [third_party_sites.reattribute(r) if "census" in r else r for r in data["records"]]
         skipped += [tuple(s) for s in data["skipped"] if tuple(s) not in skipped]
+    latest = {(r["spec"], r["mode"]): r for r in records}
+    records = list(latest.values())
     by_model = collections.defaultdict(list)
     for record in records:
         by_model[record["spec"]].append(record)
@@ -230,7 +236,8 @@ def third_party_listing(json_paths) -> str:
             groups.items(), key=lambda item: (item[0][0], item[0][1], -sum(item[1]["modes"].values()))):
         modes = ", ".join(f"{m} {n}" for m, n in sorted(group["modes"].items()))
         models = ", ".join(sorted(group["models"]))
-        what = f"near miss ({pass_name}): {group['example']}" if kind == "near" else "silent"
+        example = " ".join(group["example"].split())  # some reasons hold a multi-line dump
+        what = f"near miss ({pass_name}): {example[:600]}" if kind == "near" else "silent"
         lines.append(f"- **{category}**, {what}\n  - at `{where}`\n  - {modes}; {models}")
     return "\n".join(out + lines)
 

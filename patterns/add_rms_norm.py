@@ -8,6 +8,10 @@ One kernel reads x and residual once and writes both h and y. It works on npu_rm
 calls, so the rms_norm pass (which runs first) turns every RMSNorm form into one and this
 pass needs no form of its own per RMSNorm spelling.
 
+A residual kept in fp32 with a bf16 / fp16 sublayer output (type promotion adds them in fp32)
+fuses as an fp32 npu_add_rms_norm of both cast to fp32: the conversion promotion does, made
+explicit (the op takes x1 and x2 of one dtype).
+
 Numerics (op_semantics.md 2.2): in bf16 the kernel computes rstd from the fp32 sum before
 rounding it to h, where the unfused graph normalises the rounded h: at most one ulp of
 bf16 apart. fp16 and fp32 match the unfused order. npu_add_rms_norm has no backward in
@@ -49,22 +53,31 @@ def residual_add_then_norm_keeping_rstd_default_eps(x, residual, weight):
     return y, rstd, h
 
 
+def _in_sum_dtype(x, residual):
+    """x and residual in the dtype of their sum. A bf16 sublayer output added to a residual
+    stream kept in fp32 (vLLM's RMSNorm.forward_native, models that keep the residual in
+    fp32) is widened by type promotion; the op takes one dtype, and the explicit cast is the
+    same exact conversion (no node where the dtypes agree)."""
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return x.to(dtype), residual.to(dtype)
+
+
 def npu_add_rms_norm(x, residual, weight, eps):
-    y, _, h = torch.ops.npu.npu_add_rms_norm(x, residual, weight, eps)
+    y, _, h = torch.ops.npu.npu_add_rms_norm(*_in_sum_dtype(x, residual), weight, eps)
     return y, h
 
 
 def npu_add_rms_norm_default_eps(x, residual, weight):
-    y, _, h = torch.ops.npu.npu_add_rms_norm(x, residual, weight)
+    y, _, h = torch.ops.npu.npu_add_rms_norm(*_in_sum_dtype(x, residual), weight)
     return y, h
 
 
 def npu_add_rms_norm_keeping_rstd(x, residual, weight, eps):
-    return torch.ops.npu.npu_add_rms_norm(x, residual, weight, eps)
+    return torch.ops.npu.npu_add_rms_norm(*_in_sum_dtype(x, residual), weight, eps)
 
 
 def npu_add_rms_norm_keeping_rstd_default_eps(x, residual, weight):
-    return torch.ops.npu.npu_add_rms_norm(x, residual, weight)
+    return torch.ops.npu.npu_add_rms_norm(*_in_sum_dtype(x, residual), weight)
 
 
 FORMS = [
@@ -100,8 +113,13 @@ def check(site):
     if source is not None:
         return (f"the norm's weight is computed from the residual sum {source.name}: npu_add_rms_norm "
                 "takes the weight as an input of the sum it computes")
-    return unsupported("npu.npu_add_rms_norm", site.soc, x=site["x"], gamma=site["weight"],
-                       x1=site["x"], x2=site["residual"])
+    x, residual = site["x"], site["residual"]
+    if x.dtype != residual.dtype:  # the replacement widens the narrower one (_in_sum_dtype)
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = torch.empty_like(x, dtype=dtype), torch.empty_like(residual, dtype=dtype)
+        site.notes.append(f"the {str(site['x'].dtype)[6:]} and {str(site['residual'].dtype)[6:]} operands are added in "
+                          f"{str(dtype)[6:]} (type promotion): the op takes both cast to it, exactly")
+    return unsupported("npu.npu_add_rms_norm", site.soc, x=x, gamma=site["weight"], x1=x, x2=residual)
 
 
 def anchor(node):

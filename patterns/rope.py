@@ -27,6 +27,7 @@ alternative: de-interleave x (a copy), rotate halves, interleave the result back
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -144,7 +145,8 @@ def rotary_mul_half_deinterleaved_pair_angles(x, pair_cos, pair_sin):
 
 def _tables_from_complex(freqs):
     """freqs_cis -> (cos, sin), each angle repeated for its pair: interleave-mode tables."""
-    table = torch.view_as_real(freqs)
+    # resolve_conj: freqs_cis.conj() (an inverse rotation) is a lazy conjugate view_as_real refuses
+    table = torch.view_as_real(freqs.resolve_conj())
     cos, sin = table[..., 0], table[..., 1]
     return (cos.unsqueeze(-1).expand(*cos.shape, 2).flatten(-2),
             sin.unsqueeze(-1).expand(*sin.shape, 2).flatten(-2))
@@ -557,6 +559,7 @@ class _Table:
     is_complex: bool  # read through view_as_real (the part is the last index)
     gather: ChannelGather
     per_outer: bool  # one table per outer index (else one for all, broadcast over them)
+    leading: int  # the leaf's dims that line up with x's leading dims
 
 
 @dataclass(frozen=True)
@@ -570,6 +573,7 @@ class Rotation:
     mode: str
     r1: _Table
     r2: _Table
+    out_dims: tuple = (0, 0)  # the output's (rank, leading dims the algebra did not track)
 
 
 def recognize(graph, joint):
@@ -594,7 +598,7 @@ def recognize(graph, joint):
             value = evaluated.values.get(output)
             if value is None or tensor_meta(output).is_complex():
                 continue
-            rotations = _rotations(value, output)
+            rotations = _rotations(value, output, evaluated)
             if not rotations:
                 continue
             nodes = _ancestors_within(output, evaluated.region.nodes)
@@ -634,7 +638,7 @@ def _terms(value, x):
     return out
 
 
-def _rotations(value, output):
+def _rotations(value, output, evaluated):
     """The Rotations `value` can be read as (each rotated dim that fits, the output's last dim
     first), a reason why a rotation-like map is not one the op computes, or None when it is
     no rotation at all."""
@@ -653,7 +657,7 @@ def _rotations(value, output):
             continue  # not linear in x, or no channel mixes two of x's channels: no rotation
         found = []
         for outer, channels in _rotated_dims(value.tracked_shape):
-            fitted = _fit_rotation(value, x, terms, outer, channels)
+            fitted = _fit_rotation(value, x, terms, outer, channels, evaluated, (len(out_shape), lead))
             if isinstance(fitted, Rotation):
                 found.append(fitted)
             else:
@@ -688,7 +692,7 @@ def _first_of_pair(j, a, size, mode):
     return (j - a) < size // 2 if mode == "half" else (j - a) % 2 == 0
 
 
-def _fit_rotation(value, x, terms, outer, channels):
+def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
     x_tracked = next(t[1].tracked for channel in terms for t in channel)
     x_shape = tuple(tensor_meta(x).shape[tensor_meta(x).dim() - x_tracked:])
     total = len(terms)
@@ -713,7 +717,7 @@ def _fit_rotation(value, x, terms, outer, channels):
                for j in range(total) if not a <= j % channels < b):
             continue
         for mode in ("half", "interleave"):
-            fitted = _fit_mode(terms, x_index, a, b, channels, rows, mode)
+            fitted = _fit_mode(terms, x_index, a, b, channels, rows, mode, evaluated)
             if isinstance(fitted, str):
                 reason = fitted if "table" in fitted else reason
                 continue
@@ -723,7 +727,7 @@ def _fit_rotation(value, x, terms, outer, channels):
                 x_gather = channel_gather([_multi(x_shape, i) for i in x_index], x_shape)
                 if x_gather is None:
                     continue
-            return Rotation(x, x_tracked, x_gather, outer, channels, (a, b), mode, r1, r2)
+            return Rotation(x, x_tracked, x_gather, outer, channels, (a, b), mode, r1, r2, out_dims)
     return reason
 
 
@@ -735,7 +739,7 @@ def _multi(shape, index):
     return tuple(reversed(out))
 
 
-def _fit_mode(terms, x_index, a, b, channels, rows, mode):
+def _fit_mode(terms, x_index, a, b, channels, rows, mode, evaluated):
     size = b - a
     direct, cross = [], []
     for row in range(rows):
@@ -770,7 +774,7 @@ def _fit_mode(terms, x_index, a, b, channels, rows, mode):
         gather = channel_gather(sources, shape, signs)
         if gather is None:
             return f"the {which} table is read in an order plain views cannot gather"
-        tables.append(_Table(leaf, tracked, is_complex, gather, per_outer))
+        tables.append(_Table(leaf, tracked, is_complex, gather, per_outer, evaluated.leading_dims(leaf)))
     return tables
 
 
@@ -819,7 +823,13 @@ def _recognized(rotation, output, nodes, backward_by_seq, forward_values):
     args = {"x": rotation.x, "table_cos": rotation.r1.leaf, "table_sin": rotation.r2.leaf}
     out_tracked = _out_tracked(output, rotation)
     found = []
-    for via_half in ((False, True) if rotation.mode == "interleave" else (False,)):
+    layouts = [rotation]
+    if tensor_meta(rotation.x).dim() - rotation.x_tracked + len(rotation.outer) + 1 == 3:
+        # a 3-d x without a head dim (a shared key rotated once: DeepSeek-V4's kv) is not the
+        # op's TND unless its tables are; with a head dim of 1 it is BSND, tables 1S1D
+        layouts.append(dataclasses.replace(rotation, outer=rotation.outer + (1,)))
+    for rotation, via_half in ((r, half) for r in layouts
+                               for half in ((False, True) if rotation.mode == "interleave" else (False,))):
         replace = _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half)
         replace.rotary_mode = "half" if via_half else rotation.mode
         name = f"rotation of {rotation.mode} pairs (channel algebra)" + (", as half mode" if via_half else "")
@@ -909,10 +919,24 @@ def _out_tracked(output, rotation):
     return tuple(int(s) for s in shape[len(shape) - dims:])
 
 
-def _table_of(table, t, outer):
-    gathered = table.gather(torch.view_as_real(t) if table.is_complex else t)
-    rows = outer if table.per_outer else (1,) * len(outer)
-    return gathered.reshape(*gathered.shape[:-1], *rows, gathered.shape[-1] // math.prod(rows))
+def _table_shape(table, rotation, table_shape):
+    """The op's table: the table's dims that broadcast against x's leading dims, then the
+    heads (its own per head, or 1), then the rotated channels. (Its other dims are tracked,
+    or size-1 dims that broadcast over what the algebra tracked of x.)"""
+    a, b = rotation.block
+    rows = rotation.outer if table.per_outer else (1,) * len(rotation.outer)
+    # The table's leading dims line up with the output's last untracked ones. x may leave a
+    # dim untracked that the output tracks (k's one head, where only the table's unsqueeze
+    # made that dim): in x's frame ones stand between the table's leading dims and the rows.
+    out_rank, out_lead = rotation.out_dims
+    x_lead = tensor_meta(rotation.x).dim() - rotation.x_tracked
+    gap = x_lead - out_lead if out_rank == x_lead + len(rotation.outer) + 1 else 0
+    return (*table_shape[:table.leading], *(1,) * max(gap, 0), *rows, b - a)
+
+
+def _table_of(table, t, rotation):
+    gathered = table.gather(torch.view_as_real(t.resolve_conj()) if table.is_complex else t)
+    return gathered.reshape(_table_shape(table, rotation, t.shape))
 
 
 def _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half):
@@ -925,8 +949,8 @@ def _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half):
         xv = rotation.x_gather(x) if rotation.x_gather is not None else x
         xv = xv.reshape(*lead, *outer, channels).to(compute)
         block = xv[..., a:b] if partial else xv
-        cos = _as_rank_of(_table_of(rotation.r1, table_cos, outer).to(compute), block)
-        sin = _as_rank_of(_table_of(rotation.r2, table_sin, outer).to(compute), block)
+        cos = _as_rank_of(_table_of(rotation.r1, table_cos, rotation).to(compute), block)
+        sin = _as_rank_of(_table_of(rotation.r2, table_sin, rotation).to(compute), block)
         if via_half:
             y = _interleave(torch.ops.npu.npu_rotary_mul(_deinterleave(block), _deinterleave(cos), _deinterleave(sin)))
         else:
@@ -950,8 +974,8 @@ def _rotation_gradient(rotation, compute, out_tracked, via_half):
         xv = x.reshape(*lead, *outer, channels).to(compute)
         g = grad.reshape(*lead, *outer, channels).to(compute)
         x_block, g_block = (xv[..., a:b], g[..., a:b]) if partial else (xv, g)
-        cos = _as_rank_of(_table_of(rotation.r1, table_cos, outer).to(compute), x_block)
-        sin = _as_rank_of(_table_of(rotation.r2, table_sin, outer).to(compute), x_block)
+        cos = _as_rank_of(_table_of(rotation.r1, table_cos, rotation).to(compute), x_block)
+        sin = _as_rank_of(_table_of(rotation.r2, table_sin, rotation).to(compute), x_block)
         if via_half:
             dx = _interleave(torch.ops.npu.npu_rotary_mul_backward(
                 _deinterleave(g_block), _deinterleave(x_block), _deinterleave(cos), _deinterleave(sin))[0])
@@ -973,9 +997,8 @@ def _site_args(rotation, compute):
     tables = []
     for table in (rotation.r1, rotation.r2):
         value = tensor_meta(table.leaf)
-        table_lead = tuple(value.shape[:value.dim() - table.tracked])
-        table_lead += rotation.outer if table.per_outer else (1,) * len(rotation.outer)
-        shape = (1,) * (len(lead) - len(table_lead)) + table_lead + (b - a,)
+        shape = _table_shape(table, rotation, tuple(value.shape))
+        shape = (1,) * (len(lead) + 1 - len(shape)) + shape
         tables.append(value.new_empty(shape, dtype=compute))
     return {"x": block, "cos": tables[0], "sin": tables[1]}
 

@@ -4,7 +4,7 @@
 # Setup prints one line per step; a second run finds everything in place in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=7
+STEPS=8
 source scripts/venv.sh
 
 # A regular (non-editable) install: the tests run against what users get.
@@ -20,13 +20,12 @@ step "installing torchtitan 0.3.0 (its model code only)" install_torchtitan
 # training stack. Their packages import modules their models never call (datasets, Lightning,
 # torchao, cached_path, ...), which tiny_third_party stands in for while they import;
 # olmo-core's config classes need dataclass-extensions (its Registrable configs), nothing else.
-install_other_codebases() {
-    pip_install --no-deps 'torchtune==0.6.1' 'litgpt==0.5.13' 'ai2-olmo-core==3.0.0' 'dataclass-extensions==0.5.0' &&
-    # torchtitan-npu's own models need torchtitan 0.2.2, not the 0.3.0 above: unpacked into their
-    # own folder (.cache/torchtitan-0.2.2), put on sys.path only in the process that builds them.
-    PYTHON="$VENV/bin/python" bash scripts/fetch_torchtitan_npu.sh >/dev/null
-}
-step "installing torchtune, litgpt, olmo-core and torchtitan-npu (their model code only)" install_other_codebases
+step "installing torchtune 0.6.1, litgpt 0.5.13, ai2-olmo-core 3.0.0 (model code only)" \
+    pip_install --no-deps 'torchtune==0.6.1' 'litgpt==0.5.13' 'ai2-olmo-core==3.0.0' 'dataclass-extensions==0.5.0'
+# torchtitan-npu's own models need torchtitan 0.2.2, not the 0.3.0 above: unpacked into their
+# own folder (.cache/torchtitan-0.2.2), put on sys.path only in the process that builds them.
+step "unpacking torchtitan 0.2.2 and torchtitan-npu 0.2.2.post2 into .cache (not installed)" \
+    env PYTHON="$VENV/bin/python" bash scripts/fetch_torchtitan_npu.sh
 # The real torch-npu wheel, unpacked (never installed): schema and torchair tests.
 step "unpacking the torch-npu 2.13.0 wheel into .cache (not installed)" \
     env PYTHON="$VENV/bin/python" bash scripts/fetch_torch_npu.sh
@@ -41,6 +40,9 @@ export NPU_FX_FUSION_REQUIRE_WHEEL=1   # the wheel tests fail instead of skippin
 [ -n "${NO_DRAWING:-}" ] || export NPU_FX_FUSION_REQUIRE_DRAWING=1   # and the drawing tests
 [ -n "${NO_BROWSER:-}" ] || export NPU_FX_FUSION_REQUIRE_BROWSER=1   # and the browser test
 # Everything, slow tests included (a quick subset: bash scripts/test.sh -m "not slow");
-# the 20 slowest tests are listed at the end.
-echo "running: .venv/bin/python -m pytest${*:+ $*}" >&2
-exec "$VENV/bin/python" -m pytest -p no:cacheprovider --durations=20 "$@"
+# the 20 slowest tests are listed at the end. Two pytest-xdist workers, one per core of the CI
+# machine; --dist loadgroup keeps each xdist_group (tests/conftest.py) on one worker.
+# NPU_FX_FUSION_TEST_WORKERS=0 runs in one process (pytest's -n 0).
+echo "running: .venv/bin/python -m pytest -n ${NPU_FX_FUSION_TEST_WORKERS:-2}${*:+ $*}" >&2
+exec "$VENV/bin/python" -m pytest -p no:cacheprovider --durations=20 \
+    -n "${NPU_FX_FUSION_TEST_WORKERS:-2}" --dist loadgroup "$@"

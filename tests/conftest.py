@@ -58,9 +58,28 @@ SLOW_MODULES = frozenset({
 })
 
 
+# Tests that must not run alongside each other under pytest-xdist (scripts/test.sh runs `-n 2
+# --dist loadgroup`): each group runs on one worker, one test after the other. The
+# multi-process tests start several gloo ranks on 127.0.0.1 ports and as many processes as
+# ranks (gloo_ranks.free_port: two at once could race for a port and oversubscribe the
+# cores); the browser test starts a headless chromium. Everything else keeps its state in its
+# own process: dynamo's caches, the stand-in registrations, environment variables (pytest's
+# monkeypatch) and files (tmp_path).
+SERIAL_GROUPS = {"multiprocess": lambda item: item.get_closest_marker("multiprocess") is not None,
+                 "browser": lambda item: item.path.name == "test_report_html.py"}
+
+
+def _serial_groups(items):
+    for item in items:
+        for group, member in SERIAL_GROUPS.items():
+            if member(item):
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_modifyitems(config, items):
     # one hook (a second definition of it in this module would replace the first)
     for item in items:
         if item.path.name in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
     _multiprocess_slice(items)
+    _serial_groups(items)

@@ -46,9 +46,13 @@ from npu_fx_fusion.backend import EmulationBackend
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 FAMILIES = ("rms_norm", "add_rms_norm", "rope", "rope_complex", "swiglu", "router")
-# drawn only when asked for (make_case(seed, "library"), benchmarks/fuzz.py --family library):
-# model code of other codebases, tests/fuzz_library.py
+# Families only made when asked for by name (make_case(seed, family)), so that adding one
+# leaves every seed's case of FAMILIES as it was: attention_block, a decoder block around SDPA
+# (issue 29's training crash: q / k / v made non-contiguous by .view().transpose(), GQA, B=1 and
+# B>1), which every pass meets at once; library, model code of other codebases
+# (tests/fuzz_library.py)
 LIBRARY = "library"
+NAMED_FAMILIES = ("attention_block", LIBRARY)
 
 # Outcome classes. OK_OUTCOMES are the right answers; the others are failures.
 FUSED = "fused"  # a positive fused its sites, numerics within tolerance
@@ -98,6 +102,9 @@ class Case:
     # training: the inputs that need a gradient (None: every float input). RoPE tables and
     # freqs_cis are buffers in every model: no gradient, as the rope pass declares
     grad_inputs: Optional[tuple] = None
+    # an "either" case: the passes besides expect_pass that may fuse it (each family's own
+    # cases judge whether they should; here the numerics decide)
+    allowed: tuple = ()
 
     @property
     def name(self) -> str:
@@ -346,6 +353,8 @@ def _make_rope(rng, seed, case_kw):
     both = rng.random() < 0.6
     kv_heads = rng.choice([1, N]) if both else N
     choices["sites"] = 2 if both else 1
+    # fp32 tables with a narrower x: the code computes in fp32, and so does the fusion
+    # (x cast up, one npu_rotary_mul in fp32): a positive
     tables_fp32 = dtype != torch.float32 and rng.random() < 0.15
     choices["tables_fp32"] = tables_fp32
     unsqueeze = {("BNSD", "per_batch"): "cos = cos.unsqueeze(1)\n    sin = sin.unsqueeze(1)",
@@ -385,8 +394,6 @@ def _make_rope(rng, seed, case_kw):
         # dynamic=True on q makes its head dim s symbolic: chunk splits it at (s + 1) // 2,
         # the half only for an even s, which nothing in these graphs proves
         kind, limit = "limit", r"x is split at .+, not provably the half of its head dim"
-    elif tables_fp32:
-        kind, limit = "limit", r"cos/sin are float32, x is"
 
     def build():
         gen = torch.Generator().manual_seed(seed)
@@ -626,9 +633,82 @@ def _make_library(rng, seed, case_kw):
     return fuzz_library.make(rng, seed, case_kw)
 
 
-MAKERS = {"library": _make_library,
-          "rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
-          "rope": _make_rope, "rope_complex": _make_rope_complex, "swiglu": _make_swiglu, "router": _make_router}
+
+# ---- a decoder block around SDPA ------------------------------------------------------------
+def _make_attention_block(rng, seed, case_kw):
+    """HF-style pre-norm block: RMSNorm, q / k / v projections viewed (B, S, N, D) and transposed
+    to BNSD (non-contiguous, as decoder code makes them), half-split RoPE, causal SDPA (GQA by
+    enable_gqa or repeat_kv), o projection and residual, RMSNorm, SwiGLU MLP (separate or fused
+    gate / up) and residual. Mostly training: the backward through the emulated SDPA (issue 29)."""
+    dtype, dynamic = case_kw["dtype"], case_kw["dynamic"] and rng.random() < 0.5
+    training = rng.random() < 0.8
+    B, S, NH, D = rng.choice([1, 2]), rng.choice([4, 6]), 4, rng.choice([8, 16])
+    KV = rng.choice([4, 2, 1])
+    H, I = rng.choice([16, 32]), rng.choice([16, 32])
+    gqa = rng.choice(["enable_gqa", "repeat_kv"]) if KV < NH else "none"
+    mlp = rng.choice(["separate", "fused"])
+    choices = {"gqa": gqa, "mlp": mlp, "kv_heads": KV,
+               "shapes": f"x [{B}, {S}, {H}], q / k / v [{B}, {NH} / {KV}, {S}, {D}], cos [{B}, {S}, {D}]"}
+    kv = "k, v"
+    if gqa == "repeat_kv":
+        kv = (f"k[:, :, None].expand(B, {KV}, {NH // KV}, S, {D}).reshape(B, {NH}, S, {D}), "
+              f"v[:, :, None].expand(B, {KV}, {NH // KV}, S, {D}).reshape(B, {NH}, S, {D})")
+    mlp_src = (["    m = self.down(F.silu(self.gate(h)) * self.up(h))"] if mlp == "separate" else
+               ["    g, u = self.gate_up(h).chunk(2, dim=-1)", "    m = self.down(F.silu(g) * u)"])
+    source = "\n".join([
+        "def rotate_half(x):", "    x1, x2 = x.chunk(2, dim=-1)", "    return torch.cat((-x2, x1), dim=-1)", "", "",
+        "def norm(x, weight):", "    h = x.float()", "    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)",
+        "    return weight * h.to(x.dtype)", "", "",
+        "def forward(self, x, cos, sin):",
+        "    B, S, _ = x.shape",
+        "    h = norm(x, self.norm1)",
+        f"    q = self.q(h).view(B, S, {NH}, {D}).transpose(1, 2)",
+        f"    k = self.k(h).view(B, S, {KV}, {D}).transpose(1, 2)",
+        f"    v = self.v(h).view(B, S, {KV}, {D}).transpose(1, 2)",
+        "    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)",
+        "    q = q * cos + rotate_half(q) * sin",
+        "    k = k * cos + rotate_half(k) * sin",
+        f"    k, v = {kv}",
+        "    a = F.scaled_dot_product_attention(q, k, v, is_causal=True"
+        + (", enable_gqa=True)" if gqa == "enable_gqa" else ")"),
+        f"    x = x + self.o(a.transpose(1, 2).reshape(B, S, {NH * D}))",
+        "    h = norm(x, self.norm2)",
+        *mlp_src,
+        "    return x + m",
+    ])
+
+    def build():
+        gen = torch.Generator().manual_seed(seed)
+
+        def linear(fan_in, fan_out):
+            layer = nn.Linear(fan_in, fan_out, bias=False, dtype=dtype)
+            with torch.no_grad():
+                layer.weight.copy_(_randn(gen, fan_out, fan_in, scale=fan_in ** -0.5))
+            return layer
+
+        def init(module):
+            module.norm1 = nn.Parameter((torch.rand(H, generator=gen) + 0.5).to(dtype))
+            module.norm2 = nn.Parameter((torch.rand(H, generator=gen) + 0.5).to(dtype))
+            module.q, module.k, module.v = linear(H, NH * D), linear(H, KV * D), linear(H, KV * D)
+            module.o = linear(NH * D, H)
+            if mlp == "separate":
+                module.gate, module.up = linear(H, I), linear(H, I)
+            else:
+                module.gate_up = linear(H, 2 * I)
+            module.down = linear(I, H)
+
+        module = _module_from_source(source, f"<fuzz {seed}>", init)
+        positions = torch.arange(S)[None] + torch.randint(0, 7, (B, 1), generator=gen)
+        cos, sin = _tables(gen, positions, D, interleaved=False)
+        return module, (_randn(gen, B, S, H).to(dtype), cos.to(dtype), sin.to(dtype))
+
+    return Case(seed, "attention_block", choices, source, "either", {}, "rope", "", dtype, dynamic, training, build,
+                grad_inputs=(0,), allowed=("rms_norm", "add_rms_norm", "swiglu", "attention"))
+
+
+MAKERS = {"rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
+          "rope": _make_rope, "rope_complex": _make_rope_complex, "swiglu": _make_swiglu, "router": _make_router,
+          "attention_block": _make_attention_block, LIBRARY: _make_library}
 
 
 def make_case(seed: int, family: Optional[str] = None) -> Case:
@@ -855,7 +935,7 @@ def _classify(case, counts, misses, errors, bad):
     # passes that must fuse: a positive's, and those a look-alike of a later pass still has
     # (add + RMSNorm with a scaled add: the norm is still one)
     expected = dict(case.expect)
-    allowed = set(expected) | ({target} if case.kind == "either" else set())
+    allowed = set(expected) | set(case.allowed) | ({target} if case.kind == "either" else set())
     extra = {p: n for p, n in counts.items() if p not in allowed}
     if extra:
         return WRONG_FUSION, f"fused {counts}, expected {expected or 'none'}"

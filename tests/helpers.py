@@ -9,10 +9,10 @@ import npu_fx_fusion as nff
 from npu_fx_fusion.backend import EmulationBackend
 
 
-def compile_and_run(module, *inputs, config=None, grad=False):
-    """(fused output, eager output, report) of `module` on `inputs`."""
+def compile_and_run(module, *inputs, config=None, grad=False, dynamic=None):
+    """(fused output, eager output, report) of `module` on `inputs` (dynamic: torch.compile's)."""
     backend = EmulationBackend(config or nff.FusionConfig())
-    compiled = torch.compile(module, backend=backend, fullgraph=True)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)
     with torch.set_grad_enabled(grad):
         expected = module(*inputs)
         actual = compiled(*inputs)

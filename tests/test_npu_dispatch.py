@@ -530,6 +530,128 @@ def test_training_under_npu_dispatch_runs_matmul_backward_on_cpu():
     torch.testing.assert_close(model.proj.weight.grad, eager.proj.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+class _ProjectedAttention(torch.nn.Module):
+    """q / k / v as decoder code makes them: a projection viewed (B, S, N, D) and transposed to
+    BNSD, so SDPA sees non-contiguous inputs (litgpt, olmo-core, HF)."""
+
+    def __init__(self, heads, kv_heads, dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.q = torch.nn.Linear(16, heads * dim, bias=False)
+        self.kv = torch.nn.Linear(16, 2 * kv_heads * dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, self.dim).transpose(1, 2) for t in self.kv(x).chunk(2, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return y.transpose(1, 2).reshape(b, s, -1)
+
+
+@pytest.mark.parametrize("batch, seq, kv_heads", [(1, 4, 4), (2, 6, 2)], ids=["B=1 MHA", "B=2 GQA"])
+def test_training_through_emulated_sdpa_on_transposed_qkv_gives_eagers_gradients(batch, seq, kv_heads):
+    """The emulation's SDPA is npu_fusion_attention_v3, differentiated by its grad op: with
+    transposed q / k / v the grad op's outputs must have the strides its fake promises (a
+    contiguous dq, as op-plugin allocates it), or the compiled backward's `view` of dq fails."""
+    x = torch.randn(batch, seq, 16)
+    model, eager = _ProjectedAttention(4, kv_heads), _ProjectedAttention(4, kv_heads)
+    out, ref, report = compile_and_run(model, x, grad=True)
+    out.sum().backward()
+    eager(x).sum().backward()
+    assert report.graphs[0].ops_before["npu.npu_fusion_attention_v3.default"] == 1
+    backward = next(g for g in report.graphs if g.name == "backward")
+    assert backward.ops_before["npu.npu_fusion_attention_grad_v3.default"] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, dict(eager.named_parameters())[name].grad, rtol=1e-4, atol=1e-5)
+
+
+# ---- autocast -------------------------------------------------------------------------------------
+def test_autocast_under_the_emulation_is_torch_npus(recwarn):
+    """torch.autocast(device_type="cpu") while the emulation is active is torch_npu's autocast:
+    fp32 taken (CPU autocast refuses it), fp16 by default, bf16 only from Ascend910B1, and
+    torch_npu's op lists instead of CPU's (dispatch_inventory.AUTOCAST_POLICIES)."""
+    x, w = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    with npu_dispatch.emulated():
+        with torch.autocast("cpu", dtype=torch.float32):
+            assert F.linear(x, w).dtype == torch.float32  # lower_precision_fp: the autocast dtype, fp32
+            assert torch.cat([x, x]).dtype == torch.bfloat16  # on CPU's promote list, not on torch_npu's
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.exp(x).dtype == torch.float32  # torch_npu's fp32 list; CPU does not cast exp
+            assert torch.softmax(x, -1).dtype == torch.float32  # fp32_set_opt_dtype
+            assert F.linear(x.float(), w.float()).dtype == torch.bfloat16
+        with torch.autocast("cpu"):
+            assert F.linear(x.float(), w.float()).dtype == torch.float16  # a PrivateUse1 autocast's default
+    assert not recwarn.list, [str(w.message) for w in recwarn.list]
+    with npu_dispatch.emulated("Ascend310P"):
+        with pytest.warns(UserWarning, match="In npu autocast, but the target dtype is not supported"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # no bf16 below Ascend910B1
+                assert F.linear(x.float(), w.float()).dtype == torch.float32
+    # eager code after the emulation: CPU's autocast again
+    with pytest.warns(UserWarning, match="In CPU autocast, but the target dtype is not supported"):
+        with torch.autocast("cpu", dtype=torch.float32):
+            assert F.linear(x, w).dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.exp(x).dtype == torch.bfloat16 and torch.cat([x, x.float()]).dtype == torch.float32
+
+
+def test_the_autocast_lists_name_torch_2_13s_ops():
+    ops = [op for policy in inventory.AUTOCAST_POLICIES for op in policy.ops]
+    assert len(ops) == len(set(ops)) == 104
+    for op in ops:
+        npu_dispatch._overload(op)  # AttributeError for an op torch 2.13 does not have
+    assert {p.policy for p in inventory.AUTOCAST_POLICIES} == {
+        "lower_precision_fp", "fp32", "fp32_set_opt_dtype", "fp32_append_dtype", "promote", "banned"}
+    with npu_dispatch.emulated(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            F.binary_cross_entropy(torch.rand(3), torch.rand(3))
+        assert torch.norm(torch.randn(4, dtype=torch.bfloat16)).dtype == torch.float32  # fp32_append_dtype
+        a, b = torch.randn(4, dtype=torch.bfloat16), torch.randn(4)
+        assert torch.dot(a, a).dtype == torch.bfloat16 and torch.addcmul(b, a, a).dtype == torch.float32  # promote
+
+
+class _CapturingBackend(nff.backend.EmulationBackend):
+    """The emulation backend, recording each graph's nodes before the passes run."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.graphs = []
+
+    def _compile(self, phase, gm, example_inputs):
+        self.graphs.append([(n.target, n.args) for n in gm.graph.nodes if n.op == "call_function"])
+        return super()._compile(phase, gm, example_inputs)
+
+
+def _router_score_dtypes(graph):
+    """The dtypes the routers' softmax reads (every _softmax of these models is a router's:
+    their attention is SDPA)."""
+    return [node_args[0].meta["val"].dtype for target, node_args in graph if target is torch.ops.aten._softmax.default]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layers", [("deepseek_v3", 2), ("qwen3_moe", 1)])  # one MoE layer each
+def test_torchtitan_bf16_routers_trace_fp32_as_on_an_npu(name, layers):
+    """torchtitan's router computes its gate under torch.autocast(dtype=float32): on an NPU an
+    fp32 gate, under the emulation too; the plain CPU trace has a bf16 one (autocast disabled)."""
+    from npu_fx_fusion.tiny_models import build_torchtitan
+
+    tiny = build_torchtitan(name, dtype=torch.bfloat16, num_layers=layers)
+    dtypes = {}
+    for npu_dispatch_on in (True, False):
+        backend = _CapturingBackend(nff.FusionConfig(npu_dispatch=npu_dispatch_on))
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(tiny.model, backend=backend)(*tiny.example_inputs)
+        dtypes[npu_dispatch_on] = _router_score_dtypes(backend.graphs[0])
+        gating = backend.report.counts["moe_gating"]
+        reasons = [m.reason for m in backend.report.near_misses if m.pass_name == "moe_gating"]
+        if name == "deepseek_v3":  # its router form fuses once the logits are fp32
+            assert gating == (1 if npu_dispatch_on else 0), reasons
+            assert npu_dispatch_on or any("bfloat16 logits" in r for r in reasons), reasons
+    assert dtypes == {True: [torch.float32], False: [torch.bfloat16]}
+
+
 # ---- transformers' NPU branch -------------------------------------------------------------------
 class _TransformersSdpa(torch.nn.Module):
     """transformers' sdpa_attention_forward with a float (additive) mask."""

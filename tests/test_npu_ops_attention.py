@@ -11,20 +11,15 @@ the stand-in on the same input, so the comparisons would catch a swap.
 """
 from __future__ import annotations
 
-import ast
 import importlib.util
 import itertools
 import math
-import os
-from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._pytree import tree_map_only
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from npu_fx_fusion.npu_ops import _library, ensure_registered
-from torchair_harness.runner import torch_npu_dir_or_skip
+from npu_fx_fusion.npu_ops import _library, ensure_registered, spec_of
+from npu_fx_fusion.npu_ops.attention import smla_kwargs, v4_attention_inputs
 
 npu = torch.ops.npu
 cann = torch.ops.cann_ops_transformer
@@ -979,170 +974,12 @@ def test_cann_namespace_is_registered_only_without_the_real_package(monkeypatch)
     assert _library._real_package_installed("cann_ops_transformer")
 
 
-def _samples(dtype=torch.float32):
-    """op -> list of (args, kwargs), every layout."""
-    q4, k4, w4 = _randn(2, 3, 4, 8, dtype=dtype), _randn(2, 5, 1, 8, dtype=dtype), _randn(2, 3, 4, dtype=dtype)
-    q3, k3, w3 = _randn(6, 4, 8, dtype=dtype), _randn(9, 1, 8, dtype=dtype), _randn(6, 4, dtype=dtype)
-    paged, table = _randn(6, 4, 1, 8, dtype=dtype), torch.tensor([[3, 0], [1, 5]], dtype=torch.int32)
-    cq, ck = torch.tensor([2, 6], dtype=torch.int32), torch.tensor([4, 9], dtype=torch.int32)
-    lens_k = torch.tensor([5, 7], dtype=torch.int32)
-    sq4, sk4, skr4 = _randn(2, 3, 4, 16, dtype=dtype), _randn(2, 5, 1, 16, dtype=dtype), _randn(2, 5, 1, 4, dtype=dtype)
-    sq3, sk3 = _randn(6, 4, 16, dtype=dtype), _randn(9, 1, 16, dtype=dtype)
-    si4 = torch.tensor([0, 3, 1, -1], dtype=torch.int32).expand(2, 3, 1, 4).contiguous()
-    si3 = torch.tensor([1, 0, -1], dtype=torch.int32).expand(6, 1, 3).contiguous()
-    spaged = _randn(6, 4, 1, 16, dtype=dtype)
-    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
-    meta4 = cann.sparse_flash_mla_softmax_l1_norm_metadata(4, 1, 16, batch_size=2, max_seqlen_q=3, max_seqlen_k=5)
-    meta3 = cann.sparse_flash_mla_softmax_l1_norm_metadata(4, 1, 16, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                                           layout_q="TND", layout_k="TND")
-    lse4, lse3 = torch.zeros(2, 1, 3, 4), torch.zeros(1, 6, 4)
-    return {
-        "npu_lightning_indexer": [
-            ((q4, k4, w4), dict(sparse_count=3)),
-            ((q4, k4, w4), dict(sparse_count=7, sparse_mode=0, return_value=True)),
-            ((q3, k3, w3), dict(actual_seq_lengths_query=cq, actual_seq_lengths_key=ck, layout_query="TND",
-                                layout_key="TND", sparse_count=4, return_value=True)),
-            ((q4, paged, w4), dict(actual_seq_lengths_key=lens_k, block_table=table, layout_key="PA_BSND",
-                                   sparse_count=4)),
-            ((q3, paged, w3), dict(actual_seq_lengths_query=cq, actual_seq_lengths_key=lens_k, block_table=table,
-                                   layout_query="TND", layout_key="PA_BSND", sparse_count=4, return_value=True)),
-        ],
-        "npu_sparse_flash_attention": [
-            ((sq4, sk4, sk4, si4, 0.5), dict(query_rope=_randn(2, 3, 4, 4, dtype=dtype), key_rope=skr4,
-                                             return_softmax_lse=True, attention_mode=2)),
-            ((sq4, sk4, sk4, si4, 0.5), dict(sparse_block_size=2, sparse_mode=0)),
-            ((sq3, sk3, sk3, si3, 0.5), dict(actual_seq_lengths_query=cq, actual_seq_lengths_kv=ck, layout_query="TND",
-                                             layout_kv="TND", return_softmax_lse=True)),
-            ((sq3, spaged, spaged, si3, 0.5), dict(actual_seq_lengths_query=cq, actual_seq_lengths_kv=lens_k,
-                                                   block_table=table, layout_query="TND", layout_kv="PA_BSND")),
-        ],
-        "npu_lightning_indexer_grad": [
-            ((q4, k4, _randn(2, 3, 1, 3, dtype=dtype), _indexer_idx(q4, k4, w4, 3), w4), dict()),
-            ((q3, k3, _randn(6, 1, 4, dtype=dtype), _indexer_idx(q3, k3, w3, 4, actual_seq_lengths_query=cq,
-                                                                 actual_seq_lengths_key=ck, layout_query="TND",
-                                                                 layout_key="TND"), w3),
-             dict(actual_seq_lengths_query=cq, actual_seq_lengths_key=ck, layout="TND", sparse_mode=0)),
-        ],
-        "npu_sparse_flash_attention_grad": [
-            (_sfa_grad_args(sq4, sk4, sk4, si4, 0.5, query_rope=_randn(2, 3, 4, 4, dtype=dtype), key_rope=skr4,
-                            attention_mode=2), dict(query_rope=_randn(2, 3, 4, 4, dtype=dtype), key_rope=skr4,
-                                                    attention_mode=2)),
-            (_sfa_grad_args(sq3, sk3, None, si3, 0.5, actual_seq_lengths_query=cq, actual_seq_lengths_kv=ck,
-                            layout_query="TND", layout_kv="TND", sparse_block_size=2),
-             dict(actual_seq_qlen=cq, actual_seq_kvlen=ck, layout="TND", sparse_mode=0)),
-        ],
-        "sparse_flash_mla_softmax_l1_norm_metadata": [
-            ((4, 1, 16), dict(batch_size=2, max_seqlen_q=3, max_seqlen_k=5)),
-            ((4, 1, 16), dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, layout_q="TND", layout_k="TND", mask_mode=3)),
-        ],
-        "sparse_flash_mla_softmax_l1_norm": [
-            ((sq4, sk4, lse4), dict(metadata=meta4, softmax_scale=0.25, mask_mode=3)),
-            ((sq4, sk4, lse4), dict(metadata=meta4, sparse_indices=si4)),
-            ((sq3, sk3, lse3), dict(metadata=meta3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=6,
-                                    layout_q="TND", layout_k="TND")),
-            ((sq3, sk3, lse3), dict(metadata=meta3, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sparse_indices=si3,
-                                    layout_q="TND", layout_k="TND", mask_mode=3)),
-        ],
-    }
-
-
-def _indexer_idx(q, k, w, count, **kwargs):
-    return npu.npu_lightning_indexer(q, k, w, sparse_count=count, **kwargs)[0]
-
-
-def _sfa_grad_args(q, k, v, idx, scale, sparse_block_size=1, **kwargs):
-    """Positional arguments of npu_sparse_flash_attention_grad, from a forward with the lse."""
-    out, smax, ssum = npu.npu_sparse_flash_attention(q, k, v, idx, scale, sparse_block_size=sparse_block_size,
-                                                     return_softmax_lse=True, **kwargs)
-    return (q, k, v, idx, _randn(*out.shape, seed=9, dtype=out.dtype), out, smax, ssum, scale, sparse_block_size)
-
-
-def _op(name):
-    return getattr(npu if name.startswith("npu_") else cann, name)
-
-
-def _as_tuple(out):
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-OPS = ["npu_lightning_indexer", "npu_sparse_flash_attention", "npu_lightning_indexer_grad",
-       "npu_sparse_flash_attention_grad", "sparse_flash_mla_softmax_l1_norm_metadata",
-       "sparse_flash_mla_softmax_l1_norm"]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("op", OPS)
-def test_fake_kernels_agree_with_the_real_ones(op, dtype):
-    for args, kwargs in _samples(dtype)[op]:
-        real = _as_tuple(_op(op)(*args, **kwargs))
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = _as_tuple(_op(op)(*tree_map_only(torch.Tensor, mode.from_tensor, args), **tree_map_only(torch.Tensor, mode.from_tensor, kwargs)))
-        layout = lambda ts: [(t.shape, t.dtype) for t in ts]  # noqa: E731
-        assert layout(fake) == layout(real), (op, kwargs)
-
-
-# The wheel's Meta functions, compiled from its source (they cannot be imported without torch_npu)
-_META_FUNCTIONS = {"npu_lightning_indexer": "npu_lightning_indexer_forward",
-                   "npu_sparse_flash_attention": "npu_sparse_flash_attention_forward",
-                   "npu_lightning_indexer_grad": "npu_lightning_indexer_grad_meta",
-                   "npu_sparse_flash_attention_grad": "npu_sparse_flash_attention_grad_meta"}
-
-
-@pytest.fixture(scope="module")
-def wheel_meta():
-    path = os.path.join(torch_npu_dir_or_skip(), "torch_npu", "op_plugin", "meta", "_meta_registrations.py")
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    body = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in _META_FUNCTIONS.values():
-            node.decorator_list = []
-            body.append(node)
-    namespace = {"torch": torch, "ops_error": lambda *a: "", "ErrCode": SimpleNamespace(VALUE="", NOT_SUPPORT=""),
-                 "get_cann_version": lambda: "9.2.0"}
-    exec(compile(ast.Module(body=body, type_ignores=[]), path, "exec"), namespace)  # noqa: S102
-    return {op: namespace[name] for op, name in _META_FUNCTIONS.items()}
-
-
-@pytest.mark.parametrize("op", sorted(_META_FUNCTIONS))
-def test_kernels_give_the_shapes_and_dtypes_of_the_wheels_meta_functions(wheel_meta, op):
-    to_meta = lambda t: t.detach().to("meta")  # noqa: E731
-    for args, kwargs in _samples(torch.bfloat16)[op]:
-        real = _as_tuple(_op(op)(*args, **kwargs))
-        meta = _as_tuple(wheel_meta[op](*tree_map_only(torch.Tensor, to_meta, args), **tree_map_only(torch.Tensor, to_meta, kwargs)))
-        assert [(r.shape, r.dtype) for r in real] == [(m.shape, m.dtype) for m in meta], kwargs
-
-
 def test_l1_norm_shapes_follow_the_kernel_not_the_extensions_meta():
     # the extension's Meta says (B, S1, S2) / (T1, T2) whatever sparse_indices is; the kernel
     # writes (B, S1, N2, K or S2) / (T1, N2, K or max_seqlen_k) (op_semantics 10, 11.9)
-    shapes = [_op("sparse_flash_mla_softmax_l1_norm")(*a, **kw).shape
-              for a, kw in _samples()["sparse_flash_mla_softmax_l1_norm"]]
+    samples = spec_of("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm").samples(torch.bfloat16)
+    shapes = [cann.sparse_flash_mla_softmax_l1_norm(*sample.args, **sample.kwargs).shape for sample in samples]
     assert shapes == [(2, 3, 1, 5), (2, 3, 1, 4), (6, 1, 6), (6, 1, 3)]
-
-
-@pytest.mark.parametrize("op", OPS)
-def test_opcheck(op):
-    for args, kwargs in _samples()[op]:
-        torch.library.opcheck(_op(op).default, args, kwargs)
-
-
-def _requiring_grad(value, names):
-    return {k: _leaf(v) if k in names else v for k, v in value.items()}
-
-
-def test_opcheck_with_gradients():
-    # with inputs that require grad, opcheck also runs the backward through aot_autograd
-    # (the grad op under fake tensors and functionalization, as in a compiled training step).
-    # Not for the indexer: opcheck sums every output into one loss, and its first output
-    # (int32 indices) makes that sum an integer (the tests above differentiate it instead)
-    op = "npu_sparse_flash_attention"
-    for args, kwargs in _samples()[op]:
-        if not kwargs.get("return_value", kwargs.get("return_softmax_lse")) or kwargs.get("block_table") is not None:
-            continue  # nothing to differentiate (or paged keys, which have no backward)
-        args = tuple(_leaf(a) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        kwargs = _requiring_grad(kwargs, {"query_rope", "key_rope"})
-        torch.library.opcheck(_op(op).default, args, kwargs)
 
 
 # =====================================================================================
@@ -1181,42 +1018,6 @@ def v4_eager_attention(q, kv, sinks, visible, scale):
     return (probs @ kv.double()).transpose(1, 2)
 
 
-def _v4_attention_inputs(kind, dtype=torch.float64, b=2, s=18, h=4, d=16, window=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ratio = {"swa": 1, "csa": 4, "hca": 8}[kind]
-    t = s // ratio if kind != "swa" else 0
-    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64).to(dtype)
-    ori = torch.randn(b, 1, s, d, generator=g, dtype=torch.float64).to(dtype)
-    cmp = torch.randn(b, 1, t, d, generator=g, dtype=torch.float64).to(dtype)
-    sinks = torch.randn(h, generator=g, dtype=torch.float64)
-    indices = None
-    if kind == "csa":  # what the V4 indexer returns: top-3 of the causally visible blocks, -1 past them
-        k = 3
-        visible = (torch.arange(s) + 1) // ratio
-        rows = []
-        for _ in range(b * s):
-            rows.append(torch.randperm(t, generator=g))
-        perm = torch.stack(rows).view(b, s, t)
-        order = torch.where(perm < visible.view(1, s, 1), perm, t + perm)  # visible ids first
-        chosen = order.sort(-1).values[..., :k]
-        indices = torch.where(chosen < t, chosen, -1)
-    return SimpleNamespace(q=q, ori=ori, cmp=cmp, sinks=sinks, indices=indices, ratio=ratio, t=t, s=s,
-                           window=window, scale=d ** -0.5, residual=s - t * ratio)
-
-
-def _smla(x, **overrides):
-    kwargs = dict(ori_kv=x.ori.transpose(1, 2), sinks=x.sinks.float() if x.q.dtype != torch.float64 else x.sinks,
-                  softmax_scale=x.scale, cmp_ratio=x.ratio, ori_mask_mode=4, cmp_mask_mode=3,
-                  ori_win_left=x.window - 1, ori_win_right=0)
-    if x.t:
-        kwargs.update(cmp_kv=x.cmp.transpose(1, 2),
-                      cmp_residual_kv=torch.full((x.q.shape[0],), x.residual, dtype=torch.int32))
-    if x.indices is not None:
-        kwargs["cmp_sparse_indices"] = x.indices.to(torch.int32).unsqueeze(2)
-    kwargs.update(overrides)
-    return kwargs
-
-
 def _v4_reference(x, **leaves):
     q, ori, cmp, sinks = (leaves.get(n, getattr(x, n)) for n in ("q", "ori", "cmp", "sinks"))
     visible = v4_masks(x.s, x.window, x.t, x.ratio, x.indices)
@@ -1226,8 +1027,8 @@ def _v4_reference(x, **leaves):
 
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_sparse_flash_mla_is_v4s_eager_attention_with_sinks(kind):
-    x = _v4_attention_inputs(kind)
-    out, lse = cann.sparse_flash_mla(x.q.transpose(1, 2), **_smla(x), return_softmax_lse=True)
+    x = v4_attention_inputs(kind)
+    out, lse = cann.sparse_flash_mla(x.q.transpose(1, 2), **smla_kwargs(x), return_softmax_lse=True)
     torch.testing.assert_close(out, _v4_reference(x))
     # lse includes the sink: logsumexp over the visible logits and the sink
     visible = v4_masks(x.s, x.window, x.t, x.ratio, x.indices)
@@ -1240,61 +1041,61 @@ def test_sparse_flash_mla_is_v4s_eager_attention_with_sinks(kind):
 
 
 def test_sparse_flash_mla_mix_ups():
-    x = _v4_attention_inputs("csa")
+    x = v4_attention_inputs("csa")
     expected = _v4_reference(x)
     q = x.q.transpose(1, 2)
     # ori_win_left is the window minus one (the query itself is in the window)
-    assert not torch.allclose(cann.sparse_flash_mla(q, **_smla(x, ori_win_left=x.window))[0], expected)
+    assert not torch.allclose(cann.sparse_flash_mla(q, **smla_kwargs(x, ori_win_left=x.window))[0], expected)
     # the compressed keys' visibility counts the residual: S = T * ratio + residual
     assert not torch.allclose(cann.sparse_flash_mla(
-        q, **_smla(x, cmp_residual_kv=torch.zeros(2, dtype=torch.int32), cmp_sparse_indices=None))[0],
-        cann.sparse_flash_mla(q, **_smla(x, cmp_sparse_indices=None))[0])
+        q, **smla_kwargs(x, cmp_residual_kv=torch.zeros(2, dtype=torch.int32), cmp_sparse_indices=None))[0],
+        cann.sparse_flash_mla(q, **smla_kwargs(x, cmp_sparse_indices=None))[0])
     # the sinks are per query head, in the softmax's denominator only
-    assert not torch.allclose(cann.sparse_flash_mla(q, **_smla(x, sinks=None))[0], expected)
+    assert not torch.allclose(cann.sparse_flash_mla(q, **smla_kwargs(x, sinks=None))[0], expected)
     # the indices choose compressed keys (CSA); without them every visible block counts (HCA)
-    assert not torch.allclose(cann.sparse_flash_mla(q, **_smla(x, cmp_sparse_indices=None))[0], expected)
+    assert not torch.allclose(cann.sparse_flash_mla(q, **smla_kwargs(x, cmp_sparse_indices=None))[0], expected)
 
 
 def test_sparse_flash_mla_reads_indices_up_to_the_first_minus_one():
     # the late queries see every block: list [0, -1, 2] and [0, -1, -1] alike (the kernel stops at
     # the first -1), unlike [0, 2, -1]
-    x = _v4_attention_inputs("csa")
+    x = v4_attention_inputs("csa")
     q = x.q.transpose(1, 2)
 
     def attend(row):
         indices = torch.tensor(row, dtype=torch.int32).expand(2, x.s, 1, 3).contiguous()
-        return cann.sparse_flash_mla(q, **_smla(x, cmp_sparse_indices=indices))[0][:, -4:]
+        return cann.sparse_flash_mla(q, **smla_kwargs(x, cmp_sparse_indices=indices))[0][:, -4:]
 
     torch.testing.assert_close(attend([0, -1, 2]), attend([0, -1, -1]))
     assert not torch.allclose(attend([0, 2, -1]), attend([0, -1, -1]))
 
 
 def test_sparse_flash_mla_bf16_and_metadata():
-    x = _v4_attention_inputs("hca", dtype=torch.bfloat16)
+    x = v4_attention_inputs("hca", dtype=torch.bfloat16)
     metadata = cann.sparse_flash_mla_metadata(4, 1, 16, batch_size=2, max_seqlen_q=x.s, cmp_ratio=8,
                                               ori_mask_mode=4, cmp_mask_mode=3, ori_win_left=x.window - 1,
                                               ori_win_right=0, layout_q="BSND", layout_kv="BSND")
     assert metadata.shape == (1024,) and metadata.dtype == torch.int32
-    out, lse = cann.sparse_flash_mla(x.q.transpose(1, 2), **_smla(x), metadata=metadata)
+    out, lse = cann.sparse_flash_mla(x.q.transpose(1, 2), **smla_kwargs(x), metadata=metadata)
     assert out.dtype == torch.bfloat16 and lse.shape == ()
     torch.testing.assert_close(out.double(), _v4_reference(x), atol=2e-2, rtol=2e-2)  # bf16 P before P @ V
     wrong = cann.sparse_flash_mla_metadata(4, 1, 16, batch_size=2, max_seqlen_q=x.s, cmp_ratio=4, ori_mask_mode=4,
                                            cmp_mask_mode=3, ori_win_left=x.window - 1, ori_win_right=0)
     with pytest.raises(RuntimeError, match="metadata was made for another call"):
-        cann.sparse_flash_mla(x.q.transpose(1, 2), **_smla(x), metadata=wrong)
+        cann.sparse_flash_mla(x.q.transpose(1, 2), **smla_kwargs(x), metadata=wrong)
 
 
 @pytest.mark.parametrize("kind", ["swa", "csa", "hca"])
 def test_sparse_flash_mla_grad_against_autograd(kind):
-    x = _v4_attention_inputs(kind, s=10, window=4)
+    x = v4_attention_inputs(kind, s=10, window=4)
     leaves = {n: getattr(x, n).clone().requires_grad_() for n in ("q", "ori", "cmp", "sinks")}
     ref = _v4_reference(x, **leaves)
     dout = torch.randn_like(ref)
     names = ["q", "ori", "sinks"] + (["cmp"] if x.t else [])
     expected = dict(zip(names, torch.autograd.grad(ref, [leaves[n] for n in names], dout)))
     q = x.q.transpose(1, 2)
-    out, lse = cann.sparse_flash_mla(q, **_smla(x), return_softmax_lse=True)
-    kw = _smla(x)
+    out, lse = cann.sparse_flash_mla(q, **smla_kwargs(x), return_softmax_lse=True)
+    kw = smla_kwargs(x)
     dq, dori, dcmp, dsinks, _, l1 = cann.sparse_flash_mla_grad(
         q, dout, out, lse, kw.pop("ori_kv"), kw.pop("cmp_kv", None), None, kw.pop("cmp_sparse_indices", None),
         cmp_residual_kv=kw.pop("cmp_residual_kv", None), sinks=kw.pop("sinks"), **kw)

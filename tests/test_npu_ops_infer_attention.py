@@ -17,7 +17,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from npu_fx_fusion.npu_ops import ensure_registered
-from npu_fx_fusion.npu_ops.infer_attention import compressed_causal_mask
+from npu_fx_fusion.npu_ops.infer_attention import compressed_causal_mask, qkv
+from npu_fx_fusion.npu_ops.kv_cache import latent_cache_inputs
+from npu_fx_fusion.npu_ops.spec import randn
 
 npu = torch.ops.npu
 OPS = ["npu::npu_fused_infer_attention_score", "npu::scatter_update", "npu::scatter_update_",
@@ -28,10 +30,6 @@ OPS = ["npu::npu_fused_infer_attention_score", "npu::scatter_update", "npu::scat
 def _ops():
     registered = ensure_registered()
     assert all(op in registered for op in OPS)
-
-
-def _randn(*shape, seed=0, dtype=torch.float64):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
 # =====================================================================================
@@ -72,14 +70,9 @@ def fia(q, k, v, **kwargs):
 B, N, NKV, D = 2, 4, 2, 8
 
 
-def _qkv(queries, keys, seed=0, dtype=torch.float64, dim_v=D):
-    return (_randn(B, N, queries, D, seed=seed, dtype=dtype), _randn(B, NKV, keys, D, seed=seed + 1, dtype=dtype),
-            _randn(B, NKV, keys, dim_v, seed=seed + 2, dtype=dtype))
-
-
 @pytest.mark.parametrize("queries, keys", [(5, 5), (3, 7)])
 def test_sparse_mode_3_is_right_down_causal_with_the_compressed_mask(queries, keys):
-    q, k, v = _qkv(queries, keys)
+    q, k, v = qkv(queries, keys)
     out, lse = fia(q, k, v, atten_mask=compressed_causal_mask(), sparse_mode=3, scale=0.3,
                    num_key_value_heads=NKV)
     torch.testing.assert_close(out, reference_attention(q, k, v, right_down(B, queries, keys), 0.3))
@@ -91,8 +84,8 @@ def test_sparse_mode_3_is_right_down_causal_with_the_compressed_mask(queries, ke
 
 
 def test_explicit_mask_is_true_where_masked_out():
-    q, k, v = _qkv(3, 6)
-    hidden = _randn(B, 1, 3, 6, seed=9) > 0.3
+    q, k, v = qkv(3, 6)
+    hidden = randn(B, 1, 3, 6, seed=9) > 0.3
     hidden[..., 0] = False  # every row keeps a key
     out, _ = fia(q, k, v, atten_mask=hidden, scale=0.5, num_key_value_heads=NKV, inner_precise=2)
     visible = ~hidden[:, 0]
@@ -104,7 +97,7 @@ def test_explicit_mask_is_true_where_masked_out():
 
 @pytest.mark.parametrize("mask_shape", [(B, 1, 1, 9), (B, 9), (1, 1, 1, 9)])
 def test_decode_takes_the_explicit_mask_and_ignores_sparse_mode(mask_shape):
-    q, k, v = _qkv(1, 9)
+    q, k, v = qkv(1, 9)
     hidden = torch.zeros(mask_shape, dtype=torch.bool)
     hidden[..., 6:] = True  # the static cache's unwritten tail
     out, _ = fia(q, k, v, atten_mask=hidden, scale=0.25, num_key_value_heads=NKV)
@@ -121,7 +114,7 @@ def test_decode_takes_the_explicit_mask_and_ignores_sparse_mode(mask_shape):
 
 
 def test_query_head_h_reads_key_head_h_over_the_group():
-    q, k, v = _qkv(2, 2)
+    q, k, v = qkv(2, 2)
     out, _ = fia(q, k, v, scale=1.0, num_key_value_heads=NKV)
     everything = torch.ones(B, 2, 2, dtype=torch.bool)
     torch.testing.assert_close(out, reference_attention(q, k, v, everything, 1.0))
@@ -131,7 +124,7 @@ def test_query_head_h_reads_key_head_h_over_the_group():
 
 
 def test_bsnd_reads_the_same_numbers_transposed_and_returns_bsnd():
-    q, k, v = _qkv(3, 5)
+    q, k, v = qkv(3, 5)
     mask = compressed_causal_mask()
     bnsd, _ = fia(q, k, v, atten_mask=mask, sparse_mode=3, num_key_value_heads=NKV, scale=0.2)
     as_bsnd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
@@ -143,7 +136,7 @@ def test_bsnd_reads_the_same_numbers_transposed_and_returns_bsnd():
     with pytest.raises(RuntimeError, match="heads"):
         fia(q, k, v, atten_mask=mask, sparse_mode=3, num_key_value_heads=NKV, input_layout="BSND", num_heads=N)
     # ... and with S = N = 4 the shapes fit either way, but the numbers do not
-    q4, k4, v4 = (t.contiguous() for t in _qkv(N, N))
+    q4, k4, v4 = (t.contiguous() for t in qkv(N, N))
     k4, v4 = k4.repeat_interleave(2, dim=1), v4.repeat_interleave(2, dim=1)
     as_bnsd, _ = fia(q4, k4, v4, input_layout="BNSD", num_heads=N)
     as_bsnd, _ = fia(q4, k4, v4, input_layout="BSND", num_heads=N)
@@ -151,7 +144,7 @@ def test_bsnd_reads_the_same_numbers_transposed_and_returns_bsnd():
 
 
 def test_bnsd_bsnd_and_bsh_layouts():
-    q, k, v = _qkv(3, 5)
+    q, k, v = qkv(3, 5)
     bnsd, _ = fia(q, k, v, num_key_value_heads=NKV)
     mixed, _ = fia(q, k, v, num_key_value_heads=NKV, input_layout="BNSD_BSND", num_heads=N)
     torch.testing.assert_close(mixed, bnsd.transpose(1, 2))
@@ -161,7 +154,7 @@ def test_bnsd_bsnd_and_bsh_layouts():
 
 
 def test_fully_masked_rows_need_the_invalid_row_correction():
-    q, k, v = _qkv(3, 4)
+    q, k, v = qkv(3, 4)
     hidden = torch.zeros(B, 1, 3, 4, dtype=torch.bool)
     hidden[:, :, 0] = True  # query row 0 sees nothing (left padding)
     corrected, _ = fia(q, k, v, atten_mask=hidden, inner_precise=2, num_key_value_heads=NKV)
@@ -173,7 +166,7 @@ def test_fully_masked_rows_need_the_invalid_row_correction():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_rounds_once(dtype):
-    q, k, v = _qkv(4, 6, dtype=dtype)
+    q, k, v = qkv(4, 6, dtype=dtype)
     out, _ = fia(q, k, v, atten_mask=compressed_causal_mask(), sparse_mode=3, scale=0.35, num_key_value_heads=NKV)
     assert out.dtype == dtype
     visible = right_down(B, 4, 6)[:, None]
@@ -183,14 +176,14 @@ def test_half_precision_rounds_once(dtype):
 
 
 def test_softmax_lse():
-    q, k, v = _qkv(2, 3)
+    q, k, v = qkv(2, 3)
     _, lse = fia(q, k, v, softmax_lse_flag=True, scale=0.5, num_key_value_heads=NKV)
     kk = k.repeat_interleave(2, dim=1)
     torch.testing.assert_close(lse, torch.logsumexp(q @ kk.transpose(-1, -2) * 0.5, -1, keepdim=True).float())
 
 
 def test_refusals():
-    q, k, v = _qkv(3, 5)
+    q, k, v = qkv(3, 5)
     with pytest.raises(RuntimeError, match="contiguous"):
         fia(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, num_key_value_heads=NKV)
     with pytest.raises(RuntimeError, match="one shape"):
@@ -203,22 +196,6 @@ def test_refusals():
         fia(q, k, v, block_table=torch.zeros(B, 1, dtype=torch.int32), num_key_value_heads=NKV)
     with pytest.raises(RuntimeError, match="inner_precise must be 0 or 1"):
         fia(q[:, :, :1].contiguous(), k, v, inner_precise=2, num_key_value_heads=NKV)
-
-
-@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "BNSD_BSND"])
-@pytest.mark.parametrize("lse", [False, True])
-def test_fake_kernel_matches_the_kernel(layout, lse):
-    q, k, v = _qkv(3, 5, dtype=torch.bfloat16)
-    if layout in ("BSND", "BSH"):
-        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        if layout == "BSH":
-            q, k, v = (t.flatten(-2) for t in (q, k, v))
-    kwargs = dict(num_heads=N, num_key_value_heads=NKV, input_layout=layout, softmax_lse_flag=lse)
-    real = npu.npu_fused_infer_attention_score(q, k, v, **kwargs)
-    with FakeTensorMode() as mode:
-        fake = npu.npu_fused_infer_attention_score(*(mode.from_tensor(t) for t in (q, k, v)), **kwargs)
-    for r, f in zip(real, fake):
-        assert (r.shape, r.dtype) == (f.shape, f.dtype)
 
 
 # =====================================================================================
@@ -239,8 +216,8 @@ def reference_scatter_update(data, indices, updates, axis):
 @pytest.mark.parametrize("axis", [-2, -1])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 def test_scatter_update_writes_each_row_at_its_offset(axis, index_dtype):
-    data = _randn(3, 2, 9, 6, seed=1)
-    updates = _randn(3, 2, 2, 6, seed=2) if axis == -2 else _randn(3, 2, 9, 3, seed=2)
+    data = randn(3, 2, 9, 6, seed=1)
+    updates = randn(3, 2, 2, 6, seed=2) if axis == -2 else randn(3, 2, 9, 3, seed=2)
     indices = torch.tensor([0, 4, 7] if axis == -2 else [0, 1, 3], dtype=index_dtype)
     before = data.clone()
     out = npu.scatter_update(data, indices, updates, axis)
@@ -252,7 +229,7 @@ def test_scatter_update_writes_each_row_at_its_offset(axis, index_dtype):
 
 def test_scatter_update_mix_ups():
     data = torch.zeros(2, 3, 8, 4)
-    updates = _randn(2, 3, 1, 4, seed=3, dtype=torch.float32)
+    updates = randn(2, 3, 1, 4, seed=3, dtype=torch.float32)
     indices = torch.tensor([2, 5])
     out = npu.scatter_update(data, indices, updates, -2)
     # the offsets index dim 0 (the batch), not the heads; the write runs along axis -2
@@ -309,15 +286,7 @@ def reference_latent(kv, gamma, cos, sin, index, k_cache, ckv_cache, eps):
 
 
 def _latent_inputs(seq=3, dtype=torch.float64, batch=2):
-    kv = _randn(batch, 1, seq, DV + DK, seed=11, dtype=dtype)
-    gamma = _randn(DV, seed=12, dtype=dtype)
-    angles = _randn(batch, 1, seq, DK // 2, seed=13)
-    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)  # HF's duplicated tables
-    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
-    index = (torch.arange(seq) + torch.tensor([[1], [3]])[:batch]).to(torch.int64)
-    k_cache = _randn(batch, 1, LEN, DK, seed=14, dtype=dtype)
-    ckv_cache = _randn(batch, 1, LEN, DV, seed=15, dtype=dtype)
-    return kv, gamma, cos, sin, index, k_cache, ckv_cache
+    return latent_cache_inputs(dtype, seq=seq, batch=batch, dim_v=DV, dim_k=DK, cache_len=LEN)
 
 
 def test_latent_cache_op_matches_the_readme_formulas():
@@ -375,15 +344,6 @@ def test_latent_cache_op_rounds_once(dtype):
     for got, ref in zip(out, want):
         assert got.dtype == dtype
         torch.testing.assert_close(got, ref.to(dtype), rtol=0, atol=0)
-
-
-def test_latent_cache_fake():
-    inputs = _latent_inputs(dtype=torch.bfloat16)
-    real = npu.npu_kv_rmsnorm_rope_cache_v2_functional(*inputs)
-    with FakeTensorMode() as mode:
-        fake = npu.npu_kv_rmsnorm_rope_cache_v2_functional(*(mode.from_tensor(t) for t in inputs))
-    for r, f in zip(real, fake):
-        assert (r.shape, r.dtype) == (f.shape, f.dtype)
 
 
 def test_latent_cache_v1_is_defined_but_not_computed():

@@ -7,6 +7,7 @@ import torch
 from torch.autograd import gradcheck
 
 from npu_fx_fusion.npu_ops import ensure_registered
+from npu_fx_fusion.npu_ops.mhc import mhc_inputs
 
 npu = torch.ops.npu
 cot = torch.ops.cann_ops_transformer
@@ -44,17 +45,8 @@ def reference_post(x, comb, o, post):
     return post.double().unsqueeze(-1) * o.double().unsqueeze(-2) + comb.double().transpose(-1, -2) @ x.double()
 
 
-def _inputs(b=2, s=3, n=4, d=8, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, s, n, d, generator=g, dtype=torch.float64).to(dtype)
-    phi = torch.randn(n * n + 2 * n, n * d, generator=g, dtype=torch.float64) * 0.3
-    alpha = torch.rand(3, generator=g, dtype=torch.float64) + 0.5
-    bias = torch.randn(n * n + 2 * n, generator=g, dtype=torch.float64) * 0.5
-    return x, phi, alpha, bias
-
-
 def test_npu_mhc_pre_is_the_hyper_connection_without_sinkhorn():
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     h_in, h_post, h_res, inv_rms, h_mix, h_pre = npu.npu_mhc_pre(x, phi, alpha, bias, norm_eps=NORM_EPS,
                                                                  hc_eps=HC_EPS, out_flag=1)
     collapsed, post, logits = reference_pre(x, phi, alpha, bias)
@@ -68,7 +60,7 @@ def test_npu_mhc_pre_is_the_hyper_connection_without_sinkhorn():
 
 
 def test_npu_mhc_sinkhorn_is_the_unrolled_loop():
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     _, _, logits = reference_pre(x, phi, alpha, bias)
     _, _, comb = reference_pre(x, phi, alpha, bias, iters=7)
     y, norm, total = npu.npu_mhc_sinkhorn(logits, eps=HC_EPS, num_iters=7, out_flag=1)
@@ -80,7 +72,7 @@ def test_npu_mhc_sinkhorn_is_the_unrolled_loop():
 
 
 def test_mhc_pre_sinkhorn_is_pre_then_sinkhorn():
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     hin, h_post, h_res, *extras = cot.mhc_pre_sinkhorn(x, phi, alpha, bias, 4, 20, HC_EPS, NORM_EPS, True)
     collapsed, post, comb = reference_pre(x, phi, alpha, bias, iters=20)
     torch.testing.assert_close(hin, collapsed)
@@ -93,7 +85,7 @@ def test_mhc_pre_sinkhorn_is_pre_then_sinkhorn():
 
 def test_mix_up_the_extensions_positional_eps_order():
     # (hcMult, numIters, hcEps, normEps): torch_npu's keywords are (norm_eps, hc_eps)
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     _, _, h_res, *_ = cot.mhc_pre_sinkhorn(x, phi, alpha, bias, 4, 3, NORM_EPS, HC_EPS, False)  # swapped
     _, _, comb = reference_pre(x, phi, alpha, bias, iters=3)
     assert not torch.allclose(h_res, comb.flatten(-2), atol=1e-4)
@@ -101,7 +93,7 @@ def test_mix_up_the_extensions_positional_eps_order():
 
 def test_mix_up_h_in_collapses_the_raw_streams():
     # h_in weights the un-normalised x (transformers' `pre.unsqueeze(-1) * hidden_streams`)
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     h_in, *_ = npu.npu_mhc_pre(x, phi, alpha, bias, norm_eps=NORM_EPS, hc_eps=HC_EPS)
     _, _, _, _, _, h_pre = npu.npu_mhc_pre(x, phi, alpha, bias, norm_eps=NORM_EPS, hc_eps=HC_EPS, out_flag=1)
     normalised = x * torch.rsqrt(x.flatten(-2).square().mean(-1) + NORM_EPS)[..., None, None]
@@ -111,7 +103,7 @@ def test_mix_up_h_in_collapses_the_raw_streams():
 
 @pytest.mark.parametrize("op", ["npu", "cann"])
 def test_mhc_post_is_the_decoder_layers_mix(op):
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     _, post, comb = reference_pre(x, phi, alpha, bias, iters=5)
     o = torch.randn(2, 3, 8, dtype=torch.float64)
     y = (npu.npu_mhc_post if op == "npu" else cot.mhc_post)(x, comb, o, post)
@@ -122,13 +114,13 @@ def test_mhc_post_is_the_decoder_layers_mix(op):
 
 
 def test_npu_mhc_post_without_h_res_is_the_plain_residual():
-    x, _, _, _ = _inputs()
+    x, _, _, _ = mhc_inputs()
     post, o = torch.rand(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
     torch.testing.assert_close(npu.npu_mhc_post(x, None, o, post), x + post.unsqueeze(-1) * o.unsqueeze(-2))
 
 
 def test_bf16_rounds_once():
-    x, phi, alpha, bias = _inputs(dtype=torch.bfloat16)
+    x, phi, alpha, bias = mhc_inputs(dtype=torch.bfloat16)
     phi, alpha, bias = phi.float(), alpha.float(), bias.float()
     h_in, *_ = npu.npu_mhc_pre(x, phi, alpha, bias, norm_eps=NORM_EPS, hc_eps=HC_EPS)
     collapsed, _, _ = reference_pre(x, phi, alpha, bias)
@@ -138,7 +130,7 @@ def test_bf16_rounds_once():
 
 # ---- backward ops ---------------------------------------------------------------------------
 def test_gradcheck_npu_mhc_pre_through_its_backward_op():
-    x, phi, alpha, bias = (t.clone().requires_grad_() for t in _inputs(b=1, s=2))
+    x, phi, alpha, bias = (t.clone().requires_grad_() for t in mhc_inputs(b=1, s=2))
 
     def f(x, phi, alpha, bias):
         return npu.npu_mhc_pre(x, phi, alpha, bias, norm_eps=NORM_EPS, hc_eps=HC_EPS, out_flag=1)[:3]
@@ -157,7 +149,7 @@ def test_gradcheck_npu_mhc_sinkhorn_and_post():
 
 
 def test_training_needs_out_flag():
-    x, phi, alpha, bias = (t.clone().requires_grad_() for t in _inputs(b=1, s=2))
+    x, phi, alpha, bias = (t.clone().requires_grad_() for t in mhc_inputs(b=1, s=2))
     out = npu.npu_mhc_pre(x, phi, alpha, bias)[0]
     with pytest.raises(RuntimeError, match="out_flag=1"):
         out.sum().backward()
@@ -167,7 +159,7 @@ def test_training_needs_out_flag():
 
 
 def test_mhc_pre_sinkhorn_backward_against_autograd():
-    x, phi, alpha, bias = _inputs(b=1, s=3)
+    x, phi, alpha, bias = mhc_inputs(b=1, s=3)
     leaves = [t.clone().requires_grad_() for t in (x, phi, alpha, bias)]
     ref = reference_pre(*leaves, iters=4)
     grads = [torch.randn_like(t) for t in ref]
@@ -182,7 +174,7 @@ def test_mhc_pre_sinkhorn_backward_against_autograd():
 
 def test_mhc_pre_sinkhorn_raw_op_has_no_dispatcher_autograd():
     # the extension differentiates it in Python (MhcPreSinkhornFunction): a pass calls the backward op itself
-    x, phi, alpha, bias = (t.clone().requires_grad_() for t in _inputs(b=1, s=2))
+    x, phi, alpha, bias = (t.clone().requires_grad_() for t in mhc_inputs(b=1, s=2))
     out = cot.mhc_pre_sinkhorn(x, phi, alpha, bias, 4, 2, HC_EPS, NORM_EPS, True)[0]
     with pytest.raises(RuntimeError, match="MhcPreSinkhornFunction"):
         out.sum().backward()
@@ -207,7 +199,7 @@ def test_mhc_post_backward_ops_against_autograd():
 def test_fake_kernels_give_the_real_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    x, phi, alpha, bias = _inputs()
+    x, phi, alpha, bias = mhc_inputs()
     mode = FakeTensorMode()
     fx, fphi, falpha, fbias = (mode.from_tensor(t.float()) for t in (x, phi, alpha, bias))
     with mode:

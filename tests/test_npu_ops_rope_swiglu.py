@@ -6,10 +6,11 @@ numbers, the HF model code), evaluated in float64 as the "exact" value.
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import ulp
 from npu_fx_fusion.npu_ops import ensure_registered
+from npu_fx_fusion.npu_ops.rope import rope_tables
+from npu_fx_fusion.npu_ops.spec import randn
 
 npu = torch.ops.npu
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -22,17 +23,6 @@ U32 = 2.0 ** -24  # fp32 unit roundoff: one fp32 rounding moves a value by at mo
 def _ops():
     registered = ensure_registered()
     assert all(f"npu::{op}" in registered for op in NEW_OPS)
-
-
-def _randn(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def _tables(shape, dtype=torch.float32, seed=1):
-    """cos/sin of random angles of `shape`, in dtype (the rounded tables are the inputs)."""
-    theta = _randn(*shape, seed=seed) * 3
-    return theta.cos().to(dtype), theta.sin().to(dtype)
 
 
 def assert_one_rounding(actual, exact, scale, fp32_ops):
@@ -94,7 +84,7 @@ HALF_LAYOUTS = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("x_shape, r_shape", HALF_LAYOUTS, ids=str)
 def test_rotary_mul_half_is_rotate_half_rope_rounded_once(x_shape, r_shape, dtype):
-    x, (cos, sin) = _randn(*x_shape, dtype=dtype), _tables(r_shape, dtype)
+    x, (cos, sin) = randn(*x_shape, dtype=dtype), rope_tables(r_shape, dtype)
     out = npu.npu_rotary_mul(x, cos, sin)  # 'half' is the default
     exact, scale = rope_ref(x, cos, sin, rotate_half)
     assert out.shape == x.shape and out.dtype == dtype
@@ -107,14 +97,14 @@ def test_rotary_mul_half_is_rotate_half_rope_rounded_once(x_shape, r_shape, dtyp
                                               ((7, 3, 16), (7, 1, 8))], ids=str)  # TND, T1D
 def test_rotary_mul_interleave_is_complex_rope(x_shape, r_shape, dtype):
     # The torchtitan mapping of op_semantics 3.1: freqs_cis -> repeat_interleave(2) tables.
-    x, (cos, sin) = _randn(*x_shape, dtype=dtype), _tables(r_shape, dtype)
+    x, (cos, sin) = randn(*x_shape, dtype=dtype), rope_tables(r_shape, dtype)
     out = npu.npu_rotary_mul(x, cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1), "interleave")
     exact, scale = complex_rope_ref(x, cos, sin)
     assert_one_rounding(out, exact, scale, fp32_ops=3)
 
 
 def test_rotary_mul_interleave_pairs_neighbours_elementwise():
-    x, (c, s) = _randn(1, 1, 1, 4), _tables((1, 1, 1, 4))
+    x, (c, s) = randn(1, 1, 1, 4), rope_tables((1, 1, 1, 4))
     out = npu.npu_rotary_mul(x, c, s, "interleave")[0, 0, 0]
     x, c, s = x[0, 0, 0], c[0, 0, 0], s[0, 0, 0]
     expected = torch.stack([x[0] * c[0] - x[1] * s[0], x[1] * c[1] + x[0] * s[1],
@@ -124,7 +114,7 @@ def test_rotary_mul_interleave_pairs_neighbours_elementwise():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotary_mul_quarter_rotates_each_half_of_d(dtype):
-    x, (cos, sin) = _randn(2, 3, 5, 16, dtype=dtype), _tables((1, 1, 5, 16), dtype)
+    x, (cos, sin) = randn(2, 3, 5, 16, dtype=dtype), rope_tables((1, 1, 5, 16), dtype)
     out = npu.npu_rotary_mul(x, cos, sin, "quarter")
     exact, scale = rope_ref(x, cos, sin, rotate_quarter)
     assert_one_rounding(out, exact, scale, fp32_ops=3)
@@ -132,7 +122,7 @@ def test_rotary_mul_quarter_rotates_each_half_of_d(dtype):
 
 def test_the_modes_really_differ():
     # guards the references above against testing one rotation three times
-    x, (cos, sin) = _randn(1, 2, 3, 16), _tables((1, 1, 3, 16))
+    x, (cos, sin) = randn(1, 2, 3, 16), rope_tables((1, 1, 3, 16))
     outs = [npu.npu_rotary_mul(x, cos, sin, mode) for mode in ("half", "interleave", "quarter")]
     assert not torch.allclose(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
     assert not torch.allclose(outs[1], outs[2])
@@ -149,7 +139,7 @@ def _half_matrix(d, dtype=torch.float32):
 
 
 def test_rotate_with_the_docs_half_matrix_equals_half_mode():
-    x, (cos, sin) = _randn(2, 3, 5, 16), _tables((1, 1, 5, 16))
+    x, (cos, sin) = randn(2, 3, 5, 16), rope_tables((1, 1, 5, 16))
     fused = npu.npu_rotary_mul(x, cos, sin, "half", _half_matrix(16))
     assert torch.equal(fused, npu.npu_rotary_mul(x, cos, sin, "half"))  # x @ R only moves values
 
@@ -158,7 +148,7 @@ def test_rotate_block_diagonal_rotates_each_block():
     # The docs' use case: x split along D into sub-blocks, each with its own half rotation.
     sizes = (8, 4, 4)
     rotate = torch.block_diag(*[_half_matrix(n) for n in sizes])
-    x, (cos, sin) = _randn(2, 5, 3, 16), _tables((1, 5, 1, 16))
+    x, (cos, sin) = randn(2, 5, 3, 16), rope_tables((1, 5, 1, 16))
     out = npu.npu_rotary_mul(x, cos, sin, "half", rotate)
     blocks = lambda t: t.split(sizes, -1)  # noqa: E731
     expected = torch.cat([xb * cb + rotate_half(xb) * sb
@@ -172,7 +162,7 @@ def test_rotate_is_used_as_given_whatever_the_mode():
     swap = torch.zeros(8, 8)
     for i in range(0, 8, 2):
         swap[i, i + 1] = swap[i + 1, i] = 1
-    x, (cos, sin) = _randn(1, 2, 3, 8), _tables((1, 1, 3, 8))
+    x, (cos, sin) = randn(1, 2, 3, 8), rope_tables((1, 1, 3, 8))
     out = npu.npu_rotary_mul(x, cos, sin, "interleave", swap)
     swapped = x.reshape(1, 2, 3, 4, 2).flip(-1).reshape(1, 2, 3, 8)
     torch.testing.assert_close(out, x * cos + swapped * sin, rtol=0, atol=0)
@@ -181,8 +171,8 @@ def test_rotate_is_used_as_given_whatever_the_mode():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rotate_general_matrix(dtype):
     d = 16
-    x, (cos, sin) = _randn(2, 3, 5, d, dtype=dtype), _tables((2, 1, 5, d), dtype)
-    rotate = _randn(d, d, dtype=dtype, seed=3)
+    x, (cos, sin) = randn(2, 3, 5, d, dtype=dtype), rope_tables((2, 1, 5, d), dtype)
+    rotate = randn(d, d, dtype=dtype, seed=3)
     out = npu.npu_rotary_mul(x, cos, sin, "half", rotate)
     xr = x.double() @ rotate.double()
     a, b = x.double() * cos.double(), xr * sin.double()
@@ -193,13 +183,13 @@ def test_rotate_general_matrix(dtype):
 
 
 def test_rotary_mul_refuses_what_it_cannot_compute():
-    x = _randn(1, 1, 2, 6)
+    x = randn(1, 1, 2, 6)
     with pytest.raises(RuntimeError, match="rotary_mode 'interleave-half' has no CPU reference"):
         npu.npu_rotary_mul(x, x, x, "interleave-half")
     with pytest.raises(RuntimeError, match="4 equal parts, it has size 6"):
         npu.npu_rotary_mul(x, x, x, "quarter")
     with pytest.raises(RuntimeError, match="does not broadcast to the input's shape"):
-        npu.npu_rotary_mul(x, _randn(2, 1, 2, 6), x)
+        npu.npu_rotary_mul(x, randn(2, 1, 2, 6), x)
 
 
 # ---- npu_rotary_mul: backward --------------------------------------------------------------
@@ -209,8 +199,8 @@ MODES_AND_TABLES = [("half", (2, 1, 3, 8)), ("half", (1, 1, 3, 8)), ("half", (2,
 
 @pytest.mark.parametrize("mode, r_shape", MODES_AND_TABLES, ids=str)
 def test_rotary_mul_gradcheck_float64(mode, r_shape):
-    x = _randn(2, 2, 3, 8, dtype=torch.float64).requires_grad_()
-    r1, r2 = (t.requires_grad_() for t in _tables(r_shape, torch.float64))
+    x = randn(2, 2, 3, 8, dtype=torch.float64).requires_grad_()
+    r1, r2 = (t.requires_grad_() for t in rope_tables(r_shape, torch.float64))
     assert torch.autograd.gradcheck(lambda *a: npu.npu_rotary_mul(*a, mode), (x, r1, r2))
 
 
@@ -221,9 +211,9 @@ REFERENCE_ROTATION = {"half": rotate_half, "quarter": rotate_quarter,
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode, r_shape", MODES_AND_TABLES, ids=str)
 def test_rotary_mul_grads_equal_the_unfused_reference(mode, r_shape, dtype):
-    x = _randn(2, 2, 3, 8, dtype=dtype).requires_grad_()
-    r1, r2 = (t.requires_grad_() for t in _tables(r_shape, dtype))
-    grad = _randn(2, 2, 3, 8, dtype=dtype, seed=4)
+    x = randn(2, 2, 3, 8, dtype=dtype).requires_grad_()
+    r1, r2 = (t.requires_grad_() for t in rope_tables(r_shape, dtype))
+    grad = randn(2, 2, 3, 8, dtype=dtype, seed=4)
     fused = torch.autograd.grad(npu.npu_rotary_mul(x, r1, r2, mode), (x, r1, r2), grad)
 
     leaves = [t.detach().double().requires_grad_() for t in (x, r1, r2)]
@@ -240,15 +230,15 @@ def test_rotary_mul_grads_equal_the_unfused_reference(mode, r_shape, dtype):
 
 def test_rotary_mul_backward_op_shapes_and_dtypes():
     # Meta: dx like self; dr1/dr2 shaped like r1/r2 but in self's dtype.
-    x, grad = _randn(2, 3, 4, 8, dtype=torch.bfloat16), _randn(2, 3, 4, 8, dtype=torch.bfloat16)
-    r1, r2 = _tables((1, 1, 4, 8), torch.float32)
+    x, grad = randn(2, 3, 4, 8, dtype=torch.bfloat16), randn(2, 3, 4, 8, dtype=torch.bfloat16)
+    r1, r2 = rope_tables((1, 1, 4, 8), torch.float32)
     dx, dr1, dr2 = npu.npu_rotary_mul_backward(grad, x, r1, r2, "half")
     assert (dx.shape, dr1.shape, dr2.shape) == (x.shape, r1.shape, r2.shape)
     assert dx.dtype == dr1.dtype == dr2.dtype == torch.bfloat16
 
 
 def test_rotary_mul_backward_with_rotate_raises():
-    x, (cos, sin) = _randn(1, 2, 3, 8).requires_grad_(), _tables((1, 1, 3, 8))
+    x, (cos, sin) = randn(1, 2, 3, 8).requires_grad_(), rope_tables((1, 1, 3, 8))
     out = npu.npu_rotary_mul(x, cos, sin, "half", _half_matrix(8))  # the forward is fine
     with pytest.raises(RuntimeError, match="passing rotate disables backward"):
         out.sum().backward()
@@ -281,7 +271,7 @@ def _deepseek_cache(seq_len, dim=64, base=10000.0, dtype=torch.float32):
 
 
 def _mla_rope_inputs(dtype):
-    q = _randn(2, 3, 5, 64, dtype=dtype)
+    q = randn(2, 3, 5, 64, dtype=dtype)
     cos_cached, sin_cached = _deepseek_cache(16, dtype=dtype)
     position_ids = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
     cos, sin = cos_cached[position_ids].unsqueeze(1), sin_cached[position_ids].unsqueeze(1)
@@ -334,7 +324,7 @@ def swiglu_ref(x, dim):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [-1, 0, 1])
 def test_swiglu_is_silu_of_the_first_half_times_the_second(dim, dtype):
-    x = _randn(6, 4, 10, dtype=dtype) * 3
+    x = randn(6, 4, 10, dtype=dtype) * 3
     out = npu.npu_swiglu(x, dim)
     exact = swiglu_ref(x, dim)
     assert out.shape == exact.shape and out.dtype == dtype
@@ -344,7 +334,7 @@ def test_swiglu_is_silu_of_the_first_half_times_the_second(dim, dtype):
 
 
 def test_swiglu_default_dim_is_last_and_odd_sizes_are_refused():
-    x = _randn(3, 8)
+    x = randn(3, 8)
     torch.testing.assert_close(npu.npu_swiglu(x), npu.npu_swiglu(x, -1), rtol=0, atol=0)
     assert npu.npu_swiglu(x).shape == (3, 4)
     with pytest.raises(RuntimeError, match="two equal halves, it has size 3"):
@@ -353,15 +343,15 @@ def test_swiglu_default_dim_is_last_and_odd_sizes_are_refused():
 
 @pytest.mark.parametrize("dim", [-1, 0])
 def test_swiglu_gradcheck_float64(dim):
-    x = _randn(4, 6, dtype=torch.float64).requires_grad_()
+    x = randn(4, 6, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: npu.npu_swiglu(t, dim), (x,))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [-1, 1])
 def test_swiglu_grads_equal_the_unfused_reference(dim, dtype):
-    x = (_randn(2, 6, 8, dtype=dtype) * 3).requires_grad_()
-    grad = _randn(*npu.npu_swiglu(x, dim).shape, dtype=dtype, seed=5)
+    x = (randn(2, 6, 8, dtype=dtype) * 3).requires_grad_()
+    grad = randn(*npu.npu_swiglu(x, dim).shape, dtype=dtype, seed=5)
     (dx,) = torch.autograd.grad(npu.npu_swiglu(x, dim), x, grad)
     x64 = x.detach().double().requires_grad_()
     (exact,) = torch.autograd.grad(swiglu_ref(x64, dim), x64, grad.double())
@@ -372,46 +362,6 @@ def test_swiglu_grads_equal_the_unfused_reference(dim, dtype):
     xmax = x64.detach().abs().max()
     scale = grad.double().abs().max() * xmax * (1 + xmax)
     assert_one_rounding(dx, exact, scale.expand(exact.shape), fp32_ops=10)
-
-
-# ---- fake kernels and opcheck ---------------------------------------------------------------
-def _sample_args(op, dtype, requires_grad):
-    x = _randn(2, 3, 4, 64, dtype=dtype).requires_grad_(requires_grad)
-    cos, sin = (t.requires_grad_(requires_grad) for t in _tables((2, 1, 4, 64), dtype))
-    return {
-        "npu_rotary_mul": (x, cos, sin, "interleave"),
-        "npu_rotary_mul_backward": (_randn(2, 3, 4, 64, dtype=dtype), x, cos, sin, "quarter"),
-        "npu_interleave_rope": (x, cos, sin),
-        "npu_swiglu": (x, 2),
-        "npu_swiglu_backward": (_randn(2, 3, 4, 32, dtype=dtype), x, -1),
-    }[op]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("op", NEW_OPS)
-def test_fake_kernels_agree_with_the_real_ones(op, dtype):
-    args = _sample_args(op, dtype, requires_grad=False)
-    real = getattr(npu, op)(*args)
-    with FakeTensorMode() as mode:
-        fake = getattr(npu, op)(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
-    as_tuple = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
-    assert [(t.shape, t.stride(), t.dtype) for t in as_tuple(fake)] == \
-           [(t.shape, t.stride(), t.dtype) for t in as_tuple(real)]
-
-
-@pytest.mark.parametrize("op", NEW_OPS)
-def test_opcheck(op):
-    # The forward ops with autograd are checked with inputs that require grad, so the aot
-    # check traces their backward too. npu_interleave_rope and the two backward ops have no
-    # autograd in torch_npu (their backward raises by design), so they get inputs that do
-    # not require grad: the aot check then traces them forward only.
-    differentiable = op in ("npu_rotary_mul", "npu_swiglu")
-    torch.library.opcheck(getattr(npu, op).default, _sample_args(op, torch.float32, differentiable))
-
-
-def test_opcheck_rotary_mul_with_rotate():
-    x, (cos, sin) = _randn(2, 3, 4, 16), _tables((1, 1, 4, 16))
-    torch.library.opcheck(npu.npu_rotary_mul.default, (x, cos, sin, "half", _randn(16, 16, seed=6)))
 
 
 # =====================================================================================

@@ -600,6 +600,30 @@ def negative_angle_rope(x, cos, sin):
     return torch.cat((x1 * c + x2 * s, -x1 * s + x2 * c), dim=-1)
 
 
+def torchtitan_npu_v32_rope(x, freqs_cis):
+    # torchtitan_npu.models.deepseek_v32 apply_rotary_emb(interleaved=False), the indexer's:
+    # halves paired as complex numbers, rotated, de-paired: half mode on x
+    shape = x.shape
+    x = x.view(*shape[:-1], 2, -1).transpose(-1, -2).contiguous()
+    x = torch.view_as_complex(x.float().view(*shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[: x.size(1)].view(1, x.size(1), 1, x.size(-1))
+    y = torch.view_as_real(x * freqs_cis).flatten(3)
+    return torch.cat([y[..., 0::2], y[..., 1::2]], dim=-1).to(torch.float32)
+
+
+def torchtitan_npu_v4_rope(x, freqs_cis):
+    # torchtitan_npu.models.deepseek_v4 apply_rotary_emb: x 3-d (B, S, D) for the shared
+    # key (no head dim) or 4-d (B, S, N, D)
+    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    seqlen = x_complex.size(1)
+    freqs_cis = freqs_cis[:seqlen]
+    if x_complex.ndim == 3:
+        freqs_cis = freqs_cis.view(1, seqlen, x_complex.size(-1))
+    else:
+        freqs_cis = freqs_cis.view(1, seqlen, 1, x_complex.size(-1))
+    return torch.view_as_real(x_complex * freqs_cis).flatten(-2).to(x.dtype)
+
+
 class TwoRotations(nn.Module):
     def __init__(self, rotate):
         super().__init__()
@@ -635,8 +659,20 @@ def _promoted_tables_case(dtype, batch=2, seq=6):
     return HFRope(), (q, k, cos, sin), ((0, 2), (0, 2), (0, 1), (0, 1))
 
 
+def _torchtitan_npu_v32_case(dtype, batch=2, seq=6):
+    q, k = inputs(dtype, (batch, seq, 4, 16)), inputs(dtype, (batch, seq, 1, 16), seed=1)
+    return TwoRotations(torchtitan_npu_v32_rope), (q, k, _freqs_cis(seq, 16)), ((0, 1), (0, 1), (0,))
+
+
+def _torchtitan_npu_v4_case(dtype, batch=2, seq=6):
+    # the query with heads, the shared key without (3-d): the op takes it with a head dim of 1
+    q, k = inputs(dtype, (batch, seq, 4, 16)), inputs(dtype, (batch, seq, 16), seed=1)
+    return TwoRotations(torchtitan_npu_v4_rope), (q, k, _freqs_cis(seq, 16)), ((0, 1), (0, 1), (0,))
+
+
 RECOGNISED_CASES = {"torchtune": _torchtune_case, "olmo_core": _olmo_core_case,
-                    "negative_angle": _negative_angle_case, "promoted_tables": _promoted_tables_case}
+                    "negative_angle": _negative_angle_case, "promoted_tables": _promoted_tables_case,
+                    "torchtitan_npu_v32": _torchtitan_npu_v32_case, "torchtitan_npu_v4": _torchtitan_npu_v4_case}
 
 
 def _assert_same(out, ref):
@@ -674,7 +710,9 @@ def test_other_codebases_rotations_are_recognised(case, dtype, dynamic):
     assert len(report.graphs) == 1  # one compile
     assert report.counts["rope"] == 2 and near_miss_reasons(report, "rope") == []
     assert _fused(report) == {"npu.npu_rotary_mul": 2}
-    if case != "promoted_tables" or dtype != torch.float32:  # (fp32 everywhere: transformers' form)
+    if case == "torchtitan_npu_v4":  # the 4-d query is torchtitan's complex form
+        assert sorted(site.form for site in report.sites)[0] == "complex_multiply"
+    elif case != "promoted_tables" or dtype != torch.float32:  # (fp32 everywhere: transformers' form)
         assert all("channel algebra" in site.form for site in report.sites)
     _assert_same(out, ref)
 

@@ -6,8 +6,9 @@ torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml (scripts/fetch_torch_np
 unpacks it), both parsed by torch._C.parse_schema.
 
 The cann_ops_transformer schemas are not torch_npu's: they are copied from that package's
-OpBuilder.schema() (see schemas.py). The wheel cannot vouch for them, so they are checked
-against the installed package, and that test skips, saying so, where it is not installed.
+OpBuilder.schema() (npu_ops/spec.py says where from). The wheel cannot vouch for them, so
+they are checked against the installed package, and that test skips, saying so, where it is
+not installed.
 """
 import importlib.util
 import os

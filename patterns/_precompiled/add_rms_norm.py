@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a8978ae4cd13bac1',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f7f915b694c4d843',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7f5faeee50c6ba2f',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'efd915dd3e53041a',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

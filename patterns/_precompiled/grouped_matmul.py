@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b1f15694e88ea48b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '34fc76492b1b9233',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

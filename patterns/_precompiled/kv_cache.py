@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3f79688a7c652911',
+KEY = {'torch': '2.13.0+cpu', 'sources': '021b1addd08f10e7',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

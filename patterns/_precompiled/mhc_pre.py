@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'caf9d6cfa5941fff',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e246970885c86918',
        'backward': {'cann_ops_transformer.mhc_pre_sinkhorn': True, 'npu.npu_mhc_pre': True, 'npu.npu_mhc_sinkhorn': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7b4f55523e0b0aa0',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b06bc77f40d565bc',
        'backward': {'cann_ops_transformer.inplace_partial_rotary_mul': True, 'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {

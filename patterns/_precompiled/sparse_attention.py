@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c9bc3eba482fc3c2',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a6144a1cc03d7964',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

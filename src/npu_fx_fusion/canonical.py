@@ -132,6 +132,9 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       transformers' CpmAntLayerNorm) as the graph's explicit cast of that operand
       (`x.to(torch.float32)`), where it has one defined before: type promotion converts it
       exactly, as the cast does. No cast is added where the graph has none.
+    - no slice of a whole dim (`t[:, None]` under dynamic shapes records `slice(t, 0, 0, 2**63 - 1)`
+      before the unsqueeze, where a static size lets dynamo leave it out): its input, with the
+      same metadata (the test remove_noop_ops uses), stands for it.
     - `1 / t` as `reciprocal(t)`: dynamo records it as `reciprocal(t) * 1`, a multiply by
       the number 1 with the result's metadata (exact for every float, -0.0, inf and nan
       included). Only after a reciprocal: elsewhere a model's multiply by a scale that
@@ -169,7 +172,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += 1
         if node.target in _PROMOTING:
             changed += _explicit_upcasts(node)
-        if _is_noop_clone(node) or _is_reciprocal_times_one(node):
+        if _is_noop_clone(node) or _is_reciprocal_times_one(node) or _is_whole_slice(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             changed += 1
@@ -390,6 +393,15 @@ def _is_noop_clone(node: Node) -> bool:
             "memory_format", torch.preserve_format) is not torch.preserve_format:
         return False
     return _can_stand_for(node.args[0], node)
+
+
+def _is_whole_slice(node: Node) -> bool:
+    """`x[:]` of a symbolic dim: slice(x, d, 0, 2**63 - 1) (dynamo records `t[:, None]` so under
+    dynamic shapes, where a static size lets it drop the slice), the same elements and strides."""
+    if node.target is not aten.slice.Tensor or node.kwargs or len(node.args) < 4:
+        return False
+    start, end, step = node.args[2], node.args[3], node.args[4] if len(node.args) > 4 else 1
+    return start == 0 and end == _END and step == 1 and _can_stand_for(node.args[0], node)
 
 
 def _is_reciprocal_times_one(node: Node) -> bool:

@@ -160,6 +160,10 @@ class _Evaluation:
         self.factor_ids: dict = {}
         self.memo: dict = {}
         self.leaf_dims = leaf_dims  # leaf -> tracked dims (default 1)
+        # leaf -> how many of its leading dims a broadcast took into the tracked block (size-1
+        # dims where the other operand tracks more): the rest line up with the region's
+        # leading dims
+        self.absorbed: dict = {}
         self.zero = self._element(Poly())
 
     def _element(self, value: Any) -> int:
@@ -201,6 +205,9 @@ class _Evaluation:
 
     def combine(self, op: str, a: _Value, b: _Value) -> _Value:
         a_ids, b_ids = _aligned(a, b)
+        for value, ids in ((a, a_ids), (b, b_ids)):
+            for leaf in value.leaves:
+                self.absorbed[leaf] = max(self.absorbed.get(leaf, 0), ids.dim() - value.ids.dim())
         a_ids, b_ids = torch.broadcast_tensors(a_ids, b_ids)
         out = torch.empty(a_ids.shape, dtype=torch.int64)
         flat_a, flat_b, flat_out = a_ids.reshape(-1).tolist(), b_ids.reshape(-1).tolist(), out.view(-1)
@@ -618,6 +625,13 @@ def region_around(seed: Node, include: Callable[[Node], bool] = lambda node: Tru
 class EvaluatedRegion:
     region: Region
     values: dict  # node -> ChannelValue, for every node of the region
+    tracked: dict  # leaf -> how many trailing dims the algebra tracked of it
+    absorbed: dict  # leaf -> its leading dims a broadcast took into the tracked block
+
+    def leading_dims(self, leaf: Node) -> int:
+        """How many of `leaf`'s leading dims line up with the leading dims of the values it
+        meets (the rest of its dims are tracked, or broadcast over tracked ones)."""
+        return tensor_meta(leaf).dim() - self.tracked.get(leaf, 1) - self.absorbed.get(leaf, 0)
 
 
 def evaluate_around(seed: Node, include: Callable[[Node], bool] = lambda node: True,
@@ -665,7 +679,9 @@ def _evaluate_around(seed: Node, include: Callable[[Node], bool], known: Optiona
             if v is not None:
                 flat = v.ids.reshape(-1).tolist()
                 values[node] = ChannelValue(node, tuple(v.ids.shape), [ev.elements[i] for i in flat], ev.factors)
-        return EvaluatedRegion(region, values)
+        tracked = {leaf: min(leaf_dims.get(leaf, 1), tensor_meta(leaf).dim()) for leaf in region.leaves
+                   if tensor_meta(leaf) is not None}
+        return EvaluatedRegion(region, values, tracked, dict(ev.absorbed))
     raise NotEvaluable(f"the region around {seed.name} did not settle")
 
 

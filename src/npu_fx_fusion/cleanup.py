@@ -6,7 +6,8 @@ Below the matching layer: imports only nodes.py.
 from __future__ import annotations
 
 import heapq
-from typing import Any, Optional, Sequence
+import operator
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx
@@ -44,10 +45,16 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
     """
     npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
     conversions = _CONVERSIONS | _MASKS | ({npu_cast.default} if npu_cast is not None else set())
+    return _merge_repeats(graph, original_nodes, lambda node: node.target in conversions)
+
+
+def _merge_repeats(graph: torch.fx.Graph, original_nodes: set, merges: Callable[[Node], bool]) -> int:
+    """Each call node that `merges` and that repeats an earlier one (same op, same arguments) is
+    replaced by it where fusion introduced one of the two; the model's own repeats stay."""
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in conversions:
+        if node.op != "call_function" or not merges(node):
             continue
         key = (node.target, _hashable(node.args), _hashable(node.kwargs))
         earlier = first.setdefault(key, node)
@@ -56,6 +63,22 @@ def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> in
             graph.erase_node(node)
             merged += 1
     return merged
+
+
+def merge_repeated_fused_calls(graph: torch.fx.Graph, original_nodes: set, pure_ops: frozenset) -> int:
+    """One node for each repeated call of a fused op (`pure_ops`: functional, deterministic)
+    with the same arguments, where fusion introduced one of the two; their getitems too.
+
+    Code that computes one value several times (transformers' q, k and v projections each
+    quantize the same normed hidden state) becomes several identical fused calls, one per
+    site; the ops are pure, so they are one value, and a later pass that fuses the call with
+    its producer (a norm feeding the quantization) sees it read once. Returns the number of
+    nodes merged."""
+    def merges(node: Node) -> bool:
+        return node.target in pure_ops or (node.target is operator.getitem and isinstance(node.args[0], Node)
+                                           and node.args[0].target in pure_ops)
+
+    return _merge_repeats(graph, original_nodes, merges)
 
 
 # dtype -> the dtypes that hold each of its values exactly (a conversion there and back is
@@ -75,7 +98,8 @@ _EXACT_IN = {
 
 def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int:
     """`convert(convert(x, wide), x.dtype)` -> `x` where `wide` holds every value of x's
-    dtype exactly, when fusion introduced either conversion.
+    dtype exactly, when fusion introduced either conversion; views between the two stay, now
+    of x (`convert(view(convert(x, wide)), x.dtype)` -> `view(x)`).
 
     Two fusions meeting at an integer tensor each convert it to what their own op or the
     model declares: moe_gating's replacement widens npu_moe_gating_top_k_softmax's int32
@@ -97,17 +121,33 @@ def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int
     for outer in list(graph.nodes):
         to = dtype_only(outer)
         inner = outer.args[0] if to is not None else None
+        views = []  # views between the two conversions (a fused op's rows reshaped back)
+        while inner is not None and inner.op == "call_function" and inner.target in _RESHAPES \
+                and len(inner.users) == 1:
+            views.append(inner)
+            inner = inner.args[0] if isinstance(inner.args[0], Node) else None
         wide = dtype_only(inner) if inner is not None else None
         source = inner.args[0].meta.get("val") if wide is not None else None
         if (not isinstance(source, torch.Tensor) or source.dtype != to
                 or wide not in _EXACT_IN.get(to, ()) or {outer, inner} <= original_nodes):
             continue
-        outer.replace_all_uses_with(inner.args[0])
+        value = inner.args[0]
+        for view in reversed(views):  # the same views, of the narrow tensor
+            with graph.inserting_before(outer):
+                value = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+            if "val" in view.meta:
+                value.meta["val"] = view.meta["val"].to(to)
+        outer.replace_all_uses_with(value)
         graph.erase_node(outer)
-        if not inner.users:
-            graph.erase_node(inner)
+        for node in [*views, inner]:
+            if not node.users:
+                graph.erase_node(node)
         bypassed += 1
     return bypassed
+
+
+_RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                       torch.ops.aten._unsafe_view.default})
 
 
 def _hashable(value: Any) -> Any:

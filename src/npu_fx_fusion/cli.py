@@ -163,11 +163,9 @@ def load_target(target: str, dtype: Optional[torch.dtype], layers: Optional[int]
 
 
 def _did_you_mean(given: str, valid: Sequence[str]) -> str:
-    """"did you mean 'x'? " for the valid values nearest `given` (difflib), else ""."""
-    import difflib
+    from .tiny_models import did_you_mean
 
-    near = difflib.get_close_matches(given, valid, n=3, cutoff=0.6)
-    return f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+    return did_you_mean(given, valid)
 
 
 def _load_hf(spec: str, dtype: Optional[torch.dtype], layers: Optional[int], real_dims: bool,

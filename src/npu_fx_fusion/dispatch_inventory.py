@@ -6,9 +6,9 @@ a kernel at the device's keys pre-empts the decomposition, and the graph records
 itself (a PrivateUse1 kernel, autograd from a formula) or what its AutogradPrivateUse1
 kernel calls. OVERRIDES lists every aten op torch_npu 2.13 registers at PrivateUse1 or
 AutogradPrivateUse1 that is CompositeImplicitAutograd in torch 2.13, one row each, with
-what an NPU aot graph then holds. TORCHAIR, TRANSFORMERS and DTYPE_CAST cover the other
-sources of NPU-only spellings. npu_dispatch.py reproduces the rows marked `emulated`;
-docs/npu-graph.md is the prose version.
+what an NPU aot graph then holds. TORCHAIR, TRANSFORMERS, DTYPE_CAST and AUTOCAST (with its
+AUTOCAST_POLICIES) cover the other sources of NPU-only spellings. npu_dispatch.py reproduces
+the rows marked `emulated`, and AUTOCAST; docs/npu-graph.md is the prose version.
 
 Sources (tests/test_npu_dispatch.py checks every claim about the wheel against it):
 * W = the torch-npu 2.13.0 wheel: Y = torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml
@@ -343,6 +343,68 @@ DTYPE_CAST = Change(
     "code calls torch_npu's op itself",
     "softmax.int's override emits it; the matcher's second cast spelling (every _to_copy as _npu_dtype_cast) "
     "is kept for model code that calls the op, though torch_npu itself does not record .to() that way",
+)
+
+
+# torch.autocast on an NPU: which dtypes it takes and what it casts. Model code writes
+# `torch.autocast(device_type=x.device.type, dtype=...)`, "npu" there and "cpu" in emulation,
+# where torch's own CPU rules differ: CPU autocast takes bf16 / fp16 only (torch 2.13
+# torch/amp/autocast_mode.py:248-296, "In CPU autocast, but the target dtype is not supported.
+# Disabling autocast.") and casts by its own op lists.
+AUTOCAST = Change(
+    "torch.autocast(device_type='npu', dtype=...) takes fp16, bf16 and fp32 and casts by torch_npu's op lists "
+    "(below): torchtitan's MoE router computes its gate under autocast(dtype=float32), an fp32 router on an NPU",
+    "W: torch_npu/npu/autocast_utils.py:8-11 get_amp_supported_dtype() (fp16, fp32, and bf16 where "
+    "torch.npu.is_bf16_supported(), i.e. c10_npu::IsBF16Supported(): SocVersion >= Ascend910B1), which torch's "
+    "autocast_mode.py reads for the PrivateUse1 backend; the default dtype of a PrivateUse1 autocast is fp16 "
+    "(torch.get_autocast_dtype); S: ../torch_npu/csrc/aten/AutoCastOps.cpp and its binary_cross_entropy message "
+    "in libtorch_npu.so; PT torch_npu/csrc/aten/AutoCastOps.cpp (Ascend/pytorch 0c9b75c): the op lists, "
+    "TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1) with KERNEL_PRIVATEUSEONE, every other op falling through",
+    "inside an autocast region the NPU graph holds _to_copy casts where CPU's holds none (fp32 on CPU: autocast "
+    "disabled) or other ones (CPU's lists differ: e.g. CPU casts cat / stack / fft ops, the NPU exp / log / "
+    "softmax / layer_norm)",
+    "npu_dispatch: while the emulation is active, torch.autocast(device_type='cpu') takes the NPU's dtypes "
+    "(autocast.__init__) and the AutocastCPU key runs these lists (Python kernels at AutocastCPU, CPU's own "
+    "ops made to fall through), registered when an autocast region is first entered",
+)
+
+
+@dataclass(frozen=True)
+class AutocastPolicy:
+    """One of at::autocast's cast policies and the ops torch_npu registers under it."""
+
+    policy: str  # at::autocast::CastPolicy
+    effect: str
+    ops: tuple[str, ...]  # aten overloads, "pow.Tensor_Scalar"
+
+
+# PT AutoCastOps.cpp, in its order; the policies are torch's (ATen/autocast_mode.h)
+AUTOCAST_POLICIES: tuple[AutocastPolicy, ...] = (
+    AutocastPolicy("lower_precision_fp", "floating inputs (not fp64) cast to the autocast dtype", (
+        "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+        "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "cudnn_convolution",
+        "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linear",
+        "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell",
+        "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+        "_scaled_dot_product_flash_attention", "scaled_dot_product_attention")),
+    AutocastPolicy("fp32", "floating inputs (not fp64) cast to fp32", (
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+        "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+        "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+        "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+        "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+        "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+        "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp")),
+    AutocastPolicy("fp32_set_opt_dtype", "dtype=fp32 unless given, when the first input is eligible", (
+        "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+        "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList")),
+    AutocastPolicy("fp32_append_dtype", "the overload with a dtype, fp32, when the first input is eligible",
+                   ("norm.Scalar", "norm.ScalarOpt_dim")),
+    AutocastPolicy("promote", "floating inputs cast to the widest among them and the autocast dtype", (
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
+        "scatter_add")),
+    AutocastPolicy("banned", "refused: 'torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe "
+                   "to autocast.'", ("binary_cross_entropy",)),
 )
 
 

@@ -19,9 +19,12 @@ from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, te
 # FlashAttention call out again (the pattern tracers leave SDPA to the forms, its spelling
 # depends on the SoC: npu_dispatch.traced_as_on_npu)
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
+# the int a torch_npu op's dtype argument (output_dtype, dst_type ...) takes for a torch dtype
+from .npu_ops.spec import dtype_argument
 from .spellings import sum_over_count
 
-__all__ = ["SHAPE_ONLY_OPS", "ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
-           "channel_gather", "channels_of", "evaluate_around", "evaluate_slice", "first_refused_use", "is_backward", "is_call", "modelled", "real_tensors",
+__all__ = ["SHAPE_ONLY_OPS", "ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason",
+           "Recognized", "Site", "channel_gather", "channels_of", "dtype_argument", "evaluate_around", "evaluate_slice",
+           "first_refused_use", "is_backward", "is_call", "modelled", "real_tensors",
            "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
            "uneven_halves", "users_outside"]

@@ -397,6 +397,120 @@ def _autograd_kernel(op: torch._ops.OpOverload, backward: Callable) -> Callable:
 
 
 # =====================================================================================
+# NPU autocast (dispatch_inventory.AUTOCAST): the dtypes torch_npu's autocast takes and its op lists
+# =====================================================================================
+def npu_autocast_dtypes(soc: Optional[str]) -> tuple[torch.dtype, ...]:
+    """get_amp_supported_dtype() of torch_npu (the wheel's torch_npu/npu/autocast_utils.py:8-11):
+    fp16 and fp32, and bf16 where c10_npu::IsBF16Supported() (SocVersion >= Ascend910B1)."""
+    if soc_version(soc) >= ASCEND910B1:
+        return torch.float16, torch.bfloat16, torch.float32
+    return torch.float16, torch.float32
+
+
+_AUTOCAST_DEVICE = "cpu"  # the device the emulation stands the NPU in for
+_NPU_AUTOCAST_DEFAULT_DTYPE = torch.float16  # torch.get_autocast_dtype of a PrivateUse1 device
+_BANNED_MESSAGE = ("torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+                   "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+                   "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+                   "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+                   "safe to autocast.")
+
+
+def _autocast_eligible(value: Any) -> bool:
+    """at::autocast::is_eligible: a floating tensor of the autocast's device, not fp64."""
+    return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+            and value.device.type == _AUTOCAST_DEVICE)
+
+
+def _cast_eligible(value: Any, dtype: torch.dtype) -> Any:
+    """at::autocast::cached_cast over an argument (a tensor, or a list of them)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_eligible(v, dtype) for v in value)
+    return value.to(dtype) if _autocast_eligible(value) else value
+
+
+def _promoted_dtype(values: Sequence[Any]) -> torch.dtype:
+    """at::autocast::promote_type: the autocast dtype, widened to fp32 by an fp32 input."""
+    dtype = torch.get_autocast_dtype(_AUTOCAST_DEVICE)
+    for value in values:
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if _autocast_eligible(t) and t.dtype == torch.float32:
+                dtype = torch.float32
+    return dtype
+
+
+def _first_arg_eligible(args: Sequence[Any]) -> bool:
+    return bool(args) and _autocast_eligible(args[0])
+
+
+def _with_dtype(op: torch._ops.OpOverload, args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """set_opt_dtype: the op's optional `dtype` argument set to `dtype` unless given."""
+    names = [a.name for a in op._schema.arguments]  # noqa: SLF001
+    position = names.index("dtype")
+    if position < len(args):
+        if args[position] is None:
+            args = (*args[:position], dtype, *args[position + 1:])
+        return args, kwargs
+    if kwargs.get("dtype") is None:
+        kwargs = {**kwargs, "dtype": dtype}
+    return args, kwargs
+
+
+# fp32_append_dtype: the overload with a trailing dtype argument each op is redispatched to
+_WITH_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+
+
+def autocast_kernel(op_name: str, policy: str) -> Callable:
+    """The AutocastCPU kernel of `op_name` under at::autocast's `policy`, as torch_npu registers
+    it at AutocastPrivateUse1 (KERNEL_PRIVATEUSEONE): the casts, then the op below autocast."""
+    op = _overload(op_name)
+    below_autocast = torch._C.DispatchKeySet(DispatchKey.AutocastCPU)  # noqa: SLF001
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(below_autocast):  # noqa: SLF001
+            if policy == "banned":
+                raise RuntimeError(_BANNED_MESSAGE)
+            if policy in ("lower_precision_fp", "fp32", "promote"):
+                dtype = {"lower_precision_fp": torch.get_autocast_dtype(_AUTOCAST_DEVICE),
+                         "fp32": torch.float32}.get(policy) or _promoted_dtype((*args, *kwargs.values()))
+                return op(*_cast_eligible(args, dtype), **{k: _cast_eligible(v, dtype) for k, v in kwargs.items()})
+            if not _first_arg_eligible(args):
+                return op(*args, **kwargs)
+            if policy == "fp32_set_opt_dtype":
+                args, kwargs = _with_dtype(op, args, kwargs, torch.float32)
+                return op(*args, **kwargs)
+            return _overload(_WITH_DTYPE[op_name])(*args, **kwargs, dtype=torch.float32)  # fp32_append_dtype
+
+    kernel.__name__ = f"npu_autocast_{policy}_{op_name.replace('.', '_')}"
+    return kernel
+
+
+def _npu_autocast_init(original: Callable, soc: str) -> Callable:
+    """torch.autocast.__init__ while the emulation is active: for the emulated device, torch_npu's
+    rule for which dtypes an autocast takes (and its default dtype) instead of CPU's."""
+
+    @functools.wraps(original)
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):  # noqa: N807
+        if device_type != _AUTOCAST_DEVICE:
+            return original(self, device_type, dtype, enabled, cache_enabled)
+        dtype = _NPU_AUTOCAST_DEFAULT_DTYPE if dtype is None else dtype
+        original(self, device_type, dtype, False, cache_enabled)  # CPU's dtype check skipped, torch_npu's applied
+        supported = npu_autocast_dtypes(soc)
+        if enabled and dtype not in supported:
+            import warnings
+
+            warnings.warn(f"In npu autocast, but the target dtype is not supported. Disabling autocast.\n"
+                          f"npu Autocast only supports dtypes of {', '.join(map(str, supported))} currently.",
+                          stacklevel=2)
+            enabled = False
+        self._enabled = enabled
+        if enabled and active() is not None:
+            active().register_autocast_kernels()
+
+    return __init__
+
+
+# =====================================================================================
 # The emulation
 # =====================================================================================
 @dataclass(frozen=True)
@@ -507,6 +621,8 @@ class NpuDispatch:
         self.sdpa = sdpa
         self._library: Optional[torch.library.Library] = None
         self._py_kernels: list[tuple[torch._ops.OpOverload, DispatchKey]] = []
+        self._autocast_library: Optional[torch.library.Library] = None
+        self._autocast_init: Optional[Callable] = None
 
     @property
     def registrations(self) -> tuple[Registration, ...]:
@@ -539,25 +655,72 @@ class NpuDispatch:
             raise
         self._library = library
         self._clear_python_dispatch_caches()
+        autocast = torch.amp.autocast_mode.autocast
+        self._autocast_init = autocast.__init__
+        autocast.__init__ = _npu_autocast_init(self._autocast_init, self.soc)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self._autocast_init is not None:
+            torch.amp.autocast_mode.autocast.__init__ = self._autocast_init
+            self._autocast_init = None
+        if self._autocast_library is not None:
+            self._autocast_library._destroy()  # noqa: SLF001
+            self._autocast_library = None
+            self._clear_python_dispatch_caches(_autocast_overloads())
         if self._library is not None:
             self._library._destroy()  # noqa: SLF001 - torch.library's documented way to unregister
             self._library = None
         self._remove_py_kernels()
         self._clear_python_dispatch_caches()
 
+    def register_autocast_kernels(self) -> None:
+        """torch_npu's autocast op lists at AutocastCPU (dispatch_inventory.AUTOCAST_POLICIES), and
+        CPU's own autocast kernels made to fall through; once, when the first autocast region
+        of the emulated device is entered (a model without one pays nothing)."""
+        if self._autocast_library is not None:
+            return
+        import warnings
+
+        from .dispatch_inventory import AUTOCAST_POLICIES
+
+        library = torch.library.Library("aten", "IMPL")
+        npu_ops = {op for policy in AUTOCAST_POLICIES for op in policy.ops}
+        with warnings.catch_warnings():  # each replaces a CPU autocast kernel, on purpose
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+            for policy in AUTOCAST_POLICIES:
+                for op in policy.ops:
+                    library.impl(op, autocast_kernel(op, policy.policy), "AutocastCPU")
+            for op in _cpu_autocast_ops() - npu_ops:
+                library.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
+        self._autocast_library = library
+        self._clear_python_dispatch_caches(_autocast_overloads())
+
     def _remove_py_kernels(self) -> None:
         for overload, key in self._py_kernels:
             overload.py_kernels.pop(key, None)
         self._py_kernels.clear()
 
-    def _clear_python_dispatch_caches(self) -> None:
+    def _clear_python_dispatch_caches(self, overloads: Optional[Sequence[torch._ops.OpOverload]] = None) -> None:
         # The Python dispatcher (on while aot_autograd traces) caches each op's resolved
         # kernel per key; a registration made or removed since would otherwise be ignored.
-        for overload in self._touched():
+        for overload in self._touched() if overloads is None else overloads:
             overload._dispatch_cache.clear()  # noqa: SLF001
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_autocast_ops() -> frozenset[str]:
+    """The aten overloads torch registers CPU autocast kernels for ("linear", "conv1d.padding", ...)."""
+    names = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")  # noqa: SLF001
+    return frozenset(name.split("::", 1)[1] for name in names if name.startswith("aten::"))
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_overloads() -> tuple[torch._ops.OpOverload, ...]:
+    from .dispatch_inventory import AUTOCAST_POLICIES
+
+    names = {op for policy in AUTOCAST_POLICIES for op in policy.ops} | _cpu_autocast_ops()
+    return tuple(_overload(name) for name in sorted(names))
 
 
 # The emulation currently active (a stack: suspended() pushes None).

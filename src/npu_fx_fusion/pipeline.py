@@ -9,6 +9,7 @@ Guarantees, whatever a pass does:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -27,8 +28,8 @@ from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import detect_soc
 from .catalog import load_pass
-from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, views_to_reshapes_downstream,
-                      views_to_reshapes_where_needed)
+from .cleanup import (drop_lossless_round_trips, merge_repeated_conversions, merge_repeated_fused_calls,
+                      views_to_reshapes_downstream, views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
 from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
@@ -97,6 +98,20 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=False)
 
 
+@functools.lru_cache(maxsize=None)
+def _pure_fused_ops() -> frozenset:
+    """The ops the passes emit that are functional and deterministic: every declared op (its
+    reference kernel computes its outputs from its arguments alone) whose schema mutates and
+    aliases nothing."""
+    ops = set()
+    for spec in npu_ops.all_specs().values():
+        op = getattr(getattr(torch.ops, spec.namespace, None), spec.name, None)
+        schema = op.default._schema if op is not None and hasattr(op, "default") else None  # noqa: SLF001
+        if schema is not None and not schema.is_mutable and not any(r.alias_info for r in schema.returns):
+            ops.add(op.default)
+    return frozenset(ops)
+
+
 def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport, *,
                graph_name: str, example_inputs: Optional[Sequence[Any]] = None,
                mode: Optional[str] = None) -> GraphReport:
@@ -127,6 +142,8 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         for name in enabled:
             result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
             graph_report.passes.append(result)
+            if result.sites:  # before the next pass: one call per value it may fuse further
+                merge_repeated_fused_calls(gm.graph, original_nodes, _pure_fused_ops())
         views_to_reshapes_downstream([n for n in gm.graph.nodes if n not in original_nodes])
         merge_repeated_conversions(gm.graph, original_nodes)
         drop_lossless_round_trips(gm.graph, original_nodes)

@@ -44,6 +44,14 @@ __all__ = [
 ]
 
 
+def did_you_mean(given: str, valid, n: int = 3) -> str:
+    """"did you mean 'x' or 'y'? " for the valid names nearest `given` (difflib), else ""."""
+    import difflib
+
+    near = difflib.get_close_matches(given, list(valid), n=n, cutoff=0.6)
+    return f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+
+
 @dataclass
 class TinyModel:
     """A built model plus the inputs to call it with.
@@ -397,13 +405,10 @@ def hf_model_types() -> tuple[str, ...]:
 def unknown_model_type(model_type: str) -> str:
     """One line for a model_type transformers does not build as a causal LM: the nearest
     valid ones, and where the rest are listed (not all of them: there are about 200)."""
-    import difflib
-
     import transformers
 
     types = hf_model_types()
-    near = difflib.get_close_matches(model_type, types, n=3, cutoff=0.6)
-    guess = f"did you mean {' or '.join(map(repr, near))}? " if near else ""
+    guess = did_you_mean(model_type, types)
     return (f"unknown transformers model type {model_type!r}; {guess}transformers {transformers.__version__} "
             f"builds {len(types)} types as causal LMs (docs/survey.md lists them; "
             f"npu_fx_fusion.tiny_models.hf_model_types() returns them)")
@@ -826,7 +831,16 @@ _TORCHTITAN_MODELS: dict[str, tuple[str, str, dict[str, Any], str]] = {
         "torchtitan DeepSeek-V3: MLA, complex RoPE, softmax top-k MoE with "
         "torch._grouped_mm experts",
     ),
+    "qwen3_moe": (
+        "torchtitan.models.qwen3",
+        "qwen3_configs",
+        {"moe_comm_backend": "standard"},
+        "torchtitan Qwen3 MoE: q/k RMSNorm, cos/sin RoPE, softmax top-8 of 64 experts with "
+        "route_norm, torch._grouped_mm experts",
+    ),
 }
+# the flavor each model is built from, where it is not "debugmodel"
+_TORCHTITAN_FLAVORS = {"qwen3_moe": "debugmodel_moe"}
 
 TORCHTITAN_MODELS: tuple[str, ...] = tuple(_TORCHTITAN_MODELS)
 
@@ -870,9 +884,11 @@ def build_torchtitan(
     The returned model is torchtitan's own module (no wrapper), so module paths in
     the traced graph are torchtitan's FQNs (``layers.0.attention_norm`` ...).
 
-    On CPU, the MoE router's ``torch.autocast(dtype=float32)`` is unsupported and
-    disabled (torch warns), so in a bf16 deepseek_v3 the router gate runs in bf16
-    here, unlike on devices where that autocast is honoured.
+    The MoE router computes its gate under ``torch.autocast(device_type=x.device.type,
+    dtype=float32)``. Eager on CPU that autocast is disabled (CPU autocast takes bf16 / fp16
+    only; torch warns), so a bf16 model's gate runs in bf16; compiled under the NPU dispatch
+    emulation it is torch_npu's autocast, which takes fp32, and the gate runs in fp32 as on an
+    NPU (npu_dispatch, dispatch_inventory.AUTOCAST).
     """
     if name not in _TORCHTITAN_MODELS:
         raise ValueError(
@@ -888,10 +904,11 @@ def build_torchtitan(
     # "flex" is the flavor's default backend; we swap it right away because flex
     # attention needs a BlockMask input and a compiled kernel, while SDPA runs (and
     # traces) on CPU with the causal mask built in.
-    cfg = getattr(models_mod, configs_attr)["debugmodel"](attn_backend="flex", **flavor_kwargs)
+    flavor = _TORCHTITAN_FLAVORS.get(name, "debugmodel")
+    cfg = getattr(models_mod, configs_attr)[flavor](attn_backend="flex", **flavor_kwargs)
     if num_layers > len(cfg.layers):
         raise ValueError(
-            f"torchtitan {name} debugmodel has {len(cfg.layers)} layers; asked for {num_layers}"
+            f"torchtitan {name} {flavor} has {len(cfg.layers)} layers; asked for {num_layers}"
         )
     cfg.layers = cfg.layers[:num_layers]
     for layer_cfg in cfg.layers:
@@ -913,7 +930,7 @@ def build_torchtitan(
         model=model,
         example_inputs=(ids,),
         name=f"torchtitan-{name}-{tag}",
-        description=f"{desc} ({num_layers} layers, debugmodel flavor)",
+        description=f"{desc} ({num_layers} layers, {flavor} flavor)",
     )
 
 

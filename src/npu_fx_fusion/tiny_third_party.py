@@ -55,13 +55,13 @@ import inspect
 import os
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from .tiny_models import TinyModel, _cast_floating_params, _dtype_tag, _random_ids
+from .tiny_models import TinyModel, _cast_floating_params, _dtype_tag, _random_ids, did_you_mean
 
 __all__ = [
     "LIBRARIES",
@@ -375,7 +375,8 @@ def build_torchtune(name: str, *, dtype: torch.dtype = torch.float32, num_layers
     builder with the builder's own arguments, sizes cut down (_torchtune_size)."""
     calls = _torchtune_calls()
     if name not in calls:
-        raise ValueError(f"unknown torchtune model builder {name!r}; known: {', '.join(calls)}")
+        raise ValueError(f"unknown torchtune model builder {name!r}; {did_you_mean(name, calls)}"
+                         f"torchtune 0.6.1 has {len(calls)} decoder model builders")
     call = calls[name]
     kwargs = {k: _torchtune_size(k, v, call.kwargs, num_layers) for k, v in call.kwargs.items()}
     with torch.random.fork_rng(devices=[]):
@@ -461,7 +462,8 @@ def build_litgpt(name: str, *, dtype: torch.dtype = torch.float32, num_layers: i
     """litgpt's GPT of config `name` (a litgpt config name, e.g. "Llama-3.2-1B") at tiny sizes."""
     config_module, model_module = _import_library("litgpt", "litgpt.config", "litgpt.model")
     if name not in config_module.name_to_config:
-        raise ValueError(f"unknown litgpt config {name!r}; one per architecture: {', '.join(_litgpt_groups())}")
+        raise ValueError(f"unknown litgpt config {name!r}; {did_you_mean(name, config_module.name_to_config)}"
+                         f"one per architecture: {', '.join(list(_litgpt_groups())[:5])}, ...")
     config = config_module.Config(**_litgpt_tiny_config(config_module.Config.from_name(name), num_layers))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

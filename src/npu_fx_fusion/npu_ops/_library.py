@@ -10,8 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .schemas import SCHEMAS
-from .spec import OpSpec, all_specs, op_spec
+from .spec import OpSpec, all_specs
 
 log = logging.getLogger("npu_fx_fusion.npu_ops")
 
@@ -23,19 +22,6 @@ _NAMESPACE_PACKAGES = {"cann_ops_transformer": "cann_ops_transformer", "cann_ops
 _REGISTERED: list[str] = []
 # torch.library.Library objects unregister their ops when garbage-collected: keep them.
 _LIBRARIES: dict[str, torch.library.Library] = {}
-
-
-def stand_in(qualname: str, *, fake: Callable, backward: Optional[Callable] = None,
-             setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None,
-             differentiable_kwargs: tuple[str, ...] = (), python_autograd: Optional[str] = None):
-    """The former declaration: `op_spec` with the schema taken from schemas.py (being moved
-    onto the specs; new ops use `op_spec` directly)."""
-    namespace, name = qualname.split("::")
-    if name not in SCHEMAS.get(namespace, {}):
-        raise KeyError(f"{qualname} has no schema in npu_ops/schemas.py")
-    return op_spec(qualname, schema=SCHEMAS[namespace][name], fake=fake, backward=backward,
-                   setup_context=setup_context, missing_backward=missing_backward,
-                   differentiable_kwargs=differentiable_kwargs, python_autograd=python_autograd)
 
 
 def real_torch_npu_available() -> bool:
@@ -50,8 +36,6 @@ def real_torch_npu_available() -> bool:
         log.debug("torch_npu not usable (%s): using CPU stand-in ops", exc)
         return False
     return True
-
-
 
 
 def _real_package_installed(namespace: str) -> bool:

@@ -38,11 +38,16 @@ the op itself would reject (ranks, layouts, modes, mismatched shapes and dtypes)
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 
-from ._library import stand_in
+from .spec import HALF_DTYPES, OpCapability, Sample, SocLimits, in_layout_of, only_on_socs, op_spec, randn
+
+# the CANN ops-transformer extension's products (its docs): Atlas A2, A3 and Ascend 950
+_A2_A3_950 = only_on_socs("Ascend910B", "Ascend910_93", "Ascend950")
+
 
 _I64_MAX = 9223372036854775807  # pre_tokens / next_tokens: only the default is supported
 # SOFTMAX_MIN_NUM of the A2/A3 SFA vector service: softmax_max of a row with no key
@@ -186,6 +191,183 @@ def _causal_hidden(lq: int, lk: int) -> torch.Tensor:
 
 
 # =====================================================================================
+# opcheck samples (DeepSeek-V3.2: BSND, TND and paged keys; V4: SWA / CSA / HCA)
+# =====================================================================================
+def _dsa_inputs(dtype):
+    """Queries, keys and weights in BSND (B=2, S1=3, N1=4) and TND (lengths 2 and 4), paged keys
+    (block size 4), the lengths, and sparse indices (-1 ending a list) for both query layouts."""
+    return SimpleNamespace(
+        q4=randn(2, 3, 4, 8, dtype=dtype), k4=randn(2, 5, 1, 8, dtype=dtype, seed=1),
+        w4=randn(2, 3, 4, dtype=dtype, seed=2),
+        q3=randn(6, 4, 8, dtype=dtype, seed=3), k3=randn(9, 1, 8, dtype=dtype, seed=4),
+        w3=randn(6, 4, dtype=dtype, seed=5),
+        paged=randn(6, 4, 1, 8, dtype=dtype, seed=6), table=torch.tensor([[3, 0], [1, 5]], dtype=torch.int32),
+        cq=torch.tensor([2, 6], dtype=torch.int32), ck=torch.tensor([4, 9], dtype=torch.int32),
+        lens_k=torch.tensor([5, 7], dtype=torch.int32),
+        sq4=randn(2, 3, 4, 16, dtype=dtype, seed=7), sk4=randn(2, 5, 1, 16, dtype=dtype, seed=8),
+        skr4=randn(2, 5, 1, 4, dtype=dtype, seed=9), sqr4=randn(2, 3, 4, 4, dtype=dtype, seed=10),
+        sq3=randn(6, 4, 16, dtype=dtype, seed=11), sk3=randn(9, 1, 16, dtype=dtype, seed=12),
+        spaged=randn(6, 4, 1, 16, dtype=dtype, seed=13),
+        si4=torch.tensor([0, 3, 1, -1], dtype=torch.int32).expand(2, 3, 1, 4).contiguous(),
+        si3=torch.tensor([1, 0, -1], dtype=torch.int32).expand(6, 1, 3).contiguous(),
+        cu_q=torch.tensor([0, 2, 6], dtype=torch.int32), cu_k=torch.tensor([0, 4, 9], dtype=torch.int32))
+
+
+def _indexer_samples(dtype):
+    # no gradient checked here: opcheck's loss sums every output, and the int32 indices make that an
+    # integer (tests/test_npu_ops_attention.py differentiates the values instead)
+    t = _dsa_inputs(dtype)
+    yield Sample((t.q4, t.k4, t.w4), dict(sparse_count=3))
+    yield Sample((t.q4, t.k4, t.w4), dict(sparse_count=7, sparse_mode=0, return_value=True))
+    yield Sample((t.q3, t.k3, t.w3), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.ck,
+                                          layout_query="TND", layout_key="TND", sparse_count=4, return_value=True))
+    yield Sample((t.q4, t.paged, t.w4), dict(actual_seq_lengths_key=t.lens_k, block_table=t.table, layout_key="PA_BSND",
+                                             sparse_count=4))
+    yield Sample((t.q3, t.paged, t.w3), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.lens_k,
+                                             block_table=t.table, layout_query="TND", layout_key="PA_BSND",
+                                             sparse_count=4, return_value=True))
+
+
+def _indexer_grad_samples(dtype):
+    t = _dsa_inputs(dtype)
+    idx4 = npu_lightning_indexer(t.q4, t.k4, t.w4, sparse_count=3)[0]
+    yield Sample((t.q4, t.k4, randn(2, 3, 1, 3, dtype=dtype, seed=14), idx4, t.w4))
+    tnd = dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_key=t.ck)
+    idx3 = npu_lightning_indexer(t.q3, t.k3, t.w3, sparse_count=4, layout_query="TND", layout_key="TND", **tnd)[0]
+    yield Sample((t.q3, t.k3, randn(6, 1, 4, dtype=dtype, seed=15), idx3, t.w3),
+                 dict(layout="TND", sparse_mode=0, **tnd))
+
+
+def _sfa_samples(dtype):
+    t = _dsa_inputs(dtype)
+    # with the lse, not paged: the differentiable form (opcheck traces its grad op too)
+    yield Sample((t.sq4, t.sk4, t.sk4, t.si4, 0.5), dict(query_rope=t.sqr4, key_rope=t.skr4, return_softmax_lse=True,
+                                                       attention_mode=2), grad_args=(0, 1, 2, "query_rope", "key_rope"))
+    yield Sample((t.sq4, t.sk4, t.sk4, t.si4, 0.5), dict(sparse_block_size=2, sparse_mode=0))
+    yield Sample((t.sq3, t.sk3, t.sk3, t.si3, 0.5), dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_kv=t.ck,
+                                                       layout_query="TND", layout_kv="TND", return_softmax_lse=True),
+                 grad_args=(0, 1, 2))
+    yield Sample((t.sq3, t.spaged, t.spaged, t.si3, 0.5),
+                 dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_kv=t.lens_k, block_table=t.table,
+                      layout_query="TND", layout_kv="PA_BSND"))
+
+
+def _sfa_grad_args(q, k, v, idx, scale, dtype, sparse_block_size=1, **kwargs):
+    """Positional arguments of npu_sparse_flash_attention_grad, from a forward with the lse."""
+    out, smax, ssum = npu_sparse_flash_attention(q, k, v, idx, scale, sparse_block_size=sparse_block_size,
+                                                 return_softmax_lse=True, **kwargs)
+    return q, k, v, idx, randn(*out.shape, seed=9, dtype=dtype), out, smax, ssum, scale, sparse_block_size
+
+
+def _sfa_grad_samples(dtype):
+    t = _dsa_inputs(dtype)
+    rope = dict(query_rope=t.sqr4, key_rope=t.skr4, attention_mode=2)
+    yield Sample(_sfa_grad_args(t.sq4, t.sk4, t.sk4, t.si4, 0.5, dtype, **rope), rope)
+    tnd = dict(actual_seq_lengths_query=t.cq, actual_seq_lengths_kv=t.ck)
+    yield Sample(_sfa_grad_args(t.sq3, t.sk3, None, t.si3, 0.5, dtype, layout_query="TND", layout_kv="TND",
+                                sparse_block_size=2, **tnd),
+                 dict(actual_seq_qlen=t.cq, actual_seq_kvlen=t.ck, layout="TND", sparse_mode=0))
+
+
+def _l1_norm_metadata_samples(dtype):
+    t = _dsa_inputs(torch.float32)
+    yield Sample((4, 1, 16), dict(batch_size=2, max_seqlen_q=3, max_seqlen_k=5))
+    yield Sample((4, 1, 16), dict(cu_seqlens_q=t.cu_q, cu_seqlens_k=t.cu_k, layout_q="TND", layout_k="TND",
+                                  mask_mode=3))
+
+
+def _l1_norm_samples(dtype):
+    t = _dsa_inputs(dtype)
+    meta4 = sparse_flash_mla_softmax_l1_norm_metadata(4, 1, 16, batch_size=2, max_seqlen_q=3, max_seqlen_k=5)
+    meta3 = sparse_flash_mla_softmax_l1_norm_metadata(4, 1, 16, cu_seqlens_q=t.cu_q, cu_seqlens_k=t.cu_k,
+                                                      layout_q="TND", layout_k="TND")
+    lse4, lse3 = torch.zeros(2, 1, 3, 4), torch.zeros(1, 6, 4)
+    tnd = dict(metadata=meta3, cu_seqlens_q=t.cu_q, cu_seqlens_k=t.cu_k, layout_q="TND", layout_k="TND")
+    yield Sample((t.sq4, t.sk4, lse4), dict(metadata=meta4, softmax_scale=0.25, mask_mode=3))
+    yield Sample((t.sq4, t.sk4, lse4), dict(metadata=meta4, sparse_indices=t.si4))
+    yield Sample((t.sq3, t.sk3, lse3), dict(max_seqlen_k=6, **tnd))
+    yield Sample((t.sq3, t.sk3, lse3), dict(sparse_indices=t.si3, mask_mode=3, **tnd))
+
+
+def v4_attention_inputs(kind, dtype=torch.float64, b=2, s=18, h=4, d=16, window=8, seed=0):
+    """DeepSeek-V4 attention inputs of one kind ("swa", "csa", "hca"): q (B, H, S, D), ori / cmp
+    kv (B, 1, S or T, D), sinks (H,), and for CSA the indexer's top-3 compressed blocks (-1 past
+    the causally visible ones)."""
+    g = torch.Generator().manual_seed(seed)
+    ratio = {"swa": 1, "csa": 4, "hca": 8}[kind]
+    t = s // ratio if kind != "swa" else 0
+    q = torch.randn(b, h, s, d, generator=g, dtype=torch.float64).to(dtype)
+    ori = torch.randn(b, 1, s, d, generator=g, dtype=torch.float64).to(dtype)
+    cmp = torch.randn(b, 1, t, d, generator=g, dtype=torch.float64).to(dtype)
+    sinks = torch.randn(h, generator=g, dtype=torch.float64)
+    indices = None
+    if kind == "csa":  # what the V4 indexer returns: top-3 of the causally visible blocks, -1 past them
+        k = 3
+        visible = (torch.arange(s) + 1) // ratio
+        perm = torch.stack([torch.randperm(t, generator=g) for _ in range(b * s)]).view(b, s, t)
+        order = torch.where(perm < visible.view(1, s, 1), perm, t + perm)  # visible ids first
+        chosen = order.sort(-1).values[..., :k]
+        indices = torch.where(chosen < t, chosen, -1)
+    return SimpleNamespace(q=q, ori=ori, cmp=cmp, sinks=sinks, indices=indices, ratio=ratio, t=t, s=s,
+                           window=window, scale=d ** -0.5, residual=s - t * ratio)
+
+
+def smla_kwargs(x, **overrides):
+    """sparse_flash_mla's keyword arguments for v4_attention_inputs(...) (BSND kv)."""
+    kwargs = dict(ori_kv=x.ori.transpose(1, 2), sinks=x.sinks.float() if x.q.dtype != torch.float64 else x.sinks,
+                  softmax_scale=x.scale, cmp_ratio=x.ratio, ori_mask_mode=4, cmp_mask_mode=3,
+                  ori_win_left=x.window - 1, ori_win_right=0)
+    if x.t:
+        kwargs.update(cmp_kv=x.cmp.transpose(1, 2),
+                      cmp_residual_kv=torch.full((x.q.shape[0],), x.residual, dtype=torch.int32))
+    if x.indices is not None:
+        kwargs["cmp_sparse_indices"] = x.indices.to(torch.int32).unsqueeze(2)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _smla_samples(dtype):
+    for kind in ("swa", "csa", "hca"):
+        x = v4_attention_inputs(kind, dtype=dtype, s=10, window=4)
+        yield Sample((x.q.transpose(1, 2).contiguous(),), dict(smla_kwargs(x), return_softmax_lse=kind != "hca"))
+
+
+def _smla_grad_samples(dtype):
+    for kind in ("swa", "csa"):
+        x = v4_attention_inputs(kind, dtype=dtype, s=10, window=4)
+        q = x.q.transpose(1, 2).contiguous()
+        out, lse = sparse_flash_mla(q, **smla_kwargs(x), return_softmax_lse=True)
+        kwargs = smla_kwargs(x)
+        ori, cmp, indices = kwargs.pop("ori_kv"), kwargs.pop("cmp_kv", None), kwargs.pop("cmp_sparse_indices", None)
+        yield Sample((q, randn(*out.shape, dtype=dtype, seed=16), out, lse, ori, cmp, None, indices), kwargs)
+
+
+def _smla_metadata_samples(dtype):
+    yield Sample((4, 1, 16), dict(batch_size=2, max_seqlen_q=10, cmp_ratio=8, ori_mask_mode=4, cmp_mask_mode=3,
+                                  ori_win_left=3, ori_win_right=0, layout_q="BSND", layout_kv="BSND"))
+    yield Sample((4, 1, 16), dict(batch_size=2, max_seqlen_q=10))
+
+
+def _cann_indexer_inputs(dtype, b=2, s=18, h=4, d=16, ratio=4, seed=7):
+    """V4's indexer after its projections: q (B, S, H, D), compressed k (B, S / ratio, 1, D), weights
+    (B, S, H) fp32, the pre-compression residual per batch."""
+    t = s // ratio
+    return (randn(b, s, h, d, dtype=dtype, seed=seed), randn(b, t, 1, d, dtype=dtype, seed=seed + 1),
+            randn(b, s, h, dtype=torch.float32, seed=seed + 2), torch.full((b,), s % ratio, dtype=torch.int32))
+
+
+def _cann_indexer_samples(dtype):
+    q, k, w, residual = _cann_indexer_inputs(dtype)
+    yield Sample((q, k, w, 3), dict(mask_mode=3, cmp_ratio=4, cmp_residual_k=residual, return_value=1))
+    yield Sample((q, k, w, 2), dict(mask_mode=3))  # cmp_ratio 1: the right-down causal mask
+
+
+def _cann_indexer_metadata_samples(dtype):
+    yield Sample((4, 1, 16, 3), dict(batch_size=2, max_seqlen_q=18, mask_mode=3, cmp_ratio=4))
+    yield Sample((4, 1, 16, 2), dict())
+
+
+# =====================================================================================
 # npu_lightning_indexer
 # =====================================================================================
 def _check_indexer(query, key, weights, block_table, layout_query, layout_key, sparse_count, sparse_mode,
@@ -259,8 +441,57 @@ def _lightning_indexer_backward(ctx, grad_indices, grad_values):
     return grad_query, grad_key, grad_weights
 
 
-@stand_in("npu::npu_lightning_indexer", fake=_lightning_indexer_fake,
-          backward=_lightning_indexer_backward, setup_context=_lightning_indexer_setup_context)
+@op_spec("npu::npu_lightning_indexer",
+         schema="npu_lightning_indexer(Tensor query, Tensor key, Tensor weights, *, Tensor? "
+                "actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, Tensor? block_table=None, str "
+                'layout_query="BSND", str layout_key="BSND", int sparse_count=2048, int sparse_mode=3, int '
+                "pre_tokens=9223372036854775807, int next_tokens=9223372036854775807, bool return_value=False) -> "
+                "(Tensor, Tensor)",
+         fake=_lightning_indexer_fake, samples=_indexer_samples,
+         backward=_lightning_indexer_backward, setup_context=_lightning_indexer_setup_context,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),  # query and key, one dtype
+             min_rank=3,  # TND
+             max_rank=4,  # BSND
+             # through sparse_values only (output_differentiability [false, true]), so the
+             # forward needs return_value=True (the stand-in's backward raises otherwise).
+             # transformers' indexer runs under no_grad and returns only the indices: the
+             # pass emits return_value=False, in training graphs too (matched on the joint
+             # graph, forward_forms_on_joint), and never its backward
+             backward="npu.npu_lightning_indexer_grad",
+             ge_converter=True,  # custom/lightning_indexer.py -> GE LightningIndexer
+             socs={
+                 "Ascend310P": SocLimits(supported=False),
+                 # Atlas 350 (950): weights fp16/bf16 only, N1 in {8, 16, 24, 32, 64}
+                 "Ascend950": SocLimits(),
+             },
+             limits={
+                 "head_dim": 128,  # query and key D
+                 "max_query_heads": 64,  # N1 <= 64
+                 "query_heads_950": (8, 16, 24, 32, 64),
+                 "key_heads": 1,  # N2
+                 "layouts_query": ("BSND", "TND"),
+                 "layouts_key": ("BSND", "TND", "PA_BSND"),  # key layout = query layout unless paged
+                 "pa_block_size_multiple": 16,  # PA_BSND block_size: a multiple of 16, <= 1024
+                 "pa_max_block_size": 1024,
+                 "max_sparse_count": 2048,  # sparse_count in [1, 2048] or one of:
+                 "large_sparse_counts": (3072, 4096, 5120, 6144, 7168, 8192),
+                 "sparse_modes": (0, 3),  # none, right-down causal
+                 "pre_next_tokens_default_only": True,
+                 "weights_dtypes": (torch.float16, torch.bfloat16, torch.float32),  # fp32: not on 950
+                 "weights_fp32_socs": ("Ascend910B", "Ascend910_93"),
+                 # return_value: training only and not with paged keys; in graph mode only on 950
+                 "return_value_with_paged_key": False,
+                 "return_value_graph_socs": ("Ascend950",),
+                 "actual_seq_lengths_dtype": torch.int32,  # TND: cumulative; PA_BSND key: per batch, required
+             },
+             doc="op_semantics 8.1 / op-plugin doc torch_npu-npu_lightning_indexer.md: products Atlas A2 and "
+             "A3 inference, Atlas 350 (950); query/key fp16/bf16 (one dtype), weights fp16/bf16 or fp32 "
+             "(not on 950), D == 128, N1 <= 64 (950: 8/16/24/32/64), N2 == 1, PA block_size % 16 == 0 and "
+             "<= 1024, sparse_count in [1, 2048] or 3072..8192 step 1024, sparse_mode 0/3, default "
+             "pre/next_tokens only, return_value not with PA_BSND; GE converter custom/lightning_indexer.py; "
+             "autograd NpuLightningIndexerBackward0 through sparse_values",
+         ))
 def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None, actual_seq_lengths_key=None,
                           block_table=None, layout_query="BSND", layout_key="BSND", sparse_count=2048,
                           sparse_mode=3, pre_tokens=_I64_MAX, next_tokens=_I64_MAX, return_value=False):
@@ -330,10 +561,27 @@ def _lightning_indexer_grad_fake(query, key, dy, sparse_indices, weights, actual
                                  next_tokens=_I64_MAX):
     layout, sparse_mode, pre_tokens, next_tokens = _grad_defaults(layout, sparse_mode, pre_tokens, next_tokens)
     _check_indexer_grad(query, key, dy, sparse_indices, weights, layout, sparse_mode, pre_tokens, next_tokens)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(weights)
+    # the wheel's Meta (npu_lightning_indexer_grad_meta): new_empty of each input's shape, contiguous
+    return query.new_empty(query.shape), key.new_empty(key.shape), weights.new_empty(weights.shape)
 
 
-@stand_in("npu::npu_lightning_indexer_grad", fake=_lightning_indexer_grad_fake)
+@op_spec("npu::npu_lightning_indexer_grad",
+         schema="npu_lightning_indexer_grad(Tensor query, Tensor key, Tensor dy, Tensor sparse_indices, Tensor weights,"
+                ' Tensor? actual_seq_lengths_query=None, Tensor? actual_seq_lengths_key=None, str? layout="BSND", int? '
+                "sparse_mode=3, int? pre_tokens=9223372036854775807, int? next_tokens=9223372036854775807) -> (Tensor, "
+                "Tensor, Tensor)",
+         fake=_lightning_indexer_grad_fake, samples=_indexer_grad_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),
+             min_rank=3,  # TND
+             max_rank=4,  # BSND
+             backward=None,
+             ge_converter=False,  # torchair 2.13 has no converter: not lowerable under max-autotune
+             limits={"layouts": ("BSND", "TND")},  # one layout for query and key: no paged keys
+             doc="op_semantics 1 / 8.1: npu_lightning_indexer's backward (NpuLightningIndexerBackward0), "
+             "dquery, dkey, dweights from the gradient of sparse_values; BSND / TND (one layout); "
+             "no GE converter in torchair 2.13",
+         ))
 def npu_lightning_indexer_grad(query, key, dy, sparse_indices, weights, actual_seq_lengths_query=None,
                                actual_seq_lengths_key=None, layout="BSND", sparse_mode=3, pre_tokens=_I64_MAX,
                                next_tokens=_I64_MAX):
@@ -502,9 +750,64 @@ def _sparse_flash_attention_backward(ctx, grad_out, grad_max, grad_sum):
             None if query_rope is None else grad_query_rope, None if key_rope is None else grad_key_rope)
 
 
-@stand_in("npu::npu_sparse_flash_attention", fake=_sparse_flash_attention_fake,
-          backward=_sparse_flash_attention_backward, setup_context=_sparse_flash_attention_setup_context,
-          differentiable_kwargs=("query_rope", "key_rope"))
+@op_spec("npu::npu_sparse_flash_attention",
+         schema="npu_sparse_flash_attention(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, float "
+                "scale_value, *, Tensor? block_table=None, Tensor? actual_seq_lengths_query=None, Tensor? "
+                "actual_seq_lengths_kv=None, Tensor? query_rope=None, Tensor? key_rope=None, int sparse_block_size=1, "
+                'str layout_query="BSND", str layout_kv="BSND", int sparse_mode=3, int pre_tokens=9223372036854775807, '
+                "int next_tokens=9223372036854775807, int attention_mode=0, bool return_softmax_lse=False, Tensor? "
+                "sinks=None) -> (Tensor, Tensor, Tensor)",
+         fake=_sparse_flash_attention_fake, samples=_sfa_samples,
+         backward=_sparse_flash_attention_backward, setup_context=_sparse_flash_attention_setup_context,
+         differentiable_kwargs=("query_rope", "key_rope"),
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),  # query, key, value (and ropes), one dtype
+             min_rank=3,  # TND
+             max_rank=4,  # BSND
+             # needs softmax_max/sum, i.e. return_softmax_lse=True (the stand-in's backward raises
+             # otherwise): the joint replacement (training graphs) sets it, the forward-only one
+             # (inference) does not. Grads of query, key, value, query_rope, key_rope; none for
+             # sinks. Its grad op has no GE converter, and the docs refuse return_softmax_lse in
+             # graph mode: joint sites are refused under max-autotune (read as GE graph mode;
+             # ACL graph capture runs the aclnn kernels as single ops do [inferred])
+             backward="npu.npu_sparse_flash_attention_grad",
+             ge_converter=True,  # custom/sparse_flash_attention.py -> GE SparseFlashAttention
+             socs={
+                 "Ascend310P": SocLimits(supported=False),
+                 # 950 per op_semantics 8.2 (N1 any of 1..128, sparse_block_size 1 only, sinks);
+                 # the op-plugin master doc lists A2/A3 inference only
+                 "Ascend950": SocLimits(),
+             },
+             limits={
+                 "head_dim": 512,  # query, key, value D
+                 "rope_head_dim": 64,  # query_rope, key_rope D
+                 "query_heads": (1, 2, 4, 8, 16, 32, 64, 128),  # 950: any of 1..128
+                 "max_query_heads_950": 128,
+                 "key_heads": 1,  # KV_N
+                 "layouts_query": ("BSND", "TND"),
+                 "layouts_kv": ("BSND", "TND", "PA_BSND"),  # kv layout = query layout unless paged
+                 "pa_block_size_multiple": 16,
+                 "pa_max_block_size": 1024,
+                 "max_sparse_block_size": 128,  # a power of 2 in [1, 128], dividing the PA block_size
+                 "sparse_block_size_power_of_2": True,
+                 "sparse_block_sizes_950": (1,),
+                 "sparse_modes": (0, 3),
+                 "attention_modes": (2,),  # the docs: only 2 (MLA absorb, key and value one tensor)
+                 "pre_next_tokens_default_only": True,
+                 # return_softmax_lse: training only, not with PA_BSND, not in graph mode
+                 "return_softmax_lse_with_paged_kv": False,
+                 "return_softmax_lse_in_graph": False,
+                 "value_none_min_cann": "9.2.0",  # the wheel's Meta function
+                 "sinks_socs": ("Ascend950",),  # undocumented semantics: no CPU reference
+                 "sparse_indices_dtype": torch.int32,
+             },
+             doc="op_semantics 8.2 / op-plugin doc torch_npu-npu_sparse_flash_attention.md: products Atlas A2 "
+             "and A3 inference (950 per op_semantics); query/key/value fp16/bf16 of one dtype, D == 512, rope "
+             "D == 64, N1 a power of 2 <= 128, KV_N == 1, sparse_block_size a power of 2 in [1, 128] dividing "
+             "the PA block_size (16k <= 1024), sparse_mode 0/3, attention_mode 2, default pre/next_tokens, "
+             "return_softmax_lse not with PA_BSND nor in graph mode; value=None needs CANN >= 9.2 (Meta); "
+             "GE converter custom/sparse_flash_attention.py; autograd NpuSparseFlashAttentionBackward0",
+         ))
 def npu_sparse_flash_attention(query, key, value, sparse_indices, scale_value, *, block_table=None,
                                actual_seq_lengths_query=None, actual_seq_lengths_kv=None, query_rope=None,
                                key_rope=None, sparse_block_size=1, layout_query="BSND", layout_kv="BSND",
@@ -615,14 +918,34 @@ def _sparse_flash_attention_grad_fake(query, key, value, sparse_indices, d_out, 
     _check_sfa_grad(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum, sparse_block_size,
                     query_rope, key_rope, layout, sparse_mode, pre_tokens, next_tokens,
                     0 if attention_mode is None else attention_mode)
-    # the wheel's Meta: each gradient like its input, an empty (0,) for an absent one
-    return (torch.empty_like(query), torch.empty_like(key),
-            query.new_empty((0,)) if value is None else torch.empty_like(value),
-            query.new_empty((0,)) if query_rope is None else torch.empty_like(query_rope),
-            key.new_empty((0,)) if key_rope is None else torch.empty_like(key_rope))
+    # the wheel's Meta (npu_sparse_flash_attention_grad_meta): new_empty of each input's shape
+    # (contiguous), an empty (0,) for an absent one
+    return (query.new_empty(query.shape), key.new_empty(key.shape),
+            query.new_empty((0,)) if value is None else value.new_empty(value.shape),
+            query.new_empty((0,)) if query_rope is None else query_rope.new_empty(query_rope.shape),
+            key.new_empty((0,)) if key_rope is None else key_rope.new_empty(key_rope.shape))
 
 
-@stand_in("npu::npu_sparse_flash_attention_grad", fake=_sparse_flash_attention_grad_fake)
+@op_spec("npu::npu_sparse_flash_attention_grad",
+         schema="npu_sparse_flash_attention_grad(Tensor query, Tensor key, Tensor? value, Tensor sparse_indices, Tensor"
+                " d_out, Tensor out, Tensor softmax_max, Tensor softmax_sum, float scale_value, int sparse_block_size, "
+                "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? actual_seq_qlen=None, Tensor? "
+                'actual_seq_kvlen=None, str? layout="BSND", int? sparse_mode=3, int? pre_tokens=9223372036854775807, '
+                "int? next_tokens=9223372036854775807, int? attention_mode=0) -> (Tensor, Tensor, Tensor, Tensor, "
+                "Tensor)",
+         fake=_sparse_flash_attention_grad_fake, samples=_sfa_grad_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),
+             min_rank=3,  # TND
+             max_rank=4,  # BSND
+             backward=None,
+             ge_converter=False,  # torchair 2.13 has no converter: not lowerable under max-autotune
+             limits={"layouts": ("BSND", "TND")},  # one layout for query and kv: no paged kv
+             doc="op_semantics 1 / 8.2: npu_sparse_flash_attention's backward "
+             "(NpuSparseFlashAttentionBackward0), from out and softmax_max / softmax_sum "
+             "(return_softmax_lse=True); grads of query, key, value, query_rope, key_rope; BSND / TND (one "
+             "layout); no GE converter in torchair 2.13",
+         ))
 def npu_sparse_flash_attention_grad(query, key, value, sparse_indices, d_out, out, softmax_max, softmax_sum,
                                     scale_value, sparse_block_size, query_rope=None, key_rope=None,
                                     actual_seq_qlen=None, actual_seq_kvlen=None, layout="BSND", sparse_mode=3,
@@ -760,7 +1083,32 @@ def _metadata_rows(op, layout_q, cu_seqlens_q, seqused_q, batch_size, max_seqlen
     return batch_size * max_seqlen_q
 
 
-@stand_in("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm_metadata", fake=_metadata_fake)  # no autograd
+@op_spec("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm_metadata",
+         schema="sparse_flash_mla_softmax_l1_norm_metadata(int num_heads_q, int num_heads_k, int head_dim, *, Tensor? "
+                "cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None, Tensor? "
+                "cmp_residual_k=None, Tensor? topk_length=None, int? batch_size=None, int? max_seqlen_q=None, int? "
+                "max_seqlen_k=None, int? topk=None, str? layout_q=None, str? layout_k=None, int? mask_mode=None, int? "
+                "cmp_ratio=None) -> Tensor",
+         fake=_metadata_fake, samples=_l1_norm_metadata_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.int32}),  # its tensors: cu_seqlens / seqused / topk_length
+             min_rank=1,
+             max_rank=1,
+             backward=None,
+             ge_converter=False,
+             socs=only_on_socs("Ascend950"),
+             limits={
+                 "package": "cann_ops_transformer",
+                 "head_dim": 512,
+                 "max_query_heads": 128,
+                 "key_heads": 1,
+                 "output": "int32[64] on the host (an AICPU tiling helper; move it to the device)",
+                 "bsnd_needs": ("batch_size", "max_seqlen_q", "max_seqlen_k"),
+                 "tnd_needs": ("cu_seqlens_q", "cu_seqlens_k"),
+             },
+             doc="op_semantics 10 / cann_ops_transformer docs: the tiling metadata of "
+             "sparse_flash_mla_softmax_l1_norm, int32[64]; Ascend 950 only; no GE converter",
+         ))  # no autograd
 def sparse_flash_mla_softmax_l1_norm_metadata(num_heads_q, num_heads_k, head_dim, *, cu_seqlens_q=None,
                                               cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                                               cmp_residual_k=None, topk_length=None, batch_size=None,
@@ -858,7 +1206,38 @@ def _per_batch(op: str, name: str, t: Optional[torch.Tensor], batch: int, defaul
     return values
 
 
-@stand_in("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm", fake=_l1_norm_fake)  # no autograd
+@op_spec("cann_ops_transformer::sparse_flash_mla_softmax_l1_norm",
+         schema="sparse_flash_mla_softmax_l1_norm(Tensor q, Tensor k, Tensor softmax_lse, *, Tensor? "
+                "sparse_indices=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, "
+                "Tensor? seqused_k=None, Tensor? cmp_residual_k=None, Tensor? topk_length=None, Tensor? metadata=None, "
+                'float softmax_scale=1.0, int max_seqlen_k=0, int cmp_ratio=1, int mask_mode=0, str layout_q="BSND", '
+                'str layout_k="BSND") -> Tensor',
+         fake=_l1_norm_fake, samples=_l1_norm_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),  # q and k, one dtype; lse fp32
+             min_rank=3,  # TND
+             max_rank=4,  # BSND
+             backward=None,
+             ge_converter=False,  # not a torch_npu op: torchair 2.13 has no converter for it
+             socs=only_on_socs("Ascend950"),  # 950PR/950DT only
+             limits={
+                 "package": "cann_ops_transformer",  # torch.ops.cann_ops_transformer, not torch_npu
+                 "head_dim": 512,
+                 "max_query_heads": 128,  # N1 in 1..128
+                 "key_heads": 1,
+                 "layouts": ("BSND", "TND"),  # layout_q == layout_k
+                 "mask_modes": (0, 3),
+                 "max_cmp_ratio": 128,  # cmp_ratio in 1..128
+                 "needs_metadata": "cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata",
+                 # torchair: single-op and ACL graph (reduce-overhead) per the docs' examples
+                 "modes": ("reduce-overhead", "npugraph_ex"),
+             },
+             doc="op_semantics 10 / cann_ops_transformer docs (hicann/ops-transformer torch_extension/"
+             "cann_ops_transformer/docs/zh/sparse_flash_mla_softmax_l1_norm.md): Ascend 950PR/950DT only; q/k "
+             "fp16/bf16, D == 512, N1 1..128, N2 == 1, BSND/TND (equal), mask_mode 0/3, cmp_ratio 1..128, "
+             "metadata from the _metadata op required; fp32 output; no autograd; no GE converter (not in "
+             "torch_npu)",
+         ))  # no autograd
 def sparse_flash_mla_softmax_l1_norm(q, k, softmax_lse, *, sparse_indices=None, cu_seqlens_q=None,
                                      cu_seqlens_k=None, seqused_q=None, seqused_k=None, cmp_residual_k=None,
                                      topk_length=None, metadata=None, softmax_scale=1.0, max_seqlen_k=0,
@@ -1173,9 +1552,39 @@ def _smla_metadata_kernel(num_heads_q, num_heads_kv, head_dim, *, cu_seqlens_q=N
     return _metadata_header(values, _SMLA_HEADER)
 
 
-stand_in("cann_ops_transformer::sparse_flash_mla_metadata", fake=_sparse_flash_mla_metadata_fake)(
+op_spec("cann_ops_transformer::sparse_flash_mla_metadata",
+        schema="sparse_flash_mla_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, Tensor? "
+               "cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, Tensor? "
+               "seqused_q=None, Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, Tensor? cmp_residual_kv=None,"
+               " Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, int? batch_size=None, int? "
+               "max_seqlen_q=None, int? max_seqlen_ori_kv=None, int? max_seqlen_cmp_kv=None,int? ori_topk=None, int? "
+               "cmp_topk=None, int? cmp_ratio=None, int? ori_mask_mode=None,int? cmp_mask_mode=None, int? "
+               "ori_win_left=None, int? ori_win_right=None, str? layout_q=None,str? layout_kv=None, bool? "
+               "has_ori_kv=None, bool? has_cmp_kv=None) -> Tensor",
+        fake=_sparse_flash_mla_metadata_fake, samples=_smla_metadata_samples,
+        capability=OpCapability(
+            dtypes=frozenset({torch.int32}), min_rank=1,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer", "output": "int32[1024], shape-only tiling"},
+            doc="sparse_flash_mla's AICPU tiling metadata (COT ops/sparse_flash_mla.py); its GE converter raises",
+        ))(
     _smla_metadata_kernel)  # no autograd: shape-only tiling
-stand_in("cann_ops_transformer::sparse_flash_mla_grad_metadata", fake=_sparse_flash_mla_metadata_fake)(
+op_spec("cann_ops_transformer::sparse_flash_mla_grad_metadata",
+        schema="sparse_flash_mla_grad_metadata(int num_heads_q, int num_heads_kv, int head_dim, *, Tensor? "
+               "cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, Tensor? "
+               "seqused_q=None, Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, Tensor? cmp_residual_kv=None,"
+               " Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, int? batch_size=None, int? "
+               "max_seqlen_q=None, int? max_seqlen_ori_kv=None, int? max_seqlen_cmp_kv=None,int? ori_topk=None, int? "
+               "cmp_topk=None, int? cmp_ratio=None, int? ori_mask_mode=None,int? cmp_mask_mode=None, int? "
+               "ori_win_left=None, int? ori_win_right=None, str? layout_q=None,str? layout_kv=None, bool? "
+               "has_ori_kv=None, bool? has_cmp_kv=None) -> Tensor",
+        fake=_sparse_flash_mla_metadata_fake, samples=_smla_metadata_samples,
+        capability=OpCapability(
+            dtypes=frozenset({torch.int32}), min_rank=1,
+            max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
+            limits={"package": "cann_ops_transformer"},
+            doc="sparse_flash_mla_grad's tiling metadata (COT ops/sparse_flash_mla_grad.py)",
+        ))(
     _smla_metadata_kernel)  # the same arguments for the backward's tiling
 
 
@@ -1198,12 +1607,53 @@ def _sparse_flash_mla_fake(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=No
                            return_softmax_lse=False):
     n2 = ori_kv.shape[-2] if ori_kv is not None else 1
     # the extension's Meta: lse (B, N2, S1, G) / (N2, T1, G) with return_softmax_lse, else a 0-dim tensor
+    # and the attention torch.empty(q.shape), contiguous (mirror-cann/ops-transformer ops/sparse_flash_mla.py)
     lse = q.new_empty(_smla_lse_shape(q, n2, layout_q) if return_softmax_lse else (), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    return q.new_empty(q.shape), lse
 
 
-@stand_in("cann_ops_transformer::sparse_flash_mla", fake=_sparse_flash_mla_fake,
-          python_autograd="none in the extension (torchtitan-npu's npu_smla wraps it with sparse_flash_mla_grad)")
+@op_spec("cann_ops_transformer::sparse_flash_mla",
+         schema="sparse_flash_mla(Tensor q, *,Tensor? ori_kv=None, Tensor? cmp_kv=None, Tensor? "
+                "ori_sparse_indices=None, Tensor? cmp_sparse_indices=None, Tensor? ori_block_table=None, Tensor? "
+                "cmp_block_table=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_ori_kv=None, Tensor? "
+                "cu_seqlens_cmp_kv=None, Tensor? seqused_q=None, Tensor? seqused_ori_kv=None, Tensor? "
+                "seqused_cmp_kv=None, Tensor? cmp_residual_kv=None, Tensor? ori_topk_length=None, Tensor? "
+                "cmp_topk_length=None, Tensor? sinks=None, Tensor? metadata=None, float softmax_scale=1.0, int "
+                "cmp_ratio=1, int ori_mask_mode=4, int cmp_mask_mode=3, int ori_win_left=127, int ori_win_right=0, str "
+                'layout_q="BSND", str layout_kv="BSND", int topk_value_mode=1, bool return_softmax_lse=False) -> '
+                "(Tensor, Tensor)",
+         fake=_sparse_flash_mla_fake, samples=_smla_samples,
+         python_autograd="none in the extension (torchtitan-npu's npu_smla wraps it with sparse_flash_mla_grad)",
+         capability=OpCapability(
+             dtypes=HALF_DTYPES,  # q, ori_kv, cmp_kv one dtype; sinks fp32
+             min_rank=3,  # TND
+             max_rank=4,  # BSND
+             backward=None,  # none in the extension (torchtitan-npu wraps it); ours calls sparse_flash_mla_grad
+             autograd_rule="npu_fx_fusion.patterns.sparse_mla.SparseFlashMla",
+             ge_converter=False,  # graph_convert_sparse_flash_mla.py: the metadata op only, and it raises
+             socs=_A2_A3_950,
+             limits={
+                 "package": "cann_ops_transformer",
+                 "backward_op": "cann_ops_transformer.sparse_flash_mla_grad",
+                 "head_dim": 512,
+                 "key_heads": 1,
+                 "query_heads": (1, 2, 4, 8, 16, 32, 64, 128),  # 950: not 1
+                 "query_heads_950": (2, 4, 8, 16, 32, 64, 128),
+                 "ori_mask_modes_a2_a3": (4,), "ori_mask_modes_950": (0, 3, 4),
+                 "cmp_mask_modes": (3,),
+                 "ori_win_left": (127,), "ori_win_right": (0,),
+                 "cmp_ratios_a2_a3": (1, 4, 128), "max_cmp_ratio": 128,
+                 "csa_topk_a2_a3": (512, 1024),
+                 "sinks_required_a2_a3": True,
+                 "metadata": {"Ascend950": "required", "Ascend910B": "none", "Ascend910_93": "none"},
+                 "layouts": ("BSND", "TND"),  # q and kv alike (PA_BBND kv too: not emitted)
+             },
+             doc="deepseek_v4.md 9.2 / COT docs/zh/sparse_flash_mla.md: 950, A2, A3; q/ori_kv/cmp_kv bf16/fp16, D = 512, "
+             "N2 = 1, N1 in {1, 2, 4, ..., 128} (950: not 1); ori_mask_mode 4 with ori_win_left 127 / ori_win_right 0 "
+             "only (A2/A3), cmp_mask_mode 3, cmp_ratio 1 / 4 / 128 on A2/A3, CSA top-k 512 or 1024 (A2/A3); sinks fp32 "
+             "[N1]; cmp_residual_kv for CSA/HCA; metadata required on 950, none on A2/A3; no autograd in the "
+             "extension; no GE converter (aclgraph only)",
+         ))
 def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cmp_sparse_indices=None,
                      ori_block_table=None, cmp_block_table=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None,
                      cu_seqlens_cmp_kv=None, seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None,
@@ -1253,7 +1703,7 @@ def sparse_flash_mla(q, *, ori_kv=None, cmp_kv=None, ori_sparse_indices=None, cm
         lse[rs] = (m + torch.log(total)).to(lse.dtype)
     attention = out.to(q.dtype).view(q.shape)
     if not return_softmax_lse:
-        return attention, q.new_empty((), dtype=torch.float32)
+        return attention, q.new_zeros((), dtype=torch.float32)  # unwritten on the NPU: zeros, not garbage
     if layout_q == "BSND":  # rows (B*S1, N2, G) -> (B, N2, S1, G)
         lse = lse.view(q.shape[0], q.shape[1], n2, g).transpose(1, 2)
     else:  # (T1, N2, G) -> (N2, T1, G)
@@ -1269,17 +1719,33 @@ def _sparse_flash_mla_grad_fake(q, dout, attn_out, softmax_lse, ori_kv=None, cmp
                                 ori_win_left=-1, ori_win_right=-1, layout_q="BSND", layout_kv="BSND"):
     # the extension's Meta, with an empty (0,) where it returns None (the schema's outputs are
     # Tensors); the l1-norm outputs fp32 as the docs say (the Meta copies the indices' int32)
-    empty = q.new_empty((0,))
-
     def like(t, dtype=None):
-        return t.new_empty(t.shape, dtype=dtype or t.dtype) if t is not None else empty
+        return t.new_empty(t.shape, dtype=dtype or t.dtype) if t is not None else q.new_empty((0,))
 
-    l1 = (lambda idx: idx.new_empty(idx.shape, dtype=torch.float32) if idx is not None else empty)
-    return (torch.empty_like(q), like(ori_kv), like(cmp_kv), like(sinks), l1(ori_sparse_indices),
-            l1(cmp_sparse_indices))
+    def l1(idx):
+        return idx.new_empty(idx.shape, dtype=torch.float32) if idx is not None else q.new_empty((0,))
+
+    return (like(q), like(ori_kv), like(cmp_kv), like(sinks), l1(ori_sparse_indices), l1(cmp_sparse_indices))
 
 
-@stand_in("cann_ops_transformer::sparse_flash_mla_grad", fake=_sparse_flash_mla_grad_fake)
+@op_spec("cann_ops_transformer::sparse_flash_mla_grad",
+         schema="sparse_flash_mla_grad(Tensor q, Tensor dout, Tensor attn_out, Tensor softmax_lse,Tensor? ori_kv=None, "
+                "Tensor? cmp_kv=None, Tensor? ori_sparse_indices=None, Tensor? cmp_sparse_indices=None, "
+                "Tensor?cu_seqlens_q=None,Tensor? cu_seqlens_ori_kv=None, Tensor? cu_seqlens_cmp_kv=None, Tensor? "
+                "seqused_q=None,Tensor? seqused_ori_kv=None, Tensor? seqused_cmp_kv=None, Tensor? "
+                "cmp_residual_kv=None,Tensor? ori_topk_length=None, Tensor? cmp_topk_length=None, Tensor? "
+                "sinks=None,Tensor? metadata=None,float softmax_scale=None, int cmp_ratio=None, int ori_mask_mode=0, "
+                'int cmp_mask_mode=0,int ori_win_left=-1, int ori_win_right=-1,str layout_q="BSND", str '
+                'layout_kv="BSND")->(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)',
+         fake=_sparse_flash_mla_grad_fake, samples=_smla_grad_samples,
+         capability=OpCapability(
+             dtypes=HALF_DTYPES, min_rank=3, max_rank=4,
+             backward=None, ge_converter=False, socs=_A2_A3_950,
+             limits={"package": "cann_ops_transformer", "metadata": {"Ascend950": "required"}},
+             doc="deepseek_v4.md 9.2 / COT docs/zh/sparse_flash_mla_grad.md: (dq, dori_kv, dcmp_kv, dsinks, "
+             "ori_softmax_l1norm, cmp_softmax_l1norm); A2/A3: no seqused / topk_length / metadata, the forward's "
+             "mask limits; no GE converter",
+         ))
 def sparse_flash_mla_grad(q, dout, attn_out, softmax_lse, ori_kv=None, cmp_kv=None, ori_sparse_indices=None,
                           cmp_sparse_indices=None, cu_seqlens_q=None, cu_seqlens_ori_kv=None, cu_seqlens_cmp_kv=None,
                           seqused_q=None, seqused_ori_kv=None, seqused_cmp_kv=None, cmp_residual_kv=None,
@@ -1359,12 +1825,14 @@ def sparse_flash_mla_grad(q, dout, attn_out, softmax_lse, ori_kv=None, cmp_kv=No
         if sink is not None:
             p_sink = torch.exp(sink.unsqueeze(-1) - lse_b)  # (lq, n2, G, 1)
             grad_sinks += (-p_sink * delta).sum((0, 3))
-    empty = q.new_empty((0,))
+    def empty():  # a tensor of its own per absent output (outputs must not alias)
+        return q.new_empty((0,))
+
     return (grad_q.to(q.dtype).view(q.shape), grad_ori.to(ori_kv.dtype).view(ori_kv.shape),
-            grad_cmp.to(cmp_kv.dtype).view(cmp_kv.shape) if grad_cmp is not None else empty,
-            grad_sinks.reshape(-1).to(sinks.dtype) if sinks is not None else empty, empty,
+            grad_cmp.to(cmp_kv.dtype).view(cmp_kv.shape) if grad_cmp is not None else empty(),
+            grad_sinks.reshape(-1).to(sinks.dtype) if sinks is not None else empty(), empty(),
             l1.to(torch.float32 if acc == torch.float32 else acc).view(cmp_sparse_indices.shape) if l1 is not None
-            else empty)
+            else empty())
 
 
 # ---- cann_ops_transformer.lightning_indexer (+ _metadata) --------------------------------
@@ -1385,7 +1853,18 @@ def _li_values(num_heads_q, num_heads_k, head_dim, topk, batch_size, max_seqlen_
                 mask_mode=mask_mode or 0, cmp_ratio=1 if cmp_ratio is None else cmp_ratio)
 
 
-@stand_in("cann_ops_transformer::lightning_indexer_metadata", fake=_lightning_indexer_metadata_fake)  # no autograd
+@op_spec("cann_ops_transformer::lightning_indexer_metadata",
+         schema="lightning_indexer_metadata(int num_heads_q, int num_heads_k, int head_dim, int topk, *, Tensor? "
+                "cu_seqlens_q=None, Tensor? cu_seqlens_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None, Tensor? "
+                "cmp_residual_k=None, int? batch_size=None, int? max_seqlen_q=None, int? max_seqlen_k=None, str? "
+                "layout_q=None, str? layout_k=None, int? mask_mode=None, int? cmp_ratio=None) -> Tensor",
+         fake=_lightning_indexer_metadata_fake, samples=_cann_indexer_metadata_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.int32}), min_rank=1,
+             max_rank=1, backward=None, gradient_free=True, ge_converter=False, socs=_A2_A3_950,
+             limits={"package": "cann_ops_transformer"},
+             doc="lightning_indexer's tiling metadata (COT ops/lightning_indexer.py); its GE converter raises",
+         ))  # no autograd
 def lightning_indexer_metadata(num_heads_q, num_heads_k, head_dim, topk, *, cu_seqlens_q=None, cu_seqlens_k=None,
                                seqused_q=None, seqused_k=None, cmp_residual_k=None, batch_size=None, max_seqlen_q=None,
                                max_seqlen_k=None, layout_q=None, layout_k=None, mask_mode=None, cmp_ratio=None):
@@ -1407,8 +1886,34 @@ def _cann_lightning_indexer_fake(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens
     return q.new_empty(shape, dtype=torch.int32), values
 
 
-@stand_in("cann_ops_transformer::lightning_indexer", fake=_cann_lightning_indexer_fake,
-          python_autograd="none in the extension (it returns indices)")
+@op_spec("cann_ops_transformer::lightning_indexer",
+         schema="lightning_indexer(Tensor q, Tensor k, Tensor w, int topk, *, Tensor? cu_seqlens_q=None, Tensor? "
+                "cu_seqlens_k=None,Tensor? seqused_q=None, Tensor? seqused_k=None, Tensor? cmp_residual_k=None, Tensor?"
+                " block_table=None, Tensor? output_idx_offset=None, Tensor? metadata=None, int max_seqlen_q=-1,str "
+                'layout_q="BSND", str layout_k="BSND", int mask_mode=0, int cmp_ratio=1,int return_value=0) -> (Tensor,'
+                " Tensor)",
+         fake=_cann_lightning_indexer_fake, samples=_cann_indexer_samples,
+         python_autograd="none in the extension (it returns indices)",
+         capability=OpCapability(
+             dtypes=HALF_DTYPES,  # q and k; w fp32
+             min_rank=3,
+             max_rank=4,
+             backward=None,  # returns indices: no gradient
+             gradient_free=True,  # the CSA form uses its int32 indices only (return_value False)
+             ge_converter=False,  # graph_convert_lightning_indexer.py: the metadata op only, and it raises
+             socs=_A2_A3_950,
+             limits={
+                 "package": "cann_ops_transformer",
+                 "head_dim": 128, "key_heads": 1, "max_query_heads": 64, "metadata_query_heads": (32, 64),
+                 "max_topk": 2048, "large_topks": (3072, 4096, 5120, 6144, 7168, 8192),
+                 "mask_modes": (0, 3), "max_cmp_ratio": 128,
+                 "weights_dtype": torch.float32,
+             },
+             doc="deepseek_v4.md 8.2 / COT docs/zh/lightning_indexer.md: 950, A2, A3; q (B, S1, N1, 128) / (T1, N1, "
+             "128), k one head, w fp32 (B, S1, N1); topk 1..2048 (+ 3072..8192); mask_mode 3 with cmp_ratio and "
+             "cmp_residual_k: the compressed right-down causal mask; indices int32 (-1 padded); no autograd; no GE "
+             "converter",
+         ))
 def cann_lightning_indexer(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
                            cmp_residual_k=None, block_table=None, output_idx_offset=None, metadata=None,
                            max_seqlen_q=-1, layout_q="BSND", layout_k="BSND", mask_mode=0, cmp_ratio=1,

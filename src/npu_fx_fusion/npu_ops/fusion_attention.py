@@ -3,7 +3,7 @@
 These are the ops torch_npu's own `scaled_dot_product_attention` kernel calls
 (ScaledDotProductAttentionKernelNpuOpApi.cpp: `_v3` below Ascend950, the plain one on
 Ascend950), so they are what an NPU aot graph holds for SDPA (npu_dispatch.py). Schemas:
-the wheel's yaml (schemas.py). Semantics: the wheel's docstring of npu_fusion_attention_v3
+the wheel's yaml (in each op_spec). Semantics: the wheel's docstring of npu_fusion_attention_v3
 (`_op_plugin_docs.py` ~L1895), op_semantics.md 9.1, output shapes and dtypes from op-plugin's
 FlashAttentionKernelNpuOpApi.cpp (infer_fa_v3_output_tensors, npu_fusion_attention_v3_symint)
 and the wheel's Meta (`npu_fusion_attention_forward`), autograd from op-plugin's
@@ -40,12 +40,23 @@ from typing import Optional
 
 import torch
 
-from ._library import stand_in
+from .spec import FLOAT_DTYPES, OpCapability, Sample, SocLimits, op_spec, randn
 
 TOKEN_MAX = 2147483647  # pre_tockens / next_tockens default: no band
 COMPRESSED_MASK = 2048  # sparse_mode 2 / 3 take triu(ones(2048, 2048), 1)
 _STATS = 8  # softmax_max / softmax_sum replicate each row's value 8 times
 LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+# The hardware limits all four ops share: the wheel's npu_fusion_attention_v3 docstring
+# (_op_plugin_docs.py ~L1895) and op_semantics 9.1. SoC gates from op-plugin's kernels
+# (npu_fusion_attention_v3_symint refuses Ascend950, whose SDPA calls npu_fusion_attention
+# instead; below Ascend910B1 SDPA takes its math path).
+_FA_LIMITS = {
+    "max_head_dim": 768,  # Dq = Dk >= Dv, 1..768
+    "max_query_heads": 256,  # Nq 1..256, Nq % Nkv == 0
+    "layouts": ("BSH", "SBH", "BSND", "BNSD", "TND"),  # TND is not stood in on CPU
+    "sparse_modes": tuple(range(9)),  # 0-3 stood in on CPU
+    "atten_mask": "bool / uint8, True = masked out; SS, B1SS, BNSS, 11SS; sparse_mode 2 / 3: triu(ones(2048, 2048), 1)",
+}
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -294,6 +305,58 @@ def _backward(op, query, key, value, dy, head_num, input_layout, pse, atten_mask
     return (*grads, grad_pse)
 
 
+# ---- opcheck samples ------------------------------------------------------------------------
+def qkv(dtype=torch.float64, *, batch=2, heads=4, kv_heads=2, queries=5, keys=7, dim=8, dim_v=None, seed=0):
+    """BNSD query (B, N, Sq, D), key (B, Nkv, Skv, D), value (B, Nkv, Skv, Dv) of seeded values."""
+    return (randn(batch, heads, queries, dim, dtype=dtype, seed=seed),
+            randn(batch, kv_heads, keys, dim, dtype=dtype, seed=seed + 1),
+            randn(batch, kv_heads, keys, dim_v or dim, dtype=dtype, seed=seed + 2))
+
+
+def to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A BNSD tensor in `layout` (BNSD, BSND, BSH or SBH)."""
+    if layout == "BNSD":
+        return t
+    b, n, s, d = t.shape
+    if layout == "BSND":
+        return t.transpose(1, 2).contiguous()
+    if layout == "BSH":
+        return t.transpose(1, 2).reshape(b, s, n * d)
+    return t.permute(2, 0, 1, 3).reshape(s, b, n * d)  # SBH
+
+
+def _forward_calls(dtype):
+    """(args, kwargs) of forward calls: every layout with GQA and a value head dim of its own, a
+    B1SS mask, the right-down causal mode SDPA emits for is_causal, a pse"""
+    for layout in LAYOUTS:
+        yield tuple(to_layout(t, layout) for t in qkv(dtype, dim_v=6)) + (4, layout), {"scale": 0.3}
+    q, k, v = qkv(dtype)
+    visible_one = ~torch.eye(5, 7, dtype=torch.bool)  # every row keeps a key
+    mask = (torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(7)) > 0.6) & visible_one
+    yield (q, k, v, 4, "BNSD"), {"atten_mask": mask, "scale": 0.3, "inner_precise": 2}
+    causal = torch.ones(COMPRESSED_MASK, COMPRESSED_MASK, dtype=torch.bool).triu(1)
+    yield (q, k, v, 4, "BNSD"), {"atten_mask": causal, "sparse_mode": 3, "scale": 0.4}
+    yield (q, k, v, 4, "BNSD"), {"pse": randn(1, 4, 5, 7, dtype=dtype, seed=9), "scale": 0.5}
+
+
+def _forward_samples(dtype):
+    for args, kwargs in _forward_calls(dtype):
+        # the differentiable inputs require grad: opcheck then traces the grad op too
+        yield Sample(args, kwargs, grad_args=(0, 1, 2, "pse"))
+
+
+def _grad_samples(forward, names):
+    """Samples of a grad op, each from a forward call's own outputs (`names`: the forward's
+    outputs the grad reads, by their grad-op keyword)."""
+    def samples(dtype):
+        for args, kwargs in _forward_calls(dtype):
+            outputs = dict(zip(names, forward(*args, **kwargs)))
+            dy = randn(*outputs["attention_in"].shape, dtype=dtype, seed=11)
+            kwargs = {"scale_value" if k == "scale" else k: v for k, v in kwargs.items()}
+            yield Sample((*args[:3], dy, *args[3:]), {**kwargs, **outputs})
+    return samples
+
+
 # =====================================================================================
 # npu_fusion_attention_v3 (op-plugin npu_fusion_attention_v3_symint; below Ascend950 only)
 # =====================================================================================
@@ -354,7 +417,25 @@ def _v3_backward(ctx, grad, *unused_grads):
             None, None, None, None, None, None, None, None if sink is None else dsink)
 
 
-@stand_in("npu::npu_fusion_attention_v3", fake=_v3_fake, backward=_v3_backward, setup_context=_v3_setup_context)
+@op_spec("npu::npu_fusion_attention_v3",
+         schema="npu_fusion_attention_v3(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+                "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float "
+                "keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, SymInt[]? "
+                "prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, int sparse_mode=0, bool "
+                'gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, Tensor,'
+                " Tensor, Tensor, Tensor, Tensor)",
+         fake=_v3_fake, samples=_forward_samples, backward=_v3_backward, setup_context=_v3_setup_context,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=3,
+             max_rank=4,
+             backward="npu.npu_fusion_attention_grad_v3",  # NpuFusionAttentionV3Backward0
+             ge_converter=False,  # torchair 2.13 has none (attention_inference.md 2.3): not lowerable in max-autotune
+             socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+             limits=_FA_LIMITS,
+             doc="npu_fusion_attention's graph-mode version (docstring: aclgraph supports BNSD); what torch_npu's "
+                 "SDPA calls below Ascend950; training and inference; Atlas A2 training series in the docs",
+         ))
 def npu_fusion_attention_v3(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
                             atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=TOKEN_MAX,
                             next_tockens=TOKEN_MAX, inner_precise=0, prefix=None, actual_seq_qlen=None,
@@ -370,10 +451,16 @@ def npu_fusion_attention_v3(query, key, value, head_num, input_layout, pse=None,
 
 
 def _grad_fake(query, key, value, dy, pse):
-    # infer_fa_v3_grad_output_tensors (and the wheel's Meta for the plain op): dq, dk, dv like
-    # their inputs, dpse like pse or an empty (0,), dsink an empty fp32 (0,) without sink
-    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
-            query.new_empty((0,)) if pse is None else torch.empty_like(pse),
+    # dq, dk, dv of their inputs' shapes and dtypes, CONTIGUOUS whatever the inputs' strides:
+    # op-plugin allocates them with apply_tensor_without_format(sizes, options) (contiguous), in
+    # infer_fa_v3_grad_output_tensors (op_plugin/ops/opapi/FlashAttentionKernelNpuOpApi.cpp, Ascend/
+    # op-plugin master 517f2e7), which is also the v3 grad's fake on an NPU (there is no Python Meta
+    # for _v3); the wheel's Meta of the plain grad (npu_fusion_attention_backward) likewise
+    # new_empty(query.shape). dpse likewise (pse's shape) or an empty (0,); dsink an empty fp32
+    # (0,) without sink. (empty_like here kept a transposed q / k / v's strides, which the kernel
+    # does not return: a compiled backward planned a `view` of dq from them and failed at run time.)
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape),
+            query.new_empty((0,)) if pse is None else pse.new_empty(pse.shape),
             key.new_empty((0,), dtype=torch.float32))
 
 
@@ -396,7 +483,27 @@ def _v3_grad_fake(query, key, value, dy, head_num, input_layout, *, pse=None, pa
     return _grad_fake(query, key, value, dy, pse)
 
 
-@stand_in("npu::npu_fusion_attention_grad_v3", fake=_v3_grad_fake)  # torch_npu has no double backward
+@op_spec("npu::npu_fusion_attention_grad_v3",
+         schema="npu_fusion_attention_grad_v3(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str "
+                "input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? "
+                "softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, float "
+                "scale_value=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int "
+                "inner_precise=0, Tensor? seed=None, Tensor? offset=None, SymInt[]? prefix=None, Tensor? "
+                "actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+                'bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)',
+         fake=_v3_grad_fake, samples=_grad_samples(
+             npu_fusion_attention_v3, ("attention_in", "softmax_max", "softmax_sum", "softmax_in", "seed", "offset")),
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=3,
+             max_rank=4,
+             backward=None,
+             ge_converter=False,
+             socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+             limits=_FA_LIMITS,
+             doc="npu_fusion_attention_v3's backward (derivatives.yaml): dq, dk, dv, dpse, dsink from the forward's "
+                 "softmax_max / softmax_sum / output",
+         ))  # torch_npu has no double backward
 def npu_fusion_attention_grad_v3(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                                  atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
                                  attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=TOKEN_MAX,
@@ -472,7 +579,24 @@ def _fa_backward(ctx, grad, *unused_grads):
             None, None, None, None, None, None, None, None if sink is None else dsink, None, None, None)
 
 
-@stand_in("npu::npu_fusion_attention", fake=_fa_fake, backward=_fa_backward, setup_context=_fa_setup_context)
+@op_spec("npu::npu_fusion_attention",
+         schema="npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, Tensor? "
+                "pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., float keep_prob=1., int "
+                "pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, int[]? "
+                "actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+                'bool sync=False, str softmax_layout="", Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, int '
+                "offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)",
+         fake=_fa_fake, samples=_forward_samples, backward=_fa_backward, setup_context=_fa_setup_context,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=3,
+             max_rank=4,
+             backward="npu.npu_fusion_attention_grad",  # NpuFusionAttentionBackward0
+             ge_converter=True,  # custom/npu_fusion_attention.py:4 (BSH/BNSD, keep_prob 1 only)
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits=_FA_LIMITS,
+             doc="training FlashAttention (op_semantics 9.1); what torch_npu's SDPA calls on Ascend950",
+         ))
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
                          scale=1.0, keep_prob=1.0, pre_tockens=TOKEN_MAX, next_tockens=TOKEN_MAX, inner_precise=0,
                          prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
@@ -498,7 +622,27 @@ def _fa_grad_fake(query, key, value, dy, head_num, input_layout, *, pse=None, pa
     return _grad_fake(query, key, value, dy, pse)
 
 
-@stand_in("npu::npu_fusion_attention_grad", fake=_fa_grad_fake)
+@op_spec("npu::npu_fusion_attention_grad",
+         schema="npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str "
+                "input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, Tensor? "
+                "softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, float "
+                "scale_value=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int "
+                "inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, int[]? "
+                "actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+                'bool sync=False, str softmax_layout="", Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)',
+         fake=_fa_grad_fake,
+         samples=_grad_samples(npu_fusion_attention, ("attention_in", "softmax_max", "softmax_sum", "softmax_in", "seed",
+                                                      "offset", "numels")),
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=3,
+             max_rank=4,
+             backward=None,
+             ge_converter=True,  # custom/npu_fusion_attention.py:75
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits=_FA_LIMITS,
+             doc="npu_fusion_attention's backward (derivatives.yaml)",
+         ))
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None,
                               scale_value=1.0, keep_prob=1.0, pre_tockens=TOKEN_MAX, next_tockens=TOKEN_MAX,

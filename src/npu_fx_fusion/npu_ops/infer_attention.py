@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._library import stand_in
+from .spec import OpCapability, Sample, SocLimits, op_spec, randn
 
 DEFAULT_TOKENS = 2147483647  # pre_tokens / next_tokens: "everything"
 COMPRESSED_MASK_SIZE = 2048  # sparse_mode 2/3/4 take triu(ones(2048, 2048), 1)
@@ -214,6 +214,39 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     return out, lse
 
 
+def qkv(queries: int, keys: int, *, dtype=torch.float64, batch=2, heads=4, kv_heads=2, dim=8, dim_v=8, seed=0):
+    """BNSD query (B, N, Q_S, D) and key / value (B, N_kv, KV_S, D / Dv) of seeded values."""
+    return (randn(batch, heads, queries, dim, seed=seed, dtype=dtype),
+            randn(batch, kv_heads, keys, dim, seed=seed + 1, dtype=dtype),
+            randn(batch, kv_heads, keys, dim_v, seed=seed + 2, dtype=dtype))
+
+
+def _as_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A BNSD tensor in `layout` (contiguous, as the op requires)."""
+    if layout in ("BNSD", "BNSD_BSND"):
+        return t
+    bsnd = t.transpose(1, 2).contiguous()
+    return bsnd if layout == "BSND" else bsnd.flatten(-2)
+
+
+def _fia_samples(dtype):
+    # the layouts, GQA, the right-down causal mask (compressed), an explicit mask, decode (Q_S = 1)
+    # with per-batch kv lengths, the lse
+    for layout in LAYOUTS:
+        q, k, v = (_as_layout(t, layout) for t in qkv(3, 5, dtype=dtype))
+        yield Sample((q, k, v), {"num_heads": 4, "num_key_value_heads": 2, "input_layout": layout,
+                                 "softmax_lse_flag": layout == "BNSD", "scale": 0.3})
+    q, k, v = qkv(3, 7, dtype=dtype)
+    yield Sample((q, k, v), {"num_heads": 4, "num_key_value_heads": 2, "input_layout": "BNSD", "sparse_mode": 3,
+                             "atten_mask": compressed_causal_mask(), "inner_precise": 2})
+    mask = torch.arange(7).view(1, 1, 1, 7).expand(2, 1, 3, 7) > torch.arange(3).view(1, 1, 3, 1) + 4
+    yield Sample((q, k, v), {"num_heads": 4, "num_key_value_heads": 2, "input_layout": "BNSD",
+                             "atten_mask": mask.contiguous()})
+    q, k, v = qkv(1, 7, dtype=dtype)
+    yield Sample((q, k, v), {"num_heads": 4, "num_key_value_heads": 2, "input_layout": "BNSD",
+                             "actual_seq_lengths_kv": [5, 7], "softmax_lse_flag": True})
+
+
 def _fia_fake(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
               actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
               quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None,
@@ -240,7 +273,56 @@ def _fia_fake(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_
     return query.new_empty(shape), lse
 
 
-@stand_in(f"npu::{OP}", fake=_fia_fake)  # no autograd in torch_npu: inference only
+@op_spec("npu::npu_fused_infer_attention_score",
+         schema="npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+                "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+                "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? "
+                "quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, Tensor? "
+                "antiquant_offset=None, Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, Tensor? "
+                "value_antiquant_scale=None, Tensor? value_antiquant_offset=None, Tensor? block_table=None, Tensor? "
+                "query_padding_size=None, Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, Tensor? "
+                "value_shared_prefix=None, SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? "
+                "key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, int "
+                'pre_tokens=2147483647, int next_tokens=2147483647, str input_layout="BSH", int num_key_value_heads=0, '
+                "int sparse_mode=0, int inner_precise=0, int block_size=0, int antiquant_mode=0, int "
+                "key_antiquant_mode=0, int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)",
+         fake=_fia_fake, samples=_fia_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),  # query; int8 only with quantisation
+             min_rank=3,  # BSH / TND
+             max_rank=4,  # BNSD / BSND
+             backward=None,  # no autograd node in torch_npu: inference graphs only
+             ge_converter=True,  # custom/fused_infer_attention_score.py -> GE FusedInferAttentionScore
+             # the 2.13 docstring lists Atlas A2 and A3 only ("支持的芯片型号"); Atlas inference
+             # (310P) has PFA/IFA in fp16 but not FIA; 950 has FIA_v2, which no pass emits
+             socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+             limits={
+                 "layouts": ("BNSD", "BSND"),  # the ones the attention pass emits (also BSH, TND, ...)
+                 "head_dim_multiple": 16,  # fp16 / bf16 D 16-aligned (Q_S > 1; 32 for int8)
+                 "max_head_dim": 512,
+                 "max_heads": 256,
+                 "max_batch": 65536,
+                 "max_group": 64,  # num_heads / num_key_value_heads
+                 "max_bsnd_hidden": 65535,  # N * D < 65535 in BSH / BSND (Q_S > 1)
+                 "max_decode_kv_len": 262144,  # Q_S = 1: KV_S <= 262144
+                 "key_value_one_shape": True,  # "key、value中对应tensor的shape需要完全一致"
+                 "contiguous": True,  # query, key, value, atten_mask: no non-contiguous tensors
+                 "compressed_mask_size": 2048,  # sparse_mode 2/3/4: triu(ones(2048, 2048), 1)
+                 "sparse_modes": (0, 1, 2, 3, 4),
+                 "decode_inner_precise": (0, 1),  # Q_S = 1; 2 / 3 add the invalid-row correction
+                 # torchair's ACL modes rewrite it to its .out overload with a static workspace
+                 # and make actual_seq_lengths(_kv) replay parameters (acl_graph.py:108-135)
+                 "acl_out_rewrite": True,
+             },
+             doc="attention_inference.md 3.1-3.2 / torch_npu 2.13.0 docstring (_op_plugin_docs.py "
+             "npu_fused_infer_attention_score, ~L8053) and Meta function: query fp16/bf16/int8 (no fp32), "
+             "key and value of one shape, contiguous inputs, layouts BSH/BSND/BNSD/BNSD_BSND/TND; Q_S > 1: "
+             "B <= 65536, N <= 256, D <= 512 and 16-aligned, N*D < 65535 in BSH/BSND; Q_S = 1 (IFA branch): "
+             "KV_S <= 262144, sparse_mode / pre / next ignored, inner_precise 0/1; GQA num_heads % "
+             "num_key_value_heads == 0, ratio <= 64; mask True = masked, sparse_mode 2/3/4 with the "
+             "compressed 2048x2048 mask; products Atlas A2/A3; GE converter "
+             "custom/fused_infer_attention_score.py (.default only); no autograd",
+         ))  # no autograd in torch_npu: inference only
 def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
                                     actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None,
                                     dequant_scale2=None, quant_scale2=None, quant_offset2=None, antiquant_scale=None,

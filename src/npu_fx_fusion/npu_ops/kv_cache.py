@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import stand_in
+from .spec import FLOAT_DTYPES, OPCHECK_TESTS, OpCapability, Sample, SocLimits, op_spec, randn
 
 
 # ---- scatter_update / scatter_update_ ---------------------------------------------------
@@ -70,21 +70,77 @@ def _scatter_update_into(op: str, data: torch.Tensor, indices: torch.Tensor, upd
 
 
 def _scatter_update_fake(self, indices, updates, axis):
-    return torch.empty_like(self)  # the Meta function's
+    return torch.empty_like(self)  # the Meta function's (the kernel's clone keeps self's layout too)
 
 
-@stand_in("npu::scatter_update", fake=_scatter_update_fake)  # no autograd in torch_npu
+def _values(*shape, dtype, seed):
+    return (randn(*shape, dtype=torch.float64, seed=seed) * 8).to(dtype)  # integer caches (int8) too
+
+
+def _scatter_update_samples(dtype):
+    # a (B, N, max_len, D) cache written at one offset per batch row, along the sequence (axis -2)
+    # and along the last dim
+    data = _values(3, 2, 9, 6, dtype=dtype, seed=1)
+    yield Sample((data, torch.tensor([0, 4, 7]), _values(3, 2, 2, 6, dtype=dtype, seed=2), -2))
+    yield Sample((data, torch.tensor([0, 1, 3], dtype=torch.int32), _values(3, 2, 9, 3, dtype=dtype, seed=3), -1))
+
+
+@op_spec("npu::scatter_update",
+         schema="scatter_update(Tensor self, Tensor indices, Tensor updates, int axis) -> Tensor",
+         fake=_scatter_update_fake, samples=_scatter_update_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.int8, torch.float16, torch.float32, torch.bfloat16, torch.int32}),
+             min_rank=2,
+             max_rank=8,
+             backward=None,
+             # custom/scatter_update.py: TensorMove(data) + Scatter(reduce="update", axis) (a full
+             # copy of the cache), and scatter_update_ -> Scatter in place, which torchair's
+             # recover_view_inplace_pattern substitutes for view -> scatter_update -> view -> copy_
+             ge_converter=True,
+             # the docstring's products: Atlas training, A2, A3 (no Atlas inference, no 950)
+             socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+             limits={
+                 "axes": (-2, -1),  # the offsets index dim 0; the write runs along one of the last two dims
+                 "indices_dtypes": (torch.int32, torch.int64),
+                 "indices_ranks": (1,),  # 1-D: one offset per row of dim 0 (2-D is undocumented)
+                 "bounds_checked": False,  # "索引越界不校验"
+                 # torchair recover_view_inplace_pattern (patterns/_recover_view_inplace_pattern.py):
+                 # placeholder -> aten.view -> scatter_update -> aten.view -> copy_(placeholder),
+                 # the placeholder with exactly those two users, CANN >= 8.3.RC1
+                 "reinplace_min_cann": "8.3.RC1",
+             },
+             doc="attention_inference.md 4.2-4.3 / torch_npu 2.13.0 docstring (_op_plugin_docs.py "
+             "scatter_update): data and updates of one rank, 2-8 dims, int8/fp16/fp32/bf16/int32 (A2/A3), "
+             "indices int32/int64 1-D or 2-D, no bounds check; products Atlas training, A2, A3; GE "
+             "converters custom/scatter_update.py (functional: TensorMove + Scatter; in place: Scatter); "
+             "Meta empty_like(self); no autograd",
+         ))  # no autograd in torch_npu
 def scatter_update(self, indices, updates, axis):
     out = self.clone()
     _scatter_update_into("scatter_update", out, indices, updates, axis)
     return out
 
 
+# torch's functionalization refuses a custom op whose output aliases an input (torch_npu's schema
+# `-> Tensor(a!)`), so aot_autograd cannot trace it; only torchair's own re-inplacing pass emits
+# it, after functionalization, so no aot graph holds it on an NPU either
+_ALIASED_OUTPUT = "functionalization refuses a custom op returning its mutated input (Tensor(a!) -> Tensor(a!))"
+
+
 def _scatter_update__fake(self, indices, updates, axis):
     return self
 
 
-@stand_in("npu::scatter_update_", fake=_scatter_update__fake)
+def _scatter_update__samples(dtype):
+    for sample in _scatter_update_samples(dtype):
+        yield Sample(sample.args, layout_args=(0, 2))
+
+
+@op_spec("npu::scatter_update_",
+         schema="scatter_update_(Tensor(a!) self, Tensor indices, Tensor updates, int axis) -> Tensor(a!)",
+         fake=_scatter_update__fake, samples=_scatter_update__samples, sample_dtypes=FLOAT_DTYPES,
+         layouts=("contiguous", "transposed", "sliced", "channels_last"),  # no write into an expanded tensor
+         opcheck_skips=dict.fromkeys(("test_aot_dispatch_static", "test_aot_dispatch_dynamic"), _ALIASED_OUTPUT))
 def scatter_update_(self, indices, updates, axis):
     # Only torchair's recover_view_inplace_pattern emits it (from scatter_update between
     # two views and a copy_ into a graph input); the passes never do.
@@ -125,6 +181,26 @@ def _latent_sizes(kv, gamma, cos, sin, index, k_cache, ckv_cache, cache_mode):
     return batch, seq, dim_v, dim_k
 
 
+def latent_cache_inputs(dtype, *, seq=3, batch=2, dim_v=6, dim_k=4, cache_len=7):
+    """(kv, gamma, cos, sin, index, k_cache, ckv_cache) of a Norm-mode call: HF's duplicated rope
+    tables, index writing batch b's tokens from position 1 + 2b on."""
+    kv = randn(batch, 1, seq, dim_v + dim_k, seed=11, dtype=dtype)
+    gamma = randn(dim_v, seed=12, dtype=dtype)
+    angles = randn(batch, 1, seq, dim_k // 2, seed=13, dtype=torch.float64)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype)
+    index = (torch.arange(seq) + torch.tensor([[1], [3]])[:batch]).to(torch.int64)
+    k_cache = randn(batch, 1, cache_len, dim_k, seed=14, dtype=dtype)
+    ckv_cache = randn(batch, 1, cache_len, dim_v, seed=15, dtype=dtype)
+    return kv, gamma, cos, sin, index, k_cache, ckv_cache
+
+
+def _latent_samples(dtype):
+    yield Sample(latent_cache_inputs(dtype))
+    kv, gamma, cos, sin, index, k_cache, ckv_cache = latent_cache_inputs(dtype)
+    yield Sample((kv, gamma, cos, sin, torch.full_like(index, -1), k_cache, ckv_cache), {"epsilon": 1e-6})  # no write
+
+
 def _latent_fake(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
                  k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
                  is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None):
@@ -134,7 +210,40 @@ def _latent_fake(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale
             torch.empty_like(k_cache), torch.empty_like(ckv_cache))
 
 
-@stand_in(f"npu::{_LATENT}", fake=_latent_fake)  # no autograd in torch_npu
+@op_spec("npu::npu_kv_rmsnorm_rope_cache_v2_functional",
+         schema="npu_kv_rmsnorm_rope_cache_v2_functional(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index,"
+                " Tensor k_cache, Tensor ckv_cache, *, Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? "
+                "k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, float epsilon=1e-5, str "
+                "cache_mode='Norm', bool is_output_kv=False, int? k_cache_dtype=None, int? ckv_cache_dtype=None) -> "
+                "(Tensor, Tensor, Tensor, Tensor)",
+         fake=_latent_fake, samples=_latent_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),  # kv, gamma, cos, sin; caches also int8
+             min_rank=4,
+             max_rank=4,
+             backward=None,
+             # custom/npu_kv_rmsnorm_rope_cache.py:43: TensorMove of both caches +
+             # KvRmsNormRopeCache; ACL modes re-inplace it (graph_pass.py:165-169, args 5, 6)
+             ge_converter=True,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "cache_modes": ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ"),
+                 "heads": 1,  # kv (B, 1, S, D): N = 1 only
+                 # torch_npu's doc (hiascend ptaoplist_002368): hidden 576 = RMSNorm 512 + RoPE 64
+                 # only, on the A2 / A3 kernel; the open-source CANN kernel (ops-transformer README,
+                 # products Ascend 950) takes any Dv + Dk with Dk even
+                 "rms_dim": 512,
+                 "rope_dim": 64,
+                 "fixed_dims_socs": ("Ascend910B", "Ascend910_93"),
+                 "norm_index": "(B, S) int64 cache positions, -1 = no write",
+             },
+             doc="attention_inference.md 5.1 / CANN README ops-transformer posembedding/kv_rms_norm_rope_cache "
+             "(formulas: interleaveRope = de-interleave + rotate halves, rmsNorm = x / sqrt(mean(x^2) + eps) * "
+             "gamma; Norm index (B, S) in [-1, Scache); N = 1) / torch_npu doc ptaoplist_002368 (kv (B, 1, S, "
+             "576) bf16/fp16, gamma 512, rope 64, Norm caches (B, 1, cache_len, 64 | 512)) / torch_npu's golden "
+             "test_npu_kv_rmsnorm_rope_cache.py (fp32 compute, one rounding) / Meta: (k_embed, y, k_cache', "
+             "ckv_cache'); GE converter custom/npu_kv_rmsnorm_rope_cache.py; no autograd",
+         ))  # no autograd in torch_npu
 def npu_kv_rmsnorm_rope_cache_v2_functional(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None,
                                             c_kv_scale=None, k_rope_offset=None, c_kv_offset=None, v=None,
                                             epsilon=1e-5, cache_mode="Norm", is_output_kv=False,
@@ -166,6 +275,8 @@ def npu_kv_rmsnorm_rope_cache_v2_functional(kv, gamma, cos, sin, index, k_cache,
 
 
 # ---- npu_kv_rmsnorm_rope_cache (v1): defined, never computed --------------------------------
+_V1_REFUSED = ("its kernel refuses to compute (the schema hides v1's in-place cache write, so no pass emits it; "
+               "the op exists for torchair's converter module), so no check can run it")
 def _latent_v1_fake(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None, c_kv_scale=None,
                     k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
                     is_output_kv=False):
@@ -174,7 +285,13 @@ def _latent_v1_fake(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_sc
             kv.new_empty((*lead, gamma.shape[0])))
 
 
-@stand_in("npu::npu_kv_rmsnorm_rope_cache", fake=_latent_v1_fake)
+@op_spec("npu::npu_kv_rmsnorm_rope_cache",
+         schema="npu_kv_rmsnorm_rope_cache(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor "
+                "k_cache, Tensor ckv_cache, *, Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? "
+                "k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, float epsilon=1e-5, str "
+                "cache_mode='Norm', bool is_output_kv=False) -> (Tensor, Tensor, Tensor, Tensor)",
+         fake=_latent_v1_fake, samples=_latent_samples, sample_dtypes=(torch.bfloat16,),
+         opcheck_skips=dict.fromkeys(OPCHECK_TESTS, _V1_REFUSED))
 def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *, k_rope_scale=None,
                               c_kv_scale=None, k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5,
                               cache_mode="Norm", is_output_kv=False):

@@ -38,7 +38,11 @@ from __future__ import annotations
 
 import torch
 
-from ._library import stand_in
+from .spec import HALF_DTYPES, OpCapability, Sample, in_layout_of, only_on_socs, op_spec, randn
+
+# the CANN ops-transformer extension's products (its docs): Atlas A2, A3 and Ascend 950
+_A2_A3_950 = only_on_socs("Ascend910B", "Ascend910_93", "Ascend950")
+
 
 _NORM_ALIGN = 8  # torch_npu's Meta pads n to 8 in the flat Sinkhorn intermediates
 
@@ -159,6 +163,91 @@ def _sinkhorn_eps(sums: torch.Tensor) -> float:
     return float(sums[0].flatten()[0])
 
 
+# ---- opcheck samples (and the inputs tests/test_npu_ops_mhc.py builds its cases from) ----------
+def mhc_inputs(b=2, s=3, n=4, d=8, *, dtype=torch.float64, seed=0):
+    """x (B, S, n, D) in `dtype` and the fp32 (float64 for a float64 x) mapping weights
+    phi (n^2 + 2n, nD), alpha (3,), bias (n^2 + 2n,)."""
+    weights = torch.float64 if dtype == torch.float64 else torch.float32
+    x = randn(b, s, n, d, dtype=dtype, seed=seed)
+    phi = randn(n * n + 2 * n, n * d, dtype=weights, seed=seed + 1) * 0.3
+    alpha = torch.rand(3, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64).to(weights) + 0.5
+    bias = randn(n * n + 2 * n, dtype=weights, seed=seed + 3) * 0.5
+    return x, phi, alpha, bias
+
+
+def _pre_samples(dtype):
+    x, phi, alpha, bias = mhc_inputs(dtype=dtype)
+    yield Sample((x, phi, alpha, bias), {"norm_eps": 1e-3, "hc_eps": 1e-2, "out_flag": 1}, grad_args=(0, 1, 2, 3))
+    gamma = randn(4, 8, dtype=phi.dtype, seed=4)
+    yield Sample((x, phi, alpha, bias), {"gamma": gamma, "out_flag": 1}, grad_args=(0, 1, 2, 3))
+    yield Sample((x, phi[:8], alpha[:2], bias[:8]))  # two mappings (no residual matrix), no out_flag
+
+
+def _pre_backward_samples(dtype):
+    for sample in _pre_samples(dtype):
+        if not sample.kwargs.get("out_flag"):
+            continue
+        x, phi, alpha, bias = sample.args
+        h_in, h_post, h_res, inv_rms, h_mix, h_pre = npu_mhc_pre(*sample.args, **sample.kwargs)
+        grads = (randn(*h_in.shape, dtype=dtype, seed=5), randn(*h_post.shape, seed=6), randn(*h_res.shape, seed=7))
+        yield Sample((x, phi, alpha, *grads, inv_rms, h_mix, h_pre, h_post, sample.kwargs.get("gamma")))
+
+
+def _sinkhorn_samples(dtype):
+    logits = randn(2, 3, 4, 4, dtype=dtype, seed=8)
+    yield Sample((logits,), {"eps": 1e-2, "num_iters": 4, "out_flag": 1}, grad_args=(0,))
+    yield Sample((logits.flatten(0, 1),), {"num_iters": 3})  # [T, n, n], inference
+
+
+def _sinkhorn_backward_samples(dtype):
+    y, norm, total = npu_mhc_sinkhorn(randn(2, 3, 4, 4, dtype=dtype, seed=8), eps=1e-2, num_iters=4, out_flag=1)
+    yield Sample((randn(*y.shape, dtype=dtype, seed=9), norm, total))
+
+
+def _post_inputs(dtype):
+    """(x, h_res, h_out, h_post): streams and h_out in `dtype`, the mixes in fp32."""
+    weights = torch.float64 if dtype == torch.float64 else torch.float32
+    generator = torch.Generator().manual_seed(10)
+    return (randn(2, 3, 4, 8, dtype=dtype, seed=11), torch.rand(2, 3, 4, 4, generator=generator).to(weights),
+            randn(2, 3, 8, dtype=dtype, seed=12), torch.rand(2, 3, 4, generator=generator).to(weights))
+
+
+def _post_samples(dtype):
+    # the extension's raw op has no dispatcher autograd (its Python MhcPostFunction differentiates it)
+    yield Sample(_post_inputs(dtype))
+
+
+def _npu_post_samples(dtype):
+    x, h_res, h_out, h_post = _post_inputs(dtype)
+    yield Sample((x, h_res, h_out, h_post), grad_args=(0, 1, 2, 3))
+    yield Sample((x, None, h_out, h_post), grad_args=(0, 2, 3))  # no residual mix (Ascend950)
+
+
+def _post_backward_samples(dtype):
+    x, h_res, h_out, h_post = _post_inputs(dtype)
+    yield Sample((randn(*x.shape, dtype=dtype, seed=13), x, h_res, h_out, h_post))
+
+
+def _npu_post_backward_samples(dtype):
+    yield from _post_backward_samples(dtype)
+    x, _, h_out, h_post = _post_inputs(dtype)
+    yield Sample((randn(*x.shape, dtype=dtype, seed=13), x, None, h_out, h_post))
+
+
+def _pre_sinkhorn_samples(dtype):
+    x, phi, alpha, bias = mhc_inputs(dtype=dtype)
+    yield Sample((x, phi, alpha, bias, 4, 4, 1e-2, 1e-3, True))
+    yield Sample((x, phi, alpha, bias, 4, 20, 1e-6, 1e-6, False))
+
+
+def _pre_sinkhorn_backward_samples(dtype):
+    x, phi, alpha, bias = mhc_inputs(dtype=dtype)
+    h_in, h_post, h_res, h_pre, h_mix, inv_rms, sums, norms = mhc_pre_sinkhorn(x, phi, alpha, bias, 4, 4, 1e-2,
+                                                                              1e-3, True)
+    grads = (randn(*h_in.shape, dtype=dtype, seed=5), randn(*h_post.shape, seed=6), randn(*h_res.shape, seed=7))
+    yield Sample((*grads, x, phi, alpha, bias, h_pre, h_mix, inv_rms, sums, norms, 1e-2))
+
+
 # =====================================================================================
 # npu_mhc_pre (+ backward)
 # =====================================================================================
@@ -204,8 +293,30 @@ def _mhc_pre_backward(ctx, grad_h_in, grad_h_post, grad_h_res, *_):
     return dx, dphi, dalpha, dbias, (dgamma if gamma is not None else None)
 
 
-@stand_in("npu::npu_mhc_pre", fake=_mhc_pre_fake, backward=_mhc_pre_backward,
-          setup_context=_mhc_pre_setup_context, differentiable_kwargs=("gamma",))
+@op_spec("npu::npu_mhc_pre",
+         schema="npu_mhc_pre(Tensor x, Tensor phi, Tensor alpha, Tensor bias, *, Tensor? gamma=None, float "
+                "norm_eps=1e-6, float hc_eps=1e-6, int out_flag=0, int inner_precise=0) -> (Tensor, Tensor, Tensor, "
+                "Tensor, Tensor, Tensor)",
+         fake=_mhc_pre_fake, samples=_pre_samples, backward=_mhc_pre_backward,
+         setup_context=_mhc_pre_setup_context, differentiable_kwargs=("gamma",),
+         capability=OpCapability(
+             dtypes=HALF_DTYPES,  # x; phi / alpha / bias / gamma fp32
+             min_rank=3,  # [T, n, D]
+             max_rank=4,  # [B, S, n, D]
+             backward="npu.npu_mhc_pre_backward",
+             ge_converter=False,  # torchair 2.13: none (its docs show reduce-overhead only)
+             socs=only_on_socs("Ascend950"),
+             limits={
+                 "streams": (4, 6, 8),  # n
+                 "max_dim": 16384, "dim_multiple": 16,  # D in 1..16384, 16-aligned
+                 "backward_needs_out_flag": True,  # the backward reads inv_rms / h_mix / h_pre
+                 "phi_dtype": torch.float32,
+             },
+             doc="deepseek_v4.md 3.2 / torch_npu docstring npu_mhc_pre (_op_plugin_docs.py): Ascend 950 only; x "
+             "bf16/fp16 [B, S, n, D] or [T, n, D], phi fp32 [n^2 + 2n, nD], alpha [3] (or [2]: two mappings), "
+             "bias [n^2 + 2n], gamma fp32 [n, D]; n 4 / 6 / 8, D <= 16384 and 16-aligned; h_res returned BEFORE "
+             "Sinkhorn; autograd NpuMhcPreBackward0 (needs out_flag=1); no GE converter in torchair 2.13",
+         ))
 def npu_mhc_pre(x, phi, alpha, bias, *, gamma=None, norm_eps=1e-6, hc_eps=1e-6, out_flag=0, inner_precise=0):
     # the module docstring's formulas; h_res is z_res, BEFORE softmax and Sinkhorn (npu_mhc_sinkhorn).
     # Without out_flag the optional outputs are not written on the NPU: zeros here.
@@ -225,12 +336,24 @@ def npu_mhc_pre(x, phi, alpha, bias, *, gamma=None, norm_eps=1e-6, hc_eps=1e-6, 
 def _mhc_pre_backward_fake(x, phi, alpha, grad_h_in, grad_h_post, grad_h_res, inv_rms, h_mix, h_pre, h_post,
                            gamma=None, hc_eps=1e-6, grad_x_post=None, inner_precise=0):
     _streams("npu_mhc_pre_backward", x)
-    grad_gamma = torch.empty_like(gamma) if gamma is not None else x.new_empty((0,), dtype=torch.float32)
-    return (torch.empty_like(x), torch.empty_like(phi), torch.empty_like(alpha),
+    # contiguous, as op-plugin allocates them (op_plugin/ops/opapi/MhcPreBackwardNpuOpapi.cpp: at::empty)
+    grad_gamma = gamma.new_empty(gamma.shape) if gamma is not None else x.new_empty((0,), dtype=torch.float32)
+    return (x.new_empty(x.shape), phi.new_empty(phi.shape), alpha.new_empty(alpha.shape),
             phi.new_empty((phi.shape[0],)), grad_gamma)
 
 
-@stand_in("npu::npu_mhc_pre_backward", fake=_mhc_pre_backward_fake)
+@op_spec("npu::npu_mhc_pre_backward",
+         schema="npu_mhc_pre_backward(Tensor x, Tensor phi, Tensor alpha, Tensor grad_h_in, Tensor grad_h_post, Tensor "
+                "grad_h_res, Tensor inv_rms, Tensor h_mix, Tensor h_pre, Tensor h_post, Tensor? gamma=None, float "
+                "hc_eps=1e-6, Tensor? grad_x_post=None, int inner_precise=0) -> (Tensor, Tensor, Tensor, Tensor, "
+                "Tensor)",
+         fake=_mhc_pre_backward_fake, samples=_pre_backward_samples,
+         capability=OpCapability(
+             dtypes=HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
+             ge_converter=False, socs=only_on_socs("Ascend950"),
+             doc="npu_mhc_pre's backward (NpuMhcPreBackward0): grads of x, phi, alpha, bias, gamma from those of "
+             "h_in, h_post and the pre-Sinkhorn h_res; Ascend 950; no GE converter",
+         ))
 def npu_mhc_pre_backward(x, phi, alpha, grad_h_in, grad_h_post, grad_h_res, inv_rms, h_mix, h_pre, h_post,
                          gamma=None, hc_eps=1e-6, grad_x_post=None, inner_precise=0):
     # The chain rule through the module docstring's forward, from the saved inv_rms, h_mix,
@@ -250,8 +373,8 @@ def npu_mhc_pre_backward(x, phi, alpha, grad_h_in, grad_h_post, grad_h_res, inv_
         grad_h_res if alpha.numel() == 3 else None)
     if grad_x_post is not None:
         dx = dx + grad_x_post.reshape(t, n, d).to(acc)
-    grad_gamma = dgamma.to(gamma.dtype) if gamma is not None else x.new_empty((0,), dtype=torch.float32)
-    return (dx.to(x.dtype).view(x.shape), dphi.to(phi.dtype), dalpha.to(alpha.dtype).view(alpha.shape),
+    grad_gamma = dgamma.to(gamma.dtype).contiguous() if gamma is not None else x.new_empty((0,), dtype=torch.float32)
+    return (dx.to(x.dtype).view(x.shape), dphi.to(phi.dtype).contiguous(), dalpha.to(alpha.dtype).view(alpha.shape),
             dbias.to(phi.dtype), grad_gamma)
 
 
@@ -271,9 +394,10 @@ def _check_sinkhorn(op, x, num_iters, out_flag) -> int:
 def _sinkhorn_fake(x, *, eps=1e-6, num_iters=20, out_flag=0):
     n = _check_sinkhorn("npu_mhc_sinkhorn", x, num_iters, out_flag)
     tokens = x.numel() // (n * n)
+    # y contiguous: the wheel's Meta torch.empty(x.shape)
     if not out_flag:  # the Meta returns None for both; an empty tensor keeps the schema's Tensor
-        return torch.empty_like(x), x.new_empty((0,)), x.new_empty((0,))
-    return (torch.empty_like(x), x.new_empty((2 * num_iters * tokens * n * _NORM_ALIGN,)),
+        return x.new_empty(x.shape), x.new_empty((0,)), x.new_empty((0,))
+    return (x.new_empty(x.shape), x.new_empty((2 * num_iters * tokens * n * _NORM_ALIGN,)),
             x.new_empty((2 * num_iters * tokens * _NORM_ALIGN,)))
 
 
@@ -292,8 +416,24 @@ def _sinkhorn_autograd_backward(ctx, grad_y, *_):
     return torch.ops.npu.npu_mhc_sinkhorn_backward(grad_y, norm, total)
 
 
-@stand_in("npu::npu_mhc_sinkhorn", fake=_sinkhorn_fake, backward=_sinkhorn_autograd_backward,
-          setup_context=_sinkhorn_setup_context)
+@op_spec("npu::npu_mhc_sinkhorn",
+         schema="npu_mhc_sinkhorn(Tensor x, *, float eps=1e-6, SymInt num_iters=20, int out_flag=0) -> (Tensor, Tensor,"
+                " Tensor)",
+         fake=_sinkhorn_fake, samples=_sinkhorn_samples, backward=_sinkhorn_autograd_backward,
+         setup_context=_sinkhorn_setup_context,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float32}),
+             min_rank=3,
+             max_rank=4,
+             backward="npu.npu_mhc_sinkhorn_backward",
+             ge_converter=False,
+             socs=only_on_socs("Ascend950"),
+             limits={"streams": (4, 6, 8), "iterations": (1, 100), "backward_needs_out_flag": True},
+             doc="deepseek_v4.md 3.2 / torch_npu docstring npu_mhc_sinkhorn: fp32 [B, S, n, n] or [T, n, n], n 4 / 6 / "
+             "8, num_iters 1..100; softmax + eps, a column normalisation, then num_iters - 1 row / column "
+             "normalisations (each + eps): transformers' loop exactly; 'Atlas A5' (950) only; autograd "
+             "NpuMhcSinkhornBackward0 (needs out_flag=1); no GE converter",
+         ))
 def npu_mhc_sinkhorn(x, *, eps=1e-6, num_iters=20, out_flag=0):
     # softmax(x, -1) + eps, a column normalisation, then num_iters - 1 row and column
     # normalisations, each denominator + eps (the module docstring); fp32 in and out.
@@ -310,10 +450,19 @@ def npu_mhc_sinkhorn(x, *, eps=1e-6, num_iters=20, out_flag=0):
 
 
 def _sinkhorn_backward_fake(grad_y, norm, sum):  # noqa: A002 - the schema's name
-    return torch.empty_like(grad_y)
+    # contiguous: op-plugin's generated kernel (op_plugin_functions.yaml gen_opapi out: size grad_y,
+    # dtype grad_y) allocates it with apply_tensor_without_format
+    return grad_y.new_empty(grad_y.shape)
 
 
-@stand_in("npu::npu_mhc_sinkhorn_backward", fake=_sinkhorn_backward_fake)
+@op_spec("npu::npu_mhc_sinkhorn_backward",
+         schema="npu_mhc_sinkhorn_backward(Tensor grad_y, Tensor norm, Tensor sum) -> Tensor",
+         fake=_sinkhorn_backward_fake, samples=_sinkhorn_backward_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float32}), min_rank=3, max_rank=4,
+             backward=None, ge_converter=False, socs=only_on_socs("Ascend950"),
+             doc="npu_mhc_sinkhorn's backward, from its norm_out / sum_out; Ascend 950; no GE converter",
+         ))
 def npu_mhc_sinkhorn_backward(grad_y, norm, sum):  # noqa: A002
     # The reverse of the forward's steps from its norm_out / sum_out (layout: module docstring).
     op = "npu_mhc_sinkhorn_backward"
@@ -367,7 +516,7 @@ def _post_grads(grad_y, x, h_res, h_out, h_post):
 
 def _post_fake(x, h_res, h_out, h_post):
     _check_post("npu_mhc_post", x, h_res, h_out, h_post)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # the wheel's Meta: torch.empty(x.shape), contiguous
 
 
 def _post_setup_context(ctx, inputs, output):
@@ -381,27 +530,52 @@ def _post_autograd_backward(ctx, grad):
     return grad_x, (grad_h_res if h_res is not None else None), grad_h_out, grad_h_post
 
 
-@stand_in("npu::npu_mhc_post", fake=_post_fake, backward=_post_autograd_backward, setup_context=_post_setup_context)
+@op_spec("npu::npu_mhc_post",
+         schema="npu_mhc_post(Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) -> Tensor",
+         fake=_post_fake, samples=_npu_post_samples, backward=_post_autograd_backward,
+         setup_context=_post_setup_context,
+         capability=OpCapability(
+             dtypes=HALF_DTYPES,  # x and h_out; h_res / h_post fp32
+             min_rank=3,
+             max_rank=4,
+             backward="npu.npu_mhc_post_backward",
+             ge_converter=False,
+             socs=only_on_socs("Ascend950"),
+             limits={"streams": (4, 6, 8), "h_res_none_socs": ("Ascend950",)},
+             doc="deepseek_v4.md 4.2 / torch_npu docstring npu_mhc_post: y = h_res^T x + h_out (x) h_post; x, h_out "
+             "bf16/fp16 (one dtype), h_res, h_post fp32; n 4 / 6 / 8; 950 only; autograd NpuMhcPostBackward0; no GE "
+             "converter",
+         ))
 def npu_mhc_post(x, h_res, h_out, h_post):
     # h_res None: the plain residual x + h_out (x) h_post (Ascend 950 only, capabilities.py)
     _check_post("npu_mhc_post", x, h_res, h_out, h_post)
-    return _post(x, h_res, h_out, h_post)
+    return _post(x, h_res, h_out, h_post).contiguous()
 
 
 def _post_backward_fake(grad_y, x, h_res, h_out, h_post):
     lead, n, _ = _check_post("npu_mhc_post_backward", x, h_res, h_out, h_post)
-    # grad_h_res is [.., n, n] fp32 even without h_res (deepseek_v4.md 4.2)
-    return (torch.empty_like(x), x.new_empty((*lead, n, n), dtype=torch.float32), torch.empty_like(h_out),
-            torch.empty_like(h_post))
+    # grad_h_res is [.., n, n] fp32 even without h_res (deepseek_v4.md 4.2); all contiguous, as op-plugin
+    # allocates them (op_plugin/ops/opapi/MhcPostBackwardNpuOpApi.cpp: apply_tensor_without_format)
+    return (x.new_empty(x.shape), x.new_empty((*lead, n, n), dtype=torch.float32), h_out.new_empty(h_out.shape),
+            h_post.new_empty(h_post.shape))
 
 
-@stand_in("npu::npu_mhc_post_backward", fake=_post_backward_fake)
+@op_spec("npu::npu_mhc_post_backward",
+         schema="npu_mhc_post_backward(Tensor grad_y, Tensor x, Tensor? h_res, Tensor h_out, Tensor h_post) -> (Tensor,"
+                " Tensor, Tensor, Tensor)",
+         fake=_post_backward_fake, samples=_npu_post_backward_samples,
+         capability=OpCapability(
+             dtypes=HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
+             ge_converter=False, socs=only_on_socs("Ascend950"),
+             doc="npu_mhc_post's backward (NpuMhcPostBackward0); Ascend 950; no GE converter",
+         ))
 def npu_mhc_post_backward(grad_y, x, h_res, h_out, h_post):
     # y[k] = h_post[k] h_out + sum_j h_res[j, k] x[j]:
     #   grad_x[j] = sum_k h_res[j, k] g[k] (g without h_res)    grad_h_res[j, k] = x[j] . g[k]
     #   grad_h_out = sum_k h_post[k] g[k]                       grad_h_post[k] = g[k] . h_out
     _check_post("npu_mhc_post_backward", x, h_res, h_out, h_post)
-    return _post_grads(grad_y, x, h_res, h_out, h_post)
+    # contiguous tensors of their own (without h_res grad_x is grad_y itself)
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in _post_grads(grad_y, x, h_res, h_out, h_post))
 
 
 # =====================================================================================
@@ -430,8 +604,34 @@ def _pre_sinkhorn_fake(x, phi, alpha, bias, hcMult, numIters, hcEps, normEps, ou
     return (x.new_empty((b, s, c)), x.new_empty((b, s, n), dtype=f), x.new_empty((b, s, n * n), dtype=f), *extras)
 
 
-@stand_in("cann_ops_transformer::mhc_pre_sinkhorn", fake=_pre_sinkhorn_fake,
-          python_autograd="cann_ops_transformer.ops.mhc_pre_sinkhorn.MhcPreSinkhornFunction")
+@op_spec("cann_ops_transformer::mhc_pre_sinkhorn",
+         schema="mhc_pre_sinkhorn(Tensor x, Tensor phi, Tensor alpha, Tensor bias, int hcMult, int numIters, float "
+                "hcEps, float normEps, bool outFlag) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                "Tensor)",
+         fake=_pre_sinkhorn_fake, samples=_pre_sinkhorn_samples,
+         python_autograd="cann_ops_transformer.ops.mhc_pre_sinkhorn.MhcPreSinkhornFunction",
+         capability=OpCapability(
+             dtypes=frozenset({torch.bfloat16}),  # x; phi / alpha / bias fp32
+             min_rank=4,
+             max_rank=4,  # (B, S, N, C) only: the Meta reads four sizes
+             backward=None,  # no dispatcher autograd: the extension's MhcPreSinkhornFunction ...
+             autograd_rule="npu_fx_fusion.patterns.mhc_pre.MhcPreSinkhorn",  # ... mirrored by ours
+             ge_converter=True,
+             socs=_A2_A3_950,
+             limits={
+                 "package": "cann_ops_transformer",
+                 "ge_converter_source": "ops/graph_convert/graph_convert_mhc_pre_sinkhorn.py (GE MhcPreSinkhorn)",
+                 "backward_op": "cann_ops_transformer.mhc_pre_sinkhorn_backward",
+                 "streams": (4,),  # N = 4 only
+                 "iterations": (20,),  # numIters = 20 only
+                 "a2_a3_dim_multiple": 128, "a2_a3_max_dim": 100000,  # C on A2/A3
+                 "dims_950": (4096, 7168),  # C on 950
+             },
+             doc="deepseek_v4.md 3.3 / COT docs/zh/mhc_pre_sinkhorn.md: 950, A2, A3; x bf16 (B, S, N, C), N = 4 and "
+             "numIters = 20 only, C 128-aligned in [1, 100000] on A2/A3 and 4096 / 7168 on 950; positional "
+             "(hcMult, numIters, hcEps, normEps, outFlag); training through MhcPreSinkhornFunction "
+             "(mhc_pre_sinkhorn_backward); COT GE converter MhcPreSinkhorn",
+         ))
 def mhc_pre_sinkhorn(x, phi, alpha, bias, hcMult, numIters, hcEps, normEps, outFlag):  # noqa: N803
     # The module docstring: the pre mapping, then the Sinkhorn of z_res. -> (hin [B,S,C],
     # hPost [B,S,n], hRes [B,S,n*n] (flattened, doubly stochastic), and with outFlag hPre,
@@ -456,7 +656,19 @@ def _pre_sinkhorn_backward_fake(gradHin, gradHPost, gradHRes, x, phi, alpha, bia
     return torch.empty_like(x), torch.empty_like(phi), torch.empty_like(alpha), torch.empty_like(bias)
 
 
-@stand_in("cann_ops_transformer::mhc_pre_sinkhorn_backward", fake=_pre_sinkhorn_backward_fake)
+@op_spec("cann_ops_transformer::mhc_pre_sinkhorn_backward",
+         schema="mhc_pre_sinkhorn_backward(Tensor gradHin, Tensor gradHPost, Tensor gradHRes, Tensor x, Tensor phi, "
+                "Tensor alpha, Tensor bias, Tensor hPre, Tensor hcBeforeNorm, Tensor invRms, Tensor sumOut, Tensor "
+                "normOut, float hcEps) -> (Tensor, Tensor, Tensor, Tensor)",
+         fake=_pre_sinkhorn_backward_fake, samples=_pre_sinkhorn_backward_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.bfloat16}), min_rank=4,
+             max_rank=4, backward=None, ge_converter=True, socs=_A2_A3_950,
+             limits={"package": "cann_ops_transformer",
+                     "ge_converter_source": "ops/graph_convert/graph_convert_mhc_pre_sinkhorn_backward.py "
+                                            "(GE MhcPreSinkhornBackward)"},
+             doc="mhc_pre_sinkhorn's backward (COT ops/mhc_pre_sinkhorn_backward.py): dx, dphi, dalpha, dbias",
+         ))
 def mhc_pre_sinkhorn_backward(gradHin, gradHPost, gradHRes, x, phi, alpha, bias, hPre, hcBeforeNorm,  # noqa: N803
                               invRms, sumOut, normOut, hcEps):
     # The Sinkhorn's reverse from sumOut / normOut (gradHRes is that of the flattened, normalised
@@ -477,8 +689,10 @@ def mhc_pre_sinkhorn_backward(gradHin, gradHPost, gradHRes, x, phi, alpha, bias,
     grad_z_res = _sinkhorn_backward(gradHRes.reshape(t, n, n).to(acc), norms, sums, hcEps)
     dx, dphi, dalpha, dbias, _ = _pre_backward(xs, xf, r, h_mix, hPre.reshape(t, n).to(acc), h_post, alpha, phi, None,
                                                hcEps, gradHin, gradHPost, grad_z_res)
-    return (dx.to(x.dtype).view(x.shape), dphi.to(phi.dtype), dalpha.to(alpha.dtype).view(alpha.shape),
-            dbias.to(bias.dtype))
+    # in its inputs' layouts: the extension's Meta (ops/mhc_pre_sinkhorn_backward.py) is empty_like of each
+    return tuple(in_layout_of(grad, like) for grad, like in (
+        (dx.to(x.dtype).view(x.shape), x), (dphi.to(phi.dtype), phi), (dalpha.to(alpha.dtype).view(alpha.shape), alpha),
+        (dbias.to(bias.dtype), bias)))
 
 
 # =====================================================================================
@@ -489,12 +703,34 @@ def _cann_post_fake(x, hRes, hOut, hPost):  # noqa: N803
     return torch.empty_like(x)
 
 
-@stand_in("cann_ops_transformer::mhc_post", fake=_cann_post_fake,
-          python_autograd="cann_ops_transformer.ops.mhc_post.MhcPostFunction")
+@op_spec("cann_ops_transformer::mhc_post",
+         schema="mhc_post(Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> Tensor",
+         fake=_cann_post_fake, samples=_post_samples,
+         python_autograd="cann_ops_transformer.ops.mhc_post.MhcPostFunction",
+         capability=OpCapability(
+             dtypes=HALF_DTYPES,
+             min_rank=3,
+             max_rank=4,
+             backward=None,  # the extension's MhcPostFunction (mhc_post_backward), mirrored by ours
+             autograd_rule="npu_fx_fusion.patterns.mhc_post.MhcPost",
+             ge_converter=False,  # the extension has no converter for it
+             # The 950 conflict (deepseek_v4.md 16.3): the extension doc (docs/zh/mhc_post.md) says 950
+             # "不支持"; the kernel's own README (mhc/mhc_post/README.md) lists 950 as supported, the
+             # kernel has arch35 (950) sources (op_kernel/arch35/mhc_post*.h, op_tiling/arch35/*) and
+             # torchtitan-npu calls it on A5. Decided from the kernel: supported on 950 (the
+             # extension doc read as stale); npu_mhc_post is preferred there anyway (patterns/mhc_post.py).
+             socs=_A2_A3_950,
+             limits={"package": "cann_ops_transformer", "backward_op": "cann_ops_transformer.mhc_post_backward",
+                     "streams": (4, 6, 8),
+                     "950_evidence": "kernel README and arch35 kernel sources: supported (extension doc: not)"},
+             doc="deepseek_v4.md 4.2 / COT docs/zh/mhc_post.md: x, h_out bf16/fp16, h_res (required) and h_post "
+             "fp32, (B, S, n, D) or (T, n, D); A2 / A3 (and 950, see the socs comment); training through "
+             "MhcPostFunction (mhc_post_backward); no GE converter",
+         ))
 def mhc_post(x, hRes, hOut, hPost):  # noqa: N803
     # npu_mhc_post's formula (COT doc mhc_post.md and golden mhc/mhc_post/tests/assert/golden.py); hRes required
     _check_post("mhc_post", x, hRes, hOut, hPost)
-    return _post(x, hRes, hOut, hPost)
+    return in_layout_of(_post(x, hRes, hOut, hPost), x)  # the extension's Meta: empty_like(x)
 
 
 def _cann_post_backward_fake(gradOutput, x, hRes, hOut, hPost):  # noqa: N803
@@ -502,7 +738,17 @@ def _cann_post_backward_fake(gradOutput, x, hRes, hOut, hPost):  # noqa: N803
     return torch.empty_like(x), torch.empty_like(hRes), torch.empty_like(hOut), torch.empty_like(hPost)
 
 
-@stand_in("cann_ops_transformer::mhc_post_backward", fake=_cann_post_backward_fake)
+@op_spec("cann_ops_transformer::mhc_post_backward",
+         schema="mhc_post_backward(Tensor gradOutput, Tensor x, Tensor hRes, Tensor hOut, Tensor hPost) -> (Tensor, "
+                "Tensor, Tensor, Tensor)",
+         fake=_cann_post_backward_fake, samples=_post_backward_samples,
+         capability=OpCapability(
+             dtypes=HALF_DTYPES, min_rank=3, max_rank=4, backward=None,
+             ge_converter=False, socs=_A2_A3_950, limits={"package": "cann_ops_transformer"},
+             doc="mhc_post's backward (COT ops/mhc_post_backward.py); no GE converter",
+         ))
 def mhc_post_backward(gradOutput, x, hRes, hOut, hPost):  # noqa: N803
     _check_post("mhc_post_backward", x, hRes, hOut, hPost)
-    return _post_grads(gradOutput, x, hRes, hOut, hPost)
+    # the extension's Meta (ops/mhc_post_backward.py): empty_like of x, hRes, hOut, hPost
+    return tuple(in_layout_of(grad, like) for grad, like in zip(_post_grads(gradOutput, x, hRes, hOut, hPost),
+                                                                 (x, hRes, hOut, hPost)))

@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._library import stand_in
+from .spec import FLOAT_DTYPES, OpCapability, Sample, SocLimits, documented_op, in_layout_of, op_spec, randn
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -54,6 +54,120 @@ def _topk_desc(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _flat_topk(indices: torch.Tensor) -> int:
     return 1 if indices.dim() == 1 else indices.shape[1]
+
+
+# =====================================================================================
+# opcheck samples (and the inputs tests/test_npu_ops_moe.py builds its cases from)
+# =====================================================================================
+# DeepSeek-V3's noaux_tc router, small: 4 of 16 experts in 4 groups of which 2 are kept
+# (V3 is 8 of 256 in 8 groups, 4 kept), sigmoid scores renormalised and scaled
+DEEPSEEK_SMALL = dict(k=4, k_group=2, group_count=4, group_select_mode=1, norm_type=1,
+                      routed_scaling_factor=2.5, eps=1e-20)
+
+
+def expert_ids(tokens: int, k: int, ids, seed: int = 0) -> torch.Tensor:
+    """(tokens, k) int32 expert ids drawn from `ids`, no repeats within a token."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(ids)
+    return torch.stack([ids[torch.randperm(len(ids), generator=generator)[:k]] for _ in range(tokens)]).int()
+
+
+def _routing(dtype):
+    """Six tokens routed to 3 of 5 experts: tokens, ids, the permute's sorted_indices, probs."""
+    idx = expert_ids(6, 3, list(range(5)), seed=111)
+    tokens = randn(6, 4, dtype=dtype, seed=112)
+    sorted_indices = npu_moe_token_permute(tokens, idx.long())[1]
+    probs = torch.rand(6, 3, generator=torch.Generator().manual_seed(113), dtype=torch.float64).to(dtype)
+    return tokens, idx, sorted_indices, probs
+
+
+def _gating_softmax_samples(dtype):
+    x = randn(6, 16, dtype=dtype, seed=110)
+    yield Sample((x, None, 3))
+    yield Sample((x.view(2, 3, 16), torch.tensor([[False, True, False], [False, False, True]]), 2))
+
+
+def _gating_top_k_samples(dtype):
+    x = randn(6, 16, dtype=dtype, seed=110)
+    noaux_tc = {k: v for k, v in DEEPSEEK_SMALL.items() if k != "k"}
+    # sigmoid with out_flag: the differentiable form (torch_npu's backward reads norm_out)
+    yield Sample((x, 4), dict(bias=randn(16, dtype=dtype), out_flag=True, **noaux_tc), grad_args=(0,))
+    yield Sample((x, 2), dict(norm_type=0, renorm=1))  # softmax, renormalised: no backward
+    yield Sample((x, 3), dict(norm_type=2, out_flag=True, routed_scaling_factor=1.5))  # sqrt-softplus
+
+
+def _gating_top_k_backward_samples(dtype):
+    x_norm = torch.sigmoid(randn(6, 16, seed=115))
+    top_idx = npu_moe_gating_top_k(randn(6, 16, dtype=dtype, seed=110), **DEEPSEEK_SMALL)[1]
+    yield Sample((x_norm, randn(6, 4, dtype=dtype), top_idx), dict(norm_type=1, routed_scaling_factor=2.5))
+
+
+def _init_routing_samples(dtype):
+    x, idx = randn(6, 4, dtype=dtype), expert_ids(6, 3, list(range(5)), seed=111)
+    yield Sample((x, idx), dict(expert_num=5))
+    yield Sample((x, idx), dict(scale=randn(6), expert_num=5, expert_tokens_num_type=1, expert_tokens_num_flag=True,
+                                active_expert_range=[1, 4], active_num=12, row_idx_type=1))
+    yield Sample((x, idx), dict(expert_num=5, expert_tokens_num_type=2, expert_tokens_num_flag=True))
+
+
+def _compute_expert_tokens_samples(dtype):
+    yield Sample((torch.tensor([0, 0, 2, 2, 3], dtype=dtype), 5))
+    yield Sample((torch.tensor([1, 1, 1], dtype=dtype), 3))  # experts 0 and 2 empty
+
+
+def _permute_samples(dtype):
+    tokens, idx, _, _ = _routing(dtype)
+    yield Sample((tokens, idx.long()), grad_args=(0,))
+    yield Sample((tokens, idx[:, 0].long(), 4), grad_args=(0,))  # one expert per token, 4 rows kept
+    yield Sample((tokens, idx.long(), -3), grad_args=(0,))  # the last 3 rows dropped
+
+
+def _permute_grad_samples(dtype):
+    _, _, sorted_indices, _ = _routing(dtype)
+    yield Sample((randn(15, 4, dtype=dtype), sorted_indices, 6, dtype, 3))
+
+
+def _unpermute_samples(dtype):
+    _, _, sorted_indices, probs = _routing(dtype)
+    permuted = randn(18, 4, dtype=dtype, seed=114)
+    yield Sample((permuted, sorted_indices, probs), grad_args=(0, 2))
+    yield Sample((permuted, sorted_indices), grad_args=(0,))
+
+
+def _unpermute_grad_samples(dtype):
+    _, _, sorted_indices, probs = _routing(dtype)
+    permuted = randn(18, 4, dtype=dtype, seed=114)
+    yield Sample((randn(6, 4, dtype=dtype), sorted_indices, 18, dtype, probs, False, None, permuted))
+    yield Sample((randn(18, 4, dtype=dtype), sorted_indices, 18, dtype))
+
+
+def _finalize_samples(dtype):
+    tokens, idx, sorted_indices, probs = _routing(dtype)
+    permuted = randn(18, 4, dtype=dtype, seed=114)
+    yield Sample((permuted, tokens, None, randn(5, 4, dtype=dtype), probs, sorted_indices, idx, 2, 3))
+    yield Sample((permuted, None, None, None, None, sorted_indices, None, 0, 3))
+
+
+def _grouped_matmul_samples(dtype):
+    x, w = randn(9, 4, dtype=dtype, seed=116), randn(3, 4, 5, dtype=dtype, seed=117)
+    # group_type 0, the expert GEMM: one (E, K, N) weight, or E (K, N) weights with biases; only the
+    # weight's layout varies (the kernel takes a transposed weight, not a transposed x)
+    yield Sample(([x], [w]), dict(group_list=torch.tensor([2, 2, 9]), split_item=3, group_type=0),
+                 layout_args=(1,))
+    yield Sample(([x], list(w.unbind(0))), dict(bias=[randn(5, dtype=dtype)] * 3, group_list=torch.tensor([4, 0, 5]),
+                                                split_item=2, group_type=0, group_list_type=1), layout_args=(1,))
+    # group_type 2, the weight gradient: x.T of the tokens (a transposed view, as the kernel
+    # requires) times dy, split along K; neither layout may change
+    yield Sample(([x.t()], [randn(9, 5, dtype=dtype, seed=118)]),
+                 dict(group_list=torch.tensor([2, 2, 9]), split_item=3, group_type=2), layout_args=())
+
+
+def _re_routing_samples(dtype):
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 ranks x 3 local experts, empty buckets included
+    tokens = (randn(7, 4, seed=119) * 20).to(dtype)  # int8 tokens too
+    yield Sample((tokens, counts))
+    scales = torch.rand(7, generator=torch.Generator().manual_seed(119))
+    yield Sample((tokens, counts.int()), dict(per_token_scales=scales))
 
 
 # =====================================================================================
@@ -78,7 +192,28 @@ def _gating_softmax_fake(x, finished=None, k=1):
     return x.new_empty(shape), x.new_empty(shape, dtype=torch.int32), x.new_empty(shape, dtype=torch.int32)
 
 
-@stand_in("npu::npu_moe_gating_top_k_softmax", fake=_gating_softmax_fake)  # no autograd in torch_npu
+@op_spec("npu::npu_moe_gating_top_k_softmax",
+         schema="npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)",
+         fake=_gating_softmax_fake, samples=_gating_softmax_samples,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=2,
+             max_rank=3,
+             backward=None,
+             ge_converter=True,
+             # the v1 docstring lists Atlas A2 only (v2 adds A3); torchair's converter warns
+             # that arch35 no longer supports v1 (use npu_moe_gating_top_k_softmax_v2)
+             socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+             limits={
+                 "max_k": 1024,  # 0 < k <= E and k <= 1024
+                 "finished_dtype": torch.bool,  # shape x.shape[:-1]
+                 "renormalises": False,  # top-k of the softmax, no division by their sum
+             },
+             doc="op_semantics 5.1 / torch_npu docstring (_op_plugin_docs.py npu_moe_gating_top_k_softmax): "
+             "x 2-D/3-D fp16/bf16/fp32, 0 < k <= E, k <= 1024, finished bool of x.shape[:-1]; products: "
+             "Atlas A2 (A3 listed for _v2 only); GE converter custom/moe_gating_top_k_softmax.py warns it "
+             "is unsupported on Ascend950; no autograd (inference graphs only)",
+         ))  # no autograd in torch_npu
 def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     # op_semantics 5.1: softmax in fp32, top-k (descending), NO renormalisation of the k weights.
     _check_gating_softmax(x, finished, k)
@@ -164,8 +299,52 @@ def _gating_top_k_backward(ctx, grad_y, grad_idx, grad_norm_out):
     return grad_x, None
 
 
-@stand_in("npu::npu_moe_gating_top_k", fake=_gating_top_k_fake,
-          backward=_gating_top_k_backward, setup_context=_gating_top_k_setup_context)
+@op_spec("npu::npu_moe_gating_top_k",
+         schema="npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, Tensor? input_ids=None, Tensor? "
+                "tid2eid=None, int k_group=1, int group_count=1, int group_select_mode=0, int renorm=0, int "
+                "norm_type=0, bool out_flag=False, float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, "
+                "Tensor, Tensor)",
+         fake=_gating_top_k_fake, samples=_gating_top_k_samples,
+         backward=_gating_top_k_backward, setup_context=_gating_top_k_setup_context,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=2,
+             max_rank=2,
+             backward="npu.npu_moe_gating_top_k_backward",
+             ge_converter=True,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "max_experts": 2048,  # x.shape[-1] <= 2048
+                 "min_group_size": 3,  # E / group_count > 2 (the wheel docstring)
+                 "max_aligned_experts": 2048,  # align32(E / group_count) * group_count <= 2048
+                 "group_select_modes": (0, 1),  # 0 group max, 1 sum of the group's top 2
+                 "norm_types": (0, 1, 2),  # 0 softmax, 1 sigmoid, 2 sqrt-softplus (below)
+                 # sqrt-softplus (DeepSeek-V4's routers): CANN README (mirror-cann/ops-transformer
+                 # 3a280bc moe/moe_gating_top_k/README.md) "仅Ascend 950PR/Ascend 950DT支持"; the
+                 # torch_npu docstring documents 0 / 1 only, so whether its host path passes 2
+                 # through is unverified (deepseek_v4.md 11.2). No backward (sigmoid only).
+                 "norm_type_socs": {2: ("Ascend950",)},
+                 "norm_type_2_torch_npu_docs": "undocumented (0 / 1 only)",
+                 "renorm": (0,),  # the wheel docstring: only 0 (the CANN README adds 1)
+                 "bias_same_dtype": True,  # bias (E,) in x's dtype
+                 "hash_mode_max_k": 64,  # input_ids/tid2eid (CANN README)
+                 # autograd: backward reads norm_out, so the forward needs out_flag=True, and
+                 # supports sigmoid (norm_type=1) only
+                 "backward_norm_types": (1,),
+                 "backward_needs_out_flag": True,
+                 "backward_socs": ("Ascend910B", "Ascend910_93"),
+                 # torch_npu 7.0.0 docs (hiascend ptaoplist_002365) on A2/A3: E == 256,
+                 # k <= 32, k_group == 4, bias required; later docs lift these
+                 "legacy_a2_a3": {"experts": 256, "max_k": 32, "k_group": 4, "bias_required": True},
+             },
+             doc="op_semantics 5.2 / torch_npu docstring (_op_plugin_docs.py npu_moe_gating_top_k): x 2-D "
+             "fp16/bf16/fp32, E <= 2048, E % group_count == 0 and E/group_count > 2, "
+             "align32(E/group_count)*group_count <= 2048, 1 <= k_group <= group_count, "
+             "1 <= k <= k_group*E/group_count, renorm 0 only; CANN README hicann/ops-transformer "
+             "moe/moe_gating_top_k (renorm=1 = softmax-mode renorm, hash mode k <= 64; products A2, A3, "
+             "950) and moe/moe_gating_top_k_backward (A2/A3 only, sigmoid only); torch_npu 7.0.0 "
+             "page ptaoplist_002365 for the older A2/A3 limits",
+         ))
 def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
                          group_select_mode=0, renorm=0, norm_type=0, out_flag=False,
                          routed_scaling_factor=1.0, eps=1e-20):
@@ -215,8 +394,9 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
         y = y / (y.sum(dim=-1, keepdim=True) + eps)
     y = y * routed_scaling_factor
     # norm_out is (N, E) fp32 in every case (Meta); without out_flag the NPU leaves it
-    # unwritten, zeros here.
-    norm_out = scores.to(torch.float32) if out_flag else torch.zeros_like(scores, dtype=torch.float32)
+    # unwritten, zeros here. Contiguous whatever x's layout, as the Meta's new_empty.
+    norm_out = (scores.to(torch.float32).contiguous() if out_flag
+                else torch.zeros(scores.shape, dtype=torch.float32, device=x.device))
     return y.to(x.dtype), idx.to(torch.int32), norm_out
 
 
@@ -238,7 +418,10 @@ def _gating_top_k_backward_fake(x_norm, grad_y, expertIdx, *, renorm=0, norm_typ
     return grad_y.new_empty(x_norm.shape)  # docs: x_norm's shape, grad_y's dtype
 
 
-@stand_in("npu::npu_moe_gating_top_k_backward", fake=_gating_top_k_backward_fake)
+@op_spec("npu::npu_moe_gating_top_k_backward",
+         schema="npu_moe_gating_top_k_backward(Tensor x_norm, Tensor grad_y, Tensor expertIdx, *, int renorm=0, int "
+                "norm_type=0, float routed_scaling_factor=1.0, float eps=1e-20) -> Tensor",
+         fake=_gating_top_k_backward_fake, samples=_gating_top_k_backward_samples, sample_dtypes=FLOAT_DTYPES)
 def npu_moe_gating_top_k_backward(x_norm, grad_y, expertIdx, *, renorm=0, norm_type=0,
                                   routed_scaling_factor=1.0, eps=1e-20):
     # CANN README moe/moe_gating_top_k_backward (sigmoid mode), with s = x_norm[i, idx]:
@@ -255,7 +438,9 @@ def npu_moe_gating_top_k_backward(x_norm, grad_y, expertIdx, *, renorm=0, norm_t
     denom = s.sum(dim=-1, keepdim=True) + eps
     beta = (s / denom * g).sum(dim=-1, keepdim=True)
     grad_norm = torch.zeros_like(norm).scatter_add_(1, idx, (g - beta) / denom)
-    return (norm * (1 - norm) * grad_norm).to(grad_y.dtype)
+    # contiguous: op-plugin's generated kernel allocates x_norm's size in grad_y's dtype with
+    # apply_tensor_without_format (op_plugin_functions.yaml gen_opapi out0: size x_norm, dtype grad_y)
+    return (norm * (1 - norm) * grad_norm).to(grad_y.dtype).contiguous()
 
 
 # =====================================================================================
@@ -315,7 +500,39 @@ def _init_routing_v2_fake(x, expert_idx, *, scale=None, offset=None, active_num=
             x.new_empty(tokens_shape, dtype=torch.int64), x.new_empty((rows,), dtype=torch.float32))
 
 
-@stand_in("npu::npu_moe_init_routing_v2", fake=_init_routing_v2_fake)  # no autograd in torch_npu
+@op_spec("npu::npu_moe_init_routing_v2",
+         schema="npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, int "
+                "active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, int "
+                "expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, int[2] "
+                "active_expert_range=[], int row_idx_type=0, int? x_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)",
+         fake=_init_routing_v2_fake, samples=_init_routing_samples,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES | {torch.int8},  # int8 x only without (re)quantisation
+             min_rank=2,
+             max_rank=2,
+             backward=None,
+             ge_converter=True,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "expert_idx_dtype": torch.int32,  # (N, K)
+                 "drop_pad_modes": (0,),  # dropless only
+                 # the docs: count (1) and key_value (2) only, with the flag True; the Meta
+                 # function also accepts 0 (cumsum), the V3 README does not
+                 "expert_tokens_num_types": (1, 2),
+                 "expert_tokens_num_flag": True,
+                 "quant_modes": (-1, 1),  # none, dynamic int8 (newer CANN: MX/FP8/INT4 modes)
+                 "max_expert_num": 10240,
+                 "key_value_max_expert_num": 5120,
+                 "active_num_equals_rows": True,  # V3 README: unused, must equal N*K
+                 "row_idx_types": (0, 1),  # 0 gather (src -> dst), 1 scatter (dst -> src)
+                 "socs_of_docs": ("Ascend910B", "Ascend910_93"),
+             },
+             doc="op_semantics 6.1 / torch_npu docstring (_op_plugin_docs.py npu_moe_init_routing_v2) and "
+             "the aclnnMoeInitRoutingV3 doc (hicann/ops-transformer moe/moe_init_routing_v3): x (N, H) "
+             "fp16/bf16/fp32/int8, expert_idx (N, K) int32, drop_pad_mode 0, expert_tokens_num_type 1/2 "
+             "with the flag True, quant_mode -1/1, expert_num <= 10240 (<= 5120 key_value), "
+             "active_num unused (= N*K); products A2/A3 (950 not covered by those docs); no autograd",
+         ))  # no autograd in torch_npu
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
                             expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
                             expert_tokens_num_flag=False, quant_mode=-1, active_expert_range=(),
@@ -383,7 +600,25 @@ def _compute_expert_tokens_fake(sorted_expert_for_source_row, num_expert):
     return sorted_expert_for_source_row.new_empty((num_expert,), dtype=torch.int32)  # Meta: int32
 
 
-@stand_in("npu::npu_moe_compute_expert_tokens", fake=_compute_expert_tokens_fake)
+@op_spec("npu::npu_moe_compute_expert_tokens",
+         schema="npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor",
+         fake=_compute_expert_tokens_fake, samples=_compute_expert_tokens_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.int32}),
+             min_rank=1,
+             max_rank=1,
+             backward=None,
+             ge_converter=True,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "max_num_expert": 2048,  # 0 < num_expert <= 2048
+                 "max_elements": 2**24,  # exclusive
+                 "output": "cumsum",  # inclusive end offsets: group_list_type=0
+             },
+             doc="op_semantics 6.2 / torch_npu docstring (_op_plugin_docs.py "
+             "npu_moe_compute_expert_tokens): 1-D int32 sorted expert ids in [0, num_expert), fewer than "
+             "2^24, 0 < num_expert <= 2048; products Ascend950 and Atlas A2 (A3 not listed); inference",
+         ))
 def npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
     # op_semantics 6.2: out[e] = (last index of expert e) + 1, an absent expert carrying the
     # previous value: the CUMULATIVE end offsets (group_list_type=0), not counts.
@@ -441,8 +676,31 @@ def _permute_backward(ctx, grad_permuted, grad_sorted_indices):
     return grad_tokens, None, None, None
 
 
-@stand_in("npu::npu_moe_token_permute", fake=_permute_fake,
-          backward=_permute_backward, setup_context=_permute_setup_context)
+@op_spec("npu::npu_moe_token_permute",
+         schema="npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, bool padded_mode=False)"
+                " -> (Tensor, Tensor)",
+         fake=_permute_fake, samples=_permute_samples,
+         backward=_permute_backward, setup_context=_permute_setup_context,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=2,
+             max_rank=2,
+             backward="npu.npu_moe_token_permute_grad_v2",
+             ge_converter=False,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "max_topk": 512,
+                 "max_index": 16777215,  # indices.numel() and values < 16777215 (exclusive)
+                 "index_dtypes": (torch.int32, torch.int64),  # (T,) or (T, topK)
+                 "padded_mode": False,
+                 "int8_tokens_socs": ("Ascend950",),
+             },
+             doc="op_semantics 6.3 / torch_npu docstring (_op_plugin_docs.py ~L16842 "
+             "npu_moe_token_permute): tokens (T, H) fp16/bf16/fp32 (int8 on 950), indices 1-D/2-D "
+             "int32/int64 < 16777215, topK <= 512, padded_mode False; products A2, A3, 950; "
+             "sorted_indices is the inverse of the stable argsort (Megatron's is the argsort); "
+             "no GE converter in torchair 2.13",
+         ))
 def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
     # op_semantics 6.3 (the newer docstring, ~L16842: permuted[sorted_indices[i]] = tokens[i // topK]):
     # sorted_indices is the INVERSE of the stable argsort (src flat -> dst row); Megatron's
@@ -471,7 +729,10 @@ def _permute_grad_fake(grad_permuted_tokens, sorted_indices, tokens_size_0, toke
     return grad_permuted_tokens.new_empty((tokens_size_0, grad_permuted_tokens.shape[1]), dtype=tokens_dtype)
 
 
-@stand_in("npu::npu_moe_token_permute_grad_v2", fake=_permute_grad_fake)
+@op_spec("npu::npu_moe_token_permute_grad_v2",
+         schema="npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, SymInt "
+                "tokens_size_0, ScalarType tokens_dtype, SymInt num_topK, bool padded_mode=False) -> Tensor",
+         fake=_permute_grad_fake, samples=_permute_grad_samples, sample_dtypes=FLOAT_DTYPES)
 def npu_moe_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype,
                                   num_topK, padded_mode=False):
     # op_semantics 6.3: grad_tokens[t] = sum_j grad_permuted[sorted_indices[t*topK + j]], over
@@ -536,8 +797,30 @@ def _gather_permuted(permuted: torch.Tensor, sorted_indices: torch.Tensor, topk:
     return rows * kept.unsqueeze(-1), dst, kept
 
 
-@stand_in("npu::npu_moe_token_unpermute", fake=_unpermute_fake,
-          backward=_unpermute_backward, setup_context=_unpermute_setup_context)
+@op_spec("npu::npu_moe_token_unpermute",
+         schema="npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool "
+                "padded_mode=False, int[]? restore_shape=None) -> Tensor",
+         fake=_unpermute_fake, samples=_unpermute_samples,
+         backward=_unpermute_backward, setup_context=_unpermute_setup_context,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=2,
+             max_rank=2,
+             backward="npu.npu_moe_token_unpermute_grad_v2",
+             ge_converter=False,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "max_topk": 512,  # A2/A3
+                 "sorted_indices_dtype": torch.int32,  # (T*topK,), no duplicates
+                 "padded_mode": False,
+                 "restore_shape": None,
+                 # on 950 torch_npu forwards to aclnnMoeFinalizeRoutingV2
+             },
+             doc="op_semantics 6.3 / torch_npu docstring (_op_plugin_docs.py ~L16931 "
+             "npu_moe_token_unpermute): permuted_tokens (T*topK, H) fp16/bf16/fp32, sorted_indices int32 "
+             "without duplicates, probs (T, topK), padded_mode False, restore_shape None, topK <= 512 on "
+             "A2/A3; products A2, A3, 950; no GE converter in torchair 2.13",
+         ))
 def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
                             restore_shape=None):
     # op_semantics 6.3: out[t] = sum_j probs[t, j] * permuted[sorted_indices[t*topK + j]]
@@ -574,11 +857,16 @@ def _unpermute_grad_fake(grad_unpermuted_tokens, sorted_indices, permuted_tokens
 
 
 def _grad_probs_like(grad: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.Tensor:
-    # Meta returns None without probs; a registered op must return a Tensor: an empty one.
-    return grad.new_empty((0,)) if probs is None else probs.new_empty(probs.shape)
+    # Meta: empty_like(probs) (probs' strides kept), None without probs; a registered op must
+    # return a Tensor there: an empty one.
+    return grad.new_empty((0,)) if probs is None else torch.empty_like(probs)
 
 
-@stand_in("npu::npu_moe_token_unpermute_grad_v2", fake=_unpermute_grad_fake)
+@op_spec("npu::npu_moe_token_unpermute_grad_v2",
+         schema="npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, SymInt "
+                "permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, bool padded_mode=False, "
+                "int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)",
+         fake=_unpermute_grad_fake, samples=_unpermute_grad_samples, sample_dtypes=FLOAT_DTYPES)
 def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
                                     permuted_tokens_dtype, probs=None, padded_mode=False,
                                     restore_shape=None, permuted_tokens=None):
@@ -599,7 +887,7 @@ def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices, perm
         return grad_permuted.to(permuted_tokens_dtype), _grad_probs_like(grad_unpermuted_tokens, None).zero_()
     rows, _, _ = _gather_permuted(permuted_tokens.to(acc), sorted_indices, topk)
     grad_probs = (rows * g.unsqueeze(1)).sum(dim=-1)
-    return grad_permuted.to(permuted_tokens_dtype), grad_probs.to(probs.dtype)
+    return grad_permuted.to(permuted_tokens_dtype), in_layout_of(grad_probs.to(probs.dtype), probs)
 
 
 # ---- npu_moe_finalize_routing --------------------------------------------------------
@@ -632,7 +920,35 @@ def _finalize_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_
     return expanded_permuted_rows.new_empty((n, expanded_permuted_rows.shape[-1]))
 
 
-@stand_in("npu::npu_moe_finalize_routing", fake=_finalize_fake)  # no autograd in torch_npu
+@op_spec("npu::npu_moe_finalize_routing",
+         schema="npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+                "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int? drop_pad_mode=0, "
+                "int? k=1) -> Tensor",
+         fake=_finalize_fake, samples=_finalize_samples,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=2,  # expanded_permuted_rows (N*K, H) dropless
+             max_rank=3,  # (E, C, H) drop-pad
+             backward=None,
+             ge_converter=True,
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 # the wheel docstring documents 0 only (k-major); the op-plugin master doc and
+                 # the MoeFinalizeRoutingV2 kernel add 1 (drop-pad), 2 (token-major, pairs with
+                 # npu_moe_init_routing_v2) and 3; torch_npu calls V2 for all but the full
+                 # mode-0 call (GE converter custom/npu_moe_finalize_routing.py likewise)
+                 "documented_drop_pad_modes": (0,),
+                 "v2_drop_pad_modes": (0, 1, 2, 3),
+                 "index_dtype": torch.int32,
+                 # skip2 None => skip1 None per the wheel docstring; the master doc says the
+                 # reverse (op_semantics 11.8)
+                 "skip1_needs_skip2": True,
+             },
+             doc="op_semantics 6.4 / torch_npu docstring (_op_plugin_docs.py npu_moe_finalize_routing): "
+             "expanded_permuted_rows (N*K, H) fp16/bf16/fp32, skip1/skip2 (N, H) and bias (E, H) and "
+             "scales (N, K) in its dtype, expanded_src_to_dst_row (N*K,) int32, drop_pad_mode 0; product "
+             "Atlas A2 (docstring); modes 1-3 from the op-plugin master doc; no autograd",
+         ))  # no autograd in torch_npu
 def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                              export_for_source_row, drop_pad_mode=0, k=1):
     # op_semantics 6.4 (doc "equivalent logic"):
@@ -784,7 +1100,65 @@ def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
     return [x[0].new_empty((x[0].shape[0], n))]  # Meta: one (M, N) output in x's dtype
 
 
-@stand_in("npu::npu_grouped_matmul", fake=_gmm_fake)  # no autograd in torch_npu (op_semantics 7)
+@op_spec("npu::npu_grouped_matmul",
+         schema="npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+                "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, Tensor[]? "
+                "per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, Tensor[]? "
+                "activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, int? "
+                "group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, int? "
+                "output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, int? "
+                "per_token_scale_dtype=None) -> Tensor[]",
+         fake=_gmm_fake, samples=_grouped_matmul_samples,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,  # the float (non-quantised) expert GEMM the MoE passes emit
+             min_rank=2,
+             max_rank=2,  # x of group_type 0 and 2 (group_type -1 takes 2-6 dims)
+             backward=None,  # no autograd in torch_npu ...
+             # ... so training graphs call it through our rule: dx by a group_type 0 call, dw by
+             # a group_type 2 one (patterns/grouped_matmul.py)
+             autograd_rule="npu_fx_fusion.patterns.grouped_matmul.GroupedMatmul",
+             ge_converter=True,
+             # Atlas inference (310P): fp16 only, group_type 0 only, N % 16 == 0
+             socs={"Ascend310P": SocLimits(dtypes=frozenset({torch.float16}))},
+             limits={
+                 # A2/A3 (aclnnGroupedMatmulV5): -1, 0 and 2 (K-split, float only); the wheel's
+                 # older docstring lists -1 and 0; 310P: 0 only
+                 "group_types": (-1, 0, 2),
+                 "310p_group_types": (0,),
+                 "split_items_single_output": (2, 3),  # group_type 0 and 2
+                 "group_list_types": (0, 1),  # cumsum, counts (2, sparse pairs: int8 only)
+                 "group_list_dtype": torch.int64,
+                 "max_groups_single_weight": 1024,  # one (E, K, N) weight; group_type 2: 1024 groups
+                 "max_groups_weight_list": 128,
+                 "max_inner_dim": 65536,  # exclusive: x's K and weight's N (or K transposed)
+                 "x_transposed": False,  # group_type 0
+                 "weight_transposed": True,  # a transposed view of (E, N, K); group_type 0
+                 # group_type 2 (aclnnGroupedMatmulV5, "groupType支持场景"): one x (M, K) that
+                 # must be a transposed view (its InnerLimit axis is then M), one (K, N) weight
+                 # that must not be, output (G, M, N) (Meta), group_list over K with its last
+                 # end (cumsum) or sum (counts) <= K, no bias, non-quantised dtypes only
+                 "k_split_x_transposed": True,
+                 "k_split_weight_transposed": False,
+                 "k_split_bias": False,
+                 # [inferred] an empty K group's output is zeros: MindSpeed and others use the
+                 # group_type 2 output as the expert weight gradient directly, with experts
+                 # that receive no tokens; the docs do not say it, the stand-in zero-fills.
+                 "k_split_empty_group": "zeros",
+                 # [unverified] torchair's GE converter (custom/grouped_matmul.py) passes
+                 # transpose_x=False for every group_type and lowers the x^T view as its own
+                 # Transpose; whether GE folds it into the K-split kernel's transposed x has
+                 # not been run on hardware (reduce-overhead / npugraph_ex pass the view)
+                 "k_split_ge_transpose_x": "unverified",
+                 "310p_n_multiple": 16,
+             },
+             doc="op_semantics 7 / torch_npu docstring (_op_plugin_docs.py npu_grouped_matmul): float "
+             "x/weight fp16/bf16/fp32 (310P fp16 only, N % 16 == 0), group_type 0 needs split_item 2/3, "
+             "a 3-D weight and a group_list of at most 1024 groups (128 for weight lists), cumsum "
+             "(group_list_type 0) or counts (1), InnerLimit 65536, weight may be transposed, x not; "
+             "group_type 2 (CANN aclnnGroupedMatmulV5, ops-transformer gmm/grouped_matmul docs): x "
+             "transposed, weight not, split_item 2/3, no bias, output (G, M, N) (the wheel's Meta); "
+             "products A2/A3 and Atlas inference; no autograd in torch_npu (our rule: autograd_rule)",
+         ))  # no autograd in torch_npu (op_semantics 7)
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
                        activation_quant_scale=None, activation_quant_offset=None, split_item=0,
@@ -886,7 +1260,41 @@ def _re_routing_fake(tokens, expert_token_num_per_rank, *, per_token_scales=None
             expert_token_num_per_rank.new_empty((expert_token_num_per_rank.shape[1],)))
 
 
-@stand_in("npu::npu_moe_re_routing", fake=_re_routing_fake)  # no autograd in torch_npu
+@op_spec("npu::npu_moe_re_routing",
+         schema="npu_moe_re_routing(Tensor tokens, Tensor expert_token_num_per_rank, *, Tensor? per_token_scales=None, "
+                "int expert_token_num_type=1, int idx_type=0, int? tokens_dtype=None) -> (Tensor, Tensor, Tensor, "
+                "Tensor)",
+         fake=_re_routing_fake, samples=_re_routing_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16, torch.int8}),  # tokens (950: fp8/fp4 too)
+             min_rank=2,  # tokens (A, H)
+             max_rank=2,
+             backward=None,  # no autograd in torch_npu ...
+             # ... so training graphs call it through our rule (backward: npu_moe_token_unpermute,
+             # as torchtitan-npu's NPUMoeReRouting)
+             autograd_rule="npu_fx_fusion.patterns.moe_dispatch.ReRouting",
+             ge_converter=True,  # custom/npu_moe_re_routing.py -> GE MoeReRouting
+             # torch_npu doc: Atlas A2/A3; the CANN README adds 950 and Kirin (no bf16 there)
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "max_hidden": 16384,  # exclusive: 0 < H < 16384
+                 "counts_dtypes": (torch.int32, torch.int64),  # (ranks, local experts)
+                 "expert_token_num_types": (1,),  # counts
+                 "idx_types": (0,),  # the gather index (950 adds 1, scatter)
+                 # the torch_npu doc says the counts "must be > 0" (取值必须大于0); the CANN
+                 # kernels copy nothing for a zero count (moe_re_routing.h: zero ubFactor
+                 # chunks and no tail; arch35 moe_re_routing_re_regbase.h: `if (currTokenNum
+                 # == 0) continue;`) and the host cannot read the device counts: zeros are
+                 # computed, not refused (docs/expert-parallel.md)
+                 "zero_counts": "computed (kernel source), against the doc's > 0",
+             },
+             doc="op_semantics 6.5 / torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
+             "torch_npu-npu_moe_re_routing.md) and the CANN README (ops-transformer moe/moe_re_routing): "
+             "tokens (A, H) fp16/bf16/int8, 0 < H < 16384, expert_token_num_per_rank (N, E) int32/int64 "
+             "summing to A, per_token_scales (A,) fp32, expert_token_num_type 1 and idx_type 0 only; "
+             "outputs sized from the inputs (the wheel's Meta); products A2/A3 (950 in the CANN README); "
+             "no autograd",
+         ))  # no autograd in torch_npu
 def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None, expert_token_num_type=1,
                        idx_type=0, tokens_dtype=None):
     # op_semantics 6.5 and the CANN README (ops-transformer moe/moe_re_routing): the tokens
@@ -924,3 +1332,46 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
               else tokens.new_zeros((tokens.shape[0],), dtype=torch.float32))  # undefined on the NPU
     return (tokens[index].contiguous(), scales.contiguous(), index.to(torch.int32),
             counts.sum(dim=0).to(counts.dtype))
+
+
+# =====================================================================================
+# Expert-parallel MC2 (npu_moe_distribute_dispatch_v2 / combine_v2): documented, never emitted
+# =====================================================================================
+# No pass emits them and they have no stand-in: moe_dispatch reports them as the near miss of
+# every expert-parallel token exchange, quoting these limits (docs/expert-parallel.md says why
+# they are never emitted).
+documented_op("npu::npu_moe_distribute_dispatch_v2", OpCapability(
+    dtypes=frozenset({torch.float16, torch.bfloat16}),  # x (BS, H); A2 also packed int4 (int32)
+    min_rank=2,
+    max_rank=2,
+    backward=None,  # inference only (the doc: 该接口支持推理场景下使用)
+    ge_converter=True,  # custom/moe_distribute_dispatch_v2.py
+    socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+    limits={
+        "group": "an HCCL communicator name (group_ep), the EP domain carrying no other operator",
+        "max_top_k": 16,  # 0 < K <= 16 (12 with comm_alg fullmesh_v2)
+        "max_batch": {"Ascend910B": 256, "Ascend910_93": 512},  # BS per rank (fullmesh / v1)
+        "hidden": {"Ascend910B": (1, 7168, 32), "Ascend910_93": (1024, 8192, 1)},  # min, max, multiple
+        "a2_world_sizes": (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256),  # fullmesh
+        "a3_world_sizes": (2, 768),  # inclusive range
+        "a3_max_experts_times_ranks": 2048,  # local experts * world size
+        "tp": "reserved: tp_world_size 0/1 only",
+    },
+    doc="torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
+    "torch_npu-npu_moe_distribute_dispatch_v2.md, 约束说明): inference only, paired with combine_v2 "
+    "with identical group_ep, ep_world_size, moe_expert_num, shared-expert and global_bs settings on "
+    "every rank and layer; group_ep an HCCL group name; K <= 16; BS <= 256 (A2 fullmesh) / 512 (A3); "
+    "H (0, 7168] multiple of 32 on A2, [1024, 8192] on A3; A2/A3 only",
+))
+documented_op("npu::npu_moe_distribute_combine_v2", OpCapability(
+    dtypes=frozenset({torch.float16, torch.bfloat16}),  # expand_x
+    min_rank=2,
+    max_rank=2,
+    backward=None,  # inference only
+    ge_converter=True,  # custom/moe_distribute_combine_v2.py
+    socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
+    limits={"pairs_with": "npu.npu_moe_distribute_dispatch_v2"},
+    doc="torch_npu doc torch_npu-npu_moe_distribute_combine_v2.md: the reverse of dispatch_v2 "
+    "(its assist_info_for_combine, ep_recv_counts passed unchanged), the weighted sum of each "
+    "token's k rows (expert_scales fp32); inference only; the limits of dispatch_v2",
+))

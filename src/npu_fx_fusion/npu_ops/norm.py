@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .spec import FLOAT_DTYPES, OpCapability, Sample, SocLimits, in_layout_of, op_spec
+from .spec import FLOAT_DTYPES, OpCapability, Sample, SocLimits, in_layout_of, op_spec, randn
 
 # Atlas inference (310P) has no bf16 and no fp32 gamma with a half input; Ascend950 no fp32
 # gamma with a half input either (the torch_npu docs list the mixed form for A2/A3 only)
@@ -29,17 +29,13 @@ def _rstd(x32: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> torch.Tenso
     return torch.rsqrt(x32.pow(2).mean(_norm_dims(x32, gamma), keepdim=True) + epsilon)
 
 
-def _randn(*shape, dtype, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
 def _norm_inputs(dtype):
     # (x, gamma) pairs: a norm over the last dim, one over the last two (gamma x.shape[n:]),
     # and fp32 gamma with a half x (the mixed form of A2/A3)
-    yield _randn(2, 3, 8, dtype=dtype, seed=0), _randn(8, dtype=dtype, seed=1)
-    yield _randn(2, 4, 6, dtype=dtype, seed=2), _randn(4, 6, dtype=dtype, seed=3)
+    yield randn(2, 3, 8, dtype=dtype, seed=0), randn(8, dtype=dtype, seed=1)
+    yield randn(2, 4, 6, dtype=dtype, seed=2), randn(4, 6, dtype=dtype, seed=3)
     if dtype != torch.float32:
-        yield _randn(3, 8, dtype=dtype, seed=4), _randn(8, dtype=torch.float32, seed=5)
+        yield randn(3, 8, dtype=dtype, seed=4), randn(8, dtype=torch.float32, seed=5)
 
 
 # ---- npu_rms_norm ------------------------------------------------------------------

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ._library import stand_in
+from .spec import FLOAT_DTYPES, OpCapability, Sample, SocLimits, in_layout_of, only_on_socs, op_spec, randn
+
+# the CANN ops-transformer extension's products (its docs): Atlas A2, A3 and Ascend 950
+_A2_A3_950 = only_on_socs("Ascend910B", "Ascend910_93", "Ascend950")
+
 
 # How many equal parts of the last dim each mode's rotation pairs up.
 _MODE_PARTS = {"half": 2, "interleave": 2, "quarter": 4}
@@ -60,14 +64,31 @@ def _rot(x: torch.Tensor, mode: str) -> torch.Tensor:
     return torch.cat((-b, a, -d, c), -1)
 
 
-def _new_like(x: torch.Tensor, shape) -> torch.Tensor:
-    # contiguous, like the kernels' results: inductor asserts a fallback op's strides
-    return x.new_empty(shape)
+# Output layouts are the wheel's Meta functions' (op_plugin/meta/_meta_registrations.py), which
+# the kernels reproduce: npu_rotary_mul torch.empty(shape) (contiguous), its backward and
+# npu_interleave_rope torch.empty_like(input) (a transposed input's strides kept).
+def rope_tables(shape, dtype=torch.float32, seed=1):
+    """cos / sin of random angles of `shape` (the rounded tables are the inputs)."""
+    theta = randn(*shape, dtype=torch.float64, seed=seed) * 3
+    return theta.cos().to(dtype), theta.sin().to(dtype)
+
+
+def _rope_inputs(dtype, d=64):
+    # x (B, N, S, D) with per-batch tables (B, 1, S, D) broadcast over the heads
+    return (randn(2, 3, 4, d, dtype=dtype), *rope_tables((2, 1, 4, d), dtype))
 
 
 # ---- npu_rotary_mul ------------------------------------------------------------------
 def _rotary_mul_fake(self, r1, r2, rotary_mode="half", rotate=None):
-    return _new_like(self, self.shape)
+    return self.new_empty(self.shape)
+
+
+def _rotary_mul_samples(dtype):
+    for mode in _MODE_PARTS:
+        yield Sample((*_rope_inputs(dtype), mode), grad_args=(0, 1, 2))
+    # an explicit rotation matrix (no backward: torch_npu has no gradient through `rotate`)
+    x, cos, sin = _rope_inputs(dtype, d=16)
+    yield Sample((x, cos, sin, "half", randn(16, 16, dtype=dtype, seed=6)))
 
 
 def _rotary_mul_setup_context(ctx, inputs, output):
@@ -88,8 +109,51 @@ def _rotary_mul_backward(ctx, grad):
     return dx, dr1.to(r1.dtype), dr2.to(r2.dtype), None, None
 
 
-@stand_in("npu::npu_rotary_mul", fake=_rotary_mul_fake,
-          backward=_rotary_mul_backward, setup_context=_rotary_mul_setup_context)
+@op_spec("npu::npu_rotary_mul",
+         schema="npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> "
+                "Tensor",
+         fake=_rotary_mul_fake, samples=_rotary_mul_samples,
+         backward=_rotary_mul_backward, setup_context=_rotary_mul_setup_context,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=3,  # TND
+             max_rank=4,  # BNSD / BSND / SBND
+             backward="npu.npu_rotary_mul_backward",
+             ge_converter=True,
+             same_shape=("r1", "r2"),
+             limits={
+                 "modes": ("half", "interleave", "quarter"),
+                 "max_head_dim": 896,  # exclusive: D < 896
+                 "head_dim_multiple": 2,
+                 "max_batch_heads": 1000,  # half: B < 1000 and N < 1000, each (exclusive)
+                 "interleave_max_batch_heads": 1000,  # interleave: B * N < 1000 (exclusive)
+                 "grad_max_batch_heads": 1024,  # half, r1/r2 needing grads: B * N <= 1024
+                 # interleave: r1/r2 are 11SD / 1S1D / S11D / T1D only, no per-batch cos/sin
+                 "interleave_per_batch_tables": False,
+                 "interleave_mode_socs": ("Ascend910B", "Ascend910_93", "Ascend950"),
+                 "quarter_mode_socs": ("Ascend950",),
+                 # SoCs with only the jit_compile=True kernel: half mode, 4-D x, D == 128,
+                 # B and N <= 1000 (inclusive)
+                 "jit_compile_only_socs": ("Ascend310P",),
+                 "jit_compile_head_dim": 128,
+                 "jit_compile_max_batch_heads": 1000,
+                 # torchair before arch35 lowers a call without `rotate` to GE RotaryMul,
+                 # which has no mode attribute: under max-autotune only half mode is right
+                 "ge_half_only_without_rotate_socs": ("Ascend910B", "Ascend910_93", "Ascend310P"),
+                 # ... and the backward to RotaryMulGrad: 4-D, static shapes, D % 64 == 0,
+                 # at most 1024 elements over the dims where r1 broadcasts
+                 "ge_backward_head_dim_multiple": 64,
+                 "ge_backward_max_broadcast": 1024,
+             },
+             doc="op_semantics 3.1 / torch_npu docs (_op_plugin_docs.py): fp16/bf16/fp32; x 3-D or "
+             "4-D; r1/r2 broadcast to x, one shape and dtype; jit_compile=False (A2/A3): D < 896 and "
+             "even; half B, N < 1000 and B*N <= 1024 with r1/r2 grads; interleave B*N < 1000 and "
+             "11SD-style r1/r2; jit_compile=True (the only kernel listed for Atlas inference, 310P): "
+             "half, 4-D, D == 128, B, N <= 1000. quarter only on arch35 (950), per the GE converter "
+             "custom/npu_rotary_mul.py, which also maps a call without rotate to the mode-less "
+             "RotaryMul on other SoCs; GE backward limits from custom/npu_rotary_mul_backward.py. "
+             "`rotate` has no backward",
+         ))
 def npu_rotary_mul(self, r1, r2, rotary_mode="half", rotate=None):
     # With `rotate` the rotation is exactly x @ rotate, whatever the mode: the docs' example
     # interleave matrix has no sign (op_semantics 11.11), so no sign is added here either.
@@ -105,13 +169,22 @@ def npu_rotary_mul(self, r1, r2, rotary_mode="half", rotate=None):
     return (x * r1.to(acc) + xr * r2.to(acc)).to(self.dtype).contiguous()
 
 
+def _rotary_mul_backward_samples(dtype):
+    for mode in _MODE_PARTS:
+        x, cos, sin = _rope_inputs(dtype)
+        yield Sample((randn(*x.shape, dtype=dtype, seed=7), x, cos, sin, mode))
+
+
 # ---- npu_rotary_mul_backward ---------------------------------------------------------
 def _rotary_mul_backward_fake(grad, self, r1, r2, rotary_mode="half"):
     # Meta: all three in self's dtype, dr1/dr2 shaped like r1/r2.
-    return _new_like(self, self.shape), _new_like(self, r1.shape), _new_like(self, r2.shape)
+    return torch.empty_like(self), torch.empty_like(r1, dtype=self.dtype), torch.empty_like(r2, dtype=self.dtype)
 
 
-@stand_in("npu::npu_rotary_mul_backward", fake=_rotary_mul_backward_fake)
+@op_spec("npu::npu_rotary_mul_backward",
+         schema="npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> "
+                "(Tensor, Tensor, Tensor)",
+         fake=_rotary_mul_backward_fake, samples=_rotary_mul_backward_samples, sample_dtypes=FLOAT_DTYPES)
 def npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode="half"):
     # out = x*r1 + R(x)*r2, so dx = r1*g + R^T(r2*g) = r1*g - R(r2*g) (R antisymmetric);
     # dr1/dr2 sum the broadcast dims back to r1/r2's shapes.
@@ -123,12 +196,16 @@ def npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode="half"):
     dx = r1.to(acc) * g - _rot(r2.to(acc) * g, rotary_mode)
     dr1 = (x * g).sum_to_size(r1.shape)
     dr2 = (_rot(x, rotary_mode) * g).sum_to_size(r2.shape)
-    return tuple(t.to(self.dtype).contiguous() for t in (dx, dr1, dr2))
+    return tuple(in_layout_of(t.to(self.dtype), like) for t, like in ((dx, self), (dr1, r1), (dr2, r2)))
 
 
 # ---- npu_interleave_rope -------------------------------------------------------------
 def _interleave_rope_fake(x, cos, sin):
-    return _new_like(x, x.shape)
+    return torch.empty_like(x)
+
+
+def _interleave_rope_samples(dtype):
+    yield Sample(_rope_inputs(dtype))
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +213,32 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
 
 
-@stand_in("npu::npu_interleave_rope", fake=_interleave_rope_fake)  # no autograd in torch_npu
+@op_spec("npu::npu_interleave_rope",
+         schema="npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+         fake=_interleave_rope_fake, samples=_interleave_rope_samples,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}),
+             min_rank=4,  # BNSD
+             max_rank=4,
+             backward=None,
+             ge_converter=True,
+             same_shape=("cos", "sin"),
+             # documented products: Atlas A2 and A3 only
+             socs={"Ascend310P": SocLimits(supported=False)},
+             limits={
+                 "head_dim": 64,  # x, cos and sin: D == 64 exactly
+                 "table_heads": 1,  # cos/sin are (B, 1, S or 1, 64)
+                 "contiguous": True,
+                 # torchair 2.13's InterleaveRope IR (auto_generated_ge_raw_ops.py) lists fp16
+                 # inputs only; the op docs say bf16 too. Unconfirmed either way, so a bf16
+                 # site under max-autotune takes the exact half-mode alternative instead.
+                 "ge_dtypes": (torch.float16,),
+             },
+             doc="op_semantics 3.3 / torch_npu docs: x (B, N, S, 64) fp16/bf16, contiguous; cos/sin "
+             "(B, 1, S or 1, 64), same dtype as x, sin shaped like cos; A2/A3 only (hiascend "
+             "torch_npu.npu_interleave_rope page; 950 not covered by those docs); no autograd "
+             "(inference graphs only)",
+         ))  # no autograd in torch_npu
 def npu_interleave_rope(x, cos, sin):
     # Half-mode RoPE of the de-interleaved x; the result is NOT re-interleaved (op_semantics 3.3).
     op = "npu_interleave_rope"
@@ -144,7 +246,7 @@ def npu_interleave_rope(x, cos, sin):
     _check_broadcasts_to(op, x, cos, sin)
     acc = _compute_dtype(x)
     q = _deinterleave(x.to(acc))
-    return (q * cos.to(acc) + _rot(q, "half") * sin.to(acc)).to(x.dtype).contiguous()
+    return in_layout_of((q * cos.to(acc) + _rot(q, "half") * sin.to(acc)).to(x.dtype), x)
 
 
 # =====================================================================================
@@ -182,12 +284,49 @@ def _check_partial_rotary(op: str, x: torch.Tensor, r1: torch.Tensor, r2: torch.
     return start, end
 
 
+def _partial_rotary_samples(dtype):
+    # x (B, S, N, D) rotated on its last 8 channels; r1 / r2 one angle per pair, twice (B, S, 1, 8)
+    cos, sin = (t.repeat_interleave(2, -1) for t in rope_tables((2, 5, 1, 4), dtype))
+    yield Sample((randn(2, 5, 3, 16, dtype=dtype), cos, sin), {"partial_slice": [8, 16]})
+    yield Sample((randn(2, 5, 3, 16, dtype=dtype), cos, sin), {"rotary_mode": "interleave", "partial_slice": [0, 8]})
+
+
 def _partial_rotary_fake(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
     _check_partial_rotary("inplace_partial_rotary_mul", x, r1, r2, rotary_mode, partial_slice)
 
 
-@stand_in("cann_ops_transformer::inplace_partial_rotary_mul", fake=_partial_rotary_fake,
-          python_autograd="cann_ops_transformer.ops.inplace_partial_rotary_mul.InplacePartialRotaryMulFn")
+@op_spec("cann_ops_transformer::inplace_partial_rotary_mul",
+         schema='inplace_partial_rotary_mul(Tensor(a!) x, Tensor r1, Tensor r2, *, str rotary_mode="interleave", int[2]'
+                " partial_slice=[0, 0]) -> ()",
+         fake=_partial_rotary_fake, samples=_partial_rotary_samples,
+         python_autograd="cann_ops_transformer.ops.inplace_partial_rotary_mul.InplacePartialRotaryMulFn",
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES,
+             min_rank=4,
+             max_rank=4,  # BSND
+             backward=None,  # the extension's InplacePartialRotaryMulFn (mark_dirty), mirrored by ours
+             autograd_rule="npu_fx_fusion.patterns.rope.InplacePartialRotaryMul",
+             ge_converter=True,
+             socs=_A2_A3_950,
+             limits={
+                 "package": "cann_ops_transformer",
+                 "ge_converter_source": "ops/graph_convert/graph_convert_inplace_partial_rotary_mul.py "
+                                        "(GE InplacePartialRotaryMul)",
+                 "backward_op": "cann_ops_transformer.inplace_partial_rotary_mul_backward",
+                 "max_head_dim": 1024, "head_dim_multiple": 2, "slice_multiple": 2,
+                 "contiguous": True,
+                 # r1 / r2 as x's letters (1: broadcast), per SoC
+                 "table_layouts_950": ("BSND", "B1ND", "B11D", "111D"),
+                 "table_layouts_a2_a3": ("BS1D", "B11D"),
+                 # torchtitan-npu's pre-AOT pattern README says "A5 only"; the COT doc and the kernel's
+                 # binary configs (ascend910b, ascend910_93, ascend950) list all three
+                 "socs_evidence": "COT doc and kernel configs: 950, A2, A3 (torchtitan-npu README: A5 only)",
+             },
+             doc="deepseek_v4.md 6.2 / COT docs/zh/inplace_partial_rotary_mul.md: x (B, S, N, D) fp16/bf16/fp32, "
+             "contiguous, D <= 1024 and even; partial_slice [start, end) of D, even length = r1/r2's last dim; r1/r2 "
+             "one dtype, broadcast BSND/B1ND/B11D/111D (950) or BS1D/B11D (A2/A3); in place; training through "
+             "InplacePartialRotaryMulFn (no r1/r2 grads); COT GE converter InplacePartialRotaryMul",
+         ))
 def inplace_partial_rotary_mul(x, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
     start, end = _check_partial_rotary("inplace_partial_rotary_mul", x, r1, r2, rotary_mode, partial_slice)
     if start == end:
@@ -202,7 +341,18 @@ def _partial_rotary_backward_fake(grad_output, r1, r2, *, rotary_mode="interleav
     _check_partial_rotary("inplace_partial_rotary_mul_backward", grad_output, r1, r2, rotary_mode, partial_slice)
 
 
-@stand_in("cann_ops_transformer::inplace_partial_rotary_mul_backward", fake=_partial_rotary_backward_fake)
+@op_spec("cann_ops_transformer::inplace_partial_rotary_mul_backward",
+         schema="inplace_partial_rotary_mul_backward(Tensor(a!) grad_output, Tensor r1, Tensor r2, *, str "
+                'rotary_mode="interleave", int[2] partial_slice=[0, 0]) -> ()',
+         fake=_partial_rotary_backward_fake, samples=_partial_rotary_samples,
+         capability=OpCapability(
+             dtypes=FLOAT_DTYPES, min_rank=4,
+             max_rank=4, backward=None, ge_converter=True, socs=_A2_A3_950,
+             limits={"package": "cann_ops_transformer",
+                     "ge_converter_source": "ops/graph_convert/graph_convert_inplace_partial_rotary_mul_backward.py "
+                                            "(GE InplacePartialRotaryMulGrad)"},
+             doc="inplace_partial_rotary_mul's backward: grad_output rotated back in place",
+         ))
 def inplace_partial_rotary_mul_backward(grad_output, r1, r2, *, rotary_mode="interleave", partial_slice=(0, 0)):
     # out = x*r1 + R(x)*r2 on the slice, so dx = r1*g + R^T(r2*g) = r1*g - R(r2*g) (R antisymmetric,
     # as npu_rotary_mul_backward); the other channels pass their gradient through unchanged

@@ -12,12 +12,31 @@ its family (norm.py, moe.py, ...):
         ...
 
 Everything else is derived from the spec: the stand-in library (`ensure_registered`), the
-schema table the wheel is checked against (`schemas.SCHEMAS`), the capability table the
+schemas the wheel is checked against (tests/test_schemas.py), the capability table the
 passes ask (`capabilities.CAPABILITIES`, with each op's SoC limits, GE converter and
-`verify_ulps` tolerance), and the op-level tests (`torch.library.opcheck` over every spec's
-samples, in every dtype its capability lists and in the input layouts it accepts). A new op
-is one spec in a family module (a new module of this package is found without being listed)
-and nothing else in the engine changes.
+`verify_ulps` tolerance), and the op-level tests (tests/test_op_specs.py: `torch.library.opcheck`
+over every spec's samples, in every dtype its capability lists and in the input layouts it
+accepts, and each fake against torch_npu's own Meta function). A new op is one spec in a family
+module (a new module of this package is found without being listed) and nothing else in the
+engine changes; an op without samples fails the tests.
+
+Schemas are copied character for character: torch_npu's from the wheel's
+torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml (compared with it by the tests); the
+extension packages' from their OpBuilder.schema(): cann_ops_transformer's from
+torch_extension/cann_ops_transformer/ops/*.py of mirror-cann/ops-transformer at 3a280bc
+(2026-07-21), spaces and their absence included; cann_ops_nn's from hicann/ops-nn
+activation/swiglu_group/torch_extension/swiglu_group.py (3caf360) and
+torch_extension/cann_ops_nn/ops/activation/swiglu_group_backward/swiglu_group_backward.py
+(0188283, the revision whose clamp_limit defaults to 0.0, "no clamp", with a (.., 1) weight).
+Those are compared with the installed package where there is one.
+
+Fakes give what the NPU compile's fake tensors are: the wheel's Meta function where it has a
+Python one (torch_npu/op_plugin/meta/_meta_registrations.py), else how op-plugin allocates the
+outputs in C++ (named in a comment at the fake), or the extension's register_meta. Most
+allocate contiguous outputs (torch.empty, new_empty, apply_tensor_without_format); an
+empty_like(input) keeps a transposed or channels-last input's strides. The reference kernel
+returns exactly those strides (`in_layout_of`, `.contiguous()`): a compile plans views from
+the fake's strides, and a kernel that returns others fails the compiled graph at run time.
 """
 from __future__ import annotations
 
@@ -29,6 +48,30 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+HALF_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+# SoC names as torch_npu's get_soc_version / the docs name the product lines.
+SOCS: tuple[str, ...] = (
+    "Ascend910B",  # Atlas A2 training / 800I A2 inference
+    "Ascend910_93",  # Atlas A3
+    "Ascend310P",  # Atlas inference series ("310P-class")
+    "Ascend950",  # arch35
+)
+
+# torch_npu's `int? ..._dtype` arguments (output_dtype, dst_type, y_dtype ...) take c10's
+# ScalarType enum values (the wheel's op_plugin/meta/_meta_registrations.py TORCH_DTYPE_MAP)
+SCALAR_TYPE_ENUM = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+                    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
+
+
+def dtype_argument(dtype: torch.dtype) -> int:
+    """The int a torch_npu op's dtype argument takes for `dtype`."""
+    return SCALAR_TYPE_ENUM[dtype]
+
+
+def dtype_of_argument(value: int) -> torch.dtype:
+    """The dtype an int dtype argument of a torch_npu op names."""
+    return next(dtype for dtype, enum in SCALAR_TYPE_ENUM.items() if enum == value)
 
 
 @dataclass(frozen=True)
@@ -38,6 +81,14 @@ class SocLimits:
     supported: bool = True
     dtypes: Optional[frozenset] = None  # None: the op's general dtypes
     mixed_gamma: bool = True  # fp32 gamma with an fp16/bf16 input
+
+
+def only_on_socs(*socs: str) -> dict[str, SocLimits]:
+    """The `socs` of a capability whose op runs on `socs` only (every other SoC unsupported)."""
+    unknown = set(socs) - set(SOCS)
+    if unknown:
+        raise ValueError(f"unknown SoC {sorted(unknown)}; known: {', '.join(SOCS)}")
+    return {soc: SocLimits(supported=False) for soc in SOCS if soc not in socs}
 
 
 @dataclass(frozen=True)
@@ -61,6 +112,10 @@ class OpCapability:
     # unfused code rounds after each op: measured bounds (tests/test_<pass>.py) are 1-2 ulp,
     # and the default leaves headroom for inputs that are random, not model activations.
     verify_ulps: float = 4
+    # FusionConfig(verify=True), integer outputs: how many units a value may differ by (0: equal).
+    # A quantization the op computes in fp32 where the code rounds first lands one unit off
+    # where that rounding crosses a .5
+    verify_integer_steps: int = 0
     # torch_npu has no backward for it (`backward` None), but our code differentiates it: the
     # torch.autograd.Function ("module.Class") that the passes emitting the op in training
     # graphs call, whose backward is made of ops that need no autograd themselves
@@ -130,7 +185,8 @@ class OpSpec:
     samples: Optional[Callable[..., Iterable[Sample]]] = None
     # the dtypes opcheck runs the samples in (default: the capability's dtypes, else fp32)
     sample_dtypes: Optional[frozenset] = None
-    # the input layouts the op accepts (LAYOUTS); the NPU kernel's documented requirements
+    # the input layouts the op accepts (LAYOUTS); the NPU kernel's documented requirements:
+    # contiguous only when its capability's limits say "contiguous", else every layout
     layouts: tuple[str, ...] = LAYOUTS
     # opcheck test (OPCHECK_TESTS) -> why this op cannot pass it; only that check is skipped
     opcheck_skips: Mapping[str, str] = field(default_factory=dict)
@@ -162,7 +218,7 @@ def op_spec(qualname: str, *, schema: str, fake: Callable, backward: Optional[Ca
             setup_context: Optional[Callable] = None, missing_backward: Optional[str] = None,
             differentiable_kwargs: tuple[str, ...] = (), python_autograd: Optional[str] = None,
             capability: Optional[OpCapability] = None, samples: Optional[Callable[..., Iterable[Sample]]] = None,
-            sample_dtypes: Optional[Iterable[torch.dtype]] = None, layouts: Iterable[str] = LAYOUTS,
+            sample_dtypes: Optional[Iterable[torch.dtype]] = None, layouts: Optional[Iterable[str]] = None,
             opcheck_skips: Optional[Mapping[str, str]] = None) -> Callable[[Callable], Callable]:
     """Declare `namespace::op` once, on its CPU reference kernel (see the module docstring)."""
     namespace, _, name = qualname.partition("::")
@@ -174,6 +230,8 @@ def op_spec(qualname: str, *, schema: str, fake: Callable, backward: Optional[Ca
         raise ValueError(f"{qualname}: a backward and a missing_backward exclude each other")
     if differentiable_kwargs and backward is None:
         raise ValueError(f"{qualname}: differentiable_kwargs need a backward")
+    if layouts is None:
+        layouts = ("contiguous",) if capability is not None and capability.limits.get("contiguous") else LAYOUTS
     unknown = set(layouts) - set(LAYOUTS)
     if unknown or "contiguous" not in layouts:
         raise ValueError(f"{qualname}: layouts must include 'contiguous' and be among {LAYOUTS}, got {sorted(unknown)}")
@@ -195,11 +253,23 @@ def op_spec(qualname: str, *, schema: str, fake: Callable, backward: Optional[Ca
     return declare
 
 
+_DOCUMENTED: dict[str, OpCapability] = {}
+
+
+def documented_op(qualname: str, capability: OpCapability) -> None:
+    """Declare the documented limits of an op that no pass emits and no stand-in computes (a
+    near miss quotes them: capabilities.NOT_EMITTED). An op with a stand-in is an `op_spec`."""
+    namespace, _, name = qualname.partition("::")
+    if not namespace or not name or qualname in _DOCUMENTED:
+        raise ValueError(f"documented_op({qualname!r}): namespace::op, declared once")
+    _DOCUMENTED[qualname] = replace(capability, op=f"{namespace}.{name}")
+
+
 def _family_modules() -> list[str]:
     """Every module of this package that declares ops (all but the private ones and this one)."""
     package = importlib.import_module(__package__)
     return sorted(info.name for info in pkgutil.iter_modules(package.__path__)
-                  if not info.name.startswith("_") and info.name not in ("spec", "schemas"))
+                  if not info.name.startswith("_") and info.name != "spec")
 
 
 def all_specs() -> Mapping[str, OpSpec]:
@@ -210,9 +280,20 @@ def all_specs() -> Mapping[str, OpSpec]:
     return dict(_SPECS)
 
 
+def documented_ops() -> Mapping[str, OpCapability]:
+    """qualname -> capability of every op declared with `documented_op` (no stand-in)."""
+    all_specs()
+    return dict(_DOCUMENTED)
+
+
 def spec_of(qualname: str) -> Optional[OpSpec]:
     """The spec of `namespace::op` or `namespace.op`, None if no family declares it."""
     return all_specs().get(qualname.replace(".", "::", 1) if "::" not in qualname else qualname)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Seeded normal values of `shape` in `dtype`, for samples (drawn in float64, then rounded)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
 def in_layout_of(result: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
