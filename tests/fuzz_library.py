@@ -406,7 +406,8 @@ ROUTERS = {
         "    top_scores = scores.gather(dim=1, index=selected)\n"
         "    top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)\n"
         "    return top_scores * self.route_scale, selected",
-        _biased_router_inputs, {"moe_gating": 1}, index_outputs=(1,), training_limit=ROUTER_IN_TRAINING),
+        _biased_router_inputs, {"moe_gating": 1}, index_outputs=(1,),
+        training_limit=r"sqrt-softplus router in training .*differentiates the sigmoid mode only"),
 }
 
 
