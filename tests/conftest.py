@@ -6,7 +6,8 @@ import torch
 
 # Tests that start several processes (tests/gloo_ranks.py) carry the `multiprocess` marker.
 # By default only those not also marked `slow` run (a bounded slice: the harness's own
-# tests and the 2-rank deepseek_v3 forward); NPU_FX_FUSION_MULTIPROCESS=all runs them all, =0 none.
+# tests, the 2-rank deepseek_v3 forward of expert parallel and the small MLP's TP inference and
+# SP training step of tensor parallel); NPU_FX_FUSION_MULTIPROCESS=all runs them all, =0 none.
 MULTIPROCESS_ENV = "NPU_FX_FUSION_MULTIPROCESS"
 
 

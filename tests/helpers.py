@@ -1,6 +1,7 @@
 """Shared test helpers: compile through the emulation backend, compare within ulps."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -169,6 +170,66 @@ class GuardRecordingBackend(EmulationBackend):
         if env is not None:
             self.added_guards += [g.expr for g in env.guards[before:]]
         return compiled
+
+
+# ---- graph capture over the fake process group (tests/test_expert_parallel.py, the tensor-parallel tests)
+class GraphCaptured(Exception):
+    """Raised instead of running a captured graph: fake collectives return no data."""
+
+
+class CaptureBackend(RecordingBackend):
+    """The emulation backend's aot_autograd and fusion pipeline, without the NPU dispatch (the
+    CPU spelling, unless `decompositions` gives torchair's); the fused graph is kept, never run.
+    `decompositions`: torchair's table, to see its spelling of the collectives."""
+
+    def __init__(self, config=None, decompositions=None):
+        super().__init__(config)
+        self.decompositions = decompositions or {}
+
+    def __call__(self, gm, example_inputs):
+        import functools
+
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        return aot_module_simplified(gm, example_inputs, decompositions=self.decompositions,
+                                     fw_compiler=functools.partial(self._compile, "forward"),
+                                     bw_compiler=functools.partial(self._compile, "backward"),
+                                     inference_compiler=functools.partial(self._compile, "inference"),
+                                     partition_fn=self._partition,  # the joint passes, in training
+                                     keep_inference_input_mutations=True)
+
+    def _compile(self, phase, gm, example_inputs):
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        self.pipeline(gm, example_inputs, phase)
+        self.graphs[phase] = gm
+
+        def never_run(*args):
+            raise GraphCaptured(phase)
+
+        return make_boxed_func(never_run)
+
+
+@contextlib.contextmanager
+def fake_world(world_size):
+    """torch.distributed over the fake backend in this process (rank 0 of world_size): the
+    collectives are recorded, their data is meaningless. torchtitan's process-wide SPMD backend
+    (its builders in tiny_models set it) restored after."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    try:
+        from torchtitan.distributed import utils as torchtitan_utils
+    except ImportError:
+        torchtitan_utils = None
+    spmd_backend = torchtitan_utils.get_spmd_backend() if torchtitan_utils else None
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        if torchtitan_utils:
+            torchtitan_utils.set_spmd_backend(spmd_backend)
 
 
 def is_size_limit(guard) -> bool:

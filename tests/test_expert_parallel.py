@@ -28,17 +28,15 @@ NPU_FX_FUSION_MULTIPROCESS=all adds qwen3, the 4-rank forward and the training s
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import npu_fx_fusion as nff
 from gloo_ranks import (RanksFailed, run_on_ranks, worker_all_reduce, worker_never_returns,
                         worker_skips_a_collective)
-from helpers import RecordingBackend, assert_close_at_scale, near_miss_reasons
+from helpers import CaptureBackend, GraphCaptured, RecordingBackend, assert_close_at_scale, fake_world, near_miss_reasons
 from torchair_harness.runner import run_scenario
 
 torchtitan = pytest.importorskip("torchtitan")
@@ -59,58 +57,6 @@ def _dynamic_sizes():
 
 
 # ---- graph capture over the fake process group -------------------------------------------------
-class GraphCaptured(Exception):
-    """Raised instead of running a captured graph: fake collectives return no data."""
-
-
-class CaptureBackend(RecordingBackend):
-    """The emulation backend's aot_autograd and fusion pipeline; the fused graph is kept,
-    never run. `decompositions`: torchair's table, to see its spelling of the collectives."""
-
-    def __init__(self, config=None, decompositions=None):
-        super().__init__(config)
-        self.decompositions = decompositions or {}
-
-    def __call__(self, gm, example_inputs):
-        import functools
-
-        from torch._functorch.aot_autograd import aot_module_simplified
-
-        return aot_module_simplified(gm, example_inputs, decompositions=self.decompositions,
-                                     fw_compiler=functools.partial(self._compile, "forward"),
-                                     bw_compiler=functools.partial(self._compile, "backward"),
-                                     inference_compiler=functools.partial(self._compile, "inference"),
-                                     partition_fn=self._partition,  # the joint passes, in training
-                                     keep_inference_input_mutations=True)
-
-    def _compile(self, phase, gm, example_inputs):
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        self.pipeline(gm, example_inputs, phase)
-        self.graphs[phase] = gm
-
-        def never_run(*args):
-            raise GraphCaptured(phase)
-
-        return make_boxed_func(never_run)
-
-
-@contextlib.contextmanager
-def fake_world(world_size):
-    """torch.distributed over the fake backend in this process (rank 0 of world_size);
-    torchtitan's process-wide SPMD backend (build_torchtitan_ep_moe sets it) restored after."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torchtitan.distributed import utils as torchtitan_utils
-
-    spmd_backend = torchtitan_utils.get_spmd_backend()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        torchtitan_utils.set_spmd_backend(spmd_backend)
-
-
 def capture(flavor, world_size, config=None, dtype=torch.bfloat16, decompositions=None, training=False,
             dynamic=None, **router):
     """The fused graph of one EP MoE layer on rank 0 of a fake world, and its report: the

@@ -8,12 +8,13 @@ first check that fails is the reason the site is not fused (a near miss in the r
 1. the exact match: the form's search, retraced at the match's own shapes and scalars,
    must match the same nodes (slice bounds, view sizes, the eps literal ...);
 2. in a joint graph, arguments bound to forward values and tangents to backward ones;
-3. each argument of the right kind (a tensor, or a constant scalar);
-4. no matched node with a keyword argument the form does not compute;
-5. every emitted op lowerable in the torchair mode;
-6. the pass's own check (hardware limits, layouts, proofs about the uses);
-7. the replacement's outputs of the same shapes and dtypes as the subgraph's;
-8. with FusionConfig(verify=True), numerically equal on random inputs (verify.py).
+3. every matched node in one torchair scope (a stream, a super kernel ...);
+4. each argument of the right kind (a tensor, or a constant scalar: a number or a string);
+5. no matched node with a keyword argument the form does not compute;
+6. every emitted op lowerable in the torchair mode;
+7. the pass's own check (hardware limits, layouts, proofs about the uses);
+8. the replacement's outputs of the same shapes and dtypes as the subgraph's;
+9. with FusionConfig(verify=True), numerically equal on random inputs (verify.py).
 
 Everything one run learns (accepted sites, refusals by node, caches valid for this
 graph's fake mode) lives in a RunContext that is created per run and handed to every
@@ -84,6 +85,8 @@ class RunContext:
     # called before the pass's check first runs, and so before the run can change the
     # graph (the caller's revert snapshot: a run without a candidate takes none)
     before_change: Optional[Callable[[], None]] = None
+    # the torchair scope of each node of the graph ({}: none), read on first use (_scopes_differ)
+    scopes: Optional[dict] = None
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -635,12 +638,48 @@ def _first_failure(ctx: RunContext, registration: Registration, site: Site, matc
                    arguments: _Arguments, replacement: list) -> Reason:
     form = site.form
     return ((_joint_roles_swapped(match, ctx) if ctx.joint and not ctx.gradient_free_only else None)
+            or _scopes_differ(ctx, site.nodes)
             or _argument_kinds_differ(ctx.fusion_pass, site)
             or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
             or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
             or ctx.fusion_pass.check(site)
             or _outputs_differ(ctx, registration, match, arguments, replacement)
             or (_verify(ctx, site, match) if ctx.verify else None))
+
+
+def _scopes_differ(ctx: RunContext, nodes: Sequence[Node]) -> Reason:
+    """The matched nodes must lie in one torchair scope: the region between an air.scope_enter
+    and its air.scope_exit (torchair.scope: npu_stream_switch puts its ops on another stream,
+    super_kernel, limit_core_num ... set attributes of theirs; torchair's ACL graph pass reads
+    them in that order, _acl_concrete_graph/graph_pass.py apply_event_closure_with_multi_stream).
+    A fused op replacing nodes of two scopes would run in one of them: a collective the user
+    put on its own stream to overlap it, for one, would not be there any more."""
+    if ctx.scopes is None:
+        ctx.scopes = _torchair_scopes(nodes[0].graph)
+    if not ctx.scopes:
+        return None
+    found = {ctx.scopes.get(node, ()) for node in nodes if node in ctx.scopes}
+    if len(found) > 1:
+        described = "; ".join(" > ".join(scope) or "no scope" for scope in sorted(found))
+        return f"its nodes lie in different torchair scopes ({described}): a fused op runs in one"
+    return None
+
+
+def _torchair_scopes(graph: torch.fx.Graph) -> dict:
+    """{node: the torchair scopes open at it, outermost first}, or {} for a graph without any."""
+    air = getattr(torch.ops, "air", None)
+    enter = getattr(getattr(air, "scope_enter", None), "default", None)
+    if enter is None or not graph.find_nodes(op="call_function", target=enter):
+        return {}
+    scopes, stack = {}, []
+    for node in graph.nodes:
+        if node.target is enter:
+            keys, values = node.args[0], node.args[1]
+            stack.append(", ".join(f"{k}={v}" for k, v in zip(keys, values)))
+        elif node.target is air.scope_exit.default and stack:
+            stack.pop()
+        scopes[node] = tuple(stack)
+    return scopes
 
 
 def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:

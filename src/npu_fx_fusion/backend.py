@@ -215,10 +215,13 @@ class EmulationBackend:
         config = self.pipeline.fusion_config
         if config.enabled_passes():
             specialize_module_floats(gm, example_inputs, self._floats)
-        trace_scope = contextlib.nullcontext()
+        trace_scope = contextlib.ExitStack()
         if config.npu_dispatch:
+            from .npu_dtensor import sharding_rules
+
             npu_dispatch.apply_transformers_npu_branches(gm)
-            trace_scope = npu_dispatch.emulated(config.soc)
+            trace_scope.enter_context(npu_dispatch.emulated(config.soc))
+            trace_scope.enter_context(sharding_rules())  # a tensor-parallel model's DTensors reach torch_npu's ops
         with trace_scope:
             return aot_module_simplified(
                 gm,

@@ -43,6 +43,14 @@ class Form:
     # None: every non-empty subset of the pass's `differentiable` (a big block with five
     # trainable inputs would otherwise trace 31 variants).
     grad_subsets: Optional[Sequence[tuple[str, ...]]] = None
+    # The search holds an op only an NPU graph has (aten.matmul_backward, the backward of a
+    # matmul as torch_npu records it, which CPU has no kernel for): it is traced only as an
+    # NPU compile records it, and matches only graphs traced that way.
+    npu_only: bool = False
+    # Examples this form is traced at besides the pass's `example`, each overriding some of its
+    # values (a scalar too: a rank count); None: the pass's example_variants. For a form whose
+    # structure depends on a value the others' does not (a concatenation of one slice per rank).
+    example_variants: Optional[Sequence[Mapping[str, Any]]] = field(default=None, hash=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -93,6 +101,13 @@ class Site:
             return broken[0]
         self.notes.extend(ON_AN_NPU + reason for reason in broken)
         return None
+
+
+def is_training_graph(graph: torch.fx.Graph) -> bool:
+    """A graph of a training step: the joint forward+backward graph, or the forward or the
+    backward graph aot_autograd partitioned from it. aot_autograd names a training graph's
+    inputs primals_* (and its incoming gradients tangents_*), an inference graph's arg*_*."""
+    return any(str(node.target).startswith(("primals_", "tangents_")) for node in graph.find_nodes(op="placeholder"))
 
 
 @dataclass
@@ -262,6 +277,12 @@ class FusionPass:
             ANCHOR_OPS_MISSED.extend((self.name, node.target) for node in graph.nodes
                                      if node.target not in targets and include(node) and self.anchor(node))
         return [node for node in nodes if include(node) and self.anchor(node)]
+
+    def variants_of(self, form: Form) -> tuple[Mapping[str, Any], ...]:
+        """The examples `form` is traced at: the pass's example, then the form's variants (or
+        the pass's)."""
+        variants = self.example_variants if form.example_variants is None else tuple(form.example_variants)
+        return ({}, *variants)
 
     def example_value(self, name: str, dtype: torch.dtype, variant: Optional[Mapping[str, Any]] = None) -> Any:
         value = (variant or {}).get(name, self.example[name])

@@ -11,7 +11,7 @@ from .canonical import is_backward, is_joint_graph
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
                               SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors)
-from .forms import Form, FusionPass, Reason, Recognized, Site
+from .forms import Form, FusionPass, Reason, Recognized, Site, is_training_graph
 from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
                     users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
@@ -21,10 +21,13 @@ from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, te
 from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 # the int a torch_npu op's dtype argument (output_dtype, dst_type ...) takes for a torch dtype
 from .npu_ops.spec import dtype_argument
+# the communicator (`hcom`) a collective op takes for a c10d process group, and that group's facts
+from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
 from .spellings import sum_over_count
 
 __all__ = ["SHAPE_ONLY_OPS", "ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason",
            "Recognized", "Site", "channel_gather", "channels_of", "dtype_argument", "evaluate_around", "evaluate_slice",
-           "first_refused_use", "is_backward", "is_call", "modelled", "real_tensors",
-           "is_joint_graph", "known_equal", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
+           "first_refused_use", "group_backend", "group_size", "hcom_of", "is_backward", "is_call", "is_joint_graph",
+           "is_training_graph", "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "real_tensors",
+           "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
            "uneven_halves", "users_outside"]

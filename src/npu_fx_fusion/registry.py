@@ -213,28 +213,80 @@ def pattern_set(fusion_pass: FusionPass) -> PatternSet:
 
 
 # ---- tracing -----------------------------------------------------------------------------
-def _scalar_workaround(fusion_pass: FusionPass, form: Form) -> dict:
-    return {n: v for n, v in fusion_pass.example.items()
-            if n in form.argnames and isinstance(v, (int, float))}
+def _scalar_arguments(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any]) -> dict:
+    """The form's scalar arguments in a trace on `inputs` (the example's values, or an example
+    variant's): {name: value}, numbers and strings."""
+    return {n: v for n, v in zip(form.argnames, inputs) if fusion_pass.is_scalar(n) and isinstance(v, (int, float, str))}
+
+
+def _scalar_workaround(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any]) -> dict:
+    """The numbers among them: torch's fx_to_pattern makes each a named argument."""
+    return {n: v for n, v in _scalar_arguments(fusion_pass, form, inputs).items() if not isinstance(v, str)}
+
+
+def _string_arguments(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any]) -> dict:
+    """{value: argument name} of the strings among them (a process group's name): like a
+    number's, an example string marks its argument in the trace."""
+    return {v: n for n, v in _scalar_arguments(fusion_pass, form, inputs).items() if isinstance(v, str)}
+
+
+def _with_string_arguments(pattern: pm.PatternExpr, strings: Mapping[str, str]) -> pm.PatternExpr:
+    """`pattern` with each literal of `strings` (example value -> argument name) as that
+    named argument, which matches any string and binds it (the same object at every use).
+
+    torch's fx_to_pattern makes named arguments of numbers only (its scalar_workaround);
+    a collective's group name is a string, and a form must take any group, not its example's."""
+    if not strings:
+        return pattern
+    named = {value: pm.KeywordArg(name) for value, name in strings.items()}
+    seen: set = set()
+
+    def rename(arg: Any) -> Any:
+        if isinstance(arg, str) and arg in named:
+            return named[arg]
+        if isinstance(arg, (list, tuple)):
+            return type(arg)(rename(item) for item in arg)
+        visit(arg)
+        return arg
+
+    def visit(node: Any) -> None:
+        if not isinstance(node, pm.PatternExpr) or id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, pm.MultiOutputPattern):
+            for output in node.outputs:
+                visit(output)
+        elif isinstance(node, pm._TargetArgsExpr):  # noqa: SLF001
+            node.args = tuple(rename(arg) for arg in node.args)
+            node.kwargs = {key: rename(value) for key, value in node.kwargs.items()}
+            node.flat_args_kwargs = node.flatten(node.args, node.kwargs)
+
+    visit(pattern)
+    return pattern
 
 
 def _generic_pattern(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any],
                      kind: str) -> tuple[pm.PatternExpr, torch.fx.GraphModule]:
     """The structural pattern of `form` traced on `inputs` (sizes, scalars and dtypes as
     wildcards, the scalars' example values as named arguments), and the traced graph."""
-    return pm.gen_pattern_and_search_gm(form.search, inputs, TRACERS[kind],
-                                        _scalar_workaround(fusion_pass, form))
+    numbers = _scalar_workaround(fusion_pass, form, inputs)
+    # torch's gen_pattern_and_search_gm takes those from the dict and the other arguments from
+    # its example inputs, in order: the numbers are left out of them (wherever they stand)
+    others = [value for name, value in zip(form.argnames, inputs) if name not in numbers]
+    pattern, gm = pm.gen_pattern_and_search_gm(form.search, others, TRACERS[kind], numbers)
+    return _with_string_arguments(pattern, _string_arguments(fusion_pass, form, inputs)), gm
 
 
-def _with_npu_casts(fusion_pass: FusionPass, form: Form, search_gm: torch.fx.GraphModule,
+def _with_npu_casts(fusion_pass: FusionPass, form: Form, search_gm: torch.fx.GraphModule, inputs: Sequence[Any],
                     joint: bool) -> Optional[tuple[pm.PatternExpr, torch.fx.GraphModule]]:
     """The pattern and graph of a traced search with torch_npu's cast spelling, if it has casts."""
     if not any(n.target is torch.ops.aten._to_copy.default for n in search_gm.graph.nodes):
         return None
     gm = spell_casts_as_npu(copy.deepcopy(search_gm), is_backward if joint else (lambda node: False))
     # as gen_pattern_and_search_gm converts the aten spelling (tangents keep their names)
-    return pm.fx_to_pattern(gm, ignore_types=(int, float, list, torch.device, torch.dtype),
-                            argnames=form.argnames, scalar_workaround=_scalar_workaround(fusion_pass, form)), gm
+    pattern = pm.fx_to_pattern(gm, ignore_types=(int, float, list, torch.device, torch.dtype),
+                               argnames=form.argnames, scalar_workaround=_scalar_workaround(fusion_pass, form, inputs))
+    return _with_string_arguments(pattern, _string_arguments(fusion_pass, form, inputs)), gm
 
 
 def _spellings(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any], joint: bool) -> list:
@@ -245,9 +297,11 @@ def _spellings(fusion_pass: FusionPass, form: Form, inputs: Sequence[Any], joint
     and joint traces are the costly ones)."""
     aten_kind, cast_kind, npu_kind = (JOINT, JOINT_NPU_CAST, JOINT_NPU) if joint else \
         (FORWARD, FORWARD_NPU_CAST, FORWARD_NPU)
+    if form.npu_only:
+        return [(npu_kind, *_generic_pattern(fusion_pass, form, inputs, npu_kind))]
     pattern, gm = _generic_pattern(fusion_pass, form, inputs, aten_kind)
     found = [(aten_kind, pattern, gm)]
-    casts = _with_npu_casts(fusion_pass, form, gm, joint)
+    casts = _with_npu_casts(fusion_pass, form, gm, inputs, joint)
     if casts is not None:
         found.append((cast_kind, *casts))
     if _npu_spelling_differs(fusion_pass, form, inputs):
@@ -263,7 +317,7 @@ def _npu_spelling_differs(fusion_pass: FusionPass, form: Form, inputs: Sequence[
     return cpu.code != npu.code
 
 
-def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphModule,
+def _covered(form: Form, kind: str, gm: torch.fx.GraphModule, scalars: Mapping[str, Any],
              earlier: Sequence[Registration]) -> bool:
     """An earlier registration with the same replacement already matches this traced
     search, binding each argument to the same input: registering it adds nothing. (After
@@ -280,7 +334,7 @@ def _covered(fusion_pass: FusionPass, form: Form, kind: str, gm: torch.fx.GraphM
             continue
         for pattern in registration.spelled:
             match = pattern.match(outputs[0])
-            if match and all(_binds(fusion_pass, match, name, node) for name, node in expected.items()):
+            if match and all(_binds(scalars, match, name, node) for name, node in expected.items()):
                 return True
     return False
 
@@ -292,7 +346,7 @@ def _keywords_of(gm: torch.fx.GraphModule, scalars: Mapping[str, Any]) -> set:
     examples = {(type(v), v) for v in scalars.values()}
 
     def spelled(value: Any) -> str:
-        is_scalar = isinstance(value, (int, float)) and not isinstance(value, bool)
+        is_scalar = isinstance(value, (int, float, str)) and not isinstance(value, bool)
         return SCALAR_ARGUMENT if is_scalar and (type(value), value) in examples else keyword_value(value)
 
     return {(str(n.target), key, spelled(value)) for n in gm.graph.nodes for key, value in n.kwargs.items()}
@@ -309,11 +363,11 @@ def keyword_value(value: Any) -> str:
     return "<node>" if isinstance(value, torch.fx.Node) else repr(value)
 
 
-def _binds(fusion_pass: FusionPass, match: pm.Match, name: str, placeholder: torch.fx.Node) -> bool:
+def _binds(scalars: Mapping[str, Any], match: pm.Match, name: str, placeholder: torch.fx.Node) -> bool:
     """The match binds argument `name` as the traced search has it: a tensor to its
-    placeholder, a scalar (a literal in the trace) to its example value."""
-    if name in fusion_pass.example and fusion_pass.is_scalar(name):
-        return match.kwargs.get(name, fusion_pass.example[name]) == fusion_pass.example[name]
+    placeholder, a scalar (a literal in the trace: `scalars`, its traced value) to that value."""
+    if name in scalars:
+        return match.kwargs.get(name, scalars[name]) == scalars[name]
     return match.kwargs.get(name) is placeholder or (name.startswith("tangents") and name not in match.kwargs)
 
 
@@ -323,11 +377,12 @@ def _trace(fusion_pass: FusionPass, forms: Sequence[Form]) -> PatternSet:
     with FakeTensorMode():
         emitted = {form: _emitted_ops(fusion_pass, form) for form in forms}
         for form in forms:
-            for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
+            for dtype, variant in itertools.product(form.dtypes, fusion_pass.variants_of(form)):
                 inputs = [fusion_pass.example_value(n, dtype, variant) for n in form.argnames]
+                scalars = _scalar_arguments(fusion_pass, form, inputs)
                 for kind, pattern, gm in _spellings(fusion_pass, form, inputs, joint=False):
-                    keywords[form] |= _keywords_of(gm, _scalar_workaround(fusion_pass, form))
-                    if not _covered(fusion_pass, form, kind, gm, forward):  # a form's dtypes and spellings often coincide
+                    keywords[form] |= _keywords_of(gm, scalars)
+                    if not _covered(form, kind, gm, scalars, forward):  # a form's dtypes and spellings often coincide
                         forward.append(Registration(form, pattern, kind))
     log.info("%s: traced %d patterns of %d forms", fusion_pass.name, len(forward), len(forms))
     forward = tuple(forward)
@@ -350,8 +405,8 @@ def _emitted_ops(fusion_pass: FusionPass, form: Form) -> tuple[str, ...]:
     search already contains (a custom op of the model the replacement keeps, an earlier
     pass's npu op) are carried over, not emitted. Every one needs a capabilities entry."""
     inputs = [fusion_pass.example_value(n, form.dtypes[0]) for n in form.argnames]
-    ops = sorted(custom_ops(trace_without_decompositions(form.replace, inputs))
-                 - custom_ops(trace_without_decompositions(form.search, inputs)))
+    trace = TRACERS[FORWARD_NPU] if form.npu_only else trace_without_decompositions
+    ops = sorted(custom_ops(trace(form.replace, inputs)) - custom_ops(trace(form.search, inputs)))
     for op in ops:
         capability(op)  # raises for an op the table lacks
     return tuple(ops)
@@ -379,7 +434,7 @@ def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict,
             for subset in joint_candidates(fusion_pass, form, emitted[form]):
                 # the variants too: an autograd formula may depend on strides (the weight
                 # gradient of _grouped_mm on a transposed weight view)
-                for dtype, variant in itertools.product(form.dtypes, ({}, *fusion_pass.example_variants)):
+                for dtype, variant in itertools.product(form.dtypes, fusion_pass.variants_of(form)):
                     inputs = _joint_inputs(fusion_pass, form, dtype, variant, subset)
                     try:
                         found = _spellings(fusion_pass, form, inputs, joint=True)
@@ -389,10 +444,11 @@ def _trace_joint(fusion_pass: FusionPass, forms: Sequence[Form], emitted: dict,
                         continue
                     differentiable = tuple(n for n, v in zip(form.argnames, inputs)
                                            if isinstance(v, torch.Tensor) and v.requires_grad)
+                    scalars = _scalar_arguments(fusion_pass, form, inputs)
                     for kind, pattern, gm in found:
-                        keywords[form] |= _keywords_of(gm, _scalar_workaround(fusion_pass, form))
+                        keywords[form] |= _keywords_of(gm, scalars)
                         same_grads = [r for r in joint if r.requires_grad == differentiable]
-                        if not _covered(fusion_pass, form, kind, gm, same_grads):
+                        if not _covered(form, kind, gm, scalars, same_grads):
                             joint.append(Registration(form, pattern, kind, differentiable))
     return tuple(joint)
 

@@ -35,7 +35,9 @@ __all__ = [
     "build_hf_from_config",
     "build_torchtitan",
     "build_torchtitan_ep_moe",
+    "build_torchtitan_tp",
     "TORCHTITAN_EP_FLAVORS",
+    "TORCHTITAN_TP_MODELS",
     "hf_config",
     "hf_model_types",
     "load_hf_config",
@@ -862,6 +864,36 @@ def _cast_floating_params(model: nn.Module, dtype: torch.dtype) -> None:
                 mod._buffers[key] = buf.to(dtype)
 
 
+def _torchtitan_flavor(configs: Any, flavor: str, attention_mod: Any, num_layers: int, name: str,
+                       **flavor_kwargs: Any) -> Any:
+    """The model config of torchtitan's `flavor`, cut to `num_layers`, attention on SDPA."""
+    # "flex" is the flavor's default backend; we swap it right away because flex
+    # attention needs a BlockMask input and a compiled kernel, while SDPA runs (and
+    # traces) on CPU with the causal mask built in.
+    cfg = configs[flavor](attn_backend="flex", **flavor_kwargs)
+    if num_layers > len(cfg.layers):
+        raise ValueError(f"torchtitan {name} {flavor} has {len(cfg.layers)} layers; asked for {num_layers}")
+    cfg.layers = cfg.layers[:num_layers]
+    for layer_cfg in cfg.layers:
+        layer_cfg.attention.inner_attention = attention_mod.ScaledDotProductAttention.Config()
+    return cfg
+
+
+def _build_torchtitan_model(cfg: Any, *, dtype: torch.dtype, seed: int, batch: int, seq_len: int) -> tuple:
+    """(model, token ids) of a torchtitan model config: weights and tokens seeded, in `dtype`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cfg.build()
+        # torchtitan builds parameters first and initializes them separately (so the
+        # same code works after meta-device init); without this call weights are
+        # uninitialized memory and the RoPE cache may be missing.
+        model.init_states(buffer_device=torch.device("cpu"))
+        ids = _random_ids(cfg.vocab_size, batch, seq_len)
+    if dtype != torch.float32:
+        _cast_floating_params(model, dtype)
+    return model, ids
+
+
 def build_torchtitan(
     name: str,
     *,
@@ -901,29 +933,9 @@ def build_torchtitan(
         "torchtitan.models.common.attention", _TORCHTITAN_INSTALL_HINT
     )
 
-    # "flex" is the flavor's default backend; we swap it right away because flex
-    # attention needs a BlockMask input and a compiled kernel, while SDPA runs (and
-    # traces) on CPU with the causal mask built in.
     flavor = _TORCHTITAN_FLAVORS.get(name, "debugmodel")
-    cfg = getattr(models_mod, configs_attr)[flavor](attn_backend="flex", **flavor_kwargs)
-    if num_layers > len(cfg.layers):
-        raise ValueError(
-            f"torchtitan {name} {flavor} has {len(cfg.layers)} layers; asked for {num_layers}"
-        )
-    cfg.layers = cfg.layers[:num_layers]
-    for layer_cfg in cfg.layers:
-        layer_cfg.attention.inner_attention = attention_mod.ScaledDotProductAttention.Config()
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cfg.build()
-        # torchtitan builds parameters first and initializes them separately (so the
-        # same code works after meta-device init); without this call weights are
-        # uninitialized memory and the RoPE cache may be missing.
-        model.init_states(buffer_device=torch.device("cpu"))
-        ids = _random_ids(cfg.vocab_size, batch, seq_len)
-    if dtype != torch.float32:
-        _cast_floating_params(model, dtype)
+    cfg = _torchtitan_flavor(getattr(models_mod, configs_attr), flavor, attention_mod, num_layers, name, **flavor_kwargs)
+    model, ids = _build_torchtitan_model(cfg, dtype=dtype, seed=seed, batch=batch, seq_len=seq_len)
     model.eval()
 
     return TinyModel(
@@ -1102,4 +1114,94 @@ def build_torchtitan_ep_moe(
         name=f"torchtitan-{flavor}-moe-ep{world}-{tag}",
         description=(f"torchtitan {flavor} MoE layer ({moe_cfg.num_experts} experts, top-{moe_cfg.router.top_k}) "
                      f"with expert parallel over {world} ranks"),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# torchtitan dense models with tensor parallel (docs/tensor-parallel.md)
+# --------------------------------------------------------------------------------------
+
+# name -> (models module, configs attr, flavor, sharding module, sharding setter, parallelize
+# module, parallelize function); the setter takes enable_sp (qwen3's also enable_ep)
+_TORCHTITAN_TP_MODELS: dict[str, tuple[str, str, str, str, str, str, str]] = {
+    "llama3": ("torchtitan.models.llama3", "llama3_configs", "debugmodel", "torchtitan.models.llama3.sharding",
+               "set_llama3_sharding_config", "torchtitan.models.llama3.parallelize", "parallelize_llama"),
+    "qwen3": ("torchtitan.models.qwen3", "qwen3_configs", "debugmodel", "torchtitan.models.qwen3.sharding",
+              "set_qwen3_sharding_config", "torchtitan.models.qwen3.parallelize", "parallelize_qwen3"),
+}
+
+TORCHTITAN_TP_MODELS: tuple[str, ...] = tuple(_TORCHTITAN_TP_MODELS)
+
+
+def build_torchtitan_tp(
+    name: str,
+    *,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    num_layers: int = 2,
+    batch: Optional[int] = None,
+    seq_len: int = 16,
+    seed: int = 0,
+    spmd_backend: str = "partial_dtensor",
+) -> TinyModel:
+    """torchtitan's `name` debugmodel (cut to `num_layers`) tensor-parallel over every rank of
+    the default process group, by torchtitan's own parallelize function (parallelize_llama /
+    parallelize_qwen3) and sharding config (set_<model>_sharding_config, enable_sp =
+    `sequence_parallel`), FSDP left out so that one graph holds the model.
+
+    torch.distributed must be initialized (gloo on CPU, or the fake backend for graph capture);
+    TP degree = world size. Weights and tokens are the same on every rank (seeded), as TP
+    needs. `batch` None: 1 with sequence parallel (torchtitan's SP shards the sequence of each
+    sample), else 2; `seq_len` must divide by the ranks with SP. The meshes are built on CPU
+    (torchtitan builds them on the accelerator it finds). The model returns each rank's
+    vocabulary shard of the logits (loss parallel), a plain tensor.
+    """
+    import unittest.mock
+
+    import torch.distributed as dist
+
+    if name not in _TORCHTITAN_TP_MODELS:
+        raise ValueError(f"unknown model {name!r}; supported: {', '.join(TORCHTITAN_TP_MODELS)}")
+    if not dist.is_initialized():
+        raise RuntimeError("build_torchtitan_tp needs torch.distributed initialized (one process per rank)")
+    world = dist.get_world_size()
+    if sequence_parallel and seq_len % world:
+        raise ValueError(f"sequence parallel over {world} ranks needs seq_len divisible by it, got {seq_len}")
+    batch = (1 if sequence_parallel else 2) if batch is None else batch
+    module_name, configs_attr, flavor, sharding_module, setter, parallelize_module, parallelize_fn = \
+        _TORCHTITAN_TP_MODELS[name]
+    models_mod = _import_optional(module_name, _TORCHTITAN_INSTALL_HINT)
+    attention_mod = _import_optional("torchtitan.models.common.attention", _TORCHTITAN_INSTALL_HINT)
+    parallel_dims_mod = _import_optional("torchtitan.distributed.parallel_dims", _TORCHTITAN_INSTALL_HINT)
+    configs_mod = _import_optional("torchtitan.config", _TORCHTITAN_INSTALL_HINT)
+    spmd = _import_optional("torchtitan.distributed.utils", _TORCHTITAN_INSTALL_HINT)
+    set_sharding = getattr(_import_optional(sharding_module, _TORCHTITAN_INSTALL_HINT), setter)
+    parallelize_mod = _import_optional(parallelize_module, _TORCHTITAN_INSTALL_HINT)
+
+    cfg = _torchtitan_flavor(getattr(models_mod, configs_attr), flavor, attention_mod, num_layers, name)
+    sharding = {"enable_sp": sequence_parallel}
+    if "enable_ep" in inspect.signature(set_sharding).parameters:
+        sharding["enable_ep"] = False
+    set_sharding(cfg, **sharding)
+    spmd.set_spmd_backend(spmd_backend)
+    model, ids = _build_torchtitan_model(cfg, dtype=dtype, seed=seed, batch=batch, seq_len=seq_len)
+    parallel_dims = parallel_dims_mod.ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world, spmd_backend=spmd_backend)
+    with unittest.mock.patch.object(parallel_dims_mod, "device_type", "cpu"):
+        parallel_dims.build_mesh()
+    parallelism = configs_mod.ParallelismConfig(tensor_parallel_degree=world, enable_sequence_parallel=sequence_parallel,
+                                                spmd_backend=spmd_backend)
+    # FSDP left out: with it every block would be a graph of its own (its hooks break the graph)
+    with unittest.mock.patch.object(parallelize_mod, "apply_fsdp_to_decoder", lambda *args, **kwargs: None):
+        getattr(parallelize_mod, parallelize_fn)(
+            model, parallel_dims=parallel_dims, training=configs_mod.TrainingConfig(), parallelism=parallelism,
+            compile_config=configs_mod.CompileConfig(enable=False), ac_config=None, dump_folder="")
+    tag = _dtype_tag(dtype)
+    mode = "tp_sp" if sequence_parallel else "tp"
+    return TinyModel(
+        model=model.eval(),
+        example_inputs=(ids,),
+        name=f"torchtitan-{name}-{mode}{world}-{tag}",
+        description=(f"torchtitan {name} {flavor} ({num_layers} layers), tensor parallel"
+                     f"{' + sequence parallel' if sequence_parallel else ''} over {world} ranks by {parallelize_fn}"),
     )

@@ -163,6 +163,8 @@ _IMPORT_ONLY: dict[str, dict[str, tuple[str, str]]] = {
     "torchtune": {
         "torchao": ("torchao", "torchtune/__init__ insists on it; the models use it only for NF4 / QAT "
                                "quantization (modules/common_utils, peft), never in a plain decoder's forward"),
+        # torchao releases after 0.12 dropped the NF4 tensor torchtune 0.6.1 imports at load time
+        "torchao.dtypes.nf4tensor": ("torchao.dtypes.nf4tensor", "the same NF4 quantization, gone from newer torchao"),
         "datasets": ("datasets", "torchtune.data / torchtune.datasets load training data"),
         "omegaconf": ("omegaconf", "torchtune.config reads recipe YAML"),
         "sentencepiece": ("sentencepiece", "tokenizers"),
