@@ -51,10 +51,20 @@ view where other group counts copy: canonical.py spells both alike, so it fuses.
 A softmax router with an unsorted top-k (`sorted=False`, no bias) fuses into
 npu_moe_gating_top_k_softmax under the same order proof as the biased ones.
 """
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, is_joint_graph, tensor_meta
+from npu_fx_fusion.matching import (SHAPE_ONLY_OPS, Form, FusionPass, NotEvaluable, Recognized, channels_of,
+                                    evaluate_slice, real_tensors,
+                                    first_refused_use, is_backward, is_call, is_joint_graph, tensor_meta)
+
+Node = torch.fx.Node
 
 aten = torch.ops.aten
 GATING = CAPABILITIES["npu.npu_moe_gating_top_k_softmax"]
@@ -249,7 +259,7 @@ def _check_hash(site):
 def check(site):
     if site.form.search is deepseek_v4_hash_routing:
         return _check_hash(site)
-    if site.form.search is deepseek_v4_sqrt_softplus_top_k:
+    if site.form.search is deepseek_v4_sqrt_softplus_top_k or site.args.get("norm_type") == 2:
         return _check_biased(site) or _sqrt_softplus_reason(site)
     if site.form.fused_op == "npu.npu_moe_gating_top_k":
         return _check_biased(site)
@@ -264,7 +274,7 @@ def check(site):
     experts = logits.shape[-1]
     if not 0 < k <= min(experts, GATING.limits["max_k"]):
         return f"k = {k} with {experts} experts: npu_moe_gating_top_k_softmax takes 0 < k <= E, k <= 1024"
-    if site.form.search is softmax_top_k_unsorted:
+    if site.form.search is softmax_top_k_unsorted or site.args.get("unsorted"):
         return _order_reason(site, k)
     return None
 
@@ -291,7 +301,7 @@ def _check_biased(site):
     if logits.dtype != torch.float32:
         return (f"scores over {str(logits.dtype)[6:]} logits: npu_moe_gating_top_k ranks fp32 scores "
                 "and could choose other experts in near ties")
-    if bias.shape != (experts,) or torch.promote_types(bias.dtype, logits.dtype) != logits.dtype:
+    if bias is not None and (bias.shape != (experts,) or torch.promote_types(bias.dtype, logits.dtype) != logits.dtype):
         return (f"the bias is {str(bias.dtype)[6:]}{list(bias.shape)}: npu_moe_gating_top_k takes "
                 f"({experts},) in the logits' dtype")
     limits = GROUPED.limits
@@ -305,7 +315,7 @@ def _check_biased(site):
         return f"groups of {group_size} padded to 32 exceed {limits['max_aligned_experts']} experts"
     if not 1 <= kept_groups <= groups or not 1 <= top_k <= kept_groups * group_size:
         return f"top-{top_k} of the best {kept_groups} of {groups} groups is outside the op's range"
-    return _order_reason(site, top_k)
+    return _order_reason(site, top_k) if site.args.get("unsorted", True) else None
 
 
 # Ops that pass a tensor on without reordering its last (k) dim.
@@ -369,7 +379,9 @@ def order_dependent_use(site, top_k):
 
 # ---- near misses: a router top-k left unfused ---------------------------------------------
 def _is_sqrt_softplus(node):
-    return is_call(node, aten.sqrt.default) and is_call(node.args[0], aten.softplus.default)
+    """sqrt(softplus(x)), however the softplus is spelled (_act_of: the router reading's own test)."""
+    act = _act_of(node) if isinstance(node, torch.fx.Node) else None
+    return act is not None and act[0] == "sqrt_softplus"
 
 
 def _router_scores(node):
@@ -454,6 +466,700 @@ def _training_reason(scores):
     return None
 
 
+# =============================================================================================
+# Routers recognised by what they compute
+# =============================================================================================
+# The forms above are the routers of transformers and torchtitan as they spell them. Any
+# other spelling of the same computation is read here, piece by piece, each piece by what it
+# computes rather than by how it is written:
+#
+#   scores  = act(logits)          a softmax over the experts, a sigmoid, or sqrt(softplus)
+#   choice  = scores + bias        optional; read with the channel algebra: choice_j is
+#                                  scores_j + bias_j, however it is broadcast or viewed
+#   choice  = groups kept          optional: choice_j where expert j's group is among the
+#                                  k_group best (each group's top-2 sum, or its max), else -inf;
+#                                  the mask is run on every choice of groups (evaluate_slice)
+#   ids     = topk(choice, k)      or the top-k of the logits themselves where nothing is added
+#                                  (each act is increasing: the same experts, in the same order)
+#   weights = scores at ids        a gather, the top-k's own values, or a softmax over the k
+#                                  chosen logits (= the chosen scores over their sum)
+#   weights / (sum + eps), * scale, casts     the steps after, read one at a time
+#
+# The fused op computes its part of that (npu_moe_gating_top_k_softmax: a softmax top-k;
+# npu_moe_gating_top_k: a bias, groups, and for sigmoid / sqrt-softplus the renormalisation
+# and one scale); the steps it does not compute are replayed after it as the model wrote them.
+_INCREASING = {"softmax": 0, "sigmoid": 1, "sqrt_softplus": 2}  # act -> the op's norm_type
+_MAX_GROUP_CHOICES = 20000  # group choices the mask is run on (every one; more: not checked)
+
+
+class _NotRouter(Exception):
+    """The top-k is no router the reading knows (no near miss of its own)."""
+
+
+@dataclass
+class _Router:
+    topk: Node
+    ids: Node
+    k: int
+    sorted: bool
+    act: str
+    act_node: Optional[Node]
+    logits: Node  # the act's input: what the op takes
+    bias: Optional[Node] = None
+    groups: Optional[tuple] = None  # (n_group, k_group, group_select_mode)
+    weights: Optional[Node] = None  # the chosen experts' scores (or their renormalised softmax)
+    renormalised: bool = False  # weights is already the chosen scores over their sum (eps 0)
+    steps: list = field(default_factory=list)  # [(kind, node, constant)] after the weights
+    nodes: set = field(default_factory=set)
+    notes: list = field(default_factory=list)
+    compute_dtype: Optional[torch.dtype] = None  # the logits' dtype for the op, if not theirs
+
+
+def _is_cast(node):
+    """A dtype cast: .to(dtype) as aot spells it, or torch_npu's own (an NPU compile's)."""
+    return is_call(node, aten._to_copy.default, torch.ops.prims.convert_element_type.default) or \
+        getattr(getattr(node, "target", None), "__name__", "").startswith("_npu_dtype_cast")
+
+
+def _cast_source(node):
+    """`node` without the casts on it."""
+    while _is_cast(node):
+        node = node.args[0]
+    return node
+
+
+def _act_of(node):
+    """(act name, its input) when `node` computes one of the router's score functions."""
+    if is_call(node, aten._softmax.default):
+        return ("softmax", node.args[0]) if node.args[1] in (-1, tensor_meta(node).dim() - 1) else None
+    if is_call(node, aten.sigmoid.default):
+        return "sigmoid", node.args[0]
+    if is_call(node, aten.sqrt.default) and is_call(node.args[0], aten.softplus.default):
+        softplus = node.args[0]
+        if tuple(softplus.args[1:3]) in ((), (1,), (1, 20), (1.0, 20.0)):
+            return "sqrt_softplus", softplus.args[0]
+    if is_call(node, aten.sqrt.default) and isinstance(node.args[0], Node):
+        source = _softplus_source(node.args[0])
+        if source is not None:
+            return "sqrt_softplus", source
+    return None
+
+
+# a softplus spelled elementwise (torchtitan-npu V4: log1p(exp(-|x|)) + relu(x)) is recognised by
+# running it: on these values it must give F.softplus's within _SOFTPLUS_ULPS (the same function,
+# rounded in another order: the op's own softplus is not bit-identical to either)
+_SOFTPLUS_PROBE = (-100.0, -20.0, -3.0, -1.0, -0.25, -1e-3, 0.0, 1e-3, 0.25, 1.0, 3.0, 15.0, 20.0, 25.0, 100.0)
+_SOFTPLUS_ULPS = 4
+_MAX_SOFTPLUS_NODES = 12
+
+
+def _softplus_source(node):
+    """x, when `node` is an elementwise function of the one tensor x that computes softplus(x)."""
+    region, sources, pending = set(), set(), [node]
+    while pending:
+        current = pending.pop()
+        if current in region:
+            continue
+        pointwise = current.op == "call_function" and torch.Tag.pointwise in getattr(current.target, "tags", ())
+        if not pointwise or current is not node and len(region) >= _MAX_SOFTPLUS_NODES:
+            sources.add(current)
+            continue
+        region.add(current)
+        pending.extend(current.all_input_nodes)
+    if len(sources) != 1 or len(region) < 2:
+        return None
+    (source,) = sources
+    meta = tensor_meta(source)
+    if meta is None or meta.dtype != torch.float32 or tensor_meta(node).dtype != torch.float32:
+        return None
+    with real_tensors():
+        probe = torch.tensor(_SOFTPLUS_PROBE, dtype=torch.float32)
+        try:
+            (value,) = evaluate_slice([node], {source: probe}, limit=_MAX_SOFTPLUS_NODES)
+        except NotEvaluable:
+            return None
+        expected = F.softplus(probe)
+        if value.shape != probe.shape or value.dtype != torch.float32:
+            return None
+        allowed = _SOFTPLUS_ULPS * (torch.nextafter(expected, torch.full_like(expected, float("inf"))) - expected)
+        return source if bool(((value - expected).abs() <= allowed).all()) else None
+
+
+def _linear_terms(poly, value):
+    """{(leaf, flat index): coefficient} and the constant of one channel's polynomial, or None
+    for a product (a channel that is not linear in the leaves)."""
+    terms, constant = {}, 0.0
+    for mono, coef in poly.items():
+        if not mono:
+            constant = coef
+        elif len(mono) == 1:
+            factor = value.factor(mono[0])
+            if factor.part:
+                return None
+            terms[(factor.leaf, factor.index)] = coef
+        else:
+            return None
+    return terms, constant
+
+
+def _read_sum_of(node, experts):
+    """{leaf: None} when channel j of `node` is the sum of leaf channels j (each leaf's last
+    dim `experts` wide, broadcast over the tokens): the scores and an additive bias. Raises
+    _NotRouter for anything else, with the reason as its message where it is a router's."""
+    try:
+        value = channels_of(node)
+    except NotEvaluable:
+        raise _NotRouter(None) from None
+    if len(value.channels) != experts:
+        raise _NotRouter(None)
+    leaves = None
+    for j, poly in enumerate(value.channels):
+        read = _linear_terms(poly, value) if isinstance(poly, dict) else None
+        if read is None:
+            raise _NotRouter(None)
+        terms, constant = read
+        if constant:
+            raise _NotRouter(f"a constant {constant:g} is added to the router's scores before the top-k: "
+                             "the op selects and weights with the scores themselves")
+        if any(coef != 1.0 for coef in terms.values()):
+            raise _NotRouter("the router's scores are scaled before the top-k: the op selects on the scores "
+                             "themselves (plus a bias)")
+        here = {leaf: index for (leaf, index) in terms}
+        if leaves is None:
+            leaves = set(here)
+        if set(here) != leaves or any(index != j for index in here.values()):
+            raise _NotRouter(None)
+    return leaves
+
+
+def _through_views(node):
+    """The nodes of a chain of reshapes (view, reshape, unsqueeze, ...) from `node` up."""
+    chain = []
+    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                  aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.clone.default):
+        chain.append(node)
+        node = node.args[0]
+    return node, chain
+
+
+def _masked(choice, experts):
+    """(masked node, the choice before the mask, mask, fill, where-true-means-kept) when the
+    top-k's input is a masked copy of the choice (through reshapes), else None."""
+    try:
+        value = channels_of(choice)
+    except NotEvaluable:
+        return None
+    leaf, in_order = None, True
+    for j, poly in enumerate(value.channels):
+        read = _linear_terms(poly, value) if isinstance(poly, dict) else None
+        if read is None or read[1] or len(read[0]) != 1:
+            return None
+        ((node, index), coef), = read[0].items()
+        if coef != 1.0 or leaf not in (None, node):
+            return None
+        leaf, in_order = node, in_order and index == j
+    if leaf is None:
+        return None
+    if not in_order:
+        if is_call(leaf, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self):
+            raise _NotRouter("the experts are reordered between the group mask and the top-k (groups of "
+                             "interleaved experts?): npu_moe_gating_top_k's groups are runs of E / group_count "
+                             "consecutive experts")
+        return None
+    if is_call(leaf, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        data, mask, fill = leaf.args[:3]
+        return leaf, data, mask, fill, False
+    if is_call(leaf, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
+        cond, a, b = leaf.args[:3]
+        fill_a, fill_b = _constant(a), _constant(b)
+        if fill_b is not None and fill_a is None:
+            return leaf, a, cond, fill_b, True
+        if fill_a is not None and fill_b is None:
+            return leaf, b, cond, fill_a, False
+    return None
+
+
+def _constant(arg):
+    """The number `arg` is: a Python number or a 0-d constant tensor made in the graph."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return float(arg)
+    if is_call(arg, aten.full.default) and not arg.all_input_nodes and isinstance(arg.args[1], (int, float)):
+        return float(arg.args[1])
+    if is_call(arg, aten.scalar_tensor.default) and isinstance(arg.args[0], (int, float)):
+        return float(arg.args[0])
+    if is_call(arg, aten.lift_fresh_copy.default, aten._to_copy.default, aten.clone.default):
+        return _constant(arg.args[0])
+    if isinstance(arg, Node) and arg.op == "get_attr":  # torch.tensor(float("-inf")): a constant of the module
+        with real_tensors():
+            value = getattr(arg.graph.owning_module, arg.target, None)
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+                return float(value.reshape(()).item())
+    return None
+
+
+def _group_scores(group_topk, experts, choice_value):
+    """(n_group, group_select_mode, nodes) when the group top-k's input is, per group, the sum of
+    the top 2 (mode 1) or the max (mode 0) of the choice's experts of that group."""
+    scores = group_topk.args[0]
+    nodes = [scores]
+    if is_call(scores, aten.sum.dim_IntList) and list(scores.args[1]) == [-1] and \
+            is_call(scores.args[0], operator.getitem) and scores.args[0].args[1] == 0 and \
+            is_call(scores.args[0].args[0], aten.topk.default):
+        top2 = scores.args[0].args[0]
+        if top2.args[1] != 2 or (len(top2.args) > 2 and top2.args[2] != -1) or \
+                (len(top2.args) > 3 and not top2.args[3]):
+            return None
+        grouped, mode = top2.args[0], 1
+        nodes += [scores.args[0], top2]
+    elif is_call(scores, aten.amax.default) and list(scores.args[1]) == [-1]:
+        grouped, mode = scores.args[0], 0
+    elif is_call(scores, operator.getitem) and scores.args[1] == 0 and is_call(scores.args[0], aten.max.dim) \
+            and scores.args[0].args[1] in (-1, tensor_meta(scores.args[0].args[0]).dim() - 1):
+        grouped, mode = scores.args[0].args[0], 0
+        nodes.append(scores.args[0])
+    else:
+        return None
+    shape = tensor_meta(grouped).shape
+    if len(shape) < 2 or not isinstance(shape[-1], int) or not isinstance(shape[-2], int) or \
+            shape[-1] * shape[-2] != experts:
+        return None
+    try:
+        value = channels_of(grouped)
+    except NotEvaluable:
+        return None
+    if len(value.channels) != experts or value.channels != choice_value.channels:
+        return None  # (the same polynomials of the same leaves: the choice, grouped in order)
+    return shape[-2], mode, nodes
+
+
+def _group_mask_reason(mask, masked, kept_where, group_idx, n_group, k_group, experts):
+    """None when `mask`, broadcast to the masked tensor, is true exactly at the experts of the
+    groups in group_idx (kept_where) or exactly outside them: checked on every choice of
+    k_group of the n_group groups, each in two orders. Else the reason."""
+    try:
+        lead = [_size_hint(s) for s in tensor_meta(group_idx).shape[:-1]]
+        shape = [_size_hint(s) for s in tensor_meta(masked).shape]
+    except (TypeError, AttributeError):
+        return "the group mask's token count has no hint"
+    choices = list(itertools.combinations(range(n_group), k_group))
+    if 2 * len(choices) > _MAX_GROUP_CHOICES:
+        return f"{len(choices)} choices of {k_group} of {n_group} groups: too many to check the group mask on each"
+    rows = [list(c) for c in choices] + [list(reversed(c)) for c in choices]
+    with real_tensors():
+        return _mask_mismatch(mask, kept_where, group_idx, rows, lead, shape, n_group, experts)
+
+
+def _size_hint(size):
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _mask_mismatch(mask, kept_where, group_idx, rows, lead, shape, n_group, experts):
+    """Runs the mask on the rows of chosen groups, a token each (as many tokens as the graph's)."""
+    tokens = 1
+    for size in lead:
+        tokens *= size
+    group_of = torch.arange(experts) // (experts // n_group)
+    for start in range(0, len(rows), tokens):
+        batch = rows[start:start + tokens]
+        batch += [batch[-1]] * (tokens - len(batch))
+        idx = torch.tensor(batch, dtype=tensor_meta(group_idx).dtype)
+        try:
+            (value,) = evaluate_slice([mask], {group_idx: idx.reshape(*lead, -1)})
+        except NotEvaluable as exc:
+            return f"the group mask is not a function of the chosen groups alone ({exc})"
+        try:
+            value = value.to(torch.bool).broadcast_to(shape).reshape(tokens, experts)
+        except (RuntimeError, TypeError):
+            return "the group mask does not cover the experts group by group"
+        kept = (group_of.unsqueeze(0) == idx.unsqueeze(-1)).any(1)
+        if not torch.equal(value, kept if kept_where else ~kept):
+            return ("the mask does not keep exactly the experts of the chosen groups (npu_moe_gating_top_k "
+                    "keeps the k_group best groups' experts, each group a run of E / group_count experts)")
+    return None
+
+
+def _region_above(node, stop, limit=64):
+    """The call nodes `node` is computed from, up to the nodes in `stop` (excluded)."""
+    found, pending = set(), [node]
+    while pending:
+        current = pending.pop()
+        if current in stop or current in found or current.op != "call_function":
+            continue
+        found.add(current)
+        if len(found) > limit:
+            raise _NotRouter(None)
+        pending.extend(current.all_input_nodes)
+    return found
+
+
+def _read_choice(router, experts):
+    """Fill in the router's scores, bias, groups and logits from the top-k's input."""
+    choice = router.topk.args[0]
+    masked = _masked(choice, experts)
+    stop = set()
+    if masked is not None:
+        masked_node, data, mask, fill, kept_where = masked
+        leaves = _read_sum_of(data, experts)
+    else:
+        data = choice
+        leaves = _read_sum_of(choice, experts)
+    acts = [leaf for leaf in leaves if _act_of(leaf) is not None]
+    others = [leaf for leaf in leaves if _act_of(leaf) is None]
+    if len(acts) == 1 and len(others) <= 1:
+        router.act_node = acts[0]
+        router.act, router.logits = _act_of(acts[0])
+        router.bias = others[0] if others else None
+    elif not acts and len(others) == 1:
+        # the top-k of the logits themselves: the act is found at the weights (each is increasing)
+        router.logits = others[0]
+    else:
+        raise _NotRouter(None)
+    if router.bias is not None:
+        shape = tensor_meta(router.bias).shape
+        if any(not (isinstance(s, int) and s == 1) for s in shape[:-1]):
+            raise _NotRouter(f"the bias added before the top-k ({router.bias.name}) is {list(shape)}, not one "
+                             f"value per expert")
+    stop.update(leaves)
+    if masked is not None:
+        group_topk = _group_topk_of(mask)
+        if group_topk is None:
+            raise _NotRouter("the experts are masked before the top-k, but not by a top-k over groups")
+        group = _group_scores(group_topk, experts, channels_of(data))
+        if group is None:
+            raise _NotRouter("a top-k over groups whose scores are not each group's top-2 sum or max of the "
+                             "choice: npu_moe_gating_top_k scores a group by one of those")
+        n_group, mode, score_nodes = group
+        k_group = group_topk.args[1]
+        group_idx = next(u for u in group_topk.users if is_call(u, operator.getitem) and u.args[1] == 1)
+        if fill != float("-inf"):
+            if router.bias is not None or fill > 0:
+                raise _NotRouter(f"the other groups' experts are masked with {fill:g}, not -inf: a biased score "
+                                 "below it would rank under a masked expert (npu_moe_gating_top_k masks with -inf)")
+            router.notes = [f"the other groups are masked with {fill:g}: the scores are >= 0, so only an exact "
+                            "zero score could tie with a masked expert"]
+        reason = _group_mask_reason(mask, masked_node, kept_where, group_idx, n_group, k_group, experts)
+        if reason:
+            raise _NotRouter(reason)
+        router.groups = (n_group, k_group, mode)
+    router.nodes |= _region_above(choice, stop)
+
+
+def _group_topk_of(mask):
+    """The top-k whose indices the mask is built from (the one top-k above it)."""
+    found, pending, seen = [], [mask], set()
+    while pending and len(seen) < 64:
+        node = pending.pop()
+        if node in seen or not isinstance(node, torch.fx.Node):
+            continue
+        seen.add(node)
+        if is_call(node, aten.topk.default):
+            found.append(node)
+            continue
+        # (zeros_like(group_scores) reads their shape, not their values)
+        pending.extend(node.all_input_nodes[1:] if node.target in SHAPE_ONLY_OPS else node.all_input_nodes)
+    return found[0] if len(found) == 1 else None
+
+
+def _read_weights(router):
+    """The chosen experts' scores: a gather of the scores at the ids, the top-k's values (when
+    it selects on the scores), or a softmax over the k chosen logits."""
+    values = next((u for u in router.topk.users if is_call(u, operator.getitem) and u.args[1] == 0), None)
+    if router.act_node is None:
+        router.notes.append("the model ranks the logits, the op their fp32 scores (an increasing function: the "
+                            "same experts, except between logits whose scores round to one fp32 value)")
+    for user in router.ids.users:
+        if is_call(user, aten.gather.default) and user.args[2] is router.ids and \
+                user.args[1] in (-1, tensor_meta(user).dim() - 1):
+            source = user.args[0]
+            act = _act_of(source)
+            if router.act_node is None and act is not None and _cast_source(act[1]) is _cast_source(router.logits):
+                router.act_node, (router.act, router.logits) = source, act
+            if source is router.act_node:
+                router.weights = user
+                return
+    if router.act_node is None:
+        gathered = next((u.args[0] for u in router.ids.users if is_call(u, aten.gather.default)), None)
+        if _act_of(gathered) is not None:
+            raise _NotRouter(f"the experts are chosen on {router.logits.name}, which is neither the "
+                             f"{_act_of(gathered)[0].replace('_', '-')} scores gathered as the weights (plus a bias, "
+                             "within the best groups) nor their logits")
+    if values is None:
+        raise _NotRouter(None)
+    if router.act_node is not None and router.bias is None and router.groups is None:
+        router.weights = values  # the top-k of the scores: its values are the chosen scores
+        return
+    if router.act_node is None:
+        # the top-k of the logits, then a softmax over the k chosen (litgpt's LLaMAMoE): the
+        # chosen experts of the softmax over all of them, over their sum
+        users = [u for u in values.users]
+        softmax = users[0] if len(users) == 1 else None
+        through = [softmax] if softmax is not None else []
+        if _is_cast(softmax) and len(softmax.users) == 1:
+            through.append(next(iter(softmax.users)))
+            softmax = through[-1]
+        if is_call(softmax, aten._softmax.default) and softmax.args[1] in (-1, tensor_meta(softmax).dim() - 1):
+            if tensor_meta(softmax).dtype != torch.float32:
+                raise _NotRouter(f"a softmax over the k chosen {str(tensor_meta(softmax).dtype)[6:]} logits: the op "
+                                 "computes it in fp32")
+            router.act, router.weights, router.renormalised = "softmax", softmax, True
+            router.compute_dtype = torch.float32  # the op's softmax of the (exactly widened) logits
+            router.nodes |= {values, *through}
+            return
+    raise _NotRouter(None)
+
+
+def _renorm_divisor(node, value):
+    """eps when `node` is sum(value over k) [+ eps] (keepdim), the divisor of a renormalisation."""
+    eps = 0.0
+    if is_call(node, aten.add.Tensor) and _constant(node.args[1]) is not None:
+        eps, node = _constant(node.args[1]), node.args[0]
+    if is_call(node, aten.sum.dim_IntList) and node.args[0] is value and list(node.args[1]) == [-1] and \
+            (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)):
+        return eps
+    if is_call(node, aten.linalg_vector_norm.default) and node.args[0] is value and node.args[1] in (1, 1.0) and \
+            list(node.args[2]) == [-1] and node.args[3]:
+        return eps  # the 1-norm of nonnegative scores is their sum
+    return None
+
+
+def _uses(node):
+    """How many nodes read `node`, the graph's output aside (_router_outputs checks that one)."""
+    return sum(1 for u in node.users if u.op != "output")
+
+
+def _read_steps(router):
+    """The renormalisation, scales, casts and views after the weights, one at a time, while each
+    is the only use of the value before it."""
+    current = router.weights
+    while True:
+        # (a value also saved for the backward, in a partitioned training forward, is read past
+        # the region: _router_outputs says so)
+        users = [u for u in current.users if u.op != "output"]
+        step = None
+        if len(users) == 1 and (_is_cast(users[0]) or is_call(users[0], aten.view.default, aten.reshape.default,
+                                                              aten._unsafe_view.default)) \
+                and tensor_meta(users[0]).shape[-1:] == tensor_meta(current).shape[-1:]:
+            step = ("as", users[0], None, [users[0]])
+        elif len(users) == 1 and is_call(users[0], aten.mul.Tensor, aten.div.Tensor) and users[0].args[0] is current \
+                and _constant(users[0].args[1]) is not None:
+            kind = "mul" if is_call(users[0], aten.mul.Tensor) else "div"
+            step = (kind, users[0], _constant(users[0].args[1]), [users[0]])
+        elif len(users) == 2:
+            div = next((u for u in users if is_call(u, aten.div.Tensor) and u.args[0] is current), None)
+            divisor = div.args[1] if div is not None else None
+            eps = _renorm_divisor(divisor, current) if div is not None else None
+            if eps is not None and set(users) <= {div, divisor, *divisor.all_input_nodes} and \
+                    _uses(divisor) == 1:
+                inner = [divisor] + ([divisor.args[0]] if is_call(divisor, aten.add.Tensor) else [])
+                if all(_uses(n) == 1 for n in inner):
+                    step = ("renorm", div, eps, [div, *inner])
+        if step is None:
+            return
+        kind, node, constant, nodes = step
+        router.steps.append((kind, node, constant))
+        router.nodes.update(nodes)
+        current = node
+
+
+def _read_router(topk):
+    """The router ending at `topk`, or a reason (str) it cannot be fused, or None: no router."""
+    meta = tensor_meta(topk.args[0])
+    if meta is None or meta.dim() < 2:
+        return None
+    if not isinstance(meta.shape[-1], int):
+        if _act_of(topk.args[0]) is not None and _act_of(topk.args[0])[0] != "softmax":
+            return (f"a top-k over {_act_of(topk.args[0])[0].replace('_', '-')} scores of a symbolic expert "
+                    f"count ({meta.shape[-1]}): the reading needs the experts' number")
+        return None
+    args = list(topk.args) + [None] * (5 - len(topk.args))
+    dim = args[2] if args[2] is not None else topk.kwargs.get("dim", -1)
+    largest = args[3] if args[3] is not None else topk.kwargs.get("largest", True)
+    sorted_ = args[4] if args[4] is not None else topk.kwargs.get("sorted", True)
+    ids = next((u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
+    if dim not in (-1, meta.dim() - 1) or ids is None or not isinstance(topk.args[1], int):
+        return None
+    if any(is_call(u, aten.scatter.value, aten.scatter.src) for u in ids.users):
+        if all(is_call(u, aten.scatter.value, aten.scatter.src) and u.args[1] in (-1, 1) for u in ids.users) and \
+                not any(is_call(u, aten.gather.default) for u in ids.users) and _feeds_a_mask(ids):
+            return None  # a group top-k (its indices build a mask), read with the router it serves
+    router = _Router(topk, ids, topk.args[1], bool(sorted_), "", None, topk.args[0])
+    router.nodes = {topk, ids}
+    experts = meta.shape[-1]
+    stage = "the scores it selects on"
+    try:
+        if not largest:
+            raise _NotRouter(None)
+        _read_choice(router, experts)
+        stage = "the weights of the chosen experts"
+        _read_weights(router)
+        _read_steps(router)
+    except _NotRouter as why:
+        if why.args[0] is None and router.act_node is not None:
+            return (f"a top-k over {router.act.replace('_', '-')} router scores whose {stage} are computed "
+                    "some other way than a bias, a group mask (-inf outside the k_group best groups), a gather "
+                    "of the scores and a renormalisation")
+        return why.args[0]
+    router.nodes.add(router.weights)
+    if router.act_node is not None and router.act_node.op == "call_function":
+        router.nodes.add(router.act_node)
+    return router
+
+
+def _feeds_a_mask(ids):
+    """The top-k's indices are scattered into a mask that a masked_fill / where reads."""
+    pending, seen = [ids], set()
+    while pending and len(seen) < 32:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if is_call(user, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
+                       aten.where.ScalarSelf, aten.mul.Tensor):
+                return True
+            pending.append(user)
+    return False
+
+
+def _router_outputs(router):
+    """The region's nodes read outside it: the ids, and the last weights (or a reason)."""
+    final = router.steps[-1][1] if router.steps else router.weights
+    outputs = [router.ids, final]
+    values = next((u for u in router.topk.users if is_call(u, operator.getitem) and u.args[1] == 0), None)
+    for node in router.nodes:
+        if node in outputs or node is router.act_node:
+            continue
+        outside = [u for u in node.users if u not in router.nodes]
+        if any(u.op == "output" for u in outside):
+            return (f"{node.name}, a value inside the router, is also an output of the graph (in a training "
+                    "step's forward: saved for its backward): the fused op gives the chosen weights and ids only")
+        if outside and (node is values or node in (router.weights, *(s[1] for s in router.steps))):
+            return (f"{node.name}, a value of the router's top-k, is also read by {outside[0].name}: the fused op "
+                    "gives the chosen weights and ids only")
+    return outputs
+
+
+def _replay(router, y):
+    """The model's steps after the weights, on the op's weights `y` (those it did not compute)."""
+    for kind, node, constant in router.steps:
+        if kind == "renorm":
+            y = y / (y.sum(dim=-1, keepdim=True) + constant) if constant else y / y.sum(dim=-1, keepdim=True)
+        elif kind == "mul":
+            y = y * constant
+        elif kind == "div":
+            y = y / constant
+        else:  # a cast, or a view that keeps the k experts last
+            out = tensor_meta(node)
+            y = y.to(out.dtype)
+            if out.dim() != y.dim() or any(isinstance(a, int) and isinstance(b, int) and a != b
+                                           for a, b in zip(out.shape, y.shape)):
+                y = y.reshape(*[s if isinstance(s, int) else -1 for s in out.shape[:-1]], out.shape[-1])
+    return y
+
+
+def _router_replacement(router):
+    """replace(logits[, bias]) -> (ids, weights) with the fused op, and the op's name."""
+    norm_type = _INCREASING[router.act]
+    steps = list(router.steps)
+    if router.renormalised:
+        steps.insert(0, ("renorm", None, 0.0))
+    absorbed = []
+    if norm_type in (1, 2):
+        if not steps or steps[0][0] != "renorm":
+            act = router.act.replace('_', '-')
+            return None, None, (f"a {act} router without renormalisation: npu_moe_gating_top_k's {act} mode "
+                                "always renormalises the chosen weights (then scales them once)")
+        absorbed.append(steps.pop(0))
+        if steps and steps[0][0] == "mul":
+            absorbed.append(steps.pop(0))
+    eps = absorbed[0][2] if absorbed else 1e-20
+    scale = absorbed[1][2] if len(absorbed) > 1 else 1.0
+    k, groups = router.k, router.groups or (1, 1, 1)
+    dtype = router.compute_dtype or tensor_meta(router.logits).dtype
+    replay = _Router(router.topk, router.ids, k, router.sorted, router.act, None, router.logits, steps=steps)
+    ids_shape = tensor_meta(router.ids)
+    use_softmax_op = router.act == "softmax" and router.bias is None and router.groups is None
+
+    def finish(y, idx, logits):
+        lead = logits.shape[:-1]
+        return idx.to(torch.int64).reshape(*lead, k), _replay(replay, y.reshape(*lead, k))
+
+    if use_softmax_op:
+        def npu_moe_gating_top_k_softmax_recognized(logits):
+            y, idx, _ = torch.ops.npu.npu_moe_gating_top_k_softmax(logits.to(dtype), None, k)
+            return finish(y, idx, logits)
+        return npu_moe_gating_top_k_softmax_recognized, "npu.npu_moe_gating_top_k_softmax", None
+
+    def gating(logits, bias):
+        flat = logits.reshape(-1, logits.shape[-1]).to(dtype)
+        y, idx, _ = torch.ops.npu.npu_moe_gating_top_k(
+            flat, k, bias=None if bias is None else bias.reshape(-1).to(dtype), k_group=groups[1],
+            group_count=groups[0], group_select_mode=groups[2], renorm=0, norm_type=norm_type,
+            out_flag=False, routed_scaling_factor=scale, eps=eps)
+        return finish(y, idx, logits)
+
+    if router.bias is None:  # (the replacement takes the site's args, and no bias is one)
+        def npu_moe_gating_top_k_recognized(logits):
+            return gating(logits, None)
+    else:
+        def npu_moe_gating_top_k_recognized(logits, bias):
+            return gating(logits, bias)
+    return npu_moe_gating_top_k_recognized, "npu.npu_moe_gating_top_k", None
+
+
+def recognize(graph, joint):
+    found = []
+    readings = {}
+    for topk in graph.find_nodes(op="call_function", target=aten.topk.default):
+        if not (joint and is_backward(topk)):
+            readings[topk] = _read_router(topk)
+    # a router's group top-k and its top-2 per group are parts of it, not routers of their own
+    inner = {n for r in readings.values() if isinstance(r, _Router) for n in r.nodes if n is not r.topk}
+    for topk, router in readings.items():
+        if router is None or topk in inner:
+            continue
+        name = "router (read by what it computes)"
+        if isinstance(router, str):
+            found.append(Recognized(name, topk, [topk], reason=router))
+            continue
+        nodes = sorted(router.nodes)
+        act = router.act_node
+        if not joint and act is not None and any(u.op == "output" for u in act.users) and _training_reason(act):
+            # the forward of a partitioned training graph, as the forms say it (the joint graph's near
+            # miss said why): the scores over all experts are saved for a backward the op has not
+            found.append(Recognized(name, topk, nodes, reason=f"{_training_reason(act)} (here, the forward of a "
+                                    "training step: its scores are saved for the backward)"))
+            continue
+        outputs = _router_outputs(router)
+        if isinstance(outputs, str):
+            found.append(Recognized(name, topk, nodes, reason=outputs))
+            continue
+        if joint:
+            backward = next((u for n in nodes for u in n.users if is_backward(u)), None)
+            if backward is not None:
+                found.append(Recognized(name, outputs, nodes, reason=_training_reason(router.act_node) or (
+                    f"a router in training whose weights get a gradient ({backward.name}): its backward is "
+                    "not rewritten for the recognised spellings")))
+                continue
+        replace, fused_op, reason = _router_replacement(router)
+        if reason:
+            found.append(Recognized(name, outputs, nodes, reason=reason))
+            continue
+        logits = tensor_meta(router.logits)
+        logits = logits.to(router.compute_dtype or logits.dtype)
+        args = {"logits": router.logits}
+        site_args = {"gate_logits": logits.reshape(-1, logits.shape[-1]) if logits.dim() > 2 else logits,
+                     "router_logits": logits, "k": router.k, "top_k": router.k,
+                     "n_group": (router.groups or (1,))[0], "topk_group": (router.groups or (1, 1))[1],
+                     "bias": None, "unsorted": not router.sorted, "norm_type": _INCREASING[router.act]}
+        if router.bias is not None:
+            args["bias"] = router.bias
+            site_args["bias"] = tensor_meta(router.bias).reshape(-1)
+        found.append(Recognized(f"{router.act.replace('_', '-')} router (read by what it computes)", outputs, nodes,
+                                args, replace, site_args, fused_op=fused_op, notes=router.notes))
+    return found
+
+
 PASS = FusionPass(
     name="moe_gating",
     # an unsorted (biased) router fuses only once its experts feed a fused dispatch,
@@ -479,4 +1185,5 @@ PASS = FusionPass(
     explain=explain,
     # the logits; the bias only selects (no gradient reaches it through top-k indices)
     differentiable=("gate_logits", "gate_scores"),
+    recognize=recognize,
 )

@@ -596,8 +596,16 @@ def _make_router(rng, seed, case_kw):
         kind = "negative"
     elif lookalike in ("topk_of_logits", "argmax_one_hot"):
         kind = "either"
+    elif score == "sigmoid" and not renorm:
+        kind, limit = "limit", r"sigmoid router without renormalisation"
+    elif score == "sigmoid" and dynamic and not from_gate:  # the logits are the input: E is symbolic
+        kind, limit = "limit", r"symbolic expert count"
+    elif score == "sigmoid" and training:  # the joint graph's forms: the scores' own gradient
+        kind, limit = "limit", r"gradient"
+    elif score == "sigmoid" and dtype != torch.float32:
+        kind, limit = "limit", r"scores over .* logits"
     elif score == "sigmoid":
-        kind, limit = "limit", r"sigmoid router"
+        pass  # npu_moe_gating_top_k's sigmoid mode, renormalised (in training: the partitioned forward)
     elif training:
         kind, limit = "limit", r"softmax router in training"
     elif dtype != torch.float32 and score != "softmax_dtype":

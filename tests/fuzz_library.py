@@ -44,6 +44,7 @@ class Spelling:
     limit: str = ""  # limit: the near-miss regex
     grad_inputs: tuple = (0,)  # training: the inputs that take a gradient (tables never)
     index_outputs: tuple = ()
+    training_limit: str = ""  # in a training step: a limit, with this near-miss regex
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------
@@ -353,6 +354,21 @@ def _router_inputs(rng, gen, dtype):
     return (x,), f"[{T}, {D}] -> logits [{T}, {E}]", init
 
 
+ROUTER_IN_TRAINING = r"router in training whose weights get a gradient"
+
+
+def _biased_router_inputs(rng, gen, dtype):
+    (x,), shapes, gate = _router_inputs(rng, gen, dtype)
+
+    def init(module):
+        gate(module)
+        module.k = min(module.k, module.gate.out_features)
+        module.expert_bias = torch.zeros(module.gate.out_features)  # a buffer, as torchtitan's
+        module.expert_bias.copy_(_randn(gen, module.gate.out_features, scale=0.1))
+        module.route_scale = rng.choice([1.0, 2.5])
+    return (x,), shapes, init
+
+
 ROUTERS = {
     "litgpt.LLaMAMoE": Spelling(
         "litgpt model.py:865: the top-k of the logits first, then the softmax over the k chosen (in fp32): the "
@@ -363,6 +379,35 @@ ROUTERS = {
         "    probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)\n"
         "    return probs, indices",
         _router_inputs, {"moe_gating": 1}, index_outputs=(1,)),
+    "torchtitan_npu.v3_router": Spelling(
+        "torchtitan 0.2.2 models/moe/moe.py:311-345 (torchtitan-npu DeepSeek-V3 / V3.2): fp32 sigmoid, expert_bias, "
+        "unsorted top-k, gather, / (sum + 1e-20), * route_scale; the routing map and per-token sums (order-free uses)",
+        "router",
+        "def forward(self, x):\n"
+        "    scores = self.gate(x)\n"
+        "    scores = torch.sigmoid(scores.to(torch.float32))\n"
+        "    scores_for_choice = scores + self.expert_bias\n"
+        "    _, selected = torch.topk(scores_for_choice, k=self.k, dim=-1, sorted=False)\n"
+        "    top_scores = scores.gather(dim=1, index=selected)\n"
+        "    denominator = top_scores.sum(dim=-1, keepdim=True) + 1e-20\n"
+        "    top_scores = top_scores / denominator\n"
+        "    top_scores = top_scores * self.route_scale\n"
+        "    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, selected, True)\n"
+        "    return routing_map, top_scores.sum(dim=-1)",
+        _biased_router_inputs, {"moe_gating": 1}, index_outputs=(0,), training_limit=ROUTER_IN_TRAINING),
+    "torchtitan_npu.v4_router": Spelling(
+        "torchtitan-npu deepseek_v4/model/moe.py:41 + 141-165: sqrt of softplus written log1p(exp(-|x|)) + relu(x), "
+        "expert_bias, sorted top-k, gather, route_norm, route_scale",
+        "router",
+        "def forward(self, x):\n"
+        "    scores = self.gate(x).to(torch.float32)\n"
+        "    scores = (torch.log1p(torch.exp(-scores.abs())) + torch.relu(scores)).sqrt()\n"
+        "    selected = (scores + self.expert_bias).topk(self.k, dim=-1)[1]\n"
+        "    top_scores = scores.gather(dim=1, index=selected)\n"
+        "    top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)\n"
+        "    return top_scores * self.route_scale, selected",
+        _biased_router_inputs, {"moe_gating": 1}, index_outputs=(1,),
+        training_limit=r"sqrt-softplus router in training .*differentiates the sigmoid mode only"),
 }
 
 
@@ -479,8 +524,12 @@ def make(rng, seed: int, case_kw: dict, name: Optional[str] = None) -> Case:
     if "view_as_complex" in spelling.source and dtype == torch.float16:
         dtype = torch.bfloat16  # complex RoPE in fp32 / bf16, as make_case draws the rope_complex family
     kind, limit, expect = spelling.kind, spelling.limit, dict(spelling.expect)
-    if spelling.family == "router" and training:  # as the router family: the op has no backward
-        kind, limit, expect = "limit", r"softmax router in training", {}
+    # a router in training: the joint graph keeps a router read by what it computes (its backward
+    # is not rewritten); the partitioned forward fuses it where the backward reads only what the op
+    # returns (litgpt's softmax over the k chosen: the weights and ids themselves), else the
+    # spelling's training_limit says why not
+    if training and spelling.training_limit:
+        kind, limit, expect = "limit", spelling.training_limit, {}
     state = rng.getstate()
 
     def inputs():

@@ -193,3 +193,30 @@ def test_every_small_gather_it_accepts_is_right():
             accepted += 1
             assert torch.equal(gather(t), t[..., list(sources)]), sources
     assert accepted >= 10
+
+
+# ---- evaluate_slice: running a few of the graph's nodes on concrete values -------------------
+def _group_mask(scores, idx):
+    mask = scores.new_ones(scores.shape, dtype=torch.bool).scatter_(1, idx, False)
+    return mask.unsqueeze(-1).expand(-1, -1, 4).reshape(scores.shape[0], -1)
+
+
+def test_evaluate_slice_runs_the_nodes_between_its_inputs_and_outputs():
+    from npu_fx_fusion.channel_algebra import evaluate_slice, real_tensors
+
+    gm = _graph(_group_mask, torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.int64))
+    idx_node = list(gm.graph.find_nodes(op="placeholder"))[1]
+    with real_tensors():
+        idx = torch.tensor([[0, 2], [1, 3], [3, 0]])
+        (mask,) = evaluate_slice([_output(gm)], {idx_node: idx})
+        # the scores are read for their shape only (new_ones): a zero stand-in serves
+        assert torch.equal(mask, _group_mask(torch.randn(3, 4), idx))
+
+
+def test_evaluate_slice_refuses_to_read_a_value_it_was_not_given():
+    from npu_fx_fusion.channel_algebra import evaluate_slice, real_tensors
+
+    gm = _graph(lambda s, i: s.gather(1, i), torch.randn(3, 4), torch.zeros(3, 2, dtype=torch.int64))
+    idx_node = list(gm.graph.find_nodes(op="placeholder"))[1]
+    with real_tensors(), pytest.raises(NotEvaluable, match="reads the values of"):
+        evaluate_slice([_output(gm)], {idx_node: torch.zeros(3, 2, dtype=torch.int64)})

@@ -456,6 +456,8 @@ def _evaluate_node(ev: _Evaluation, node: Node, env: dict) -> _Value:
     if t is aten.unsqueeze.default:
         x = env[args[0]]
         dim = args[1] % (x.rank + 1)
+        if dim == x.lead == 0:  # a leading dim in front of a vector (a bias (E,) made (1, E) for the tokens)
+            return _Value(x.ids, x.rank + 1, x.is_complex, x.leaves, rounded=x.rounded)
         if dim < x.lead:
             raise _Stop(node, f"{node.name} adds a leading dim")
         return _Value(x.ids.unsqueeze(dim - x.lead), x.rank + 1, x.is_complex, x.leaves, rounded=x.rounded)
@@ -867,3 +869,73 @@ def channels_of(node: Node, include: Callable[[Node], bool] = lambda node: True)
         raise NotEvaluable(f"{node.name} has no static last dim")
     factors = [Factor(node, 1, index) for index in range(meta.shape[-1])]
     return ChannelValue(node, (meta.shape[-1],), [Poly({(i,): 1.0}) for i in range(len(factors))], factors)
+
+
+# ---- running a slice of the graph on concrete values ------------------------------------------------
+# ops whose result depends on their first argument's shape (and dtype, device) only
+SHAPE_ONLY_OPS = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+                         aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
+                         aten.new_empty.default, aten.new_full.default, aten.sym_size.int})
+MAX_SLICE = 64
+
+
+def real_tensors():
+    """A context in which tensors are real ones, even inside a compile's fake mode (a check
+    that computes with the values evaluate_slice returns)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
+def evaluate_slice(outputs: Sequence[Node], inputs: dict, limit: int = MAX_SLICE) -> list:
+    """The values `outputs` take when the graph's own nodes run on concrete `inputs`
+    ({node: tensor}), for a function of a few tensors checked on every value it can take
+    (a mask built from a top-k's indices). Every node between the inputs and the outputs
+    runs as the graph holds it (its aten op); a node outside may be read only for its shape
+    (the first argument of zeros_like, new_ones, ...: a zero tensor of its shape stands in)
+    or as a symbolic size (its hint, as every size of the run is). Raises NotEvaluable when
+    the slice reads anything else, or holds more than `limit` nodes. Call it, and compute
+    with what it returns, under real_tensors()."""
+    slice_nodes: set = set()
+    stand_ins: dict = {}
+    pending = list(outputs)
+    while pending:
+        node = pending.pop()
+        if node in inputs or node in slice_nodes or node in stand_ins:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
+            stand_ins[node] = _hint(value)
+            continue
+        if node.op != "call_function":
+            raise NotEvaluable(f"the slice reads the values of {node.name}")
+        slice_nodes.add(node)
+        if len(slice_nodes) > limit:
+            raise NotEvaluable(f"more than {limit} nodes between the inputs and {outputs[0].name}")
+        for index, arg in enumerate(node.all_input_nodes):
+            if node.target in SHAPE_ONLY_OPS and arg is node.args[0] and arg not in inputs:
+                fake = tensor_meta(arg)
+                if fake is None:
+                    raise NotEvaluable(f"{arg.name} carries no tensor metadata")
+                with real_tensors():
+                    stand_ins[arg] = torch.zeros([_hint(s) for s in fake.shape], dtype=fake.dtype)
+            else:
+                pending.append(arg)
+    env = {**stand_ins, **inputs}
+    for node in sorted(slice_nodes):
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+        kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
+        try:
+            env[node] = node.target(*args, **kwargs)
+        except (RuntimeError, IndexError, TypeError, ValueError) as exc:
+            raise NotEvaluable(f"{node.name} does not run on the probe values: {str(exc).splitlines()[0]}") from None
+    return [env[n] for n in outputs]
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        if hint is None:
+            raise NotEvaluable(f"the size {size} has no hint")
+        return int(hint)
+    return int(size)

@@ -129,7 +129,9 @@ class Recognized:
     neither."""
 
     name: str  # the spelling the report names ("rotation pairs, half mode")
-    output: Node
+    # the node the replacement stands for, or several (a router's weights and expert ids):
+    # then `replace` returns one value per node, in this order
+    output: Union[Node, Sequence[Node]]
     nodes: Sequence[Node]
     args: Mapping[str, Any] = field(default_factory=dict)
     replace: Optional[Callable] = None
@@ -141,6 +143,10 @@ class Recognized:
     backward_nodes: Sequence[Node] = ()
     backward_args: Mapping[str, Any] = field(default_factory=dict)
     backward_replace: Optional[Callable] = None
+
+    @property
+    def outputs(self) -> list[Node]:
+        return [self.output] if isinstance(self.output, Node) else list(self.output)
 
 
 # A list while the tests run (tests/conftest.py): every (pass name, target) of an anchor

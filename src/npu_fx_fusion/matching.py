@@ -13,7 +13,7 @@ from .axis_algebra import (AxisEvaluation, Expr, MaskedScores, MaskUse, atom_siz
 from .canonical import is_backward, is_joint_graph
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
-                              evaluate_around, modelled)
+                              SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors)
 from .forms import Form, FusionPass, Reason, Recognized, Site, is_training_graph
 from .nodes import (first_refused_use, is_call, known_equal, normalized_dims, tensor_meta, uneven_halves,
                     users_outside)
@@ -28,10 +28,10 @@ from .npu_ops.spec import dtype_argument
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
 from .spellings import sum_over_count
 
-__all__ = ["AxisEvaluation", "Expr", "MaskedScores", "MaskUse", "atom_sizes", "atoms_of", "read_masked_scores",
-           "rearrange", "scale_and_rest", "strip_casts",
-           "ChannelGather", "ChannelValue", "Factor", "Form", "FusionPass", "NotEvaluable", "Reason", "Recognized", "Site",
-           "channel_gather", "channels_of", "dtype_argument", "evaluate_around", "first_refused_use", "group_backend",
-           "group_size", "hcom_of", "is_backward", "is_call", "is_joint_graph", "is_training_graph", "known_equal",
-           "modelled", "no_communicator_reason", "normalized_dims", "sdpa_as_on_npu", "sum_over_count", "tensor_meta",
+__all__ = ["SHAPE_ONLY_OPS", "AxisEvaluation", "ChannelGather", "ChannelValue", "Expr", "Factor", "Form", "FusionPass",
+           "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
+           "channel_gather", "channels_of", "dtype_argument", "evaluate_around", "evaluate_slice", "first_refused_use",
+           "group_backend", "group_size", "hcom_of", "is_backward", "is_call", "is_joint_graph", "is_training_graph",
+           "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "read_masked_scores", "real_tensors",
+           "rearrange", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
            "uneven_halves", "users_outside"]

@@ -51,12 +51,12 @@ class RecognitionRun:
 class _RegionMatch:
     """What insert_replacement reads of a match: its nodes, its output, and how to erase it."""
 
-    def __init__(self, nodes: Sequence[Node], output: Node):
+    def __init__(self, nodes: Sequence[Node], outputs: Sequence[Node]):
         self.nodes = list(nodes)
-        self._output = output
+        self._outputs = list(outputs)
 
     def output_nodes(self) -> list[Node]:
-        return [self._output]
+        return list(self._outputs)
 
     def erase_nodes(self) -> None:
         # the region's nodes nothing else reads any more (a node another site or the rest of
@@ -76,7 +76,7 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
     # is fused, the refusals before it become its note, and all of them a near miss if none is
     refused: dict = {}
     for found in fusion_pass.recognize(graph, joint):
-        if any(n._erased for n in (found.output, *found.nodes, *found.backward_nodes)):  # noqa: SLF001
+        if any(n._erased for n in (*found.outputs, *found.nodes, *found.backward_nodes)):  # noqa: SLF001
             continue  # a form (or an earlier alternative, or recognised site) replaced it
         reason = found.reason
         site = None
@@ -87,22 +87,22 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
             reason, graphs = _accept(run, found, site)
         if reason is not None:
             log.debug("%s: not fusing %s at %s: %s", fusion_pass.name, found.name, location_of(found.nodes), reason)
-            refused.setdefault(found.output, []).append((found, reason))
+            refused.setdefault(found.outputs[0], []).append((found, reason))
             continue
         forward, backward = graphs
         nodes = list(found.nodes) + list(found.backward_nodes)
-        notes = [f"instead of {alternative.name}: {why}" for alternative, why in refused.pop(found.output, [])]
+        notes = [f"instead of {alternative.name}: {why}" for alternative, why in refused.pop(found.outputs[0], [])]
         site_record = FusedSite.of_match(fusion_pass.name, found.name, found.fused_op or fusion_pass.fused_op,
-                                         nodes, [found.output], None, [*notes, *_notes(run, found, site, graphs)],
+                                         nodes, found.outputs, None, [*notes, *_notes(run, found, site, graphs)],
                                          site.verified, [op for g in graphs if g is not None for op in emitted_ops(g)])
-        insert_replacement(_RegionMatch(found.nodes, found.output), graph, forward,
+        insert_replacement(_RegionMatch(found.nodes, found.outputs), graph, forward,
                            [found.args[name] for name in found.args], run.fake_mode)
         if backward is not None:
-            insert_replacement(_RegionMatch(found.backward_nodes, found.backward_output), graph, backward,
+            insert_replacement(_RegionMatch(found.backward_nodes, [found.backward_output]), graph, backward,
                                [found.backward_args[name] for name in found.backward_args], run.fake_mode,
                                run.reads_gradient)
             # the forward nodes only the replaced backward read
-            _RegionMatch(found.nodes, found.output).erase_nodes()
+            _RegionMatch(found.nodes, found.outputs).erase_nodes()
         sites.append(site_record)
     for output, refusals in refused.items():
         found, reason = refusals[0]
@@ -138,9 +138,9 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
         reason = _emitted_ops_refused(run, graph)
         if reason:
             return reason, None
-    reason = _output_differs(run.fusion_pass, forward, found.output)
+    reason = _output_differs(run.fusion_pass, forward, found.outputs)
     if reason is None and backward is not None:
-        reason = _output_differs(run.fusion_pass, backward, found.backward_output)
+        reason = _output_differs(run.fusion_pass, backward, [found.backward_output])
     if reason:
         return reason, None
     if run.verify:
@@ -190,17 +190,22 @@ def _emitted_ops_refused(run: RecognitionRun, graph: Optional[torch.fx.GraphModu
     return None
 
 
-def _output_differs(fusion_pass: FusionPass, graph: torch.fx.GraphModule, output: Node) -> Reason:
+def _output_differs(fusion_pass: FusionPass, graph: torch.fx.GraphModule, outputs: Sequence[Node]) -> Reason:
     (out,) = graph.graph.find_nodes(op="output")
-    new = out.args[0]
-    new = new[0] if isinstance(new, (list, tuple)) else new
-    new_value = new.meta.get("val") if isinstance(new, Node) else None
-    old = output.meta.get("val")
-    if not isinstance(new_value, torch.Tensor):
-        return f"{fusion_pass.fused_op} would give no tensor where the model computes one"
-    if old.dtype != new_value.dtype or not same_shape(old, new_value):
-        return (f"{fusion_pass.fused_op} would give {_describe(new_value)} where the model computes "
-                f"{_describe(old)}")
+    news = out.args[0]
+    news = list(news) if isinstance(news, (list, tuple)) else [news]
+    if len(outputs) == 1:
+        news = news[:1]
+    if len(news) != len(outputs):
+        return f"{fusion_pass.fused_op} would give {len(news)} values where the model computes {len(outputs)}"
+    for new, output in zip(news, outputs):
+        new_value = new.meta.get("val") if isinstance(new, Node) else None
+        old = output.meta.get("val")
+        if not isinstance(new_value, torch.Tensor):
+            return f"{fusion_pass.fused_op} would give no tensor where the model computes one"
+        if old.dtype != new_value.dtype or not same_shape(old, new_value):
+            return (f"{fusion_pass.fused_op} would give {_describe(new_value)} where the model computes "
+                    f"{_describe(old)}")
     return None
 
 
@@ -213,7 +218,7 @@ def _verify(run: RecognitionRun, found: Recognized, site: Site) -> Reason:
 
     argnames = list(found.args)
     values = {name: a.meta["val"] if isinstance(a, Node) else a for name, a in found.args.items()}
-    verdict = verify_match(list(found.nodes), [found.output], values, dict(found.args), found.replace, argnames,
+    verdict = verify_match(list(found.nodes), found.outputs, values, dict(found.args), found.replace, argnames,
                            found.fused_op or run.fusion_pass.fused_op)
     site.verified = verdict.detail
     return None if verdict.ok else f"verification failed: {verdict.detail}"
