@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'efd915dd3e53041a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f092f8d5c2d97eed',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {
@@ -35,6 +35,14 @@ FORMS = {
         'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
     'sdpa_cpu_masked -> fia_explicit_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>'), ('aten.scalar_tensor.default', 'device', "device(type='cpu')"), ('aten.scalar_tensor.default', 'dtype', 'torch.float32'), ('aten.scalar_tensor.default', 'layout', 'torch.strided')]},
+    'sdpa_cpu_additive_gqa -> fia_right_down_causal_additive @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
+    'sdpa_cpu_additive_gqa -> fia_explicit_additive_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
+    'sdpa_cpu_additive -> fia_right_down_causal_additive @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
+    'sdpa_cpu_additive -> fia_explicit_additive_mask @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
+        'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'attn_mask', '<node>'), ('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
     'sdpa_cpu_causal_gqa -> fia_top_left_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
         'keywords': [('aten._scaled_dot_product_flash_attention_for_cpu.default', 'scale', '<scalar argument>')]},
     'sdpa_cpu_causal -> fia_top_left_causal @ float32': {'emitted_ops': ('npu.npu_fused_infer_attention_score',),
@@ -272,7 +280,59 @@ def _p13():  # sdpa_cpu_masked [forward]
     pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
     return pattern
 
-def _p14():  # sdpa_cpu_causal_gqa [forward]
+def _p14():  # sdpa_cpu_additive_gqa [forward]
+    arg_query = KeywordArg('query')
+    arg_grouped_key = KeywordArg('grouped_key')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    arg_grouped_value = KeywordArg('grouped_value')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    arg_bias = KeywordArg('bias')
+    arg_scale = KeywordArg('scale')
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, reshape_default, reshape_default_1, attn_mask=arg_bias, scale=arg_scale)
+    pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
+    return pattern
+
+def _p15():  # sdpa_cpu_additive_gqa [forward]
+    arg_query = KeywordArg('query')
+    arg_grouped_key = KeywordArg('grouped_key')
+    unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
+    expand_default = CallFunction(aten.expand.default, unsqueeze_default, Ignored())
+    reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
+    arg_grouped_value = KeywordArg('grouped_value')
+    unsqueeze_default_1 = CallFunction(aten.unsqueeze.default, arg_grouped_value, Ignored())
+    expand_default_1 = CallFunction(aten.expand.default, unsqueeze_default_1, Ignored())
+    reshape_default_1 = CallFunction(aten.reshape.default, expand_default_1, Ignored())
+    arg_bias = KeywordArg('bias')
+    arg_scale = KeywordArg('scale')
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, reshape_default, reshape_default_1, attn_mask=arg_bias, scale=arg_scale)
+    pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
+    return pattern
+
+def _p16():  # sdpa_cpu_additive [forward]
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_bias = KeywordArg('bias')
+    arg_scale = KeywordArg('scale')
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, arg_key, arg_value, attn_mask=arg_bias, scale=arg_scale)
+    pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
+    return pattern
+
+def _p17():  # sdpa_cpu_additive [forward]
+    arg_query = KeywordArg('query')
+    arg_key = KeywordArg('key')
+    arg_value = KeywordArg('value')
+    arg_bias = KeywordArg('bias')
+    arg_scale = KeywordArg('scale')
+    _scaled_dot_product_flash_attention_for_cpu_default = CallFunction(aten._scaled_dot_product_flash_attention_for_cpu.default, arg_query, arg_key, arg_value, attn_mask=arg_bias, scale=arg_scale)
+    pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
+    return pattern
+
+def _p18():  # sdpa_cpu_causal_gqa [forward]
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
@@ -287,7 +347,7 @@ def _p14():  # sdpa_cpu_causal_gqa [forward]
     pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
     return pattern
 
-def _p15():  # sdpa_cpu_causal [forward]
+def _p19():  # sdpa_cpu_causal [forward]
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
     arg_value = KeywordArg('value')
@@ -296,7 +356,7 @@ def _p15():  # sdpa_cpu_causal [forward]
     pattern = CallFunction(operator.getitem, _scaled_dot_product_flash_attention_for_cpu_default, 0, _users=0)
     return pattern
 
-def _p16():  # sdpa_math_masked [forward]
+def _p20():  # sdpa_math_masked [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -325,7 +385,7 @@ def _p16():  # sdpa_math_masked [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p17():  # sdpa_math_masked [forward-npu]
+def _p21():  # sdpa_math_masked [forward-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -344,7 +404,7 @@ def _p17():  # sdpa_math_masked [forward-npu]
     pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
     return pattern
 
-def _p18():  # sdpa_math_masked [forward]
+def _p22():  # sdpa_math_masked [forward]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -373,7 +433,7 @@ def _p18():  # sdpa_math_masked [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p19():  # sdpa_math_masked [forward-npu]
+def _p23():  # sdpa_math_masked [forward-npu]
     arg_query = KeywordArg('query')
     arg_sqrt_scale = KeywordArg('sqrt_scale')
     mul_Tensor = CallFunction(aten.mul.Tensor, arg_query, arg_sqrt_scale)
@@ -392,7 +452,7 @@ def _p19():  # sdpa_math_masked [forward-npu]
     pattern = CallFunction(aten.matmul.default, _safe_softmax_default, arg_value, _users=0)
     return pattern
 
-def _p20():  # sdpa_math_masked_upcast [forward]
+def _p24():  # sdpa_math_masked_upcast [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -425,7 +485,7 @@ def _p20():  # sdpa_math_masked_upcast [forward]
     pattern = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p21():  # sdpa_math_masked_upcast [forward-npu-cast]
+def _p25():  # sdpa_math_masked_upcast [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -459,7 +519,7 @@ def _p21():  # sdpa_math_masked_upcast [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored(), _users=0)
     return pattern
 
-def _p22():  # sdpa_math_masked_upcast [forward-npu]
+def _p26():  # sdpa_math_masked_upcast [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -482,7 +542,7 @@ def _p22():  # sdpa_math_masked_upcast [forward-npu]
     pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p23():  # sdpa_math_masked_upcast [forward]
+def _p27():  # sdpa_math_masked_upcast [forward]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -515,7 +575,7 @@ def _p23():  # sdpa_math_masked_upcast [forward]
     pattern = CallFunction(aten._to_copy.default, view_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p24():  # sdpa_math_masked_upcast [forward-npu-cast]
+def _p28():  # sdpa_math_masked_upcast [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     npu__npu_dtype_cast_default = CallFunction(npu._npu_dtype_cast.default, arg_query, Ignored())
@@ -549,7 +609,7 @@ def _p24():  # sdpa_math_masked_upcast [forward-npu-cast]
     pattern = CallFunction(npu._npu_dtype_cast.default, view_default_1, Ignored(), _users=0)
     return pattern
 
-def _p25():  # sdpa_math_masked_upcast [forward-npu]
+def _p29():  # sdpa_math_masked_upcast [forward-npu]
     arg_query = KeywordArg('query')
     _to_copy_default = CallFunction(aten._to_copy.default, arg_query, dtype=Ignored())
     arg_sqrt_scale = KeywordArg('sqrt_scale')
@@ -572,7 +632,7 @@ def _p25():  # sdpa_math_masked_upcast [forward-npu]
     pattern = CallFunction(aten._to_copy.default, matmul_default_1, dtype=Ignored(), _users=0)
     return pattern
 
-def _p26():  # eager_attention_gqa [forward]
+def _p30():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -602,7 +662,7 @@ def _p26():  # eager_attention_gqa [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p27():  # eager_attention_gqa [forward-npu]
+def _p31():  # eager_attention_gqa [forward-npu]
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
@@ -622,7 +682,7 @@ def _p27():  # eager_attention_gqa [forward-npu]
     pattern = CallFunction(aten.matmul.default, _softmax_default, reshape_default_1, _users=0)
     return pattern
 
-def _p28():  # eager_attention_gqa [forward]
+def _p32():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -654,7 +714,7 @@ def _p28():  # eager_attention_gqa [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p29():  # eager_attention_gqa [forward-npu-cast]
+def _p33():  # eager_attention_gqa [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
@@ -687,7 +747,7 @@ def _p29():  # eager_attention_gqa [forward-npu-cast]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p30():  # eager_attention_gqa [forward-npu]
+def _p34():  # eager_attention_gqa [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
@@ -710,7 +770,7 @@ def _p30():  # eager_attention_gqa [forward-npu]
     pattern = CallFunction(aten.matmul.default, _to_copy_default, reshape_default_1, _users=0)
     return pattern
 
-def _p31():  # eager_attention_gqa [forward]
+def _p35():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -740,7 +800,7 @@ def _p31():  # eager_attention_gqa [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p32():  # eager_attention_gqa [forward-npu]
+def _p36():  # eager_attention_gqa [forward-npu]
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
     unsqueeze_default = CallFunction(aten.unsqueeze.default, arg_grouped_key, Ignored())
@@ -760,7 +820,7 @@ def _p32():  # eager_attention_gqa [forward-npu]
     pattern = CallFunction(aten.matmul.default, _softmax_default, reshape_default_1, _users=0)
     return pattern
 
-def _p33():  # eager_attention_gqa [forward]
+def _p37():  # eager_attention_gqa [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -792,7 +852,7 @@ def _p33():  # eager_attention_gqa [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p34():  # eager_attention_gqa [forward-npu-cast]
+def _p38():  # eager_attention_gqa [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
@@ -825,7 +885,7 @@ def _p34():  # eager_attention_gqa [forward-npu-cast]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p35():  # eager_attention_gqa [forward-npu]
+def _p39():  # eager_attention_gqa [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_grouped_key = KeywordArg('grouped_key')
@@ -848,7 +908,7 @@ def _p35():  # eager_attention_gqa [forward-npu]
     pattern = CallFunction(aten.matmul.default, _to_copy_default, reshape_default_1, _users=0)
     return pattern
 
-def _p36():  # eager_attention [forward]
+def _p40():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -872,7 +932,7 @@ def _p36():  # eager_attention [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p37():  # eager_attention [forward-npu]
+def _p41():  # eager_attention [forward-npu]
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
@@ -886,7 +946,7 @@ def _p37():  # eager_attention [forward-npu]
     pattern = CallFunction(aten.matmul.default, _softmax_default, arg_value, _users=0)
     return pattern
 
-def _p38():  # eager_attention [forward]
+def _p42():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -912,7 +972,7 @@ def _p38():  # eager_attention [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p39():  # eager_attention [forward-npu-cast]
+def _p43():  # eager_attention [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
@@ -939,7 +999,7 @@ def _p39():  # eager_attention [forward-npu-cast]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p40():  # eager_attention [forward-npu]
+def _p44():  # eager_attention [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -956,7 +1016,7 @@ def _p40():  # eager_attention [forward-npu]
     pattern = CallFunction(aten.matmul.default, _to_copy_default, arg_value, _users=0)
     return pattern
 
-def _p41():  # eager_attention [forward]
+def _p45():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -980,7 +1040,7 @@ def _p41():  # eager_attention [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p42():  # eager_attention [forward-npu]
+def _p46():  # eager_attention [forward-npu]
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
     transpose_int = CallFunction(aten.transpose.int, arg_key, Ignored(), Ignored())
@@ -994,7 +1054,7 @@ def _p42():  # eager_attention [forward-npu]
     pattern = CallFunction(aten.matmul.default, _softmax_default, arg_value, _users=0)
     return pattern
 
-def _p43():  # eager_attention [forward]
+def _p47():  # eager_attention [forward]
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
     reshape_default = CallFunction(aten.reshape.default, expand_default, Ignored())
@@ -1020,7 +1080,7 @@ def _p43():  # eager_attention [forward]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p44():  # eager_attention [forward-npu-cast]
+def _p48():  # eager_attention [forward-npu-cast]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     expand_default = CallFunction(aten.expand.default, arg_query, Ignored())
@@ -1047,7 +1107,7 @@ def _p44():  # eager_attention [forward-npu-cast]
     pattern = CallFunction(aten.view.default, bmm_default_1, Ignored(), _users=0)
     return pattern
 
-def _p45():  # eager_attention [forward-npu]
+def _p49():  # eager_attention [forward-npu]
     npu = torch.ops.npu
     arg_query = KeywordArg('query')
     arg_key = KeywordArg('key')
@@ -1096,68 +1156,76 @@ REGISTRATIONS = [
      (('call_function', 'operator.getitem'),), _p12),  # form 8
     ('sdpa_cpu_masked -> fia_explicit_mask @ float32', 'forward', (),
      (('call_function', 'operator.getitem'),), _p13),  # form 9
-    ('sdpa_cpu_causal_gqa -> fia_top_left_causal @ float32', 'forward', (),
+    ('sdpa_cpu_additive_gqa -> fia_right_down_causal_additive @ float32', 'forward', (),
      (('call_function', 'operator.getitem'),), _p14),  # form 10
-    ('sdpa_cpu_causal -> fia_top_left_causal @ float32', 'forward', (),
+    ('sdpa_cpu_additive_gqa -> fia_explicit_additive_mask @ float32', 'forward', (),
      (('call_function', 'operator.getitem'),), _p15),  # form 11
+    ('sdpa_cpu_additive -> fia_right_down_causal_additive @ float32', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p16),  # form 12
+    ('sdpa_cpu_additive -> fia_explicit_additive_mask @ float32', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p17),  # form 13
+    ('sdpa_cpu_causal_gqa -> fia_top_left_causal @ float32', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p18),  # form 14
+    ('sdpa_cpu_causal -> fia_top_left_causal @ float32', 'forward', (),
+     (('call_function', 'operator.getitem'),), _p19),  # form 15
     ('sdpa_math_masked -> fia_right_down_causal_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p16),  # form 12
+     (('call_function', 'aten.view.default'),), _p20),  # form 16
     ('sdpa_math_masked -> fia_right_down_causal_math @ float32', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p17),  # form 12
+     (('call_function', 'aten.matmul.default'),), _p21),  # form 16
     ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p18),  # form 13
+     (('call_function', 'aten.view.default'),), _p22),  # form 17
     ('sdpa_math_masked -> fia_explicit_mask_math @ float32', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p19),  # form 13
+     (('call_function', 'aten.matmul.default'),), _p23),  # form 17
     ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p20),  # form 14
+     (('call_function', 'aten._to_copy.default'),), _p24),  # form 18
     ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p21),  # form 14
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p25),  # form 18
     ('sdpa_math_masked_upcast -> fia_right_down_causal_math @ bfloat16', 'forward-npu', (),
-     (('call_function', 'aten._to_copy.default'),), _p22),  # form 14
+     (('call_function', 'aten._to_copy.default'),), _p26),  # form 18
     ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward', (),
-     (('call_function', 'aten._to_copy.default'),), _p23),  # form 15
+     (('call_function', 'aten._to_copy.default'),), _p27),  # form 19
     ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'npu._npu_dtype_cast.default'),), _p24),  # form 15
+     (('call_function', 'npu._npu_dtype_cast.default'),), _p28),  # form 19
     ('sdpa_math_masked_upcast -> fia_explicit_mask_math @ bfloat16', 'forward-npu', (),
-     (('call_function', 'aten._to_copy.default'),), _p25),  # form 15
+     (('call_function', 'aten._to_copy.default'),), _p29),  # form 19
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p26),  # form 16
+     (('call_function', 'aten.view.default'),), _p30),  # form 20
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p27),  # form 16
+     (('call_function', 'aten.matmul.default'),), _p31),  # form 20
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p28),  # form 16
+     (('call_function', 'aten.view.default'),), _p32),  # form 20
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p29),  # form 16
+     (('call_function', 'aten.view.default'),), _p33),  # form 20
     ('eager_attention_gqa -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p30),  # form 16
+     (('call_function', 'aten.matmul.default'),), _p34),  # form 20
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p31),  # form 17
+     (('call_function', 'aten.view.default'),), _p35),  # form 21
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p32),  # form 17
+     (('call_function', 'aten.matmul.default'),), _p36),  # form 21
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p33),  # form 17
+     (('call_function', 'aten.view.default'),), _p37),  # form 21
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p34),  # form 17
+     (('call_function', 'aten.view.default'),), _p38),  # form 21
     ('eager_attention_gqa -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p35),  # form 17
+     (('call_function', 'aten.matmul.default'),), _p39),  # form 21
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p36),  # form 18
+     (('call_function', 'aten.view.default'),), _p40),  # form 22
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p37),  # form 18
+     (('call_function', 'aten.matmul.default'),), _p41),  # form 22
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p38),  # form 18
+     (('call_function', 'aten.view.default'),), _p42),  # form 22
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p39),  # form 18
+     (('call_function', 'aten.view.default'),), _p43),  # form 22
     ('eager_attention -> fia_right_down_causal_additive @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p40),  # form 18
+     (('call_function', 'aten.matmul.default'),), _p44),  # form 22
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p41),  # form 19
+     (('call_function', 'aten.view.default'),), _p45),  # form 23
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p42),  # form 19
+     (('call_function', 'aten.matmul.default'),), _p46),  # form 23
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward', (),
-     (('call_function', 'aten.view.default'),), _p43),  # form 19
+     (('call_function', 'aten.view.default'),), _p47),  # form 23
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu-cast', (),
-     (('call_function', 'aten.view.default'),), _p44),  # form 19
+     (('call_function', 'aten.view.default'),), _p48),  # form 23
     ('eager_attention -> fia_explicit_additive_mask @ float32,bfloat16', 'forward-npu', (),
-     (('call_function', 'aten.matmul.default'),), _p45),  # form 19
+     (('call_function', 'aten.matmul.default'),), _p49),  # form 23
 ]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f2f5f8ee34f40d3a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '113ec278ca874018',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '34fc76492b1b9233',
+KEY = {'torch': '2.13.0+cpu', 'sources': '42bef899889c97c6',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0b4419ff434f59b3',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd49a96355b4684fa',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

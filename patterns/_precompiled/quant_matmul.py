@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '853576813a4f493b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c92274cbce2db1e5',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

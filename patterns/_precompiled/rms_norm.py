@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cb0ac13db1e1593f',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b5ce9125881fbcde',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

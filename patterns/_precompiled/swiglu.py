@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '684c1857686fe4d9',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a9e6781b278ca961',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
