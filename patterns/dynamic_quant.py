@@ -26,7 +26,7 @@ closer to exact (a note; FusionConfig.keep_intermediate_rounding refuses it).
 import torch
 
 from npu_fx_fusion.capabilities import capability, unsupported
-from npu_fx_fusion.constants import evaluate_constant
+from npu_fx_fusion.constants import constant_number
 from npu_fx_fusion.matching import Form, FusionPass, is_call, normalized_dims, tensor_meta
 
 aten = torch.ops.aten
@@ -241,8 +241,7 @@ def _number(arg):
     `bit_range / 2` of two tensor constants), else None."""
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):
         return arg
-    value = evaluate_constant(arg) if isinstance(arg, torch.fx.Node) else None
-    return value.item() if value is not None and value.numel() == 1 else None
+    return constant_number(arg) if isinstance(arg, torch.fx.Node) else None
 
 
 def explain(node):

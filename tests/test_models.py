@@ -30,8 +30,13 @@ class Expected:
     separate_mlps: int = 0  # MLPs whose gate and up are two projections (swiglu near misses)
     kwargs: dict = field(default_factory=dict)
     gemms_per_block: int = 2  # grouped GEMMs per routed experts block
-    # routers that stay unfused in bf16 on CPU (see the torchtitan entry)
+    # routers that stay unfused in bf16 in the plain CPU graph (npu_dispatch=False): CPU
+    # autocast does not take fp32, torch_npu's does (the NPU graph's router is fp32 and fuses)
     bf16_unfused_routers: int = 0
+    # cosine of low-precision logits to eager's: one rounding of a fused op (one in fp32 where
+    # the code rounds twice) moves them; a top-k over rounded scores (V3.2's indexer) can then
+    # keep another key, which moves them further
+    low_precision_cosine: float = 0.999
 
     @property
     def id(self):
@@ -47,10 +52,12 @@ def _counts(norms, residual_norms, ropes, swiglus, grouped_gemms=0, routers=0, d
 
 
 # 2 layers: 2 norms per layer + final (+ q_norm / k_norm per layer in qwen3-style
-# attention and the MLA LoRA norms in DeepSeek); q and k rotated per layer.
+# attention and the MLA LoRA norms in DeepSeek); q and k rotated per layer. Separate gate and
+# up projections are merged into one linear first (merged_projections, inference), so their
+# SwiGLU fuses too.
 MODELS = [
-    Expected(build_hf, "llama", _counts(5, 4, 4, 0), separate_mlps=2),
-    Expected(build_hf, "qwen3", _counts(9, 4, 4, 0), separate_mlps=2),
+    Expected(build_hf, "llama", _counts(5, 4, 4, 2)),
+    Expected(build_hf, "qwen3", _counts(9, 4, 4, 2)),
     # fused gate_up projections; partial rotary (half of the head dim)
     Expected(build_hf, "phi3", _counts(5, 4, 4, 2)),
     # + interleaved-pair rotary written with stack(-x2, x1).flatten(-2)
@@ -64,20 +71,21 @@ MODELS = [
     Expected(build_hf, "qwen3_moe", _counts(9, 4, 4, 2, 0, 2, 2), kwargs={"experts_implementation": "batched_mm"}),
     # even/odd pair rotary written de-interleaved; layer 0 dense, layer 1 MoE + a shared
     # expert, routed by noaux_tc (npu_moe_gating_top_k, once the dispatch is fused)
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 2, 1, 1), separate_mlps=2,
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 3, 2, 1, 1),
              kwargs={"experts_implementation": "grouped_mm"}),
-    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 1, 0, 1, 1), separate_mlps=2,
+    Expected(build_hf, "deepseek_v3", _counts(9, 4, 4, 3, 0, 1, 1),
              kwargs={"experts_implementation": "batched_mm"}),
     # + the lightning indexer's own rotary on its q and k; per layer the indexer and the
     # attention over its top-k keys (both fused; on an NPU the sites note the MLA kernels'
     # head-dim limits, which the tiny config does not meet)
-    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 1, 2, 1, 1, dsa=2), separate_mlps=2),
+    Expected(build_hf, "deepseek_v32", _counts(9, 4, 8, 3, 2, 1, 1, dsa=2), low_precision_cosine=0.998),
     # complex-number rotary (view_as_complex * freqs_cis)
-    Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 0), separate_mlps=2),
+    Expected(build_torchtitan, "llama3", _counts(5, 4, 4, 2)),
     # torchtitan's biased softmax router, its local dispatcher (stable argsort, scatter-add
-    # combine) and its experts: w1, w3 and w2 as three grouped GEMMs. In bf16 on CPU the
-    # router's fp32 autocast is off (tiny_models.build_torchtitan): a bf16 router is not fused.
-    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 0, 3, 1, 1), separate_mlps=3,
+    # combine) and its experts: w1, w3 and w2 as three grouped GEMMs. In bf16 the router runs
+    # under autocast to fp32: in the NPU graph it fuses, in the plain CPU graph it stays bf16.
+    # One MLP keeps its w1 / w3 apart after merged_projections (a swiglu near miss).
+    Expected(build_torchtitan, "deepseek_v3", _counts(7, 4, 4, 2, 3, 1, 1), separate_mlps=1,
              gemms_per_block=3, bf16_unfused_routers=1),
 ]
 
@@ -105,11 +113,12 @@ def _check_fusion(report, expected: Expected, unfused_routers=0):
     assert all(site.location.module and site.location.line for site in report.sites)
 
 
-def _sites(report):
+def _sites(report, routers_apart=False):
     """Each fused site as (pass, fused op, module): the same sites whichever graph they fused
     in (the form, and so the source line it is reported at, differs: FA-v3 under NPU
     dispatch, SDPA's CPU decomposition without)."""
-    return sorted((s.pass_name, s.fused_op, s.location.module) for s in report.sites)
+    return sorted((s.pass_name, s.fused_op, s.location.module) for s in report.sites
+                  if not (routers_apart and s.pass_name == "moe_gating"))
 
 
 def _both_ways(tiny, expected, unfused_routers=0):
@@ -122,12 +131,16 @@ def _both_ways(tiny, expected, unfused_routers=0):
         out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs,
                                            config=nff.FusionConfig(npu_dispatch=npu_dispatch))
         assert report.graph_source.startswith("NPU graph" if npu_dispatch else "CPU graph")
-        _check_fusion(report, expected, unfused_routers=unfused_routers)
+        _check_fusion(report, expected, unfused_routers=0 if npu_dispatch else unfused_routers)
         results[npu_dispatch] = out, ref, report
     (npu_out, ref, npu_report), (cpu_out, _, cpu_report) = results[True], results[False]
-    assert _sites(npu_report) == _sites(cpu_report)
+    # the routers only the NPU graph fuses (its autocast takes fp32) aside, the same sites
+    routers_apart = bool(unfused_routers)
+    assert _sites(npu_report, routers_apart) == _sites(cpu_report, routers_apart)
     # the npu ops the passes added (an NPU graph holds npu_fusion_attention_v3 before any pass)
-    assert npu_report.fused_ops == cpu_report.fused_ops
+    router_ops = {s.fused_op for s in npu_report.sites if s.pass_name == "moe_gating"} if routers_apart else set()
+    assert ({op: n for op, n in npu_report.fused_ops.items() if op not in router_ops}
+            == {op: n for op, n in cpu_report.fused_ops.items() if op not in router_ops})
     return npu_out, cpu_out, ref, npu_report
 
 
@@ -148,9 +161,7 @@ def test_bf16_models_fuse_every_site(expected):
     # real bf16 model code; the logits stay close.
     tiny = expected.build(expected.name, dtype=torch.bfloat16, **expected.kwargs)
     npu_out, cpu_out, ref, _ = _both_ways(tiny, expected, unfused_routers=expected.bf16_unfused_routers)
-    for out in (npu_out, cpu_out):
-        cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
-        assert cosine > 0.999
+    _close_in_low_precision([(npu_out, ref), (cpu_out, ref)], expected)
 
 
 def test_deepseek_v32_sdpa_fuses_as_an_npu_compile_holds_it():
@@ -225,10 +236,10 @@ def test_dynamic_batch_and_sequence_fuse_every_site_as_static_shapes(expected):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def _close_in_low_precision(results):
+def _close_in_low_precision(results, expected):
     for out, ref in results:
         cosine = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.float().flatten(), dim=0)
-        assert cosine > 0.999
+        assert cosine > expected.low_precision_cosine
 
 
 # every model, DeepSeek-V3.2 included: its indexer's min(index_topk, S) is taken as
@@ -241,16 +252,16 @@ def test_dynamic_batch_and_sequence_fuse_every_site_in_bf16(expected):
     # the issue's done-when mode, over every model (benchmarks/dynamic_survey.py prints the
     # table for each dtype)
     results, report = _dynamic(expected, torch.bfloat16)
-    _check_fusion(report, expected, unfused_routers=expected.bf16_unfused_routers)
-    _close_in_low_precision(results)
+    _check_fusion(report, expected)
+    _close_in_low_precision(results, expected)
 
 
 @pytest.mark.parametrize("expected", DYNAMIC_GAPS, ids=[m.id for m in DYNAMIC_GAPS])
 def test_dynamic_batch_and_sequence_fuse_every_site_in_fp16(expected):
     # fp16 on CPU is as bf16 (torchtitan's router would run without its fp32 autocast)
     results, report = _dynamic(expected, torch.float16)
-    _check_fusion(report, expected, unfused_routers=expected.bf16_unfused_routers)
-    _close_in_low_precision(results)
+    _check_fusion(report, expected)
+    _close_in_low_precision(results, expected)
 
 
 def test_deepseek_v32_indexer_and_sparse_attention_fuse_under_dynamic_shapes():

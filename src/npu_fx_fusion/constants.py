@@ -71,6 +71,18 @@ def evaluate_constant(node: Any, max_nodes: int = 400) -> Optional[torch.Tensor]
 _CACHE_KEY = "npu_fx_fusion_constant"
 
 
+def constant_number(node: Any) -> Optional[float]:
+    """evaluate_constant's value of a one-element constant as a Python number, else None
+    (read outside the compile's fake mode: the value is a real tensor)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    value = evaluate_constant(node)
+    if value is None or value.numel() != 1:
+        return None
+    with unset_fake_temporarily():
+        return value.item()
+
+
 def _evaluate(node: Node, needed: dict) -> Optional[torch.Tensor]:
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     graph = torch.fx.Graph()

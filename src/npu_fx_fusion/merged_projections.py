@@ -35,7 +35,7 @@ parameter, and the gradient of a merged weight would go to the buffer), linears 
 without a bias in one group, weights of different dtypes, devices or input sizes, a weight
 that is a view into some other buffer (FSDP's flat parameters), a weight that is not a
 parameter of the model, a weight that is not a plain tensor (a DTensor shard, a quantized or
-fake tensor). The merged buffer is not saved by safetensors' save_file as is:
+fake tensor). Linears inside a torch.autocast region are left out of every group. The merged buffer is not saved by safetensors' save_file as is:
 the parameters share its storage (torch.save keeps the sharing; clone them to save apart).
 """
 from __future__ import annotations
@@ -187,10 +187,31 @@ def _verdict(group: _Group) -> tuple[bool, str]:
 
 def _groups(graph: torch.fx.Graph) -> list[_Group]:
     by_input: dict[Node, _Group] = {}
+    # a linear inside a torch.autocast region computes in autocast's dtype, its neighbours
+    # outside in theirs: it is merged with none of them
+    autocast = _under_autocast(graph)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in _LINEARS and isinstance(node.args[0], Node):
+        if (node.op == "call_function" and node.target in _LINEARS and isinstance(node.args[0], Node)
+                and node not in autocast):
             by_input.setdefault(node.args[0], _Group(node.args[0], [])).linears.append(node)
     return [g for g in by_input.values() if len(g.linears) > 1]
+
+
+def _under_autocast(graph: torch.fx.Graph) -> set:
+    """The nodes between a torch.autocast region's _enter_autocast and _exit_autocast (dynamo
+    keeps the region in its graph): their dtypes are autocast's (torchtitan's routers run
+    under autocast to fp32, which the NPU emulation takes, the experts beside them do not)."""
+    from torch.amp.autocast_mode import _enter_autocast, _exit_autocast
+
+    inside, depth = set(), 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _enter_autocast:
+            depth += 1
+        elif node.op == "call_function" and node.target is _exit_autocast:
+            depth = max(depth - 1, 0)
+        elif depth:
+            inside.add(node)
+    return inside
 
 
 def _bias_node(linear: Node) -> Any:

@@ -660,6 +660,13 @@ def _decide_value(expr: Any, box: _Box) -> Optional[Any]:
 def symbolic_mask_mode(terms: Sequence[Any], queries: Any, keys: Any) -> tuple[Optional[str], str]:
     """constants.mask_mode for masks computed from symbolic sizes only: (mode, why)."""
     try:
+        return _symbolic_mask_mode(terms, queries, keys)
+    except Exception as exc:  # noqa: BLE001 - sympy failing on a formula (oo in a Float op) proves nothing
+        return None, f"the attention mask could not be decided symbolically ({type(exc).__name__}: {exc})"
+
+
+def _symbolic_mask_mode(terms: Sequence[Any], queries: Any, keys: Any) -> tuple[Optional[str], str]:
+    try:
         hidden = _hidden_formula(terms, _shape_env_lower_bounds(terms))
     except NotSymbolic as exc:
         return None, (f"the attention mask cannot be proven causal at compile time: it is computed from graph inputs "

@@ -282,7 +282,19 @@ def _init_deepseek_v4(lm: nn.Module, generator: torch.Generator) -> None:
             module.position_bias.data.normal_(std=0.5, generator=generator)
 
 
-_HF_POST_INIT = {"deepseek_v4": _init_deepseek_v4}
+def _init_afmoe(lm: nn.Module, generator: torch.Generator) -> None:
+    """AFMoE's router gate and expert bias are zero-initialised (init.zeros_ in its
+    _init_weights): every token's sigmoid scores tie at 0.5, and which k experts a top-k
+    takes is then the kernel's tie-breaking (undocumented for the NPU's, implementation-defined
+    for torch.topk), not the model's. A checkpoint's values do not tie."""
+    for module in lm.modules():
+        if type(module).__name__ == "AfmoeTokenChoiceRouter":
+            module.gate.weight.data.normal_(std=module.gate.in_features ** -0.5, generator=generator)
+        elif type(module).__name__ == "AfmoeSparseMoeBlock":
+            module.expert_bias.data.normal_(std=0.05, generator=generator)
+
+
+_HF_POST_INIT = {"deepseek_v4": _init_deepseek_v4, "afmoe": _init_afmoe}
 # ---- end of the DeepSeek-V4 block --------------------------------------------------------
 
 HF_MODEL_TYPES: tuple[str, ...] = tuple(_HF_MODELS)

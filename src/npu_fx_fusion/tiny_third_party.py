@@ -378,7 +378,7 @@ def build_torchtune(name: str, *, dtype: torch.dtype = torch.float32, num_layers
     calls = _torchtune_calls()
     if name not in calls:
         raise ValueError(f"unknown torchtune model builder {name!r}; {did_you_mean(name, calls)}"
-                         f"torchtune 0.6.1 has {len(calls)} decoder model builders")
+                         f"torchtune 0.6.1 has {len(calls)} decoder model builders: {', '.join(sorted(calls))}")
     call = calls[name]
     kwargs = {k: _torchtune_size(k, v, call.kwargs, num_layers) for k, v in call.kwargs.items()}
     with torch.random.fork_rng(devices=[]):
