@@ -36,7 +36,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
-from .insertion import _inherit_kept_calls, _inherit_source_meta, _reads_later_node, insert_replacement
+from .insertion import (_inherit_kept_calls, _inherit_source_meta, _reads_later_node, insert_replacement,
+                        trace_input)
 from .forms import Form, FusionPass, Reason, Site
 from .nodes import constant_on_a_size_range, known_equal
 from .recognition import RecognitionRun, recognized_sites
@@ -376,8 +377,8 @@ class _Arguments:
     @functools.cached_property
     def traced(self) -> list:
         with self.fake_mode:
-            return [torch.empty_strided(v.size(), v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
-                    if isinstance(v, torch.Tensor) else v for v, grad in zip(self.values, self.requires_grad)]
+            return [trace_input(v, grad) if isinstance(v, torch.Tensor) else v
+                    for v, grad in zip(self.values, self.requires_grad)]
 
 
 def _arguments(registration: Registration, kwargs: dict):

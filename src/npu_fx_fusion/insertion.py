@@ -19,6 +19,15 @@ from .cleanup import LAYOUT_CHANGED, fake_copy, same_layout
 Node = torch.fx.Node
 
 
+
+def trace_input(value: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+    """A tensor to trace a replacement on, in the active (fake) mode: `value`'s sizes,
+    strides and dtype. A lazily conjugated value (freqs_cis.conj()) stays one, so that a
+    replacement's resolve_conj traces as the copy it is at run time."""
+    like = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device,
+                               requires_grad=requires_grad)
+    return like.conj() if value.is_conj() else like
+
 def insert_replacement(match: pm.Match, graph: torch.fx.Graph, replacement: torch.fx.GraphModule,
                        args: Sequence[Any], fake_mode: Any = None,
                        reads_gradient: Optional[Callable[[Node], bool]] = None) -> list[Node]:

@@ -25,7 +25,7 @@ import torch.fx
 from .canonical import same_shape
 from .capabilities import CAPABILITIES, capability, not_lowerable
 from .forms import Form, FusionPass, Reason, Recognized, Site
-from .insertion import insert_replacement
+from .insertion import insert_replacement, trace_input
 from .report import FusedSite, NearMiss, location_of
 from .tracing import TRACERS
 
@@ -153,15 +153,8 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
 def _trace(run: RecognitionRun, replace: Callable, args: dict) -> torch.fx.GraphModule:
     values = [a.meta["val"] if isinstance(a, Node) else a for a in args.values()]
     with run.fake_mode:
-        traced = [_like(v) if isinstance(v, torch.Tensor) else v for v in values]
+        traced = [trace_input(v) if isinstance(v, torch.Tensor) else v for v in values]
         return TRACERS["forward"](replace, traced)
-
-
-def _like(value: torch.Tensor) -> torch.Tensor:
-    # a lazily conjugated input (freqs_cis.conj()) stays one: the replacement's resolve_conj
-    # then traces as the copy it is at run time
-    like = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
-    return like.conj() if value.is_conj() else like
 
 
 def emitted_ops(graph: torch.fx.GraphModule) -> list[str]:
