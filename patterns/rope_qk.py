@@ -39,8 +39,10 @@ APPLY = CAPABILITIES["npu.npu_apply_rotary_pos_emb"]
 
 
 # ---- the unfused form: two rotations with the same tables (the rope pass's output) ----------
+# k's first: a match starts from the later of the two calls, and model code rotates q, then k
+# (a pair the other way round fuses too, with the names swapped: the op treats q and k alike)
 def rotary_mul_pair(q, k, cos, sin):
-    return npu.npu_rotary_mul(q, cos, sin), npu.npu_rotary_mul(k, cos, sin)
+    return npu.npu_rotary_mul(k, cos, sin), npu.npu_rotary_mul(q, cos, sin)
 
 
 # ---- the fused calls -----------------------------------------------------------------------
@@ -73,7 +75,7 @@ def apply_rotary_pos_emb_bnsd(q, k, cos, sin):
     batch = q.shape[0]
     tables = [t.transpose(1, 2).expand(batch, -1, -1, -1) for t in (cos, sin)]
     q_out, k_out = npu.npu_apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *tables, "BSND")
-    return _laid_out_like_rotary_mul(q_out.transpose(1, 2), q), _laid_out_like_rotary_mul(k_out.transpose(1, 2), k)
+    return _laid_out_like_rotary_mul(k_out.transpose(1, 2), k), _laid_out_like_rotary_mul(q_out.transpose(1, 2), q)
 
 
 def apply_rotary_pos_emb_bsnd(q, k, cos, sin):
@@ -81,7 +83,7 @@ def apply_rotary_pos_emb_bsnd(q, k, cos, sin):
     batch = q.shape[0]
     tables = [t.expand(batch, -1, -1, -1) for t in (cos, sin)]
     q_out, k_out = npu.npu_apply_rotary_pos_emb(q, k, *tables, "BSND")
-    return _laid_out_like_rotary_mul(q_out, q), _laid_out_like_rotary_mul(k_out, k)
+    return _laid_out_like_rotary_mul(k_out, k), _laid_out_like_rotary_mul(q_out, q)
 
 
 FORMS = [
@@ -218,7 +220,8 @@ def check(site):
     reason = _layout_reason(site)
     if reason:
         return reason
-    q_rope, k_rope = (n for n in site.nodes if is_call(n, npu.npu_rotary_mul.default))
+    q_rope, k_rope = (next(n for n in site.nodes if is_call(n, npu.npu_rotary_mul.default)
+                           and n.args[0] is site.arg_nodes[name]) for name in ("q", "k"))
     if _depends_on(site.arg_nodes["k"], q_rope) or _depends_on(site.arg_nodes["q"], k_rope):
         return "one rotation's input is computed from the other's output: one call cannot do both"
     reason = _overwritten_reason(site)

@@ -92,6 +92,47 @@ def test_two_outputs_bound_to_one_node_are_refused(monkeypatch):
     assert "two outputs of negated_twice bind the one node" in miss.reason, miss.reason
 
 
+_LIB.define("div_pair(Tensor a, Tensor b, Tensor s) -> (Tensor, Tensor)")
+
+
+def _div_pair(a, b, s):
+    return a / s, b / s
+
+
+_LIB.impl("div_pair", _div_pair, "CompositeExplicitAutograd")
+torch.library.register_fake("nff_test_accept::div_pair", _div_pair, lib=_LIB)
+_PAIR_CAPABILITY = OpCapability(op="nff_test_accept.div_pair", dtypes=FLOAT_DTYPES, min_rank=1, max_rank=8,
+                                backward=None, ge_converter=True)
+
+
+def divided_pair(a, b, s):
+    return a / s, b / s
+
+
+def test_a_later_output_is_not_bound_to_the_node_an_earlier_one_took(monkeypatch):
+    # rope_qk's two npu_rotary_mul calls on one cos / sin, as the rope pass leaves them: the
+    # divisor's first user is the latest division, where the match starts, so the second
+    # output's search (the divisor's users, in order) meets that same node first. It must
+    # go on to the other division. (Found as a rope_qk that fused in one model and not
+    # after another had compiled in the same process: tests/test_cli.py.)
+    monkeypatch.setitem(capabilities.CAPABILITIES, _PAIR_CAPABILITY.op, _PAIR_CAPABILITY)
+    fusion_pass = FusionPass(name="test", fused_op=_PAIR_CAPABILITY.op,
+                             forms=[Form(divided_pair, torch.ops.nff_test_accept.div_pair, dtypes=(torch.float32,))],
+                             example={name: (lambda dtype: torch.empty(3, 8, dtype=dtype)) for name in "abs"},
+                             check=lambda site: None, anchor=lambda node: False, explain=lambda node: None)
+    for _ in range(2):  # the second run starts from the exact match the first remembered
+        graph = make_fx(divided_pair, tracing_mode="fake")(torch.empty(3, 8), torch.empty(3, 8), torch.empty(3, 8))
+        first, second = (n for n in graph.graph.nodes if n.target is torch.ops.aten.div.Tensor)
+        second.append(first)  # graph order: second, first; the divisor's users: first, second
+        graph.recompile()
+        result = apply_pass(fusion_pass, graph)
+        assert len(result.sites) == 1 and result.near_misses == [], result.near_misses
+        assert _ops(graph).count("nff_test_accept.div_pair.default") == 1 and "aten.div.Tensor" not in _ops(graph)
+        a, b, s = torch.randn(3, 8), torch.randn(3, 8), torch.rand(3, 8) + 1
+        for got, want in zip(graph(a, b, s), divided_pair(a, b, s)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_kept_call_of_an_op_called_a_different_number_of_times_gets_the_line_it_aligns_with():
     # moe_dispatch keeps the clamped SwiGLU's mul, one of the two muls of the block it replaces
     # (the other weighs the expert outputs, which finalize_routing does): the alignment of the

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cfda068987c3dd44',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3ea1bb6bdf77233a',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {
@@ -24,12 +24,12 @@ FORMS = {
 
 def _p0():  # rotary_mul_pair [forward]
     npu = torch.ops.npu
-    arg_q = KeywordArg('q')
+    arg_k = KeywordArg('k')
     arg_cos = KeywordArg('cos')
     arg_sin = KeywordArg('sin')
-    npu_npu_rotary_mul_default = CallFunction(npu.npu_rotary_mul.default, arg_q, arg_cos, arg_sin)
-    arg_k = KeywordArg('k')
-    npu_npu_rotary_mul_default_1 = CallFunction(npu.npu_rotary_mul.default, arg_k, arg_cos, arg_sin)
+    npu_npu_rotary_mul_default = CallFunction(npu.npu_rotary_mul.default, arg_k, arg_cos, arg_sin)
+    arg_q = KeywordArg('q')
+    npu_npu_rotary_mul_default_1 = CallFunction(npu.npu_rotary_mul.default, arg_q, arg_cos, arg_sin)
     pattern = MultiOutputPattern([npu_npu_rotary_mul_default,
       npu_npu_rotary_mul_default_1
     ])
@@ -37,12 +37,12 @@ def _p0():  # rotary_mul_pair [forward]
 
 def _p1():  # rotary_mul_pair [forward]
     npu = torch.ops.npu
-    arg_q = KeywordArg('q')
+    arg_k = KeywordArg('k')
     arg_cos = KeywordArg('cos')
     arg_sin = KeywordArg('sin')
-    npu_npu_rotary_mul_default = CallFunction(npu.npu_rotary_mul.default, arg_q, arg_cos, arg_sin)
-    arg_k = KeywordArg('k')
-    npu_npu_rotary_mul_default_1 = CallFunction(npu.npu_rotary_mul.default, arg_k, arg_cos, arg_sin)
+    npu_npu_rotary_mul_default = CallFunction(npu.npu_rotary_mul.default, arg_k, arg_cos, arg_sin)
+    arg_q = KeywordArg('q')
+    npu_npu_rotary_mul_default_1 = CallFunction(npu.npu_rotary_mul.default, arg_q, arg_cos, arg_sin)
     pattern = MultiOutputPattern([npu_npu_rotary_mul_default,
       npu_npu_rotary_mul_default_1
     ])

@@ -34,6 +34,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch._inductor import pattern_matcher as pm
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._ordered_set import OrderedSet
 
 from . import npu_ops
 from .capabilities import capability, has_backward
@@ -85,21 +86,55 @@ def _find_anchor_nodes_once(self: Any, ctx: Any, searched: Any):
     yield from _ORIGINAL_FIND_ANCHOR_NODES(self, ctx, searched)
 
 
+# Each later output of a multi-output pattern is searched among the users of the nodes the
+# match has bound so far (torch's _match_from_anchors), and the first candidate that matches
+# wins, with no return to it later. Two outputs with the same sub-patterns (rope_qk's two
+# npu_rotary_mul calls on one cos / sin) then find, from the first output's node, that very
+# node again: a match binding one node as two outputs, which acceptance refuses, while the
+# node beside it would have matched. A node another output already bound is tried last (where
+# it is the only candidate, acceptance then names the problem).
+_ORIGINAL_MATCH_FROM_ANCHORS = pm.MultiOutputPattern._match_from_anchors  # noqa: SLF001
+
+
+def _match_from_anchors_distinct(self: Any, pattern: Any, ctx: Any) -> Any:
+    prior = dict(ctx.pattern_to_node)
+    taken = {prior[output] for output in self.outputs if output is not pattern and output in prior}
+    found: Any = pm.FailedMatch("no anchor found")
+    passed_over = []
+
+    def candidates() -> Any:
+        for node in pattern.find_anchor_nodes(ctx, OrderedSet()):
+            if node in taken:
+                passed_over.append(node)
+            else:
+                yield node
+        yield from passed_over
+
+    for node in candidates():
+        found = ctx.match(pattern, node)
+        if pm.is_match(found):
+            return found
+        ctx.pattern_to_node = dict(prior)  # undo the partial match
+    return found
+
+
 @contextlib.contextmanager
 def deep_patterns():
     """While building, printing or matching patterns (usable as a decorator): the recursion
     limit raised to PATTERN_RECURSION_LIMIT, and each multi-output search expanding a
-    sub-pattern once."""
+    sub-pattern once and binding each output to a node of its own."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, PATTERN_RECURSION_LIMIT))
     _DEEP_PATTERN_DEPTH[0] += 1
     pm._TargetArgsExpr.find_anchor_nodes = _find_anchor_nodes_once  # noqa: SLF001
+    pm.MultiOutputPattern._match_from_anchors = _match_from_anchors_distinct  # noqa: SLF001
     try:
         yield
     finally:
         _DEEP_PATTERN_DEPTH[0] -= 1
         if not _DEEP_PATTERN_DEPTH[0]:
             pm._TargetArgsExpr.find_anchor_nodes = _ORIGINAL_FIND_ANCHOR_NODES  # noqa: SLF001
+            pm.MultiOutputPattern._match_from_anchors = _ORIGINAL_MATCH_FROM_ANCHORS  # noqa: SLF001
             _EXPANDED.clear()
         sys.setrecursionlimit(limit)
 
