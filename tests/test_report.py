@@ -328,3 +328,42 @@ def test_a_reused_graph_counts_once_per_run():
     assert "| rms_norm | 3 | 9 | 0 |  |" in text
     assert "- graphs run so far: " in text and "4 times" in text
     assert report.to_dict()["executed_counts"]["rms_norm"] == 9
+
+
+class _ExpertsLoop(torch.nn.Module):
+    """litgpt's LLaMAMoE shape: a loop over experts, each picking its tokens with torch.where
+    (data-dependent sizes: a graph break inside a loop, so dynamo runs the frame in eager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        chosen = self.gate(x).argmax(-1)
+        y = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            (tokens,) = torch.where(chosen == index)
+            y[tokens] += expert(x[tokens])
+        return y
+
+
+def test_code_dynamo_leaves_out_of_the_graphs_is_named():
+    torch._dynamo.reset()
+    backend = nff.get_npu_backend()
+    with torch.no_grad():
+        torch.compile(_ExpertsLoop(), backend=backend)(torch.randn(6, 8))
+    gaps = backend.report.dynamo_gaps
+    assert any("aten.nonzero.default" in reason for reason in gaps.breaks), gaps
+    assert any(frame.startswith("forward (test_report.py:") for frame in gaps.eager_frames), gaps
+    text = backend.report.to_markdown()
+    assert "- dynamo left code out of the graphs" in text and "run wholly in eager" in text, text
+
+
+def test_a_model_in_one_graph_has_no_dynamo_gaps():
+    torch._dynamo.reset()
+    backend = nff.get_npu_backend()
+    with torch.no_grad():
+        torch.compile(torch.nn.Linear(8, 8), backend=backend)(torch.randn(2, 8))
+    assert not backend.report.dynamo_gaps and "dynamo left code out" not in backend.report.to_markdown()
+    assert backend.report.to_dict()["dynamo_gaps"] == {"breaks": (), "eager_frames": ()}

@@ -24,7 +24,7 @@ import torch
 
 from .config import FusionConfig, check_environment
 from .lifted_floats import specialize_module_floats
-from .report import FusionReport, GraphReport
+from .report import FusionReport, GraphReport, dynamo_counts
 
 if TYPE_CHECKING:
     from .pipeline import FusedJoint
@@ -63,6 +63,7 @@ class FusionPipeline:
         self.fusion_config = fusion_config or FusionConfig()
         self.chained = chained
         self.report = FusionReport()
+        self.report.dynamo_counts_before = dynamo_counts()
         self._graph_ids = itertools.count()
         # what merge_projections did to the dynamo graph, for the report of the next graph
         # aot_autograd makes of it

@@ -478,6 +478,63 @@ def added_conversions(graph: torch.fx.Graph, original_nodes: AbstractSet[torch.f
     return found
 
 
+# The counters dynamo keeps of what it could not compile (torch._dynamo.utils.counters),
+# each keyed by its message: "graph_break" and "unimplemented" (which also names each frame
+# it gave up on and ran in eager: "frame skipped: forward (path line N)", a graph break in a
+# loop skips the frame; such a message starts with the break that led to it).
+_DYNAMO_COUNTERS = ("graph_break", "unimplemented")
+_FRAME_SKIPPED = re.compile(r"frame skipped: (\S+) \((.+?) line (\d+)\)")
+_DEBUG_CONTEXT = re.compile(r"Developer debug context: (.+)")
+_HINT = re.compile(r"Hint: (.+)")
+_ANOTHER_BREAK = "*** While handling this graph break"
+
+
+def dynamo_counts() -> dict[str, Counter]:
+    """A snapshot of dynamo's graph-break counters, to tell later breaks from earlier ones."""
+    from torch._dynamo.utils import counters
+
+    return {kind: Counter(counters[kind]) for kind in _DYNAMO_COUNTERS}
+
+
+def _break_reason(message: str) -> str:
+    """"Dynamic shape operator (aten.nonzero.default); dynamo's hint: ..." of a counter's message."""
+    first = message.split(_ANOTHER_BREAK)[0]
+    context, hint = _DEBUG_CONTEXT.search(first), _HINT.search(first)
+    reason = first.strip().splitlines()[0]
+    reason += f" ({context.group(1).strip()})" if context and len(context.group(1)) < 80 else ""
+    return reason + (f"; dynamo's hint: {hint.group(1).strip()}" if hint else "")
+
+
+@dataclass(frozen=True)
+class DynamoGaps:
+    """What dynamo left out of every graph: code there runs in eager, where no pass sees it."""
+
+    breaks: tuple[str, ...]  # each distinct reason, "Dynamic shape operator (aten.nonzero.default); ..."
+    eager_frames: tuple[str, ...]  # "forward (model.py:85)": functions dynamo ran wholly in eager
+
+    @classmethod
+    def since(cls, before: dict[str, Counter]) -> "DynamoGaps":
+        now = dynamo_counts()
+        messages = [m for kind in _DYNAMO_COUNTERS for m in now[kind] - before[kind]]
+        frames = (f"{name} ({os.path.basename(path)}:{line})"
+                  for m in messages for name, path, line in _FRAME_SKIPPED.findall(m))
+        return cls(tuple(dict.fromkeys(map(_break_reason, messages))), tuple(dict.fromkeys(frames)))
+
+    def __bool__(self) -> bool:
+        return bool(self.breaks or self.eager_frames)
+
+    def lines(self) -> list[str]:
+        if not self:
+            return []
+        lines = ["- dynamo left code out of the graphs: it runs in eager, where no pass sees it "
+                 "(torch._dynamo.explain shows where)"]
+        lines += [f"  - graph break: {reason}" for reason in self.breaks]
+        if self.eager_frames:
+            lines.append(f"  - run wholly in eager (a graph break in a loop makes dynamo skip the frame): "
+                         f"{', '.join(self.eager_frames)}")
+        return lines
+
+
 class FusionReport:
     """Every graph one backend (or one fuse() call) processed."""
 
@@ -494,6 +551,17 @@ class FusionReport:
         # or {"ok": None, "why": ...} when nothing was computed); None when not known
         self.target: Optional[str] = None
         self.outputs_vs_eager: Optional[dict] = None
+        # dynamo's graph-break counters when the backend was made (dynamo_counts()), or None
+        # (fuse(): no dynamo); the breaks since then are the report's dynamo_gaps
+        self.dynamo_counts_before: Optional[dict[str, Counter]] = None
+
+    @property
+    def dynamo_gaps(self) -> DynamoGaps:
+        """The graph breaks and eager frames dynamo recorded since the backend was made
+        (counted process-wide: another compile meanwhile counts too)."""
+        if self.dynamo_counts_before is None:
+            return DynamoGaps((), ())
+        return DynamoGaps.since(self.dynamo_counts_before)
 
     def add(self, graph: GraphReport) -> None:
         self.graphs.append(graph)
@@ -579,6 +647,7 @@ class FusionReport:
         lines += self.soc_lines()
         if self.outputs_vs_eager is not None:
             lines.append(f"- outputs vs eager: {verdict_text(self.outputs_vs_eager)}")
+        lines += self.dynamo_gaps.lines()
         if self.reused:
             runs = ", ".join(f"graph {i} ({g.name}) {_times(g.runs)}" for i, g in enumerate(self.graphs)
                              if g.runs is not None)
@@ -608,7 +677,7 @@ class FusionReport:
         return {"target": self.target, "graph_source": self.graph_source, "soc": self.soc,
                 "outputs_vs_eager": self.outputs_vs_eager, "counts": self.counts,
                 "executed_counts": self.executed_counts, "folded": self.folded, "fused_ops": self.fused_ops,
-                "graphs": [g.to_dict() for g in self.graphs]}
+                "dynamo_gaps": asdict(self.dynamo_gaps), "graphs": [g.to_dict() for g in self.graphs]}
 
     def to_json(self, indent: Optional[int] = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -617,7 +686,7 @@ class FusionReport:
         title = "# npu-fx-fusion report" + (f": {self.target}" if self.target else "")
         lines = [title, ""]
         if not self.graphs:
-            return "\n".join(lines + ["No graph was compiled."]) + "\n"
+            return "\n".join(lines + ["No graph was compiled."] + self.dynamo_gaps.lines()) + "\n"
         lines += self.summary_lines() + [""]
         rows, quiet = pass_rows(self)
         lines += pass_table(rows, executed=self.reused)
