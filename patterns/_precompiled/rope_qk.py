@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cfda068987c3dd44',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7786a1d35d586e0c',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {
