@@ -328,6 +328,31 @@ def test_a_joint_graph_that_does_not_partition_is_compiled_unfused(monkeypatch):
     torch.testing.assert_close(q, q_ref)
 
 
+class RotateHalfThenTranspose(nn.Module):
+    """olmo-core's RoPE reduced to its layouts: a tensor read twice (t * c, and a rotate_half
+    of it), the sum transposed out. The first read's gradient comes back through the
+    transpose (transposed strides), rotate_half's through its cat (contiguous), and the
+    view of the projection's output takes their sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        t = self.proj(x).view(*x.shape[:2], 4, HIDDEN // 4)
+        return (t * 2 + _rotate_half(t)).transpose(1, 2).contiguous()
+
+
+def test_a_gradient_sum_refolded_into_another_layout_keeps_its_views_valid():
+    # canonicalize_grad_accumulation puts t * 2's gradient (transposed) before rotate_half's
+    # (contiguous): the sum is then laid out transposed, and the backward's view of it, traced
+    # for the contiguous sum, fails at run time unless it becomes a reshape (olmo-core's
+    # training step crashed so)
+    report, _, bw = train_and_compare(RotateHalfThenTranspose)
+    assert report.errors == []
+    assert any(n.target is torch.ops.aten.reshape.default for n in bw.graph.nodes)
+
+
 @pytest.mark.parametrize("case", ["ropes", "norms"])
 def test_two_fused_sites_returned_together_train(case):
     # a graph break after the rotary embedding returns both sites from one graph: the

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c02d7bcfe8c41e2d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7c2fd899cd406be0',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '65d6c936a19fbbbe',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'dbc57d31cae8406e',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

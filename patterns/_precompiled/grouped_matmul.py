@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '42bef899889c97c6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '22b67c9d6a204e4e',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

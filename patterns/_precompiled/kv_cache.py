@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '904a0fa9f4c9d63a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e89076d4d259b719',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd49a96355b4684fa',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5c6d577d2362cb16',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ed3e1fc764cd46a0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8835f114440ffada',
        'backward': {'npu.npu_scatter_nd_update': False, 'npu.npu_scatter_pa_kv_cache_functional': False}}
 
 FORMS = {

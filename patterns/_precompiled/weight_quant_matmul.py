@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6d6b39fac2766d52',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5b57fb9a7d9af4d0',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {

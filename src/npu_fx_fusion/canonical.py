@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from .nodes import is_call, known_equal, tensor_meta
+from .nodes import is_call, known_equal, same_layout, tensor_meta
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -521,11 +521,13 @@ def _resolve_inferred_size(view: Node) -> int:
 
 
 # ---- joint graphs ------------------------------------------------------------------------
-def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
+def normalize_joint_graph(gm: torch.fx.GraphModule) -> list[Node]:
     """Make a joint graph look like the joint pattern traces: what joint_fwd_bwd does to
     them (remove_noop_ops, then Inductor's early_patterns: pointless views, view pairs and
     permute pairs, which einsum's backward leaves), and the canonicalisations both sides
-    get."""
+    get. Returns the gradient sums whose layout the re-folding changed
+    (canonicalize_grad_accumulation): the views downstream of them were traced for the old
+    one, and the caller must propagate the new one (cleanup.views_to_reshapes_where_needed)."""
     from torch._inductor.fx_passes.joint_graph import early_patterns
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
@@ -537,8 +539,10 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> None:
     remove_noop_ops(gm.graph)
     early_patterns.apply(gm.graph)
     hoist_contiguous_copies(gm.graph)
-    canonicalize_grad_accumulation(gm.graph)
+    relaid: list[Node] = []
+    canonicalize_grad_accumulation(gm.graph, relaid)
     gm.recompile()
+    return relaid
 
 
 # ---- layout copies ------------------------------------------------------------------------
@@ -577,7 +581,7 @@ def hoist_contiguous_copies(graph: torch.fx.Graph) -> int:
 
 
 # ---- gradient accumulation ----------------------------------------------------------------
-def canonicalize_grad_accumulation(graph: torch.fx.Graph) -> int:
+def canonicalize_grad_accumulation(graph: torch.fx.Graph, relaid: Optional[list] = None) -> int:
     """Re-fold every chain of gradient-accumulating adds in one canonical order.
 
     Autograd sums the gradient of a tensor with several users as a left fold
@@ -588,8 +592,12 @@ def canonicalize_grad_accumulation(graph: torch.fx.Graph) -> int:
     function that runs its ops in another order than the model (rotate_half slicing x2
     before x1) sums in another order. Both the joint graph and every joint pattern trace
     are re-folded as a left fold over their leaves sorted by a key that depends on the
-    graph's structure only (_leaf_key). Only the rounding of those sums changes.
-    Returns the number of chains re-folded.
+    graph's structure only (_leaf_key). Only the rounding of those sums changes, and,
+    where the leaves differ in layout, the sum's: an elementwise add lays its result out
+    after its first operand that orders the dims (olmo-core's RoPE: the gradient through
+    a transpose, then rotate_half's contiguous one). Each new add gets the fake value of
+    its own operands; a chain whose sum's layout changed is appended to `relaid` (the
+    views after it were traced for the old layout). Returns the number of chains re-folded.
     """
     changed = 0
     order = _forward_order(graph)
@@ -615,14 +623,24 @@ def canonicalize_grad_accumulation(graph: torch.fx.Graph) -> int:
             acc = ordered[0]
             for leaf in ordered[1:-1]:
                 acc_new = graph.call_function(aten.add.Tensor, (acc, leaf))
-                acc_new.meta = dict(root.meta)
+                acc_new.meta = dict(root.meta, val=_sum_value(acc, leaf))
                 acc = acc_new
+        before = root.meta["val"]
         root.args = (acc, ordered[-1])
+        root.meta["val"] = _sum_value(acc, ordered[-1])
+        if relaid is not None and not same_layout(before, root.meta["val"]):
+            relaid.append(root)
         for n in inner:
             if n is not root and not n.users:
                 graph.erase_node(n)
         changed += 1
     return changed
+
+
+def _sum_value(a: Node, b: Node) -> torch.Tensor:
+    """The value of add(a, b) from the operands' (fake) values: its layout follows theirs,
+    in their order."""
+    return aten.add.Tensor(a.meta["val"], b.meta["val"])
 
 
 def _plain_add(node: Any) -> bool:

@@ -13,6 +13,8 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
+from .nodes import same_layout
+
 aten = torch.ops.aten
 Node = torch.fx.Node
 
@@ -384,18 +386,3 @@ def fake_copy(value: Any, fake_mode: Any) -> Any:
             meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
         return FakeTensor(fake_mode, meta, value.device)
     return value
-
-
-def same_layout(a: Any, b: Any) -> bool:
-    """Two fake values with provably the same shapes, strides and dtypes."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_layout(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        sizes = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()),
-                 (a.storage_offset(), b.storage_offset())]
-        return (a.dtype == b.dtype and a.dim() == b.dim()
-                and all(statically_known_true(x == y) for x, y in sizes))
-    return type(a) is type(b) and not isinstance(a, torch.Tensor) and (
-        isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or a == b)

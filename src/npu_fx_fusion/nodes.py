@@ -29,6 +29,19 @@ def tensor_meta(node: Any) -> Optional[torch.Tensor]:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def same_layout(a: Any, b: Any) -> bool:
+    """Two fake values with provably the same shapes, strides and dtypes."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_layout(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        sizes = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()),
+                 (a.storage_offset(), b.storage_offset())]
+        return (a.dtype == b.dtype and a.dim() == b.dim()
+                and all(statically_known_true(x == y) for x, y in sizes))
+    return type(a) is type(b) and not isinstance(a, torch.Tensor) and (
+        isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or a == b)
+
+
 def normalized_dims(dims: Any, rank: int) -> list[int]:
     """Dim arguments as sorted non-negative indices of a rank-`rank` tensor."""
     dims = [dims] if isinstance(dims, int) else list(dims or [])

@@ -28,8 +28,8 @@ from .accept import apply_pass
 from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import CAPABILITIES, detect_soc
 from .catalog import load_pass
-from .cleanup import (copies_for_contiguous_inputs, drop_lossless_round_trips, merge_repeated_conversions,
-                      merge_repeated_fused_calls, views_to_reshapes_where_needed)
+from .cleanup import (LAYOUT_CHANGED, copies_for_contiguous_inputs, drop_lossless_round_trips,
+                      merge_repeated_conversions, merge_repeated_fused_calls, views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
 from .nodes import op_name
@@ -250,7 +250,11 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     fused = False
     try:
         if passes:
-            normalize_joint_graph(gm)
+            relaid = normalize_joint_graph(gm)
+            if relaid:  # gradient sums re-folded into another layout: the views after them follow
+                for node in relaid:
+                    node.meta[LAYOUT_CHANGED] = True
+                views_to_reshapes_where_needed(gm, relaid)
         original_nodes = set(gm.graph.nodes)
         from_tangents: dict = {}  # accept._reads_tangents' memo, shared by the passes
         for name in passes:
