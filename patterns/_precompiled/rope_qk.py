@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3ea1bb6bdf77233a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2f4b7ff83561de1b',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {
