@@ -36,18 +36,25 @@ UNFUSED = nff.FusionConfig(enable=frozenset(), merge_projections=False)
 
 def decode_step(model: str, layers: int, dtype: torch.dtype, dynamic: bool, batch: int, dims: dict,
                 config: nff.FusionConfig) -> dict:
+    # a fresh dynamo cache: CacheStep.forward is one code object, and compiling it for every
+    # model, layer count and config in one process would pass dynamo's recompile limit (8),
+    # after which it runs eagerly and last_report() would be the previous compile's
+    torch._dynamo.reset()
     tiny = build_hf(model, dtype=dtype, num_layers=layers, batch=batch, **dims)
     lm = tiny.model.lm
     step = CacheStep(lm)
     (prompt,) = tiny.example_inputs
     reference, cache = (static_cache(lm, batch=batch, max_cache_len=prompt.shape[1] + 8) for _ in range(2))
-    compiled = torch.compile(step, backend=nff.get_npu_backend(fusion_config=config), dynamic=dynamic or None)
+    backend = nff.get_npu_backend(fusion_config=config)
+    compiled = torch.compile(step, backend=backend, dynamic=dynamic or None)
     with torch.no_grad():
         token = step(prompt, reference)[:, -1:].argmax(-1)
         step(prompt, cache)
         expected = step(token, reference)
         actual = compiled(token, cache)
-    report = nff.last_report()
+    report = backend.report  # this compile's, not whichever backend ran last
+    if not report.graphs:
+        raise RuntimeError(f"{model}, {layers} layers: nothing was compiled (dynamo ran it eagerly)")
     estimate = {soc: [0.0, 0.0] for soc in ROOFLINES}  # launches, seconds
     graph_cost = sum(graph.cost_after.launches for graph in report.graphs)  # report.GraphCost's count
     for graph in report.graphs:
