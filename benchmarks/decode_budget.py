@@ -67,6 +67,7 @@ def decode_step(model: str, layers: int, dtype: torch.dtype, dynamic: bool, batc
               "cache": _max_difference([a for a, _ in states], [e for _, e in states])}
     ok = all(diff <= OUTPUT_TOLERANCE[dtype] * max(1.0, scale) for diff, scale in checks.values())
     return {"estimate": estimate, "graph_cost": graph_cost, "ok": ok, "diff": {k: v[0] for k, v in checks.items()},
+            "scale": {k: v[1] for k, v in checks.items()},
             "errors": report.errors, "counts": report.counts}
 
 
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
         ok = ok_before and ok_after and not fused["errors"]
         failed |= not ok
         times = " | ".join(f"{before[s][1]:.1f} -> {after[s][1]:.1f}" for s in socs)
-        verdict = "OK" if ok else f"MISMATCH {fused['diff']} {fused['errors']}"
+        # the fused 4-layer step's largest differences from eager, and the largest |eager value|
+        diffs = ", ".join(f"{k} {fused['diff'][k]:.2g} of {fused['scale'][k]:.2g}" for k in fused["diff"])
+        verdict = f"OK ({diffs})" if ok else f"MISMATCH ({diffs}) {fused['errors']}"
         print(f"| {model} | {before[socs[0]][0]:g} -> {after[socs[0]][0]:g} | "
               f"{before['graph_cost']:g} -> {after['graph_cost']:g} | {times} | {verdict} |")
         print(f"  {model}: {time.perf_counter() - start:.0f} s; fused sites {fused['counts']}", file=sys.stderr)
