@@ -21,7 +21,10 @@ Every rank must report the same sites and launches (asserted); rank 0's are prin
 docs/tensor-parallel.md quotes these numbers.
 
     .venv/bin/python benchmarks/bench_tensor_parallel.py [WORLD ...]   # WORLD: 2 (default), 4
+    .venv/bin/python benchmarks/bench_tensor_parallel.py 4 --model llama3 --dtype bfloat16  # a subset
 """
+import argparse
+import collections
 import os
 import sys
 
@@ -113,14 +116,27 @@ def worker(rank, world_size, name, sequence_parallel, dtype, training):
             "scale": max(t.double().abs().max().item() for t in fused["eager"].values())}
 
 
-def main(worlds):
-    for world in worlds:
-        for name in ("llama3", "qwen3"):
-            for sequence_parallel in (False, True):
-                for dtype in ("float32", "bfloat16"):
-                    for training in (False, True):
-                        results = run_on_ranks(worker, world, name=name, sequence_parallel=sequence_parallel,
-                                               dtype=dtype, training=training, timeout=3600)
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("worlds", nargs="*", type=int, default=[2], help="ranks: 2 (default), 4")
+    parser.add_argument("--model", action="append", choices=("llama3", "qwen3"))
+    parser.add_argument("--parallel", action="append", choices=("tp", "tp_sp"))
+    parser.add_argument("--dtype", action="append", choices=("float32", "bfloat16"))
+    parser.add_argument("--phase", action="append", choices=("infer", "train"))
+    args = parser.parse_args(argv)
+    for world in args.worlds:
+        for name in args.model or ("llama3", "qwen3"):
+            for parallel in args.parallel or ("tp", "tp_sp"):
+                for dtype in args.dtype or ("float32", "bfloat16"):
+                    for phase in args.phase or ("infer", "train"):
+                        sequence_parallel, training = parallel == "tp_sp", phase == "train"
+                        label = f"world={world} {name} {parallel} {dtype} {phase}"
+                        try:
+                            results = run_on_ranks(worker, world, name=name, sequence_parallel=sequence_parallel,
+                                                   dtype=dtype, training=training, timeout=3600)
+                        except Exception as exc:  # one configuration failing does not hide the others
+                            print(f"{label}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                            continue
                         first = results[0]
                         for rank, r in enumerate(results):
                             assert r["errors"] == [], (rank, r["errors"])
@@ -129,16 +145,16 @@ def main(worlds):
                         present = fused + sum(len(m) for m in first["misses"].values())
                         by_pass = ", ".join(f"{p} {first['sites'][p]}/{first['sites'][p] + len(first['misses'][p])}"
                                             for p in TP_PASSES if first['sites'][p] or first['misses'][p])
-                        reasons = sorted({m for ms in first["misses"].values() for m in ms})
-                        print(f"world={world} {name} {'tp_sp' if sequence_parallel else 'tp'} {dtype} "
-                              f"{'train' if training else 'infer'}: sites {fused}/{present} ({by_pass}); launches "
-                              f"per layer {first['per_layer'][0]} -> {first['per_layer'][1]}; max |fused - unfused| "
+                        reasons = collections.Counter(f"{p}: {m}" for p, ms in first["misses"].items() for m in ms)
+                        print(f"{label}: sites {fused}/{present} ({by_pass}), "
+                              f"the same on each of the {world} ranks; launches per layer per rank "
+                              f"{first['per_layer'][0]} -> {first['per_layer'][1]}; max |fused - unfused| "
                               f"{max(r['vs_unfused'] for r in results):.3g}, |fused - eager| "
                               f"{max(r['vs_eager'] for r in results):.3g} at scale "
                               f"{max(r['scale'] for r in results):.3g}", flush=True)
-                        for reason in reasons:
-                            print(f"    near miss: {reason[:160]}", flush=True)
+                        for reason, count in sorted(reasons.items()):
+                            print(f"    near miss x{count} (rank 0): {reason}", flush=True)
 
 
 if __name__ == "__main__":
-    main([int(w) for w in sys.argv[1:]] or [2])
+    main()
