@@ -306,22 +306,27 @@ def _both(reason_of: dict, count: int) -> dict:
 
 def _litgpt(spec: str) -> tuple[dict, dict]:
     """litgpt: every RoPE (apply_rope on q and k) fuses in the joint graph, forward and backward.
-    Its RMSNorm squares as `x * x` (litgpt/model.py RMSNorm.forward): no joint form spells that
-    (survey N2), and the rsqrt the step saves for the backward is read outside the forward-only
-    form, so every norm is a near miss in both graphs, and the residual adds before them stay
-    unfused (no add_rms_norm site is reached). LLaMAMLP's fc_1 and fc_2 are separate projections
-    that merged_projections keeps separate in training: every SwiGLU is a near miss, in a MoE
-    once per expert (8 experts of a for-loop over LLaMAMLP). GELU MLPs and LayerNorm models have
-    no such sites; the MoE's router, dispatch and expert GEMMs are silent (survey)."""
+    Its RMSNorm squares as `x * x` (litgpt/model.py RMSNorm.forward), which the backend spells
+    as a square before autograd (canonical.squares_as_powers), so every norm fuses in the joint
+    graph too and every residual add feeding one folds into it in the forward graph.
+    LLaMAMLP's fc_1 and fc_2 are separate projections that merged_projections keeps separate
+    in training: every SwiGLU is a near miss, in a MoE once per expert (8 experts of a for-loop
+    over LLaMAMLP). GELU MLPs and LayerNorm models have no such sites; the MoE's router,
+    dispatch and expert GEMMs run in eager (a graph break in its experts loop), which the report
+    names (FusionReport.dynamo_gaps)."""
     present = PRESENT[spec]
-    near = {}
+    fused = {("joint", "rope"): present["rope"]}
     if present.get("rms_norm"):
-        near |= {("joint", "rms_norm", f"{NORM_SAVES_RSQRT} mul"): present["rms_norm"],
-                 ("forward", "rms_norm", f"{NORM_SAVES_RSQRT} output"): present["rms_norm"]}
+        fused[("joint", "rms_norm")] = present["rms_norm"]
+    if present.get("add_rms_norm"):
+        # in a MoE the residual add after the experts is computed in another graph than the
+        # norm it feeds (the MoE's graph break sits between them): the block's other add folds
+        fused[("forward", "add_rms_norm")] = present["add_rms_norm"] // (2 if present.get("moe_router") else 1)
+    near = {}
     if present.get("swiglu"):
         per_site = tiny_third_party.EXPERTS if present.get("moe_router") else 1
         near |= _both({"swiglu": SEPARATE_PROJECTIONS}, present["swiglu"] * per_site)
-    return {("joint", "rope"): present["rope"]}, near
+    return fused, near
 
 
 def _olmo_core(spec: str, rope: str) -> tuple[dict, dict]:

@@ -56,6 +56,25 @@ class HFNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class SelfProductNorm(HFNorm):
+    """litgpt's RMSNorm: the mean of x * x, the weight applied in fp32, one cast at the end."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(torch.mean(h * h, dim=-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+class OneFactorDetachedNorm(HFNorm):
+    """x * x.detach(): the forward of a mean of squares, but the gradient flows through one
+    factor only, half a square's: not RMSNorm's backward."""
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(torch.mean(h * h.detach(), dim=-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
 class HFNormNpuCasts(HFNorm):
     """HFNorm with its casts spelled as torch_npu records `.to(dtype)` on an NPU; their
     backward is then torch_npu's `_npu_dtype_cast_backward`."""
@@ -212,6 +231,48 @@ def test_rms_norm_fuses_forward_and_backward(dtype):
     assert sites.pop("rms_norm") == 1 and {"rope", "swiglu"} <= set(sites) and not any(sites.values())
     assert report.counts["rms_norm"] == 1  # the forward-only pass afterwards found nothing left
     assert report.fused_ops == {"npu.npu_rms_norm": 1, "npu.npu_rms_norm_backward": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mean_of_self_products_trains_fused(dtype):
+    # autograd differentiates x * x as two products summed; spelled as a square before it
+    # traces (canonical.squares_as_powers), the backward is the joint form's
+    report, fw, bw = train_and_compare(SelfProductNorm, dtype)
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+    assert report.counts["rms_norm"] == 1
+
+
+def test_a_product_with_a_detached_copy_is_not_a_square():
+    report, _, bw = train_and_compare(OneFactorDetachedNorm)
+    assert "npu_rms_norm_backward" not in npu_ops(bw)
+    assert not report.fused_ops.get("npu.npu_rms_norm_backward")
+
+
+def test_only_tensor_products_with_themselves_become_squares():
+    from npu_fx_fusion.canonical import squares_as_powers
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def products(x, y):
+        n = x.shape[0] * x.shape[0]  # a product of sizes (SymInts under dynamic=True): stays
+        return x * x, x * y, torch.mul(y, y), x.mul(x) + n
+
+    torch._dynamo.reset()
+    x, y = torch.randn(3), torch.randn(3)
+    torch.compile(products, backend=capture, dynamic=True)(x, y)
+    (gm,) = graphs
+    assert squares_as_powers(gm) == 3
+    assert sum(n.target is torch.pow for n in gm.graph.nodes) == 3
+    assert sum(n.op != "placeholder" and "mul" in str(n.target) for n in gm.graph.nodes) == 2  # x * y, n
+    tensors = iter((x, y))
+    inputs = [3 if isinstance(n.meta["example_value"], torch.SymInt) else next(tensors)
+              for n in gm.graph.find_nodes(op="placeholder")]
+    for got, want in zip(gm(*inputs), products(x, y)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_npu_spelled_casts_and_their_backward_match_joint():

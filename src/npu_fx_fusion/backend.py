@@ -69,6 +69,16 @@ class FusionPipeline:
         # aot_autograd makes of it
         self._pending: list = []
 
+    def before_autograd(self, gm: torch.fx.GraphModule, example_inputs: Any, floats: dict[str, float]) -> None:
+        """What the dynamo graph needs before aot_autograd traces it: the module floats
+        specialised (lifted_floats; `floats`: those specialised so far) and, where the graph
+        will be differentiated, squares spelled as such (canonical.squares_as_powers)."""
+        specialize_module_floats(gm, example_inputs, floats)
+        if torch.is_grad_enabled():
+            from .canonical import squares_as_powers
+
+            squares_as_powers(gm)
+
     def merge_projections(self, gm: torch.fx.GraphModule, example_inputs: Any) -> tuple[list, Callable]:
         """Merge the linears of a dynamo graph that share an input (merged_projections.py),
         before aot_autograd traces it; returns the example inputs to trace it with and what
@@ -249,7 +259,7 @@ class EmulationBackend:
 
         config = self.pipeline.fusion_config
         if config.enabled_passes():
-            specialize_module_floats(gm, example_inputs, self._floats)
+            self.pipeline.before_autograd(gm, example_inputs, self._floats)
         example_inputs, checked = self.pipeline.merge_projections(gm, example_inputs)
         trace_scope = contextlib.ExitStack()
         if config.npu_dispatch:
@@ -379,7 +389,7 @@ class TorchairTrainingBackend:
         import torch._functorch.config as functorch_config
 
         if self.pipeline.fusion_config.enabled_passes():
-            specialize_module_floats(gm, example_inputs, self._floats)
+            self.pipeline.before_autograd(gm, example_inputs, self._floats)
         example_inputs, checked = self.pipeline.merge_projections(gm, example_inputs)
         chained = functorch_config.joint_custom_pass
         if isinstance(chained, TorchairTrainingBackend._JointPass):

@@ -545,6 +545,35 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> list[Node]:
     return relaid
 
 
+# ---- dynamo graphs, before autograd ---------------------------------------------------------
+_PRODUCTS = (operator.mul, torch.mul, torch.Tensor.mul)
+
+
+def squares_as_powers(gm: torch.fx.GraphModule) -> int:
+    """x * x -> x ** 2 in a dynamo graph about to be differentiated; returns how many.
+
+    The forward is the same value either way (pow(x, 2) computes x * x), and the forward
+    patterns take both spellings (spellings.py). The backward is not spelled alike: autograd
+    differentiates a product of x with itself as two products summed, g * x + g * x, and a
+    square as g * (2 * x). That is the same value too (doubling is exact), but the joint forms
+    are traced from squares (a mean of squares in every RMSNorm form), so a model writing
+    x * x (litgpt's RMSNorm) left its norm unfused in training. Rewritten here, before
+    aot_autograd traces the joint graph, its backward is the square's."""
+    changed = 0
+    for node in gm.graph.nodes:
+        is_product = ((node.op == "call_function" and node.target in _PRODUCTS)
+                      or (node.op == "call_method" and node.target == "mul"))
+        if not (is_product and len(node.args) == 2 and not node.kwargs and node.args[0] is node.args[1]
+                and isinstance(node.args[0], Node)
+                and isinstance(node.args[0].meta.get("example_value"), torch.Tensor)):
+            continue
+        node.op, node.target, node.args = "call_function", torch.pow, (node.args[0], 2)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
 # ---- layout copies ------------------------------------------------------------------------
 def hoist_contiguous_copies(graph: torch.fx.Graph) -> int:
     """Rewrite clone(view(x), contiguous) as view(clone(x, contiguous)).
