@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'debe69c4092d7fc6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9ff8983d5ba086bc',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dbc57d31cae8406e',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ca8d7d4cc724cfbc',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e89076d4d259b719',
+KEY = {'torch': '2.13.0+cpu', 'sources': '70c8310090d4963a',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5c6d577d2362cb16',
+KEY = {'torch': '2.13.0+cpu', 'sources': '34267e40f5927c95',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

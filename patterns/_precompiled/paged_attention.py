@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f6cd0ae50ada5e06',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a3ac14d506945fcc',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2f4b7ff83561de1b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '6fe60506a975d1cb',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5b57fb9a7d9af4d0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1ec9dfb79660e79c',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {
