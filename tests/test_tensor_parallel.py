@@ -54,30 +54,14 @@ def _per_graph(report, op):
     return {graph.name: graph.ops_after.get(f"{op}.default", 0) for graph in report.graphs if graph.name != "joint"}
 
 
-def test_llama3_sequence_parallel_inference_fuses_every_site_within_the_limits():
-    """Per layer: the all-gather in front of wqkv and in front of w1/w3, w2's reduce-scatter;
-    plus the gather in front of the output projection. wo's reduce-scatter contracts over
-    dim / ranks = 128 < 256 (the op's k range), a near miss; so is the embedding's."""
-    report = _capture("llama3", True, False)
-    assert report.fused_ops[AG] == 2 * LAYERS + 1 and report.fused_ops[RS] == LAYERS
-    assert report.fused_ops["npu.npu_add_rms_norm"] == 2 * LAYERS  # the residual adds, as before
-    misses = near_miss_reasons(report, "matmul_reduce_scatter")
-    assert misses.count(f"k = 128 (the contracted dim, local to the rank) is outside {RS}'s [256, 65535)") == LAYERS
-    assert sum(m.startswith("the reduce-scattered tensor is computed by mul") for m in misses) == 1  # the embedding
-    assert len(misses) == LAYERS + 1 and near_miss_reasons(report, "all_gather_matmul") == []
+# One process compiles these one after another, training first. Known defect (issue 32's
+# note): after a TP inference compile and the two SP training ones, the llama3 TP training
+# step's joint graph fails torch's partition ("Node tangents_2 was invalid, but is output")
+# in this process, fused or reverted; each compile alone, and this order, pass.
+TP_CAPTURE = pytest.mark.xdist_group("tp_capture")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
-def test_tensor_parallel_inference_fuses_the_rowwise_all_reduces(name):
-    """Without SP: wo and w2 all-reduce their partial sums (2 per layer), which fuse; the
-    vocabulary-parallel embedding's all-reduce reduces a product, not a matmul."""
-    report = _capture(name, False, False)
-    assert report.fused_ops[AR] == 2 * LAYERS
-    (miss,) = near_miss_reasons(report, "matmul_all_reduce")
-    assert miss.startswith("the all-reduced tensor is computed by mul")
-
-
+@TP_CAPTURE
 @pytest.mark.slow
 @pytest.mark.parametrize("name, rowwise_k_fits", [("llama3", False), ("qwen3", True)])
 def test_sequence_parallel_training_fuses_forward_and_backward(name, rowwise_k_fits):
@@ -93,6 +77,7 @@ def test_sequence_parallel_training_fuses_forward_and_backward(name, rowwise_k_f
     assert sum(m.startswith("the reduce-scatter reads a sum") for m in misses) == LAYERS
 
 
+@TP_CAPTURE
 @pytest.mark.slow
 def test_tensor_parallel_training_keeps_the_all_reduces_naming_why():
     report = _capture("llama3", False, True)
@@ -100,6 +85,32 @@ def test_tensor_parallel_training_keeps_the_all_reduces_naming_why():
     misses = near_miss_reasons(report, "matmul_all_reduce")
     training = [m for m in misses if m.startswith(f"{AR} is documented for inference only")]
     assert len(training) == 2 * LAYERS and len(misses) > len(training)
+
+
+@TP_CAPTURE
+def test_llama3_sequence_parallel_inference_fuses_every_site_within_the_limits():
+    """Per layer: the all-gather in front of wqkv and in front of w1/w3, w2's reduce-scatter;
+    plus the gather in front of the output projection. wo's reduce-scatter contracts over
+    dim / ranks = 128 < 256 (the op's k range), a near miss; so is the embedding's."""
+    report = _capture("llama3", True, False)
+    assert report.fused_ops[AG] == 2 * LAYERS + 1 and report.fused_ops[RS] == LAYERS
+    assert report.fused_ops["npu.npu_add_rms_norm"] == 2 * LAYERS  # the residual adds, as before
+    misses = near_miss_reasons(report, "matmul_reduce_scatter")
+    assert misses.count(f"k = 128 (the contracted dim, local to the rank) is outside {RS}'s [256, 65535)") == LAYERS
+    assert sum(m.startswith("the reduce-scattered tensor is computed by mul") for m in misses) == 1  # the embedding
+    assert len(misses) == LAYERS + 1 and near_miss_reasons(report, "all_gather_matmul") == []
+
+
+@TP_CAPTURE
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_tensor_parallel_inference_fuses_the_rowwise_all_reduces(name):
+    """Without SP: wo and w2 all-reduce their partial sums (2 per layer), which fuse; the
+    vocabulary-parallel embedding's all-reduce reduces a product, not a matmul."""
+    report = _capture(name, False, False)
+    assert report.fused_ops[AR] == 2 * LAYERS
+    (miss,) = near_miss_reasons(report, "matmul_all_reduce")
+    assert miss.startswith("the all-reduced tensor is computed by mul")
 
 
 # ---- numerics on gloo ranks --------------------------------------------------------------------
