@@ -55,9 +55,10 @@ def _per_graph(report, op):
 
 
 # One process compiles these one after another, training first. Known defect (issue 32's
-# note): after a TP inference compile and the two SP training ones, the llama3 TP training
-# step's joint graph fails torch's partition ("Node tangents_2 was invalid, but is output")
-# in this process, fused or reverted; each compile alone, and this order, pass.
+# note): after a TP inference compile in the same process, the SP training step's joint
+# graph reaches the backend with a tangent among its forward outputs (where a primal stands
+# when it is compiled alone), before any pass runs, and torch's partition refuses it ("Node
+# tangents_2 was invalid, but is output"). Each compile alone, and this order, pass.
 TP_CAPTURE = pytest.mark.xdist_group("tp_capture")
 
 
