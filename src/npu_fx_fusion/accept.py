@@ -489,6 +489,8 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     arguments = _arguments(registration, match.kwargs)
     if isinstance(arguments, str):
         return arguments
+    # remembered once it stands: a match of a static exact pattern, not one a KnownExact made
+    remember = False
     if getattr(match, "known_exact", None) is not None:
         exact_match = match
     else:
@@ -505,13 +507,14 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
         unequal = _symbolic_size_bound_elsewhere(exact_match, size_arguments)
         if unequal:
             return f"{form.name} has its structure, but differs in sizes: {unequal}"
+        remember = not size_arguments
     bound: dict[Node, Any] = {}
     for pattern, node in zip(exact_match.ctx.outputs, exact_match.output_nodes()):
         if node is not None and bound.setdefault(node, pattern) is not pattern:
             # two results of the form found as one value of the graph: one of them is not there
             return f"two outputs of {form.name} bind the one node {node.name}"
-    if getattr(match, "known_exact", None) is None and not size_arguments:
-        _remember_exact(ctx, registration, arguments, exact_match)  # (a match that can stand)
+    if remember:
+        _remember_exact(ctx, registration, arguments, exact_match)
     argnames = form.argnames
     site_nodes = {name: exact_match.kwargs.get(name, arguments.nodes[name]) for name in argnames}
     site = Site(form, dict(zip(argnames, arguments.values)), list(exact_match.nodes), site_nodes, ctx.soc,
