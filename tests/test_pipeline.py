@@ -133,7 +133,7 @@ def test_report_renders_sites_near_misses_and_op_counts():
 
 
 def test_repeated_conversions_that_fusion_adds_are_merged_and_the_models_own_stay():
-    from npu_fx_fusion.cleanup import merge_repeated_conversions
+    from npu_fx_fusion.cleanup import merge_repeated_pure_calls
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -144,6 +144,40 @@ def test_repeated_conversions_that_fusion_adds_are_merged_and_the_models_own_sta
     new = graph.call_function(cast, (x,), {"dtype": torch.int32})  # a replacement's repeat
     other = graph.call_function(cast, (x,), {"dtype": torch.int64})  # another conversion
     graph.output((model_a, model_b, new, other))
-    assert merge_repeated_conversions(graph, original) == 1
+    assert merge_repeated_pure_calls(graph, original) == 1
     (output,) = [n for n in graph.nodes if n.op == "output"]
     assert output.args[0] == (model_a, model_b, model_a, other)
+
+
+def test_the_models_repeated_views_merge_so_that_what_fusion_built_on_them_merges_too():
+    """Each layer slices its own view of the shared rope table; each layer's replacement
+    concatenates its view twice. Once the views are one, the tables are one."""
+    from npu_fx_fusion.cleanup import merge_repeated_pure_calls
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    cos = graph.placeholder("cos")
+    layer_views = [graph.call_function(aten.slice.Tensor, (cos, -1, 0, 8)) for _ in range(2)]
+    model_products = [graph.call_function(aten.mul.Tensor, (cos, 2.0)) for _ in range(2)]  # the model's
+    original = set(graph.nodes)
+    tables = [graph.call_function(aten.cat.default, ([view, view], -1)) for view in layer_views]
+    graph.output((*tables, *model_products))
+    assert merge_repeated_pure_calls(graph, original) == 2  # the second view, then its table
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    assert output.args[0][0] is output.args[0][1] is tables[0]
+    assert output.args[0][2] is not output.args[0][3]  # the model's own computations stay
+
+
+def test_values_written_in_place_and_uninitialised_buffers_are_never_merged():
+    from npu_fx_fusion.cleanup import merge_repeated_pure_calls
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, cache = graph.placeholder("x"), graph.placeholder("cache")
+    original = set(graph.nodes)
+    reads = [graph.call_function(aten.mul.Tensor, (cache, 2.0)) for _ in range(2)]  # cache is written below
+    buffers = [graph.call_function(aten.new_empty.default, (x, [4])) for _ in range(2)]
+    graph.call_function(aten.copy_.default, (cache, x))
+    graph.output((*reads, *buffers))
+    assert merge_repeated_pure_calls(graph, original) == 0
+

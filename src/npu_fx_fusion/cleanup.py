@@ -19,46 +19,73 @@ aten = torch.ops.aten
 Node = torch.fx.Node
 
 
-# Ops that only convert or re-view a tensor: pure, so two calls on the same input with the
-# same arguments are one value.
-_CONVERSIONS = frozenset({
-    torch.ops.aten._to_copy.default, torch.ops.aten.view.default, torch.ops.aten.reshape.default,
-    torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.expand.default, torch.ops.aten.permute.default,
-})
-
-
-# The masks fused attention ops take, built by each site's replacement from the same model
-# mask (or from nothing: the compressed causal mask) and equally pure: one per graph.
-_MASKS = frozenset({
-    torch.ops.aten.ones.default, torch.ops.aten.triu.default, torch.ops.aten.logical_not.default,
-    torch.ops.aten.ne.Scalar,
-})
-
-
-# The wrap of a block table into the cache's blocks (`table % num_blocks`) that each paged
-# attention site's replacement makes of the one table the layers share: equally pure.
-_TABLE_WRAPS = frozenset({torch.ops.aten.remainder.Scalar})
-
-
-def merge_repeated_conversions(graph: torch.fx.Graph, original_nodes: set) -> int:
-    """One node for each repeated conversion (or attention mask, _MASKS, or block-table wrap,
-    _TABLE_WRAPS) that fusion introduced.
+def merge_repeated_pure_calls(graph: torch.fx.Graph, original_nodes: set) -> int:
+    """One node for each repeated pure computation that fusion introduced, and one for each
+    repeated view.
 
     Replacements are traced one site at a time, so two fused ops reading the same tensor
     each bring their own cast of it (the int32 expert ids of init_routing and finalize, the
-    int64 group list of each grouped matmul). A repeat is merged into the first node with
-    the same op and arguments when one of the two is new; the model's own repeats stay as
-    they are. Returns the number of nodes merged.
+    int64 group list of each grouped matmul), their own attention mask, their own rope
+    tables. A call repeats an earlier one when it has the same op and the same arguments
+    (after the repeats before it are merged). It is merged into it:
+    - when one of the two is new: the model's own repeated computations stay as they are;
+    - when both are views (a view launches nothing, and one value viewed one way is one
+      value): the model's own too. Each decoder layer slices its own view of the rope
+      tables the layers share, and only once those views are one do the tables each layer's
+      replacement builds from them repeat, and merge.
+
+    Never merged: ops that draw random numbers, mutate, or allocate without initialising,
+    and any call that reads or is a value some op of the graph writes in place. Returns the
+    number of nodes merged.
     """
-    npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
-    conversions = _CONVERSIONS | _MASKS | _TABLE_WRAPS | ({npu_cast.default} if npu_cast is not None else set())
-    return _merge_repeats(graph, original_nodes, lambda node: node.target in conversions)
+    written = _written_in_place(graph)
+
+    def merges(node: Node) -> bool:
+        return (_pure(node.target) and node not in written
+                and not any(arg in written for arg in node.all_input_nodes))
+
+    def may_merge(node: Node, earlier: Node) -> bool:
+        return (node not in original_nodes or earlier not in original_nodes
+                or (node.target.is_view and earlier.target.is_view))
+
+    return _merge_repeats(graph, merges, may_merge)
 
 
-def _merge_repeats(graph: torch.fx.Graph, original_nodes: set, merges: Callable[[Node], bool]) -> int:
-    """Each call node that `merges` and that repeats an earlier one (same op, same arguments) is
-    replaced by it where fusion introduced one of the two; the model's own repeats stay."""
+def _pure(target: Any) -> bool:
+    """An op whose result is a function of its arguments: deterministic, mutating nothing,
+    returning fresh values or views (not `empty`'s uninitialised memory)."""
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return False
+    schema = target._schema  # noqa: SLF001
+    return (not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+            and not schema.name.split("::")[-1].lstrip("_").startswith(("empty", "new_empty"))
+            and all(r.alias_info is None or not r.alias_info.is_write for r in schema.returns))
+
+
+def _written_in_place(graph: torch.fx.Graph) -> set:
+    """The nodes whose values some call of `graph` writes (its schema marks the argument
+    written: copy_ into a graph input, an in-place cache update), and the views of them."""
+    written = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written.update(value if isinstance(value, (list, tuple)) else (value,))
+    frontier = [node for node in written if isinstance(node, Node)]
+    while frontier:  # views of a written value see the write
+        for user in frontier.pop().users:
+            if getattr(user.target, "is_view", False) and user not in written:
+                written.add(user)
+                frontier.append(user)
+    return written
+
+
+def _merge_repeats(graph: torch.fx.Graph, merges: Callable[[Node], bool],
+                   may_merge: Callable[[Node, Node], bool]) -> int:
+    """Each call node that `merges` and that repeats an earlier one (same op, same arguments)
+    is replaced by it where `may_merge(node, earlier)`."""
     first: dict[Any, Node] = {}
     merged = 0
     for node in list(graph.nodes):
@@ -66,7 +93,7 @@ def _merge_repeats(graph: torch.fx.Graph, original_nodes: set, merges: Callable[
             continue
         key = (node.target, _hashable(node.args), _hashable(node.kwargs))
         earlier = first.setdefault(key, node)
-        if earlier is not node and (node not in original_nodes or earlier not in original_nodes):
+        if earlier is not node and may_merge(node, earlier):
             node.replace_all_uses_with(earlier)
             graph.erase_node(node)
             merged += 1
@@ -86,7 +113,7 @@ def merge_repeated_fused_calls(graph: torch.fx.Graph, original_nodes: set, pure_
         return node.target in pure_ops or (node.target is operator.getitem and isinstance(node.args[0], Node)
                                            and node.args[0].target in pure_ops)
 
-    return _merge_repeats(graph, original_nodes, merges)
+    return _merge_repeats(graph, merges, lambda node, earlier: node not in original_nodes or earlier not in original_nodes)
 
 
 # dtype -> the dtypes that hold each of its values exactly (a conversion there and back is

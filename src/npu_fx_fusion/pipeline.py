@@ -29,7 +29,7 @@ from .canonical import canonicalize, normalize_joint_graph
 from .capabilities import CAPABILITIES, detect_soc
 from .catalog import load_pass
 from .cleanup import (LAYOUT_CHANGED, copies_for_contiguous_inputs, drop_lossless_round_trips,
-                      merge_repeated_conversions, merge_repeated_fused_calls, views_to_reshapes_where_needed)
+                      merge_repeated_fused_calls, merge_repeated_pure_calls, views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
 from .nodes import op_name
@@ -159,7 +159,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
                 merge_repeated_fused_calls(gm.graph, original_nodes, _pure_fused_ops())
         views_to_reshapes_where_needed(gm, [n for n in gm.graph.nodes if n not in original_nodes])
         copies_for_contiguous_inputs(gm.graph, _takes_contiguous_inputs)
-        merge_repeated_conversions(gm.graph, original_nodes)
+        merge_repeated_pure_calls(gm.graph, original_nodes)
         drop_lossless_round_trips(gm.graph, original_nodes)
         graph_report.conversions_added = added_conversions(gm.graph, original_nodes)
         gm.graph.lint()
