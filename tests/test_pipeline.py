@@ -181,3 +181,67 @@ def test_values_written_in_place_and_uninitialised_buffers_are_never_merged():
     graph.output((*reads, *buffers))
     assert merge_repeated_pure_calls(graph, original) == 0
 
+
+def _functional_graph(fn, *args):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(torch.func.functionalize(fn))(*args)
+    gm.graph.eliminate_dead_code()  # as the pipeline does before canonicalising
+    return gm
+
+
+def _deepseek_key(k_nope, k_rot):
+    """transformers' DeepSeek-V3 key: a new buffer, its two slices written with copy_."""
+    key = k_nope.new_empty(*k_nope.shape[:-1], 24)
+    key[..., :16].copy_(k_nope)
+    key[..., 16:].copy_(k_rot.expand(-1, 4, -1, -1))
+    return key
+
+
+def _written_in_reverse_order_in_another_dtype(a, b):
+    out = a.new_zeros(2, 6, dtype=torch.float64)
+    out[:, 4:].copy_(b)
+    out[:, :4].copy_(a)
+    return out
+
+
+@pytest.mark.parametrize("fn, args", [
+    (_deepseek_key, (torch.randn(2, 4, 5, 16), torch.randn(2, 1, 5, 8))),
+    (_written_in_reverse_order_in_another_dtype, (torch.randn(2, 4), torch.randn(1, 2))),
+], ids=["deepseek key", "reverse order, cast, broadcast"])
+def test_a_buffer_written_slice_by_slice_is_the_cat_of_the_slices(fn, args):
+    from npu_fx_fusion.canonical import canonicalize
+
+    gm = _functional_graph(fn, *args)
+    canonicalize(gm.graph)
+    gm.recompile()
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.cat.default in targets
+    assert not targets & {torch.ops.aten.slice_scatter.default, torch.ops.aten.copy.default}
+    assert torch.equal(gm(*args), fn(*args))
+
+
+def _gap_left_unwritten(a):
+    out = a.new_zeros(2, 6)
+    out[:, :4].copy_(a)  # columns 4 and 5 keep the buffer's zeros
+    return out
+
+
+def _half_written_buffer_read(a, b):
+    out = a.new_empty(2, 6)
+    out[:, :4].copy_(a)
+    total = out[:, :4].sum()  # read between the writes
+    out[:, 4:].copy_(b)
+    return out, total
+
+
+@pytest.mark.parametrize("fn, args", [
+    (_gap_left_unwritten, (torch.randn(2, 4),)),
+    (_half_written_buffer_read, (torch.randn(2, 4), torch.randn(2, 2))),
+], ids=["a gap", "read half written"])
+def test_a_buffer_the_writes_do_not_cover_or_that_is_read_between_them_stays(fn, args):
+    from npu_fx_fusion.canonical import canonicalize
+
+    gm = _functional_graph(fn, *args)
+    canonicalize(gm.graph)
+    assert torch.ops.aten.cat.default not in {n.target for n in gm.graph.nodes}

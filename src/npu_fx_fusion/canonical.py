@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.fx
@@ -150,6 +150,12 @@ def canonicalize(graph: torch.fx.Graph) -> int:
       from their symbols: a read is a use, and a pattern pins the users of its
       intermediates, so the read of an intermediate kept the region from matching, and a
       replacement erasing it would leave the read behind (size_reads_from_inputs).
+    - a tensor assembled by writing slices into a new buffer (`k = x.new_empty(...)`,
+      `k[..., :a].copy_(p)`, `k[..., a:].copy_(q)`: transformers' DeepSeek-V3 key) as the
+      `cat` of the pieces, each broadcast and cast as copy_ does, where the slices tile the
+      buffer's dim and nothing else reads it half written (_slice_writes_as_cat): the
+      buffer's own contents are never read, and one concatenation is one launch where the
+      writes were five.
     Each of these computes exactly what it replaces. Spellings that are equal in value
     but not bit for bit (x / sqrt(v) and x * rsqrt(v)) are not rewritten: the patterns
     accept them instead (spellings.py). Search functions and matched graphs are both
@@ -187,7 +193,109 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _split_as_slices(graph, node)
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
+    for node in list(graph.nodes):
+        if node.target in _NEW_BUFFERS:
+            changed += _slice_writes_as_cat(graph, node)
     return changed
+
+
+# Buffers whose initial contents a full overwrite makes irrelevant.
+_NEW_BUFFERS = frozenset({aten.new_empty.default, aten.empty.memory_format, aten.new_zeros.default,
+                          aten.zeros.default})
+
+
+def _slice_writes_as_cat(graph: torch.fx.Graph, buffer: Node) -> int:
+    """`slice_scatter(... slice_scatter(buffer, p0, d, 0, a) ..., pn, d, b, end)` -> `cat([p0 ..
+    pn], d)`, where the slices tile dim d of `buffer` in order (any order of writes), each
+    written value is a copy into the slice it replaces (`copy(slice(current, d, s, e), src)`:
+    src broadcast to the slice and cast to its dtype) or a value of the slice's shape and
+    dtype, and no node but the next write reads a half-written buffer."""
+    out = tensor_meta(buffer)
+    if out is None:
+        return 0
+    pieces, current, chain = [], buffer, [buffer]
+    while True:
+        scatters = [u for u in current.users if is_call(u, aten.slice_scatter.default) and u.args[0] is current]
+        if len(scatters) != 1:
+            break
+        scatter = scatters[0]
+        bounds = _write_bounds(scatter.args[2:], out)
+        piece = _written_value(scatter, current, bounds)
+        if piece is None or set(current.users) - {scatter, *piece[1]}:
+            return 0
+        pieces.append((bounds, piece[0]))
+        chain.extend((*piece[1], scatter.args[1], scatter))
+        current = scatter
+    if current is buffer or len({dim for (dim, _, _), _ in pieces}) != 1:
+        return 0
+    dim, ordered, edge = pieces[0][0][0], [], 0
+    while pieces:  # the pieces in order along dim: each starts where the one before ends
+        following = next((item for item in pieces if known_equal(item[0][1], edge)), None)
+        if following is None:
+            return 0
+        pieces.remove(following)
+        ordered.append(following[1])
+        edge = following[0][2]
+    if not known_equal(edge, out.shape[dim]):
+        return 0
+    with graph.inserting_before(current):
+        values = [_as_written(graph, src, slot) for src, slot in ordered]
+        cat = graph.call_function(aten.cat.default, (values, dim))
+    cat.meta = dict(current.meta)
+    current.replace_all_uses_with(cat)
+    for node in reversed(chain):  # the writes, the slices they read, the buffer
+        if not node.users:
+            graph.erase_node(node)
+    return 1
+
+
+def _write_bounds(args: Sequence[Any], out: torch.Tensor) -> Optional[tuple]:
+    """(dim, start, end) of a slice's or slice_scatter's (dim, start, end, step) arguments,
+    the dim negative and the end within the dim of `out`."""
+    dim, start, end, step = (list(args) + [0, 0, _END, 1][len(args):])[:4]
+    if step != 1 or not isinstance(dim, int) or not isinstance(start, (int, torch.SymInt)):
+        return None
+    dim = dim - out.dim() if dim >= 0 else dim
+    size = out.shape[dim]
+    if end == _END or (isinstance(end, int) and isinstance(size, int) and end >= size):
+        end = size
+    return dim, start, end
+
+
+def _written_value(scatter: Node, current: Node, bounds: Optional[tuple]) -> Optional[tuple]:
+    """((src, slot value), the nodes of current it reads) for the value a slice_scatter writes: a
+    copy into the slice of `current` it replaces reads only that slice's shape, dtype."""
+    out = tensor_meta(current)
+    if bounds is None or scatter.kwargs:
+        return None
+    value = scatter.args[1]
+    slot = tensor_meta(value)
+    if is_call(value, aten.copy.default) and len(value.users) == 1 and not value.kwargs:
+        destination, src = value.args[0], value.args[1]
+        if (is_call(destination, aten.slice.Tensor) and destination.args[0] is current
+                and len(destination.users) == 1 and isinstance(src, Node)
+                and not destination.kwargs and _same_bounds(_write_bounds(destination.args[1:], out), bounds)):
+            return (src, slot), (destination,)
+        return None
+    if isinstance(value, Node) and current not in value.all_input_nodes:
+        return (value, slot), ()
+    return None
+
+
+def _same_bounds(a: Optional[tuple], b: tuple) -> bool:
+    return a is not None and a[0] == b[0] and known_equal(a[1], b[1]) and known_equal(a[2], b[2])
+
+
+def _as_written(graph: torch.fx.Graph, src: Node, slot: torch.Tensor) -> Node:
+    """src as a write into `slot` makes it: broadcast to its shape, in its dtype."""
+    value = tensor_meta(src)
+    if tuple(value.shape) != tuple(slot.shape):
+        src = graph.call_function(aten.expand.default, (src, list(slot.shape)))
+        src.meta["val"] = value = value.expand(slot.shape)
+    if value.dtype != slot.dtype:
+        src = graph.call_function(aten._to_copy.default, (src,), {"dtype": slot.dtype})
+        src.meta["val"] = value.to(slot.dtype)
+    return src
 
 
 def _is_number(arg: Any) -> bool:
