@@ -163,6 +163,59 @@ def gemm_limits_reason(soc, x, experts, k, n):
     return None
 
 
+# ---- after the sites are fused: the group list as the counts it was summed from ------------
+def counts_for_running_sums(graph):
+    """group_list_type 1 (counts) where a fused call's cumulative ends are the model's running
+    sum of per-expert counts, read through integer casts: the op sums the counts itself.
+
+    transformers sums its int64 counts into int32 offsets (`cumsum(tokens_per_expert,
+    dtype=torch.int32)`), and the replacement widens them back to the int64 the op takes:
+    a cumsum and two casts, launched once per MoE layer, that the counts make unneeded. The
+    values are the same wherever the model's offsets are what they mean, row ends of x held
+    in its integer type (torch's _grouped_mm takes int32 offsets): then no cast on the way
+    changed one. Returns how many calls now read counts."""
+    changed = 0
+    for call in graph.find_nodes(op="call_function", target=torch.ops.npu.npu_grouped_matmul.default):
+        if call.kwargs.get("group_list_type", 0) != 0:
+            continue
+        chain = _summed_counts(call.kwargs.get("group_list"))
+        if chain is None:
+            continue
+        counts = chain[-1].args[0]
+        if tensor_meta(counts).dtype != torch.int64:
+            with graph.inserting_before(call):
+                widened = graph.call_function(aten._to_copy.default, (counts,), {"dtype": torch.int64})
+            widened.meta["val"] = tensor_meta(counts).to(torch.int64)
+            counts = widened
+        call.update_kwarg("group_list", counts)
+        call.update_kwarg("group_list_type", 1)
+        changed += 1
+        for node in chain:  # the casts and the cumsum, where no other call reads them
+            if not node.users:
+                graph.erase_node(node)
+    return changed
+
+
+def _summed_counts(group_list):
+    """[the casts..., cumsum(c)] where group_list is the running sum of a 1-d integer c read
+    through integer casts (in the order they are read back from group_list); else None."""
+    chain, node = [], group_list
+    while is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"} and _integer(node.kwargs["dtype"]):
+        chain.append(node)
+        node = node.args[0]
+    if not (is_call(node, aten.cumsum.default) and len(node.args) == 2 and node.args[1] in (0, -1)
+            and _integer(node.kwargs.get("dtype", torch.int64))):
+        return None
+    counts = tensor_meta(node.args[0])
+    if counts is None or counts.dim() != 1 or not _integer(counts.dtype):
+        return None
+    return [*chain, node]
+
+
+def _integer(dtype):
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
 # ---- near misses: a grouped GEMM left unfused ---------------------------------------------
 def anchor(node):
     fallback = interop.transformers_grouped_mm_fallback()
@@ -206,6 +259,7 @@ PASS = FusionPass(
     anchor_ops=lambda: (aten._grouped_mm.default, interop.transformers_grouped_mm_fallback()),
     explain=explain,
     verify_input=lambda name, args: _even_offsets(args) if name == "offs" else None,
+    finish=counts_for_running_sums,
 )
 
 

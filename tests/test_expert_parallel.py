@@ -129,13 +129,17 @@ def _reads(node, source, depth=6):
 
 
 def test_the_re_routed_counts_group_the_gemms_exactly_as_the_models():
-    """The GEMMs' group list is the cumulative sum of re_routing's per-expert counts, the
-    same list torchtitan's GroupedExperts builds from _permute's t_mat.sum(0)."""
+    """The GEMMs' group list is re_routing's per-expert counts, read as counts
+    (group_list_type 1): the op sums them into the offsets torchtitan's GroupedExperts builds
+    from _permute's t_mat.sum(0) with a cumsum, which is gone."""
     gm, _ = capture("deepseek_v3", 2)
     (re_routing,) = _calls(gm, "npu.npu_moe_re_routing")
     per_expert = next(u for u in re_routing.users if u.args[1] == 3)
-    cumsum = [u for u in per_expert.users if u.target is torch.ops.aten.cumsum.default]
-    assert len(cumsum) == 1 and cumsum[0].kwargs["dtype"] == torch.int32
+    gemms = _calls(gm, "npu.npu_grouped_matmul")
+    assert len(gemms) == 3
+    for gemm in gemms:
+        assert gemm.kwargs["group_list_type"] == 1 and _reads(gemm.kwargs["group_list"], per_expert, 2)
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.cumsum.default]
 
 
 def test_torchairs_all_to_all_spelling_fuses_too():

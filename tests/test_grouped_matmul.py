@@ -93,3 +93,45 @@ def test_does_not_fuse_and_says_why(module, config, reason):
     (miss,) = near_miss_reasons(report, "grouped_matmul")
     assert reason in miss, miss
     torch.testing.assert_close(out, ref)
+
+
+class CountedExperts(torch.nn.Module):
+    """Two expert GEMMs on offsets the model sums from its per-expert counts, as transformers'
+    grouped_mm_experts_forward does (`cumsum(tokens_per_expert, dtype=torch.int32)`)."""
+
+    def __init__(self, through_float=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Parameter((torch.randn(3, 16, 16) * 0.2).bfloat16())
+        self.down = torch.nn.Parameter((torch.randn(3, 8, 16) * 0.2).bfloat16())
+        self.through_float = through_float
+
+    def forward(self, x, counts):
+        if self.through_float:  # a float running sum: not the integer one the op computes
+            offs = torch.cumsum(counts.float(), 0).to(torch.int32)
+        else:
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        h = torch._grouped_mm(x, self.up.transpose(-2, -1), offs)
+        return torch._grouped_mm(h, self.down.transpose(-2, -1), offs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_offsets_summed_from_counts_are_read_as_the_counts(dynamic):
+    """group_list_type 1: the op sums the counts itself, and the cumsum and the casts to int32
+    and back to the op's int64 are no longer launched."""
+    x = torch.randn(24, 16).to(torch.bfloat16)
+    counts = torch.tensor([8, 0, 16])  # int64, as init_routing_v2 counts; an expert without rows
+    out, ref, report = compile_and_run(CountedExperts(), x, counts, config=ONLY_GMM, dynamic=dynamic)
+    assert report.counts["grouped_matmul"] == 2
+    ops = report.graphs[0].ops_after
+    assert ops["aten.cumsum.default"] == 0 and ops["aten._to_copy.default"] == 0, dict(ops)
+    _check(out, ref)
+
+
+def test_offsets_summed_in_floating_point_keep_their_running_sum():
+    x = torch.randn(24, 16).to(torch.bfloat16)
+    out, ref, report = compile_and_run(CountedExperts(through_float=True), x, torch.tensor([8, 0, 16]),
+                                       config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 2
+    assert report.graphs[0].ops_after["aten.cumsum.default"] == 1
+    _check(out, ref)

@@ -160,6 +160,8 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
     if _recognize(ctx, gm, result, anchors):
         candidates = None  # replacements erased some anchors: walk the graph again
+    if result.sites and fusion_pass.finish is not None:
+        fusion_pass.finish(gm.graph)
     return _near_misses(ctx, gm, result, anchors, candidates)
 
 

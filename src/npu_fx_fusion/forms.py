@@ -197,6 +197,10 @@ class FusionPass:
               graph computes (channel_algebra.py), whatever its spelling; run after the
               forms, on what they left. Each goes through the same acceptance (lowering,
               check, the replacement's output shapes, verification) and report as a form's.
+    finish:   finish(graph) -> int, run once after the pass fused sites in a graph: its own
+              exact rewrites of the arguments of the calls it emitted, where the graph around
+              them offers a cheaper equal one (a group list read as the counts it was summed
+              from). It must keep every value as it is; returns how many calls it changed.
     forward_forms_on_joint: for a pass without `differentiable` whose sites carry no
               gradient in the models (DeepSeek-V3.2's indexer runs under no_grad): its
               forward-only patterns also run on joint graphs, where its check sees the
@@ -216,7 +220,8 @@ class FusionPass:
                  prefilter: Optional[Callable[[torch.fx.Graph], bool]] = None,
                  forward_forms_on_joint: bool = False,
                  anchor_ops: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None,
-                 recognize: Optional[Callable[[torch.fx.Graph, bool], Sequence[Recognized]]] = None):
+                 recognize: Optional[Callable[[torch.fx.Graph, bool], Sequence[Recognized]]] = None,
+                 finish: Optional[Callable[[torch.fx.Graph], int]] = None):
         self.name = name
         self.fused_op = fused_op
         self.example = dict(example)
@@ -235,6 +240,7 @@ class FusionPass:
         self.prefilter = prefilter
         self.forward_forms_on_joint = forward_forms_on_joint
         self.recognize = recognize
+        self.finish = finish
         self._anchor_ops = anchor_ops
         self._forms_source = forms
         # Filled by the registration layer (registry.pattern_set) on first use: the traced
