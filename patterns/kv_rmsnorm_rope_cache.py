@@ -70,7 +70,13 @@ def npu_kv_rmsnorm_rope_cache_write(compressed_kv, gamma, pair_cos, pair_sin, la
     kv = compressed_kv.reshape(batch, 1, seq, width)
     cos = torch.cat((pair_cos, pair_cos), -1).expand(batch, 1, seq, rope)  # HF's duplicated tables
     sin = torch.cat((pair_sin, pair_sin), -1).expand(batch, 1, seq, rope)
-    index = (torch.arange(seq, device=compressed_kv.device) + start).expand(batch, seq)  # Norm mode: (B, S)
+    # Norm mode: (B, S) positions. One position (decode) is the start itself, as the int64
+    # arange(1) + start computes it, with no arange and add to launch.
+    if isinstance(seq, int) and seq == 1:
+        positions = start.to(torch.int64).expand(1)
+    else:
+        positions = torch.arange(seq, device=compressed_kv.device) + start
+    index = positions.expand(batch, seq)
     _, _, rope_cache, latent_cache = torch.ops.npu.npu_kv_rmsnorm_rope_cache_v2_functional(
         kv, gamma, cos, sin, index, rope_cache, latent_cache, epsilon=eps, cache_mode="Norm")
     return latent_cache, rope_cache
