@@ -263,14 +263,36 @@ def anchor(node):
             and _dequantized_from_integers(node.args[1]) is not None)
 
 
+def _group_view(weight, source):
+    """The (.., groups, group size) view the experts are dequantized in between `source` (the
+    integers) and `weight` (the GEMM's operand): a per-group scale's, else None."""
+    todo, seen = [weight], set()
+    while todo:
+        current = todo.pop()
+        if current in seen or current is source or not isinstance(current, torch.fx.Node):
+            continue
+        seen.add(current)
+        value = tensor_meta(current)
+        if value is not None and value.dim() == 4 and is_call(current, aten.mul.Tensor):
+            return value
+        todo.extend(current.all_input_nodes)
+    return None
+
+
 def explain(node):
-    source = tensor_meta(_dequantized_from_integers(node.args[1]))
+    integers = _dequantized_from_integers(node.args[1])
+    source = tensor_meta(integers)
     x = tensor_meta(node.args[0])
     if x is not None and x.dim() != 2:
         return f"x is {x.dim()}-d: only the 2-d (tokens, hidden) x of the MoE expert GEMM is fused"
     if source is not None and source.dtype != torch.int8:
         return (f"the experts are dequantized from {str(source.dtype)[6:]} {tuple(source.shape)}: npu_grouped_matmul "
                 "takes int8 experts (int4 only in its packed layout, a repack this pass does not do)")
+    grouped = _group_view(node.args[1], integers)
+    if grouped is not None:
+        return (f"the int8 experts are dequantized per group of {grouped.shape[-1]} along K: npu_grouped_matmul "
+                "dequantizes int8 experts per output channel only (per group needs its int4 weight layout, a "
+                "repack this pass does not do)")
     return (f"the experts are dequantized from int8 {tuple(source.shape)} in a way no form takes (per output "
             "channel, scale times (w - zero), the dequantized weight or its transpose fed to the GEMM)")
 
