@@ -20,6 +20,10 @@ are made here from a random float weight (`from_float`), as a checkpoint convert
                                (gptqmodel TorchQuantLinear.dequantize_weight), group 32
     QuantizedDecoderBlock      a residual add + RMSNorm (transformers' LlamaRMSNorm) whose
                                output is quantized per token and multiplied as int8
+    Int8Experts                MoE expert GEMMs over int8 experts (compressed-tensors' channel
+                               scheme, its `dequantize`, transformers' grouped GEMM), weight-only or
+                               with a per-token quantized activation (W8A8)
+    quantize_experts           a transformers MoE model's 3-d experts made int8 that way
 and the look-alikes the passes must refuse (per-tensor scale, amax / 127.5, round half away
 from zero).
 """
@@ -287,6 +291,60 @@ def w8a8_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weig
     inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
     weighted_out = weighted_out[inv_perm]
     return weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+class Int8Experts(torch.nn.Module):
+    """Expert GEMMs over tokens sorted by expert, the experts int8 per (expert, output channel) as
+    compressed-tensors' channel scheme stores them and dequantized by its real `dequantize`, the
+    GEMM transformers' (integrations/moe.py _grouped_mm: F.grouped_mm in bf16, its fallback op in
+    fp16). layout "nk": stored (E, N, K), passed transposed (transformers' experts); "kn": stored
+    (E, K, N) (transformers' is_transposed experts, gpt-oss). activation: None (weight-only) or a
+    per-token quantization (quant_modules) whose int8 values and scale feed the GEMM dequantized."""
+
+    def __init__(self, dtype, layout="nk", experts=3, k=32, n=16, zero=False, activation=None, group=None):
+        super().__init__()
+        from compressed_tensors.quantization import QuantizationArgs
+
+        torch.manual_seed(0)
+        weight = torch.randn(experts, n, k) * 0.2
+        strategy = dict(strategy="group", group_size=group) if group else dict(strategy="channel")
+        self.args = QuantizationArgs(num_bits=8, type="int", symmetric=not zero, **strategy)
+        self.input_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        if group:
+            grouped = weight.reshape(experts, n, k // group, group)
+            scale = grouped.abs().amax(-1) / 127  # (E, N, K / g)
+            w_int8 = torch.round(grouped / scale.unsqueeze(-1)).to(torch.int8).reshape(experts, n, k)
+            zero_point = None
+        else:
+            w_int8, scale = _per_channel_int8(weight)  # (E, N, K), (E, N, 1)
+            zero_point = torch.randint(-3, 4, scale.shape, dtype=torch.int8) if zero else None
+        self.layout, self.activation = layout, activation
+        if layout == "kn":
+            w_int8, scale = w_int8.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
+            zero_point = None if zero_point is None else zero_point.transpose(-2, -1).contiguous()
+        self.register_buffer("w_int8", w_int8)
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("zero_point", zero_point)
+
+    def weight(self):
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+        return dequantize(self.w_int8, self.scale, self.zero_point, args=self.args)
+
+    def activation_dequantized(self, x):
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+        x_q, x_scale = self.activation(x)
+        return dequantize(x_q, x_scale, args=self.input_args).to(x.dtype)
+
+    def forward(self, x, offs):
+        from transformers.integrations.moe import _grouped_mm
+
+        if self.activation is not None:
+            x = self.activation_dequantized(x)
+        w = self.weight()
+        return _grouped_mm(x, w.transpose(-2, -1) if self.layout == "nk" else w, offs)
+
 
 
 def quantize_experts(model: nn.Module, scheme: str) -> int:

@@ -19,59 +19,6 @@ from helpers import assert_within_ulps, compile_and_run, near_miss_reasons, ulp
 QUANT_GMM = {"dynamic_quant", "quant_grouped_matmul", "grouped_matmul"}
 
 
-class Int8Experts(torch.nn.Module):
-    """Expert GEMMs over tokens sorted by expert, the experts int8 per (expert, output channel) as
-    compressed-tensors' channel scheme stores them and dequantized by its real `dequantize`, the
-    GEMM transformers' (integrations/moe.py _grouped_mm: F.grouped_mm in bf16, its fallback op in
-    fp16). layout "nk": stored (E, N, K), passed transposed (transformers' experts); "kn": stored
-    (E, K, N) (transformers' is_transposed experts, gpt-oss). activation: None (weight-only) or a
-    per-token quantization (quant_modules) whose int8 values and scale feed the GEMM dequantized."""
-
-    def __init__(self, dtype, layout="nk", experts=3, k=32, n=16, zero=False, activation=None, group=None):
-        super().__init__()
-        from compressed_tensors.quantization import QuantizationArgs
-
-        torch.manual_seed(0)
-        weight = torch.randn(experts, n, k) * 0.2
-        strategy = dict(strategy="group", group_size=group) if group else dict(strategy="channel")
-        self.args = QuantizationArgs(num_bits=8, type="int", symmetric=not zero, **strategy)
-        self.input_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-        if group:
-            grouped = weight.reshape(experts, n, k // group, group)
-            scale = grouped.abs().amax(-1) / 127  # (E, N, K / g)
-            w_int8 = torch.round(grouped / scale.unsqueeze(-1)).to(torch.int8).reshape(experts, n, k)
-            zero_point = None
-        else:
-            w_int8, scale = qm._per_channel_int8(weight)  # (E, N, K), (E, N, 1)
-            zero_point = torch.randint(-3, 4, scale.shape, dtype=torch.int8) if zero else None
-        self.layout, self.activation = layout, activation
-        if layout == "kn":
-            w_int8, scale = w_int8.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
-            zero_point = None if zero_point is None else zero_point.transpose(-2, -1).contiguous()
-        self.register_buffer("w_int8", w_int8)
-        self.register_buffer("scale", scale.to(dtype))
-        self.register_buffer("zero_point", zero_point)
-
-    def weight(self):
-        from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-        return dequantize(self.w_int8, self.scale, self.zero_point, args=self.args)
-
-    def activation_dequantized(self, x):
-        from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-        x_q, x_scale = self.activation(x)
-        return dequantize(x_q, x_scale, args=self.input_args).to(x.dtype)
-
-    def forward(self, x, offs):
-        from transformers.integrations.moe import _grouped_mm
-
-        if self.activation is not None:
-            x = self.activation_dequantized(x)
-        w = self.weight()
-        return _grouped_mm(x, w.transpose(-2, -1) if self.layout == "nk" else w, offs)
-
-
 def _inputs(dtype, rows=24, k=32):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
     return x, torch.tensor([8, 8, rows], dtype=torch.int32)  # the second expert gets no rows
@@ -93,7 +40,7 @@ def _w8a8_bound(module, x):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_weight_only_int8_experts_fuse(dtype, dynamic, layout):
-    out, ref, report = compile_and_run(Int8Experts(dtype, layout), *_inputs(dtype), dynamic=dynamic)
+    out, ref, report = compile_and_run(qm.Int8Experts(dtype, layout), *_inputs(dtype), dynamic=dynamic)
     assert report.fused_ops == {"npu.npu_grouped_matmul": 1}
     (site,) = report.sites
     assert site.pass_name == "quant_grouped_matmul" and site.form.startswith(f"channel_dequantized_{layout}")
@@ -104,7 +51,7 @@ def test_weight_only_int8_experts_fuse(dtype, dynamic, layout):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_a_zero_point_becomes_the_ops_negated_offset(dtype):
-    out, ref, report = compile_and_run(Int8Experts(dtype, zero=True), *_inputs(dtype))
+    out, ref, report = compile_and_run(qm.Int8Experts(dtype, zero=True), *_inputs(dtype))
     assert [s.form for s in report.sites] == [
         "channel_zero_dequantized_nk_" + ("grouped_mm" if dtype == torch.bfloat16 else "grouped_mm_fallback")]
     assert_within_ulps(out, ref, 1)
@@ -114,7 +61,7 @@ def test_a_zero_point_becomes_the_ops_negated_offset(dtype):
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_w8a8_experts_fuse_with_their_per_token_quantization(dtype, dynamic, layout):
-    module = Int8Experts(dtype, layout, activation=qm.vllm_ref_dynamic_per_token_quant)
+    module = qm.Int8Experts(dtype, layout, activation=qm.vllm_ref_dynamic_per_token_quant)
     x, offs = _inputs(dtype)
     out, ref, report = compile_and_run(module, x, offs, dynamic=dynamic)
     assert report.fused_ops == {"npu.npu_dynamic_quant": 1, "npu.npu_grouped_matmul": 1}
@@ -125,7 +72,7 @@ def test_w8a8_experts_fuse_with_their_per_token_quantization(dtype, dynamic, lay
 
 
 def test_a_per_tensor_activation_scale_is_no_per_token_gemm():
-    module = Int8Experts(torch.bfloat16, activation=qm.per_tensor_quant)
+    module = qm.Int8Experts(torch.bfloat16, activation=qm.per_tensor_quant)
     out, ref, report = compile_and_run(module, *_inputs(torch.bfloat16), config=nff.FusionConfig(enable=QUANT_GMM))
     # the W8A8 form is turned down; the bf16 activation the code dequantized times the int8 experts
     # is the weight-only GEMM, which fuses with its exact math (the per-tensor scaling stays)
@@ -144,7 +91,7 @@ def test_a_per_tensor_activation_scale_is_no_per_token_gemm():
 def test_activation_look_alikes_stay_unfused_and_the_int8_gemm_still_fuses(quantize, reason):
     # the int8 values and their per-token scale come from code npu_dynamic_quant does not compute (a
     # near miss of dynamic_quant); the GEMM of those int8 values is the op's whatever made them
-    module = Int8Experts(torch.bfloat16, activation=quantize)
+    module = qm.Int8Experts(torch.bfloat16, activation=quantize)
     x, offs = _inputs(torch.bfloat16)
     out, ref, report = compile_and_run(module, x, offs, config=nff.FusionConfig(enable=QUANT_GMM))
     (dynamic_quant_reason,) = near_miss_reasons(report, "dynamic_quant")
@@ -155,7 +102,7 @@ def test_activation_look_alikes_stay_unfused_and_the_int8_gemm_still_fuses(quant
 
 
 def test_per_group_int8_experts_stay_unfused():
-    out, ref, report = compile_and_run(Int8Experts(torch.bfloat16, group=8), *_inputs(torch.bfloat16),
+    out, ref, report = compile_and_run(qm.Int8Experts(torch.bfloat16, group=8), *_inputs(torch.bfloat16),
                                        config=nff.FusionConfig(enable=QUANT_GMM))
     assert near_miss_reasons(report, "quant_grouped_matmul") == [
         "the int8 experts are dequantized per group of 8 along K: npu_grouped_matmul dequantizes int8 experts per "
@@ -164,7 +111,7 @@ def test_per_group_int8_experts_stay_unfused():
 
 
 def test_a_float_zero_point_is_a_near_miss():
-    module = Int8Experts(torch.bfloat16, zero=True)
+    module = qm.Int8Experts(torch.bfloat16, zero=True)
     module.zero_point = module.zero_point.to(torch.float32) + 0.25  # rounds when cast to bf16 minus w
     _, _, report = compile_and_run(module, *_inputs(torch.bfloat16), config=nff.FusionConfig(enable=QUANT_GMM))
     assert near_miss_reasons(report, "quant_grouped_matmul") == [
@@ -173,13 +120,13 @@ def test_a_float_zero_point_is_a_near_miss():
 
 def test_310p_takes_no_quantisation_arguments():
     config = nff.FusionConfig(enable=QUANT_GMM, soc="Ascend310P")
-    _, _, report = compile_and_run(Int8Experts(torch.float16), *_inputs(torch.float16), config=config)
+    _, _, report = compile_and_run(qm.Int8Experts(torch.float16), *_inputs(torch.float16), config=config)
     assert near_miss_reasons(report, "quant_grouped_matmul") == [
         "npu_grouped_matmul takes no quantisation arguments on Ascend310P"]
 
 
 def test_weight_only_verification_measures_the_site():
     config = nff.FusionConfig(enable=QUANT_GMM, verify=True)
-    _, _, report = compile_and_run(Int8Experts(torch.bfloat16), *_inputs(torch.bfloat16), config=config)
+    _, _, report = compile_and_run(qm.Int8Experts(torch.bfloat16), *_inputs(torch.bfloat16), config=config)
     (site,) = report.sites
     assert site.verified.startswith("verified: max error"), site.verified
