@@ -41,28 +41,22 @@ import torch
 from npu_fx_fusion import interop
 from npu_fx_fusion.capabilities import CAPABILITIES
 from npu_fx_fusion.matching import Form, FusionPass, dtype_argument, is_call, known_equal, tensor_meta
-from npu_fx_fusion.patterns.grouped_matmul import even_offsets, gemm_limits_reason
+from npu_fx_fusion.patterns.grouped_matmul import (aten_grouped_mm, even_offsets, gemm_limits_reason,
+                                                   transformers_grouped_mm_fallback)
 from npu_fx_fusion.patterns.quant_matmul import per_token_scale_reason
+from npu_fx_fusion.patterns.weight_quant_matmul import integer_source
 
 aten = torch.ops.aten
 GROUPED_MATMUL = CAPABILITIES["npu.npu_grouped_matmul"]
 
 
-# ---- the expert GEMMs the forms are written around ---------------------------------------------
-def _grouped_mm(x, w, offs):
-    return torch._grouped_mm(x, w, offs)
-
-
-def _grouped_mm_fallback(x, w, offs):
-    return torch.ops.transformers.grouped_mm_fallback(x, w, offs)
-
-
+# ---- the expert GEMMs the forms are written around: grouped_matmul's two ----------------------
 # (the GEMM, the dtype the library runs it in): torch._grouped_mm in bf16; transformers' fallback op
 # where _grouped_mm does not apply under torch.compile (fp16)
 def _gemms():
-    gemms = [(_grouped_mm, torch.bfloat16)]
+    gemms = [(aten_grouped_mm, torch.bfloat16)]
     if interop.transformers_grouped_mm_fallback() is not None:
-        gemms.append((_grouped_mm_fallback, torch.float16))
+        gemms.append((transformers_grouped_mm_fallback, torch.float16))
     return gemms
 
 
@@ -125,7 +119,7 @@ def _w8a8_forms(gemm, dtype):
 
 def _named(form, gemm, prefix=""):
     """Names that say the GEMM and the dtype the form is traced in (the report shows them)."""
-    gemm_name = "grouped_mm" if gemm is _grouped_mm else "grouped_mm_fallback"
+    gemm_name = "grouped_mm" if gemm is aten_grouped_mm else "grouped_mm_fallback"
     form.search.__name__ = f"{prefix}{form.search.__name__}_{gemm_name}"
     form.replace.__name__ = f"npu_grouped_matmul_{prefix}{form.replace.__name__}"
     return form
@@ -232,25 +226,10 @@ def _weight_only_reason(site, w, layout):
 
 
 # ---- near misses: an expert GEMM over a weight dequantized from integers, left unfused -----------
-_INTEGER_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)
-
-
-def _dequantized_from_integers(node, limit=8):
+def _dequantized_from_integers(node):
     """The 3-d integer tensor an expert GEMM's weight is computed from through a multiply (its
     scale) within a few ops, else None."""
-    seen, todo = set(), [(node, False)]
-    while todo and len(seen) < limit:
-        current, scaled = todo.pop()
-        if not isinstance(current, torch.fx.Node) or current in seen:
-            continue
-        seen.add(current)
-        value = tensor_meta(current)
-        if value is not None and value.dtype in _INTEGER_DTYPES and value.dim() >= 3:
-            return current if scaled else None
-        if current.op == "call_function":
-            scaled = scaled or is_call(current, aten.mul.Tensor)
-            todo.extend((parent, scaled) for parent in current.all_input_nodes)
-    return None
+    return integer_source(node, limit=8, min_dims=3)
 
 
 def _gemm_ops():
