@@ -53,11 +53,7 @@ GROUPED_MATMUL = CAPABILITIES["npu.npu_grouped_matmul"]
 # ---- the expert GEMMs the forms are written around: grouped_matmul's two ----------------------
 # (the GEMM, the dtype the library runs it in): torch._grouped_mm in bf16; transformers' fallback op
 # where _grouped_mm does not apply under torch.compile (fp16)
-def _gemms():
-    gemms = [(aten_grouped_mm, torch.bfloat16)]
-    if interop.transformers_grouped_mm_fallback() is not None:
-        gemms.append((transformers_grouped_mm_fallback, torch.float16))
-    return gemms
+GEMMS = ((aten_grouped_mm, torch.bfloat16), (transformers_grouped_mm_fallback, torch.float16))
 
 
 # ---- the unfused forms -------------------------------------------------------------------------
@@ -125,9 +121,13 @@ def _named(form, gemm, prefix=""):
     return form
 
 
+FORMS = {gemm: _w8a8_forms(gemm, dtype) + _weight_only_forms(gemm, dtype) for gemm, dtype in GEMMS}
+
+
 def forms():
     """The fallback forms exist once transformers is imported (asked at every apply)."""
-    return [form for gemm, dtype in _gemms() for form in _w8a8_forms(gemm, dtype) + _weight_only_forms(gemm, dtype)]
+    fallback = interop.transformers_grouped_mm_fallback() is not None
+    return FORMS[aten_grouped_mm] + (FORMS[transformers_grouped_mm_fallback] if fallback else [])
 
 
 # ---- the fused calls ---------------------------------------------------------------------------
