@@ -136,7 +136,7 @@ def _per_channel(value, w, layout):
     ("nk") or (E, K, N) ("kn"), the value (E, N, 1) or (E, 1, N), or fewer numbers broadcasting
     to that (one per expert, one set of channels for all experts), expanded (exact)."""
     experts, n = (w.shape[0], w.shape[1]) if layout == "nk" else (w.shape[0], w.shape[2])
-    return value.expand((experts, n, 1) if layout == "nk" else (experts, 1, n)).reshape(experts, n)
+    return value.expand((experts, n, 1) if layout == "nk" else (experts, 1, n)).reshape(experts, n)  # a view
 
 
 def _npu_weight_only(x, w_kn, scale, zero, offs):
@@ -161,8 +161,8 @@ def _channel_scale_reason(name, value, w, layout):
     to that (one per expert, one per channel for all experts): the op's (E, N)."""
     experts, n_axis = w.shape[0], (1 if layout == "nk" else 2)
     k_axis = 3 - n_axis
-    shape = tuple(value.shape)
-    if value.dim() != 3 or shape[k_axis] != 1:
+    shape = (1,) * (3 - value.dim()) + tuple(value.shape)  # as it broadcasts against the 3-d experts
+    if value.dim() > 3 or shape[k_axis] != 1:
         return (f"the {name} {shape} varies along K (per group): npu_grouped_matmul dequantizes int8 experts per "
                 "output channel only (per group needs its int4 weight layout, a repack this pass does not do)")
     if shape[0] not in (1, experts) or shape[n_axis] not in (1, w.shape[n_axis]):

@@ -130,3 +130,27 @@ def test_weight_only_verification_measures_the_site():
     _, _, report = compile_and_run(qm.Int8Experts(torch.bfloat16), *_inputs(torch.bfloat16), config=config)
     (site,) = report.sites
     assert site.verified.startswith("verified: max error"), site.verified
+
+
+class ScalarScaledW8A8(torch.nn.Module):
+    """W8A8 experts with one fp32 weight scale for all (a 0-d tensor): the bf16 product stays bf16
+    and multiplies by the unrounded fp32 scale (a CPU scalar is read in the op's fp32 math)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, offs):
+        q, x_scale = qm.vllm_ref_dynamic_per_token_quant(x)
+        x_dq = (q.to(torch.float32) * x_scale).to(torch.bfloat16)
+        w = self.experts.w_int8.to(torch.bfloat16) * torch.tensor(0.01)
+        return torch._grouped_mm(x_dq, w.transpose(-2, -1), offs)
+
+
+def test_an_fp32_weight_scale_for_a_bf16_w8a8_output_is_a_near_miss():
+    module = ScalarScaledW8A8(qm.Int8Experts(torch.bfloat16))
+    _, _, report = compile_and_run(module, *_inputs(torch.bfloat16), config=nff.FusionConfig(enable=QUANT_GMM))
+    assert report.counts["quant_grouped_matmul"] == 0
+    assert near_miss_reasons(report, "quant_grouped_matmul") == [
+        "the weight scale is float32 for a bfloat16 output: npu_grouped_matmul's per-token mode takes a bfloat16 "
+        "scale there, a rounding of the scale the code does not make"]
