@@ -6,7 +6,7 @@ fp16, static and dynamic=True:
 * spellings: one module per spelling of tests/quant_modules.py (torchao-style W8A8, vLLM's
   reference quant + compressed-tensors' dequantize, compressed-tensors int8 weight-only,
   HQQ / GPTQ int4 group 32, residual add + RMSNorm + W8A8 linear, int8 MoE experts
-  weight-only and W8A8), torchao's own tensor
+  weight-only and W8A8, SwiGLU + per-token quant), torchao's own tensor
   subclasses on one nn.Linear, and the three look-alikes that must stay near misses.
   "present" is what the module computes, counted by construction (one activation
   quantization and one quantized GEMM per W8A8 linear, one dequantized GEMM per weight-only
@@ -46,9 +46,10 @@ from npu_fx_fusion.backend import EmulationBackend  # noqa: E402
 from npu_fx_fusion.tiny_models import build_hf  # noqa: E402
 import quant_modules as qm  # noqa: E402
 
-QUANT_PASSES = ("dynamic_quant", "quant_matmul", "weight_quant_matmul", "add_rms_norm_quant", "quant_grouped_matmul")
+QUANT_PASSES = ("dynamic_quant", "quant_matmul", "weight_quant_matmul", "add_rms_norm_quant", "quant_grouped_matmul",
+                "swiglu_quant")
 SHORT = {"dynamic_quant": "dq", "quant_matmul": "qmm", "weight_quant_matmul": "wqmm", "add_rms_norm_quant": "norm+q",
-         "quant_grouped_matmul": "qgmm"}
+         "quant_grouped_matmul": "qgmm", "swiglu_quant": "swiglu+q"}
 
 
 class _Fn(torch.nn.Module):
@@ -71,6 +72,13 @@ class _ExpertRows(torch.nn.Module):
 
     def forward(self, x):
         return self.experts(x.reshape(-1, x.shape[-1]), self.offs)
+
+
+def _swiglu_then_quant(gate_up):
+    # a W8A8 MLP's activation: silu(gate) * up, quantized per token (vLLM's reference)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    return qm.vllm_ref_dynamic_per_token_quant(h.reshape(-1, h.shape[-1]))
 
 
 def _experts(dtype, **kwargs):
@@ -129,6 +137,8 @@ SPELLINGS = {
     "W8A8 experts (vLLM ref quant + compressed-tensors dequantize + grouped GEMM)":
         (lambda d: _experts(d, activation=qm.vllm_ref_dynamic_per_token_quant), 1,
          {"dynamic_quant": 1, "quant_grouped_matmul": 1}),
+    "SwiGLU + per-token quant (a W8A8 down projection's input)":
+        (lambda d: _Fn(_swiglu_then_quant), 1, {"dynamic_quant": 1, "swiglu_quant": 1}),
     "look-alike: int8 experts per group of 8":
         (lambda d: _experts(d, group=8), 1, {"quant_grouped_matmul": 1}),
     "look-alike: per-tensor scale":

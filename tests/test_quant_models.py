@@ -215,9 +215,11 @@ def test_qwen3_moe_with_int8_experts_fuses_every_expert_gemm(scheme, dtype, dyna
     fallback = "transformers.grouped_mm_fallback.default"
     assert not ops.get("aten._grouped_mm.default", 0) and not ops.get(fallback, 0)
     if scheme == "w8a8":
-        # each GEMM's input quantized per token (amax / 127): npu_dynamic_quant; the block with
-        # quantized GEMMs is not the routed block moe_dispatch knows: its near miss says so
-        assert report.counts["dynamic_quant"] == 4 and report.fused_ops["npu.npu_dynamic_quant"] == 4
+        # each GEMM's input quantized per token (amax / 127): npu_dynamic_quant, the down GEMM's with
+        # the SwiGLU before it as npu_swiglu_quant; the block with quantized GEMMs is not the routed
+        # block moe_dispatch knows: its near miss says so
+        assert report.counts["dynamic_quant"] == 4 and report.counts["swiglu_quant"] == 2
+        assert report.fused_ops["npu.npu_dynamic_quant"] == 2 and report.fused_ops["npu.npu_swiglu_quant"] == 2
         assert report.counts["moe_dispatch"] == 0 and len(near_miss_reasons(report, "moe_dispatch")) == 2
         assert not ops.get("aten.round.default", 0)
     else:
