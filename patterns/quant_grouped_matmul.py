@@ -114,7 +114,7 @@ def _w8a8_forms(gemm, dtype):
 
 
 def _named(form, gemm, prefix=""):
-    """Names that say the GEMM and the dtype the form is traced in (the report shows them)."""
+    """Names that say which GEMM the form is written around (the report shows them)."""
     gemm_name = "grouped_mm" if gemm is aten_grouped_mm else "grouped_mm_fallback"
     form.search.__name__ = f"{prefix}{form.search.__name__}_{gemm_name}"
     form.replace.__name__ = f"npu_grouped_matmul_{prefix}{form.replace.__name__}"
