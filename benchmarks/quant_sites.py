@@ -5,7 +5,8 @@ fp16, static and dynamic=True:
 
 * spellings: one module per spelling of tests/quant_modules.py (torchao-style W8A8, vLLM's
   reference quant + compressed-tensors' dequantize, compressed-tensors int8 weight-only,
-  HQQ / GPTQ int4 group 32, residual add + RMSNorm + W8A8 linear), torchao's own tensor
+  HQQ / GPTQ int4 group 32, residual add + RMSNorm + W8A8 linear, int8 MoE experts
+  weight-only and W8A8, SwiGLU + per-token quant), torchao's own tensor
   subclasses on one nn.Linear, and the three look-alikes that must stay near misses.
   "present" is what the module computes, counted by construction (one activation
   quantization and one quantized GEMM per W8A8 linear, one dequantized GEMM per weight-only
@@ -15,7 +16,9 @@ fp16, static and dynamic=True:
   (TorchAoConfig: Int8DynamicActivationInt8WeightConfig = W8A8 dynamic,
   IntxWeightOnlyConfig(int4, PerGroup(32)) = W4A16), as tests/test_quant_models.py does;
   compressed-tensors checkpoints (W8A8 int-quantized, W4A16 pack-quantized) as well.
-  "present" counts the nn.Linear modules quantized. Launches per layer: the report's
+  Also the Qwen3-MoE with int8 experts (quant_modules.quantize_experts: W8A16, and W8A8 with
+  each expert GEMM's input quantized per token); "present" counts the nn.Linear modules
+  quantized, or for those the expert GEMMs (two per layer). Launches per layer: the report's
   estimate (GraphCost before the passes -> after; the Ascend910B roofline's launch count
   after) at 3 layers minus 2 layers (layer 0's input norm has no residual add in front).
 
@@ -43,8 +46,10 @@ from npu_fx_fusion.backend import EmulationBackend  # noqa: E402
 from npu_fx_fusion.tiny_models import build_hf  # noqa: E402
 import quant_modules as qm  # noqa: E402
 
-QUANT_PASSES = ("dynamic_quant", "quant_matmul", "weight_quant_matmul", "add_rms_norm_quant")
-SHORT = {"dynamic_quant": "dq", "quant_matmul": "qmm", "weight_quant_matmul": "wqmm", "add_rms_norm_quant": "norm+q"}
+QUANT_PASSES = ("dynamic_quant", "quant_matmul", "weight_quant_matmul", "add_rms_norm_quant", "quant_grouped_matmul",
+                "swiglu_quant")
+SHORT = {"dynamic_quant": "dq", "quant_matmul": "qmm", "weight_quant_matmul": "wqmm", "add_rms_norm_quant": "norm+q",
+         "quant_grouped_matmul": "qgmm", "swiglu_quant": "swiglu+q"}
 
 
 class _Fn(torch.nn.Module):
@@ -54,6 +59,30 @@ class _Fn(torch.nn.Module):
 
     def forward(self, x):
         return self.fn(x)
+
+
+class _ExpertRows(torch.nn.Module):
+    """Int8Experts on the input's rows, the rows split over its 3 experts at fixed offsets (the
+    middle expert gets none)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+        self.register_buffer("offs", torch.tensor([3, 3, 10], dtype=torch.int32))
+
+    def forward(self, x):
+        return self.experts(x.reshape(-1, x.shape[-1]), self.offs)
+
+
+def _swiglu_then_quant(gate_up):
+    # a W8A8 MLP's activation: silu(gate) * up, quantized per token (vLLM's reference)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    return qm.vllm_ref_dynamic_per_token_quant(h.reshape(-1, h.shape[-1]))
+
+
+def _experts(dtype, **kwargs):
+    return _ExpertRows(qm.Int8Experts(dtype, k=64, **kwargs))
 
 
 def _linear(dtype, out=32, k=64):
@@ -99,6 +128,19 @@ SPELLINGS = {
         (lambda d: _torchao_linear(d, _torchao_configs()["w8a16"]), 1, {"weight_quant_matmul": 1}),
     "torchao IntxWeightOnlyConfig int4 PerGroup(32) (nn.Linear)":
         (lambda d: _torchao_linear(d, _torchao_configs()["w4a16"]), 1, {"weight_quant_matmul": 1}),
+    "int8 experts weight-only (compressed-tensors channel, transformers grouped GEMM)":
+        (lambda d: _experts(d), 1, {"quant_grouped_matmul": 1}),
+    "int8 experts weight-only with zero points":
+        (lambda d: _experts(d, zero=True), 1, {"quant_grouped_matmul": 1}),
+    "int8 experts weight-only, stored (E, K, N)":
+        (lambda d: _experts(d, layout="kn"), 1, {"quant_grouped_matmul": 1}),
+    "W8A8 experts (vLLM ref quant + compressed-tensors dequantize + grouped GEMM)":
+        (lambda d: _experts(d, activation=qm.vllm_ref_dynamic_per_token_quant), 1,
+         {"dynamic_quant": 1, "quant_grouped_matmul": 1}),
+    "SwiGLU + per-token quant (a W8A8 down projection's input)":
+        (lambda d: _Fn(_swiglu_then_quant), 1, {"dynamic_quant": 1, "swiglu_quant": 1}),
+    "look-alike: int8 experts per group of 8":
+        (lambda d: _experts(d, group=8), 1, {"quant_grouped_matmul": 1}),
     "look-alike: per-tensor scale":
         (lambda d: _Fn(qm.per_tensor_quant), 1, {"dynamic_quant": 1}),
     "look-alike: amax / 127.5":
@@ -226,8 +268,20 @@ def _compressed_tensors(scheme):
     return build
 
 
+def _int8_experts(scheme):
+    def build(model_type, dtype, layers, tmp):
+        if model_type != "qwen3_moe":
+            raise NotImplementedError("int8 experts: MoE models only")
+        tiny = build_hf(model_type, dtype=dtype, num_layers=layers)
+        return tiny, qm.quantize_experts(tiny.model, scheme)
+    return build
+
+
 MODELS = {
     "hand-written W8A8 (TorchaoStyleW8A8Linear)": (_hand_written, {"dynamic_quant", "quant_matmul"}),
+    "int8 experts W8A16 (quant_modules.quantize_experts)": (_int8_experts("w8a16"), {"quant_grouped_matmul"}),
+    "int8 experts W8A8 (quant_modules.quantize_experts)": (_int8_experts("w8a8"),
+                                                           {"dynamic_quant", "quant_grouped_matmul"}),
     "torchao W8A8 dynamic (Int8DynamicActivationInt8WeightConfig)": (_torchao("w8a8"), {"dynamic_quant", "quant_matmul"}),
     "torchao W4A16 g32 (IntxWeightOnlyConfig int4 PerGroup(32))": (_torchao("w4a16"), {"weight_quant_matmul"}),
     "compressed-tensors W8A8 (int-quantized)": (_compressed_tensors("w8a8"), {"dynamic_quant", "quant_matmul"}),
@@ -254,7 +308,7 @@ def _logits_error(actual, expected) -> str:
 
 
 def models_table(dtypes, modes, model_types, schemes, out):
-    out("| model | scheme | dtype | shapes | quantized linears | fused (2 layers) | fused ops | logits vs eager | "
+    out("| model | scheme | dtype | shapes | quantized linears (or expert GEMMs) | fused (2 layers) | fused ops | logits vs eager | "
         "launches / layer (GraphCost before -> after; 910B roofline before -> after) | quant near misses |")
     out("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -267,6 +321,8 @@ def models_table(dtypes, modes, model_types, schemes, out):
                         start = time.perf_counter()
                         try:
                             two = _model_run(build, model_type, dtype, 2, dynamic, tmp)
+                        except NotImplementedError:
+                            continue  # the scheme does not apply to this model type
                         except Exception as exc:
                             out(f"| {model_type} | {scheme} | {str(dtype)[6:]} | {tag} | FAILED | | | | | "
                                 f"{type(exc).__name__}: {str(exc)[:200]} |")

@@ -239,7 +239,8 @@ PASS = FusionPass(
     name="grouped_matmul",
     # moe_dispatch matches whole expert blocks, their grouped GEMMs included
     # swiglu_group (DeepSeek-V4's clamped SwiGLU) matches the grouped GEMMs around it unfused
-    after=("moe_dispatch", "swiglu_group"),
+    # quant_grouped_matmul takes a GEMM over dequantized int8 experts with its dequantization
+    after=("moe_dispatch", "swiglu_group", "quant_grouped_matmul"),
     fused_op="npu.npu_grouped_matmul",
     forms=forms,
     # training: x and w carry gradients (through GroupedMatmul); offs is an index
@@ -258,13 +259,14 @@ PASS = FusionPass(
     anchor=anchor,
     anchor_ops=lambda: (aten._grouped_mm.default, interop.transformers_grouped_mm_fallback()),
     explain=explain,
-    verify_input=lambda name, args: _even_offsets(args) if name == "offs" else None,
+    verify_input=lambda name, args: even_offsets(args) if name == "offs" else None,
     finish=counts_for_running_sums,
 )
 
 
-def _even_offsets(args):
-    """Verification input for offs: cumulative row ends spreading x's rows over the experts
-    (random integers would not be a valid group list)."""
-    rows, groups = int(args["x"].shape[0]), int(args["offs"].shape[0])
+def even_offsets(args):
+    """Verification input for offs: cumulative row ends spreading the rows of x (or of the int8
+    activation q, quant_grouped_matmul's) over the experts (random integers would not be a
+    valid group list)."""
+    rows, groups = int(args["x" if "x" in args else "q"].shape[0]), int(args["offs"].shape[0])
     return torch.tensor([(e + 1) * rows // groups for e in range(groups)], dtype=args["offs"].dtype)

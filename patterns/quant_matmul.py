@@ -160,11 +160,9 @@ def check(site):
         return None
     x_scale = site["x_scale"]
     w_scale = site["weight_scale"] if "weight_scale" in site.args else site["w_scale"]
-    rows = q.numel() // q.shape[-1]
-    # (sizes compared with known_equal: under dynamic=True a `!=` of two SymInts would guard)
-    if x_scale.dim() == 0 or x_scale.shape[-1] != 1 or not known_equal(x_scale.numel(), rows):
-        return (f"the activation scale {tuple(x_scale.shape)} is not one per token of the ({rows}, {k}) "
-                "activation: npu_quant_matmul takes a per-token scale")
+    reason = per_token_scale_reason(x_scale, q.numel() // q.shape[-1], k, "npu_quant_matmul")
+    if reason:
+        return reason
     if w_scale.numel() not in (1, n) or (w_scale.dim() == 2 and 1 not in w_scale.shape):
         return f"the weight scale {tuple(w_scale.shape)} is not per output channel ({n},)"
     if x_scale.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -173,6 +171,16 @@ def check(site):
         return f"npu_quant_matmul takes no per-token scale on {site.soc}"
     out = torch.empty((1, 1), dtype=torch.bfloat16 if "bf16" in site.form.name else torch.float16)
     return unsupported("npu.npu_quant_matmul", site.soc, x=out)
+
+
+def per_token_scale_reason(x_scale, rows, k, op):
+    """Why `x_scale` is not one scale per token (row) of the (rows, k) int8 activation, or None
+    (also quant_grouped_matmul's: the same per-token scale of its expert GEMM)."""
+    # (sizes compared with known_equal: under dynamic=True a `!=` of two SymInts would guard)
+    if x_scale.dim() == 0 or x_scale.shape[-1] != 1 or not known_equal(x_scale.numel(), rows):
+        return (f"the activation scale {tuple(x_scale.shape)} is not one per token of the ({rows}, {k}) "
+                f"activation: {op} takes a per-token scale")
+    return None
 
 
 # ---- near misses: an int8 GEMM left as it was --------------------------------------------------

@@ -187,9 +187,10 @@ _MATMULS = (aten.matmul.default, aten.mm.default, aten.bmm.default, aten.linear.
 _QUANTIZED_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32)  # not int64: indices, positions
 
 
-def _integer_source(node, limit=10):
+def integer_source(node, limit=10, min_dims=2):
     """The integer tensor `node` (a matmul operand) is dequantized from: an int8 / uint8 / int16 /
-    int32 tensor of 2+ dims reached within a few ops through a multiply (the scale), else None."""
+    int32 tensor of `min_dims`+ dims reached within `limit` ops through a multiply (the scale), else
+    None (also quant_grouped_matmul's, for 3-d experts)."""
     seen, todo = set(), [(node, False)]
     while todo and len(seen) < limit:
         current, scaled = todo.pop()
@@ -197,7 +198,7 @@ def _integer_source(node, limit=10):
             continue
         seen.add(current)
         value = tensor_meta(current)
-        if value is not None and value.dtype in _QUANTIZED_DTYPES and value.dim() >= 2:
+        if value is not None and value.dtype in _QUANTIZED_DTYPES and value.dim() >= min_dims:
             return current if scaled else None
         if current.op == "call_function":
             scaled = scaled or is_call(current, aten.mul.Tensor)
@@ -209,12 +210,12 @@ def anchor(node):
     if not is_call(node, *_MATMULS) or len(node.args) < 2:
         return False
     activation, weight = (tensor_meta(a) for a in node.args[:2])
-    return (activation is not None and activation.is_floating_point() and _integer_source(node.args[0]) is None
-            and _integer_source(node.args[1]) is not None)
+    return (activation is not None and activation.is_floating_point() and integer_source(node.args[0]) is None
+            and integer_source(node.args[1]) is not None)
 
 
 def explain(node):
-    weight = _integer_source(node.args[1])
+    weight = integer_source(node.args[1])
     value = tensor_meta(weight)
     x = tensor_meta(node.args[0])
     if x is not None and x.dtype not in capability("npu.npu_weight_quant_batchmatmul").dtypes:

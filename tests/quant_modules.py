@@ -20,6 +20,10 @@ are made here from a random float weight (`from_float`), as a checkpoint convert
                                (gptqmodel TorchQuantLinear.dequantize_weight), group 32
     QuantizedDecoderBlock      a residual add + RMSNorm (transformers' LlamaRMSNorm) whose
                                output is quantized per token and multiplied as int8
+    Int8Experts                MoE expert GEMMs over int8 experts (compressed-tensors' channel
+                               scheme, its `dequantize`, transformers' grouped GEMM), weight-only or
+                               with a per-token quantized activation (W8A8)
+    quantize_experts           a transformers MoE model's 3-d experts made int8 that way
 and the look-alikes the passes must refuse (per-tensor scale, amax / 127.5, round half away
 from zero).
 """
@@ -231,6 +235,144 @@ def quantize_linears(model: nn.Module, make, skip=("lm_head",)) -> int:
                 setattr(module, child_name, make(child))
                 replaced += 1
     return replaced
+
+
+# ---- MoE experts: transformers' 3-d expert parameters, int8 per (expert, output channel) --------
+# transformers 5.24's experts are (E, out, in) parameters, not nn.Linear: neither torchao nor
+# compressed-tensors quantizes them there. These quantize them with compressed-tensors' channel
+# scheme (symmetric int8, amax / 127 per output channel of each expert, the scale in the model dtype,
+# the layout `dequantize` keeps) and dequantize with compressed-tensors' real `dequantize`:
+#   quantize_experts(model, "w8a16")  the parameters become properties dequantizing the int8
+#                                     buffers: transformers' own grouped_mm experts forward runs
+#                                     unchanged (as torchao's weight-only fallback for its fp8
+#                                     experts: `_grouped_mm(x, weight.dequantize(), offs)`)
+#   quantize_experts(model, "w8a8")   also each GEMM's input quantized per token (vLLM's reference
+#                                     quant, dequantized by compressed-tensors): transformers'
+#                                     grouped_mm experts forward with its two GEMMs W8A8, registered
+#                                     through transformers' ExpertsInterface
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def _dequantized_expert_weight(name):
+    def weight(self):
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+        return dequantize(getattr(self, f"{name}_q"), getattr(self, f"{name}_scale"), args=self.weight_args)
+
+    return property(weight)
+
+
+def _w8a8_grouped_linear(experts, x, name, offs):
+    # vLLM's reference per-token quant, compressed-tensors' dequantize of both operands, transformers'
+    # grouped GEMM of the (E, out, in) weight transposed (integrations/moe.py _grouped_linear)
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from transformers.integrations.moe import _grouped_mm
+
+    x_q, x_scale = vllm_ref_dynamic_per_token_quant(x)
+    x_dq = dequantize(x_q, x_scale, args=experts.input_args).to(x.dtype)
+    return _grouped_mm(x_dq, getattr(experts, name).transpose(-2, -1), offs)
+
+
+def w8a8_grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped_mm_experts_forward (integrations/moe.py), its routing line for line
+    (without expert parallelism and biases), each expert GEMM W8A8 (_w8a8_grouped_linear)."""
+    num_top_k, num_tokens, hidden_dim = top_k_index.size(-1), hidden_states.size(0), hidden_states.size(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    selected_hidden_states_g = hidden_states[perm // num_top_k]
+    sample_weights_g = sample_weights[perm]
+    tokens_per_expert = torch.histc(expert_ids_g.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+    proj_out = _w8a8_grouped_linear(self, selected_hidden_states_g, "gate_up_proj", offsets)
+    proj_out = self._apply_gate(proj_out)
+    proj_out = _w8a8_grouped_linear(self, proj_out, "down_proj", offsets)
+    weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+    weighted_out = weighted_out[inv_perm]
+    return weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+
+class Int8Experts(torch.nn.Module):
+    """Expert GEMMs over tokens sorted by expert, the experts int8 per (expert, output channel) as
+    compressed-tensors' channel scheme stores them and dequantized by its real `dequantize`, the
+    GEMM transformers' (integrations/moe.py _grouped_mm: F.grouped_mm in bf16, its fallback op in
+    fp16). layout "nk": stored (E, N, K), passed transposed (transformers' experts); "kn": stored
+    (E, K, N) (transformers' is_transposed experts, gpt-oss). activation: None (weight-only) or a
+    per-token quantization (quant_modules) whose int8 values and scale feed the GEMM dequantized."""
+
+    def __init__(self, dtype, layout="nk", experts=3, k=32, n=16, zero=False, activation=None, group=None):
+        super().__init__()
+        from compressed_tensors.quantization import QuantizationArgs
+
+        torch.manual_seed(0)
+        weight = torch.randn(experts, n, k) * 0.2
+        strategy = dict(strategy="group", group_size=group) if group else dict(strategy="channel")
+        self.args = QuantizationArgs(num_bits=8, type="int", symmetric=not zero, **strategy)
+        self.input_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        if group:
+            grouped = weight.reshape(experts, n, k // group, group)
+            scale = grouped.abs().amax(-1) / 127  # (E, N, K / g)
+            w_int8 = torch.round(grouped / scale.unsqueeze(-1)).to(torch.int8).reshape(experts, n, k)
+            zero_point = None
+        else:
+            w_int8, scale = _per_channel_int8(weight)  # (E, N, K), (E, N, 1)
+            zero_point = torch.randint(-3, 4, scale.shape, dtype=torch.int8) if zero else None
+        self.layout, self.activation = layout, activation
+        if layout == "kn":
+            w_int8, scale = w_int8.transpose(-2, -1).contiguous(), scale.transpose(-2, -1).contiguous()
+            zero_point = None if zero_point is None else zero_point.transpose(-2, -1).contiguous()
+        self.register_buffer("w_int8", w_int8)
+        self.register_buffer("scale", scale.to(dtype))
+        self.register_buffer("zero_point", zero_point)
+
+    def weight(self):
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+        return dequantize(self.w_int8, self.scale, self.zero_point, args=self.args)
+
+    def activation_dequantized(self, x):
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+        x_q, x_scale = self.activation(x)
+        return dequantize(x_q, x_scale, args=self.input_args).to(x.dtype)
+
+    def forward(self, x, offs):
+        from transformers.integrations.moe import _grouped_mm
+
+        if self.activation is not None:
+            x = self.activation_dequantized(x)
+        w = self.weight()
+        return _grouped_mm(x, w.transpose(-2, -1) if self.layout == "nk" else w, offs)
+
+
+
+def quantize_experts(model: nn.Module, scheme: str) -> int:
+    """Every transformers experts module of `model` with int8 experts ("w8a16" or "w8a8", above);
+    returns the number of expert GEMMs quantized (two per module)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from transformers.integrations.moe import ExpertsInterface
+
+    if scheme == "w8a8":
+        ExpertsInterface.register("w8a8_grouped_mm", w8a8_grouped_mm_experts_forward)
+    quantized = 0
+    for module in list(model.modules()):
+        weights = [getattr(module, name, None) for name in EXPERT_PROJECTIONS]
+        if not all(isinstance(w, nn.Parameter) and w.dim() == 3 for w in weights):
+            continue
+        for name, weight in zip(EXPERT_PROJECTIONS, weights):
+            w_int8, w_scale = _per_channel_int8(weight.detach())  # (E, out, in), (E, out, 1)
+            del module._parameters[name]
+            module.register_buffer(f"{name}_q", w_int8)
+            module.register_buffer(f"{name}_scale", w_scale.to(weight.dtype))
+            quantized += 1
+        module.weight_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        module.input_args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+        properties = {name: _dequantized_expert_weight(name) for name in EXPERT_PROJECTIONS}
+        module.__class__ = type(f"Int8{type(module).__name__}", (type(module),), properties)
+        if scheme == "w8a8":
+            module.config._experts_implementation = "w8a8_grouped_mm"
+    return quantized
 
 
 # ---- look-alikes: close to per-token int8 quantization, but not what npu_dynamic_quant does ----

@@ -196,3 +196,32 @@ def test_a_w8a8_layer_launches_a_fraction_of_the_kernels():
     (before2, after2), (before3, after3) = _launches(2), _launches(3)
     per_layer_before, per_layer_after = before3 - before2, after3 - after2
     assert per_layer_after * 5 < per_layer_before, (per_layer_before, per_layer_after)
+
+
+# ---- Qwen3-MoE with int8 experts (transformers' 3-d expert parameters) ---------------------------
+@pytest.mark.parametrize("scheme", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("dtype, dynamic", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
+                         ids=["bf16", "fp16", "bf16-dynamic"])
+def test_qwen3_moe_with_int8_experts_fuses_every_expert_gemm(scheme, dtype, dynamic):
+    # the experts quantized with compressed-tensors' channel scheme (tests/quant_modules.py
+    # quantize_experts): weight-only through transformers' own grouped_mm experts forward, W8A8
+    # through its routing with each GEMM's input quantized per token (vLLM's reference quant)
+    tiny = build_hf("qwen3_moe", dtype=dtype)
+    assert qm.quantize_experts(tiny.model, scheme) == 4  # gate_up and down, 2 layers
+    actual, expected, report = _compile(tiny.model, tiny.example_inputs, dynamic)
+    assert report.counts["quant_grouped_matmul"] == 4 and report.counts["grouped_matmul"] == 0
+    assert not near_miss_reasons(report, "quant_grouped_matmul")
+    ops = report.graphs[0].ops_after
+    fallback = "transformers.grouped_mm_fallback.default"
+    assert not ops.get("aten._grouped_mm.default", 0) and not ops.get(fallback, 0)
+    if scheme == "w8a8":
+        # each GEMM's input quantized per token (amax / 127): npu_dynamic_quant, the down GEMM's with
+        # the SwiGLU before it as npu_swiglu_quant; the block with quantized GEMMs is not the routed
+        # block moe_dispatch knows: its near miss says so
+        assert report.counts["dynamic_quant"] == 4 and report.counts["swiglu_quant"] == 2
+        assert report.fused_ops["npu.npu_dynamic_quant"] == 2 and report.fused_ops["npu.npu_swiglu_quant"] == 2
+        assert report.counts["moe_dispatch"] == 0 and len(near_miss_reasons(report, "moe_dispatch")) == 2
+        assert not ops.get("aten.round.default", 0)
+    else:
+        assert report.counts["moe_dispatch"] == 2  # the routing around the int8 experts fuses as before
+    assert_logits_agree(actual, expected)

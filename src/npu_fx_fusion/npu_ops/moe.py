@@ -34,7 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .spec import FLOAT_DTYPES, OpCapability, Sample, SocLimits, documented_op, in_layout_of, op_spec, randn
+from .spec import (FLOAT_DTYPES, OpCapability, Sample, SocLimits, documented_op, dtype_argument, dtype_of_argument,
+                   in_layout_of, op_spec, randn)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -160,6 +161,20 @@ def _grouped_matmul_samples(dtype):
     # requires) times dy, split along K; neither layout may change
     yield Sample(([x.t()], [randn(9, 5, dtype=dtype, seed=118)]),
                  dict(group_list=torch.tensor([2, 2, 9]), split_item=3, group_type=2), layout_args=())
+    if dtype in (torch.float16, torch.bfloat16):
+        # quantised MoE experts (one (E, K, N) int8 weight, (E, N) scales; the weight's layout varies)
+        w8 = (randn(3, 4, 5, seed=119) * 40).round().clamp(-128, 127).to(torch.int8)
+        channel = randn(3, 5, seed=120).abs() / 64
+        ends = dict(group_list=torch.tensor([2, 2, 9]), split_item=3, group_type=0)
+        yield Sample(([x], [w8]), dict(antiquant_scale=[channel.to(dtype)], **ends), layout_args=(1,))
+        yield Sample(([x], [w8]), dict(antiquant_scale=[channel.to(dtype)],
+                                       antiquant_offset=[randn(3, 5, seed=121).round().to(dtype)], **ends),
+                     layout_args=(1,))
+        # per-token: a bf16 scale for a bf16 output, an fp32 one for fp16 (D)
+        q = (randn(9, 4, seed=122) * 40).round().clamp(-128, 127).to(torch.int8)
+        yield Sample(([q], [w8]), dict(scale=[channel.to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)],
+                                       per_token_scale=[randn(9, seed=123).abs() / 64],
+                                       output_dtype=dtype_argument(dtype), **ends), layout_args=(1,))
 
 
 def _re_routing_samples(dtype):
@@ -984,10 +999,13 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
 _GMM_QUANT_ARGS = ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale",
                    "activation_input", "activation_quant_scale", "activation_quant_offset")
 _GMM_SUPPORTED = ("split_item 2 or 3 with one 2-D x, float x/weight of one dtype, a 1-D int64 Tensor "
-                  "group_list with group_list_type 0 (cumsum) or 1 (counts), no quantisation, act_type=0, "
-                  "output_dtype=None; group_type=0 (split along M): weight one (E, K, N) tensor or E (K, N) "
-                  "tensors, optional bias; group_type=2 (split along K): x a transposed (M, K) view, weight one "
-                  "(K, N) tensor, not transposed, no bias")
+                  "group_list with group_list_type 0 (cumsum) or 1 (counts), act_type=0, output_dtype=None; "
+                  "group_type=0 (split along M): weight one (E, K, N) tensor or E (K, N) tensors, optional bias; "
+                  "group_type=2 (split along K): x a transposed (M, K) view, weight one (K, N) tensor, not "
+                  "transposed, no bias; quantised (group_type=0, one (E, K, N) int8 weight, no bias): weight-only "
+                  "(fp16/bf16 x, antiquant_scale [(E, N)] and optional antiquant_offset [(E, N)] in x's dtype) "
+                  "or per-token (int8 x, scale [(E, N)] bf16 for a bf16 output / fp32 for fp16, per_token_scale "
+                  "[(M,)] fp32)")
 
 
 def _reads_transposed(t: torch.Tensor) -> bool:
@@ -1022,19 +1040,20 @@ def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, g
         raise unsupported(f"split_item={split_item} (a list of outputs)")
     if group_list_type not in (0, 1):
         raise unsupported(f"group_list_type={group_list_type}")
-    for name, value in quant_args.items():
-        if value is not None:
-            raise unsupported(f"{name} (quantisation)")
     if act_type:
         raise unsupported(f"act_type={act_type}")
-    if output_dtype or any(v is not None for v in dtype_args):
-        raise unsupported("output_dtype / x_dtype / weight_dtype / scale_dtype")
+    if any(v is not None for v in dtype_args):
+        raise unsupported("x_dtype / weight_dtype / scale_dtype / per_token_scale_dtype")
     if len(x) != 1 or x[0].dim() != 2:
         raise unsupported(f"x as {len(x)} tensor(s) of {[t.dim() for t in x]} dims "
                           "(one 2-D x is the MoE layout)")
     if group_list is None or group_list.dim() != 1:
         raise RuntimeError(f"{op}: group_type={group_type} needs a 1-D group_list")
     xt = x[0]
+    if any(value is not None for value in quant_args.values()) or xt.dtype == torch.int8:
+        return _gmm_quant_plan(xt, weight, bias, group_list, group_type, output_dtype, quant_args, unsupported)
+    if output_dtype:
+        raise unsupported("output_dtype without quantisation")
     if not xt.is_floating_point() or any(w.dtype != xt.dtype for w in weight):
         raise unsupported(f"x {xt.dtype} with weight {[w.dtype for w in weight]} (integer or mixed dtypes)")
     if group_type == 2:
@@ -1058,6 +1077,60 @@ def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, g
         # biases only], or E (N,) biases for E weights
         if shapes not in ([(groups, n)], [(n,)] * groups) or len(bias) != len(weight):
             raise RuntimeError(f"{op}: bias must match the weights: got {shapes}")
+    return groups, n
+
+
+def _gmm_quant_plan(xt, weight, bias, group_list, group_type, output_dtype, quant, unsupported):
+    """The two quantised MoE expert GEMMs (group_type 0, one (E, K, N) int8 weight, no bias) that
+    have a CPU reference; return (groups, N). D (npu_grouped_matmul, Tensor group_list, A2/A3
+    table) and CANN aclnnGroupedMatmulV4 (量化场景 / 伪量化场景):
+
+      weight-only (伪量化): x fp16 / bf16, weight int8 (per-channel only for int8; per-group needs
+        int4), antiquant_scale and antiquant_offset [(E, N)] in x's dtype, output x's dtype;
+      per-token (动态量化 pertoken + perchannel): x int8, weight int8, scale [(E, N)] bf16 with a bf16
+        output or fp32 with an fp16 output, per_token_scale [(M,)] fp32 (1-D, D).
+    """
+    op = "npu_grouped_matmul"
+    given = sorted(name for name, value in quant.items() if value is not None)
+    if group_type != 0 or len(weight) != 1 or weight[0].dim() != 3 or weight[0].dtype != torch.int8:
+        raise unsupported(f"quantisation ({', '.join(given) or 'int8 x'}) with group_type={group_type} and "
+                          f"weight {[(tuple(w.shape), w.dtype) for w in weight]}")
+    if bias is not None:
+        raise unsupported("a bias with quantisation")
+    groups, k, n = weight[0].shape
+    if xt.shape[1] != k:
+        raise RuntimeError(f"{op}: x (M, {xt.shape[1]}) does not multiply weight (.., {k}, {n})")
+    if group_list.shape[0] != groups:
+        raise RuntimeError(f"{op}: group_list has {group_list.shape[0]} entries for {groups} weight groups")
+
+    def one(name, shape, dtypes):
+        value = quant[name]
+        if not isinstance(value, (list, tuple)) or len(value) != 1 or tuple(value[0].shape) != shape \
+                or value[0].dtype not in dtypes:
+            got = None if value is None else [(tuple(t.shape), t.dtype) for t in value]
+            raise RuntimeError(f"{op}: {name} must be one {shape} tensor of {sorted(map(str, dtypes))} (D), "
+                               f"got {got}")
+
+    if xt.dtype == torch.int8:
+        if given != ["per_token_scale", "scale"]:
+            raise unsupported(f"int8 x with {given} (the per-token mode takes scale and per_token_scale)")
+        out = dtype_of_argument(output_dtype) if output_dtype else None
+        wanted = {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32}.get(out)
+        if wanted is None:
+            raise unsupported(f"output_dtype {out} with per-token quantisation (bf16 or fp16 here)")
+        one("scale", (groups, n), {wanted})
+        one("per_token_scale", (xt.shape[0],), {torch.float32})
+        return groups, n
+    if not set(given) <= {"antiquant_scale", "antiquant_offset"} or "antiquant_scale" not in given:
+        raise unsupported(f"{xt.dtype} x and an int8 weight with {given} (weight-only takes antiquant_scale "
+                          "and optionally antiquant_offset)")
+    if xt.dtype not in (torch.float16, torch.bfloat16) or (output_dtype and dtype_of_argument(output_dtype)
+                                                            != xt.dtype):
+        raise RuntimeError(f"{op}: weight-only quantisation takes an fp16 / bf16 x and outputs its dtype (D), "
+                           f"got {xt.dtype} and output_dtype {output_dtype}")
+    one("antiquant_scale", (groups, n), {xt.dtype})
+    if quant["antiquant_offset"] is not None:
+        one("antiquant_offset", (groups, n), {xt.dtype})
     return groups, n
 
 
@@ -1097,7 +1170,8 @@ def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
                           output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
     if group_type == 2:  # Meta: (G, M, N), a full (M, N) product per K group
         return [x[0].new_empty((groups, x[0].shape[0], n))]
-    return [x[0].new_empty((x[0].shape[0], n))]  # Meta: one (M, N) output in x's dtype
+    # Meta: one (M, N) output in output_dtype, else x's dtype
+    return [x[0].new_empty((x[0].shape[0], n), dtype=dtype_of_argument(output_dtype) if output_dtype else None)]
 
 
 @op_spec("npu::npu_grouped_matmul",
@@ -1150,6 +1224,13 @@ def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
                  # not been run on hardware (reduce-overhead / npugraph_ex pass the view)
                  "k_split_ge_transpose_x": "unverified",
                  "310p_n_multiple": 16,
+                 # quantised experts (D, Tensor group_list; aclnnGroupedMatmulV4 约束说明), group_type 0 with
+                 # one (E, K, N) weight: weight-only int8 is per-channel only (per-group needs int4
+                 # weights packed 8 per int32); per-token W8A8 takes a bf16 scale for a bf16 output and
+                 # an fp32 one for fp16; Atlas inference (310P) takes no scale of any kind
+                 "antiquant_int8_per_group": False,
+                 "pertoken_scale_dtype_for_output": {torch.bfloat16: torch.bfloat16, torch.float16: torch.float32},
+                 "quant_socs_excluded": ("Ascend310P",),
              },
              doc="op_semantics 7 / torch_npu docstring (_op_plugin_docs.py npu_grouped_matmul): float "
              "x/weight fp16/bf16/fp32 (310P fp16 only, N % 16 == 0), group_type 0 needs split_item 2/3, "
@@ -1157,7 +1238,10 @@ def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
              "(group_list_type 0) or counts (1), InnerLimit 65536, weight may be transposed, x not; "
              "group_type 2 (CANN aclnnGroupedMatmulV5, ops-transformer gmm/grouped_matmul docs): x "
              "transposed, weight not, split_item 2/3, no bias, output (G, M, N) (the wheel's Meta); "
-             "products A2/A3 and Atlas inference; no autograd in torch_npu (our rule: autograd_rule)",
+             "products A2/A3 and Atlas inference; no autograd in torch_npu (our rule: autograd_rule); quantised "
+             "(D formulas 3, 4; A2/A3 only): weight-only int8 per-channel with antiquant_scale / offset (E, N) in "
+             "x's dtype, and per-token int8 x int8 with scale (E, N) (bf16 -> bf16 out, fp32 -> fp16 out) and "
+             "per_token_scale (M,) fp32",
          ))  # no autograd in torch_npu (op_semantics 7)
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
@@ -1176,6 +1260,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     groups, n = _gmm_plan(x, weight, bias, group_list, split_item, group_type, group_list_type, act_type,
                           output_dtype, (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype), quant)
     xt = x[0]
+    if xt.dtype == torch.int8 or antiquant_scale is not None:
+        return [_gmm_quantised(xt, weight[0], scale, antiquant_scale, antiquant_offset, per_token_scale,
+                               _gmm_group_ends(group_list, group_list_type, xt.shape[0], "rows"), output_dtype)]
     axis = 0 if group_type == 0 else 1  # the grouped axis of x: M, or K
     ends = _gmm_group_ends(group_list, group_list_type, xt.shape[axis], "rows" if axis == 0 else "columns (K)")
     acc = _compute_dtype(xt)
@@ -1198,6 +1285,40 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             out[start:end] = y
         start = end
     return [out.to(xt.dtype)]
+
+
+def _gmm_quantised(xt, w, scale, antiquant_scale, antiquant_offset, per_token_scale, ends, output_dtype):
+    """The quantised expert GEMMs (_gmm_quant_plan), rows past the last end zeros.
+
+    per-token (D formula 3, aclnnGroupedMatmulV4 动态量化): y = (x @ w) * scale[e] * per_token_scale,
+    the int8 product exact in int32 on the cube unit, scaled in fp32 (scale[n], then the row's
+    per-token scale) and rounded once to the output dtype. [inferred] the scaling order and
+    precision are npu_quant_matmul's per-token kernel's (quant_batch_matmul_v3_pertoken.h, quant.py),
+    the same dequant step as the grouped kernel's documented formula; the two fp32 multiplies
+    commute up to one fp32 rounding.
+    weight-only (D formula 4): y = x @ ((w + antiquant_offset[e]) * antiquant_scale[e]).
+    [inferred] dequantized as npu_weight_quant_batchmatmul's kernel does (fp32 for a bf16 x, fp16
+    for fp16: the add, then the multiply, each rounded there), the weight rounded to x's dtype,
+    the product accumulated in fp32: for an int8 weight and no offset this is exactly one
+    rounding of w * scale to x's dtype whatever the intermediate precision."""
+    out_dtype = dtype_of_argument(output_dtype) if output_dtype else xt.dtype
+    out = torch.zeros((xt.shape[0], w.shape[-1]), dtype=torch.float32)
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            rows = xt[start:end]
+            if xt.dtype == torch.int8:
+                acc = (rows.double() @ w[e].double()).to(torch.int32)  # exact: |sum| < 2^31
+                out[start:end] = acc.float() * scale[0][e].float() * per_token_scale[0][start:end, None]
+            else:
+                compute = torch.float32 if xt.dtype == torch.bfloat16 else torch.float16
+                dequantized = w[e].to(compute)
+                if antiquant_offset is not None:
+                    dequantized = dequantized + antiquant_offset[0][e].to(compute)
+                dequantized = (dequantized * antiquant_scale[0][e].to(compute)).to(xt.dtype)
+                out[start:end] = rows.float() @ dequantized.float()
+        start = end
+    return out.to(out_dtype)
 
 
 def _gmm_group_ends(group_list, group_list_type, length, what):

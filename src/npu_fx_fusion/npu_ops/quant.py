@@ -1,5 +1,6 @@
-"""Quantization family: npu_dynamic_quant, npu_quant_matmul, npu_weight_quant_batchmatmul and
-npu_add_rms_norm_dynamic_quant (inference only: torch_npu differentiates none of them).
+"""Quantization family: npu_dynamic_quant, npu_quant_matmul, npu_weight_quant_batchmatmul,
+npu_add_rms_norm_dynamic_quant and npu_swiglu_quant (inference only: torch_npu differentiates
+none of them).
 
 Each kernel computes what the A2/A3 (Ascend910B / Ascend910_93) kernel computes, its rounding
 points included. Sources, cited per fact below:
@@ -8,7 +9,9 @@ points included. Sources, cited per fact below:
      matmul/quant_batch_matmul_v3/op_kernel/quant_batch_matmul_v3_pertoken.h,
      matmul/weight_quant_batch_matmul_v2/op_kernel/weight_quant_batch_matmul_v2_common.h,
      matmul/convert_weight_to_int4_pack/op_host/op_api/aclnn_convert_weight_to_int4_pack.cpp,
-     norm/add_rms_norm_dynamic_quant/op_kernel/add_rms_norm_dynamic_quant_normal_kernel.h
+     norm/add_rms_norm_dynamic_quant/op_kernel/add_rms_norm_dynamic_quant_normal_kernel.h,
+     quant/swi_glu_quant/op_kernel/swi_glu_quant.h, swi_glu_quant_base.h,
+     quant/swi_glu_quant/op_host/swi_glu_quant_tiling_utils.h, quant/swi_glu_quant/docs/
   D  the torch-npu 2.13.0 wheel's torch_npu/_op_plugin_docs.py (the op docs)
   M  its op_plugin/meta/_meta_registrations.py (the shapes, dtypes and strides the fakes copy)
 docs/passes/dynamic_quant.md, quant_matmul.md, weight_quant_matmul.md and add_rms_norm_quant.md
@@ -438,3 +441,81 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
     q2, scale2 = quantize_rows(y * smooth_scale2.float() if smooth_scale2 is not None else y, True) if out2 \
         else (empty_q.clone(), empty_scale.clone())
     return q1.contiguous(), q2.contiguous(), x.to(x1.dtype).contiguous(), scale1.contiguous(), scale2.contiguous()
+
+
+# ---- npu_swiglu_quant -----------------------------------------------------------------------
+SWIGLU_QUANT_MAX_LAST_DIM = 8192  # D: x's last dim even and at most 8192
+
+
+def _swiglu_quant_fake(x, *, smooth_scales=None, offsets=None, group_index=None, activate_left=False, quant_mode=0,
+                       group_list_type=0, dst_type=None):
+    # M npu_swiglu_quant_meta: y (..., floor(last / 2)) in dst_type, scale x.shape[:-1] fp32, contiguous.
+    # (The Meta function's default is dst_type=torch.int8, the schema's None, which it would allocate
+    # in the default float dtype; D: None is int8, what the kernel writes. The passes pass it.)
+    y = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=dst_type or torch.int8, device=x.device)
+    return y, torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+
+
+def _swiglu_quant_samples(dtype):
+    x = _randn(5, 32, dtype=dtype, seed=30)
+    yield Sample((x,), {"quant_mode": 1, "dst_type": torch.int8}, layout_args=(0,))
+    ones = torch.ones(1, 16, dtype=torch.float32)
+    yield Sample((x,), {"smooth_scales": ones, "activate_left": True, "quant_mode": 1, "dst_type": torch.int8},
+                 layout_args=(0,))
+    yield Sample((_randn(2, 3, 32, dtype=dtype, seed=31),),
+                 {"smooth_scales": _randn(1, 16, dtype=torch.float32, seed=32).abs(), "activate_left": True,
+                  "quant_mode": 1, "dst_type": torch.int8}, layout_args=(0,))
+
+
+@op_spec("npu::npu_swiglu_quant",
+         schema="npu_swiglu_quant(Tensor x, *, Tensor? smooth_scales=None, Tensor? offsets=None, "
+                "Tensor? group_index=None, bool activate_left=False, int quant_mode=0, int group_list_type=0, "
+                "ScalarType? dst_type=None) -> (Tensor, Tensor)",
+         fake=_swiglu_quant_fake,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), min_rank=2, max_rank=8, backward=None,
+             # no GE converter in the wheel's torchair (ge_converter/custom has none for SwiGluQuant)
+             ge_converter=False,
+             socs={"Ascend310P": SocLimits(supported=False)},  # D: A2/A3 only
+             limits={"max_last_dim": SWIGLU_QUANT_MAX_LAST_DIM,
+                     # K: the scale written out is 127 / row max (the multiplier), not row max / 127
+                     "scale_output": "127 / amax"},
+             # it quantizes the fp32 SwiGLU, the unfused pair the SwiGLU rounded to x's dtype: a q one
+             # off at a .5, and the scale a rounding of the row max apart (add_rms_norm_dynamic_quant's)
+             verify_integer_steps=1, verify_ulps=2.0**16,
+             doc="D: x (..., 2N) fp16/bf16/fp32, 2+ dims, 2N even and <= 8192, non-contiguous allowed; "
+             "smooth_scales fp32 [G, N] / [G]; dynamic (quant_mode 1): y int8 = rint(act * 127 / rowmax), "
+             "scale = 127 / rowmax (K); A2/A3; inference only"),
+         samples=_swiglu_quant_samples)
+def npu_swiglu_quant(x, *, smooth_scales=None, offsets=None, group_index=None, activate_left=False, quant_mode=0,
+                     group_list_type=0, dst_type=None):
+    op = "npu_swiglu_quant"
+    if quant_mode != 1 or group_index is not None or offsets is not None:
+        raise NotImplementedError(f"{op}: quant_mode={quant_mode}, group_index, offsets: only the dynamic "
+                                  "(quant_mode=1) non-MoE mode has a CPU reference here")
+    if dst_type not in (None, torch.int8):
+        raise NotImplementedError(f"{op}: dst_type={dst_type}: only int8 has a CPU reference here")
+    if x.dim() < 2 or x.shape[-1] % 2 or x.shape[-1] > SWIGLU_QUANT_MAX_LAST_DIM:
+        raise RuntimeError(f"{op}: x must have 2+ dims and an even last dim of at most "
+                           f"{SWIGLU_QUANT_MAX_LAST_DIM} (D), got {tuple(x.shape)}")
+    n = x.shape[-1] // 2
+    if smooth_scales is not None and (smooth_scales.dtype != torch.float32 or smooth_scales.numel() != n
+                                      or smooth_scales.dim() > 2):
+        raise RuntimeError(f"{op}: smooth_scales must be fp32 [1, {n}] without group_index (D), got "
+                           f"{tuple(smooth_scales.shape)} {smooth_scales.dtype}")
+    # K swi_glu_quant.h ProcessCoreMultiUbMultiAlign: activate_left=1 takes the activated half A from
+    # the first N columns, B from the last N; 0 the other way round. Compute: x cast to fp32,
+    # silu(A) = A / (1 + exp(-A)) (Muls -1, Exp, Adds 1, Div), times B, times the smooth scale row,
+    # all in fp32; the row max of |y| (ReduceMax), the multiplier 127 / max (Div), y * multiplier
+    # cast to int32 with CAST_RINT (half to even), then through half to int8 (exact for |q| <= 127);
+    # the multiplier is the scale written out. A row of zeros: 127 / 0; what the cast makes of
+    # 0 * inf is not established: here q 0 and the scale inf.
+    x32 = x.float()
+    first, second = x32[..., :n], x32[..., n:]
+    a, b = (first, second) if activate_left else (second, first)
+    y = a / (1 + torch.exp(-a)) * b
+    if smooth_scales is not None:
+        y = y * smooth_scales.reshape(n)
+    multiplier = 127.0 / y.abs().amax(-1, keepdim=True)
+    q = torch.where(torch.isinf(multiplier), torch.zeros((), dtype=y.dtype), torch.round(y * multiplier))
+    return q.to(torch.int8).contiguous(), multiplier.squeeze(-1).contiguous()
