@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 
 from npu_fx_fusion import interop
-from npu_fx_fusion.capabilities import CAPABILITIES, NOT_EMITTED, unsupported
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
@@ -875,7 +875,7 @@ def _not_a_known_block():
 
 
 # ---- MC2: why the exchange stays an all-to-all -----------------------------------------------
-MC2_DISPATCH = NOT_EMITTED["npu.npu_moe_distribute_dispatch_v2"]
+MC2_DISPATCH = CAPABILITIES["npu.npu_moe_distribute_dispatch_v2"]
 
 
 def mc2_reason(exchange_node):
@@ -884,7 +884,7 @@ def mc2_reason(exchange_node):
 
     MC2 fuses the whole dispatch (the count exchange, the .tolist() sync, the token
     exchange, the regroup) and combine into two communicating kernels. Its documented
-    conditions (capabilities.NOT_EMITTED["npu.npu_moe_distribute_dispatch_v2"]): inference only;
+    conditions (capabilities.CAPABILITIES["npu.npu_moe_distribute_dispatch_v2"]): inference only;
     group_ep the name of an HCCL communicator; an EP domain that carries no other
     operator; K <= 16, BS <= 256 (A2) / 512 (A3), H within the SoC's range.
     """

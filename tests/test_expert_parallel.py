@@ -266,16 +266,16 @@ def test_deepseek_router_fuses_in_front_of_the_ep_dispatch():
     assert report.fused_ops.get("npu.npu_moe_gating_top_k") == 1, near_miss_reasons(report, "moe_gating")
 
 
-def test_the_mc2_facts_have_torchairs_converters():
-    """The MC2 rows (capabilities.NOT_EMITTED, quoted by the near miss) say truly that
-    torchair 2.13 could lower them (a GE converter each), as the emitted ops' rows do."""
+def test_the_mc2_ops_have_torchairs_converters():
+    """The MC2 ops' capability rows (quoted by the near miss and the check) say truly that
+    torchair 2.13 could lower them (a GE converter each), as the other emitted ops' rows do."""
     from test_capabilities import _wheel_ge_converters
 
-    from npu_fx_fusion.capabilities import NOT_EMITTED
+    from npu_fx_fusion.capabilities import CAPABILITIES
 
     converters = _wheel_ge_converters()
-    assert {op: cap.ge_converter for op, cap in NOT_EMITTED.items()} == {op: op in converters for op in NOT_EMITTED}
-    assert set(NOT_EMITTED) == {"npu.npu_moe_distribute_dispatch_v2", "npu.npu_moe_distribute_combine_v2"}
+    for op in ("npu.npu_moe_distribute_dispatch_v2", "npu.npu_moe_distribute_combine_v2"):
+        assert CAPABILITIES[op].ge_converter and op in converters, op
 
 
 # ---- real ranks over gloo ----------------------------------------------------------------------
