@@ -11,9 +11,13 @@ and one training step, each rank prints:
 - the largest fused-vs-eager difference (output, or the input gradient), in ulp of the
   largest eager value.
 
+With --mc2 the EP group is declared dedicated (FusionConfig(ep_group=...)): inference only,
+the layers MC2 takes become npu_moe_distribute_dispatch_v2 / combine_v2 (the others print
+their near miss).
+
 docs/expert-parallel.md quotes these numbers.
 
-    .venv/bin/python benchmarks/bench_expert_parallel.py [WORLD]   # WORLD: 2 (default) or 4
+    .venv/bin/python benchmarks/bench_expert_parallel.py [WORLD] [--mc2]   # WORLD: 2 (default) or 4
 """
 import os
 import sys
@@ -31,7 +35,7 @@ def ulps_at_scale(actual, expected):
     return ((actual.double() - expected.double()).abs().max() / ulp(scale).double()).item()
 
 
-def worker(rank, world_size, flavor, training):
+def worker(rank, world_size, flavor, training, mc2=False):
     import npu_fx_fusion as nff
     from helpers import RecordingBackend, npu_ops
     from npu_fx_fusion.tiny_models import build_torchtitan_ep_moe
@@ -41,7 +45,8 @@ def worker(rank, world_size, flavor, training):
     tm = build_torchtitan_ep_moe(flavor)
     model = tm.model.train(training)
     (x,) = tm.example_inputs
-    backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES))
+    ep_group = {"ep_group": tm.process_groups["ep"]} if mc2 else {}
+    backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES, **ep_group))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     out = {}
     with _dynamic_sizes():
@@ -60,14 +65,19 @@ def worker(rank, world_size, flavor, training):
     out["graphs"] = {g.name: (g.cost_before.launches, g.cost_after.launches) for g in backend.report.graphs}
     out["ops"] = {phase: npu_ops(gm) for phase, gm in backend.graphs.items()}
     out["local_tokens"] = int(x.shape[0] * x.shape[1])
+    out["mc2_near_misses"] = [m.reason for m in backend.report.near_misses if "MC2" in m.reason]
     return out
 
 
 if __name__ == "__main__":
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    for training in (False, True):
+    args = [a for a in sys.argv[1:] if a != "--mc2"]
+    mc2 = "--mc2" in sys.argv[1:]
+    world = int(args[0]) if args else 2
+    for training in ((False,) if mc2 else (False, True)):
         for flavor in ("deepseek_v3", "qwen3"):
-            results = run_on_ranks(worker, world, flavor=flavor, training=training)
+            results = run_on_ranks(worker, world, flavor=flavor, training=training, mc2=mc2)
             for rank, r in enumerate(results):
-                print(f"world={world} {flavor} {'train' if training else 'infer'} rank{rank}: "
+                print(f"world={world} {flavor} {'train' if training else 'infer'}{' mc2' if mc2 else ''} rank{rank}: "
                       f"launches {r['graphs']} ops {r['ops']} diff {r['ulps']:.2f} ulp", flush=True)
+                for reason in r["mc2_near_misses"] if mc2 else ():
+                    print(f"  near miss: {reason}", flush=True)
