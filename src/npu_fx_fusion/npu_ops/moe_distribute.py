@@ -121,6 +121,13 @@ _MC2_LIMITS = {
 _UNSUPPORTED = SocLimits(supported=False)
 
 
+def _mc2_capability(limits, doc):
+    """The facts both ops share: fp16 / bf16 2-D rows, inference only (no backward), a GE
+    converter each in torchair 2.13 (ge_converter/custom/moe_distribute_*_v2.py), A2 / A3 only."""
+    return OpCapability(dtypes=HALF_DTYPES, min_rank=2, max_rank=2, backward=None, ge_converter=True,
+                        socs={"Ascend310P": _UNSUPPORTED, "Ascend950": _UNSUPPORTED}, limits=limits, doc=doc)
+
+
 @op_spec("npu::npu_moe_distribute_dispatch_v2",
          schema="npu_moe_distribute_dispatch_v2(Tensor x, Tensor expert_ids, str group_ep, int ep_world_size, "
          "int ep_rank_id, int moe_expert_num, *, Tensor? scales=None, Tensor? x_active_mask=None, "
@@ -131,12 +138,9 @@ _UNSUPPORTED = SocLimits(supported=False)
          "int? y_dtype=None, int? x_dtype=None, int? scales_dtype=None) "
          "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
          fake=_dispatch_fake,
-         capability=OpCapability(
-             dtypes=HALF_DTYPES, min_rank=2, max_rank=2, backward=None,
-             ge_converter=True,  # custom/moe_distribute_dispatch_v2.py
-             socs={"Ascend310P": _UNSUPPORTED, "Ascend950": _UNSUPPORTED},
-             limits=_MC2_LIMITS,
-             doc="torch_npu doc (Ascend/op-plugin docs/context/torch_npu-npu_moe_distribute_dispatch_v2.md, 约束说明): "
+         capability=_mc2_capability(
+             _MC2_LIMITS,
+             "torch_npu doc (Ascend/op-plugin docs/context/torch_npu-npu_moe_distribute_dispatch_v2.md, 约束说明): "
              "inference only, paired with combine_v2 with identical group_ep, ep_world_size, moe_expert_num, "
              "shared-expert and global_bs settings on every rank and layer; group_ep an HCCL group name; K <= 16; "
              "BS <= 256 (A2) / 512 (A3); H (0, 7168] multiple of 32 on A2, [1024, 8192] on A3; A2/A3 only"),
@@ -232,12 +236,9 @@ def _combine_samples(dtype):
          "int comm_quant_mode=0, str comm_alg=\"\", int zero_expert_num=0, int copy_expert_num=0, "
          "int const_expert_num=0) -> Tensor",
          fake=_combine_fake,
-         capability=OpCapability(
-             dtypes=HALF_DTYPES, min_rank=2, max_rank=2, backward=None,
-             ge_converter=True,  # custom/moe_distribute_combine_v2.py
-             socs={"Ascend310P": _UNSUPPORTED, "Ascend950": _UNSUPPORTED},
-             limits={"pairs_with": "npu.npu_moe_distribute_dispatch_v2", **_MC2_LIMITS},
-             doc="torch_npu doc torch_npu-npu_moe_distribute_combine_v2.md: the reverse of dispatch_v2 "
+         capability=_mc2_capability(
+             {"pairs_with": "npu.npu_moe_distribute_dispatch_v2", **_MC2_LIMITS},
+             "torch_npu doc torch_npu-npu_moe_distribute_combine_v2.md: the reverse of dispatch_v2 "
              "(its assist_info_for_combine, ep_recv_counts passed unchanged), the weighted sum of each token's k "
              "rows (expert_scales fp32, summed in fp32, one rounding: op_kernel/moe_distribute_combine_v2.h); "
              "inference only; the limits of dispatch_v2"),
