@@ -949,12 +949,13 @@ def recognize(graph, joint):
 
 
 def _mc2_replacement(layer):
-    group_name = layer.exchange.group[1] if layer.exchange.group[0] == "name" else None
-    group = torch.distributed.distributed_c10d._resolve_process_group(group_name) if group_name else None  # noqa: SLF001
     out_dtype = tensor_meta(layer.combine).dtype
 
     def dispatch_v2_grouped_experts_combine_v2(x, expert_ids, scores, w1, w2, w3):
-        hcom, rank = hcom_of(group_name), group.rank()  # at trace time: the check accepted the group
+        # traced once the check accepted the group: a c10d name of this process
+        group_name = layer.exchange.group[1]
+        hcom = hcom_of(group_name)
+        rank = torch.distributed.distributed_c10d._resolve_process_group(group_name).rank()  # noqa: SLF001
         ids = expert_ids.to(torch.int32)
         expand_x, _, assist, per_expert, recv_counts, _, _ = torch.ops.npu.npu_moe_distribute_dispatch_v2(
             x, ids, hcom, layer.ranks, rank, layer.experts)
@@ -1159,6 +1160,8 @@ def _soc_reasons(soc, tokens, hidden, ranks, local_experts):
         reasons.append(f"{ranks} EP ranks: MC2 on {soc} takes {_ranges(limits['world_sizes'][soc])}")
     if soc == "Ascend910B" and local_experts > limits["a2_max_local_experts"]:
         reasons.append(f"{local_experts} local experts: MC2 on {soc} takes at most {limits['a2_max_local_experts']}")
+    if soc == "Ascend910B" and local_experts * ranks > limits["a2_max_moe_expert_num"]:
+        reasons.append(f"{local_experts * ranks} experts: MC2 on {soc} takes at most {limits['a2_max_moe_expert_num']}")
     if soc == "Ascend910_93" and local_experts * ranks > limits["a3_max_experts_times_ranks"]:
         reasons.append(f"{local_experts} local experts on {ranks} ranks: MC2 on {soc} takes local experts * ranks "
                        f"<= {limits['a3_max_experts_times_ranks']}")

@@ -36,7 +36,8 @@ import torch
 import npu_fx_fusion as nff
 from gloo_ranks import (RanksFailed, run_on_ranks, worker_all_reduce, worker_never_returns,
                         worker_skips_a_collective)
-from helpers import CaptureBackend, GraphCaptured, RecordingBackend, assert_close_at_scale, fake_world, near_miss_reasons
+from helpers import (CaptureBackend, GraphCaptured, RecordingBackend, assert_close_at_scale, fake_world,
+                     near_miss_reasons, ulp)
 from torchair_harness.runner import run_scenario
 
 torchtitan = pytest.importorskip("torchtitan")
@@ -284,13 +285,18 @@ def test_the_mc2_ops_have_torchairs_converters():
 MC2_FUSED = {"npu.npu_moe_distribute_dispatch_v2": 1, "npu.npu_grouped_matmul": 3, "npu.npu_moe_distribute_combine_v2": 1}
 
 
+# MC2's hidden sizes: (0, 7168] in multiples of 32 on A2, but there in 16 to 256 EP ranks;
+# [1024, 8192] on A3, from 2 ranks. So the 2-rank layers MC2 takes have H = 1024 (on A3)
+MC2_DIM = 1024
+
+
 def _declaring(group=lambda tm: tm.process_groups["ep"], **settings):
     """A config function for capture(): the built layer's EP group declared dedicated."""
     return lambda tm: nff.FusionConfig(enable=MOE_PASSES, ep_group=group(tm), **settings)
 
 
 def test_mc2_replaces_the_whole_layer_on_a_declared_ep_group():
-    gm, report = capture("deepseek_v3", 2, config=_declaring())
+    gm, report = capture("deepseek_v3", 2, config=_declaring(), dim=MC2_DIM)
     assert report.fused_ops == MC2_FUSED, report.fused_ops
     assert near_miss_reasons(report, "moe_dispatch") == []
     ops = report.graphs[0].ops_after
@@ -315,45 +321,46 @@ def test_mc2_replaces_the_whole_layer_on_a_declared_ep_group():
 
 def test_mc2_with_symbolic_tokens_is_a_near_miss():
     """dynamic=True: the tokens per rank are symbolic, MC2's batch limit cannot be checked."""
-    _, report = capture("deepseek_v3", 2, config=_declaring(), dynamic=True)
+    _, report = capture("deepseek_v3", 2, config=_declaring(), dynamic=True, dim=MC2_DIM)
     assert report.fused_ops == EP_FUSED
     (mc2,) = near_miss_reasons(report, "moe_dispatch")
     assert "are symbolic: MC2's batch limit cannot be checked" in mc2, mc2
 
 
-@pytest.mark.parametrize("flavor, settings, reason", [
-    ("deepseek_v3", {"soc": "Ascend910_93"}, "hidden size 64 is outside Ascend910_93's [1024, 8192]"),
-    # 64 experts on 2 ranks: more local experts than A2 takes, and A3 refuses H = 64
-    ("qwen3", {}, "32 local experts: MC2 on Ascend910B takes at most 24"),
-], ids=["A3 hidden size", "A2 local experts"])
-def test_mc2_outside_the_documented_limits_is_a_near_miss(flavor, settings, reason):
-    _, report = capture(flavor, 2, config=_declaring(**settings))
+@pytest.mark.parametrize("flavor, dim, settings, reasons", [
+    ("deepseek_v3", 64, {"soc": "Ascend910_93"}, ["hidden size 64 is outside Ascend910_93's [1024, 8192]"]),
+    ("deepseek_v3", MC2_DIM, {"soc": "Ascend910B"}, ["2 EP ranks: MC2 on Ascend910B takes [16, 32, 64, 128, 256]"]),
+    # in emulation (no SoC) a layer no SoC takes: every SoC's reasons
+    ("qwen3", 64, {}, ["32 local experts: MC2 on Ascend910B takes at most 24",
+                       "hidden size 64 is outside Ascend910_93's [1024, 8192]"]),
+], ids=["A3 hidden size", "A2 rank count", "no SoC"])
+def test_mc2_outside_the_documented_limits_is_a_near_miss(flavor, dim, settings, reasons):
+    _, report = capture(flavor, 2, config=_declaring(**settings), dim=dim)
     assert "npu.npu_moe_distribute_dispatch_v2" not in report.fused_ops
     misses = near_miss_reasons(report, "moe_dispatch")
-    assert any("MC2" in miss and reason in miss for miss in misses), misses
+    assert any("MC2" in miss and all(reason in miss for reason in reasons) for miss in misses), misses
 
 
 def test_mc2_above_the_batch_limit_is_a_near_miss():
-    """300 tokens per rank: above the A2 limit of 256, so on Ascend910B the layer keeps its
-    collectives (in emulation the A3 limit, 512, would take it)."""
-    _, report = capture("deepseek_v3", 2, config=_declaring(soc="Ascend910B"), batch=3, seq_len=100)
+    """600 tokens per rank: above the A3 limit of 512."""
+    _, report = capture("deepseek_v3", 2, config=_declaring(soc="Ascend910_93"), batch=6, seq_len=100, dim=MC2_DIM)
     assert report.fused_ops.get("npu.npu_moe_distribute_dispatch_v2", 0) == 0
     (mc2,) = near_miss_reasons(report, "moe_dispatch")
-    assert "300 tokens per rank exceed MC2's batch limit on Ascend910B (256)" in mc2, mc2
+    assert "600 tokens per rank exceed MC2's batch limit on Ascend910_93 (512)" in mc2, mc2
 
 
 def test_mc2_on_another_group_than_the_declared_one_is_a_near_miss():
     """The user declared a group, but the layer exchanges its tokens on another one."""
     import torch.distributed as dist
 
-    _, report = capture("deepseek_v3", 2, config=_declaring(group=lambda tm: dist.new_group([0, 1])))
+    _, report = capture("deepseek_v3", 2, config=_declaring(group=lambda tm: dist.new_group([0, 1])), dim=MC2_DIM)
     assert report.fused_ops == EP_FUSED
     (mc2,) = near_miss_reasons(report, "moe_dispatch")
     assert "the exchange runs on group '0', not on the EP group declared dedicated" in mc2, mc2
 
 
 def test_mc2_in_a_training_graph_is_a_near_miss():
-    _, report = capture("deepseek_v3", 2, config=_declaring(), training=True)
+    _, report = capture("deepseek_v3", 2, config=_declaring(), training=True, dim=MC2_DIM)
     assert "npu.npu_moe_distribute_dispatch_v2" not in report.fused_ops
     misses = near_miss_reasons(report, "moe_dispatch")
     assert any("MC2" in miss and "this is a training graph: MC2 has no backward" in miss for miss in misses), misses
@@ -392,15 +399,20 @@ def worker_forward(rank, world_size, flavors, mc2=False):
     results = {}
     for flavor in flavors:
         torch._dynamo.reset()
-        tm = build_torchtitan_ep_moe(flavor)
+        tm = build_torchtitan_ep_moe(flavor, **({"dim": MC2_DIM} if mc2 else {}))
         ep_group = {"ep_group": tm.process_groups["ep"]} if mc2 else {}
         backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES, **ep_group))
         with torch.no_grad(), _dynamic_sizes():
             eager = tm.model(*tm.example_inputs)
             fused = torch.compile(tm.model, backend=backend, fullgraph=True)(*tm.example_inputs)
+            unfused = None
+            if mc2:  # the same compile without fusion (see _assert_mc2_forward_matches)
+                torch._dynamo.reset()
+                unfused = torch.compile(tm.model, backend=RecordingBackend(nff.FusionConfig(enable=set())),
+                                        fullgraph=True)(*tm.example_inputs)
         (graph,) = backend.report.graphs
         results[flavor] = {
-            "eager": eager, "fused": fused, "top_k": tm.model.router.top_k,
+            "eager": eager, "fused": fused, "unfused": unfused, "top_k": tm.model.router.top_k,
             "fused_ops": dict(backend.report.fused_ops), "errors": backend.report.errors,
             "near_misses": near_miss_reasons(backend.report, "moe_dispatch"),
             "launches": (graph.cost_before.launches, graph.cost_after.launches),
@@ -434,10 +446,20 @@ def _assert_mc2_forward_matches(results):
     for rank, per_flavor in enumerate(results):
         for flavor, result in per_flavor.items():
             assert result["errors"] == [] and result["near_misses"] == [], (rank, flavor, result["near_misses"])
-            assert result["fused_ops"] == {**MC2_FUSED, **EP_ROUTERS.get(flavor, {})}, (rank, flavor, result["fused_ops"])
+            # the router fuses too on gloo ranks (its ids feed only MC2 and the routing map)
+            assert result["fused_ops"] == {**MC2_FUSED, **EP_ROUTERS[flavor]}, (rank, flavor, result["fused_ops"])
             # combine_v2 adds each token's k fp32 products and rounds once, torchtitan rounds
-            # every weighted row to bf16 and adds in bf16: k roundings apart at the output's scale
-            assert_close_at_scale(result["fused"], result["eager"], result["top_k"])
+            # every weighted row to bf16 and adds in bf16: k roundings apart at the output's scale.
+            # Against the same graph compiled without fusion: at H = 1024 the compiled router
+            # (as an NPU compile traces it) picks another expert than eager for one token of
+            # one rank (a near tie), with every pass off too; the passes are what is tested here
+            assert_close_at_scale(result["fused"], result["unfused"], result["top_k"])
+            # and on every token where the unfused compile agrees with eager, so does MC2
+            eager, unfused = result["eager"], result["unfused"]
+            bound = result["top_k"] * ulp(eager.abs().max().reshape(1)).double()
+            agree = ((unfused.double() - eager.double()).abs() <= bound).all(-1)
+            assert agree.float().mean() > 0.9, (rank, flavor, agree)
+            assert_close_at_scale(result["fused"][agree], eager[agree], result["top_k"])
             before, after = result["launches"]
             assert after < before, (rank, flavor, before, after)
 
@@ -445,9 +467,12 @@ def _assert_mc2_forward_matches(results):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size, flavors", [
     (2, ("deepseek_v3",)),  # the default slice: MC2 over gloo on two ranks
-    pytest.param(2, ("qwen3",), marks=pytest.mark.slow),
-    pytest.param(4, FLAVORS, marks=pytest.mark.slow),
-], ids=["2-deepseek_v3", "2-qwen3", "4-both"])
+    # (the tiny qwen3 on 2 ranks has 32 local experts, above A2's 24, and H 64, below A3's
+    # 1024: a near miss, test_mc2_outside_the_documented_limits_is_a_near_miss. On 4 ranks it
+    # fuses, and its output equals the side forms' bit for bit, but one token of rank 3
+    # differs from eager there with the side forms alone too: not a test of MC2)
+    pytest.param(4, ("deepseek_v3",), marks=pytest.mark.slow),
+], ids=["2-deepseek_v3", "4-deepseek_v3"])
 def test_mc2_forward_matches_eager(world_size, flavors):
     _assert_mc2_forward_matches(run_on_ranks(worker_forward, world_size, flavors=flavors, mc2=True))
 

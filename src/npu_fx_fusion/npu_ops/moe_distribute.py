@@ -109,9 +109,11 @@ _MC2_LIMITS = {
     "max_top_k": 16,  # 0 < K <= 16 (12 with comm_alg fullmesh_v2)
     "max_batch": {"Ascend910B": 256, "Ascend910_93": 512},  # BS per rank (fullmesh / v1)
     "hidden": {"Ascend910B": (1, 7168, 32), "Ascend910_93": (1024, 8192, 1)},  # min, max, multiple
-    "world_sizes": {"Ascend910B": (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256),  # fullmesh
-                    "Ascend910_93": tuple(range(2, 769))},  # [2, 768]
+    # ep_world_size: A2 "fullmesh" 16, 32, 64, 128, 256 ("hierarchy" 16, 32, 64), A3 [2, 768] (the
+    # torch_npu doc and aclnnMoeDistributeDispatchV2.md, 参数说明)
+    "world_sizes": {"Ascend910B": (16, 32, 64, 128, 256), "Ascend910_93": tuple(range(2, 769))},
     "max_moe_expert_num": 1024,  # moe_expert_num in [1, 1024]
+    "a2_max_moe_expert_num": 512,  # A2: moeExpertNum in (0, 512] (aclnn doc)
     "a2_max_local_experts": 24,  # A2: moe_expert_num / ep_world_size <= 24
     "a3_max_experts_times_ranks": 2048,  # local experts * world size
     "ids_dtypes": (torch.int32,),
