@@ -9,11 +9,14 @@ and one training step, each rank prints:
   (report.GraphCost: an estimate from the graph);
 - the npu ops in each fused graph (forward, and backward in training);
 - the largest fused-vs-eager difference (output, or the input gradient), in ulp of the
-  largest eager value.
+  largest eager value; in inference also against the same graph compiled with every pass
+  off (at H = 1024 the compile itself differs from eager on a token or two of some ranks,
+  with every pass off).
 
-With --mc2 the EP group is declared dedicated (FusionConfig(ep_group=...)): inference only,
-the layers MC2 takes become npu_moe_distribute_dispatch_v2 / combine_v2 (the others print
-their near miss).
+With --mc2, inference at H = 1024 (MC2's smallest hidden size on A3, the SoC that takes 2
+ranks), each flavor twice: as before, and with the EP group declared dedicated
+(FusionConfig(ep_group=...)), where the layers MC2 takes become npu_moe_distribute_dispatch_v2 /
+combine_v2 (the others print their near miss).
 
 docs/expert-parallel.md quotes these numbers.
 
@@ -35,14 +38,14 @@ def ulps_at_scale(actual, expected):
     return ((actual.double() - expected.double()).abs().max() / ulp(scale).double()).item()
 
 
-def worker(rank, world_size, flavor, training, mc2=False):
+def worker(rank, world_size, flavor, training, mc2=False, dim=64):
     import npu_fx_fusion as nff
     from helpers import RecordingBackend, npu_ops
     from npu_fx_fusion.tiny_models import build_torchtitan_ep_moe
     from test_expert_parallel import MOE_PASSES, _dynamic_sizes
 
     torch._dynamo.reset()
-    tm = build_torchtitan_ep_moe(flavor)
+    tm = build_torchtitan_ep_moe(flavor, dim=dim)
     model = tm.model.train(training)
     (x,) = tm.example_inputs
     ep_group = {"ep_group": tm.process_groups["ep"]} if mc2 else {}
@@ -53,7 +56,11 @@ def worker(rank, world_size, flavor, training, mc2=False):
         if not training:
             with torch.no_grad():
                 eager, fused = model(x), compiled(x)
+                torch._dynamo.reset()  # the same compile with every pass off
+                unfused = torch.compile(model, backend=RecordingBackend(nff.FusionConfig(enable=set())),
+                                        fullgraph=True)(x)
             out["ulps"] = ulps_at_scale(fused, eager)
+            out["ulps_vs_unfused"] = ulps_at_scale(fused, unfused)
         else:
             grads = []
             for module in (model, compiled):
@@ -73,11 +80,16 @@ if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--mc2"]
     mc2 = "--mc2" in sys.argv[1:]
     world = int(args[0]) if args else 2
-    for training in ((False,) if mc2 else (False, True)):
+    runs = ([(False, False, 64), (True, False, 64)] if not mc2
+            else [(False, False, 1024), (False, True, 1024)])  # (training, declared EP group, H)
+    for training, declared, dim in runs:
         for flavor in ("deepseek_v3", "qwen3"):
-            results = run_on_ranks(worker, world, flavor=flavor, training=training, mc2=mc2)
+            results = run_on_ranks(worker, world, flavor=flavor, training=training, mc2=declared, dim=dim)
             for rank, r in enumerate(results):
-                print(f"world={world} {flavor} {'train' if training else 'infer'}{' mc2' if mc2 else ''} rank{rank}: "
-                      f"launches {r['graphs']} ops {r['ops']} diff {r['ulps']:.2f} ulp", flush=True)
-                for reason in r["mc2_near_misses"] if mc2 else ():
+                print(f"world={world} {flavor} H={dim} {'train' if training else 'infer'}"
+                      f"{' ep_group declared' if declared else ''} rank{rank}: "
+                      f"launches {r['graphs']} ops {r['ops']} diff {r['ulps']:.2f} ulp"
+                      + (f" (vs the unfused compile {r['ulps_vs_unfused']:.2f})" if "ulps_vs_unfused" in r else ""),
+                      flush=True)
+                for reason in r["mc2_near_misses"] if declared else ():
                     print(f"  near miss: {reason}", flush=True)
