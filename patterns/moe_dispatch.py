@@ -3,7 +3,9 @@
 Four block families: transformers' grouped_mm path (below), its batched_mm path,
 torchtitan's local dispatcher (_torchtitan_block), and torchtitan's expert-parallel
 dispatcher, fused on each side of its all-to-alls (the "Expert parallel" section below;
-docs/expert-parallel.md).
+docs/expert-parallel.md), or, on an EP group declared dedicated (FusionConfig(ep_group=...)),
+replaced whole by MC2's dispatch_v2 / combine_v2 (the "MC2" section, a region found by
+walking the graph: `recognize`).
 
 transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens like this:
 
