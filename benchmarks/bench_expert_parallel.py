@@ -9,11 +9,18 @@ and one training step, each rank prints:
   (report.GraphCost: an estimate from the graph);
 - the npu ops in each fused graph (forward, and backward in training);
 - the largest fused-vs-eager difference (output, or the input gradient), in ulp of the
-  largest eager value.
+  largest eager value; in inference also against the same graph compiled with every pass
+  off (at H = 1024 the compile itself differs from eager on a token or two of some ranks,
+  with every pass off).
+
+With --mc2, inference at H = 1024 (MC2's smallest hidden size on A3, the SoC that takes 2
+ranks), each flavor twice: as before, and with the EP group declared dedicated
+(FusionConfig(ep_group=...)), where the layers MC2 takes become npu_moe_distribute_dispatch_v2 /
+combine_v2 (the others print their near miss).
 
 docs/expert-parallel.md quotes these numbers.
 
-    .venv/bin/python benchmarks/bench_expert_parallel.py [WORLD]   # WORLD: 2 (default) or 4
+    .venv/bin/python benchmarks/bench_expert_parallel.py [WORLD] [--mc2]   # WORLD: 2 (default) or 4
 """
 import os
 import sys
@@ -31,24 +38,29 @@ def ulps_at_scale(actual, expected):
     return ((actual.double() - expected.double()).abs().max() / ulp(scale).double()).item()
 
 
-def worker(rank, world_size, flavor, training):
+def worker(rank, world_size, flavor, training, mc2=False, dim=64):
     import npu_fx_fusion as nff
     from helpers import RecordingBackend, npu_ops
     from npu_fx_fusion.tiny_models import build_torchtitan_ep_moe
     from test_expert_parallel import MOE_PASSES, _dynamic_sizes
 
     torch._dynamo.reset()
-    tm = build_torchtitan_ep_moe(flavor)
+    tm = build_torchtitan_ep_moe(flavor, dim=dim)
     model = tm.model.train(training)
     (x,) = tm.example_inputs
-    backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES))
+    ep_group = {"ep_group": tm.process_groups["ep"]} if mc2 else {}
+    backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES, **ep_group))
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     out = {}
     with _dynamic_sizes():
         if not training:
             with torch.no_grad():
                 eager, fused = model(x), compiled(x)
+                torch._dynamo.reset()  # the same compile with every pass off
+                unfused = torch.compile(model, backend=RecordingBackend(nff.FusionConfig(enable=set())),
+                                        fullgraph=True)(x)
             out["ulps"] = ulps_at_scale(fused, eager)
+            out["ulps_vs_unfused"] = ulps_at_scale(fused, unfused)
         else:
             grads = []
             for module in (model, compiled):
@@ -60,14 +72,24 @@ def worker(rank, world_size, flavor, training):
     out["graphs"] = {g.name: (g.cost_before.launches, g.cost_after.launches) for g in backend.report.graphs}
     out["ops"] = {phase: npu_ops(gm) for phase, gm in backend.graphs.items()}
     out["local_tokens"] = int(x.shape[0] * x.shape[1])
+    out["mc2_near_misses"] = [m.reason for m in backend.report.near_misses if "MC2" in m.reason]
     return out
 
 
 if __name__ == "__main__":
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    for training in (False, True):
+    args = [a for a in sys.argv[1:] if a != "--mc2"]
+    mc2 = "--mc2" in sys.argv[1:]
+    world = int(args[0]) if args else 2
+    runs = ([(False, False, 64), (True, False, 64)] if not mc2
+            else [(False, False, 1024), (False, True, 1024)])  # (training, declared EP group, H)
+    for training, declared, dim in runs:
         for flavor in ("deepseek_v3", "qwen3"):
-            results = run_on_ranks(worker, world, flavor=flavor, training=training)
+            results = run_on_ranks(worker, world, flavor=flavor, training=training, mc2=declared, dim=dim)
             for rank, r in enumerate(results):
-                print(f"world={world} {flavor} {'train' if training else 'infer'} rank{rank}: "
-                      f"launches {r['graphs']} ops {r['ops']} diff {r['ulps']:.2f} ulp", flush=True)
+                print(f"world={world} {flavor} H={dim} {'train' if training else 'infer'}"
+                      f"{' ep_group declared' if declared else ''} rank{rank}: "
+                      f"launches {r['graphs']} ops {r['ops']} diff {r['ulps']:.2f} ulp"
+                      + (f" (vs the unfused compile {r['ulps_vs_unfused']:.2f})" if "ulps_vs_unfused" in r else ""),
+                      flush=True)
+                for reason in r["mc2_near_misses"] if declared else ():
+                    print(f"  near miss: {reason}", flush=True)

@@ -3,7 +3,9 @@
 Four block families: transformers' grouped_mm path (below), its batched_mm path,
 torchtitan's local dispatcher (_torchtitan_block), and torchtitan's expert-parallel
 dispatcher, fused on each side of its all-to-alls (the "Expert parallel" section below;
-docs/expert-parallel.md).
+docs/expert-parallel.md), or, on an EP group declared dedicated (FusionConfig(ep_group=...)),
+replaced whole by MC2's dispatch_v2 / combine_v2 (the "MC2" section, a region found by
+walking the graph: `recognize`).
 
 transformers 5 (integrations/moe.py, grouped_mm_experts_forward) routes tokens like this:
 
@@ -50,8 +52,9 @@ from typing import Optional
 import torch
 
 from npu_fx_fusion import interop
-from npu_fx_fusion.capabilities import CAPABILITIES, NOT_EMITTED, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.matching import (Form, FusionPass, Recognized, enclosed_region, hcom_of, is_call,
+                                   is_training_graph, no_communicator_reason, tensor_meta)
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
 aten = torch.ops.aten
@@ -526,6 +529,8 @@ _EP_FORMS = _ep_forms()
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
+    if "mc2_layer" in site.args:
+        return _mc2_check(site)
     if "received" in site.args:
         return _ep_permute_check(site)
     if "router_scores" in site.args:
@@ -874,42 +879,320 @@ def _not_a_known_block():
             "by an all-to-all); other dispatchers (Megatron's) are not handled in this version")
 
 
-# ---- MC2: why the exchange stays an all-to-all -----------------------------------------------
-MC2_DISPATCH = NOT_EMITTED["npu.npu_moe_distribute_dispatch_v2"]
+# =============================================================================================
+# MC2: the whole expert-parallel dispatch and combine, on an EP group declared dedicated
+# =============================================================================================
+# npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) fuse the communication too: the count
+# exchange, the .tolist() sync, the token exchange and the regroup become one communicating
+# kernel, the reverse exchange and the combine another. No form can spell that: dispatch_v2
+# returns expand_x padded to a static row count (global_bs * min(local experts, K), the
+# op's Meta) where the graph holds the rows the exchange received (a data-dependent count,
+# from the .tolist() of the count exchange), so no point between the dispatch and the
+# combine can take MC2's outputs. The region to replace runs from the local reorder through
+# the expert GEMMs to the combine, with the count exchange, the syncs and their runtime
+# asserts inside. It is found by walking the graph the forms above leave (init_routing_v2,
+# re_routing, finalize_routing around the collectives), proved with the same facts the
+# regroup's check proves, and replaced whole (matching.enclosed_region):
+#
+#   expand_x, _, assist, per_expert, recv_counts, _, _ = npu_moe_distribute_dispatch_v2(
+#       x, expert_ids, group_ep, ranks, rank, experts)
+#   y = <GroupedExperts' three grouped GEMMs on expand_x, offsets of per_expert>
+#   out = npu_moe_distribute_combine_v2(y, expert_ids, assist, recv_counts, scores.float(), ...)
+#
+# expand_x holds the received rows local expert by local expert, source rank by source rank,
+# each source's in its flat order: what _permute makes of them (npu_ops/moe_distribute.py);
+# the GEMMs' offsets end at the received rows, the padding is never read back. combine_v2
+# adds each token's k weighted rows in fp32 and rounds once, as finalize_routing does.
+#
+# Only on the group FusionConfig(ep_group=...) declares dedicated (the op requires an EP
+# domain that carries no other operator, which no graph can prove), in inference, within
+# the ops' documented limits; anywhere else the exchange is a near miss saying why.
+MC2_DISPATCH = CAPABILITIES["npu.npu_moe_distribute_dispatch_v2"]
+HALF = (torch.float16, torch.bfloat16)
 
 
-def mc2_reason(exchange_node):
-    """Why this token exchange (with the dispatch before and the combine after it) is not
-    npu_moe_distribute_dispatch_v2 / combine_v2, every condition that fails.
+@dataclass(frozen=True)
+class EPLayer:
+    """One torchtitan AllToAllTokenDispatcher layer as the forms above leave it (inference)."""
 
-    MC2 fuses the whole dispatch (the count exchange, the .tolist() sync, the token
-    exchange, the regroup) and combine into two communicating kernels. Its documented
-    conditions (capabilities.NOT_EMITTED["npu.npu_moe_distribute_dispatch_v2"]): inference only;
-    group_ep the name of an HCCL communicator; an EP domain that carries no other
-    operator; K <= 16, BS <= 256 (A2) / 512 (A3), H within the SoC's range.
-    """
-    exchange = all_to_all_of(exchange_node)
-    reasons = []
-    backend = _group_backend(exchange)
-    if backend != "hccl":
-        reasons.append(f"the EP group {_describe_group(exchange)} runs on {backend or 'a group this process cannot resolve'}: "
-                       "group_ep must name an HCCL communicator (an NPU's)")
-    # the one condition no graph can prove: a graph shows its own collectives only
-    reasons.append("a graph cannot prove that the EP group carries no other communication (other "
-                   "compiled graphs, eager code, FSDP on an overlapping group), which MC2 requires of it")
-    if any(str(p.target).startswith("tangents") for p in exchange_node.graph.find_nodes(op="placeholder")):
-        reasons.append("this is a training graph: MC2 has no backward")
-    reasons += _mc2_shape_reasons(exchange)
+    combine: torch.fx.Node  # npu_moe_finalize_routing of the rows the reverse exchange returned
+    x: torch.fx.Node  # (T, H) tokens, init_routing_v2's input
+    expert_ids: torch.fx.Node  # (T, K) int32
+    scores: torch.fx.Node  # (T, K) the combine's weights
+    w1: torch.fx.Node  # GroupedExperts' (local experts, F, H) w1 / w3, (local experts, H, F) w2
+    w2: torch.fx.Node
+    w3: torch.fx.Node
+    routing_counts: torch.fx.Node  # the routing map's per-expert counts the count exchange sends
+    exchange: AllToAll  # the token exchange
+    ranks: int
+    experts: int
+
+
+def recognize(graph, joint):
+    """Every EP layer MC2 could replace whole (inference graphs; on a joint graph: none)."""
+    if joint:
+        return []
+    found = []
+    for combine in graph.find_nodes(op="call_function", target=npu.npu_moe_finalize_routing.default):
+        layer = read_ep_layer(combine)
+        if layer is None:
+            continue
+        inputs = [layer.x, layer.expert_ids, layer.scores, layer.w1, layer.w2, layer.w3]
+        nodes, escape = enclosed_region([combine], inputs, stops=[layer.routing_counts])
+        reason = (f"{escape[0].name}, inside the expert-parallel dispatch, is also read by {escape[1].name}: "
+                  "MC2 would replace the whole region" if escape else None)
+        found.append(Recognized(
+            name="torchtitan_ep_dispatch_to_combine", output=combine, nodes=nodes,
+            args=dict(zip(("x", "expert_ids", "scores", "w1", "w2", "w3"), inputs)),
+            replace=_mc2_replacement(layer) if reason is None else None, reason=reason,
+            site_args={"mc2_layer": layer, "x": tensor_meta(layer.x), "expert_ids": tensor_meta(layer.expert_ids)},
+            fused_op="npu.npu_moe_distribute_dispatch_v2"))
+    return found
+
+
+def _mc2_replacement(layer):
+    out_dtype = tensor_meta(layer.combine).dtype
+
+    def dispatch_v2_grouped_experts_combine_v2(x, expert_ids, scores, w1, w2, w3):
+        # traced once the check accepted the group: a c10d name of this process
+        group_name = layer.exchange.group[1]
+        hcom = hcom_of(group_name)
+        rank = torch.distributed.distributed_c10d._resolve_process_group(group_name).rank()  # noqa: SLF001
+        ids = expert_ids.to(torch.int32)
+        expand_x, _, assist, per_expert, recv_counts, _, _ = torch.ops.npu.npu_moe_distribute_dispatch_v2(
+            x, ids, hcom, layer.ranks, rank, layer.experts)
+        y = _torchtitan_experts(expand_x, w1, w2, w3, per_expert).to(x.dtype)
+        out = torch.ops.npu.npu_moe_distribute_combine_v2(y, ids, assist, recv_counts, scores.to(torch.float32),
+                                                          hcom, layer.ranks, rank, layer.experts)
+        return out.to(out_dtype)
+
+    return dispatch_v2_grouped_experts_combine_v2
+
+
+# ---- reading the layer: the graph facts MC2 stands on ------------------------------------------
+def read_ep_layer(combine):
+    """The EPLayer whose combine `combine` is, or None where the graph does not prove it:
+    the rows come back through a reverse exchange from torchtitan's _unpermute of the three
+    GroupedExperts GEMMs on re_routing's rows; re_routing's counts and rows are what the count
+    and token exchanges received, as the regroup's check proves; the count exchange sends the
+    routing map's counts of the very expert ids init_routing_v2 sorted, the token exchange
+    that sort's rows in splits of those counts, the reverse exchange the same splits back on
+    the same group; the combine weights each token's rows in init_routing_v2's order."""
+    returned = all_to_all_of(_strip_casts(combine.args[0]))  # cast to the scores' dtype (fp32)
+    if returned is None or not is_call(returned.input, aten.index_put.default):
+        return None
+    buffer, indices, expert_out = returned.input.args[:3]
+    re_routing = _output_of(_strip_casts(indices[0]), npu.npu_moe_re_routing.default, 2) if len(indices) == 1 else None
+    if re_routing is None or returned.input.args[3:4] not in ((), (False,)):
+        return None
+    gemms = _grouped_experts(_strip_casts(expert_out), re_routing)
+    received, counts_2d = re_routing.args[:2]
+    ranks = tensor_meta(counts_2d).shape[0]
+    flat_counts = counts_2d.args[0] if is_call(counts_2d, aten.view.default, aten.reshape.default) else counts_2d
+    reason, count_exchange = _received_counts_reason(flat_counts, ranks)
+    if (gemms is None or reason or _received_tokens_reason(received, flat_counts, count_exchange, ranks)
+            or not isinstance(ranks, int)):
+        return None
+    exchange = all_to_all_of(received)
+    init = _output_of(exchange.input, npu.npu_moe_init_routing_v2.default, 0)
+    if init is None or init.kwargs.get("row_idx_type") != 1:
+        return None
+    routing_counts = _viewed(count_exchange.input)
+    x, expert_ids = init.args[:2]
+    if (_routing_map_ids(routing_counts) is not _viewed(_strip_casts(expert_ids))
+            or not _splits_are_row_sums(exchange, routing_counts, ranks)
+            or returned.group != exchange.group or list(returned.input_splits or ()) != list(exchange.output_splits)
+            or list(returned.output_splits or ()) != list(exchange.input_splits)
+            or not _reads_row_order_of(combine.args[5], init) or combine.args[6:8] != (None, 2)):
+        return None
+    experts = tensor_meta(routing_counts).shape[0]
+    return EPLayer(combine, x, expert_ids, combine.args[4], *gemms, routing_counts, exchange, ranks, experts)
+
+
+def _strip_casts(node):
+    while is_call(node, aten._to_copy.default, npu._npu_dtype_cast.default):
+        node = node.args[0]
+    return node
+
+
+def _output_of(node, target, index):
+    """The `target` call whose output `index` node is, or None."""
+    if is_call(node, operator.getitem) and node.args[1] == index and is_call(node.args[0], target):
+        return node.args[0]
+    return None
+
+
+def _grouped_experts(out, re_routing):
+    """(w1, w2, w3) if `out` is GroupedExperts on re_routing's rows (silu(x @ w1) * (x @ w3)) @ w2
+    on the offsets of re_routing's per-expert counts; else None."""
+    def gemm(node):
+        if not is_call(node, aten._grouped_mm.default):
+            return None
+        rows, weight = node.args[:2]
+        offsets = node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None)
+        if not (is_call(offsets, aten.cumsum.default) and offsets.kwargs.get("dtype") == torch.int32
+                and _output_of(offsets.args[0], npu.npu_moe_re_routing.default, 3) is re_routing):
+            return None
+        while is_call(weight, aten.transpose.int, aten._to_copy.default):
+            weight = weight.args[0]
+        return _strip_casts(rows), weight
+
+    down = gemm(out)
+    if down is None or not is_call(down[0], aten.mul.Tensor):
+        return None
+    first, second = down[0].args[:2]
+    if not is_call(first, aten.silu.default):
+        first, second = second, first
+    gate = gemm(first.args[0]) if is_call(first, aten.silu.default) else None
+    up = gemm(second)
+    rows = _output_of(gate[0], npu.npu_moe_re_routing.default, 0) if gate else None
+    if rows is not re_routing or up is None or up[0] is not gate[0]:
+        return None
+    return gate[1], down[1], up[1]
+
+
+def _routing_map_ids(counts):
+    """The expert ids whose routing map `counts` counts per expert (torchtitan's MoE.forward:
+    zeros_like(scores, bool).scatter(-1, ids, True).sum over tokens), or None."""
+    if not is_call(counts, aten.sum.dim_IntList):
+        return None
+    routing_map = counts.args[0]
+    if not (is_call(routing_map, aten.scatter.value) and routing_map.args[1] in (-1, 2) and routing_map.args[3] is True
+            and is_call(routing_map.args[0], aten.zeros_like.default)):
+        return None
+    return _viewed(routing_map.args[2])
+
+
+def _splits_are_row_sums(exchange, counts, ranks):
+    """The token exchange sends rank r the sum of row r of counts.view(ranks, -1)."""
+    splits = exchange.input_splits
+    if splits is None or len(splits) != ranks:
+        return False
+    for rank, split in enumerate(splits):
+        found = _split_row(split, exchange.row_size)
+        if found is None or found[0] != rank or _viewed(found[1]) is not counts:
+            return False
+    return True
+
+
+def _reads_row_order_of(node, init):
+    """`node` is computed from init_routing_v2's row index (within a few ops: its inverse)."""
+    row_index = next((u for u in init.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
+    return row_index is not None and _reads(node, row_index, 5)
+
+
+def _reads(node, source, depth):
+    """`node` is `source` or computed from it, at most `depth` ops down."""
+    if node is source:
+        return True
+    return depth > 0 and isinstance(node, torch.fx.Node) and any(
+        _reads(a, source, depth - 1) for a in node.all_input_nodes)
+
+
+# ---- the limits MC2 is used within -------------------------------------------------------------
+def _mc2_check(site):
+    layer = site["mc2_layer"]
+    reasons = _group_reasons(layer.exchange, site.dedicated_groups)
+    reasons += _mc2_limit_reasons(site, layer.exchange.node.graph, site["x"], site["expert_ids"].shape[-1],
+                                  layer.ranks, layer.experts)
+    return _mc2_refusal(reasons) if reasons else None
+
+
+def _mc2_refusal(reasons):
     return ("npu_moe_distribute_dispatch_v2 / combine_v2 (MC2) would replace this whole dispatch and "
             "combine, but: " + "; ".join(reasons))
 
 
-def _describe_group(exchange):
-    return repr(exchange.group[1]) if exchange.group[0] == "name" else f"of ranks {list(exchange.group[2])}"
+def _group_reasons(exchange, dedicated):
+    if exchange.group[0] != "name":
+        return [f"the exchange names its group by ranks {list(exchange.group[2])} (torchair's spelling), not by the "
+                "c10d name FusionConfig(ep_group=...) declares"]
+    name = exchange.group[1]
+    if not dedicated:
+        # the one condition no graph can prove: a graph shows its own collectives only
+        return ["no EP group is declared dedicated (FusionConfig(ep_group=...)): a graph cannot prove that the EP "
+                "group carries no other communication (other compiled graphs, eager code, FSDP on an overlapping "
+                "group), which MC2 requires of it"]
+    if name not in dedicated:
+        return [f"the exchange runs on group {name!r}, not on the EP group declared dedicated "
+                f"({', '.join(map(repr, sorted(dedicated)))})"]
+    reason = no_communicator_reason(name)
+    return [f"{reason}: group_ep must name an HCCL communicator"] if reason else []
+
+
+def _mc2_limit_reasons(site, graph, x, top_k, ranks, experts):
+    """The documented limits (capabilities: npu.npu_moe_distribute_dispatch_v2): inference,
+    fp16 / bf16 tokens, K <= 16, experts, and per SoC the batch, hidden size and rank count.
+    With a SoC given, its limits; in emulation (none) a SoC that takes the site is enough,
+    and the others' limits become notes."""
+    limits, reasons = MC2_DISPATCH.limits, []
+    if is_training_graph(graph):
+        reasons.append("this is a training graph: MC2 has no backward")
+    if x.dtype not in HALF:
+        reasons.append(f"the tokens are {x.dtype}: MC2 takes float16 / bfloat16")
+    if not isinstance(top_k, int) or not 0 < top_k <= limits["max_top_k"]:
+        reasons.append(f"top-{top_k} is outside MC2's 0 < K <= {limits['max_top_k']}")
+    if experts > limits["max_moe_expert_num"] or experts % ranks:
+        reasons.append(f"{experts} experts over {ranks} ranks: MC2 takes at most {limits['max_moe_expert_num']}, "
+                       "evenly divided")
+    tokens, hidden = x.shape[0], x.shape[-1]
+    if not isinstance(tokens, int):
+        reasons.append(f"the tokens per rank ({tokens}) are symbolic: MC2's batch limit cannot be checked")
+    per_soc = {soc: _soc_reasons(soc, tokens, hidden, ranks, experts // ranks) for soc in limits["max_batch"]}
+    socs = [site.soc] if site.soc is not None else list(per_soc)
+    if site.soc is not None and site.soc not in per_soc:
+        reasons.append(f"MC2 is not available on {site.soc}")
+    elif all(per_soc[soc] for soc in socs):
+        reasons += [reason for soc in socs for reason in per_soc[soc]]
+    else:
+        site.notes.extend(f"on an NPU: {reason}" for soc in socs for reason in per_soc[soc])
+    return reasons
+
+
+def _soc_reasons(soc, tokens, hidden, ranks, local_experts):
+    limits, reasons = MC2_DISPATCH.limits, []
+    if isinstance(tokens, int) and not 0 < tokens <= limits["max_batch"][soc]:
+        reasons.append(f"{tokens} tokens per rank exceed MC2's batch limit on {soc} ({limits['max_batch'][soc]}): "
+                       "a decode-sized batch only")
+    low, high, multiple = limits["hidden"][soc]
+    if isinstance(hidden, int) and not (low <= hidden <= high and hidden % multiple == 0):
+        reasons.append(f"hidden size {hidden} is outside {soc}'s [{low}, {high}]"
+                       + (f" in multiples of {multiple}" if multiple > 1 else ""))
+    if ranks not in limits["world_sizes"][soc]:
+        reasons.append(f"{ranks} EP ranks: MC2 on {soc} takes {_ranges(limits['world_sizes'][soc])}")
+    if soc == "Ascend910B" and local_experts > limits["a2_max_local_experts"]:
+        reasons.append(f"{local_experts} local experts: MC2 on {soc} takes at most {limits['a2_max_local_experts']}")
+    if soc == "Ascend910B" and local_experts * ranks > limits["a2_max_moe_expert_num"]:
+        reasons.append(f"{local_experts * ranks} experts: MC2 on {soc} takes at most {limits['a2_max_moe_expert_num']}")
+    if soc == "Ascend910_93" and local_experts * ranks > limits["a3_max_experts_times_ranks"]:
+        reasons.append(f"{local_experts} local experts on {ranks} ranks: MC2 on {soc} takes local experts * ranks "
+                       f"<= {limits['a3_max_experts_times_ranks']}")
+    return reasons
+
+
+def _ranges(values):
+    values = list(values)
+    return f"[{values[0]}, {values[-1]}]" if values == list(range(values[0], values[-1] + 1)) else str(values)
+
+
+def mc2_reason(exchange_node):
+    """Why the token exchange `exchange_node` was not replaced with the rest of its layer by
+    MC2, where no candidate region was found (a refused candidate says why itself)."""
+    exchange = all_to_all_of(exchange_node)
+    reasons = []
+    if is_training_graph(exchange_node.graph):
+        reasons.append("this is a training graph: MC2 has no backward")
+    else:
+        reasons.append("the layer around this exchange is not torchtitan's AllToAllTokenDispatcher as the forms "
+                       "leave it (init_routing_v2 in front, re_routing and GroupedExperts' three grouped GEMMs "
+                       "after it, _unpermute, the reverse exchange and finalize_routing), which MC2 replaces whole")
+    reasons += _mc2_shape_reasons(exchange)
+    reasons.append("MC2 is used only on an EP group declared dedicated (FusionConfig(ep_group=...))")
+    return _mc2_refusal(reasons)
 
 
 def _mc2_shape_reasons(exchange):
-    """The batch / hidden / top-k limits, read from the local dispatch in front of it."""
+    """The top-k and dtype limits, read from the local dispatch in front of the exchange."""
     rows = exchange.input
     if is_call(rows, operator.getitem):  # a fused dispatch: its x and expert ids
         x, ids = (tensor_meta(a) for a in rows.args[0].args[:2])
@@ -917,20 +1200,11 @@ def _mc2_shape_reasons(exchange):
     else:
         x, divide = tensor_meta(rows.args[0]), rows.args[1][0]
         top_k = divide.args[1]
-    if x is None or top_k is None:
-        return []
-    tokens, hidden = x.shape[0], x.shape[-1]
-    limits, reasons = MC2_DISPATCH.limits, []
-    if isinstance(top_k, int) and top_k > limits["max_top_k"]:
-        reasons.append(f"top-{top_k} is above MC2's K <= {limits['max_top_k']}")
-    batch = [f"{soc} {n}" for soc, n in limits["max_batch"].items() if isinstance(tokens, int) and tokens > n]
-    if batch:
-        reasons.append(f"{tokens} tokens per rank exceed MC2's batch limit ({', '.join(batch)}): a decode-sized "
-                       "batch only")
-    for soc, (low, high, multiple) in limits["hidden"].items():
-        if isinstance(hidden, int) and not (low <= hidden <= high and hidden % multiple == 0):
-            reasons.append(f"hidden size {hidden} is outside {soc}'s [{low}, {high}]"
-                           + (f" in multiples of {multiple}" if multiple > 1 else ""))
+    reasons = []
+    if isinstance(top_k, int) and top_k > MC2_DISPATCH.limits["max_top_k"]:
+        reasons.append(f"top-{top_k} is above MC2's K <= {MC2_DISPATCH.limits['max_top_k']}")
+    if x is not None and x.dtype not in HALF:
+        reasons.append(f"the tokens are {x.dtype}: MC2 takes float16 / bfloat16")
     return reasons
 
 
@@ -982,6 +1256,8 @@ PASS = FusionPass(
     check=check,
     anchor=anchor,
     explain=explain,
+    # MC2: a whole expert-parallel layer, found by walking the graph the forms leave
+    recognize=recognize,
     # verification needs expert ids below the expert count, and counts that agree with them
     verify_input=lambda name, args: _routing_input(name, args),
 )

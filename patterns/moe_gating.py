@@ -29,7 +29,8 @@ the unfused kernel produced, and the fused op returns them in descending order. 
 rewrite is exact only where nothing depends on that order, so each site is accepted only
 once every use of its expert ids and weights is one that is indifferent to it: the fused
 MoE dispatch (init_routing sorts the pairs by expert, finalize_routing sums each token's
-k rows; moe_dispatch runs before this pass to put them there) and the one-hot
+k rows, and so do MC2's dispatch_v2 / combine_v2; moe_dispatch runs before this pass to
+put them there) and the one-hot
 `scatter(ids, True)` routing map. Any other use, an unfused dispatch for one, leaves the
 router unfused with that use named. The sums over k (renormalisation, finalize) then add
 in another order: the results agree to rounding, not bit for bit.
@@ -332,6 +333,13 @@ def _indifferent_to_k_order(user, value):
     if is_call(user, npu.npu_moe_finalize_routing):
         # the weighted sum of each token's k rows: scales and expert ids, never the row map
         return value in (user.args[4], user.args[6]) and user.args[5] is not value
+    if is_call(user, npu.npu_moe_distribute_dispatch_v2):
+        # MC2: each pair sent to its expert's rank, one expert's rows in token order (ids of one
+        # token differ); its assist info records each row's k for the combine below
+        return user.args[1] is value
+    if is_call(user, npu.npu_moe_distribute_combine_v2):
+        # MC2: the weighted sum of each token's k rows, by the ids and scales in one order
+        return value in (user.args[1], user.args[4])
     if is_call(user, npu.npu_moe_token_permute):
         # stable sort by expert: for one expert the rows stay in token order
         return user.args[1] is value

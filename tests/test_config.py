@@ -83,13 +83,20 @@ def test_a_misspelt_pass_in_the_environment_fails_when_the_backend_is_made(monke
     ({"enable": [1, 2]}, "enable"), ({"disable": 5}, "disable"), ({"soc": 910}, "soc"),
     ({"mode": ["max-autotune"]}, "mode"), ({"dump_dir": 3}, "dump_dir"), ({"verify": "yes"}, "verify"),
     ({"strict": 1}, "strict"), ({"npu_dispatch": "off"}, "npu_dispatch"),
-    ({"keep_intermediate_rounding": None}, "keep_intermediate_rounding"),
+    ({"keep_intermediate_rounding": None}, "keep_intermediate_rounding"), ({"ep_group": 3}, "ep_group"),
 ])
 def test_fields_of_the_wrong_type(kwargs, field):
     with pytest.raises(TypeError) as err:
         nff.FusionConfig(**kwargs)
     message = _one_line(err)
     assert message.startswith(f"FusionConfig({field}=...)") and repr(kwargs[field]) in message
+
+
+def test_an_ep_group_is_a_process_group_of_this_process():
+    # (a ProcessGroup is stored as its name: tests/test_expert_parallel.py passes the EP mesh's)
+    with pytest.raises(ValueError) as err:
+        nff.FusionConfig(ep_group="no-such-group")
+    assert _one_line(err).startswith("FusionConfig(ep_group='no-such-group'): no process group of this process")
 
 
 def test_unknown_mode():

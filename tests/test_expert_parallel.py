@@ -36,7 +36,8 @@ import torch
 import npu_fx_fusion as nff
 from gloo_ranks import (RanksFailed, run_on_ranks, worker_all_reduce, worker_never_returns,
                         worker_skips_a_collective)
-from helpers import CaptureBackend, GraphCaptured, RecordingBackend, assert_close_at_scale, fake_world, near_miss_reasons
+from helpers import (CaptureBackend, GraphCaptured, RecordingBackend, assert_close_at_scale, fake_world,
+                     near_miss_reasons, ulp)
 from torchair_harness.runner import run_scenario
 
 torchtitan = pytest.importorskip("torchtitan")
@@ -63,13 +64,15 @@ def _dynamic_sizes():
 def capture(flavor, world_size, config=None, dtype=torch.bfloat16, decompositions=None, training=False,
             dynamic=None, **router):
     """The fused graph of one EP MoE layer on rank 0 of a fake world, and its report: the
-    inference graph, or in training the forward graph partitioned from the fused joint one."""
+    inference graph, or in training the forward graph partitioned from the fused joint one.
+    `config` may be a function of the built TinyModel (a config naming its EP group)."""
     from npu_fx_fusion.tiny_models import build_torchtitan_ep_moe
 
     torch._dynamo.reset()
     with fake_world(world_size), _dynamic_sizes():
         tm = build_torchtitan_ep_moe(flavor, dtype=dtype, **router)
         (x,) = tm.example_inputs
+        config = config(tm) if callable(config) else config
         backend = CaptureBackend(config or nff.FusionConfig(enable=MOE_PASSES), decompositions)
         with torch.set_grad_enabled(training), pytest.raises(GraphCaptured):
             torch.compile(tm.model.train(training), backend=backend, fullgraph=True,
@@ -110,7 +113,7 @@ def test_both_sides_of_the_all_to_all_fuse(flavor, world_size):
     assert all(_reads(g.kwargs["group_list"], per_expert) for g in gemms)
     # MC2 stays out, and says why
     (mc2,) = near_miss_reasons(report, "moe_dispatch")
-    assert "MC2" in mc2 and "runs on fake: group_ep must name an HCCL communicator" in mc2, mc2
+    assert "MC2" in mc2 and "no EP group is declared dedicated (FusionConfig(ep_group=...))" in mc2, mc2
     assert "cannot prove that the EP group carries no other communication" in mc2
 
 
@@ -270,16 +273,101 @@ def test_deepseek_router_fuses_in_front_of_the_ep_dispatch():
     assert report.fused_ops.get("npu.npu_moe_gating_top_k") == 1, near_miss_reasons(report, "moe_gating")
 
 
-def test_the_mc2_facts_have_torchairs_converters():
-    """The MC2 rows (capabilities.NOT_EMITTED, quoted by the near miss) say truly that
-    torchair 2.13 could lower them (a GE converter each), as the emitted ops' rows do."""
+def test_the_mc2_ops_have_torchairs_converters():
+    """The MC2 ops' capability rows (quoted by the near miss and the check) say truly that
+    torchair 2.13 could lower them (a GE converter each), as the other emitted ops' rows do."""
     from test_capabilities import _wheel_ge_converters
 
-    from npu_fx_fusion.capabilities import NOT_EMITTED
+    from npu_fx_fusion.capabilities import CAPABILITIES
 
     converters = _wheel_ge_converters()
-    assert {op: cap.ge_converter for op, cap in NOT_EMITTED.items()} == {op: op in converters for op in NOT_EMITTED}
-    assert set(NOT_EMITTED) == {"npu.npu_moe_distribute_dispatch_v2", "npu.npu_moe_distribute_combine_v2"}
+    for op in ("npu.npu_moe_distribute_dispatch_v2", "npu.npu_moe_distribute_combine_v2"):
+        assert CAPABILITIES[op].ge_converter and op in converters, op
+
+
+# ---- MC2 on a declared EP group ----------------------------------------------------------------
+MC2_FUSED = {"npu.npu_moe_distribute_dispatch_v2": 1, "npu.npu_grouped_matmul": 3, "npu.npu_moe_distribute_combine_v2": 1}
+
+
+# MC2's hidden sizes: (0, 7168] in multiples of 32 on A2, but there in 16 to 256 EP ranks;
+# [1024, 8192] on A3, from 2 ranks. So the 2-rank layers MC2 takes have H = 1024 (on A3)
+MC2_DIM = 1024
+
+
+def _declaring(group=lambda tm: tm.process_groups["ep"], **settings):
+    """A config function for capture(): the built layer's EP group declared dedicated."""
+    return lambda tm: nff.FusionConfig(enable=MOE_PASSES, ep_group=group(tm), **settings)
+
+
+def test_mc2_replaces_the_whole_layer_on_a_declared_ep_group():
+    gm, report = capture("deepseek_v3", 2, config=_declaring(), dim=MC2_DIM)
+    assert report.fused_ops == MC2_FUSED, report.fused_ops
+    assert near_miss_reasons(report, "moe_dispatch") == []
+    ops = report.graphs[0].ops_after
+    # the collectives, the .tolist() syncs and their runtime asserts went with the region,
+    # and the routing map only the count exchange read
+    for gone in ("_c10d_functional.all_to_all_single.default", "aten._local_scalar_dense.default",
+                 "aten._assert_scalar.default", "aten.scatter.value", "npu.npu_moe_re_routing.default",
+                 "npu.npu_moe_init_routing_v2.default", "npu.npu_moe_finalize_routing.default"):
+        assert ops[gone] == 0, gone
+    (dispatch,) = _calls(gm, "npu.npu_moe_distribute_dispatch_v2")
+    (combine,) = _calls(gm, "npu.npu_moe_distribute_combine_v2")
+    assert dispatch.args[2:] == (combine.args[5], 2, 0, 8)  # group_ep, ranks, rank, experts
+    # the GEMMs group dispatch_v2's rows by its per-expert counts; combine_v2 reads its assist
+    # info and receive counts, and the scores in fp32
+    expand_x, assist, per_expert, recv_counts = (next(u for u in dispatch.users if u.args[1] == i) for i in (0, 2, 3, 4))
+    gemms = _calls(gm, "npu.npu_grouped_matmul")
+    assert all(_reads(g.kwargs["group_list"], per_expert) for g in gemms)
+    assert sum(g.args[0][0] is expand_x for g in gemms) == 2
+    assert combine.args[2] is assist and combine.args[3] is recv_counts
+    assert combine.args[4].meta["val"].dtype == torch.float32
+
+
+def test_mc2_with_symbolic_tokens_is_a_near_miss():
+    """dynamic=True: the tokens per rank are symbolic, MC2's batch limit cannot be checked."""
+    _, report = capture("deepseek_v3", 2, config=_declaring(), dynamic=True, dim=MC2_DIM)
+    assert report.fused_ops == EP_FUSED
+    (mc2,) = near_miss_reasons(report, "moe_dispatch")
+    assert "are symbolic: MC2's batch limit cannot be checked" in mc2, mc2
+
+
+@pytest.mark.parametrize("flavor, dim, settings, reasons", [
+    ("deepseek_v3", 64, {"soc": "Ascend910_93"}, ["hidden size 64 is outside Ascend910_93's [1024, 8192]"]),
+    ("deepseek_v3", MC2_DIM, {"soc": "Ascend910B"}, ["2 EP ranks: MC2 on Ascend910B takes [16, 32, 64, 128, 256]"]),
+    # in emulation (no SoC) a layer no SoC takes: every SoC's reasons
+    ("qwen3", 64, {}, ["32 local experts: MC2 on Ascend910B takes at most 24",
+                       "hidden size 64 is outside Ascend910_93's [1024, 8192]"]),
+], ids=["A3 hidden size", "A2 rank count", "no SoC"])
+def test_mc2_outside_the_documented_limits_is_a_near_miss(flavor, dim, settings, reasons):
+    _, report = capture(flavor, 2, config=_declaring(**settings), dim=dim)
+    assert "npu.npu_moe_distribute_dispatch_v2" not in report.fused_ops
+    misses = near_miss_reasons(report, "moe_dispatch")
+    assert any("MC2" in miss and all(reason in miss for reason in reasons) for miss in misses), misses
+
+
+def test_mc2_above_the_batch_limit_is_a_near_miss():
+    """600 tokens per rank: above the A3 limit of 512."""
+    _, report = capture("deepseek_v3", 2, config=_declaring(soc="Ascend910_93"), batch=6, seq_len=100, dim=MC2_DIM)
+    assert report.fused_ops.get("npu.npu_moe_distribute_dispatch_v2", 0) == 0
+    (mc2,) = near_miss_reasons(report, "moe_dispatch")
+    assert "600 tokens per rank exceed MC2's batch limit on Ascend910_93 (512)" in mc2, mc2
+
+
+def test_mc2_on_another_group_than_the_declared_one_is_a_near_miss():
+    """The user declared a group, but the layer exchanges its tokens on another one."""
+    import torch.distributed as dist
+
+    _, report = capture("deepseek_v3", 2, config=_declaring(group=lambda tm: dist.new_group([0, 1])), dim=MC2_DIM)
+    assert report.fused_ops == EP_FUSED
+    (mc2,) = near_miss_reasons(report, "moe_dispatch")
+    assert "the exchange runs on group '0', not on the EP group declared dedicated" in mc2, mc2
+
+
+def test_mc2_in_a_training_graph_is_a_near_miss():
+    _, report = capture("deepseek_v3", 2, config=_declaring(), training=True, dim=MC2_DIM)
+    assert "npu.npu_moe_distribute_dispatch_v2" not in report.fused_ops
+    misses = near_miss_reasons(report, "moe_dispatch")
+    assert any("MC2" in miss and "this is a training graph: MC2 has no backward" in miss for miss in misses), misses
 
 
 # ---- real ranks over gloo ----------------------------------------------------------------------
@@ -307,21 +395,28 @@ def test_a_rank_that_never_returns_is_killed():
     assert time.monotonic() - start < 40
 
 
-def worker_forward(rank, world_size, flavors):
-    """Eager and fused forward of each flavor's EP MoE layer on this rank."""
+def worker_forward(rank, world_size, flavors, mc2=False):
+    """Eager and fused forward of each flavor's EP MoE layer on this rank; with `mc2`, its
+    EP group declared dedicated (FusionConfig(ep_group=...))."""
     from npu_fx_fusion.tiny_models import build_torchtitan_ep_moe
 
     results = {}
     for flavor in flavors:
         torch._dynamo.reset()
-        tm = build_torchtitan_ep_moe(flavor)
-        backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES))
+        tm = build_torchtitan_ep_moe(flavor, **({"dim": MC2_DIM} if mc2 else {}))
+        ep_group = {"ep_group": tm.process_groups["ep"]} if mc2 else {}
+        backend = RecordingBackend(nff.FusionConfig(enable=MOE_PASSES, **ep_group))
         with torch.no_grad(), _dynamic_sizes():
             eager = tm.model(*tm.example_inputs)
             fused = torch.compile(tm.model, backend=backend, fullgraph=True)(*tm.example_inputs)
+            unfused = None
+            if mc2:  # the same compile without fusion (see _assert_mc2_forward_matches)
+                torch._dynamo.reset()
+                unfused = torch.compile(tm.model, backend=RecordingBackend(nff.FusionConfig(enable=set())),
+                                        fullgraph=True)(*tm.example_inputs)
         (graph,) = backend.report.graphs
         results[flavor] = {
-            "eager": eager, "fused": fused, "top_k": tm.model.router.top_k,
+            "eager": eager, "fused": fused, "unfused": unfused, "top_k": tm.model.router.top_k,
             "fused_ops": dict(backend.report.fused_ops), "errors": backend.report.errors,
             "near_misses": near_miss_reasons(backend.report, "moe_dispatch"),
             "launches": (graph.cost_before.launches, graph.cost_after.launches),
@@ -335,7 +430,7 @@ def _assert_forward_matches(results):
             assert result["errors"] == [], (rank, flavor)
             assert result["fused_ops"] == {**EP_FUSED, **EP_ROUTERS.get(flavor, {})}, (rank, flavor, result["fused_ops"])
             (mc2,) = result["near_misses"]
-            assert "runs on gloo: group_ep must name an HCCL communicator" in mc2, mc2
+            assert "MC2" in mc2 and "no EP group is declared dedicated (FusionConfig(ep_group=...))" in mc2, mc2
             assert_close_at_scale(result["fused"], result["eager"], result["top_k"])
             before, after = result["launches"]
             assert after < before, (rank, flavor, before, after)
@@ -349,6 +444,40 @@ def _assert_forward_matches(results):
 ], ids=["2-deepseek_v3", "2-qwen3", "4-both"])
 def test_forward_matches_eager(world_size, flavors):
     _assert_forward_matches(run_on_ranks(worker_forward, world_size, flavors=flavors))
+
+
+def _assert_mc2_forward_matches(results):
+    for rank, per_flavor in enumerate(results):
+        for flavor, result in per_flavor.items():
+            assert result["errors"] == [] and result["near_misses"] == [], (rank, flavor, result["near_misses"])
+            # the router fuses too on gloo ranks (its ids feed only MC2): deepseek_v3's and qwen3's
+            assert result["fused_ops"] == {**MC2_FUSED, "npu.npu_moe_gating_top_k": 1}, (rank, flavor, result["fused_ops"])
+            # combine_v2 adds each token's k fp32 products and rounds once, torchtitan rounds
+            # every weighted row to bf16 and adds in bf16: k roundings apart at the output's scale.
+            # Against the same graph compiled without fusion: at H = 1024 the compiled layer (as
+            # an NPU compile traces it) differs from eager on a token or two of some ranks by
+            # far more than rounding, with every pass off too (the compile's doing, probably
+            # the bf16 router choosing another expert; not traced further): the passes are
+            # what is tested here
+            assert_close_at_scale(result["fused"], result["unfused"], result["top_k"])
+            # and on every token where the unfused compile agrees with eager, so does MC2
+            eager, unfused = result["eager"], result["unfused"]
+            bound = result["top_k"] * ulp(eager.abs().max().reshape(1)).double()
+            agree = ((unfused.double() - eager.double()).abs() <= bound).all(-1)
+            assert agree.any(), (rank, flavor)
+            assert_close_at_scale(result["fused"][agree], eager[agree], result["top_k"])
+            before, after = result["launches"]
+            assert after < before, (rank, flavor, before, after)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size, flavors", [
+    (2, ("deepseek_v3",)),  # the default slice: MC2 over gloo on two ranks
+    pytest.param(2, ("qwen3",), marks=pytest.mark.slow),  # 32 local experts: A3 only
+    pytest.param(4, ("deepseek_v3",), marks=pytest.mark.slow),
+], ids=["2-deepseek_v3", "2-qwen3", "4-deepseek_v3"])
+def test_mc2_forward_matches_eager(world_size, flavors):
+    _assert_mc2_forward_matches(run_on_ranks(worker_forward, world_size, flavors=flavors, mc2=True))
 
 
 def worker_training_step(rank, world_size, flavor):

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2c81de0cf76160ba',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ae86162b5032ad33',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {

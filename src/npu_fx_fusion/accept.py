@@ -83,6 +83,7 @@ class RunContext:
     out_of_order: bool = False  # a replacement reads a node defined after it
     fake_mode: Any = None  # the graph's (what its nodes' fake values belong to)
     keep_intermediate_rounding: bool = False  # FusionConfig's: Site.keep_intermediate_rounding
+    dedicated_groups: frozenset = frozenset()  # FusionConfig.ep_group's: Site.dedicated_groups
     # called before the pass's check first runs, and so before the run can change the
     # graph (the caller's revert snapshot: a run without a candidate takes none)
     before_change: Optional[Callable[[], None]] = None
@@ -102,7 +103,8 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
                mode: Optional[str] = None, verify: bool = False, joint: bool = False,
                keep_intermediate_rounding: bool = False,
                before_change: Optional[Callable[[], None]] = None,
-               from_tangents: Optional[dict] = None) -> Optional[PassResult]:
+               from_tangents: Optional[dict] = None,
+               dedicated_groups: frozenset = frozenset()) -> Optional[PassResult]:
     """Fuse every accepted match of `fusion_pass` in `gm` in place; report sites and near misses.
 
     soc: the SoC whose limits to honour; mode: the torchair mode the graph is lowered in
@@ -123,14 +125,14 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
         # no form can match here: nothing to register
         ctx = RunContext(fusion_pass, None, soc, mode, verify, joint, fake_mode=fake_mode,
                          keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change,
-                         from_tangents=from_tangents)
+                         from_tangents=from_tangents, dedicated_groups=dedicated_groups)
         result = PassResult(fusion_pass.name)
         _recognize(ctx, gm, result, anchors)
         return _near_misses(ctx, gm, result, anchors)
     patterns = pattern_set(fusion_pass)
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint, fake_mode=fake_mode,
                      keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change,
-                     from_tangents=from_tangents)
+                     from_tangents=from_tangents, dedicated_groups=dedicated_groups)
     which = _which_registrations(fusion_pass, patterns, joint)
     if which is None and not (joint and fusion_pass.recognize is not None and fusion_pass.differentiable):
         return None
@@ -175,7 +177,7 @@ def _recognize(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
         return 0
     reads_gradient = (lambda n: _reads_tangents(n, ctx.from_tangents)) if ctx.joint else None
     run = RecognitionRun(fusion_pass, ctx.soc, ctx.mode, ctx.fake_mode, ctx.verify, ctx.keep_intermediate_rounding,
-                         ctx.before_change, reads_gradient)
+                         ctx.before_change, reads_gradient, ctx.dedicated_groups)
     sites, refused = recognized_sites(run, gm.graph, ctx.joint)
     if sites:
         _inherit_source_meta([n for n in gm.graph.nodes if n.op == "call_function" and "stack_trace" not in n.meta])
@@ -520,7 +522,8 @@ def _exact_match(ctx: RunContext, registration: Registration, match: pm.Match):
     argnames = form.argnames
     site_nodes = {name: exact_match.kwargs.get(name, arguments.nodes[name]) for name in argnames}
     site = Site(form, dict(zip(argnames, arguments.values)), list(exact_match.nodes), site_nodes, ctx.soc,
-                ctx.mode, keep_intermediate_rounding=ctx.keep_intermediate_rounding)
+                ctx.mode, keep_intermediate_rounding=ctx.keep_intermediate_rounding,
+                dedicated_groups=ctx.dedicated_groups)
     return site, exact_match, arguments
 
 

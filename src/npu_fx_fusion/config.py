@@ -120,6 +120,14 @@ class FusionConfig:
               is also the transform `merged_projections` (DYNAMO_TRANSFORMS), named like a
               pass: `enable` without it, `disable={"merged_projections"}`,
               NPU_FX_FUSION_DISABLE=merged_projections and NPU_FX_FUSION=0 turn it off too.
+    ep_group: the expert-parallel process group (a torch.distributed ProcessGroup, or its
+              c10d group name) that you declare dedicated to the MoE layers' token exchanges:
+              no other communication (other graphs, eager code, FSDP) runs on it. MC2
+              (npu_moe_distribute_dispatch_v2 / combine_v2) requires that of its EP domain,
+              and a graph cannot prove it, so moe_dispatch fuses a layer's whole dispatch and
+              combine into MC2 only on the group declared here (inference, within the ops'
+              limits; docs/expert-parallel.md). None: MC2 is never used. Stored as the group's
+              name; a group this process does not know is an error at creation.
 
     The environment is read each time a pipeline runs, so it overrides code:
     NPU_FX_FUSION=0 turns every pass off; NPU_FX_FUSION_DISABLE=rope,swiglu adds to `disable`.
@@ -139,9 +147,12 @@ class FusionConfig:
     npu_dispatch: bool = True
     keep_intermediate_rounding: bool = False
     merge_projections: bool = True
+    ep_group: Optional[object] = None
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.ep_group is not None:
+            object.__setattr__(self, "ep_group", _group_name(self.ep_group))
         if self.enable is not None:
             object.__setattr__(self, "enable", check_pass_names(self.enable, "FusionConfig(enable=...)"))
         object.__setattr__(self, "disable", check_pass_names(self.disable, "FusionConfig(disable=...)"))
@@ -181,6 +192,10 @@ class FusionConfig:
                 raise TypeError(f"FusionConfig({name}=...) takes True or False, got {value!r} "
                                 f"({type(value).__name__})")
 
+    def dedicated_groups(self) -> frozenset[str]:
+        """The c10d names of the groups declared dedicated to the exchanges a pass may fuse."""
+        return frozenset() if self.ep_group is None else frozenset({self.ep_group})
+
     def transform_enabled(self, name: str) -> bool:
         """A transform of DYNAMO_TRANSFORMS runs (after the environment overrides)."""
         if name == "merged_projections" and not self.merge_projections:
@@ -196,6 +211,24 @@ class FusionConfig:
         wanted = set(pass_names()) if self.enable is None else set(self.enable)
         wanted -= set(self.disable) | _env_disabled()
         return tuple(name for name in pass_names() if name in wanted)
+
+
+def _group_name(group: object) -> str:
+    """The c10d name of `group` (a ProcessGroup or a name): TypeError for anything else,
+    ValueError for a name no group of this process has."""
+    import torch.distributed as dist
+
+    if dist.is_available() and isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    if not isinstance(group, str) or not group:
+        raise TypeError(f"FusionConfig(ep_group=...) takes a torch.distributed ProcessGroup or its group name, "
+                        f"got {group!r} ({type(group).__name__})")
+    from .npu_ops._groups import resolve_group
+
+    if resolve_group(group) is None:
+        raise ValueError(f"FusionConfig(ep_group={group!r}): no process group of this process has that name "
+                         "(create the EP group first, e.g. device_mesh['ep'].get_group(), and pass it)")
+    return group
 
 
 def _check_writable_dir(path: str) -> None:

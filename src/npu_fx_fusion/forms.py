@@ -85,6 +85,10 @@ class Site:
     # FusionConfig.keep_intermediate_rounding: a form whose fused op computes in more
     # precision than the code (rounds once where the code rounds each step) is refused
     keep_intermediate_rounding: bool = False
+    # FusionConfig.ep_group: the c10d names of the process groups the user declared to carry
+    # only the exchanges a pass may fuse into communicating kernels (a graph shows its own
+    # collectives only, so it can never prove that of a group)
+    dedicated_groups: frozenset = frozenset()
     # scalars computed from symbolic sizes that are a constant over a range of them
     # (min(index_topk, S)): {name: (constant, guard)}, guarded once the site is accepted
     specialised: dict = field(default_factory=dict)

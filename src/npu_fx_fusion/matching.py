@@ -26,11 +26,12 @@ from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 from .npu_ops.spec import dtype_argument
 # the communicator (`hcom`) a collective op takes for a c10d process group, and that group's facts
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
+from .regions import enclosed_region
 from .spellings import sum_over_count
 
 __all__ = ["SHAPE_ONLY_OPS", "AxisEvaluation", "ChannelGather", "ChannelValue", "Expr", "Factor", "Form", "FusionPass",
            "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
-           "channel_gather", "channels_of", "dtype_argument", "evaluate_around", "evaluate_slice", "first_refused_use",
+           "channel_gather", "channels_of", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
            "group_backend", "group_size", "hcom_of", "is_backward", "is_call", "is_joint_graph", "is_training_graph",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "read_masked_scores", "real_tensors",
            "rearrange", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",

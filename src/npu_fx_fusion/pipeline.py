@@ -467,7 +467,8 @@ def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Opt
     try:
         result = apply_pass(fusion_pass, gm, soc, mode, verify=config.verify, joint=joint,
                             keep_intermediate_rounding=config.keep_intermediate_rounding,
-                            before_change=before_change, from_tangents=from_tangents)
+                            before_change=before_change, from_tangents=from_tangents,
+                            dedicated_groups=config.dedicated_groups())
         if result is None:  # no joint patterns: nothing to do, nothing to report
             return None, original_nodes
         if result.sites:

@@ -46,6 +46,7 @@ class RecognitionRun:
     keep_intermediate_rounding: bool = False
     before_change: Optional[Callable[[], None]] = None
     reads_gradient: Optional[Callable[[Node], bool]] = None  # joint graphs: computed from a tangent
+    dedicated_groups: frozenset = frozenset()  # FusionConfig.ep_group's: Site.dedicated_groups
 
 
 class _RegionMatch:
@@ -118,7 +119,7 @@ def _site(run: RecognitionRun, found: Recognized) -> Site:
     recognized.__name__ = found.name
     form = Form(recognized, found.replace, fused_op=found.fused_op)
     site = Site(form, dict(found.site_args), list(found.nodes), dict(found.args), run.soc, run.mode,
-                keep_intermediate_rounding=run.keep_intermediate_rounding)
+                keep_intermediate_rounding=run.keep_intermediate_rounding, dedicated_groups=run.dedicated_groups)
     site.notes.extend(found.notes)
     return site
 

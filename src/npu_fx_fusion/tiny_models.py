@@ -23,7 +23,7 @@ import contextlib
 import functools
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,6 +77,9 @@ class TinyModel:
     name: str
     description: str = ""
     real_dims: bool = False
+    # a model parallelized over ranks: its process groups by mesh dimension ("ep": the
+    # expert-parallel group, what FusionConfig(ep_group=...) declares)
+    process_groups: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------
@@ -1126,6 +1129,7 @@ def build_torchtitan_ep_moe(
         name=f"torchtitan-{flavor}-moe-ep{world}-{tag}",
         description=(f"torchtitan {flavor} MoE layer ({moe_cfg.num_experts} experts, top-{moe_cfg.router.top_k}) "
                      f"with expert parallel over {world} ranks"),
+        process_groups={"ep": parallel_dims.get_mesh("ep").get_group()},
     )
 
 

@@ -34,8 +34,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .spec import (FLOAT_DTYPES, OpCapability, Sample, SocLimits, documented_op, dtype_argument, dtype_of_argument,
-                   in_layout_of, op_spec, randn)
+from .spec import (FLOAT_DTYPES, OpCapability, Sample, SocLimits, dtype_argument, dtype_of_argument, in_layout_of,
+                   op_spec, randn)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -1453,46 +1453,3 @@ def npu_moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=No
               else tokens.new_zeros((tokens.shape[0],), dtype=torch.float32))  # undefined on the NPU
     return (tokens[index].contiguous(), scales.contiguous(), index.to(torch.int32),
             counts.sum(dim=0).to(counts.dtype))
-
-
-# =====================================================================================
-# Expert-parallel MC2 (npu_moe_distribute_dispatch_v2 / combine_v2): documented, never emitted
-# =====================================================================================
-# No pass emits them and they have no stand-in: moe_dispatch reports them as the near miss of
-# every expert-parallel token exchange, quoting these limits (docs/expert-parallel.md says why
-# they are never emitted).
-documented_op("npu::npu_moe_distribute_dispatch_v2", OpCapability(
-    dtypes=frozenset({torch.float16, torch.bfloat16}),  # x (BS, H); A2 also packed int4 (int32)
-    min_rank=2,
-    max_rank=2,
-    backward=None,  # inference only (the doc: 该接口支持推理场景下使用)
-    ge_converter=True,  # custom/moe_distribute_dispatch_v2.py
-    socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
-    limits={
-        "group": "an HCCL communicator name (group_ep), the EP domain carrying no other operator",
-        "max_top_k": 16,  # 0 < K <= 16 (12 with comm_alg fullmesh_v2)
-        "max_batch": {"Ascend910B": 256, "Ascend910_93": 512},  # BS per rank (fullmesh / v1)
-        "hidden": {"Ascend910B": (1, 7168, 32), "Ascend910_93": (1024, 8192, 1)},  # min, max, multiple
-        "a2_world_sizes": (2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256),  # fullmesh
-        "a3_world_sizes": (2, 768),  # inclusive range
-        "a3_max_experts_times_ranks": 2048,  # local experts * world size
-        "tp": "reserved: tp_world_size 0/1 only",
-    },
-    doc="torch_npu doc (Ascend/op-plugin docs/zh/custom_APIs/torch_npu/"
-    "torch_npu-npu_moe_distribute_dispatch_v2.md, 约束说明): inference only, paired with combine_v2 "
-    "with identical group_ep, ep_world_size, moe_expert_num, shared-expert and global_bs settings on "
-    "every rank and layer; group_ep an HCCL group name; K <= 16; BS <= 256 (A2 fullmesh) / 512 (A3); "
-    "H (0, 7168] multiple of 32 on A2, [1024, 8192] on A3; A2/A3 only",
-))
-documented_op("npu::npu_moe_distribute_combine_v2", OpCapability(
-    dtypes=frozenset({torch.float16, torch.bfloat16}),  # expand_x
-    min_rank=2,
-    max_rank=2,
-    backward=None,  # inference only
-    ge_converter=True,  # custom/moe_distribute_combine_v2.py
-    socs={"Ascend310P": SocLimits(supported=False), "Ascend950": SocLimits(supported=False)},
-    limits={"pairs_with": "npu.npu_moe_distribute_dispatch_v2"},
-    doc="torch_npu doc torch_npu-npu_moe_distribute_combine_v2.md: the reverse of dispatch_v2 "
-    "(its assist_info_for_combine, ep_recv_counts passed unchanged), the weighted sum of each "
-    "token's k rows (expert_scales fp32); inference only; the limits of dispatch_v2",
-))
