@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '971974a0f702476d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7da9fe6f12e12da1',
        'backward': {'npu.npu_add_rms_norm_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '325427967ef651a5',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4703824504c56b6a',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

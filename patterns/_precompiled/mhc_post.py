@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b6e997b45d80328b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1a826db9c866341b',
        'backward': {'cann_ops_transformer.mhc_post': True, 'npu.npu_mhc_post': True}}
 
 FORMS = {

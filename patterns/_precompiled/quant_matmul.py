@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd657747c47a914dc',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e50dbfb70c9ac13b',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

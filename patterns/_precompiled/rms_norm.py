@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a2802eedbd8bcf51',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ee57af565011fa68',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

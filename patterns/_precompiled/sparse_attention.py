@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5b66b87a0605fba9',
+KEY = {'torch': '2.13.0+cpu', 'sources': '24f5edc87d9e1f75',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

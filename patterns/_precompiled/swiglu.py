@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '699f38e141c221cd',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd379b3d094776875',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ed28b8db9e668d95',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1b272949dcd13222',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fd740ab882276c16',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8aecc32972d47360',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {
