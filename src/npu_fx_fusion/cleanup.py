@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
-from .nodes import same_layout
+from .nodes import deterministic_and_pure, same_layout
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -44,21 +44,21 @@ def merge_repeated_pure_calls(graph: torch.fx.Graph, original_nodes: set) -> int
         return (_pure(node.target) and node not in written
                 and not any(arg in written for arg in node.all_input_nodes))
 
+    one_is_new = _one_is_new(original_nodes)
+
     def may_merge(node: Node, earlier: Node) -> bool:
-        return (node not in original_nodes or earlier not in original_nodes
-                or (node.target.is_view and earlier.target.is_view))
+        return one_is_new(node, earlier) or (node.target.is_view and earlier.target.is_view)
 
     return _merge_repeats(graph, merges, may_merge)
 
 
 def _pure(target: Any) -> bool:
-    """An op whose result is a function of its arguments: deterministic, mutating nothing,
-    returning fresh values or views (not `empty`'s uninitialised memory)."""
-    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+    """An op whose result is a function of its arguments (nodes.deterministic_and_pure),
+    returning fresh values or views, not `empty`'s uninitialised memory."""
+    if not isinstance(target, torch._ops.OpOverload) or not deterministic_and_pure(target):  # noqa: SLF001
         return False
     schema = target._schema  # noqa: SLF001
-    return (not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
-            and not schema.name.split("::")[-1].lstrip("_").startswith(("empty", "new_empty"))
+    return (not schema.name.split("::")[-1].lstrip("_").startswith(("empty", "new_empty"))
             and all(r.alias_info is None or not r.alias_info.is_write for r in schema.returns))
 
 
@@ -70,8 +70,9 @@ def _written_in_place(graph: torch.fx.Graph) -> set:
         schema = getattr(node.target, "_schema", None)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
             continue
-        for argument, value in zip(schema.arguments, node.args):
+        for index, argument in enumerate(schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
+                value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
                 written.update(value if isinstance(value, (list, tuple)) else (value,))
     frontier = [node for node in written if isinstance(node, Node)]
     while frontier:  # views of a written value see the write
@@ -80,6 +81,11 @@ def _written_in_place(graph: torch.fx.Graph) -> set:
                 written.add(user)
                 frontier.append(user)
     return written
+
+
+def _one_is_new(original_nodes: set) -> Callable[[Node, Node], bool]:
+    """Whether fusion introduced either of two repeats: the model's own repeats stay."""
+    return lambda node, earlier: node not in original_nodes or earlier not in original_nodes
 
 
 def _merge_repeats(graph: torch.fx.Graph, merges: Callable[[Node], bool],
@@ -113,7 +119,7 @@ def merge_repeated_fused_calls(graph: torch.fx.Graph, original_nodes: set, pure_
         return node.target in pure_ops or (node.target is operator.getitem and isinstance(node.args[0], Node)
                                            and node.args[0].target in pure_ops)
 
-    return _merge_repeats(graph, merges, lambda node, earlier: node not in original_nodes or earlier not in original_nodes)
+    return _merge_repeats(graph, merges, _one_is_new(original_nodes))
 
 
 # dtype -> the dtypes that hold each of its values exactly (a conversion there and back is

@@ -4,6 +4,7 @@ The bottom of the engine: it imports nothing from the package.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -129,6 +130,17 @@ def users_outside(nodes: Sequence[Node], allowed: Sequence[Node]) -> Optional[tu
             if user not in allowed_set:
                 return node, user
     return None
+
+
+def deterministic_and_pure(target: Any) -> bool:
+    """An op (or getitem) whose result depends on its arguments alone: it draws no random
+    numbers and mutates nothing."""
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
+        return False
+    return (torch.Tag.nondeterministic_seeded not in target.tags
+            and not target._schema.is_mutable)  # noqa: SLF001
 
 
 def op_name(target: Any) -> str:

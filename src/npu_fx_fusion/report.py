@@ -18,7 +18,7 @@ from typing import AbstractSet, Any, Callable, NamedTuple, Optional, Sequence, U
 import torch
 import torch.fx
 
-from .nodes import functional_target
+from .nodes import deterministic_and_pure, functional_target
 from .npu_ops.spec import tensor_bytes
 
 # Namespaces of the fused ops we emit; counted as "fused ops" in the final graphs.
@@ -292,19 +292,10 @@ def constant_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     for node in graph.nodes:  # topological: a node's inputs are decided before it
         if node.op == "get_attr":
             constants.add(node)
-        elif node.op == "call_function" and _deterministic_and_pure(node.target) and all(
+        elif node.op == "call_function" and deterministic_and_pure(node.target) and all(
                 arg in constants for arg in node.all_input_nodes):
             constants.add(node)
     return constants
-
-
-def _deterministic_and_pure(target: Any) -> bool:
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
-        return False
-    return (torch.Tag.nondeterministic_seeded not in target.tags
-            and not target._schema.is_mutable)  # noqa: SLF001
 
 
 def _computes(node: torch.fx.Node) -> bool:
