@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3fad7c83f90ce415',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ae70b58bdf1db35b',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fa6a03ce34e2cd1f',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'cf9b67c533937eee',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

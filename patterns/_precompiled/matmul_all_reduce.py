@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e92e4496df7b5bb0',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e83ee384976d048b',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '59c2b12d2aac8b6a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ddc500e68d609003',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

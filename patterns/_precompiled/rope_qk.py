@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'deef71314c8fe1a3',
+KEY = {'torch': '2.13.0+cpu', 'sources': '848e920f125708ce',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a7d54473ac5c7785',
+KEY = {'torch': '2.13.0+cpu', 'sources': '212f652a2f6ab023',
        'backward': {'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm': False, 'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd379b3d094776875',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a49f2986ab347990',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '93f0cf996f26c76e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '02038c6e08854b20',
        'backward': {'cann_ops_nn.swiglu_group': True, 'npu.npu_clipped_swiglu': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8aecc32972d47360',
+KEY = {'torch': '2.13.0+cpu', 'sources': '68b364fe0fefa4a3',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {
