@@ -20,12 +20,15 @@ step's forward graph after partitioning, where npu_rms_norm_backward reads the r
 the forward saved, now from the fused op (its rstd: the same fp32 normaliser, from the
 unrounded sum in bf16).
 """
+import operator
+
 import torch
 
-from npu_fx_fusion.capabilities import unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.capabilities import not_lowerable, unsupported
+from npu_fx_fusion.matching import FinishOptions, Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
+CAST_OP = "npu.npu_add_rms_norm_cast"
 
 
 def residual_add_then_norm(x, residual, weight, eps):
@@ -136,6 +139,73 @@ def explain(norm):
     return None
 
 
+# ---- after the sites are fused: y also read in fp32 ------------------------------------------
+# A router that computes its logits in fp32 (DeepSeek's `F.linear(x.float(), w.float())`)
+# reads the norm's output through a cast: a launch that reads y and writes it widened.
+# npu_add_rms_norm_cast writes that fp32 copy with y, in the same kernel: torchair's own
+# pattern rule does this rewrite (torchair/patterns/add_rms_norm_cast.py), but only where y
+# has one other reader and the copy one, which a router next to the experts' dispatch is not.
+# The fp32 output is y widened ([inferred]: npu_ops/norm.py), so keep_intermediate_rounding
+# leaves the cast as it is.
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def norm_output_in_fp32_too(graph, options=FinishOptions()):
+    """npu_add_rms_norm whose y is cast to fp32 (through views) -> npu_add_rms_norm_cast,
+    where the SoC and mode allow it. Returns a note per call."""
+    if options.keep_intermediate_rounding:
+        return []
+    notes = []
+    for call in graph.find_nodes(op="call_function", target=torch.ops.npu.npu_add_rms_norm.default):
+        outputs = {user.args[1]: user for user in call.users if is_call(user, operator.getitem)}
+        if 0 not in outputs:
+            continue
+        widened = _widening_reads(outputs[0])
+        x1, gamma = tensor_meta(call.args[0]), tensor_meta(call.args[2])
+        if not widened or x1 is None or gamma is None:
+            continue
+        if (unsupported(CAST_OP, options.soc, x=x1, gamma=gamma, x1=x1, x2=tensor_meta(call.args[1]))
+                or not_lowerable(CAST_OP, options.mode)):
+            continue
+        y, rstd, x_out = call.meta["val"]
+        with graph.inserting_before(call):
+            fused = graph.call_function(torch.ops.npu.npu_add_rms_norm_cast.default, call.args, call.kwargs)
+            in_fp32 = graph.call_function(operator.getitem, (fused, 0))
+        fused.meta["val"] = (torch.empty_like(y, dtype=torch.float32), y, rstd, x_out)
+        in_fp32.meta["val"] = fused.meta["val"][0]
+        for index, getter in outputs.items():  # y, rstd, x_out move one place along
+            getter.update_arg(0, fused)
+            getter.update_arg(1, index + 1)
+        for views, cast in widened:
+            source = in_fp32
+            with graph.inserting_before(cast):
+                for view in views:
+                    source = graph.call_function(view.target, (source, *view.args[1:]), view.kwargs)
+                    source.meta["val"] = tensor_meta(view).to(torch.float32)
+            cast.replace_all_uses_with(source)
+            graph.erase_node(cast)
+            for view in reversed(views):
+                if not view.users:
+                    graph.erase_node(view)
+        graph.erase_node(call)
+        notes.append(f"{fused.name}: writes y in fp32 too, for {', '.join(c.name for _, c in widened)}")
+    return notes
+
+
+def _widening_reads(y):
+    """[(views, cast)]: each conversion of y to fp32, and the views of y it reads through."""
+    found, todo = [], [(y, [])]
+    while todo:
+        node, views = todo.pop()
+        for user in node.users:
+            if is_call(user, *_VIEWS):
+                todo.append((user, [*views, user]))
+            elif (is_call(user, aten._to_copy.default) and user.kwargs.get("dtype") == torch.float32
+                  and set(user.kwargs) == {"dtype"}):
+                found.append((views, user))
+    return found
+
+
 PASS = FusionPass(
     name="add_rms_norm",
     # it folds a residual add into the npu_rms_norm calls rms_norm produces
@@ -152,4 +222,5 @@ PASS = FusionPass(
     anchor=anchor,
     anchor_ops=lambda: (getattr(torch.ops.npu, "npu_rms_norm", None),),  # None before the stand-ins load
     explain=explain,
+    finish=norm_output_in_fp32_too,
 )

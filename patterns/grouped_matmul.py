@@ -164,7 +164,7 @@ def gemm_limits_reason(soc, x, experts, k, n):
 
 
 # ---- after the sites are fused: the group list as the counts it was summed from ------------
-def counts_for_running_sums(graph):
+def counts_for_running_sums(graph, options=None):
     """group_list_type 1 (counts) where a fused call's cumulative ends are the model's running
     sum of per-expert counts, read through integer casts: the op sums the counts itself.
 
@@ -173,8 +173,9 @@ def counts_for_running_sums(graph):
     a cumsum and two casts, launched once per MoE layer, that the counts make unneeded. The
     values are the same wherever the model's offsets are what they mean, row ends of x held
     in its integer type (torch's _grouped_mm takes int32 offsets): then no cast on the way
-    changed one. Returns how many calls now read counts."""
-    changed = 0
+    changed one. Returns a note per call that now reads counts (exact, and the same op: nothing
+    in `options` stops it)."""
+    changed = []
     for call in graph.find_nodes(op="call_function", target=torch.ops.npu.npu_grouped_matmul.default):
         if call.kwargs.get("group_list_type", 0) != 0:
             continue
@@ -189,7 +190,7 @@ def counts_for_running_sums(graph):
             counts = widened
         call.update_kwarg("group_list", counts)
         call.update_kwarg("group_list_type", 1)
-        changed += 1
+        changed.append(f"{call.name}: reads the per-expert counts (group_list_type 1), not their running sum")
         for node in chain:  # the casts and the cumsum, where no other call reads them
             if not node.users:
                 graph.erase_node(node)

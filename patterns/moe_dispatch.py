@@ -53,7 +53,7 @@ import torch
 
 from npu_fx_fusion import interop
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import (Form, FusionPass, Recognized, enclosed_region, hcom_of, is_call,
+from npu_fx_fusion.matching import (FinishOptions, Form, FusionPass, Recognized, enclosed_region, hcom_of, is_call,
                                    is_training_graph, no_communicator_reason, tensor_meta)
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
@@ -1208,6 +1208,98 @@ def _mc2_shape_reasons(exchange):
     return reasons
 
 
+# ---- after the sites are fused: the combine's own cast and add -----------------------------
+# DeepSeek weights its bf16 expert rows with fp32 routing weights, sums in fp32 and rounds
+# the sum to bf16, then adds the shared experts' output: `(sum).to(bf16) + shared`. The
+# replacement keeps the promotion (fp32 rows in, an fp32 sum out), which costs a cast on
+# each side of the call, and the add is a launch of its own. finalize does both itself:
+# - bf16 rows with fp32 scales are its mixed-precision mode on A2 / A3 (ops-transformer
+#   moe_finalize_routing_v2_def.cpp, the fourth dtype column; aclnnMoeFinalizeRoutingV2.md:
+#   "混合精度模式下，支持 expandedX 为 BFLOAT16 时 scalesOptional 为 FLOAT32"). The kernel
+#   computes a bf16 input in fp32 (the tiling's TRIPLE_BUFFER comment) and rounds the
+#   output once to bf16: the same values as the two casts around an fp32 call;
+# - out = skip1 + skip2 + sum: the add after it is skip1. V2 takes skip1 alone and refuses
+#   skip2 without it (moe_finalize_routing_v2_tiling_membase.cpp: "In the case of x1
+#   parameter is not input, x2 parameter can't be inputted either"); torch_npu calls V2 for
+#   drop_pad_mode 2. In a half dtype the model rounds its sum before the add and the op
+#   rounds once, after it: FusionConfig.keep_intermediate_rounding keeps the add apart.
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def combine_in_model_dtype(graph, options=FinishOptions()):
+    """The casts around a finalize call its mixed-precision mode makes unneeded, and the add
+    of a tensor to its output taken in as skip1. Returns a note per change."""
+    notes = []
+    for call in graph.find_nodes(op="call_function", target=npu.npu_moe_finalize_routing.default):
+        note = _rows_in_their_own_dtype(graph, call)
+        if note:
+            notes.append(note)
+        note = _added_tensor_as_skip(call, options.keep_intermediate_rounding)
+        if note:
+            notes.append(note)
+    return notes
+
+
+def _cast(node, dtype=None):
+    """node is a plain dtype conversion (to `dtype`, if given)."""
+    return (is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"}
+            and (dtype is None or node.kwargs["dtype"] == dtype))
+
+
+def _rows_in_their_own_dtype(graph, call):
+    rows, skip1, skip2, bias, scales = call.args[:5]
+    if not (_cast(rows, torch.float32) and skip1 is None and skip2 is None and bias is None):
+        return None
+    source, weights = tensor_meta(rows.args[0]), tensor_meta(scales)
+    if source is None or weights is None or source.dtype != torch.bfloat16 or weights.dtype != torch.float32:
+        return None
+    casts = list(call.users)
+    if not casts or not all(_cast(user, torch.bfloat16) for user in casts):
+        return None  # someone reads the fp32 sum: it must stay fp32
+    call.update_arg(0, rows.args[0])
+    call.meta["val"] = tensor_meta(call).to(torch.bfloat16)
+    for cast in casts:
+        cast.replace_all_uses_with(call)
+        graph.erase_node(cast)
+    if not rows.users:
+        graph.erase_node(rows)
+    return (f"{call.name}: bf16 rows with fp32 scales (finalize's mixed-precision mode, A2/A3) instead of "
+            "casting the rows to fp32 and the sum back")
+
+
+def _added_tensor_as_skip(call, keep_intermediate_rounding):
+    if call.args[1] is not None or call.args[2] is not None:
+        return None
+    out = tensor_meta(call)
+    if out is None or out.dim() != 2 or not isinstance(out.shape[1], int):
+        return None
+    if keep_intermediate_rounding and out.dtype in _HALF_DTYPES:
+        return None
+    chain, node = [], call  # the views of the sum, each read once
+    while len(node.users) == 1 and is_call(next(iter(node.users)), *_VIEWS):
+        node = next(iter(node.users))
+        chain.append(node)
+    add = next(iter(node.users)) if len(node.users) == 1 else None
+    if not (is_call(add, aten.add.Tensor) and not add.kwargs and len(add.args) == 2):
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    result, added = tensor_meta(add), tensor_meta(other)
+    if (added is None or other is node or added.dtype != out.dtype or result.dtype != out.dtype
+            or tuple(added.shape) != tuple(result.shape) or not added.is_contiguous()):
+        return None  # a broadcast, a promotion, or a tensor a view cannot reshape
+    graph = call.graph
+    with graph.inserting_before(add):
+        skip = graph.call_function(aten.view.default, (other, [-1, out.shape[1]]))
+    skip.meta["val"] = added.view(-1, out.shape[1])
+    for moved in (call, *chain):  # after the skip, which the model may compute later
+        add.prepend(moved)
+    call.update_arg(1, skip)
+    add.replace_all_uses_with(node)
+    graph.erase_node(add)
+    return f"{call.name}: adds {other.name} as skip1 (the add after the combine)"
+
+
 PASS = FusionPass(
     name="moe_dispatch",
     # its blocks are also matched with the activation swiglu fused (npu_swiglu forms)
@@ -1258,6 +1350,7 @@ PASS = FusionPass(
     explain=explain,
     # MC2: a whole expert-parallel layer, found by walking the graph the forms leave
     recognize=recognize,
+    finish=combine_in_model_dtype,
     # verification needs expert ids below the expert count, and counts that agree with them
     verify_input=lambda name, args: _routing_input(name, args),
 )

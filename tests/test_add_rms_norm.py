@@ -277,3 +277,55 @@ def test_bf16_plus_fp16_adds_in_fp32_and_fuses_so():
     (y, h), (y_ref, h_ref), report = compile_and_run(module, _inputs(torch.bfloat16), _inputs(torch.float16))
     assert report.fused_ops.get("npu.npu_add_rms_norm") == 1
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+
+
+class RouterReadout(torch.nn.Module):
+    """DeepSeek's MoE input: the residual add + norm, read by the experts in the model's dtype
+    and by a router that computes its logits in fp32 (`F.linear(x.float(), w.float())`)."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.norm = HFLlama(dim)
+        self.experts = torch.nn.Linear(dim, dim, bias=False)
+        self.router = torch.nn.Parameter(torch.randn(8, dim))
+
+    def forward(self, x, residual):
+        y = self.norm(x + residual).view(-1, x.shape[-1])
+        logits = torch.nn.functional.linear(y.type(torch.float32), self.router.type(torch.float32))
+        return self.experts(y), logits
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_norm_also_read_in_fp32_writes_that_copy_in_the_same_kernel(dtype, dynamic):
+    module = RouterReadout().to(dtype)
+    x = _inputs(dtype)
+    (out, logits), (out_ref, logits_ref), report = compile_and_run(module, x, x.flip(0), dynamic=dynamic)
+    assert report.fused_ops == {"npu.npu_add_rms_norm_cast": 1}
+    assert report.graphs[0].ops_after["aten._to_copy.default"] <= 1  # the router weight's, if it is not fp32
+    (result,) = [r for r in report.graphs[0].passes if r.pass_name == "add_rms_norm"]
+    assert len(result.finished) == 1 and "writes y in fp32 too" in result.finished[0], result.finished
+    # y as add_rms_norm computes it (ULPS), read by a matmul over 64 channels
+    assert_close_at_scale(out, out_ref, 2 * ULPS[dtype])
+    assert logits.dtype == torch.float32
+    assert_close_at_scale(logits, logits_ref, 2 * ULPS[dtype], precision=dtype)
+
+
+@pytest.mark.parametrize("config", [nff.FusionConfig(keep_intermediate_rounding=True),
+                                    nff.FusionConfig(soc="Ascend310P")],
+                         ids=["keep_intermediate_rounding", "310P"])
+def test_the_fp32_readout_stays_a_cast_where_the_op_may_round_differently_or_is_missing(config):
+    # keep_intermediate_rounding: whether the kernel's fp32 y is y rounded is inferred, not
+    # documented; 310P: npu_add_rms_norm_cast is A2 / A3 only
+    module = RouterReadout().to(torch.float16)
+    x = _inputs(torch.float16)
+    _, _, report = compile_and_run(module, x, x.flip(0), config=config)
+    assert report.fused_ops == {"npu.npu_add_rms_norm": 1}
+
+
+def test_an_fp32_norm_has_nothing_to_widen():
+    module = RouterReadout()
+    x = _inputs(torch.float32)
+    (out, logits), (out_ref, logits_ref), report = compile_and_run(module, x, x.flip(0))
+    assert report.fused_ops == {"npu.npu_add_rms_norm": 1}
+    assert_close_at_scale(logits, logits_ref, 2 * ULPS[torch.float32])

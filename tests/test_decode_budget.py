@@ -4,7 +4,8 @@ benchmarks/decode_budget.py measures it (a tiny transformers model over a Static
 decode step after an eager prefill; the report's roofline estimate, cost_model.py, of the
 graph with two layers subtracted from the graph with one more, so what the layers share
 cancels) and checks the logits and the caches against eager. The issue's goal: Llama <=
-12, Qwen3 <= 14. In a batch of more than one, a Llama layer keeps 13: the q slice of the
+12, Qwen3 <= 14, a DeepSeek-V3 MoE layer <= 25 (the tiny model's second layer is its first
+MoE layer, so two layers minus one is an MoE layer). In a batch of more than one, a Llama layer keeps 13: the q slice of the
 merged projection must be copied contiguous for the attention op (an npu_rotary_mul
 does it), so q's and k's RoPE stay two calls (tests/test_rope_qk.py); with a batch of one
 the slices are dense and the pair is one call.
@@ -41,3 +42,11 @@ def test_launches_per_decode_layer(model, batch, budget):
 @pytest.mark.slow
 def test_launches_per_decode_layer_bf16_dynamic():
     assert launches_per_layer("qwen3", dtype=torch.bfloat16, dynamic=True) <= 14
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_launches_per_deepseek_moe_decode_layer(dtype):
+    # bf16 counts on the combine's mixed precision and the norm's fp32 readout for the router
+    # (patterns/moe_dispatch.py, add_rms_norm.py: each saves the casts around a call)
+    assert launches_per_layer("deepseek_v3", dtype=dtype, dynamic=dtype == torch.bfloat16) <= 25

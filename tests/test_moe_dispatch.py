@@ -20,12 +20,13 @@ EXPERTS, TOP_K, HIDDEN, FFN = 4, 2, 16, 8
 class GroupedMmExperts(torch.nn.Module):
     """transformers 5 grouped_mm_experts_forward (integrations/moe.py), gated experts."""
 
-    def __init__(self, dtype, weighted=True):
+    def __init__(self, dtype, weighted=True, cast_back=True):
         super().__init__()
         torch.manual_seed(0)
         self.gate_up_proj = torch.nn.Parameter(torch.randn(EXPERTS, 2 * FFN, HIDDEN, dtype=dtype) * 0.3)
         self.down_proj = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, FFN, dtype=dtype) * 0.3)
         self.weighted = weighted
+        self.cast_back = cast_back
 
     def _gemm(self, x, w, offs):
         if x.dtype == torch.bfloat16:
@@ -46,7 +47,8 @@ class GroupedMmExperts(torch.nn.Module):
         weighted = proj * sample_weights_g.unsqueeze(-1) if self.weighted else proj
         inv_perm = torch.empty_like(perm)
         inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
-        return weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
+        out = weighted[inv_perm].view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+        return out.to(hidden_states.dtype) if self.cast_back else out
 
 
 def _routing(dtype, tokens=96, weights_dtype=None):
@@ -131,6 +133,90 @@ def test_fp32_routing_weights_on_bf16_experts():
                                        config=nff.FusionConfig(enable={"moe_dispatch"}))
     assert report.counts["moe_dispatch"] == 1
     _assert_block_equal(out, ref)
+
+
+class WithSharedExperts(torch.nn.Module):
+    """DeepSeek-V3's MoE (transformers DeepseekV3MoE.forward): the routed experts' sum, in the
+    model's dtype, plus the shared experts' output. The routing weights are fp32 (its router)."""
+
+    def __init__(self, dtype, add_a_bias_instead=False):
+        super().__init__()
+        self.experts = GroupedMmExperts(dtype)
+        self.shared = torch.nn.Linear(HIDDEN, HIDDEN, bias=False).to(dtype)
+        # a (1, H) bias broadcasts over the tokens: not something finalize can add
+        self.bias = torch.nn.Parameter(torch.randn(1, HIDDEN, dtype=dtype)) if add_a_bias_instead else None
+
+    def forward(self, x, ids, weights):
+        routed = self.experts(x, ids, weights)
+        return routed + (self.shared(x) if self.bias is None else self.bias)
+
+
+def _finalize_calls(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.npu.npu_moe_finalize_routing.default]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_combine_takes_its_rows_in_the_model_dtype_and_the_shared_output_as_skip1(dtype, dynamic):
+    """finalize's mixed-precision mode (bf16 rows, fp32 scales) instead of casting the rows to
+    fp32 and the sum back, and the add of the shared experts' output as its skip1: the block
+    launches one call where it launched three (bf16) or two (fp32)."""
+    from helpers import RecordingBackend
+
+    x, ids, weights = _routing(dtype, weights_dtype=torch.float32)
+    module = WithSharedExperts(dtype)
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(x, ids, weights)
+        ref = module(x, ids, weights)
+    (call,) = _finalize_calls(backend.graphs["inference"])
+    rows, skip1, skip2, _, scales = call.args[:5]
+    assert rows.meta["val"].dtype == dtype and scales.meta["val"].dtype == torch.float32
+    assert skip1 is not None and skip2 is None and call.meta["val"].dtype == dtype
+    ops = backend.report.graphs[0].ops_after
+    assert ops["aten.add.Tensor"] == 0 and ops["aten._to_copy.default"] <= 2  # ids to int32 (twice at most)
+    (result,) = [r for r in backend.report.graphs[0].passes if r.pass_name == "moe_dispatch"]
+    assert len(result.finished) == (2 if dtype == torch.bfloat16 else 1), result.finished
+    # bf16: the model rounds the routed sum before adding the shared output, the op once after
+    _assert_block_equal(out, ref)
+
+
+def test_keep_intermediate_rounding_keeps_the_add_after_a_half_combine():
+    from helpers import RecordingBackend
+
+    x, ids, weights = _routing(torch.bfloat16, weights_dtype=torch.float32)
+    module = WithSharedExperts(torch.bfloat16)
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}, keep_intermediate_rounding=True))
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(x, ids, weights)
+    (call,) = _finalize_calls(backend.graphs["inference"])
+    assert call.args[1] is None  # the model's rounding of the routed sum stays
+    assert call.args[0].meta["val"].dtype == torch.bfloat16  # the kernel widens the rows itself: exact
+    assert backend.report.graphs[0].ops_after["aten.add.Tensor"] == 1
+    _assert_block_equal(out, module(x, ids, weights))
+
+
+def test_a_sum_read_in_fp32_or_a_broadcast_add_stays_as_it_was():
+    from helpers import RecordingBackend
+
+    x, ids, weights = _routing(torch.bfloat16, weights_dtype=torch.float32)
+    module = WithSharedExperts(torch.bfloat16, add_a_bias_instead=True)
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(x, ids, weights)
+    (call,) = _finalize_calls(backend.graphs["inference"])
+    assert call.args[1] is None and backend.report.graphs[0].ops_after["aten.add.Tensor"] == 1
+    _assert_block_equal(out, module(x, ids, weights))
+
+    # the fp32 sum is the block's output: the rows stay widened, the sum fp32
+    torch._dynamo.reset()
+    module = GroupedMmExperts(torch.bfloat16, cast_back=False)
+    backend = RecordingBackend(nff.FusionConfig(enable={"moe_dispatch"}))
+    with torch.no_grad():
+        out = torch.compile(module, backend=backend, fullgraph=True)(x, ids, weights)
+    (call,) = _finalize_calls(backend.graphs["inference"])
+    assert call.meta["val"].dtype == torch.float32 and call.args[0].meta["val"].dtype == torch.float32
+    _assert_block_equal(out, module(x, ids, weights))
 
 
 def test_every_site_verifies():

@@ -117,6 +117,15 @@ def is_training_graph(graph: torch.fx.Graph) -> bool:
     return any(str(node.target).startswith(("primals_", "tangents_")) for node in graph.find_nodes(op="placeholder"))
 
 
+@dataclass(frozen=True)
+class FinishOptions:
+    """What a pass's finish() may honour: the run's SoC and torchair mode (None: CPU
+    emulation, nothing excluded) and FusionConfig.keep_intermediate_rounding."""
+    soc: Optional[str] = None
+    mode: Optional[str] = None
+    keep_intermediate_rounding: bool = False
+
+
 @dataclass
 class Recognized:
     """A site a pass found by what a region computes (its `recognize`), not by a traced form.
@@ -201,10 +210,12 @@ class FusionPass:
               graph computes (channel_algebra.py), whatever its spelling; run after the
               forms, on what they left. Each goes through the same acceptance (lowering,
               check, the replacement's output shapes, verification) and report as a form's.
-    finish:   finish(graph) -> int, run once after the pass fused sites in a graph: its own
-              exact rewrites of the arguments of the calls it emitted, where the graph around
-              them offers a cheaper equal one (a group list read as the counts it was summed
-              from). It must keep every value as it is; returns how many calls it changed.
+    finish:   finish(graph, FinishOptions) -> [note], run once after the pass fused sites in
+              a graph: its own rewrites of the calls it emitted, where the graph around them
+              offers a cheaper equal one (a group list read as the counts it was summed from;
+              a cast or an add the op does itself). It keeps every value, up to the op's own
+              rounding where keep_intermediate_rounding is off, emits nothing the SoC or mode
+              cannot run, and returns a note per change, which the report lists under the pass.
     forward_forms_on_joint: for a pass without `differentiable` whose sites carry no
               gradient in the models (DeepSeek-V3.2's indexer runs under no_grad): its
               forward-only patterns also run on joint graphs, where its check sees the
@@ -225,7 +236,7 @@ class FusionPass:
                  forward_forms_on_joint: bool = False,
                  anchor_ops: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None,
                  recognize: Optional[Callable[[torch.fx.Graph, bool], Sequence[Recognized]]] = None,
-                 finish: Optional[Callable[[torch.fx.Graph], int]] = None):
+                 finish: Optional[Callable[[torch.fx.Graph, FinishOptions], list[str]]] = None):
         self.name = name
         self.fused_op = fused_op
         self.example = dict(example)

@@ -185,6 +185,7 @@ class PassResult:
     error: Optional[str] = None  # the pass raised; the graph was restored
     skipped: Optional[str] = None  # why the pass did not run at all
     seconds: float = 0.0
+    finished: list[str] = field(default_factory=list)  # what its finish() changed after the sites
 
     def to_dict(self) -> dict:
         return {
@@ -197,6 +198,7 @@ class PassResult:
             "error": self.error,
             "skipped": self.skipped,
             "seconds": round(self.seconds, 6),
+            "finished": list(self.finished),
         }
 
 
@@ -701,6 +703,7 @@ class FusionReport:
                 lines += [f"  - fused `{s.form}` -> {s.fused_op} at {s.location}"
                           + (f" ({s.note})" if s.note else "")
                           + (f" [{s.verified}]" if s.verified else "") for s in r.sites]
+                lines += [f"  - then: {note}" for note in r.finished]
                 lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
             if found_nothing:
                 lines.append(f"- no candidate for: {', '.join(found_nothing)}")

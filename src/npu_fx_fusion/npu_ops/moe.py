@@ -147,6 +147,8 @@ def _finalize_samples(dtype):
     permuted = randn(18, 4, dtype=dtype, seed=114)
     yield Sample((permuted, tokens, None, randn(5, 4, dtype=dtype), probs, sorted_indices, idx, 2, 3))
     yield Sample((permuted, None, None, None, None, sorted_indices, None, 0, 3))
+    if dtype == torch.bfloat16:  # the mixed-precision mode: fp32 scales, skip1 alone
+        yield Sample((permuted, tokens, None, None, probs.float(), sorted_indices, idx, 2, 3))
 
 
 def _grouped_matmul_samples(dtype):
@@ -906,7 +908,8 @@ def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices, perm
 
 
 # ---- npu_moe_finalize_routing --------------------------------------------------------
-def _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to_dst_row, drop_pad_mode, k):
+def _finalize_plan(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row, drop_pad_mode,
+                   k):
     op = "npu_moe_finalize_routing"
     mode = 0 if drop_pad_mode is None else drop_pad_mode
     if mode not in (0, 1, 2, 3):
@@ -925,12 +928,21 @@ def _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to
         if t is not None and t.shape != (n, expanded_permuted_rows.shape[-1]):
             raise RuntimeError(f"{op}: {name} must be (N, H) = {(n, expanded_permuted_rows.shape[-1])}, "
                                f"got {tuple(t.shape)}")
+    if skip2 is not None and skip1 is None:  # the V2 tiling's check (limits["skip2_needs_skip1"])
+        raise RuntimeError(f"{op}: skip2 needs skip1")
+    rows = expanded_permuted_rows.dtype
+    for name, t in (("skip1", skip1), ("skip2", skip2), ("bias", bias)):
+        if t is not None and t.dtype != rows:
+            raise RuntimeError(f"{op}: {name} must be {rows} like expanded_permuted_rows, got {t.dtype}")
+    if scales is not None and scales.dtype != rows and (rows, scales.dtype) != (torch.bfloat16, torch.float32):
+        raise RuntimeError(f"{op}: scales must be {rows} like expanded_permuted_rows (or float32 for bfloat16 "
+                           f"rows), got {scales.dtype}")
     return mode, topk, n
 
 
 def _finalize_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                    export_for_source_row, drop_pad_mode=0, k=1):
-    _, _, n = _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to_dst_row,
+    _, _, n = _finalize_plan(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                              drop_pad_mode, k)
     return expanded_permuted_rows.new_empty((n, expanded_permuted_rows.shape[-1]))
 
@@ -955,9 +967,15 @@ def _finalize_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_
                  "documented_drop_pad_modes": (0,),
                  "v2_drop_pad_modes": (0, 1, 2, 3),
                  "index_dtype": torch.int32,
-                 # skip2 None => skip1 None per the wheel docstring; the master doc says the
-                 # reverse (op_semantics 11.8)
-                 "skip1_needs_skip2": True,
+                 # the wheel docstring says skip2 None => skip1 None, the master doc the reverse
+                 # (op_semantics 11.8); the V2 tiling, which every drop_pad_mode-2 call runs,
+                 # rejects skip2 without skip1 and takes skip1 alone
+                 # (moe_finalize_routing_v2_tiling_membase.cpp)
+                 "skip2_needs_skip1": True,
+                 # bf16 rows with fp32 scales: the mixed-precision mode of A2/A3 (ops-transformer
+                 # moe_finalize_routing_v2_def.cpp, aclnnMoeFinalizeRoutingV2.md); the wheel
+                 # docstring, older, asks for one dtype
+                 "mixed_scales": (torch.bfloat16, torch.float32),
              },
              doc="op_semantics 6.4 / torch_npu docstring (_op_plugin_docs.py npu_moe_finalize_routing): "
              "expanded_permuted_rows (N*K, H) fp16/bf16/fp32, skip1/skip2 (N, H) and bias (E, H) and "
@@ -972,7 +990,7 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     # index of -1 (a dropped or inactive row) reads a zero row. Drop-pad modes 1/3 index the
     # (E, C, H) rows flattened to (E*C, H). skip1 and skip2 may each be None: the docs
     # disagree on which may be None alone (op_semantics 11.8); whichever is given is added.
-    mode, topk, n = _finalize_plan(expanded_permuted_rows, skip1, skip2, scales, expanded_src_to_dst_row,
+    mode, topk, n = _finalize_plan(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
                                    drop_pad_mode, k)
     acc = _compute_dtype(expanded_permuted_rows)
     hidden = expanded_permuted_rows.shape[-1]

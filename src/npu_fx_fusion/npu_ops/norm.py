@@ -142,9 +142,10 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
 
 
 # ---- npu_add_rms_norm_cast ----------------------------------------------------------
-# No pass of ours emits it: torchair's own pattern pass (torchair/patterns/
-# add_rms_norm_cast.py) rewrites `npu_add_rms_norm` + a cast of y to fp32 into it, after
-# our passes. The stand-in lets that pass run on CPU (tests/test_torchair_backend.py).
+# add_rms_norm's finish emits it where y is also read in fp32 (a router's input).
+# torchair's own pattern pass (torchair/patterns/add_rms_norm_cast.py) does the same after
+# our passes, for a y read by exactly one other node and an fp32 copy read once; the
+# stand-in lets that pass run on CPU too (tests/test_torchair_backend.py).
 def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
     y, rstd, x_out = _add_rms_norm_fake(x1, x2, gamma, epsilon)
     return torch.empty_like(x1, dtype=torch.float32), y, rstd, x_out
@@ -153,7 +154,13 @@ def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
 @op_spec("npu::npu_add_rms_norm_cast",
          schema="npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
          "-> (Tensor, Tensor, Tensor, Tensor)",
-         fake=_add_rms_norm_cast_fake, samples=_add_rms_norm_samples, sample_dtypes=FLOAT_DTYPES)
+         fake=_add_rms_norm_cast_fake, samples=_add_rms_norm_samples, sample_dtypes=FLOAT_DTYPES,
+         capability=OpCapability(
+             dtypes=frozenset({torch.float16, torch.bfloat16}), min_rank=1, max_rank=8, backward=None,
+             ge_converter=True, same_shape=("x1", "x2"), socs={"Ascend310P": SocLimits(supported=False)},
+             doc="torch_npu docstring (_op_plugin_docs.py npu_add_rms_norm_cast): x1, x2, gamma BFLOAT16 / FLOAT16 "
+             "of one dtype, 1-8 dims; y1 FLOAT32, y2 and x in x1's dtype; Atlas A2 / A3; GE converter "
+             "custom/npu_add_rms_norm_cast.py; no autograd"))
 def npu_add_rms_norm_cast(x1, x2, gamma, epsilon=1e-6):
     # Outputs (y_fp32, y, rstd, x_out), the order torchair's replacement unpacks. y_fp32 is
     # taken as y rounded to x1's dtype and widened, the value of the cast it replaces
