@@ -139,9 +139,19 @@ def _both_ways(tiny, expected, unfused_routers=0):
     assert _sites(npu_report, routers_apart) == _sites(cpu_report, routers_apart)
     # the npu ops the passes added (an NPU graph holds npu_fusion_attention_v3 before any pass)
     router_ops = {s.fused_op for s in npu_report.sites if s.pass_name == "moe_gating"} if routers_apart else set()
-    assert ({op: n for op, n in npu_report.fused_ops.items() if op not in router_ops}
-            == {op: n for op, n in cpu_report.fused_ops.items() if op not in router_ops})
+    assert _without(npu_report.fused_ops, router_ops, routers_apart) == _without(cpu_report.fused_ops, router_ops,
+                                                                                routers_apart)
     return npu_out, cpu_out, ref, npu_report
+
+
+def _without(fused_ops, router_ops, routers_apart):
+    """The fused ops less the routers'. Where only one graph computes its routers in fp32, the
+    norm in front of a router also writes that fp32 input there (npu_add_rms_norm_cast): the
+    same norm as npu_add_rms_norm in the other graph."""
+    counts = {op: n for op, n in fused_ops.items() if op not in router_ops}
+    if routers_apart and "npu.npu_add_rms_norm_cast" in counts:
+        counts["npu.npu_add_rms_norm"] = counts.get("npu.npu_add_rms_norm", 0) + counts.pop("npu.npu_add_rms_norm_cast")
+    return counts
 
 
 @pytest.mark.parametrize("expected", MODELS, ids=[m.id for m in MODELS])

@@ -38,7 +38,7 @@ from .canonical import is_backward, same_shape
 from .capabilities import not_lowerable
 from .insertion import (_inherit_kept_calls, _inherit_source_meta, _reads_later_node, insert_replacement,
                         trace_input)
-from .forms import FinishOptions, Form, FusionPass, Reason, Site
+from .forms import Form, FusionPass, Reason, Site
 from .nodes import constant_on_a_size_range, known_equal
 from .recognition import RecognitionRun, recognized_sites
 from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, deep_patterns, keyword_value,
@@ -162,8 +162,6 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
     if _recognize(ctx, gm, result, anchors):
         candidates = None  # replacements erased some anchors: walk the graph again
-    if result.sites and fusion_pass.finish is not None:
-        result.finished = fusion_pass.finish(gm.graph, FinishOptions(ctx.soc, ctx.mode, ctx.keep_intermediate_rounding))
     return _near_misses(ctx, gm, result, anchors, candidates)
 
 

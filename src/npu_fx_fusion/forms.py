@@ -210,8 +210,9 @@ class FusionPass:
               graph computes (channel_algebra.py), whatever its spelling; run after the
               forms, on what they left. Each goes through the same acceptance (lowering,
               check, the replacement's output shapes, verification) and report as a form's.
-    finish:   finish(graph, FinishOptions) -> [note], run once after the pass fused sites in
-              a graph: its own rewrites of the calls it emitted, where the graph around them
+    finish:   finish(graph, FinishOptions) -> [note], run once when the pass fused sites in
+              a graph, after every pass has run (pipeline._run_finishes): its own rewrites of
+              the calls it emitted, where the graph around them
               offers a cheaper equal one (a group list read as the counts it was summed from;
               a cast or an add the op does itself). It keeps every value, up to the op's own
               rounding where keep_intermediate_rounding is off, emits nothing the SoC or mode

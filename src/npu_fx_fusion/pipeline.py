@@ -32,6 +32,7 @@ from .cleanup import (LAYOUT_CHANGED, copies_for_contiguous_inputs, drop_lossles
                       merge_repeated_fused_calls, merge_repeated_pure_calls, views_to_reshapes_where_needed)
 from .config import FusionConfig
 from .dumps import Dumper
+from .forms import FinishOptions
 from .nodes import op_name
 from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
@@ -152,11 +153,14 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     original_nodes = set(gm.graph.nodes)
     snapshot = _Snapshot(gm.graph) if enabled else None
     try:
+        results = []
         for name in enabled:
             result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes)
             graph_report.passes.append(result)
+            results.append(result)
             if result.sites:  # before the next pass: one call per value it may fuse further
                 merge_repeated_fused_calls(gm.graph, original_nodes, _pure_fused_ops())
+        original_nodes = _run_finishes(gm, results, config, soc, mode, original_nodes)
         views_to_reshapes_where_needed(gm, [n for n in gm.graph.nodes if n not in original_nodes])
         copies_for_contiguous_inputs(gm.graph, _takes_contiguous_inputs)
         merge_repeated_pure_calls(gm.graph, original_nodes)
@@ -257,11 +261,14 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
                 views_to_reshapes_where_needed(gm, relaid)
         original_nodes = set(gm.graph.nodes)
         from_tangents: dict = {}  # accept._reads_tangents' memo, shared by the passes
+        results = []
         for name in passes:
             result, original_nodes = _run_one(gm, name, config, soc, mode, original_nodes, joint=True,
                                               from_tangents=from_tangents)
             if result is not None:
                 graph_report.passes.append(result)
+                results.append(result)
+        original_nodes = _run_finishes(gm, results, config, soc, mode, original_nodes)
         new_nodes = [n for n in gm.graph.nodes if n not in original_nodes]
         if new_nodes:
             views_to_reshapes_where_needed(gm, new_nodes)
@@ -443,6 +450,34 @@ class _Snapshot:
             rebuilt[node] = new
         gm.graph = graph  # the setter re-parents the graph and recompiles
         return rebuilt
+
+
+def _run_finishes(gm: torch.fx.GraphModule, results: Sequence[PassResult], config: FusionConfig,
+                  soc: Optional[str], mode: Optional[str], original_nodes: set) -> set:
+    """Each pass's finish (FusionPass.finish), in pass order, for the passes that fused sites:
+    after every pass has run, so no pass matches a graph another one has already finished
+    (swiglu_group matches the finalize call moe_dispatch emits, before its finish gives it a
+    skip). A finish that raises is reverted alone and says so in its notes. Returns the
+    graph's original nodes as they are afterwards."""
+    options = FinishOptions(soc, mode, config.keep_intermediate_rounding)
+    for result in results:
+        fusion_pass = load_pass(result.pass_name) if result.sites else None
+        if fusion_pass is None or fusion_pass.finish is None:
+            continue
+        snapshot = _Snapshot(gm.graph)
+        try:
+            result.finished = list(fusion_pass.finish(gm.graph, options))
+            gm.graph.lint()
+        except Exception as exc:
+            rebuilt = snapshot.restore(gm)
+            original_nodes = {rebuilt[n] for n in original_nodes if n in rebuilt}
+            if config.strict:
+                raise
+            error = _one_line(exc)
+            log.warning("the finish of pass %s failed and was reverted: %s (%s)", result.pass_name, error,
+                        _log_failure(f"finish of pass {result.pass_name}", exc, config))
+            result.finished = [f"its finish raised and was reverted: {error}"]
+    return original_nodes
 
 
 def _run_one(gm: torch.fx.GraphModule, name: str, config: FusionConfig, soc: Optional[str],
