@@ -218,12 +218,57 @@ def _integer(dtype):
 
 
 # ---- near misses: a grouped GEMM left unfused ---------------------------------------------
+# Experts may also run one by one: a matmul per expert with weight w[e] on its rows, in a
+# Python loop over torch.split(x, counts) (torchtitan's GroupedExperts with
+# use_grouped_mm=False, litgpt / Mixtral-style loops). The counts are read on the host for
+# the split (a graph break), so the graph holds E separate GEMMs, each specialised on its
+# row count. One near miss per expert weight, at its first expert's matmul.
+_MATMULS = (aten.matmul.default, aten.mm.default)
+_TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
+
+
+def _expert_weight(operand):
+    """(w, e) where `operand` is expert e of a stacked (E, ., .) weight w, maybe transposed."""
+    node = operand
+    while is_call(node, *_TRANSPOSES):
+        node = node.args[0]
+    if not (is_call(node, aten.select.int) and isinstance(node.args[2], int)):
+        return None
+    weight = tensor_meta(node.args[0])
+    if weight is None or weight.dim() != 3 or node.args[1] % 3 != 0:  # dim 0, or -3
+        return None
+    return node.args[0], node.args[2]
+
+
+def _per_expert_matmuls(node):
+    """The matmuls that read one expert each of the weight node's first expert reads, if node is
+    one of expert 0 and experts of the same weight feed other matmuls; else None."""
+    if not is_call(node, *_MATMULS) or len(node.args) < 2:
+        return None
+    found = _expert_weight(node.args[1])
+    if found is None or found[1] != 0:
+        return None
+    weight = found[0]
+    experts = {user.args[2] for user in weight.users
+               if _expert_weight(user) is not None and any(is_call(reader, *_MATMULS, *_TRANSPOSES)
+                                                           for reader in user.users)}
+    return experts if len(experts) > 1 else None
+
+
 def anchor(node):
     fallback = interop.transformers_grouped_mm_fallback()
-    return is_call(node, aten._grouped_mm.default) or (fallback is not None and node.target is fallback)
+    return (is_call(node, aten._grouped_mm.default) or (fallback is not None and node.target is fallback)
+            or _per_expert_matmuls(node) is not None)
 
 
 def explain(node):
+    experts = _per_expert_matmuls(node)
+    if experts is not None:
+        weight = tensor_meta(_expert_weight(node.args[1])[0])
+        return (f"{len(experts)} experts of a {tuple(weight.shape)} weight run one by one, a matmul per expert on "
+                "its rows (a loop over torch.split(x, counts), which reads the counts on the host: a graph "
+                "break): npu_grouped_matmul takes the experts as one grouped GEMM with the counts as a device "
+                "tensor. Write them as one (torchtitan: GroupedExperts(use_grouped_mm=True); torch._grouped_mm)")
     x = tensor_meta(node.args[0])
     if x is not None and x.dim() != 2:
         return f"x is {x.dim()}-d: only the 2-d (tokens, hidden) x of the MoE expert GEMM is fused"
@@ -258,7 +303,7 @@ PASS = FusionPass(
     example_variants=[{"w": lambda dtype: torch.empty(3, 8, 16, dtype=dtype).transpose(-2, -1)}],
     check=check,
     anchor=anchor,
-    anchor_ops=lambda: (aten._grouped_mm.default, interop.transformers_grouped_mm_fallback()),
+    anchor_ops=lambda: (aten._grouped_mm.default, interop.transformers_grouped_mm_fallback(), *_MATMULS),
     explain=explain,
     verify_input=lambda name, args: even_offsets(args) if name == "offs" else None,
     finish=counts_for_running_sums,

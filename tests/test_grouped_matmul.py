@@ -135,3 +135,40 @@ def test_offsets_summed_in_floating_point_keep_their_running_sum():
     assert report.counts["grouped_matmul"] == 2
     assert report.graphs[0].ops_after["aten.cumsum.default"] == 1
     _check(out, ref)
+
+
+class ExpertsInALoop(torch.nn.Module):
+    """torchtitan's GroupedExperts with use_grouped_mm=False (_run_experts_for_loop): the rows
+    split by per-expert counts, a gated MLP per expert on its rows, the results concatenated."""
+
+    def __init__(self, experts=4, dim=16, hidden=32, only_expert=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
+        self.only_expert = only_expert
+
+    def forward(self, x, counts):
+        outs = []
+        for i, rows in enumerate(torch.split(x, counts)):
+            e = i if self.only_expert is None else self.only_expert  # one expert's weights for all
+            h = torch.nn.functional.silu(rows @ self.w1[e].transpose(-2, -1)) * (rows @ self.w3[e].transpose(-2, -1))
+            outs.append(h @ self.w2[e].transpose(-2, -1))
+        return torch.cat(outs)
+
+
+def test_experts_run_one_by_one_are_a_near_miss_per_weight():
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(ExpertsInALoop(), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 0
+    reasons = near_miss_reasons(report, "grouped_matmul")
+    assert len(reasons) == 3, reasons  # w1, w3, w2: one each, at expert 0's matmul
+    assert all("4 experts of a" in r and "run one by one" in r and "use_grouped_mm=True" in r for r in reasons)
+    torch.testing.assert_close(out, ref)
+
+
+def test_one_expert_weight_reused_for_every_chunk_is_no_expert_loop():
+    x = torch.randn(10, 16)
+    _, _, report = compile_and_run(ExpertsInALoop(only_expert=1), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert near_miss_reasons(report, "grouped_matmul") == []
