@@ -599,6 +599,8 @@ def recognize(graph, joint):
             if value is None or tensor_meta(output).is_complex():
                 continue
             rotations = _rotations(value, output, evaluated)
+            if isinstance(rotations, str):
+                output, rotations = _before_a_repeat(output, rotations, evaluated)
             if not rotations:
                 continue
             nodes = _ancestors_within(output, evaluated.region.nodes)
@@ -608,6 +610,27 @@ def recognize(graph, joint):
             for rotation in rotations:
                 found.extend(_recognized(rotation, output, nodes, backward_by_seq, evaluated.values))
     return found
+
+
+# ops that copy or repeat x's elements and compute nothing (GQA's repeat of k over the
+# query heads: unsqueeze, expand, reshape)
+_REPEATS = (aten.unsqueeze.default, aten.expand.default, aten.reshape.default, aten.view.default,
+            aten._unsafe_view.default, aten.clone.default, aten.alias.default)
+
+
+def _before_a_repeat(output, reason, evaluated):
+    """(node, rotations): where the rotation is read after its result was repeated (k expanded
+    over the query heads, its channels more than x's), the rotation as its result was before;
+    else (output, reason) as they were."""
+    chain, node = [], output
+    while is_call(node, *_REPEATS) and node.args[0] in evaluated.values:
+        node = node.args[0]
+        chain.append(node)
+    for node in reversed(chain):  # the rotation's own result first, not a view of it
+        rotations = _rotations(evaluated.values[node], node, evaluated)
+        if rotations and not isinstance(rotations, str):
+            return node, rotations
+    return output, reason
 
 
 def _ancestors_within(output, region_nodes):
@@ -698,10 +721,17 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
     total = len(terms)
     if channels % 2:
         return f"head_dim {channels} is odd: npu_rotary_mul rotates pairs"
+    # the channels of x the rotation reads: all of x, or (x a merged projection the rotation
+    # reads a slice of) as many of them as it has; read through a gather of those
+    window = None
     if math.prod(x_shape) != total:
-        return f"the rotation's {total} channels are not x's {math.prod(x_shape)}"
+        used = sorted({t[1].index for channel in terms for t in channel})
+        if len(used) != total:
+            return f"the rotation's {total} channels are not x's {math.prod(x_shape)}"
+        window = used
+    rank = (lambda index: index) if window is None else {u: i for i, u in enumerate(window)}.__getitem__
     # each output row of D channels reads only x's row at the same outer index
-    if any(t[1].index // channels != j // channels for j, channel in enumerate(terms) for t in channel):
+    if any(rank(t[1].index) // channels != j // channels for j, channel in enumerate(terms) for t in channel):
         return None if outer else "the rotation mixes channels of different rows"
     rotated = sorted({j % channels for j, t in enumerate(terms) if len(t) == 2})
     if not rotated:
@@ -713,6 +743,8 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
     rows = total // channels
     for order_name, order in _x_orders(channels):
         x_index = [(j // channels) * channels + order[j % channels] for j in range(total)]
+        if window is not None:
+            x_index = [window[i] for i in x_index]
         if any(terms[j] != [(1.0, terms[j][0][1], None)] or terms[j][0][1].index != x_index[j]
                for j in range(total) if not a <= j % channels < b):
             continue
@@ -723,7 +755,7 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
                 continue
             r1, r2 = fitted
             x_gather = None
-            if order_name != "identity":
+            if order_name != "identity" or window is not None:
                 x_gather = channel_gather([_multi(x_shape, i) for i in x_index], x_shape)
                 if x_gather is None:
                     continue
