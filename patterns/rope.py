@@ -594,13 +594,17 @@ def recognize(graph, joint):
             seen.add(node)
             continue
         seen.update(evaluated.region.nodes)
-        for output in evaluated.region.outputs:
+        region = evaluated
+        for output in region.region.outputs:
+            evaluated = region
             value = evaluated.values.get(output)
             if value is None or tensor_meta(output).is_complex():
                 continue
             rotations = _rotations(value, output, evaluated)
             if isinstance(rotations, str):
                 output, rotations = _before_a_repeat(output, rotations, evaluated)
+            if not rotations:
+                evaluated, rotations = _from_a_fan_out(node, output, evaluated, joint)
             if not rotations:
                 continue
             nodes = _ancestors_within(output, evaluated.region.nodes)
@@ -612,25 +616,52 @@ def recognize(graph, joint):
     return found
 
 
-# ops that copy or repeat x's elements and compute nothing (GQA's repeat of k over the
-# query heads: unsqueeze, expand, reshape)
+# ops that move, copy or repeat their input's elements and compute nothing (GQA's repeat of k
+# over the query heads: unsqueeze, expand, reshape; the transpose to BNSD for the attention)
 _REPEATS = (aten.unsqueeze.default, aten.expand.default, aten.reshape.default, aten.view.default,
-            aten._unsafe_view.default, aten.clone.default, aten.alias.default)
+            aten._unsafe_view.default, aten.clone.default, aten.alias.default, aten.transpose.int,
+            aten.permute.default)
 
 
 def _before_a_repeat(output, reason, evaluated):
-    """(node, rotations): where the rotation is read after its result was repeated (k expanded
-    over the query heads, its channels more than x's), the rotation as its result was before;
-    else (output, reason) as they were."""
+    """(node, rotations): where the rotation is read after its result was moved or repeated
+    (k expanded over the query heads, its channels more than x's; heads and positions
+    transposed), the rotation as its result was before; else (output, reason) as they were."""
     chain, node = [], output
     while is_call(node, *_REPEATS) and node.args[0] in evaluated.values:
         node = node.args[0]
         chain.append(node)
+    inner_reason = None
     for node in reversed(chain):  # the rotation's own result first, not a view of it
         rotations = _rotations(evaluated.values[node], node, evaluated)
         if rotations and not isinstance(rotations, str):
             return node, rotations
-    return output, reason
+        if isinstance(rotations, str) and inner_reason is None:
+            inner_reason = node, rotations  # reported where the rotation is computed
+    return inner_reason or (output, reason)
+
+
+def _from_a_fan_out(seed, output, evaluated, joint):
+    """(evaluation, rotations) with the region cut at the node x's two paths (x * cos and
+    rotate(x) * sin) fan out from, where the whole region reads as no rotation: x computed in
+    the region from several tensors (nGPT's `sq * normalize(q)`) makes every term a product
+    of three, not x times a table. (evaluated, None) where no cut reads as one."""
+    inside = set(evaluated.region.nodes)
+    fan_outs = [n for n in _ancestors_within(output, evaluated.region.nodes)
+                if n is not output and sum(user in inside for user in n.users) > 1]
+    for fan_out in reversed(fan_outs):  # the nearest to the output first
+        before = set(_ancestors_within(fan_out, evaluated.region.nodes)) - {fan_out}
+        if not before:
+            continue
+        try:
+            cut = evaluate_around(seed, include=lambda n: n not in before and not (joint and is_backward(n)))
+        except NotEvaluable:
+            continue
+        value = cut.values.get(output)
+        rotations = _rotations(value, output, cut) if value is not None else None
+        if rotations and not isinstance(rotations, str):
+            return cut, rotations
+    return evaluated, None
 
 
 def _ancestors_within(output, region_nodes):

@@ -120,10 +120,14 @@ def test_an_op_on_leading_dims_ends_the_region():
     assert [leaf.name for leaf in evaluated.region.leaves] == ["cos_1", "sin_1", "transpose"]
 
 
-def test_a_product_of_degree_three_is_not_evaluated():
+def test_a_product_of_products_takes_the_inner_product_as_a_leaf():
+    # degree 3 is not modelled: (x * c) * rotate_half(x) is read as a product of two values,
+    # x * c taken as it is (nGPT's scaled q, then its rotation)
     gm = _graph(lambda x, c: x * c * rotate_half(x), torch.randn(1, 8), torch.randn(1, 8))
-    with pytest.raises(NotEvaluable, match="degree 3"):
-        evaluate_around(_output(gm))
+    evaluated = evaluate_around(_output(gm))
+    inner = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert inner in evaluated.region.leaves
+    assert all(len(mono) == 2 for poly in evaluated.values[_output(gm)].channels for mono in poly)
 
 
 def test_a_symbolic_trailing_dim_is_not_tracked():

@@ -842,3 +842,27 @@ def test_look_alike_rotations_do_not_fuse_and_say_why(module, reason):
     assert len(reasons) == 2 and all(reason in r for r in reasons), reasons
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r)
+
+
+class ScaledQueryRotation(nn.Module):
+    """olmo-core's nGPT: q = sq * normalize(q) in (B, S, H*D), viewed into heads, then
+    olmo-core's rotate_half RoPE: a product of products the channel algebra cuts at the
+    scaled q, so the rotation is evaluated and reported, not skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.sq = nn.Parameter(torch.rand(64) + 0.5)
+
+    def forward(self, q, sin, cos):
+        b, s, _ = q.shape
+        q = (self.sq * (q / q.norm(dim=-1, keepdim=True))).view(b, s, 4, 16)
+        return olmo_core_rope(q, sin[:, :, None], cos[:, :, None]).transpose(1, 2)
+
+
+def test_a_rotation_of_a_scaled_query_is_fused_or_says_why():
+    q = inputs(torch.float32, (2, 6, 64))
+    cos, sin = hf_tables(1, 6, 16, torch.float32)
+    out, ref, report = _run(ScaledQueryRotation(), q, sin, cos)
+    reasons = near_miss_reasons(report, "rope")
+    assert report.counts["rope"] + len(reasons) == 1, reasons
+    torch.testing.assert_close(out, ref)

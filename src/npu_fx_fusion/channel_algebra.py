@@ -52,8 +52,13 @@ class NotEvaluable(Exception):
     """The region does something this algebra does not model (the reason says what)."""
 
 
+class _DegreeOverflow(NotEvaluable):
+    """A product of more than MAX_DEGREE inputs."""
+
+
 class _Stop(Exception):
-    """A node acts on leading dims: the region ends there (the node is one of its leaves)."""
+    """A node acts on leading dims, or its value is a product the region takes as a whole:
+    the region ends there (the node is one of its leaves)."""
 
     def __init__(self, node: Node, why: str):
         super().__init__(why)
@@ -112,7 +117,8 @@ class Poly(dict):
             for m2, c2 in other.items():
                 mono = tuple(sorted(m1 + m2))
                 if len(mono) > MAX_DEGREE:
-                    raise NotEvaluable(f"a product of degree {len(mono)} (more than {MAX_DEGREE} inputs multiplied)")
+                    raise _DegreeOverflow(f"a product of degree {len(mono)} (more than {MAX_DEGREE} inputs "
+                                          "multiplied)")
                 out[mono] = out.get(mono, 0.0) + c1 * c2
         return Poly({m: c for m, c in out.items() if c != 0.0})
 
@@ -685,6 +691,20 @@ def _evaluate_around(seed: Node, include: Callable[[Node], bool], known: Optiona
     raise NotEvaluable(f"the region around {seed.name} did not settle")
 
 
+def _product_operand(ev: "_Evaluation", node: Node, env: dict, region: Region) -> Optional[Node]:
+    """The input of `node` computed in the region whose elements are products of the most
+    inputs (two or more), or None."""
+    best, best_degree = None, 1
+    for operand in node.all_input_nodes:
+        value = env.get(operand)
+        if value is None or operand in region.leaves:
+            continue
+        degree = max((len(mono) for i in set(value.ids.reshape(-1).tolist()) for mono in ev.elements[i]), default=0)
+        if degree > best_degree:
+            best, best_degree = operand, degree
+    return best
+
+
 def _run(ev: _Evaluation, region: Region, known: dict) -> dict:
     env: dict = {}
     for leaf in region.leaves:
@@ -695,7 +715,16 @@ def _run(ev: _Evaluation, region: Region, known: dict) -> dict:
     for node in region.nodes:
         if node.target in (aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default):
             continue  # evaluated through their getitems
-        value = _evaluate_node(ev, node, env)
+        try:
+            value = _evaluate_node(ev, node, env)
+        except _DegreeOverflow as exc:
+            # a product of products (nGPT's q = sq * normalize(q), then q * cos): the operand
+            # that is already a product becomes a leaf, a value of its own, and the region is
+            # evaluated again from it
+            operand = _product_operand(ev, node, env, region)
+            if operand is None:
+                raise
+            raise _Stop(operand, f"{operand.name} is a product, taken as it is ({exc})") from None
         env[node] = _Value(value.ids, value.rank, value.is_complex, value.leaves, _full_shape(node), value.rounded)
     return env
 
