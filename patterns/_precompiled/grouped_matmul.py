@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8f45715de4e982a4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '014695ad845b8b8e',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {
