@@ -293,9 +293,8 @@ def _step_report(report):
 NORM_SAVES_RSQRT = "intermediate rsqrt (aten.rsqrt.default) is also used by"
 SEPARATE_PROJECTIONS = "gate and up come from separate projections"
 ROPE_SPREAD = "the rotation's backward is spread over several regions"
-ROPE_GQA_KEY = "the rotation's 64 channels are not x's 32"
-ROPE_GRAD_CHANNELS = "its channels are not pairs of x's channels npu_rotary_mul rotates (half or interleaved)"
 ROPE_GRAD_SIN = "the sin table is read in an order plain views cannot gather"
+ROPE_TABLE_GATHER = "the cos table is read in an order plain views cannot gather"
 
 
 def _both(reason_of: dict, count: int) -> dict:
@@ -334,25 +333,19 @@ def _olmo_core(spec: str, rope: str) -> tuple[dict, dict]:
     folds into it in the forward graph (npu_add_rms_norm, its rstd the joint backward's). Its
     FeedForward's w1 and w3 are separate projections: every SwiGLU a near miss. The RoPE
     (RotaryEmbedding._apply_rotary_pos_emb, rotate_half by a view into two halves), by `rope`:
-    "mha": no joint form holds its backward, so each fuses forward-only after partitioning and
-    the backward graph's rotation is a near miss; "gqa": q as "mha", k (2 KV heads of 4) a near
-    miss in both graphs, reported at the attention backend (which repeats k's heads for SDPA,
-    _repeat_kv); "head_norm" (qwen3, gemma3: GQA, q and k normed per head before the
-    RoPE): q fuses in the joint graph, k is a near miss as in "gqa", its backward again."""
+    "mha" and "gqa": no joint form holds its backward, so each fuses forward-only after
+    partitioning (a GQA k too: its rotation ends before the attention backend repeats its
+    heads) and the backward graph's rotation is a near miss; "head_norm" (qwen3, gemma3: q and
+    k normed per head before the RoPE): q and k fuse in the joint graph, with their backward."""
     present = PRESENT[spec]
     fused = {("joint", "rms_norm"): present["rms_norm"], ("forward", "add_rms_norm"): present["add_rms_norm"]}
     near = _both({"swiglu": SEPARATE_PROJECTIONS}, present["swiglu"]) if present.get("swiglu") else {}
     ropes = present["rope"]
-    if rope == "mha":
-        fused[("forward", "rope")] = ropes
-        near |= {("joint", "rope", ROPE_SPREAD): ropes, ("backward", "rope", ROPE_GRAD_CHANNELS): ropes}
-    elif rope == "gqa":
-        fused[("forward", "rope")] = ropes // 2
-        near |= {("joint", "rope", ROPE_SPREAD): ropes // 2, ("backward", "rope", ROPE_GRAD_CHANNELS): ropes,
-                 **_both({"rope": ROPE_GQA_KEY}, ropes // 2)}
+    if rope == "head_norm":
+        fused[("joint", "rope")] = ropes
     else:
-        fused[("joint", "rope")] = ropes // 2
-        near |= {("backward", "rope", ROPE_GRAD_SIN): ropes // 2, **_both({"rope": ROPE_GQA_KEY}, ropes // 2)}
+        fused[("forward", "rope")] = ropes
+        near |= {("joint", "rope", ROPE_SPREAD): ropes, ("backward", "rope", ROPE_GRAD_SIN): ropes}
     return fused, near
 
 
@@ -363,9 +356,11 @@ TRAINING_STEP = {
         ("llama2_70B", "gqa"), ("olmo2_32B", "gqa"), ("olmo3_32B", "gqa"),
         ("qwen3_0_6B", "head_norm"), ("qwen3_14B", "head_norm"), ("gemma3_12B", "head_norm"))},
     # nGPT: its norms are L2 norms (no site), its FeedForward scales w1 x and w3 x before the
-    # SwiGLU, so they are not one projection's halves; its RoPE is not noticed (silent, survey)
+    # SwiGLU, so they are not one projection's halves; its RoPE rotates a q scaled by a learned
+    # vector, read with its tables over four tracked dims, which views cannot gather
     "olmo_core:ngpt_1B": ({}, _both({"swiglu": "the silu and the tensor it multiplies are not the two halves of one "
-                                              "tensor"}, 2)),
+                                              "tensor"}, 2)
+                          | _both({"rope": ROPE_TABLE_GATHER}, 4) | {("backward", "rope", ROPE_GRAD_SIN): 4}),
 }
 
 
