@@ -210,3 +210,37 @@ def test_turned_off_like_a_pass(monkeypatch, how):
     _, _, report, _ = _run(model, torch.randn(2, 3, HIDDEN), config=config)
     assert PASS not in report.counts
     assert model.q_proj.weight.storage_offset() == 0 and model.k_proj.weight.storage_offset() == 0
+
+
+class GatedExpert(nn.Module):
+    """litgpt's LLaMAMLP: fc_1 and fc_2 on one input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_1 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.fc_2 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.proj = nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.proj(F.silu(self.fc_1(x)) * self.fc_2(x))
+
+
+def test_a_graph_dynamo_reuses_for_another_instance_computes_with_that_instances_weights(caplog):
+    # litgpt's MoE calls its experts one by one after a graph break: dynamo compiles the
+    # expert's forward once and calls that graph with every expert's parameters. The merge
+    # re-pointed the first expert's weights; another expert's are copied in for its call and
+    # the first's put back, never re-pointed (that overwrote the first expert's weights)
+    torch.manual_seed(0)
+    experts = [GatedExpert().eval() for _ in range(3)]
+    first = [p.detach().clone() for p in experts[0].parameters()]
+    backend = EmulationBackend(nff.FusionConfig())
+    run = torch.compile(lambda expert, x: expert(x), backend=backend)
+    x = torch.randn(5, HIDDEN)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="npu_fx_fusion"):
+        for _ in range(2):
+            for expert in experts:
+                torch.testing.assert_close(run(expert, x), expert(x))
+    assert backend.report.counts[PASS] == 1 and len(backend.report.graphs) == 1  # one graph for all three
+    for param, before in zip(experts[0].parameters(), first):
+        torch.testing.assert_close(param, before, rtol=0, atol=0)
+    assert "called with another module's parameters" in caplog.text

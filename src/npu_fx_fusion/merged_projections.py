@@ -26,8 +26,10 @@ When the user rebinds a parameter (`p.data = t`, a new nn.Parameter assigned to 
 module), the buffer would be stale: the backend wraps the compiled callable with a check
 per call that each merged parameter still has its address in the buffer (a data_ptr
 comparison per parameter), and if not, copies its new values into the buffer and points it
-there again (`MergedWeights.check`). In-place updates (copy_, load_state_dict, optimizers)
-need nothing. A dtype or device change (`model.to(...)`) recompiles (dynamo's guards) and
+there again (`MergedWeights.check`). A parameter of another module in its place (dynamo
+calls a graph it compiled for a method frame with every instance's parameters) is copied
+in for that call only and the merged module's weights put back. In-place updates (copy_,
+load_state_dict, optimizers) need nothing. A dtype or device change (`model.to(...)`) recompiles (dynamo's guards) and
 merges again.
 
 Not merged, each a near miss with its reason: training graphs (the optimizer updates each
@@ -79,8 +81,9 @@ class _Group:
 class MergedWeights:
     """What one compile merged: the per-call check of the parameters it re-pointed."""
 
-    # (argument index of the parameter in the compiled callable, the buffer rows it views)
-    views: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # (argument index of the parameter in the compiled callable, the buffer rows it views,
+    # a weak reference to the parameter merged)
+    views: list[tuple[int, torch.Tensor, Callable[[], Optional[torch.Tensor]]]] = field(default_factory=list)
     result: PassResult = field(default_factory=lambda: PassResult(PASS_NAME))
     # dynamo's fake tensor of each re-pointed parameter, by argument index (`trace_inputs`)
     fakes: dict = field(default_factory=dict)
@@ -92,13 +95,34 @@ class MergedWeights:
         at another offset would not match it, and its fake (made before) is what it was."""
         return [self.fakes.get(index, value) for index, value in enumerate(example_inputs)]
 
-    def check(self, args: Sequence[Any]) -> None:
+    def check(self, args: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Point every merged parameter back at its rows of the buffer if the user rebound it
-        (its new values copied there first): one data_ptr comparison per parameter."""
-        for index, rows in self.views:
+        (its new values copied there first): one data_ptr comparison per parameter.
+
+        Another module's parameter in its place (dynamo reuses a graph it compiled for a
+        method frame for every instance of the module: litgpt's experts, called one by one
+        after a graph break) is not re-pointed: that would overwrite the merged module's
+        weights. Its values are copied into the rows for this call; returns (rows, what
+        they held) for the caller to put back after it."""
+        borrowed = []
+        for position, (index, rows, merged) in enumerate(self.views):
             param = args[index]
-            if param.data_ptr() != rows.data_ptr():
+            if param.data_ptr() == rows.data_ptr():
+                continue
+            original = merged()
+            if original is None or param is original:  # rebound, or replaced (the old one is gone)
                 _repoint(param, rows)
+                self.views[position] = (index, rows, weakref.ref(param))
+                continue
+            if not borrowed:
+                log.warning("merged_projections: a compiled graph is called with another module's parameters "
+                            "(dynamo reuses it for every instance of a module): their weights are copied into "
+                            "the merged buffer for each such call. Compile per instance, or "
+                            "FusionConfig(merge_projections=False), to avoid the copies")
+            with torch.no_grad():
+                borrowed.append((rows, rows.clone()))
+                rows.copy_(param.detach())
+        return borrowed
 
     def wrap(self, compiled: Callable) -> Callable:
         """`compiled`, checking the merged parameters before each call."""
@@ -107,9 +131,14 @@ class MergedWeights:
         check = self.check
 
         def checked(*args: Any) -> Any:
-            check(args[0] if len(args) == 1 and isinstance(args[0], list) and getattr(compiled, "_boxed_call", False)
-                  else args)
-            return compiled(*args)
+            borrowed = check(args[0] if len(args) == 1 and isinstance(args[0], list)
+                             and getattr(compiled, "_boxed_call", False) else args)
+            try:
+                return compiled(*args)
+            finally:
+                with torch.no_grad():
+                    for rows, held in borrowed:  # the merged module's own weights, back in place
+                        rows.copy_(held)
 
         checked.__dict__.update(getattr(compiled, "__dict__", {}))
         checked.__wrapped__ = compiled  # type: ignore[attr-defined]
@@ -149,7 +178,7 @@ def merge_projections(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], v
             for node, rows in ((linear.args[1], buffer.data[start:stop]),
                                (_bias_node(linear), None if bias is None else bias_buffer.data[start:stop])):
                 if rows is not None:
-                    merged.views.append((index_of[node], rows))
+                    merged.views.append((index_of[node], rows, weakref.ref(real[node])))
                     merged.fakes[index_of[node]] = node.meta["example_value"]
         _rewrite(gm, group, buffer, bias_buffer)
         merged.result.sites.append(FusedSite(
