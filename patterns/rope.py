@@ -633,6 +633,8 @@ def _before_a_repeat(output, reason, evaluated):
         chain.append(node)
     inner_reason = None
     for node in reversed(chain):  # the rotation's own result first, not a view of it
+        if tensor_meta(node).is_complex():  # a complex value's channels are not real terms
+            continue
         rotations = _rotations(evaluated.values[node], node, evaluated)
         if rotations and not isinstance(rotations, str):
             return node, rotations

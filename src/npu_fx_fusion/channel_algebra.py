@@ -699,7 +699,10 @@ def _product_operand(ev: "_Evaluation", node: Node, env: dict, region: Region) -
         value = env.get(operand)
         if value is None or operand in region.leaves:
             continue
-        degree = max((len(mono) for i in set(value.ids.reshape(-1).tolist()) for mono in ev.elements[i]), default=0)
+        polys = [poly for i in set(value.ids.reshape(-1).tolist())
+                 for poly in ((ev.elements[i].re, ev.elements[i].im) if isinstance(ev.elements[i], Complex)
+                              else (ev.elements[i],))]
+        degree = max((len(mono) for poly in polys for mono in poly), default=0)
         if degree > best_degree:
             best, best_degree = operand, degree
     return best
