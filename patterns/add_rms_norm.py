@@ -25,7 +25,7 @@ import operator
 import torch
 
 from npu_fx_fusion.capabilities import not_lowerable, unsupported
-from npu_fx_fusion.matching import FinishOptions, Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import RESHAPES, FinishOptions, Form, FusionPass, is_call, plain_cast, tensor_meta
 
 aten = torch.ops.aten
 CAST_OP = "npu.npu_add_rms_norm_cast"
@@ -147,8 +147,6 @@ def explain(norm):
 # has one other reader and the copy one, which a router next to the experts' dispatch is not.
 # The fp32 output is y widened ([inferred]: npu_ops/norm.py), so keep_intermediate_rounding
 # leaves the cast as it is.
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
 
 def norm_output_in_fp32_too(graph, options=FinishOptions()):
     """npu_add_rms_norm whose y is cast to fp32 (through views) -> npu_add_rms_norm_cast,
@@ -198,10 +196,9 @@ def _widening_reads(y):
     while todo:
         node, views = todo.pop()
         for user in node.users:
-            if is_call(user, *_VIEWS):
+            if is_call(user, *RESHAPES):
                 todo.append((user, [*views, user]))
-            elif (is_call(user, aten._to_copy.default) and user.kwargs.get("dtype") == torch.float32
-                  and set(user.kwargs) == {"dtype"}):
+            elif plain_cast(user, torch.float32):
                 found.append((views, user))
     return found
 

@@ -35,7 +35,7 @@ import torch
 
 from npu_fx_fusion import interop
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_call, plain_cast, tensor_meta
 
 aten = torch.ops.aten
 GROUPED_MATMUL = CAPABILITIES["npu.npu_grouped_matmul"]
@@ -201,7 +201,7 @@ def _summed_counts(group_list):
     """[the casts..., cumsum(c)] where group_list is the running sum of a 1-d integer c read
     through integer casts (in the order they are read back from group_list); else None."""
     chain, node = [], group_list
-    while is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"} and _integer(node.kwargs["dtype"]):
+    while plain_cast(node) and _integer(node.kwargs["dtype"]):
         chain.append(node)
         node = node.args[0]
     if not (is_call(node, aten.cumsum.default) and len(node.args) == 2 and node.args[1] in (0, -1)

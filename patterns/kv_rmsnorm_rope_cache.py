@@ -35,7 +35,7 @@ import operator
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import RESHAPES, Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
 LATENT_OP = "npu.npu_kv_rmsnorm_rope_cache_v2_functional"
@@ -130,7 +130,7 @@ MLA_PROLOG = ("npu_mla_prolog_v3 would also fuse the q and kv projections and th
 
 
 def _latent_op_output(node):
-    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    while is_call(node, *RESHAPES):
         node = node.args[0]
     return is_call(node, operator.getitem) and is_call(node.args[0], getattr(torch.ops.npu, LATENT_OP.split(".")[1]))
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import (Form, FusionPass, NotEvaluable, Recognized, channels_of, is_backward, is_call,
-                                    tensor_meta, uneven_halves, users_outside)
+from npu_fx_fusion.matching import (RESHAPES, Form, FusionPass, NotEvaluable, Recognized, channels_of, is_backward,
+                                    is_call, tensor_meta, uneven_halves, users_outside)
 
 aten = torch.ops.aten
 SWIGLU = CAPABILITIES["npu.npu_swiglu"]
@@ -115,11 +115,10 @@ def _silu_and_other(mul):
 
 _PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default,
                 aten._grouped_mm.default, aten.matmul.default)
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _is_projection(node):
-    while is_call(node, *_VIEWS):
+    while is_call(node, *RESHAPES):
         node = node.args[0]
     return is_call(node, *_PROJECTIONS)
 

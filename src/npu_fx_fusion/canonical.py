@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
-from .nodes import is_call, known_equal, same_layout, tensor_meta
+from .nodes import RESHAPES, is_call, known_equal, same_layout, tensor_meta
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -87,8 +87,6 @@ _DIM_ARGUMENTS = {
     aten.stack.default: ((1,), "dim", False, 1),
     aten.transpose.int: ((1, 2), None, False, 0),
 }
-
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 # x + 2.0 reaches a graph as add.Tensor(x, 2.0) or (F.rms_norm's eps) add.Scalar(x, 2.0):
 # one computation (a Python number is a wrapped scalar either way). Spelled .Tensor.
@@ -185,7 +183,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             continue
         if node.target in (aten.view.default, aten._unsafe_view.default):
             changed += _reshape_of_expand(graph, node)
-        if node.target in _VIEWS:
+        if node.target in RESHAPES:
             changed += _resolve_inferred_size(node)
         elif node.target in _DIM_ARGUMENTS:
             changed += _canonical_dims(node)

@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
-from .nodes import deterministic_and_pure, same_layout
+from .nodes import deterministic_and_pure, plain_cast, same_layout
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -151,7 +151,7 @@ def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int
     def dtype_only(node: Node) -> Optional[torch.dtype]:
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return None
-        if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"}:
+        if plain_cast(node):
             return node.kwargs["dtype"]
         npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
         if npu_cast is not None and node.target is npu_cast.default and len(node.args) == 2:

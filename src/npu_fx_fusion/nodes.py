@@ -24,6 +24,18 @@ def is_call(node: Any, *targets: Any) -> bool:
     return False
 
 
+# x.view, x.reshape and what aot makes of a view it cannot take (_unsafe_view): the same
+# elements in the same order, another shape
+RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def plain_cast(node: Any, dtype: Optional[torch.dtype] = None) -> bool:
+    """node is `.to(dtype)` as aot spells it (aten._to_copy with a dtype and nothing else), to
+    `dtype` if given."""
+    return (is_call(node, torch.ops.aten._to_copy.default) and set(node.kwargs) == {"dtype"}
+            and (dtype is None or node.kwargs["dtype"] == dtype))
+
+
 def tensor_meta(node: Any) -> Optional[torch.Tensor]:
     """The fake tensor a node computes (node.meta['val']), or None."""
     val = node.meta.get("val") if isinstance(node, Node) else None
