@@ -53,13 +53,14 @@ import torch
 
 from npu_fx_fusion import interop
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import (FinishOptions, Form, FusionPass, Recognized, enclosed_region, hcom_of, is_call,
-                                   is_training_graph, no_communicator_reason, tensor_meta)
+from npu_fx_fusion.matching import (RESHAPES, FinishOptions, Form, FusionPass, Recognized, enclosed_region, hcom_of,
+                                   is_call, is_training_graph, no_communicator_reason, plain_cast, tensor_meta)
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
 aten = torch.ops.aten
 npu = torch.ops.npu
 INIT = CAPABILITIES["npu.npu_moe_init_routing_v2"]
+FINALIZE = CAPABILITIES["npu.npu_moe_finalize_routing"]
 
 
 # ---- the routing both forms emit --------------------------------------------------------
@@ -644,7 +645,7 @@ def _group_backend(exchange: AllToAll) -> Optional[str]:
 def _viewed(node):
     """The tensor `node` is a view of (through view / reshape), or node itself: the same
     elements in the same order."""
-    while is_call(node, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    while is_call(node, *RESHAPES):
         node = node.args[0]
     return node
 
@@ -1223,7 +1224,6 @@ def _mc2_shape_reasons(exchange):
 #   parameter is not input, x2 parameter can't be inputted either"); torch_npu calls V2 for
 #   drop_pad_mode 2. In a half dtype the model rounds its sum before the add and the op
 #   rounds once, after it: FusionConfig.keep_intermediate_rounding keeps the add apart.
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -1241,24 +1241,19 @@ def combine_in_model_dtype(graph, options=FinishOptions()):
     return notes
 
 
-def _cast(node, dtype=None):
-    """node is a plain dtype conversion (to `dtype`, if given)."""
-    return (is_call(node, aten._to_copy.default) and set(node.kwargs) == {"dtype"}
-            and (dtype is None or node.kwargs["dtype"] == dtype))
-
-
 def _rows_in_their_own_dtype(graph, call):
+    rows_dtype, scales_dtype = FINALIZE.limits["mixed_scales"]
     rows, skip1, skip2, bias, scales = call.args[:5]
-    if not (_cast(rows, torch.float32) and skip1 is None and skip2 is None and bias is None):
+    if not (plain_cast(rows, scales_dtype) and skip1 is None and skip2 is None and bias is None):
         return None
     source, weights = tensor_meta(rows.args[0]), tensor_meta(scales)
-    if source is None or weights is None or source.dtype != torch.bfloat16 or weights.dtype != torch.float32:
+    if source is None or weights is None or (source.dtype, weights.dtype) != (rows_dtype, scales_dtype):
         return None
     casts = list(call.users)
-    if not casts or not all(_cast(user, torch.bfloat16) for user in casts):
+    if not casts or not all(plain_cast(user, rows_dtype) for user in casts):
         return None  # someone reads the fp32 sum: it must stay fp32
     call.update_arg(0, rows.args[0])
-    call.meta["val"] = tensor_meta(call).to(torch.bfloat16)
+    call.meta["val"] = tensor_meta(call).to(rows_dtype)
     for cast in casts:
         cast.replace_all_uses_with(call)
         graph.erase_node(cast)
@@ -1277,7 +1272,7 @@ def _added_tensor_as_skip(call, keep_intermediate_rounding):
     if keep_intermediate_rounding and out.dtype in _HALF_DTYPES:
         return None
     chain, node = [], call  # the views of the sum, each read once
-    while len(node.users) == 1 and is_call(next(iter(node.users)), *_VIEWS):
+    while len(node.users) == 1 and is_call(next(iter(node.users)), *RESHAPES):
         node = next(iter(node.users))
         chain.append(node)
     add = next(iter(node.users)) if len(node.users) == 1 else None

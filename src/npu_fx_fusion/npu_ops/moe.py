@@ -908,6 +908,12 @@ def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices, perm
 
 
 # ---- npu_moe_finalize_routing --------------------------------------------------------
+# (rows, scales): bf16 rows with fp32 scales, the mixed-precision mode of A2/A3 (ops-transformer
+# moe_finalize_routing_v2_def.cpp, aclnnMoeFinalizeRoutingV2.md); the wheel docstring, older,
+# asks for one dtype
+_MIXED_SCALES = (torch.bfloat16, torch.float32)
+
+
 def _finalize_plan(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row, drop_pad_mode,
                    k):
     op = "npu_moe_finalize_routing"
@@ -934,7 +940,7 @@ def _finalize_plan(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_
     for name, t in (("skip1", skip1), ("skip2", skip2), ("bias", bias)):
         if t is not None and t.dtype != rows:
             raise RuntimeError(f"{op}: {name} must be {rows} like expanded_permuted_rows, got {t.dtype}")
-    if scales is not None and scales.dtype != rows and (rows, scales.dtype) != (torch.bfloat16, torch.float32):
+    if scales is not None and scales.dtype != rows and (rows, scales.dtype) != _MIXED_SCALES:
         raise RuntimeError(f"{op}: scales must be {rows} like expanded_permuted_rows (or float32 for bfloat16 "
                            f"rows), got {scales.dtype}")
     return mode, topk, n
@@ -972,10 +978,7 @@ def _finalize_fake(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_
                  # rejects skip2 without skip1 and takes skip1 alone
                  # (moe_finalize_routing_v2_tiling_membase.cpp)
                  "skip2_needs_skip1": True,
-                 # bf16 rows with fp32 scales: the mixed-precision mode of A2/A3 (ops-transformer
-                 # moe_finalize_routing_v2_def.cpp, aclnnMoeFinalizeRoutingV2.md); the wheel
-                 # docstring, older, asks for one dtype
-                 "mixed_scales": (torch.bfloat16, torch.float32),
+                 "mixed_scales": _MIXED_SCALES,
              },
              doc="op_semantics 6.4 / torch_npu docstring (_op_plugin_docs.py npu_moe_finalize_routing): "
              "expanded_permuted_rows (N*K, H) fp16/bf16/fp32, skip1/skip2 (N, H) and bias (E, H) and "
