@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import (ChannelGather, Factor, Form, FusionPass, NotEvaluable, Recognized, channel_gather,
-                                    evaluate_around, is_backward, is_call, modelled, tensor_meta, uneven_halves, users_outside)
+from npu_fx_fusion.matching import (RESHAPES, ChannelGather, Factor, Form, FusionPass, NotEvaluable, Recognized,
+                                    channel_gather, evaluate_around, is_backward, is_call, modelled, tensor_meta,
+                                    uneven_halves, users_outside)
 
 aten = torch.ops.aten
 ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
@@ -594,17 +595,13 @@ def recognize(graph, joint):
             seen.add(node)
             continue
         seen.update(evaluated.region.nodes)
-        region = evaluated
-        for output in region.region.outputs:
-            evaluated = region
+        for output in evaluated.region.outputs:
             value = evaluated.values.get(output)
             if value is None or tensor_meta(output).is_complex():
                 continue
             rotations = _rotations(value, output, evaluated)
             if isinstance(rotations, str):
                 output, rotations = _before_a_repeat(output, rotations, evaluated)
-            if not rotations:
-                evaluated, rotations = _from_a_fan_out(node, output, evaluated, joint)
             if not rotations:
                 continue
             nodes = _ancestors_within(output, evaluated.region.nodes)
@@ -618,9 +615,8 @@ def recognize(graph, joint):
 
 # ops that move, copy or repeat their input's elements and compute nothing (GQA's repeat of k
 # over the query heads: unsqueeze, expand, reshape; the transpose to BNSD for the attention)
-_REPEATS = (aten.unsqueeze.default, aten.expand.default, aten.reshape.default, aten.view.default,
-            aten._unsafe_view.default, aten.clone.default, aten.alias.default, aten.transpose.int,
-            aten.permute.default)
+_REPEATS = (*RESHAPES, aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.alias.default,
+            aten.transpose.int, aten.permute.default)
 
 
 def _before_a_repeat(output, reason, evaluated):
@@ -641,29 +637,6 @@ def _before_a_repeat(output, reason, evaluated):
         if isinstance(rotations, str) and inner_reason is None:
             inner_reason = node, rotations  # reported where the rotation is computed
     return inner_reason or (output, reason)
-
-
-def _from_a_fan_out(seed, output, evaluated, joint):
-    """(evaluation, rotations) with the region cut at the node x's two paths (x * cos and
-    rotate(x) * sin) fan out from, where the whole region reads as no rotation: x computed in
-    the region from several tensors (nGPT's `sq * normalize(q)`) makes every term a product
-    of three, not x times a table. (evaluated, None) where no cut reads as one."""
-    inside = set(evaluated.region.nodes)
-    fan_outs = [n for n in _ancestors_within(output, evaluated.region.nodes)
-                if n is not output and sum(user in inside for user in n.users) > 1]
-    for fan_out in reversed(fan_outs):  # the nearest to the output first
-        before = set(_ancestors_within(fan_out, evaluated.region.nodes)) - {fan_out}
-        if not before:
-            continue
-        try:
-            cut = evaluate_around(seed, include=lambda n: n not in before and not (joint and is_backward(n)))
-        except NotEvaluable:
-            continue
-        value = cut.values.get(output)
-        rotations = _rotations(value, output, cut) if value is not None else None
-        if rotations and not isinstance(rotations, str):
-            return cut, rotations
-    return evaluated, None
 
 
 def _ancestors_within(output, region_nodes):
@@ -756,15 +729,13 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
         return f"head_dim {channels} is odd: npu_rotary_mul rotates pairs"
     # the channels of x the rotation reads: all of x, or (x a merged projection the rotation
     # reads a slice of) as many of them as it has; read through a gather of those
-    window = None
-    if math.prod(x_shape) != total:
-        used = sorted({t[1].index for channel in terms for t in channel})
-        if len(used) != total:
-            return f"the rotation's {total} channels are not x's {math.prod(x_shape)}"
-        window = used
-    rank = (lambda index: index) if window is None else {u: i for i, u in enumerate(window)}.__getitem__
+    whole = math.prod(x_shape) == total
+    window = list(range(total)) if whole else sorted({t[1].index for channel in terms for t in channel})
+    if len(window) != total:
+        return f"the rotation's {total} channels are not x's {math.prod(x_shape)}"
+    rank = {u: i for i, u in enumerate(window)}
     # each output row of D channels reads only x's row at the same outer index
-    if any(rank(t[1].index) // channels != j // channels for j, channel in enumerate(terms) for t in channel):
+    if any(rank[t[1].index] // channels != j // channels for j, channel in enumerate(terms) for t in channel):
         return None if outer else "the rotation mixes channels of different rows"
     rotated = sorted({j % channels for j, t in enumerate(terms) if len(t) == 2})
     if not rotated:
@@ -775,9 +746,7 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
     reason = "its channels are not pairs of x's channels npu_rotary_mul rotates (half or interleaved)"
     rows = total // channels
     for order_name, order in _x_orders(channels):
-        x_index = [(j // channels) * channels + order[j % channels] for j in range(total)]
-        if window is not None:
-            x_index = [window[i] for i in x_index]
+        x_index = [window[(j // channels) * channels + order[j % channels]] for j in range(total)]
         if any(terms[j] != [(1.0, terms[j][0][1], None)] or terms[j][0][1].index != x_index[j]
                for j in range(total) if not a <= j % channels < b):
             continue
@@ -788,7 +757,7 @@ def _fit_rotation(value, x, terms, outer, channels, evaluated, out_dims):
                 continue
             r1, r2 = fitted
             x_gather = None
-            if order_name != "identity" or window is not None:
+            if order_name != "identity" or not whole:
                 x_gather = channel_gather([_multi(x_shape, i) for i in x_index], x_shape)
                 if x_gather is None:
                     continue

@@ -29,8 +29,8 @@ comparison per parameter), and if not, copies its new values into the buffer and
 there again (`MergedWeights.check`). A parameter of another module in its place (dynamo
 calls a graph it compiled for a method frame with every instance's parameters) is copied
 in for that call only and the merged module's weights put back. In-place updates (copy_,
-load_state_dict, optimizers) need nothing. A dtype or device change (`model.to(...)`) recompiles (dynamo's guards) and
-merges again.
+load_state_dict, optimizers) need nothing. A dtype or device change (`model.to(...)`)
+recompiles (dynamo's guards) and merges again.
 
 Not merged, each a near miss with its reason: training graphs (the optimizer updates each
 parameter, and the gradient of a merged weight would go to the buffer), linears with and
