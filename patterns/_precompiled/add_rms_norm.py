@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '993ceb91856b1736',
+KEY = {'torch': '2.13.0+cpu', 'sources': '81aee000109b612d',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

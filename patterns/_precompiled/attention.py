@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f246e0b0a545e0a6',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd7a87e9a5d858350',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

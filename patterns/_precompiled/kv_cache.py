@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '32aae6bea11cec19',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0ca12dbaef98f580',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

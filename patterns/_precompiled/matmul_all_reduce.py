@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e83ee384976d048b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e4254e8a4c2fe65f',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0fd61a64bd49a0fa',
+KEY = {'torch': '2.13.0+cpu', 'sources': '082b832f38263779',
        'backward': {'npu.npu_scatter_nd_update': False, 'npu.npu_scatter_pa_kv_cache_functional': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5ea97a76363ff1a0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '85602dedbb956b98',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

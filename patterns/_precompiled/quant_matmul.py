@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9a1e041ff81db0f8',
+KEY = {'torch': '2.13.0+cpu', 'sources': '724773d362a16ec0',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

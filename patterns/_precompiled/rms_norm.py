@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '171a92fca7d0e02a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '30f932f91f433bcb',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

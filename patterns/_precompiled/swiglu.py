@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a49f2986ab347990',
+KEY = {'torch': '2.13.0+cpu', 'sources': '608cef697e4f549a',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '438891925b947f4a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '76a70858463a2db6',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '68b364fe0fefa4a3',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e8948bb2e62ced9c',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {
