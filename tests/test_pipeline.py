@@ -245,3 +245,37 @@ def test_a_buffer_the_writes_do_not_cover_or_that_is_read_between_them_stays(fn,
     gm = _functional_graph(fn, *args)
     canonicalize(gm.graph)
     assert torch.ops.aten.cat.default not in {n.target for n in gm.graph.nodes}
+
+
+def test_a_view_as_complex_whose_input_a_fusion_transposed_reads_a_contiguous_copy():
+    """A fused op may return another layout than the aten ops it replaced (torch_npu's
+    backward ops return contiguous grads where aten kept a transposed one). A view downstream
+    becomes a reshape; a view_as_complex, which needs a last stride of 1 (autograd's backward
+    of view_as_real is view_as_complex(grad.contiguous()), the trace drops the .contiguous()),
+    reads a contiguous copy. DeepSeek-V4's training step crashed there with only rms_norm on."""
+    from npu_fx_fusion.cleanup import LAYOUT_CHANGED, views_to_reshapes_where_needed
+
+    def f(x):  # x: [3, 2, 4]; the pairs of view_as_complex are along dim 1
+        pairs = x.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+        return torch.view_as_complex(pairs * 2)
+
+    x = torch.randn(3, 2, 4)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    clone = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default)
+    # the "fusion": the same values in the transposed layout (last stride 4)
+    with gm.graph.inserting_before(clone):
+        fused = gm.graph.call_function(torch.ops.aten.transpose.int, (clone.args[0].args[0], 1, 2))
+    fake = clone.meta["val"]
+    with fake.fake_mode:
+        fused.meta["val"] = torch.empty(3, 2, 4).transpose(1, 2)
+    fused.meta[LAYOUT_CHANGED] = True
+    clone.replace_all_uses_with(fused)
+    gm.graph.erase_node(clone)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    with pytest.raises(RuntimeError, match="stride"):
+        gm(x)
+    views_to_reshapes_where_needed(gm, [fused])
+    assert torch.equal(gm(x), f(x))
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert [[user.target for user in copy.users] for copy in copies] == [[torch.ops.aten.view_as_complex.default]]

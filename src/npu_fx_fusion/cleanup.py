@@ -226,6 +226,8 @@ def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:
         seen.add(node)
         if node.target is torch.ops.aten.view.default and not _views_exact_contiguous(node, new):
             node.target = torch.ops.aten.reshape.default
+        elif node.target is torch.ops.aten.view_as_complex.default:
+            _contiguous_copy_of_input(node.graph, node)
         pending.extend(node.users)
 
 
@@ -293,12 +295,7 @@ def copies_for_contiguous_inputs(graph: torch.fx.Graph, takes_contiguous: Any) -
             value = arg.meta.get("val") if isinstance(arg, Node) else None
             if not isinstance(value, torch.Tensor) or _surely_contiguous(value):
                 continue
-            with graph.inserting_before(node):
-                copy = graph.call_function(aten.clone.default, (arg,), {"memory_format": torch.contiguous_format})
-            fake_mode = value.fake_mode if isinstance(value, FakeTensor) else None
-            copy.meta["val"] = value.clone(memory_format=torch.contiguous_format) if fake_mode is None else \
-                _contiguous_fake(value, fake_mode)
-            node.replace_input_with(arg, copy)
+            _contiguous_copy(graph, node, arg)
             inserted += 1
     return inserted
 
@@ -312,9 +309,29 @@ def _surely_contiguous(value: torch.Tensor) -> bool:
         return False
 
 
-def _contiguous_fake(value: torch.Tensor, fake_mode: Any) -> torch.Tensor:
-    with fake_mode:
-        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+def _contiguous_copy_of_input(graph: torch.fx.Graph, node: Node) -> Node:
+    """A contiguous copy in front of a view_as_complex whose input's layout a fused op changed.
+
+    The code it was traced from asked for it: autograd's backward of view_as_real is
+    `view_as_complex(grad.contiguous())`, and the trace drops a `.contiguous()` of a value
+    that was contiguous then; a fused backward op can return that grad in another layout
+    (the aten ops it replaced kept a transposed one, torch_npu's return contiguous ones).
+    A copy of a contiguous value is a no-op for torchair."""
+    return _contiguous_copy(graph, node, node.args[0])
+
+
+def _contiguous_copy(graph: torch.fx.Graph, user: Node, arg: Node) -> Node:
+    """`user` reads a contiguous copy of `arg` (a clone inserted in front of it)."""
+    with graph.inserting_before(user):
+        copy = graph.call_function(aten.clone.default, (arg,), {"memory_format": torch.contiguous_format})
+    value = arg.meta.get("val")
+    if isinstance(value, FakeTensor):
+        with value.fake_mode:
+            copy.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    elif isinstance(value, torch.Tensor):
+        copy.meta["val"] = value.clone(memory_format=torch.contiguous_format)
+    user.replace_input_with(arg, copy)
+    return copy
 
 
 def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_mode: Any) -> None:
@@ -348,9 +365,13 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                 try:
                     interpreter.run_node(node)
                 except (RuntimeError, ValueError):  # fake mode raises ValueError for a view of strides
-                    if node.target is not aten.view.default:
+                    if node.target is aten.view.default:
+                        node.target = aten.reshape.default
+                    elif node.target is aten.view_as_complex.default:
+                        copy = _contiguous_copy_of_input(gm.graph, node)
+                        interpreter.env[copy] = copy.meta["val"]
+                    else:
                         raise
-                    node.target = aten.reshape.default
                     interpreter.run_node(node)
                 if key is not None and _static_layout(node.meta.get("val")):
                     results[key] = node.meta["val"]
