@@ -9,9 +9,10 @@ in fp32 and rounds once; the unfused bf16/fp16 code rounds after silu and after 
 multiply, so the two differ by about one ulp there.
 
 Gate and up from two separate projections (HF Llama / Qwen MLPs, torchtitan FeedForward)
-are the two halves of one tensor once merged_projections has merged the projections (in
-inference, when the backend compiles the model: merged_projections.py); elsewhere
-(training graphs, fuse() on an aot graph, the transform disabled) they are reported:
+are the two halves of one tensor once merged_projections has merged the projections, when
+the backend compiles the model (merged_projections.py: in inference into one buffer of
+weights, in training by concatenating the two weights in the graph on every step);
+elsewhere (fuse() on an aot graph, the transform disabled or refused) they are reported:
 npu_swiglu would need their outputs concatenated, one extra copy per step. GeGLU and other
 gates (gelu, relu) are not SwiGLU and never match.
 """
@@ -145,8 +146,8 @@ def explain(mul):
         if _is_projection(gate) and _is_projection(up):
             return ("gate and up come from separate projections: npu_swiglu needs them as the two "
                     "halves of one tensor (one gate_up projection), and concatenating them would "
-                    "add a copy per step (merged_projections merges the projections in inference "
-                    "where the backend compiles the model)")
+                    "add a copy per step (merged_projections merges the projections where the backend "
+                    "compiles the model; its report says why it did not)")
         return "the silu and the tensor it multiplies are not the two halves of one tensor"
     if gate_half == 1 and up_half == 0:
         return "silu is applied to the second half: npu_swiglu activates the first half"

@@ -32,8 +32,14 @@ in for that call only and the merged module's weights put back. In-place updates
 load_state_dict, optimizers) need nothing. A dtype or device change (`model.to(...)`)
 recompiles (dynamo's guards) and merges again.
 
-Not merged, each a near miss with its reason: training graphs (the optimizer updates each
-parameter, and the gradient of a merged weight would go to the buffer), linears with and
+In training the optimizer updates each parameter, and the gradient of a merged buffer would
+not reach them. There only a SwiGLU's gate and up linears (outputs that meet as
+silu(gate) * up) are merged, with `torch.cat` of their weights in the graph: a copy of both
+weights on every step, which autograd differentiates back into each weight's own gradient,
+and which buys one matmul for two (forward, and the input's and the weights' gradients)
+and npu_swiglu with its backward in place of silu * mul.
+
+Not merged, each a near miss with its reason: other linears of training graphs, linears with and
 without a bias in one group, weights of different dtypes, devices or input sizes, a weight
 that is a view into some other buffer (FSDP's flat parameters), a weight that is not a
 parameter of the model, a weight that is not a plain tensor (a DTensor shard, a quantized or
@@ -165,13 +171,27 @@ def merge_projections(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], v
     groups = _groups(gm.graph)
     training = torch.is_grad_enabled()
     for group in groups:
-        reason = _refusal(group, real, training)
+        reason = _refusal(group, real)
+        # in training, the gradient of a merged buffer would not reach the parameters
+        per_step = reason is None and training and _needs_gradients(group)
+        if per_step and not _gates_a_swiglu(group):
+            reason = _TRAINING
+        elif reason is None and not per_step:
+            reason = _layout_refusal(group)
         verified = ""
         if reason is None and verify:
             ok, verified = _verdict(group)
             reason = None if ok else f"verification failed: {verified}"
         if reason is not None:
             merged.result.near_misses.append(NearMiss(PASS_NAME, reason, _location(group.linears)))
+            continue
+        if per_step:
+            _rewrite(gm, group, *_concatenated_in_the_graph(gm, group))
+            merged.result.sites.append(FusedSite(
+                PASS_NAME, "gate and up linears of a SwiGLU, in training", FUSED_OP, _location(group.linears),
+                "the weights are concatenated in the graph on every step (a copy of both; autograd splits "
+                "their gradient back), so the swiglu pass fuses silu(gate) * up and one matmul replaces two, "
+                "forward and backward", verified, replaced=tuple(n.name for n in group.linears)))
             continue
         buffer, bias_buffer, note = _buffers(group)
         for linear, bias, (start, stop) in zip(group.linears, group.biases, _rows(group)):
@@ -247,7 +267,59 @@ def _bias_node(linear: Node) -> Any:
     return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
 
 
-def _refusal(group: _Group, real: dict, training: bool) -> Optional[str]:
+_TRAINING = ("a training graph: the weights need gradients of their own (the optimizer updates each parameter), "
+             "so they stay separate (only a SwiGLU's gate and up are merged in training, concatenated on every "
+             "step: there the merge lets npu_swiglu replace silu(gate) * up)")
+
+
+def _gates_a_swiglu(group: _Group) -> bool:
+    """Two linears whose outputs meet as silu(one) * other (F.silu, or g * sigmoid(g)), in
+    either order: where a per-step concatenation of their weights buys a fused npu_swiglu."""
+    if len(group.linears) != 2:
+        return False
+    first, second = group.linears
+    return any(_is_product_of(user, silu, other)
+               for gate, other in ((first, second), (second, first))
+               for silu in _silus_of(gate) for user in silu.users)
+
+
+def _silus_of(node: Node) -> list[Node]:
+    return [user for user in node.users
+            if _calls(user, torch.nn.functional.silu, "silu") and user.args[0] is node
+            or _calls(user, operator.mul, torch.mul, "mul") and any(
+                _calls(a, torch.sigmoid, torch.nn.functional.sigmoid, "sigmoid") and a.args[0] is node
+                for a in user.args if isinstance(a, Node) and a is not node) and node in user.args]
+
+
+def _is_product_of(node: Node, a: Node, b: Node) -> bool:
+    return _calls(node, operator.mul, torch.mul, "mul") and set(node.args[:2]) == {a, b}
+
+
+def _calls(node: Any, *targets: Any) -> bool:
+    """A dynamo graph's call of one of `targets` (functions, or method names)."""
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_method":
+        return node.target in targets
+    return node.op == "call_function" and node.target in targets
+
+
+def _concatenated_in_the_graph(gm: torch.fx.GraphModule, group: _Group) -> tuple[Node, Optional[Node]]:
+    """torch.cat of the group's weights (and biases) in the graph, in front of its first linear."""
+    first = group.linears[0]
+    with gm.graph.inserting_before(first):
+        weight = gm.graph.call_function(torch.cat, ([linear.args[1] for linear in group.linears],), {"dim": 0})
+        bias = None
+        if group.biases[0] is not None:
+            bias = gm.graph.call_function(torch.cat, ([_bias_node(linear) for linear in group.linears],), {"dim": 0})
+    return weight, bias
+
+
+def _needs_gradients(group: _Group) -> bool:
+    return any(t.requires_grad for t in group.weights + [b for b in group.biases if b is not None])
+
+
+def _refusal(group: _Group, real: dict) -> Optional[str]:
     """The first reason not to merge `group`, or None (filling its weights and biases)."""
     weights = [linear.args[1] for linear in group.linears]
     if len(set(weights)) != len(weights):
@@ -263,9 +335,6 @@ def _refusal(group: _Group, real: dict, training: bool) -> Optional[str]:
         if bias is not None and not isinstance(value, torch.nn.Parameter):
             return f"the bias of {linear.name} is not a parameter of the model"
         group.biases.append(value)
-    if training and any(w.requires_grad for w in group.weights + [b for b in group.biases if b is not None]):
-        return ("a training graph: the weights need gradients of their own (the optimizer updates each "
-                "parameter), so they stay separate")
     with_bias = [b is not None for b in group.biases]
     if any(with_bias) and not all(with_bias):
         return ("some of the linears have a bias and others none: one linear would need a zero bias for "
@@ -286,7 +355,7 @@ def _refusal(group: _Group, real: dict, training: bool) -> Optional[str]:
         return "the weights are on different devices"
     if any(w.shape[1] != first.shape[1] for w in group.weights):
         return "the weights take inputs of different sizes"
-    return _layout_refusal(group)
+    return None
 
 
 def _layout_refusal(group: _Group) -> Optional[str]:
@@ -366,16 +435,15 @@ def _concatenate(tensors: Sequence[torch.Tensor]) -> torch.nn.Parameter:
     return buffer
 
 
-def _rewrite(gm: torch.fx.GraphModule, group: _Group, buffer: torch.Tensor,
-             bias_buffer: Optional[torch.Tensor]) -> None:
-    """linear(x, w_i, b_i) for each i -> split(linear(x, W, B), sizes, -1)[i]."""
+def _rewrite(gm: torch.fx.GraphModule, group: _Group, buffer: Any, bias_buffer: Any) -> None:
+    """linear(x, w_i, b_i) for each i -> split(linear(x, W, B), sizes, -1)[i]. W, B: merged
+    buffers (tensors, registered here) or nodes computing them."""
     graph = gm.graph
     first = group.linears[0]
-    weight_name = _register(gm, buffer)
-    bias_name = _register(gm, bias_buffer) if bias_buffer is not None else None
     with graph.inserting_before(first):
-        weight = graph.get_attr(weight_name)
-        bias = graph.get_attr(bias_name) if bias_name else None
+        weight = buffer if isinstance(buffer, Node) else graph.get_attr(_register(gm, buffer))
+        bias = bias_buffer if bias_buffer is None or isinstance(bias_buffer, Node) else \
+            graph.get_attr(_register(gm, bias_buffer))
         merged = graph.call_function(torch._C._nn.linear, (group.input, weight, bias))  # noqa: SLF001
         parts = graph.call_function(torch.split, (merged, [w.shape[0] for w in group.weights]), {"dim": -1})
         for node in (weight, merged, parts) + ((bias,) if bias is not None else ()):
