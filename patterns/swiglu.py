@@ -48,13 +48,29 @@ def sliced(x):
     return F.silu(x[..., :half]) * x[..., half:]
 
 
+# silu written out as gate * sigmoid(gate) (Mamba-style and hand-written MLPs). A forward
+# graph needs no form of its own for it (spellings.py reads g * sigmoid(g) as silu(g)), but
+# autograd differentiates the product, not silu: its joint graph holds sigmoid_backward and a
+# sum of two gradient terms where silu's holds silu_backward, so training needs these traces
+def chunked_sigmoid(x):
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def sliced_sigmoid(x):
+    half = x.shape[-1] // 2
+    gate = x[..., :half]
+    return gate * torch.sigmoid(gate) * x[..., half:]
+
+
 # ---- the fused call -----------------------------------------------------------------------
 def npu_swiglu(x):
     # the op takes contiguous input (capabilities: limits["contiguous"]); a no-op when it is
     return torch.ops.npu.npu_swiglu(x.contiguous(), -1)
 
 
-FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,)) for search in (chunked, sliced)]
+FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,))
+         for search in (chunked, sliced, chunked_sigmoid, sliced_sigmoid)]
 
 
 # ---- checks -------------------------------------------------------------------------------

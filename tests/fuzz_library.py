@@ -322,9 +322,9 @@ MLPS = {
         "    x_fc_2 = self.fc_2(x)\n"
         "    x = F.silu(x_fc_1) * x_fc_2\n"
         "    return self.proj(x)",
-        # in inference merged_projections makes fc_1 and fc_2 one linear first; a training
-        # step keeps them apart (each weight its own gradient)
-        _mlp_inputs(), {"swiglu": 1}, training_limit=SEPARATE),
+        # merged_projections makes fc_1 and fc_2 one linear first: on one buffer in inference,
+        # on a per-step concatenation of the two weights in training
+        _mlp_inputs(), {"swiglu": 1}),
     "olmo_core.MoEMLP": Spelling(
         "olmo-core nn/moe/mlp.py:195: the experts as batched GEMMs, silu(bmm(x, w1)) * bmm(x, w3)", "swiglu",
         "def forward(self, x):\n"

@@ -397,9 +397,6 @@ def test_halves_of_a_symbolic_width_fuse_only_where_they_are_provably_the_halves
     # npu_swiglu takes x[..., :s // 2] and x[..., s // 2:]; chunk's (s + 1) // 2 is that only
     # for an even s, narrow's literal FFN only for s == 2 * FFN. The pass proves it from what
     # the graph knows (nodes.known_equal), with no guard of its own: unproven, a near miss
-    if training and halves == "narrow" and fuses:
-        pytest.skip("a narrow's joint graph has no form: the fuzz's known gap 'training: SwiGLU halves as "
-                    "narrow / split sizes'")
     module = GluOfAnInput(halves)
     backend = GuardRecordingBackend(ONLY_SWIGLU)
     compiled = torch.compile(module, backend=backend, fullgraph=True,

@@ -72,12 +72,12 @@ class FusionPipeline:
     def before_autograd(self, gm: torch.fx.GraphModule, example_inputs: Any, floats: dict[str, float]) -> None:
         """What the dynamo graph needs before aot_autograd traces it: the module floats
         specialised (lifted_floats; `floats`: those specialised so far) and, where the graph
-        will be differentiated, squares spelled as such (canonical.squares_as_powers)."""
+        will be differentiated, spelled as the joint forms are traced (canonical.autograd_spellings)."""
         specialize_module_floats(gm, example_inputs, floats)
         if torch.is_grad_enabled():
-            from .canonical import squares_as_powers
+            from .canonical import autograd_spellings
 
-            squares_as_powers(gm)
+            autograd_spellings(gm)
 
     def merge_projections(self, gm: torch.fx.GraphModule, example_inputs: Any) -> tuple[list, Callable]:
         """Merge the linears of a dynamo graph that share an input (merged_projections.py),

@@ -11,6 +11,7 @@ The bottom of the engine, beside nodes.py: it imports nothing above it.
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from typing import Any, Iterable, Optional, Sequence
 
@@ -191,6 +192,8 @@ def canonicalize(graph: torch.fx.Graph) -> int:
             changed += _split_as_slices(graph, node)
         elif node.target is aten.slice.Tensor:
             changed += _canonical_slice_bounds(node)
+        elif node.target is aten.slice_backward.default:
+            changed += _canonical_slice_backward_bounds(node)
     for node in list(graph.nodes):
         if node.target in _NEW_BUFFERS:
             changed += _slice_writes_as_cat(graph, node)
@@ -614,6 +617,25 @@ def _canonical_slice_bounds(node: Node) -> int:
     return 1
 
 
+def _canonical_slice_backward_bounds(node: Node) -> int:
+    """slice_backward(grad, sizes, dim, start, end, step), the gradient of a slice: its dim,
+    start and end spelled as the forward slice's are (_canonical_dims, _canonical_slice_bounds),
+    so that `x.narrow(-1, h, h)` and `x[..., h:]` have one backward as they have one forward."""
+    if len(node.args) != 6 or node.kwargs:
+        return 0
+    grad, sizes, dim, start, end, step = node.args
+    if not (isinstance(sizes, (list, tuple)) and all(isinstance(v, int) for v in (dim, start, end, step))
+            and step == 1 and -len(sizes) <= dim < len(sizes) and isinstance(sizes[dim], int)):
+        return 0
+    size = sizes[dim]
+    start, end = (min(max(v + size if v < 0 else v, 0), size) for v in (start, end))
+    args = (grad, sizes, dim - len(sizes) if dim >= 0 else dim, start, end, step)
+    if args == tuple(node.args):
+        return 0
+    node.args = args
+    return 1
+
+
 def _resolve_inferred_size(view: Node) -> int:
     out = tensor_meta(view)
     if out is None or len(view.args) < 2 or not isinstance(view.args[1], (list, tuple)):
@@ -655,6 +677,73 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> list[Node]:
 _PRODUCTS = (operator.mul, torch.mul, torch.Tensor.mul)
 
 
+def autograd_spellings(gm: torch.fx.GraphModule) -> int:
+    """A dynamo graph about to be differentiated, spelled as the joint forms are traced,
+    where the value is the same bit for bit; returns how many nodes changed.
+
+    The forward patterns take every spelling of spellings.py, but autograd differentiates
+    the op a spelling calls, so each spelling has a backward of its own, and a joint form
+    matches only the one it was traced from. Rewritten before aot_autograd traces the joint
+    graph, a respelled RMSNorm trains fused. Each rewrite computes the same bits (measured
+    on torch's CPU kernels, the stand-in's reference): x * x and x.square() are x ** 2
+    (squares_as_powers); v ** -0.5 is rsqrt(v) (pow's kernel calls rsqrt for -0.5); and a
+    float32 sum(x, dims) / n, n the count summed, is mean(x, dims), which divides the same
+    sum (in a half dtype mean rounds once where sum / n rounds twice: left as written)."""
+    changed = squares_as_powers(gm)
+    for node in list(gm.graph.nodes):
+        if _is_power(node, -0.5):
+            node.op, node.target, node.args, node.kwargs = "call_function", torch.rsqrt, (node.args[0],), {}
+            changed += 1
+        elif _sum_over_count(node) is not None:
+            summed, dims, keepdim = _sum_over_count(node)
+            node.op, node.target = "call_function", torch.mean
+            node.args, node.kwargs = (summed,), {"dim": dims, "keepdim": keepdim}
+            changed += 1
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return changed
+
+
+def _calls(node: Any, functions: tuple, method: str) -> bool:
+    return isinstance(node, Node) and (node.op == "call_function" and node.target in functions
+                                       or node.op == "call_method" and node.target == method)
+
+
+def _is_power(node: Node, exponent: float) -> bool:
+    """v ** exponent, torch.pow(v, exponent) or v.pow(exponent) of a tensor v."""
+    return (_calls(node, (operator.pow, torch.pow), "pow") and len(node.args) == 2 and not node.kwargs
+            and node.args[1] == exponent and isinstance(node.args[1], (int, float))
+            and isinstance(_example(node.args[0]), torch.Tensor))
+
+
+def _example(node: Any) -> Any:
+    return node.meta.get("example_value") if isinstance(node, Node) else None
+
+
+def _sum_over_count(node: Node) -> Optional[tuple]:
+    """(x, dims, keepdim) of `x.sum(dims, keepdim) / n` in float32, n the count summed."""
+    if not (_calls(node, (operator.truediv, torch.div), "div") and len(node.args) == 2 and not node.kwargs):
+        return None
+    total, count = node.args
+    if not (_calls(total, (torch.sum,), "sum") and len(total.users) == 1 and isinstance(count, (int, float))):
+        return None
+    summed, rest, kwargs = total.args[0], list(total.args[1:]), dict(total.kwargs)
+    dims = kwargs.pop("dim", rest.pop(0) if rest else None)
+    keepdim = kwargs.pop("keepdim", rest.pop(0) if rest else False)
+    x, out = _example(summed), _example(total)
+    if (rest or kwargs or dims is None or not isinstance(keepdim, bool) or not isinstance(x, torch.Tensor)
+            or not isinstance(out, torch.Tensor) or x.dtype != torch.float32 or out.dtype != torch.float32):
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims or not all(isinstance(d, int) and -x.dim() <= d < x.dim() for d in dims):
+        return None
+    sizes = [x.shape[d] for d in dims]
+    if not all(isinstance(size, int) for size in sizes) or math.prod(sizes) != count:
+        return None
+    return summed, dims, keepdim
+
+
 def squares_as_powers(gm: torch.fx.GraphModule) -> int:
     """x * x -> x ** 2 in a dynamo graph about to be differentiated; returns how many.
 
@@ -669,8 +758,9 @@ def squares_as_powers(gm: torch.fx.GraphModule) -> int:
     for node in gm.graph.nodes:
         is_product = ((node.op == "call_function" and node.target in _PRODUCTS)
                       or (node.op == "call_method" and node.target == "mul"))
-        if not (is_product and len(node.args) == 2 and not node.kwargs and node.args[0] is node.args[1]
-                and isinstance(node.args[0], Node)
+        is_square = (is_product and len(node.args) == 2 and not node.kwargs and node.args[0] is node.args[1]
+                     or _calls(node, (torch.square,), "square") and len(node.args) == 1 and not node.kwargs)
+        if not (is_square and isinstance(node.args[0], Node)
                 and isinstance(node.args[0].meta.get("example_value"), torch.Tensor)):
             continue
         node.op, node.target, node.args = "call_function", torch.pow, (node.args[0], 2)
