@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8bb1c19d1781d406',
+KEY = {'torch': '2.13.0+cpu', 'sources': '06ab025b1893877b',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0ca12dbaef98f580',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0028aeb062723f8a',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

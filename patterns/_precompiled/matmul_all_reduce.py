@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e4254e8a4c2fe65f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '90242701a5df533e',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ee048c1d77351a96',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9796b2c00ef60d8f',
        'backward': {'npu.npu_mm_reduce_scatter_base': False}}
 
 FORMS = {

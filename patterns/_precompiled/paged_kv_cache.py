@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '082b832f38263779',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9e38660a37503cad',
        'backward': {'npu.npu_scatter_nd_update': False, 'npu.npu_scatter_pa_kv_cache_functional': False}}
 
 FORMS = {

@@ -11,13 +11,17 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '608cef697e4f549a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'eb49403dd4382a30',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
     'chunked -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
         'keywords': []},
     'sliced -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
+        'keywords': []},
+    'chunked_sigmoid -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
+        'keywords': []},
+    'sliced_sigmoid -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
         'keywords': []},
 }
 
@@ -64,6 +68,48 @@ def _p2():  # sliced [joint]
     ])
     return pattern
 
+def _p3():  # chunked_sigmoid [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    sigmoid_default = CallFunction(aten.sigmoid.default, slice_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor, sigmoid_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, slice_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, slice_Tensor_1, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, slice_Tensor)
+    sigmoid_backward_default = CallFunction(aten.sigmoid_backward.default, mul_Tensor_3, sigmoid_default)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Tensor_2, sigmoid_default)
+    add_Tensor = CallFunction(aten.add.Tensor, sigmoid_backward_default, mul_Tensor_4)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    cat_default = CallFunction(aten.cat.default, [add_Tensor, mul_Tensor_5], Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      cat_default
+    ])
+    return pattern
+
+def _p4():  # sliced_sigmoid [joint]
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
+    sigmoid_default = CallFunction(aten.sigmoid.default, slice_Tensor, _users=3)
+    mul_Tensor = CallFunction(aten.mul.Tensor, slice_Tensor, sigmoid_default, _users=2)
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, mul_Tensor, slice_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, arg_tangents_1, slice_Tensor_1, _users=2)
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, mul_Tensor_2, slice_Tensor)
+    sigmoid_backward_default = CallFunction(aten.sigmoid_backward.default, mul_Tensor_3, sigmoid_default)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Tensor_2, sigmoid_default)
+    add_Tensor = CallFunction(aten.add.Tensor, sigmoid_backward_default, mul_Tensor_4)
+    slice_backward_default = CallFunction(aten.slice_backward.default, add_Tensor, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, mul_Tensor_5, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor_1 = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_1)
+    pattern = MultiOutputPattern([mul_Tensor_1,
+      add_Tensor_1
+    ])
+    return pattern
+
 
 # (form key, kind, arguments traced as requiring grad, the (op, target)s a match
 #  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
@@ -74,4 +120,8 @@ REGISTRATIONS = [
      (('call_function', 'aten.mul.Tensor'),), _p1),  # form 0
     ('sliced -> npu_swiglu @ float32', 'joint', ('x',),
      (('call_function', 'aten.mul.Tensor'),), _p2),  # form 1
+    ('chunked_sigmoid -> npu_swiglu @ float32', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 2
+    ('sliced_sigmoid -> npu_swiglu @ float32', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p4),  # form 3
 ]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '76a70858463a2db6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5242f4d38d03a06a',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {
