@@ -279,4 +279,5 @@ def test_a_graph_dynamo_reuses_for_another_instance_computes_with_that_instances
     assert backend.report.counts[PASS] == 1 and len(backend.report.graphs) == 1  # one graph for all three
     for param, before in zip(experts[0].parameters(), first):
         torch.testing.assert_close(param, before, rtol=0, atol=0)
-    assert "called with another module's parameters" in caplog.text
+    # said once for the graph, not at each of its four borrowing calls
+    assert caplog.text.count("called with another module's parameters") == 1

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4ed624ac02286fcc',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0fe39a7bc6f8490a',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

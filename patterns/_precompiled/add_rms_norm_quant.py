@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2f5329a5735f88c2',
+KEY = {'torch': '2.13.0+cpu', 'sources': '6b1340a3753fe652',
        'backward': {'npu.npu_add_rms_norm_dynamic_quant': False}}
 
 FORMS = {

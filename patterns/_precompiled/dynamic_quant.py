@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '06ab025b1893877b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '766b57c84266852b',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

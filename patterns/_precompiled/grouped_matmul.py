@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1208f14d0c2972b5',
+KEY = {'torch': '2.13.0+cpu', 'sources': '48d981dc1863b18d',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

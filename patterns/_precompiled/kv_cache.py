@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0028aeb062723f8a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e5ce17acb5c3d846',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

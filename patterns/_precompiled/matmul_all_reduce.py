@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '90242701a5df533e',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'de17e233b67ff4ca',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

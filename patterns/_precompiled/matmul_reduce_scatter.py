@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9796b2c00ef60d8f',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b8a7b947f9feb1e5',
        'backward': {'npu.npu_mm_reduce_scatter_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '09307df3d3731e48',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0ee262c9480cb984',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b6ebef137d69d42e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3f896ad2b6082a57',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5a75796214b9448f',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e1dc2bfc69836b21',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

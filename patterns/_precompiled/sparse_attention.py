@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '71ab150131c30f2e',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd9664420049ee1db',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

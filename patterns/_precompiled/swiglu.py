@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'eb49403dd4382a30',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd4c651cd88283d6b',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f0f78444530f1f24',
+KEY = {'torch': '2.13.0+cpu', 'sources': '70dcabac3726ebc3',
        'backward': {'cann_ops_nn.swiglu_group': True, 'npu.npu_clipped_swiglu': False}}
 
 FORMS = {

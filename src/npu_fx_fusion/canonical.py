@@ -696,11 +696,12 @@ def autograd_spellings(gm: torch.fx.GraphModule) -> int:
             changed += 1
         elif _sum_over_count(node) is not None:
             summed, dims, keepdim = _sum_over_count(node)
+            total = node.args[0]
             node.op, node.target = "call_function", torch.mean
             node.args, node.kwargs = (summed,), {"dim": dims, "keepdim": keepdim}
-            changed += 1
+            gm.graph.erase_node(total)  # its one user was this division (not a graph-wide DCE:
+            changed += 1                # a dynamo graph's in-place methods look unused to it)
     if changed:
-        gm.graph.eliminate_dead_code()
         gm.recompile()
     return changed
 

@@ -93,6 +93,8 @@ class MergedWeights:
     result: PassResult = field(default_factory=lambda: PassResult(PASS_NAME))
     # dynamo's fake tensor of each re-pointed parameter, by argument index (`trace_inputs`)
     fakes: dict = field(default_factory=dict)
+    # the warning about another module's parameters was given (once per compiled graph)
+    warned: bool = False
 
     def trace_inputs(self, example_inputs: Sequence[Any]) -> list:
         """The example inputs for aot_autograd: a re-pointed parameter as dynamo's fake
@@ -120,7 +122,8 @@ class MergedWeights:
                 _repoint(param, rows)
                 self.views[position] = (index, rows, weakref.ref(param))
                 continue
-            if not borrowed:
+            if not self.warned:
+                self.warned = True
                 log.warning("merged_projections: a compiled graph is called with another module's parameters "
                             "(dynamo reuses it for every instance of a module): their weights are copied into "
                             "the merged buffer for each such call. Compile per instance, or "
