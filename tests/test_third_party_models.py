@@ -291,7 +291,6 @@ def _step_report(report):
 # sites). "joint": fused forward and backward together; "forward" / "backward": the forward-only
 # patterns after partitioning (a forward fused so keeps its aten backward).
 NORM_SAVES_RSQRT = "intermediate rsqrt (aten.rsqrt.default) is also used by"
-SEPARATE_PROJECTIONS = "gate and up come from separate projections"
 ROPE_SPREAD = "the rotation's backward is spread over several regions"
 ROPE_GRAD_SIN = "the sin table is read in an order plain views cannot gather"
 ROPE_TABLE_GATHER = "the cos table is read in an order plain views cannot gather"
@@ -308,9 +307,10 @@ def _litgpt(spec: str) -> tuple[dict, dict]:
     Its RMSNorm squares as `x * x` (litgpt/model.py RMSNorm.forward), which the backend spells
     as a square before autograd (canonical.squares_as_powers), so every norm fuses in the joint
     graph too and every residual add feeding one folds into it in the forward graph.
-    LLaMAMLP's fc_1 and fc_2 are separate projections that merged_projections keeps separate
-    in training: every SwiGLU is a near miss, in a MoE once per expert (8 experts of a for-loop
-    over LLaMAMLP). GELU MLPs and LayerNorm models have no such sites; the MoE's router,
+    LLaMAMLP's fc_1 and fc_2 are separate projections that merged_projections merges in
+    training through a per-step concatenation of their weights: every SwiGLU fuses in the
+    joint graph, in a MoE once per expert (8 experts of a for-loop over LLaMAMLP, one graph
+    reused). GELU MLPs and LayerNorm models have no such sites; the MoE's router,
     dispatch and expert GEMMs run in eager (a graph break in its experts loop), which the report
     names (FusionReport.dynamo_gaps)."""
     present = PRESENT[spec]
@@ -321,17 +321,17 @@ def _litgpt(spec: str) -> tuple[dict, dict]:
         # in a MoE the residual add after the experts is computed in another graph than the
         # norm it feeds (the MoE's graph break sits between them): the block's other add folds
         fused[("forward", "add_rms_norm")] = present["add_rms_norm"] // (2 if present.get("moe_router") else 1)
-    near = {}
     if present.get("swiglu"):
         per_site = tiny_third_party.EXPERTS if present.get("moe_router") else 1
-        near |= _both({"swiglu": SEPARATE_PROJECTIONS}, present["swiglu"] * per_site)
-    return fused, near
+        fused |= dict.fromkeys([("joint", "swiglu"), ("joint", "merged_projections")], present["swiglu"] * per_site)
+    return fused, {}
 
 
 def _olmo_core(spec: str, rope: str) -> tuple[dict, dict]:
     """olmo-core: every RMSNorm fuses in the joint graph, and every residual add feeding one
     folds into it in the forward graph (npu_add_rms_norm, its rstd the joint backward's). Its
-    FeedForward's w1 and w3 are separate projections: every SwiGLU a near miss. The RoPE
+    FeedForward's w1 and w3 are separate projections, merged per step (merged_projections):
+    every SwiGLU fuses in the joint graph. The RoPE
     (RotaryEmbedding._apply_rotary_pos_emb, rotate_half by a view into two halves), by `rope`:
     "mha" and "gqa": no joint form holds its backward, so each fuses forward-only after
     partitioning (a GQA k too: its rotation ends before the attention backend repeats its
@@ -339,7 +339,9 @@ def _olmo_core(spec: str, rope: str) -> tuple[dict, dict]:
     k normed per head before the RoPE): q and k fuse in the joint graph, with their backward."""
     present = PRESENT[spec]
     fused = {("joint", "rms_norm"): present["rms_norm"], ("forward", "add_rms_norm"): present["add_rms_norm"]}
-    near = _both({"swiglu": SEPARATE_PROJECTIONS}, present["swiglu"]) if present.get("swiglu") else {}
+    if present.get("swiglu"):
+        fused |= dict.fromkeys([("joint", "swiglu"), ("joint", "merged_projections")], present["swiglu"])
+    near = {}
     ropes = present["rope"]
     if rope == "head_norm":
         fused[("joint", "rope")] = ropes

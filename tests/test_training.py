@@ -470,7 +470,8 @@ class NormThenSeparateSwiGLU(nn.Module):
 
 
 def test_a_pass_done_in_the_joint_graph_skips_its_parts_and_one_with_a_near_miss_does_not():
-    report, fw, bw = train_and_compare(NormThenSeparateSwiGLU)
+    # merged_projections off: its projections stay separate, a swiglu near miss in the joint graph
+    report, fw, bw = train_and_compare(NormThenSeparateSwiGLU, config=nff.FusionConfig(disable={"merged_projections"}))
     assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
     joint, forward, backward = (next(g for g in report.graphs if g.name == name)
                                 for name in ("joint", "forward", "backward"))
@@ -533,8 +534,12 @@ def test_torchtitan_llama3_training_step():
     backend = _training_step_matches_eager(tm, torch.float32)
     # 2 blocks x (attention norm, ffn norm) + the final norm; q and k rotated per block. Every
     # norm but the first folds the residual add in front of it, keeping the rstd its backward reads.
-    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4}
-    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4}
+    # FeedForward's w1 and w3 are one linear on their concatenated weights (merged_projections),
+    # so each block's SwiGLU fuses too
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4,
+                                                  "npu_swiglu": 2}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4,
+                                                   "npu_swiglu_backward": 2}
     assert backend.report.errors == []
 
 
@@ -547,8 +552,11 @@ def test_hf_llama_training_step(dtype):
     torch.manual_seed(0)
     tm = build_hf("llama", dtype=dtype, num_layers=2)
     backend = _training_step_matches_eager(tm, dtype)
-    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4}
-    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4}
+    # gate_proj and up_proj merged per step (merged_projections): the SwiGLU fuses as Phi-3's does
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1, "npu_add_rms_norm": 4, "npu_rotary_mul": 4,
+                                                  "npu_swiglu": 2}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 5, "npu_rotary_mul_backward": 4,
+                                                   "npu_swiglu_backward": 2}
 
 
 def test_hf_phi3_training_step_fuses_swiglu():
