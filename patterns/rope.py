@@ -331,8 +331,13 @@ def _check_rotary_mul(site, mode_name):
     if head_dim >= ROTARY_MUL.limits["max_head_dim"]:
         return f"head_dim {head_dim} is not below npu_rotary_mul's {ROTARY_MUL.limits['max_head_dim']}"
     if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        # (the recognition below fuses such a region, x and the tables cast to the dtype the
+        # code computes in, when it can read the rotation channel by channel)
+        symbolic = "" if isinstance(head_dim, int) else (
+            f"; the head dim {head_dim} is symbolic (dynamic=True on x itself), so the rotation cannot be read "
+            "channel by channel to fuse it in the promoted dtype")
         return (f"cos/sin are {str(cos.dtype)[6:]}, x is {str(x.dtype)[6:]}: "
-                "npu_rotary_mul takes one dtype")
+                f"npu_rotary_mul takes one dtype{symbolic}")
     if cos.shape != sin.shape:
         return f"cos {list(cos.shape)} and sin {list(sin.shape)} differ in shape"
     if cos.dim() > x.dim():

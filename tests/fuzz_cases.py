@@ -766,6 +766,11 @@ KNOWN_GAPS: list[Gap] = [
         "spellings.py respells the forward patterns; in a joint graph x * x, sum / n or "
         "(v + eps) ** -0.5 also have their own backward (x * x sums two products), which no "
         "joint pattern holds"),
+    Gap("a symbolic head dim with tables in another dtype than x", "rope",
+        lambda c: c.family == "rope" and c.dynamic and c.choices.get("tables_fp32") and c.dtype != torch.float32,
+        r"takes one dtype; the head dim \S+ is symbolic",
+        "dynamic=True on q itself makes its head dim symbolic (in a model it comes from a weight: static); "
+        "the channel algebra that fuses mixed dtypes reads the rotation channel by channel (seed 124)"),
     Gap("a Gemma weight on a norm computed in the half dtype", "rms_norm",
         lambda c: c.family in NORMS and c.dtype != torch.float32 and _c(c, style="hand", upcast="none", weight="gemma"),
         r"would give .* where the model computes float32",
