@@ -596,8 +596,13 @@ def recognize(graph, joint):
             continue
         try:
             evaluated = evaluate_around(node, include=lambda n: not (joint and is_backward(n)))
-        except NotEvaluable:
+        except NotEvaluable as exc:
             seen.add(node)
+            # say why, rather than nothing, where the forms do not (a gradient's rotation is
+            # not a site of its own: its forward says it)
+            if _rotates_halves(node) and not is_backward(node):
+                found.append(Recognized("rotation (channel algebra)", node, [node], fallback=True,
+                                        reason=f"a rotation (-x2 joined to x1) whose channels cannot be read: {exc}"))
             continue
         seen.update(evaluated.region.nodes)
         for output in evaluated.region.outputs:
@@ -616,6 +621,28 @@ def recognize(graph, joint):
             for rotation in rotations:
                 found.extend(_recognized(rotation, output, nodes, backward_by_seq, evaluated.values))
     return found
+
+
+def _rotates_halves(node):
+    """A cat / stack of a negated piece and another piece of one tensor: rotate_half's
+    `cat((-x2, x1))`, torchtune's `stack([-x1, x0])`: the shape of a rotation, whatever its
+    tables (used only to name a region the algebra could not evaluate)."""
+    if not is_call(node, aten.cat.default, aten.stack.default):
+        return False
+    pieces = [p for p in node.args[0] if isinstance(p, torch.fx.Node)]
+    negated = [p.args[0] for p in pieces if is_call(p, aten.neg.default)]
+    return len(pieces) == 2 and len(negated) == 1 and _root(negated[0]) is _root(
+        next(p for p in pieces if not is_call(p, aten.neg.default)))
+
+
+def _root(node):
+    """The tensor a piece was cut from (through slices, selects, unbinds and views)."""
+    while isinstance(node, torch.fx.Node) and (
+            is_call(node, aten.slice.Tensor, aten.select.int, *RESHAPES) or node.target is operator.getitem):
+        node = node.args[0]
+        if is_call(node, aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default):
+            node = node.args[0]
+    return node
 
 
 # ops that move, copy or repeat their input's elements and compute nothing (GQA's repeat of k

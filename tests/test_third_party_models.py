@@ -416,3 +416,17 @@ def test_a_training_step_on_the_npu_graph_fuses_and_equals_eager(spec):
     expected_fused, expected_near = TRAINING_STEP[spec]
     assert fused == expected_fused
     assert near == expected_near
+
+
+@pytest.mark.slow
+def test_a_rotation_whose_region_cannot_be_evaluated_says_so():
+    """nGPT's RoPE under bf16 dynamic=True: its tables, sliced by the symbolic sequence length,
+    are read over tracked dims the channel algebra cannot evaluate, and no form matches its
+    spelling. Its rotate_half (cat of -x2 and x1) is then a near miss naming that, not silent."""
+    _needs("olmo_core:ngpt_1B")
+    record = sites_mod.to_json(measure("olmo_core", "ngpt_1B", "bf16 dynamic"))
+    assert not [s for s in record["silent"] if s["category"] == "rope"], record["silent"]
+    reasons = [r for r in record["near_reasons"] if r[0] == "rope"]
+    assert len(reasons) == PRESENT["olmo_core:ngpt_1B"]["rope"]
+    assert all("a rotation (-x2 joined to x1) whose channels cannot be read" in r[2] and "symbolic size" in r[2]
+               for r in reasons), reasons

@@ -89,6 +89,8 @@ class RunContext:
     before_change: Optional[Callable[[], None]] = None
     # the torchair scope of each node of the graph ({}: none), read on first use (_scopes_differ)
     scopes: Optional[dict] = None
+    # near misses of recognised regions said only where no other near miss is (Recognized.fallback)
+    fallback_misses: list[NearMiss] = field(default_factory=list)
 
     def reject(self, form: Form, nodes: Sequence[Node], reason: str) -> None:
         for node in nodes:
@@ -185,7 +187,9 @@ def _recognize(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
     result.sites.extend(sites)
     for found, miss in refused:
         held = [n for n in found.nodes if not n._erased and anchors(n) and fusion_pass.anchor(n)]  # noqa: SLF001
-        if held:
+        if found.fallback:
+            ctx.fallback_misses.append(miss)
+        elif held:
             ctx.reject(Form(_named(found.name), found.replace or _named(found.name)), held, miss.reason)
         else:
             result.near_misses.append(miss)
@@ -941,6 +945,8 @@ def _near_misses(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
         if node in ctx.inexact and reason.startswith("matches none of the forms"):
             reason += f" (closest: {ctx.inexact[node]})"
         result.near_misses.append(NearMiss(fusion_pass.name, reason, location_of([node, *node.users])))
+    said = {(m.location.file, m.location.line) for m in result.near_misses}
+    result.near_misses += [m for m in ctx.fallback_misses if (m.location.file, m.location.line) not in said]
     return result
 
 

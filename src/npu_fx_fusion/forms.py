@@ -156,6 +156,10 @@ class Recognized:
     backward_nodes: Sequence[Node] = ()
     backward_args: Mapping[str, Any] = field(default_factory=dict)
     backward_replace: Optional[Callable] = None
+    # a near miss (`reason`) said only where nothing else does: the pass reports it unless
+    # another of its near misses stands at the same source line (a region the algebra could
+    # not evaluate, where the forms' own diagnosis, when there is one, says more)
+    fallback: bool = False
 
     @property
     def outputs(self) -> list[Node]:

@@ -287,11 +287,15 @@ def _gates_a_swiglu(group: _Group) -> bool:
 
 
 def _silus_of(node: Node) -> list[Node]:
-    return [user for user in node.users
-            if _calls(user, torch.nn.functional.silu, "silu") and user.args[0] is node
-            or _calls(user, operator.mul, torch.mul, "mul") and any(
-                _calls(a, torch.sigmoid, torch.nn.functional.sigmoid, "sigmoid") and a.args[0] is node
-                for a in user.args if isinstance(a, Node) and a is not node) and node in user.args]
+    """The users of `node` that compute silu(node): F.silu(node), or node * sigmoid(node)."""
+    def is_silu(user: Node) -> bool:
+        if _calls(user, torch.nn.functional.silu, "silu"):
+            return user.args[0] is node
+        return (_calls(user, operator.mul, torch.mul, "mul") and node in user.args[:2]
+                and any(_calls(a, torch.sigmoid, torch.nn.functional.sigmoid, "sigmoid") and a.args[0] is node
+                        for a in user.args[:2]))
+
+    return [user for user in node.users if is_silu(user)]
 
 
 def _is_product_of(node: Node, a: Node, b: Node) -> bool:
