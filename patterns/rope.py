@@ -896,7 +896,8 @@ def _recognized(rotation, output, nodes, backward_by_seq, forward_values):
         layouts.append(dataclasses.replace(rotation, outer=rotation.outer + (1,)))
     for rotation, via_half in ((r, half) for r in layouts
                                for half in ((False, True) if rotation.mode == "interleave" else (False,))):
-        replace = _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half)
+        replace = _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half,
+                                        tensor_meta(output).dim() - len(out_tracked))
         replace.rotary_mode = "half" if via_half else rotation.mode
         name = f"rotation of {rotation.mode} pairs (channel algebra)" + (", as half mode" if via_half else "")
         extra = {}
@@ -1005,7 +1006,18 @@ def _table_of(table, t, rotation):
     return gathered.reshape(_table_shape(table, rotation, t.shape))
 
 
-def _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half):
+def _leading_as_output(lead, count):
+    """x's untracked leading sizes as the output's `count` leading dims: the algebra leaves out
+    size-1 dims (an MQA k's one head), which x or the output may hold where the other does
+    not. Same elements in the same order either way (a shape the output does not have is
+    refused by the comparison of the replacement with the region)."""
+    lead = list(lead)
+    while len(lead) > count and statically_known_true(lead[-1] == 1):
+        lead.pop()
+    return [*lead, *(1,) * (count - len(lead))]
+
+
+def _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half, out_lead):
     a, b = rotation.block
     partial = (a, b) != (0, rotation.channels)
     outer, channels = rotation.outer, rotation.channels
@@ -1023,7 +1035,7 @@ def _rotation_replacement(rotation, compute, out_dtype, out_tracked, via_half):
             y = torch.ops.npu.npu_rotary_mul(block, cos, sin, rotation.mode)
         if partial:
             y = torch.cat([p for p in (xv[..., :a], y, xv[..., b:]) if p.shape[-1]], dim=-1)
-        return y.reshape(*lead, *out_tracked).to(out_dtype)
+        return y.reshape(*_leading_as_output(lead, out_lead), *out_tracked).to(out_dtype)
 
     return npu_rotary_mul_recognized
 

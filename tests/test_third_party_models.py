@@ -430,3 +430,14 @@ def test_a_rotation_whose_region_cannot_be_evaluated_says_so():
     assert len(reasons) == PRESENT["olmo_core:ngpt_1B"]["rope"]
     assert all("a rotation (-x2 joined to x1) whose channels cannot be read" in r[2] and "symbolic size" in r[2]
                for r in reasons), reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fp32", "training"])
+def test_an_mqa_key_of_one_head_fuses(mode):
+    """torchtune's Gemma 2B: one KV head, its k rotated as (B, S, 1, D/2, 2) pairs. The channel
+    algebra leaves the size-1 head out of what it tracks; the fused call puts it back."""
+    _needs("torchtune:gemma_2b")
+    record = sites_mod.to_json(measure("torchtune", "gemma_2b", mode))
+    assert record["fused"].get("rope") == record["present"]["rope"] == 4, record["near_reasons"]
+    assert record["error"] <= sites_mod.FLAG[mode], record["note"]
