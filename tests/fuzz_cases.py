@@ -308,7 +308,7 @@ ROTATIONS = {
     "every_two_reshape": ["def rotate(x):", "    x1 = x[..., ::2]", "    x2 = x[..., 1::2]",
                           "    return torch.stack((-x2, x1), dim=-1).reshape(x.shape)"],
 }
-ROPE_LOOKALIKES = {  # not a rotation by +theta of the pairs the tables hold
+ROPE_LOOKALIKES = {  # not a rotation by +theta of the pairs the tables hold (no_negation: see _make_rope)
     "both_second_half": ["def rotate(x):", "    half = x.shape[-1] // 2",
                          "    return torch.cat((-x[..., half:], x[..., half:]), dim=-1)"],
     "no_negation": ["def rotate(x):", "    x1, x2 = x.chunk(2, dim=-1)", "    return torch.cat((x2, x1), dim=-1)"],
@@ -386,9 +386,12 @@ def _make_rope(rng, seed, case_kw):
     table_shape = (B, S, D) if table == "per_batch" else (S, D)
     choices["shapes"] = f"q {list(q_shape)}" + (f" k {list(k_shape)}" if both else "") + f" cos {list(table_shape)}"
     kind, limit, expect = "positive", "", {"rope": 2 if both else 1}
-    if lookalike in ROPE_LOOKALIKES:
+    if lookalike in ROPE_LOOKALIKES and lookalike != "no_negation":
         kind = "negative"
-    elif lookalike in ("cos_sin_swapped", "minus_sin"):
+    elif lookalike in ("cos_sin_swapped", "minus_sin", "no_negation"):
+        # each is npu_rotary_mul's formula with other tables (roles swapped, sin negated, or
+        # sin negated on the first half of the channels: code that bakes rotate_half's sign
+        # into its sin table writes exactly this), so fusing it is exact: fused or not, both right
         kind = "either"
     elif dynamic and rotation == "chunked":
         # dynamic=True on q makes its head dim s symbolic: chunk splits it at (s + 1) // 2,

@@ -224,3 +224,13 @@ def test_evaluate_slice_refuses_to_read_a_value_it_was_not_given():
     idx_node = list(gm.graph.find_nodes(op="placeholder"))[1]
     with real_tensors(), pytest.raises(NotEvaluable, match="reads the values of"):
         evaluate_slice([_output(gm)], {idx_node: torch.zeros(3, 2, dtype=torch.int64)})
+
+
+def test_a_gather_negates_runs_of_channels_not_each_channel():
+    """A table read with its first half negated (code that bakes rotate_half's sign into sin):
+    one negation of the half, not one per channel (64 of them on a 64-wide head once)."""
+    gather = channel_gather([(i,) for i in range(64)], (64,), [-1.0] * 32 + [1.0] * 32)
+    table = torch.randn(3, 64)
+    assert torch.equal(gather(table), torch.cat([-table[:, :32], table[:, 32:]], -1))
+    traced = make_fx(gather)(table)
+    assert sum(n.target is torch.ops.aten.neg.default for n in traced.graph.nodes) == 1

@@ -129,7 +129,9 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
                          keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change,
                          from_tangents=from_tangents, dedicated_groups=dedicated_groups)
         result = PassResult(fusion_pass.name)
-        _recognize(ctx, gm, result, anchors)
+        present = set(gm.graph.nodes)
+        if _recognize(ctx, gm, result, anchors):
+            anchors = _among(present, anchors)
         return _near_misses(ctx, gm, result, anchors)
     patterns = pattern_set(fusion_pass)
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint, fake_mode=fake_mode,
@@ -162,9 +164,17 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
                 backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
+    present = set(gm.graph.nodes)
     if _recognize(ctx, gm, result, anchors):
         candidates = None  # replacements erased some anchors: walk the graph again
+        # (not into what they inserted: a fused call's own plumbing, a table's sign flip as
+        # cat(-a, b), is no site of its own)
+        anchors = _among(present, anchors)
     return _near_misses(ctx, gm, result, anchors, candidates)
+
+
+def _among(nodes: set, anchors: Callable[[Node], bool]) -> Callable[[Node], bool]:
+    return lambda node: node in nodes and anchors(node)
 
 
 def _recognize(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,

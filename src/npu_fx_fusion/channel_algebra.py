@@ -24,6 +24,7 @@ the patterns' business.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -802,8 +803,15 @@ class ChannelGather:
                 digits.insert(position - lead, k)
         t = t.expand(*t.shape[:lead], *self.radix)
         if self.sign_digit is not None:
-            pieces = t.unbind(lead + self.sign_digit)
-            t = torch.stack([p if s > 0 else -p for p, s in zip(pieces, self.signs)], lead + self.sign_digit)
+            # one piece per run of equal signs along the digit (a half of the channels negated
+            # is two pieces, not one per channel)
+            dim, pieces, start = lead + self.sign_digit, [], 0
+            for sign, run in itertools.groupby(self.signs):
+                length = len(list(run))
+                piece = t.narrow(dim, start, length)
+                pieces.append(piece if sign > 0 else -piece)
+                start += length
+            t = torch.cat(pieces, dim)
         elif self.signs[0] < 0:
             t = -t
         return t.reshape(*t.shape[:lead], math.prod(self.radix))
