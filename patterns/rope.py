@@ -594,6 +594,8 @@ def recognize(graph, joint):
     for node in graph.nodes:
         if node in seen or not is_call(node, *_SEEDS, operator.getitem) or (joint and is_backward(node)):
             continue
+        if not _reaches_arithmetic(node):
+            continue  # only moved on into what the algebra stops at: no region to evaluate
         try:
             evaluated = evaluate_around(node, include=lambda n: not (joint and is_backward(n)))
         except NotEvaluable as exc:
@@ -621,6 +623,29 @@ def recognize(graph, joint):
             for rotation in rotations:
                 found.extend(_recognized(rotation, output, nodes, backward_by_seq, evaluated.values))
     return found
+
+
+_MOVES = (*_SEEDS, *RESHAPES, aten.unsqueeze.default, aten.expand.default, aten.clone.default,
+          aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.view_as_real.default)
+
+
+def _reaches_arithmetic(node, limit=64):
+    """Whether `node`'s values reach arithmetic (a product with a table, a negation) through
+    moves and copies: a rotation's region does; a merged projection's q / k / v slice that
+    reads straight into a fused op or the attention does not, and is not evaluated (half a
+    millisecond each, 5 per layer)."""
+    pending, seen = [node], set()
+    while pending and len(seen) < limit:
+        current = pending.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if is_call(user, *_ARITHMETIC, aten.neg.default):
+                return True
+            if is_call(user, *_MOVES) or user.target is operator.getitem:
+                pending.append(user)
+    return bool(pending)  # the walk's limit: evaluate rather than guess
 
 
 def _rotates_halves(node):
