@@ -625,10 +625,6 @@ def recognize(graph, joint):
     return found
 
 
-_MOVES = (*_SEEDS, *RESHAPES, aten.unsqueeze.default, aten.expand.default, aten.clone.default,
-          aten.transpose.int, aten.permute.default, aten._to_copy.default, aten.view_as_real.default)
-
-
 def _reaches_arithmetic(node, limit=64):
     """Whether `node`'s values reach arithmetic (a product with a table, a negation) through
     moves and copies: a rotation's region does; a merged projection's q / k / v slice that
@@ -674,6 +670,9 @@ def _root(node):
 # over the query heads: unsqueeze, expand, reshape; the transpose to BNSD for the attention)
 _REPEATS = (*RESHAPES, aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.alias.default,
             aten.transpose.int, aten.permute.default)
+# what a seed's values move through on their way to a rotation's arithmetic (_reaches_arithmetic):
+# those, the index ops, and casts
+_MOVES = (*_SEEDS, *_REPEATS, aten._to_copy.default, aten.view_as_real.default)
 
 
 def _before_a_repeat(output, reason, evaluated):

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0fe39a7bc6f8490a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'de420e24cf27f9ea',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '766b57c84266852b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'bd501d102e162be4',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

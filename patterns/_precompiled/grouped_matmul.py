@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '48d981dc1863b18d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0395193b5da9d5c1',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e5ce17acb5c3d846',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c4f18b69d6b1bafa',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2375ec3aa7c1732a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a4a20d2326ef56ee',
        'backward': {'npu.npu_kv_rmsnorm_rope_cache_v2_functional': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9397582c09fd1265',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'dd4a0ca9b754a937',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c3429aba9048e8d6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '753ad11bc6795f5d',
        'backward': {'cann_ops_transformer.mhc_post': True, 'npu.npu_mhc_post': True}}
 
 FORMS = {

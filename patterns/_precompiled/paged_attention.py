@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dce2b00a160328f1',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0b708f8e0eb4fca3',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3f896ad2b6082a57',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9a11beaa582c59b6',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ff1cf9d8a2d131f6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8aa16894ccd8efe0',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

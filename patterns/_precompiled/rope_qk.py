@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e1dc2bfc69836b21',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2b565229baa1af74',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

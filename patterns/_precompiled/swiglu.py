@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd4c651cd88283d6b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'daea0e9f906dfbea',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

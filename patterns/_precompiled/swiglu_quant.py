@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9be1770f54e9f8e9',
+KEY = {'torch': '2.13.0+cpu', 'sources': '14e1f8f974a204c2',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

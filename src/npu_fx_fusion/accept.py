@@ -129,10 +129,7 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
                          keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change,
                          from_tangents=from_tangents, dedicated_groups=dedicated_groups)
         result = PassResult(fusion_pass.name)
-        present = set(gm.graph.nodes)
-        if _recognize(ctx, gm, result, anchors):
-            anchors = _among(present, anchors)
-        return _near_misses(ctx, gm, result, anchors)
+        return _near_misses(ctx, gm, result, _recognize(ctx, gm, result, anchors) or anchors)
     patterns = pattern_set(fusion_pass)
     ctx = RunContext(fusion_pass, patterns, soc, mode, verify, joint, fake_mode=fake_mode,
                      keep_intermediate_rounding=keep_intermediate_rounding, before_change=before_change,
@@ -164,27 +161,25 @@ def apply_pass(fusion_pass: FusionPass, gm: torch.fx.GraphModule, soc: Optional[
                 backward_after_forward(gm.graph)
     result = PassResult(fusion_pass.name)
     result.sites = ctx.sites[::-1]  # the matcher walks the graph backwards: source order
-    present = set(gm.graph.nodes)
-    if _recognize(ctx, gm, result, anchors):
+    recognized_anchors = _recognize(ctx, gm, result, anchors)
+    if recognized_anchors is not None:
         candidates = None  # replacements erased some anchors: walk the graph again
-        # (not into what they inserted: a fused call's own plumbing, a table's sign flip as
-        # cat(-a, b), is no site of its own)
-        anchors = _among(present, anchors)
+        anchors = recognized_anchors
     return _near_misses(ctx, gm, result, anchors, candidates)
 
 
-def _among(nodes: set, anchors: Callable[[Node], bool]) -> Callable[[Node], bool]:
-    return lambda node: node in nodes and anchors(node)
-
-
 def _recognize(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
-               anchors: Callable[[Node], bool]) -> int:
+               anchors: Callable[[Node], bool]) -> Optional[Callable[[Node], bool]]:
     """The pass's recognised sites (recognition.py), after its forms: fused ones join
     `result`; a refused one is the near miss of the anchors in its region, or one of its
-    own where it holds none. Returns how many fused."""
+    own where it holds none. Returns None when none fused, else the anchors the near-miss
+    walk goes on with: `anchors` among the nodes the graph had before the replacements
+    (what they inserted, a fused call's own plumbing such as a table's sign flip as
+    cat(-a, b), is no site of its own)."""
     fusion_pass = ctx.fusion_pass
     if fusion_pass.recognize is None:
-        return 0
+        return None
+    present = set(gm.graph.nodes)
     reads_gradient = (lambda n: _reads_tangents(n, ctx.from_tangents)) if ctx.joint else None
     run = RecognitionRun(fusion_pass, ctx.soc, ctx.mode, ctx.fake_mode, ctx.verify, ctx.keep_intermediate_rounding,
                          ctx.before_change, reads_gradient, ctx.dedicated_groups)
@@ -203,7 +198,7 @@ def _recognize(ctx: RunContext, gm: torch.fx.GraphModule, result: PassResult,
             ctx.reject(Form(_named(found.name), found.replace or _named(found.name)), held, miss.reason)
         else:
             result.near_misses.append(miss)
-    return len(sites)
+    return (lambda node: node in present and anchors(node)) if sites else None
 
 
 def _named(name: str) -> Callable:

@@ -674,7 +674,7 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> list[Node]:
 
 
 # ---- dynamo graphs, before autograd ---------------------------------------------------------
-_PRODUCTS = (operator.mul, torch.mul, torch.Tensor.mul)
+DYNAMO_PRODUCTS = (operator.mul, torch.mul, torch.Tensor.mul)
 
 
 def autograd_spellings(gm: torch.fx.GraphModule) -> int:
@@ -694,8 +694,8 @@ def autograd_spellings(gm: torch.fx.GraphModule) -> int:
         if _is_power(node, -0.5):
             node.op, node.target, node.args, node.kwargs = "call_function", torch.rsqrt, (node.args[0],), {}
             changed += 1
-        elif _sum_over_count(node) is not None:
-            summed, dims, keepdim = _sum_over_count(node)
+        elif (mean := _sum_over_count(node)) is not None:
+            summed, dims, keepdim = mean
             total = node.args[0]
             node.op, node.target = "call_function", torch.mean
             node.args, node.kwargs = (summed,), {"dim": dims, "keepdim": keepdim}
@@ -706,14 +706,16 @@ def autograd_spellings(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
-def _calls(node: Any, functions: tuple, method: str) -> bool:
+def dynamo_call(node: Any, functions: tuple, method: str) -> bool:
+    """A dynamo graph's call of one of `functions`, or of the tensor method `method` (dynamo
+    records `x.pow(2)` as call_method "pow", `torch.pow(x, 2)` as call_function torch.pow)."""
     return isinstance(node, Node) and (node.op == "call_function" and node.target in functions
                                        or node.op == "call_method" and node.target == method)
 
 
 def _is_power(node: Node, exponent: float) -> bool:
     """v ** exponent, torch.pow(v, exponent) or v.pow(exponent) of a tensor v."""
-    return (_calls(node, (operator.pow, torch.pow), "pow") and len(node.args) == 2 and not node.kwargs
+    return (dynamo_call(node, (operator.pow, torch.pow), "pow") and len(node.args) == 2 and not node.kwargs
             and node.args[1] == exponent and isinstance(node.args[1], (int, float))
             and isinstance(_example(node.args[0]), torch.Tensor))
 
@@ -724,10 +726,10 @@ def _example(node: Any) -> Any:
 
 def _sum_over_count(node: Node) -> Optional[tuple]:
     """(x, dims, keepdim) of `x.sum(dims, keepdim) / n` in float32, n the count summed."""
-    if not (_calls(node, (operator.truediv, torch.div), "div") and len(node.args) == 2 and not node.kwargs):
+    if not (dynamo_call(node, (operator.truediv, torch.div), "div") and len(node.args) == 2 and not node.kwargs):
         return None
     total, count = node.args
-    if not (_calls(total, (torch.sum,), "sum") and len(total.users) == 1 and isinstance(count, (int, float))):
+    if not (dynamo_call(total, (torch.sum,), "sum") and len(total.users) == 1 and isinstance(count, (int, float))):
         return None
     summed, rest, kwargs = total.args[0], list(total.args[1:]), dict(total.kwargs)
     dims = kwargs.pop("dim", rest.pop(0) if rest else None)
@@ -757,10 +759,9 @@ def squares_as_powers(gm: torch.fx.GraphModule) -> int:
     aot_autograd traces the joint graph, its backward is the square's."""
     changed = 0
     for node in gm.graph.nodes:
-        is_product = ((node.op == "call_function" and node.target in _PRODUCTS)
-                      or (node.op == "call_method" and node.target == "mul"))
-        is_square = (is_product and len(node.args) == 2 and not node.kwargs and node.args[0] is node.args[1]
-                     or _calls(node, (torch.square,), "square") and len(node.args) == 1 and not node.kwargs)
+        is_square = (dynamo_call(node, DYNAMO_PRODUCTS, "mul") and len(node.args) == 2 and not node.kwargs
+                     and node.args[0] is node.args[1]
+                     or dynamo_call(node, (torch.square,), "square") and len(node.args) == 1 and not node.kwargs)
         if not (is_square and isinstance(node.args[0], Node)
                 and isinstance(node.args[0].meta.get("example_value"), torch.Tensor)):
             continue

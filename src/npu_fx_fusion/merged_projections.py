@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 
+from .canonical import DYNAMO_PRODUCTS, dynamo_call
 from .report import FusedSite, NearMiss, PassResult, SourceLocation
 
 log = logging.getLogger("npu_fx_fusion")
@@ -289,26 +290,17 @@ def _gates_a_swiglu(group: _Group) -> bool:
 def _silus_of(node: Node) -> list[Node]:
     """The users of `node` that compute silu(node): F.silu(node), or node * sigmoid(node)."""
     def is_silu(user: Node) -> bool:
-        if _calls(user, torch.nn.functional.silu, "silu"):
+        if dynamo_call(user, (torch.nn.functional.silu,), "silu"):
             return user.args[0] is node
-        return (_calls(user, operator.mul, torch.mul, "mul") and node in user.args[:2]
-                and any(_calls(a, torch.sigmoid, torch.nn.functional.sigmoid, "sigmoid") and a.args[0] is node
+        return (dynamo_call(user, DYNAMO_PRODUCTS, "mul") and node in user.args[:2]
+                and any(dynamo_call(a, (torch.sigmoid, torch.nn.functional.sigmoid), "sigmoid") and a.args[0] is node
                         for a in user.args[:2]))
 
     return [user for user in node.users if is_silu(user)]
 
 
 def _is_product_of(node: Node, a: Node, b: Node) -> bool:
-    return _calls(node, operator.mul, torch.mul, "mul") and set(node.args[:2]) == {a, b}
-
-
-def _calls(node: Any, *targets: Any) -> bool:
-    """A dynamo graph's call of one of `targets` (functions, or method names)."""
-    if not isinstance(node, Node):
-        return False
-    if node.op == "call_method":
-        return node.target in targets
-    return node.op == "call_function" and node.target in targets
+    return dynamo_call(node, DYNAMO_PRODUCTS, "mul") and set(node.args[:2]) == {a, b}
 
 
 def _concatenated_in_the_graph(gm: torch.fx.GraphModule, group: _Group) -> tuple[Node, Optional[Node]]:
