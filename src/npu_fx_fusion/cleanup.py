@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
-from .nodes import deterministic_and_pure, plain_cast, same_layout
+from .nodes import deterministic_and_pure, hashable, plain_cast, same_layout
 
 aten = torch.ops.aten
 Node = torch.fx.Node
@@ -97,7 +97,7 @@ def _merge_repeats(graph: torch.fx.Graph, merges: Callable[[Node], bool],
     for node in list(graph.nodes):
         if node.op != "call_function" or not merges(node):
             continue
-        key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+        key = (node.target, hashable(node.args), hashable(node.kwargs))
         earlier = first.setdefault(key, node)
         if earlier is not node and may_merge(node, earlier):
             node.replace_all_uses_with(earlier)
@@ -189,14 +189,6 @@ def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int
 
 _RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten.reshape.default,
                        torch.ops.aten._unsafe_view.default})
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_hashable(v) for v in value))
-    if isinstance(value, dict):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
-    return value
 
 
 def views_to_reshapes_downstream(new_nodes: Sequence[Node]) -> None:

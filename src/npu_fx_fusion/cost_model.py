@@ -39,8 +39,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.fx
 
-from .nodes import is_call
+from .nodes import hashable, is_call
 from .npu_ops.spec import OpCall, tensor_bytes
+from .report import SourceLocation, _computes
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -201,12 +202,6 @@ def _numel(value: Any) -> int:
     return math.prod(_hint(s) for s in value.shape)
 
 
-def _computes(node: Node) -> bool:
-    from .report import _computes as computes
-
-    return computes(node)
-
-
 def _is_half(values: Iterable[Any]) -> bool:
     return any(isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) for v in values)
 
@@ -340,16 +335,15 @@ def _has_symbolic_size(node: Node) -> bool:
 
 
 def _structure(node: Node, keys: dict) -> tuple:
-    """What a constant node computes: its target and arguments, constant arguments by theirs."""
-    args = torch.fx.node.map_aggregate((node.args, tuple(sorted(node.kwargs.items()))),
-                                       lambda a: keys.get(a, a.name) if isinstance(a, Node) else a)
-    return (str(node.target), repr(args))
+    """What a constant node computes: its target and arguments, constant arguments by the
+    number of their structure in `keys` (a key nesting its arguments' keys would grow with
+    the depth of the constant subgraph)."""
+    args = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: keys.get(a, a))
+    return (node.target, hashable(args))
 
 
 def layer_of(node: Node) -> Optional[str]:
     """ "layers.3" for a node of a model's fourth decoder layer (its module path), else None."""
-    from .report import SourceLocation
-
     module = SourceLocation.of(node).module
     parts = module.split(".")
     for index, part in enumerate(parts[:-1]):
@@ -358,31 +352,50 @@ def layer_of(node: Node) -> Optional[str]:
     return None
 
 
-def node_works(graph: torch.fx.Graph, mode: Optional[str] = None) -> list[tuple[Node, Work]]:
+def node_works(graph: torch.fx.Graph, mode: Optional[str] = None,
+               memo: Optional[dict] = None) -> list[tuple[Node, Work]]:
     """(node, work) of every node that launches a kernel; a constant subgraph spelled out
-    several times (each attention call's own compressed mask) is counted once."""
+    several times (each attention call's own compressed mask) is counted once.
+
+    memo: kept between walks of one graph (before and after fusion), each node's work with
+    what it was worked out from: a node whose op, arguments and values are the same objects
+    as then (most of a graph, after fusion) costs what it did."""
     inplace = _inplace_writes(graph)
     constants = _constants(graph)
+    memo = {} if memo is None else memo
     keys: dict = {}
-    counted: set = set()
+    counted: dict = {}  # structure -> ("constant", its number)
     found = []
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         if node in constants:
-            keys[node] = key = _structure(node, keys)
+            key = _structure(node, keys)
             if key in counted:
+                keys[node] = counted[key]
                 continue
-            counted.add(key)
-        work = node_work(node, mode, inplace, constants)
+            keys[node] = counted[key] = ("constant", len(counted))
+        # the objects it is worked out from (the same objects: a fake value compares by
+        # identity), and the numbers
+        objects = (node.target, node.args, node.kwargs, node.meta.get("val"),
+                   *(a.meta.get("val") for a in node.all_input_nodes))
+        numbers = (inplace.get(node), tuple(a in constants for a in node.all_input_nodes))
+        known = memo.get(node)
+        if known is not None and known[1] == numbers and len(known[0]) == len(objects) and all(
+                x is y for x, y in zip(known[0], objects)):
+            work = known[2]
+        else:
+            work = node_work(node, mode, inplace, constants)
+            memo[node] = (objects, numbers, work)
         if work.launches:
             found.append((node, work))
     return found
 
 
-def graph_work(graph: torch.fx.Graph, mode: Optional[str] = None) -> list[tuple[str, Work]]:
+def graph_work(graph: torch.fx.Graph, mode: Optional[str] = None,
+               memo: Optional[dict] = None) -> list[tuple[str, Work]]:
     """(group, work) of every launch: its decoder layer, or "other"."""
-    return [(layer_of(node) or "other", work) for node, work in node_works(graph, mode)]
+    return [(layer_of(node) or "other", work) for node, work in node_works(graph, mode, memo)]
 
 
 def estimate(graph: torch.fx.Graph, soc: Optional[str] = None, mode: Optional[str] = None,
@@ -395,9 +408,10 @@ def estimate(graph: torch.fx.Graph, soc: Optional[str] = None, mode: Optional[st
     return result
 
 
-def estimates(graph: torch.fx.Graph, mode: Optional[str] = None) -> dict[str, Estimate]:
-    """{SoC: its estimate of `graph`} for every SoC with figures here (one walk of the graph)."""
-    work = graph_work(graph, mode)
+def estimates(graph: torch.fx.Graph, mode: Optional[str] = None, memo: Optional[dict] = None) -> dict[str, Estimate]:
+    """{SoC: its estimate of `graph`} for every SoC with figures here (one walk of the graph;
+    memo: node_works')."""
+    work = graph_work(graph, mode, memo)
     return {soc: estimate(graph, soc, mode, work) for soc in ROOFLINES}
 
 

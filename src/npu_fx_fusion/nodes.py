@@ -24,6 +24,16 @@ def is_call(node: Any, *targets: Any) -> bool:
     return False
 
 
+def hashable(value: Any) -> Any:
+    """`value` (a node's args or kwargs) as a key: lists and tuples as tagged tuples, dicts
+    as sorted pairs, the rest (nodes, numbers, dtypes) as they are."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(hashable(v) for v in value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, hashable(v)) for k, v in value.items()))
+    return value
+
+
 # x.view, x.reshape and what aot makes of a view it cannot take (_unsafe_view): the same
 # elements in the same order, another shape
 RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)

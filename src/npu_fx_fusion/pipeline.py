@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -136,7 +137,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc, mode = _soc(config, report), config.mode or mode
-    graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report, dumper, folder, measured = _begin_graph(gm, config, report, graph_name, mode)
     graph_report.passes.extend(earlier_results)
 
     enabled = config.enabled_passes()
@@ -172,7 +173,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         original_nodes = set(_revert(gm, snapshot, exc, config, graph_report, "cleanup after the passes").values())
         graph_report.conversions_added.clear()  # the graph is back as it was: none added
 
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder, sizes)
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder, measured)
     dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
     dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
@@ -187,32 +188,40 @@ def _soc(config: FusionConfig, report: FusionReport) -> Optional[str]:
     return soc
 
 
+@dataclass
+class _Measured:
+    """What the cost estimates of a graph before fusion measured, kept for the estimates
+    after it: the nodes that stay keep their values and their work."""
+    sizes: dict = field(default_factory=dict)  # GraphCost.of's
+    works: dict = field(default_factory=dict)  # cost_model.node_works'
+
+
 def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str], dict]:
-    """The graph's report as it is before fusion, its dump folder with before.py, and the
-    bytes of each node's value (for the cost after fusion: the nodes that stay keep them)."""
-    sizes: dict = {}
+                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str], _Measured]:
+    """The graph's report as it is before fusion, its dump folder with before.py, and what
+    its cost estimates measured."""
+    measured = _Measured()
     graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, sizes),
-                               roofline_before=cost_model.estimates(gm.graph, mode))
+                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, measured.sizes),
+                               roofline_before=cost_model.estimates(gm.graph, mode, measured.works))
     dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     if folder:
         dumper.write(folder, "before.py", _graph_code(gm))
         dumper.keep_before(gm)
-    return graph_report, dumper, folder, sizes
+    return graph_report, dumper, folder, measured
 
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
                   graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str],
-                  sizes: dict) -> None:
+                  measured: _Measured) -> None:
     """Complete the graph's report (the graph is linted where it changed), add it to
     `report`, trace and dump it."""
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
-    graph_report.cost_after = GraphCost.of(gm.graph, sizes)
-    graph_report.roofline_after = cost_model.estimates(gm.graph, graph_report.mode)
+    graph_report.cost_after = GraphCost.of(gm.graph, measured.sizes)
+    graph_report.roofline_after = cost_model.estimates(gm.graph, graph_report.mode, measured.works)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
     # With TORCH_TRACE set, the graph's report goes into torch's structured trace (tlparse
@@ -243,7 +252,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     start = time.perf_counter()
     npu_ops.ensure_registered()
     soc, mode = _soc(config, report), config.mode or mode
-    graph_report, dumper, folder, sizes = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report, dumper, folder, measured = _begin_graph(gm, config, report, graph_name, mode)
     graph_report.passes.extend(earlier_results)
     # only passes with differentiable arguments have joint patterns (or match their
     # forward-only ones there: FusionPass.forward_forms_on_joint)
@@ -280,7 +289,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         # the passes each revert what fails in them; this is what fails between or after
         # them: the joint graph goes back unfused
         _revert(gm, snapshot, exc, config, graph_report, "joint graph")
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder, sizes)
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder, measured)
     return FusedJoint(gm, config, report, graph_report, snapshot if fused else None, dumper, folder)
 
 
