@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bd501d102e162be4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2af1800d6cce23ad',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a4a20d2326ef56ee',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a49a595724a962fb',
        'backward': {'npu.npu_kv_rmsnorm_rope_cache_v2_functional': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2b565229baa1af74',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b50c134aa023ecb1',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

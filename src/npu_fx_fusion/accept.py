@@ -46,7 +46,7 @@ from .registry import (SCALAR_ARGUMENT, PatternSet, Registration, anchor_of, dee
 from .replay import MatchShape
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import match as match_commutative
-from .spellings import prefilter, respell_exact
+from .spellings import may_occur, ops_present, prefilter, respell_exact
 from .tracing import TRACERS, is_joint_kind, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
@@ -314,12 +314,19 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
         graph.find_nodes(op=op, target=target, sort=False) for op, target in entries), reverse=True)
     if ctx.joint:  # a joint pattern starts from its forward output: never a backward node
         candidates = [node for node in candidates if not is_backward(node)]
+    present = ops_present(graph.nodes)
+    occurs: dict = {}  # pattern -> may_occur in the graph (again once a replacement adds an op)
     count = 0
     for node in candidates:
         tested: dict = {}  # prefilter -> its verdict at this node
         for entry in entries[(node.op, node.target)]:
             if node._erased:  # noqa: SLF001 - replaced by an earlier match
                 break
+            occur = occurs.get(entry.pattern)
+            if occur is None:
+                occur = occurs[entry.pattern] = may_occur(entry.pattern, present)
+            if not occur:
+                continue
             may = tested.get(entry.may_match)
             if may is None:
                 may = tested[entry.may_match] = entry.may_match(node)
@@ -334,7 +341,12 @@ def _run_matcher(ctx: RunContext, registrations: Sequence[Registration], graph: 
                 continue
             if entry.extra_check(match):
                 count += 1
+                inserted = len(entry.ctx.inserted)
                 entry.apply(match, graph, node)
+                added = ops_present(entry.ctx.inserted[inserted:])
+                if not added <= present:
+                    present |= added
+                    occurs.clear()
     return count
 
 

@@ -228,6 +228,36 @@ def _calls(pattern: Any) -> Optional[list]:
     return None
 
 
+def ops_present(nodes: Any) -> set:
+    """The (op, target) of each of `nodes` (a graph's): what may_occur reads."""
+    return {(node.op, pm.extract_target(node)) for node in nodes}
+
+
+def may_occur(pattern: pm.PatternExpr, present: set) -> bool:
+    """A necessary condition for `pattern` to match anywhere in a graph whose nodes'
+    (op, target)s are `present`: every call it always holds (not one of an AnyOf's
+    alternatives, not in a ListOf) has one of its targets there. A pass's patterns mostly
+    spell ops a given graph lacks (a collective, a quantized matmul); torch's matcher would
+    try each at every node of its anchor op."""
+    required = _REQUIRED.get(pattern)
+    if required is None:
+        required = _REQUIRED[pattern] = frozenset(_required_calls(pattern))
+    return all(not calls.isdisjoint(present) for calls in required)
+
+
+_REQUIRED: dict = {}  # pattern -> the (op, target) alternatives of each call it always holds
+
+
+def _required_calls(pattern: Any):
+    if isinstance(pattern, pm.MultiOutputPattern):
+        for output in pattern.outputs:
+            yield from _required_calls(output)
+    elif isinstance(pattern, pm._TargetArgsExpr):  # noqa: SLF001 - CallFunction and its kin
+        yield frozenset((pattern.op, fn) for fn in pattern.fns_set)
+        for argument in torch.utils._pytree.tree_leaves((pattern.args, pattern.kwargs)):  # noqa: SLF001
+            yield from _required_calls(argument)
+
+
 def _argument_tests(pattern: Any, crossed: bool, check_users: bool) -> Optional[tuple]:
     """Per positional argument of a call pattern, what the graph's argument one level down
     must be: (its user count or None, its (op, targets) alternatives), or None for any
