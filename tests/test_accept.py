@@ -232,3 +232,23 @@ def test_a_division_by_a_symbolic_size_is_spelled_as_by_a_number():
         g, x = torch.randn(*shape), torch.randn(*shape) + 3
         for got, want in zip(gm(g, x), mean_backward_like(g, x)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_pattern_is_tried_only_in_a_graph_holding_every_call_it_always_contains():
+    from torch._inductor import pattern_matcher as pm
+
+    from npu_fx_fusion.spellings import AnyOf, may_occur, ops_present
+
+    aten = torch.ops.aten
+    x, w = pm.KeywordArg("x"), pm.KeywordArg("w")
+    relu_then_mm = pm.CallFunction(aten.mm.default, pm.CallFunction(aten.relu.default, x), w)
+    either_then_mm = pm.CallFunction(aten.mm.default, AnyOf([pm.CallFunction(aten.relu.default, x),
+                                                             pm.CallFunction(aten.sigmoid.default, x)]), w)
+    a, b = torch.randn(4, 8), torch.randn(8, 4)
+    relu_graph = make_fx(lambda a, b: torch.mm(a.relu(), b))(a, b).graph
+    sigmoid_graph = make_fx(lambda a, b: torch.mm(a.sigmoid(), b))(a, b).graph
+    assert may_occur(relu_then_mm, ops_present(relu_graph.nodes))
+    assert not may_occur(relu_then_mm, ops_present(sigmoid_graph.nodes))  # no relu: it cannot match
+    # an AnyOf's alternatives are not each required: the mm is
+    assert may_occur(either_then_mm, ops_present(sigmoid_graph.nodes))
+    assert not may_occur(either_then_mm, ops_present(make_fx(lambda a: a.relu())(a).graph.nodes))

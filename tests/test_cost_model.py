@@ -89,3 +89,26 @@ def test_estimate_of_an_empty_graph_is_zero():
     empty.output(None)
     result = estimate(empty, "Ascend910_93")
     assert result.launches == 0 and result.seconds == 0 and result.soc == "Ascend910_93"
+
+
+def test_a_node_changed_by_a_rewrite_is_worked_out_again_and_the_others_reused():
+    a, b = torch.randn(64, 256), torch.randn(256, 512)
+    graph = _graph(lambda a, b: torch.relu(a @ b) * 2, a, b)
+    memo: dict = {}
+    before = {node.target: work for node, work in node_works(graph, memo=memo)}
+    # a rewrite: the relu now reads a matmul of a half as many columns (a new node)
+    mm = next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
+    with graph.inserting_after(mm):
+        narrow = graph.call_function(torch.ops.aten.slice.Tensor, (mm.args[1], 1, 0, 256))
+        half = graph.call_function(torch.ops.aten.mm.default, (mm.args[0], narrow))
+    half.meta["val"] = mm.meta["val"][:, :256].clone()
+    narrow.meta["val"] = mm.args[1].meta["val"][:, :256]
+    relu = next(n for n in graph.nodes if n.target is torch.ops.aten.relu.default)
+    relu.args = (half,)
+    relu.meta["val"] = half.meta["val"].clone()
+    graph.erase_node(mm)
+    reused = dict(node_works(graph, memo=memo))
+    fresh = dict(node_works(graph))
+    assert reused == fresh  # the memo changes no figure
+    assert reused[half].cube_flops == before[torch.ops.aten.mm.default].cube_flops // 2
+    assert reused[relu].bytes == before[torch.ops.aten.relu.default].bytes // 2
