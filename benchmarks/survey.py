@@ -113,16 +113,18 @@ def measure_one(spec: str) -> list[dict]:
 
 
 def _cell(record: dict) -> str:
-    """fused / present (near-missed, silent) of one record."""
+    """fused / present (near-missed, silent[, in eager]) of one record."""
     if "present" not in record:
         return "-"
     present = sum(record["present"].values())
     fused = sum(record["fused"].values())
     near = sum(record["near"].values())
-    return f"{fused} / {present} ({near} near, {present - fused - near} silent)"
+    eager = len(record.get("eager", []))
+    return (f"{fused} / {present} ({near} near, {present - fused - near - eager} silent"
+            + (f", {eager} in eager" if eager else "") + ")")
 
 
-TABLE_HEAD = ("| model | " + " | ".join(f"{m} fused / present (near, silent)" for m in THIRD_PARTY_MODES)
+TABLE_HEAD = ("| model | " + " | ".join(f"{m} fused / present (near, silent, in eager)" for m in THIRD_PARTY_MODES)
               + " | training crash with NPU dispatch | notes |\n" + "|---" * (len(THIRD_PARTY_MODES) + 3) + "|")
 
 
@@ -144,11 +146,13 @@ def _summary(records: list[dict], skipped) -> str:
             for library in (row["spec"].split(":")[0], "all"):
                 for key in ("present", "fused", "near"):
                     totals[(library, row["mode"])][key] += sum(row[key].values())
+                totals[(library, row["mode"])]["eager"] += len(row.get("eager", []))
     lines.append("")
     for (library, mode), t in sorted(totals.items()):
-        silent = t["present"] - t["fused"] - t["near"]
+        silent = t["present"] - t["fused"] - t["near"] - t["eager"]
         lines.append(f"{library} {mode}: {t['fused']} / {t['present']} fused "
-                     f"({t['fused'] / max(t['present'], 1):.0%}), {t['near']} near misses, {silent} silent")
+                     f"({t['fused'] / max(t['present'], 1):.0%}), {t['near']} near misses, {silent} silent, "
+                     f"{t['eager']} in code dynamo ran in eager (the report names the graph break)")
     trained = [r for r in records if r["mode"] == "training" and "present" in r]
     crashes = [r for r in trained if r.get("crash_with_dispatch")]
     lines.append(f"training steps that crash with NPU dispatch: {len(crashes)} of {len(trained)}")
@@ -159,6 +163,7 @@ def _sites(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         lines += [f"    {row['mode']} SILENT {s['category']} {s['module']} {s['source']}" for s in row.get("silent", [])]
+        lines += [f"    {row['mode']} EAGER {s['category']} {s['module']}: {s['why'][:200]}" for s in row.get("eager", [])]
         lines += [f"    {row['mode']} NEAR {category} ({pass_name}): {reason[:160]} @ {where[:120]}"
                   for category, pass_name, reason, where in row.get("near_reasons", [])]
     return "\n".join(lines)
@@ -227,17 +232,20 @@ def third_party_listing(json_paths) -> str:
             group["modes"][record["mode"]] += 1
             group["models"].add(model)
             group["example"] = reason
-        for site in record.get("silent", []):
-            group = groups[(site["category"], "silent", "", "", site["source"])]
-            group["modes"][record["mode"]] += 1
-            group["models"].add(model)
+        for kind in ("silent", "eager"):
+            for site in record.get(kind, []):
+                group = groups[(site["category"], kind, "", "", site["source"])]
+                group["modes"][record["mode"]] += 1
+                group["models"].add(model)
+                group["example"] = site.get("why", "")
     lines = []
     for (category, kind, pass_name, reason, where), group in sorted(
             groups.items(), key=lambda item: (item[0][0], item[0][1], -sum(item[1]["modes"].values()))):
         modes = ", ".join(f"{m} {n}" for m, n in sorted(group["modes"].items()))
         models = ", ".join(sorted(group["models"]))
         example = " ".join(group["example"].split())  # some reasons hold a multi-line dump
-        what = f"near miss ({pass_name}): {example[:600]}" if kind == "near" else "silent"
+        what = {"near": f"near miss ({pass_name}): {example[:600]}", "silent": "silent",
+                "eager": f"in eager: {example[:600]}"}[kind]
         lines.append(f"- **{category}**, {what}\n  - at `{where}`\n  - {modes}; {models}")
     return "\n".join(out + lines)
 

@@ -356,6 +356,10 @@ def test_code_dynamo_leaves_out_of_the_graphs_is_named():
     gaps = backend.report.dynamo_gaps
     assert any("aten.nonzero.default" in reason for reason in gaps.breaks), gaps
     assert any(frame.startswith("forward (test_report.py:") for frame in gaps.eager_frames), gaps
+    first = _ExpertsLoop.forward.__code__.co_firstlineno
+    why = gaps.eager_reason(__file__, first, first + 7)
+    assert why and why.startswith("forward (test_report.py:") and "aten.nonzero.default" in why, gaps
+    assert gaps.eager_reason(__file__, first + 1, first + 7) is None  # code after the skipped function's start
     text = backend.report.to_markdown()
     assert "- dynamo left code out of the graphs" in text and "run wholly in eager" in text, text
 
@@ -366,4 +370,4 @@ def test_a_model_in_one_graph_has_no_dynamo_gaps():
     with torch.no_grad():
         torch.compile(torch.nn.Linear(8, 8), backend=backend)(torch.randn(2, 8))
     assert not backend.report.dynamo_gaps and "dynamo left code out" not in backend.report.to_markdown()
-    assert backend.report.to_dict()["dynamo_gaps"] == {"breaks": (), "eager_frames": ()}
+    assert backend.report.to_dict()["dynamo_gaps"] == {"breaks": (), "eager_frames": (), "eager_code": ()}

@@ -191,6 +191,50 @@ def test_attribution_matches_by_module_and_leaves_the_rest_silent():
     assert a.totals() == (4, 1, 1, 2)
 
 
+def test_a_site_in_code_dynamo_ran_in_eager_is_not_silent_and_says_why():
+    from npu_fx_fusion.report import DynamoGaps
+
+    # layers.0.moe's class spans model.py lines 5-15; dynamo skipped its forward (line 8)
+    sites = [_site("moe_router", "layers.0.moe"), _site("rms_norm", "layers.0.norm", line=40)]
+    report = _report([[]])
+    report.dynamo_gaps = DynamoGaps(("Dynamic shape operator (aten.nonzero.default)",), ("forward (model.py:8)",),
+                                    (("forward", "model.py", 8, "Dynamic shape operator (aten.nonzero.default)"),))
+    a = attribute(sites, report)
+    assert [(s.category, why) for s, why in a.eager] == [
+        ("moe_router", "forward (model.py:8) ran wholly in eager: Dynamic shape operator (aten.nonzero.default)")]
+    assert [s.category for s in a.silent] == ["rms_norm"]  # its code is not where dynamo gave up
+    assert a.totals() == (2, 0, 0, 1)
+
+
+class _RoutedExperts(torch.nn.Module):
+    """A for-loop over experts, each taking the tokens routed to it (torch.where(mask)):
+    a data-dependent size in a loop, so dynamo runs the whole forward in eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        probs, chosen = self.gate(x).softmax(-1).topk(2)
+        y = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            tokens, slot = torch.where(chosen == index)
+            y[tokens] += probs[tokens, slot, None] * expert(x[tokens])
+        return y
+
+
+def test_the_report_names_the_eager_code_that_holds_a_site():
+    torch._dynamo.reset()
+    backend = nff.get_npu_backend()
+    with torch.no_grad():
+        torch.compile(_RoutedExperts(), backend=backend)(torch.randn(6, 8))
+    site = Site("moe_router", "", "test_third_party_models.py", 1, sites_mod._span(_RoutedExperts()))
+    a = attribute([site], backend.report)
+    assert not a.silent and len(a.eager) == 1, a
+    assert "forward (test_third_party_models.py:" in a.eager[0][1] and "nonzero" in a.eager[0][1], a.eager
+
+
 def test_a_reused_graph_counts_once_per_run_and_relative_paths_match():
     # after a graph break dynamo compiles the block's frame once and runs it for both layers;
     # its modules are named relative to the block ("norm" for "layers.0.norm")

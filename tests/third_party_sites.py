@@ -322,14 +322,19 @@ class Attribution:
     fused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     near: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     silent: list = dataclasses.field(default_factory=list)  # [Site] (one per unmatched site unit)
+    # [(Site, why)]: unmatched sites in code the report names as run in eager (a function
+    # dynamo skipped after a graph break): no pass saw them, and the report says why
+    eager: list = dataclasses.field(default_factory=list)
     near_reasons: list = dataclasses.field(default_factory=list)  # [(category, pass, reason, location)]
     extra: list = dataclasses.field(default_factory=list)  # [(kind, pass, reason or form, location)]
 
     def totals(self) -> tuple[int, int, int, int]:
+        """(present, fused, near-missed, silent): a site in eager code is not silent, nor a
+        near miss."""
         present = sum(self.present.values())
         fused = sum(self.fused.values())
         near = sum(self.near.values())
-        return present, fused, near, present - fused - near
+        return present, fused, near, present - fused - near - len(self.eager)
 
 
 def _match(location: Any, site: Site) -> int:
@@ -366,7 +371,9 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
     run of its graph (`repeats`: {report graph index: runs}; a graph dynamo reused for
     several layers after a graph break is one report for all of them). A site takes the
     best-matching item (_match) of its category; add_rms_norm's by count, as its fused site
-    is reported at the add's module, not the norm's. Sites left over are silent."""
+    is reported at the add's module, not the norm's. Sites left over are in eager where the
+    report's dynamo_gaps name a function dynamo skipped in their code (with the break), else
+    silent."""
     result = Attribution(present=present(sites, training))
     free = [s for s in sites for _ in range(s.count) if not (training and s.category in NOT_IN_TRAINING)]
     items = []
@@ -399,7 +406,13 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
             else:
                 result.near[category] += 1
                 result.near_reasons.append((category, pass_name, what, str(location)))
-    result.silent = free
+    gaps = getattr(report, "dynamo_gaps", None)
+    for site in free:
+        why = gaps.eager_reason(*site.span) if gaps and site.span else None
+        if why:
+            result.eager.append((site, why))
+        else:
+            result.silent.append(site)
     return result
 
 
@@ -466,6 +479,7 @@ class Measurement:
     sites: list = dataclasses.field(default_factory=list)  # the census
     items: list = dataclasses.field(default_factory=list)  # the report's: (graph, kind, pass, what, location)
     repeats: dict = dataclasses.field(default_factory=dict)  # {report graph: runs}
+    eager_code: tuple = ()  # the report's dynamo_gaps.eager_code: functions dynamo ran in eager
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -568,6 +582,7 @@ def measure(library: str, name: str, mode: str, *, npu_dispatch: bool = True, dt
     result.reused = sum(max(0, c - 1) for c in backend.calls)
     result.attribution = attribute(sites, report, backend.repeats(), training=mode == "training")
     result.sites, result.repeats = sites, backend.repeats()
+    result.eager_code = report.dynamo_gaps.eager_code
     result.items = [(index, kind, pass_name, what, (loc.file, loc.line, loc.code, loc.module))
                     for index, graph in enumerate(report.graphs) for pass_result in graph.passes
                     for kind, pass_name, what, loc in
@@ -597,6 +612,8 @@ def to_json(m: Measurement) -> dict:
     if a is not None:
         record.update(present=dict(a.present), fused=dict(a.fused), near=dict(a.near),
                       silent=[dataclasses.asdict(s) | {"span": list(s.span)} for s in a.silent],
+                      eager=[dataclasses.asdict(s) | {"span": list(s.span), "why": why} for s, why in a.eager],
+                      eager_code=[list(c) for c in m.eager_code],
                       near_reasons=[list(r) for r in a.near_reasons], extra=[list(e) for e in a.extra],
                       census=[dataclasses.asdict(s) | {"span": list(s.span), "children": list(s.children)}
                               for s in m.sites],
@@ -607,7 +624,7 @@ def to_json(m: Measurement) -> dict:
 def reattribute(record: dict) -> dict:
     """`record` (to_json's) attributed again from its census and report items, as attribute()
     does now: the same numbers without compiling again."""
-    from npu_fx_fusion.report import FusedSite, GraphReport, NearMiss, PassResult, SourceLocation
+    from npu_fx_fusion.report import DynamoGaps, FusedSite, GraphReport, NearMiss, PassResult, SourceLocation
 
     sites = [Site(s["category"], s["module"], s["source"], s["count"], tuple(s["span"]), tuple(s.get("children", ())))
              for s in record["census"]]
@@ -620,11 +637,13 @@ def reattribute(record: dict) -> dict:
          else result.near_misses.append(NearMiss(pass_name, what, location)))
         graph.passes.append(result)
     count = max(graphs, default=-1) + 1
+    gaps = DynamoGaps((), (), tuple(tuple(c) for c in record.get("eager_code", ())))
     report = types.SimpleNamespace(graphs=[graphs.get(i, GraphReport(name="inference", nodes_before=0))
-                                           for i in range(count)])
+                                           for i in range(count)], dynamo_gaps=gaps)
     a = attribute(sites, report, {int(k): v for k, v in record["repeats"].items()}, record["mode"] == "training")
     return dict(record, present=dict(a.present), fused=dict(a.fused), near=dict(a.near),
                 silent=[dataclasses.asdict(s) | {"span": list(s.span)} for s in a.silent],
+                eager=[dataclasses.asdict(s) | {"span": list(s.span), "why": why} for s, why in a.eager],
                 near_reasons=[list(r) for r in a.near_reasons], extra=[list(e) for e in a.extra])
 
 

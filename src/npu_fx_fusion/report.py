@@ -504,14 +504,27 @@ class DynamoGaps:
 
     breaks: tuple[str, ...]  # each distinct reason, "Dynamic shape operator (aten.nonzero.default); ..."
     eager_frames: tuple[str, ...]  # "forward (model.py:85)": functions dynamo ran wholly in eager
+    # the same functions as (name, file, line of their first line), and the break that made
+    # dynamo skip each: to tell which code of the model ran in eager
+    eager_code: tuple[tuple[str, str, int, str], ...] = ()
 
     @classmethod
     def since(cls, before: dict[str, Counter]) -> "DynamoGaps":
         now = dynamo_counts()
         messages = [m for kind in _DYNAMO_COUNTERS for m in now[kind] - before[kind]]
-        frames = (f"{name} ({os.path.basename(path)}:{line})"
-                  for m in messages for name, path, line in _FRAME_SKIPPED.findall(m))
-        return cls(tuple(dict.fromkeys(map(_break_reason, messages))), tuple(dict.fromkeys(frames)))
+        code = {(name, path, int(line)): _break_reason(m)
+                for m in messages for name, path, line in _FRAME_SKIPPED.findall(m)}
+        frames = (f"{name} ({os.path.basename(path)}:{line})" for name, path, line in code)
+        return cls(tuple(dict.fromkeys(map(_break_reason, messages))), tuple(frames),
+                   tuple((*where, reason) for where, reason in code.items()))
+
+    def eager_reason(self, file: str, first: int, last: int) -> Optional[str]:
+        """Why the code of `file` from line `first` to `last` (a module's class, a function)
+        ran in eager, if a function dynamo skipped starts there: the break it skipped for."""
+        for name, path, line, reason in self.eager_code:
+            if path == file and first <= line <= last:
+                return f"{name} ({os.path.basename(path)}:{line}) ran wholly in eager: {reason}"
+        return None
 
     def __bool__(self) -> bool:
         return bool(self.breaks or self.eager_frames)
@@ -553,7 +566,7 @@ class FusionReport:
         """The graph breaks and eager frames dynamo recorded since the backend was made
         (counted process-wide: another compile meanwhile counts too)."""
         if self.dynamo_counts_before is None:
-            return DynamoGaps((), ())
+            return DynamoGaps((), (), ())
         return DynamoGaps.since(self.dynamo_counts_before)
 
     def add(self, graph: GraphReport) -> None:
