@@ -91,30 +91,48 @@ def _transposed_bmm_operand(node):
     return node
 
 
+def _streams_mix(operand, out):
+    """How `operand` of the add mixes the n streams of `out` (..., n, D), or None: "matmul" for
+    a bmm over (n, n) matrices of a transposed comb (an aten.matmul in an NPU graph, which
+    keeps it unsplit: npu_dispatch.py), "summed product" for comb and X broadcast against
+    each other and summed over the streams (torchtitan-npu's HcPost: `torch.sum(comb.unsqueeze(-1)
+    * X.unsqueeze(-2), dim=2)`)."""
+    mixed = operand.args[0] if is_call(operand, aten.view.default) else operand
+    if is_call(mixed, aten.bmm.default, aten.matmul.default):
+        left = _transposed_bmm_operand(mixed.args[0])
+        meta = tensor_meta(left)
+        if is_call(left, aten.transpose.int) and meta is not None and meta.shape[-1] == meta.shape[-2] \
+                == out.shape[-2]:
+            return "matmul"
+    if is_call(mixed, aten.sum.dim_IntList) and is_call(mixed.args[0], aten.mul.Tensor):
+        product = tensor_meta(mixed.args[0])
+        dims = [d % product.dim() for d in mixed.args[1]] if product is not None else []
+        # (..., n, n, D) summed over the first n: one dim, the third from the end
+        if product is not None and product.dim() == out.dim() + 1 and dims == [product.dim() - 3] \
+                and product.shape[-2] == product.shape[-3] == out.shape[-2]:
+            return "summed product"
+    return None
+
+
 def anchor(node):
-    """`post * o + comb^T @ X` candidates: an add of a broadcast product and a bmm over (n, n)
-    matrices of a transposed comb (an aten.matmul in an NPU graph, which keeps it unsplit:
-    npu_dispatch.py)."""
+    """`post * o + comb^T @ X` candidates: an add of a 4-d value one of whose operands mixes its
+    streams (_streams_mix)."""
     if not is_call(node, aten.add.Tensor) or len(node.args) < 2:
         return False
     out = tensor_meta(node)
     if out is None or out.dim() != 4:
         return False
-    for operand in node.args[:2]:
-        mixed = operand.args[0] if is_call(operand, aten.view.default) else operand
-        if is_call(mixed, aten.bmm.default, aten.matmul.default):
-            left = _transposed_bmm_operand(mixed.args[0])
-            meta = tensor_meta(left)
-            if is_call(left, aten.transpose.int) and meta is not None and meta.shape[-1] == meta.shape[-2] \
-                    == out.shape[-2]:
-                return True
-    return False
+    return any(isinstance(operand, torch.fx.Node) and _streams_mix(operand, out) for operand in node.args[:2])
 
 
 def explain(node):
-    return ("a residual mix of n streams (a broadcast product plus comb^T @ X) in a form other than "
+    out = tensor_meta(node)
+    spellings = {_streams_mix(operand, out) for operand in node.args[:2] if isinstance(operand, torch.fx.Node)}
+    how = ("comb and X broadcast against each other and summed over the streams"
+           if "summed product" in spellings else "comb^T @ X")
+    return (f"a residual mix of n streams (a broadcast product plus {how}) in a form other than "
             "transformers' DeepseekV4DecoderLayer `post.to(dtype).unsqueeze(-1) * o.unsqueeze(-2) + "
-            "torch.matmul(comb.to(dtype).transpose(-1, -2), X)`")
+            "torch.matmul(comb.to(dtype).transpose(-1, -2), X)`, the one spelling this pass matches")
 
 
 def _f32(*shape):

@@ -80,3 +80,38 @@ def test_dynamic_shapes():
     out, ref, report = compile_and_run(ResidualMix(), *inputs, config=POST)
     assert report.fused_ops == {"npu.npu_mhc_post": 1}
     assert_close_at_scale(out, ref, ULPS[torch.float32])
+
+
+class SummedProductMix(torch.nn.Module):
+    """torchtitan-npu's HcPost (deepseek_v4/model/model.py:847-857): the same mix, comb and X
+    broadcast against each other and summed over the streams, in fp32 (post and comb are fp32)
+    and rounded once to the streams' dtype."""
+
+    def forward(self, hidden_states, block_output, post, comb):
+        y = post.unsqueeze(-1) * block_output.unsqueeze(-2) + torch.sum(
+            comb.unsqueeze(-1) * hidden_states.unsqueeze(-2), dim=2)
+        return y.type_as(block_output)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_summed_product_spelling_is_a_near_miss_not_silent(dtype):
+    x, o, post, comb = _inputs(dtype)
+    out, ref, report = compile_and_run(SummedProductMix(), x, o, post, comb, config=POST)
+    assert report.counts["mhc_post"] == 0
+    reasons = near_miss_reasons(report, "mhc_post")
+    assert len(reasons) == 1 and "summed over the streams" in reasons[0], reasons
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # nothing replaced
+
+
+class SummedOverTheWrongDim(torch.nn.Module):
+    """The product summed over comb's other dim: each stream scaled by its row of comb
+    summed, no mix of streams at all."""
+
+    def forward(self, hidden_states, block_output, post, comb):
+        return post.unsqueeze(-1) * block_output.unsqueeze(-2) + torch.sum(
+            comb.unsqueeze(-1) * hidden_states.unsqueeze(-2), dim=3)
+
+
+def test_a_product_summed_over_another_dim_is_no_candidate():
+    _, _, report = compile_and_run(SummedOverTheWrongDim(), *_inputs(), config=POST)
+    assert report.counts["mhc_post"] == 0 and not near_miss_reasons(report, "mhc_post")
