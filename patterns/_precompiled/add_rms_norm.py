@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a809264f78af7f92',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b897b0bfbcb254bf',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

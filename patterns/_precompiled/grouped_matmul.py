@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '46061013c5a5502f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0f3e63efd3008c5c',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

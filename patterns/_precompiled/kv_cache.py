@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8a37713f171b58d4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0131d39c8388491c',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dfd998c83dc2a734',
+KEY = {'torch': '2.13.0+cpu', 'sources': '65443035274afcc2',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

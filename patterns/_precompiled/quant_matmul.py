@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ec0e58c0bb69d6d6',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd59a12453ba19a8b',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

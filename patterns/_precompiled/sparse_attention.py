@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '54945eeb6d7577a5',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c89222ab596c198d',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

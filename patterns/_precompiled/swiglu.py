@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ceffafccde7a812a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ddc9cf460d858843',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4d80c0255c852776',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7bbde6e026bbbb63',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -229,8 +229,9 @@ def _calls(pattern: Any) -> Optional[list]:
 
 
 def ops_present(nodes: Any) -> set:
-    """The (op, target) of each of `nodes` (a graph's): what may_occur reads."""
-    return {(node.op, pm.extract_target(node)) for node in nodes}
+    """The (op, target) of each of `nodes` (a graph's), as torch's matcher reads a node
+    (pm.extract_target: a module call by its module's class): what may_occur reads."""
+    return {(node.op, pm.extract_target(node) if node.op == "call_module" else node.target) for node in nodes}
 
 
 def may_occur(pattern: pm.PatternExpr, present: set) -> bool:
