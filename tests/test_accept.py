@@ -252,3 +252,19 @@ def test_a_pattern_is_tried_only_in_a_graph_holding_every_call_it_always_contain
     # an AnyOf's alternatives are not each required: the mm is
     assert may_occur(either_then_mm, ops_present(sigmoid_graph.nodes))
     assert not may_occur(either_then_mm, ops_present(make_fx(lambda a: a.relu())(a).graph.nodes))
+
+
+def test_a_pattern_sharing_its_sub_patterns_is_read_once_per_node():
+    # a joint pattern reads one forward value from many backward nodes: read as a tree, this
+    # chain of 60 adds each reading the previous one twice would have 2**60 paths
+    from torch._inductor import pattern_matcher as pm
+
+    from npu_fx_fusion.spellings import may_occur
+
+    aten = torch.ops.aten
+    value = pm.KeywordArg("x")
+    for _ in range(60):
+        value = pm.CallFunction(aten.add.Tensor, value, value)
+    chain = pm.CallFunction(aten.relu.default, value)
+    assert may_occur(chain, {("call_function", aten.add.Tensor), ("call_function", aten.relu.default)})
+    assert not may_occur(chain, {("call_function", aten.add.Tensor)})

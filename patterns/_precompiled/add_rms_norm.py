@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b897b0bfbcb254bf',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9ba6c4a53bb07cf9',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e0702e7cf844c1b0',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f8145b9b73b163ca',
        'backward': {'npu.npu_add_rms_norm_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3c2684fdc6075af1',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f3f54320c25a24fc',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

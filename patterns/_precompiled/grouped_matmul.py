@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0f3e63efd3008c5c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2a58067ba61ec6ec',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0131d39c8388491c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '622f917593de0de3',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '65443035274afcc2',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd6dfe5fdac3b361e',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8a15974b300ea933',
+KEY = {'torch': '2.13.0+cpu', 'sources': '261a7b3f4d2a13a7',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

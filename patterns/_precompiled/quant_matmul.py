@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd59a12453ba19a8b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '49b8dce1445c0211',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

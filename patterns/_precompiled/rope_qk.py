@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4a2934ad18d2b55d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2d5e325d0b07fe80',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

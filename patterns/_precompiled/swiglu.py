@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ddc9cf460d858843',
+KEY = {'torch': '2.13.0+cpu', 'sources': '40914e8f5228d693',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

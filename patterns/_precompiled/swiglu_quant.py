@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7bbde6e026bbbb63',
+KEY = {'torch': '2.13.0+cpu', 'sources': '48455c74f7a73f6c',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

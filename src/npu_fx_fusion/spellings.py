@@ -249,14 +249,22 @@ def may_occur(pattern: pm.PatternExpr, present: set) -> bool:
 _REQUIRED: dict = {}  # pattern -> the (op, target) alternatives of each call it always holds
 
 
-def _required_calls(pattern: Any):
-    if isinstance(pattern, pm.MultiOutputPattern):
-        for output in pattern.outputs:
-            yield from _required_calls(output)
-    elif isinstance(pattern, pm._TargetArgsExpr):  # noqa: SLF001 - CallFunction and its kin
-        yield frozenset((pattern.op, fn) for fn in pattern.fns_set)
-        for argument in torch.utils._pytree.tree_leaves((pattern.args, pattern.kwargs)):  # noqa: SLF001
-            yield from _required_calls(argument)
+def _required_calls(pattern: Any) -> set:
+    """may_occur's calls of `pattern`, each sub-pattern visited once (a joint pattern shares
+    its sub-patterns between the forward and the backward: walked as a tree, it is
+    exponential in its depth)."""
+    required, seen, pending = set(), set(), [pattern]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, pm.MultiOutputPattern):
+            pending.extend(current.outputs)
+        elif isinstance(current, pm._TargetArgsExpr):  # noqa: SLF001 - CallFunction and its kin
+            required.add(frozenset((current.op, fn) for fn in current.fns_set))
+            pending.extend(torch.utils._pytree.tree_leaves((current.args, current.kwargs)))  # noqa: SLF001
+    return required
 
 
 def _argument_tests(pattern: Any, crossed: bool, check_users: bool) -> Optional[tuple]:
