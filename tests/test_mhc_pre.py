@@ -155,13 +155,15 @@ def test_a_frozen_mhc_parameter_in_training_is_a_near_miss_saying_so():
     assert "has no gradient (a frozen mHC parameter)" in miss.reason
 
 
-def test_the_scale_gradient_is_nearer_float64_than_eagers():
+def test_the_scale_gradient_is_rounding_noise_the_size_of_eagers():
     """The gap between the fused and eager gradients of hc.scale is rounding, not a formula: each
     of its 3 numbers is a sum over every token and mix of dz * w whose terms cancel (sum |terms|
     6-100x |sum| in the tiny V4), so a few ulps in the terms are tens at the result. Against a
     float64 run (KeepFloat64: transformers' .float() casts kept float64) the stand-in backward run
-    in float64 agrees to 1e-12 relative, and the fused fp32 step is 6.2 ulp at scale off where
-    eager's fp32 is 19.1 off (so 21 apart, test above)."""
+    in float64 agrees to 1e-12 relative (the formula), and both fp32 steps are rounding noise of
+    one size, which depends on the CPU's kernels: fused 6.2 and eager 19.1 ulp at scale off on one
+    machine, fused 52 and eager 27 on another (the same sums in another order). A wrong formula
+    would be off by the gradient itself: millions of ulps at scale."""
     import copy
 
     from npu_fx_fusion.patterns.mhc_pre import MhcPreSinkhorn
@@ -181,7 +183,7 @@ def test_the_scale_gradient_is_nearer_float64_than_eagers():
         sum((o * p.to(o.dtype)).sum() for o, p in zip(results, probes)).backward()
     fused_error = errors_at_scale(module.hc.scale.grad, exact.hc.scale.grad)
     eager_error = errors_at_scale(eager.hc.scale.grad, exact.hc.scale.grad)
-    assert fused_error <= 8 and fused_error < eager_error, (fused_error, eager_error)
+    assert fused_error <= 4 * max(eager_error, 8), (fused_error, eager_error)
     # the stand-in's forward and backward in float64 (what the fused graph calls, in float64)
     hc = exact.hc
     scale = hc.scale.detach().clone().requires_grad_()
