@@ -281,3 +281,22 @@ def errors_at_scale(actual: torch.Tensor, exact: torch.Tensor, precision: torch.
     """max |actual - exact| in ulps of `precision` at the largest |exact| (exact: a float64 reference)."""
     unit = ulp(exact.abs().max().reshape(1).to(precision)).double().item()
     return (actual.double() - exact.double()).abs().max().item() / unit if unit > 0 else 0.0
+
+
+class RoutedExpertsLoop(torch.nn.Module):
+    """litgpt's LLaMAMoE shape: a loop over experts, each taking the tokens routed to it with
+    torch.where(mask) (a data-dependent size in a loop, so dynamo runs the whole forward in
+    eager: the report's dynamo_gaps name it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        probs, chosen = self.gate(x).softmax(-1).topk(2)
+        y = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            tokens, slot = torch.where(chosen == index)
+            y[tokens] += probs[tokens, slot, None] * expert(x[tokens])
+        return y

@@ -12,7 +12,9 @@ import torch.fx
 from npu_fx_fusion import npu_ops
 from npu_fx_fusion.insertion import _inherit_kept_calls, _inherit_source_meta
 from npu_fx_fusion.cleanup import drop_lossless_round_trips
+import helpers
 import npu_fx_fusion as nff
+from helpers import RoutedExpertsLoop
 from npu_fx_fusion.report import (FusedSite, FusionReport, GraphCost, GraphReport, NearMiss, PassResult,
                                   SourceLocation, added_conversions, human_bytes, op_table, pass_rows, pass_table,
                                   site_location)
@@ -330,36 +332,18 @@ def test_a_reused_graph_counts_once_per_run():
     assert report.to_dict()["executed_counts"]["rms_norm"] == 9
 
 
-class _ExpertsLoop(torch.nn.Module):
-    """litgpt's LLaMAMoE shape: a loop over experts, each picking its tokens with torch.where
-    (data-dependent sizes: a graph break inside a loop, so dynamo runs the frame in eager)."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(8, 4, bias=False)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x):
-        chosen = self.gate(x).argmax(-1)
-        y = torch.zeros_like(x)
-        for index, expert in enumerate(self.experts):
-            (tokens,) = torch.where(chosen == index)
-            y[tokens] += expert(x[tokens])
-        return y
-
-
 def test_code_dynamo_leaves_out_of_the_graphs_is_named():
     torch._dynamo.reset()
     backend = nff.get_npu_backend()
     with torch.no_grad():
-        torch.compile(_ExpertsLoop(), backend=backend)(torch.randn(6, 8))
+        torch.compile(RoutedExpertsLoop(), backend=backend)(torch.randn(6, 8))
     gaps = backend.report.dynamo_gaps
     assert any("aten.nonzero.default" in reason for reason in gaps.breaks), gaps
-    assert any(frame.startswith("forward (test_report.py:") for frame in gaps.eager_frames), gaps
-    first = _ExpertsLoop.forward.__code__.co_firstlineno
-    why = gaps.eager_reason(__file__, first, first + 7)
-    assert why and why.startswith("forward (test_report.py:") and "aten.nonzero.default" in why, gaps
-    assert gaps.eager_reason(__file__, first + 1, first + 7) is None  # code after the skipped function's start
+    assert any(frame.startswith("forward (helpers.py:") for frame in gaps.eager_frames), gaps
+    first = RoutedExpertsLoop.forward.__code__.co_firstlineno
+    why = gaps.eager_reason(helpers.__file__, first, first + 6)
+    assert why and why.startswith("forward (helpers.py:") and "aten.nonzero.default" in why, gaps
+    assert gaps.eager_reason(helpers.__file__, first + 1, first + 6) is None  # code after the skipped function's start
     text = backend.report.to_markdown()
     assert "- dynamo left code out of the graphs" in text and "run wholly in eager" in text, text
 

@@ -38,7 +38,7 @@ import torch
 
 import npu_fx_fusion as nff
 import third_party_sites as sites_mod
-from helpers import RecordingBackend, assert_close_at_scale
+from helpers import RecordingBackend, RoutedExpertsLoop, assert_close_at_scale
 from npu_fx_fusion import tiny_third_party
 from npu_fx_fusion.report import FusedSite, GraphReport, NearMiss, PassResult, SourceLocation
 from third_party_sites import BEFORE, PRESENT, Site, attribute, census, measure
@@ -206,33 +206,15 @@ def test_a_site_in_code_dynamo_ran_in_eager_is_not_silent_and_says_why():
     assert a.totals() == (2, 0, 0, 1)
 
 
-class _RoutedExperts(torch.nn.Module):
-    """A for-loop over experts, each taking the tokens routed to it (torch.where(mask)):
-    a data-dependent size in a loop, so dynamo runs the whole forward in eager."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(8, 4, bias=False)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
-
-    def forward(self, x):
-        probs, chosen = self.gate(x).softmax(-1).topk(2)
-        y = torch.zeros_like(x)
-        for index, expert in enumerate(self.experts):
-            tokens, slot = torch.where(chosen == index)
-            y[tokens] += probs[tokens, slot, None] * expert(x[tokens])
-        return y
-
-
 def test_the_report_names_the_eager_code_that_holds_a_site():
     torch._dynamo.reset()
     backend = nff.get_npu_backend()
     with torch.no_grad():
-        torch.compile(_RoutedExperts(), backend=backend)(torch.randn(6, 8))
-    site = Site("moe_router", "", "test_third_party_models.py", 1, sites_mod._span(_RoutedExperts()))
+        torch.compile(RoutedExpertsLoop(), backend=backend)(torch.randn(6, 8))
+    site = Site("moe_router", "", "helpers.py", 1, sites_mod._span(RoutedExpertsLoop()))
     a = attribute([site], backend.report)
     assert not a.silent and len(a.eager) == 1, a
-    assert "forward (test_third_party_models.py:" in a.eager[0][1] and "nonzero" in a.eager[0][1], a.eager
+    assert "forward (helpers.py:" in a.eager[0][1] and "nonzero" in a.eager[0][1], a.eager
 
 
 def test_a_reused_graph_counts_once_per_run_and_relative_paths_match():

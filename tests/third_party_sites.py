@@ -610,11 +610,7 @@ def to_json(m: Measurement) -> dict:
     record = {"spec": m.spec, "mode": m.mode, "error": m.error, "graphs": m.graphs, "reused": m.reused,
               "seconds": round(m.seconds, 1), "note": m.note, "crash_with_dispatch": m.crash_with_dispatch}
     if a is not None:
-        record.update(present=dict(a.present), fused=dict(a.fused), near=dict(a.near),
-                      silent=[dataclasses.asdict(s) | {"span": list(s.span)} for s in a.silent],
-                      eager=[dataclasses.asdict(s) | {"span": list(s.span), "why": why} for s, why in a.eager],
-                      eager_code=[list(c) for c in m.eager_code],
-                      near_reasons=[list(r) for r in a.near_reasons], extra=[list(e) for e in a.extra],
+        record.update(_attributed(a), eager_code=[list(c) for c in m.eager_code],
                       census=[dataclasses.asdict(s) | {"span": list(s.span), "children": list(s.children)}
                               for s in m.sites],
                       items=[list(i) for i in m.items], repeats={str(k): v for k, v in m.repeats.items()})
@@ -641,7 +637,12 @@ def reattribute(record: dict) -> dict:
     report = types.SimpleNamespace(graphs=[graphs.get(i, GraphReport(name="inference", nodes_before=0))
                                            for i in range(count)], dynamo_gaps=gaps)
     a = attribute(sites, report, {int(k): v for k, v in record["repeats"].items()}, record["mode"] == "training")
-    return dict(record, present=dict(a.present), fused=dict(a.fused), near=dict(a.near),
+    return dict(record, **_attributed(a))
+
+
+def _attributed(a: Attribution) -> dict:
+    """An Attribution as a record's plain data (to_json's and reattribute's)."""
+    return dict(present=dict(a.present), fused=dict(a.fused), near=dict(a.near),
                 silent=[dataclasses.asdict(s) | {"span": list(s.span)} for s in a.silent],
                 eager=[dataclasses.asdict(s) | {"span": list(s.span), "why": why} for s, why in a.eager],
                 near_reasons=[list(r) for r in a.near_reasons], extra=[list(e) for e in a.extra])

@@ -338,7 +338,7 @@ def _structure(node: Node, keys: dict) -> tuple:
     """What a constant node computes: its target and arguments, constant arguments by the
     number of their structure in `keys` (a key nesting its arguments' keys would grow with
     the depth of the constant subgraph)."""
-    args = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: keys.get(a, a))
+    args = torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a: keys.get(a, a) if isinstance(a, Node) else a)
     return (node.target, hashable(args))
 
 
