@@ -215,6 +215,11 @@ def test_the_report_names_the_eager_code_that_holds_a_site():
     a = attribute([site], backend.report)
     assert not a.silent and len(a.eager) == 1, a
     assert "forward (helpers.py:" in a.eager[0][1] and "nonzero" in a.eager[0][1], a.eager
+    # a kept record, attributed again (survey.py --listing), says the same
+    record = sites_mod.to_json(sites_mod.Measurement("test:routed", "fp32", a, sites=[site],
+                                                     eager_code=backend.report.dynamo_gaps.eager_code))
+    again = sites_mod.reattribute(record)
+    assert (again["eager"], again["silent"]) == (record["eager"], []), again
 
 
 def test_a_reused_graph_counts_once_per_run_and_relative_paths_match():

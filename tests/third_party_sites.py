@@ -408,7 +408,7 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
                 result.near_reasons.append((category, pass_name, what, str(location)))
     gaps = getattr(report, "dynamo_gaps", None)
     for site in free:
-        why = gaps.eager_reason(*site.span) if gaps and site.span else None
+        why = gaps.eager_reason(*site.span) if gaps is not None and site.span else None
         if why:
             result.eager.append((site, why))
         else:
