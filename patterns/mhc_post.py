@@ -14,13 +14,22 @@ Precision: transformers rounds post and comb to the streams' dtype and mixes in 
 (a bf16 bmm); the ops take them in fp32 and round once. In bf16 the fused result is the more
 exact one, a few bf16 ulps from the model's; in fp32 they agree to rounding.
 
+Other spellings of the same mix (torchtitan-npu's HcPost: a broadcast product summed over the
+streams in fp32, rounded once; einsum; a comb stored the other way round; tokens flattened to
+(T, n, D)) are recognised by what they compute (`recognize`, below) and fused in inference. In
+training only the form above fuses: a recognised spelling's backward is not rewritten (a near
+miss says so).
+
 Training: npu_mhc_post differentiates at the dispatcher (NpuMhcPostBackward0); the COT op by
 the extension's Python MhcPostFunction, mirrored by MhcPost below (mhc_post_backward).
 """
+import math
+
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import (AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes, atoms_of,
+                                    enclosed_region, is_backward, is_call, known_equal, rearrange, strip_casts, tensor_meta)
 
 aten = torch.ops.aten
 NPU_POST = CAPABILITIES["npu.npu_mhc_post"]
@@ -84,6 +93,186 @@ def check(site):
     ])
 
 
+# ---- the mix recognised by what it computes ----------------------------------------------------
+# Other codebases spell the same mix in other layouts: torchtitan-npu's HcPost sums a broadcast
+# product over the streams (`torch.sum(comb.unsqueeze(-1) * X.unsqueeze(-2), dim=2)`, in fp32,
+# rounded once by `type_as`), einsum("bsjk,bsjd->bskd", comb, X), `comb @ X` of a comb stored
+# the other way round. The region that ends in the add is evaluated over index atoms
+# (axis_algebra.py) and fused when it is
+#     Y[b, k, d] = post[b, k] * o[b, d] + sum_j comb[b, j, k] * X[b, j, d]
+# with every index in its role: j summed, shared only by comb and X; k the streams of comb and
+# post; d the channels of X and o; b the rest, shared by all (several atoms: (B, S) or one
+# token dim T). The roles come from which tensor holds which index, never from sizes. The
+# inputs are read as they are and rearranged into the op's (B, S, n, D) layouts, so a comb
+# indexed [k, j] is passed transposed, as the op's h_res is indexed [j, k].
+_PASSES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.transpose.int,
+           aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
+           aten.clone.default, aten.contiguous.default, aten.alias.default, aten._to_copy.default,
+           torch.ops.prims.convert_element_type.default)
+_PRODUCTS = (aten.mul.Tensor, aten.bmm.default, aten.matmul.default, aten.mm.default)
+
+
+def _mix_operands(add):
+    """The nodes the algebra reads as the region's leaves: for each operand of the add, the
+    inputs of its product (a mul, bmm, matmul or mm, optionally under one sum), through
+    layout ops and casts; None when an operand is neither a product nor a summed product
+    (a residual add of a projection's output and a graph input)."""
+    stops, contractions = set(), 0
+    for operand in add.args[:2]:
+        if not isinstance(operand, torch.fx.Node):
+            return None
+        pending, state = [(operand, "top")], None
+        found_product = False
+        while pending:
+            node, state = pending.pop()
+            if is_call(node, *_PASSES):
+                pending.append((node.args[0], state))
+            elif state != "product" and is_call(node, *_PRODUCTS):
+                found_product = True
+                contractions += not is_call(node, aten.mul.Tensor)
+                pending += [(a, "product") for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+            elif state == "top" and is_call(node, aten.sum.dim_IntList):
+                contractions += 1
+                pending.append((node.args[0], "sum"))
+            elif state == "product":
+                stops.add(node)
+            else:
+                return None
+        if not found_product:
+            return None
+    return stops if contractions else None
+
+
+def recognize(graph, joint):
+    found = []
+    for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
+        meta = tensor_meta(add)
+        if joint and is_backward(add) or meta is None or meta.dim() < 3 or not meta.is_floating_point() or add.kwargs.get("alpha", 1) != 1:
+            continue
+        stops = _mix_operands(add)
+        if stops is None:
+            continue
+        output = add
+        cast = next(iter(add.users)) if len(add.users) == 1 else None
+        if cast is not None and is_call(cast, aten._to_copy.default, torch.ops.prims.convert_element_type.default):
+            output = cast  # the mix computed in fp32 and rounded once (HcPost's type_as)
+        try:
+            value = AxisEvaluation(stop=stops).value(output)
+            readings = _readings(value)
+        except NotEvaluable:
+            continue
+        if isinstance(readings, str):
+            found.append(Recognized("streams mix (axis algebra)", output, [add], reason=readings))
+            continue
+        for reading in readings:
+            found.extend(_sites(reading, value, output, joint))
+    return found
+
+
+def _readings(value):
+    """The ways the value reads as post * o + sum_j comb * X: [(x, o, post, comb, batch, j, k, d)]
+    (role expressions and atoms), why a summed product of the streams is not that mix, or []
+    for a value that is no sum of a product and a summed product."""
+    top = strip_casts(value.expr)
+    if top.op != "add" or len(top.args) != 2:
+        return []
+    terms = [strip_casts(t) for t in top.args]
+    mixes = [t for t in terms if t.op == "sum" and len(t.args) == 1 and t.args[0].op == "mul"
+             and len(t.args[0].args) == 2]
+    if len(mixes) != 1:
+        return []
+    mix = mixes[0]
+    product = terms[1 - terms.index(mix)]
+    if product.op != "mul" or len(product.args) != 2 or product.contains("sum"):
+        return []
+    if len(mix.atoms) != 1:
+        return []  # a contraction over several indices: no mix of streams by one matrix
+    (j,) = mix.atoms
+    out = set(atoms_of(value.dims))
+    factors = [strip_casts(f) for f in mix.args[0].args]
+    if not all(j in f.free for f in factors):
+        return []  # a sum over an index of one factor only: no contraction, no mix of streams
+    outer = [strip_casts(f) for f in product.args]
+    readings, unequal = [], None
+    for comb, x in (factors, factors[::-1]):
+        batch = (comb.free & x.free) - {j}
+        k, d = comb.free - x.free - {j}, x.free - comb.free - {j}
+        if len(k) != 1 or not d:
+            continue
+        holds_k = [i for i, f in enumerate(outer) if k <= f.free]
+        if len(holds_k) != 1:
+            continue
+        post, o = outer[holds_k[0]], outer[1 - holds_k[0]]
+        if not (post.free <= batch | k and o.free <= batch | d and d <= o.free and out == batch | k | d):
+            continue
+        (k,) = k
+        if not known_equal(j.size, k.size):
+            unequal = unequal or f"it mixes {j.size} streams into {k.size}: the op's comb is n x n"
+            continue
+        readings.append((x, o, post, comb, batch, j, k, d))
+    if readings or unequal:
+        return readings or unequal
+    # a near miss only where a factor is a square matrix over the summed index, as comb is (an
+    # unrelated sum of products is no candidate; sizes decide only whether to say so)
+    if not any(sum(known_equal(a.size, j.size) for a in f.free) >= 2 for f in factors):
+        return []
+    return ("a product plus a product summed over one index, but not post[k] * o[d] + sum_j comb[j, k] * X[j, d]: "
+            "the indices of the block output, post, comb and the streams do not play those roles")
+
+
+def _sites(reading, value, output, joint):
+    x, o, post, comb, batch, j, k, d = reading
+    name = "streams mix (axis algebra)"
+    ends = [output, *output.all_input_nodes] if output.target is not aten.add.Tensor else [output]
+    if joint:
+        return [Recognized(name, output, ends, reason=(
+            "a residual mix of n streams in training, in a spelling other than transformers' DeepseekV4DecoderLayer: "
+            "its backward (four gradients from one) is rewritten only for that spelling's traced form, so it stays "
+            "unfused (the partitioned forward graph's mix fuses where it passes the op's checks)"))]
+    if tensor_meta(output).dtype != x.dtype:
+        return [Recognized(name, output, ends, reason=(
+            f"the mix's result is {str(tensor_meta(output).dtype)[6:]} and the streams {str(x.dtype)[6:]}: the op "
+            "returns the streams' dtype"))]
+    order = [a for group in x.dims for a in group]
+    batch = sorted(batch, key=order.index)
+    channels = tuple(sorted(d, key=order.index))
+    lead = ((), tuple(batch)) if len(batch) < 2 else ((batch[0],), tuple(batch[1:]))
+    layouts = {"hidden_states": (x, (*lead, (j,), channels)), "block_output": (o, (*lead, channels)),
+               "post": (post, (*lead, (k,))), "comb": (comb, (*lead, (j,), (k,)))}
+    inputs = {name: expr.node for name, (expr, _) in layouts.items()}
+    if any(node is None for node in inputs.values()):
+        return []
+    # (a region node read elsewhere too stays, and computes what it did)
+    nodes, _ = enclosed_region([output], list(inputs.values()))
+    sizes = {}
+    for expr, _ in layouts.values():
+        sizes.update(atom_sizes(tensor_meta(expr.node), expr.dims))
+    site_args = {role: tensor_meta(expr.node).new_empty([math.prod(sizes[a] for a in g) for g in target],
+                                                       dtype=expr.dtype)
+                 for role, (expr, target) in layouts.items()}
+    out_layout = (*lead, (k,), channels)
+    return [Recognized(name, output, nodes, inputs, _recognized_call(fused, layouts, out_layout, value.dims),
+                       site_args, fused_op=fused_op)
+            for fused, fused_op in ((npu_mhc_post, "npu.npu_mhc_post"), (mhc_post, "cann_ops_transformer.mhc_post"))]
+
+
+def _recognized_call(fused, layouts, out_layout, out_dims):
+    dims = {name: expr.dims for name, (expr, _) in layouts.items()}
+    targets = {name: target for name, (_, target) in layouts.items()}
+
+    def npu_mhc_post_recognized(hidden_states, block_output, post, comb):
+        given = {"hidden_states": hidden_states, "block_output": block_output, "post": post, "comb": comb}
+        sizes = {}
+        for name, t in given.items():
+            sizes.update(atom_sizes(t, dims[name]))
+        laid = {name: rearrange(t, dims[name], targets[name], sizes) for name, t in given.items()}
+        out = fused(laid["hidden_states"], laid["block_output"], laid["post"], laid["comb"])
+        return rearrange(out, out_layout, out_dims, sizes)
+
+    npu_mhc_post_recognized.__name__ = fused.__name__ + "_recognized"
+    return npu_mhc_post_recognized
+
+
 # ---- near misses: a streams mix no form consumed ----------------------------------------------
 def _transposed_bmm_operand(node):
     while is_call(node, aten.view.default, aten.expand.default, aten._unsafe_view.default, aten.clone.default):
@@ -130,9 +319,9 @@ def explain(node):
     spellings = {_streams_mix(operand, out) for operand in node.args[:2] if isinstance(operand, torch.fx.Node)}
     how = ("comb and X broadcast against each other and summed over the streams"
            if "summed product" in spellings else "comb^T @ X")
-    return (f"a residual mix of n streams (a broadcast product plus {how}) in a form other than "
-            "transformers' DeepseekV4DecoderLayer `post.to(dtype).unsqueeze(-1) * o.unsqueeze(-2) + "
-            "torch.matmul(comb.to(dtype).transpose(-1, -2), X)`, the one spelling this pass matches")
+    return (f"a residual mix of n streams (a broadcast product plus {how}) that neither transformers' "
+            "DeepseekV4DecoderLayer form nor the recognition reads as post[k] * o + sum_j comb[j, k] * X[j] "
+            "(its region could not be evaluated)")
 
 
 def _f32(*shape):
@@ -153,6 +342,7 @@ PASS = FusionPass(
     anchor=anchor,
     anchor_ops=(aten.add.Tensor,),
     explain=explain,
+    recognize=recognize,
     # its 150 joint patterns start from an add, which every graph has: a graph with no
     # candidate mix (every one but DeepSeek-V4's) is not matched at all
     prefilter=lambda graph: any(anchor(node) for node in graph.nodes),

@@ -50,9 +50,9 @@ FAMILIES = ("rms_norm", "add_rms_norm", "rope", "rope_complex", "swiglu", "route
 # leaves every seed's case of FAMILIES as it was: attention_block, a decoder block around SDPA
 # (issue 29's training crash: q / k / v made non-contiguous by .view().transpose(), GQA, B=1 and
 # B>1), which every pass meets at once; library, model code of other codebases
-# (tests/fuzz_library.py)
+# (tests/fuzz_library.py); mhc_post, DeepSeek-V4's residual mix of n streams in its spellings
 LIBRARY = "library"
-NAMED_FAMILIES = ("attention_block", LIBRARY)
+NAMED_FAMILIES = ("attention_block", "mhc_post", LIBRARY)
 
 # Outcome classes. OK_OUTCOMES are the right answers; the others are failures.
 FUSED = "fused"  # a positive fused its sites, numerics within tolerance
@@ -712,9 +712,72 @@ def _make_attention_block(rng, seed, case_kw):
                 grad_inputs=(0,), allowed=("rms_norm", "add_rms_norm", "swiglu", "attention"))
 
 
+# ---- the hyper-connection residual mix (mhc_post) ----------------------------------------------
+# Y[k] = post[k] * o + sum_j comb[j, k] * X[j], X (B, S, n, D), o (B, S, D), post (B, S, n),
+# comb (B, S, n, n) fp32 (mhc_pre's outputs). `comb` is read [j, k] unless the spelling says
+# it stores comb [k, j] (then the module's comb input is that one, and its mix reads it so).
+MIXES = {
+    "matmul_t": "torch.matmul({c}.transpose(-1, -2), {x})",
+    "matmul_kj": "torch.matmul({c}, {x})",  # comb stored [k, j]
+    "sum_product": "torch.sum({c}.unsqueeze(-1) * {x}.unsqueeze(-2), dim=2)",
+    "sum_product_neg_dim": "({c}[..., None] * {x}[..., None, :]).sum(-3)",
+    "einsum": 'torch.einsum("bsjk,bsjd->bskd", {c}, {x})',
+    "einsum_kj": 'torch.einsum("bskj,bsjd->bskd", {c}, {x})',  # comb stored [k, j]
+    "bmm_tokens": "torch.bmm({c}.reshape(-1, {n}, {n}).transpose(1, 2), {x}.reshape(-1, {n}, {D})).view(B, S, {n}, {D})",
+}
+OUTER = {"unsqueeze": "{p}.unsqueeze(-1) * {o}.unsqueeze(-2)", "index": "{p}[..., None] * {o}[..., None, :]",
+         "einsum": 'torch.einsum("bsk,bsd->bskd", {p}, {o})'}
+# how the model rounds: the mix in fp32 (post and comb are) and cast once to x's dtype, as
+# torchtitan-npu's HcPost does; or post and comb cast to x's dtype first, as transformers does
+ROUNDING = {"fp32_once": ("{t}", "({e}).to(x.dtype)"), "in_dtype": ("{t}.to(x.dtype)", "{e}")}
+MIX_LOOKALIKES = {
+    # summed over comb's other index: each stream scaled by a row sum, no mix of streams
+    "other_index": "torch.sum({c}.unsqueeze(-1) * {x}.unsqueeze(-2), dim=3)",
+    # the streams themselves times post: no one block output broadcast over the streams
+    "per_stream_output": None,
+    "difference": None,  # post * o - the mix
+}
+
+
+def _make_mhc_post(rng, seed, case_kw):
+    dtype, dynamic, training = case_kw["dtype"], case_kw["dynamic"], case_kw["training"]
+    B, S, n, D = rng.choice([1, 2]), rng.choice([3, 5]), rng.choice([4, 6, 8]), rng.choice([8, 16, 32])
+    mix, outer, rounding = rng.choice(sorted(MIXES)), rng.choice(sorted(OUTER)), rng.choice(sorted(ROUNDING))
+    order = rng.choice(["outer_first", "mix_first"])
+    choices = {"mix": mix, "outer": outer, "rounding": rounding, "order": order,
+               "shapes": f"x [{B}, {S}, {n}, {D}], o [{B}, {S}, {D}]"}
+    lookalike = rng.choice(sorted(MIX_LOOKALIKES)) if rng.random() < 0.25 else None
+    if lookalike:
+        choices["lookalike"] = lookalike
+    weight, result = ROUNDING[rounding]
+    c, p = weight.format(t="comb"), weight.format(t="post")
+    # matmul, bmm and einsum do not promote: an fp32 mix of half-dtype streams casts them
+    contracts = rounding == "fp32_once" and not mix.startswith("sum_product")
+    mixed = (MIX_LOOKALIKES[lookalike] if lookalike == "other_index" else MIXES[mix]).format(
+        c=c, x="x.float()" if contracts else "x", n=n, D=D)
+    product = OUTER[outer].format(p=p, o="o.float()" if rounding == "fp32_once" and outer == "einsum" else "o")
+    if lookalike == "per_stream_output":
+        product = f"{p}.unsqueeze(-1) * x.flip(2)"
+    sign = " - " if lookalike == "difference" else " + "
+    terms = f"{product}{sign}{mixed}" if order == "outer_first" or lookalike == "difference" else f"{mixed} + {product}"
+    source = "\n".join(["def forward(self, x, o, post, comb):", "    B, S = x.shape[0], x.shape[1]",
+                        "    return " + result.format(e=terms)])
+    kind = "negative" if lookalike else "positive"
+
+    def build():
+        gen = torch.Generator().manual_seed(seed)
+        x, o = _randn(gen, B, S, n, D).to(dtype), _randn(gen, B, S, D).to(dtype)
+        post = 2 * torch.rand(B, S, n, generator=gen)
+        comb = torch.softmax(_randn(gen, B, S, n, n), -1)
+        return _module_from_source(source, f"<fuzz {seed}>", lambda module: None), (x, o, post, comb)
+
+    return Case(seed, "mhc_post", choices, source, kind, {"mhc_post": 1} if kind == "positive" else {}, "mhc_post",
+                "", dtype, dynamic, training, build)
+
+
 MAKERS = {"rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
           "rope": _make_rope, "rope_complex": _make_rope_complex, "swiglu": _make_swiglu, "router": _make_router,
-          "attention_block": _make_attention_block, LIBRARY: _make_library}
+          "attention_block": _make_attention_block, "mhc_post": _make_mhc_post, LIBRARY: _make_library}
 
 
 def make_case(seed: int, family: Optional[str] = None) -> Case:

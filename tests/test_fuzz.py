@@ -57,6 +57,27 @@ def test_the_block_slice_covers_the_crash_and_inference():
     assert all(".view(B, S, " in c.source and ".transpose(1, 2)" in c.source for c in cases)
 
 
+# DeepSeek-V4's residual mix (mhc_post) in its spellings: every mix spelling, every look-alike,
+# training (forms and the forward of a recognised spelling) and dynamic=True.
+# `benchmarks/fuzz.py --family mhc_post --cases N` runs more.
+MHC_SEEDS = (0, 1, 2, 3, 5, 6, 7, 12, 13, 31, 16, 36)
+
+
+@pytest.mark.parametrize("seed", MHC_SEEDS)
+def test_mhc_post_case(seed):
+    _check(seed, "mhc_post")
+
+
+def test_the_mhc_post_slice_covers_every_spelling_and_look_alike():
+    from fuzz_cases import MIX_LOOKALIKES, MIXES
+
+    cases = [make_case(seed, "mhc_post") for seed in MHC_SEEDS]
+    positives = [c for c in cases if c.kind == "positive"]
+    assert {c.choices["mix"] for c in positives} == set(MIXES)
+    assert {c.choices["lookalike"] for c in cases if c.kind == "negative"} == set(MIX_LOOKALIKES)
+    assert any(c.training for c in positives) and any(c.training and c.dynamic for c in positives)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not MORE_SEEDS, reason=f"{FUZZ_ENV}=N runs N more fuzz cases")
 @pytest.mark.parametrize("seed", MORE_SEEDS or [None])
