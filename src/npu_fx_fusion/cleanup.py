@@ -354,6 +354,10 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
             else:
                 for arg in node.all_input_nodes:
                     interpreter.env[arg] = arg.meta.get("val")
+                if node.target is aten.view_as_complex.default and not _viewable_as_complex(node.args[0]):
+                    # (running its meta would fail, and torch logs that failure as an error)
+                    copy = _contiguous_copy_of_input(gm.graph, node)
+                    interpreter.env[copy] = copy.meta["val"]
                 try:
                     interpreter.run_node(node)
                 except (RuntimeError, ValueError):  # fake mode raises ValueError for a view of strides
@@ -370,6 +374,21 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
             if not same_layout(before, node.meta.get("val")):
                 for user in node.users:
                     heapq.heappush(pending, (order[user], user))
+
+
+def _viewable_as_complex(arg: Any) -> bool:
+    """Whether view_as_complex can view `arg`'s value: pairs along a last dim of stride 1, every
+    other stride and the offset even (False where undecidable: a copy then serves)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    value = arg.meta.get("val") if isinstance(arg, Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return False
+    try:
+        return bool(guard_or_false(value.stride(-1) == 1) and guard_or_false(value.storage_offset() % 2 == 0)
+                    and all(guard_or_false(stride % 2 == 0) for stride in value.stride()[:-1]))
+    except Exception:  # noqa: BLE001 - undecidable
+        return False
 
 
 def _fake_result_key(node: Node) -> Optional[tuple]:
