@@ -31,11 +31,14 @@ Training: npu_mhc_pre / npu_mhc_sinkhorn differentiate at the dispatcher with ou
 Python MhcPreSinkhornFunction, mirrored by MhcPreSinkhorn below, which calls
 mhc_pre_sinkhorn(outFlag=True) and mhc_pre_sinkhorn_backward explicitly.
 """
+import operator
+
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, is_joint_graph, tensor_meta
+from npu_fx_fusion.matching import (RESHAPES, Form, FusionPass, Recognized, is_backward, is_call, is_joint_graph,
+                                    same_function, tensor_meta)
 
 aten = torch.ops.aten
 PRE_SINKHORN = CAPABILITIES["cann_ops_transformer.mhc_pre_sinkhorn"]
@@ -117,6 +120,7 @@ def _mhc_pre_sinkhorn(iterations):
         return h_post, h_res.view(b, s, n, n), hin
 
     replace.__name__ = "mhc_pre_sinkhorn"
+    replace.iterations = iterations
     return replace
 
 
@@ -130,6 +134,7 @@ def _npu_mhc_pre_then_sinkhorn(iterations):
         return h_post, comb, h_in
 
     replace.__name__ = "npu_mhc_pre_then_npu_mhc_sinkhorn"
+    replace.iterations = iterations
     return replace
 
 
@@ -151,8 +156,6 @@ def _forms():
 
 
 FORMS = _forms()
-_ITERATIONS = {form.replace: iterations for form, iterations in
-               zip(FORMS, [i for i in SINKHORN_ITERATIONS for _ in range(2)])}
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -176,7 +179,7 @@ def check(site):
         return reason
     if site["norm_eps"] <= 0 or site["hc_eps"] < 0:
         return f"norm_eps {site['norm_eps']} / hc_eps {site['hc_eps']} out of range"
-    iterations = _ITERATIONS[site.form.replace]
+    iterations = site.form.replace.iterations  # a form's, or a recognised site's
     n, d = x.shape[2], x.shape[3]
     if site.form.fused_op == "cann_ops_transformer.mhc_pre_sinkhorn":
         limits = PRE_SINKHORN.limits
@@ -219,6 +222,269 @@ def _dim_reasons(d, soc):
             reasons.append(f"C = {d}: on {name} mhc_pre_sinkhorn takes C {limits['a2_a3_dim_multiple']}-aligned "
                            f"up to {limits['a2_a3_max_dim']}")
     return reasons
+
+
+# ---- the hyper-connection recognised by what it computes ----------------------------------------
+# Other codebases spell the module otherwise: torchtitan-npu's HcPre scales the projection by
+# the rms after it (`F.linear(x, fn) * rsqrt(...)`, the ops' own order), slices base and
+# indexes scale, flattens with `flatten(2)`, collapses `x.view(shape)` of the fp32 streams; a
+# Sinkhorn loop of another length than the forms' 20. Such a site is found from its Sinkhorn
+# loop (anchor), its region read off the graph: the projection the softmax's logits come from
+# (a matmul with a 2-d weight leaf fn), the streams X it flattens, the two other leaves the
+# logits read (base, scale), and the region's three outputs (post, comb, and the collapse of the
+# streams, sum over the streams of a product with X). The region's function is then
+# *identified*: the region and the fused call run on the same random inputs (verify.py) and
+# must agree within the op's tolerance, for base and scale in either role. Only smooth ops
+# (arithmetic, sigmoid, softmax, sums, rsqrt, views) may be in the region, so agreeing on random
+# inputs is agreeing as functions (no branch a probe could miss).
+_SMOOTH = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+           aten.div.Scalar, aten.neg.default, aten.sigmoid.default, aten._softmax.default, aten.sum.dim_IntList,
+           aten.mean.dim, aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.square.default,
+           aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default, aten.view.default,
+           aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim,
+           aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
+           aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+           aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.alias.default,
+           aten.contiguous.default, aten.sym_size.int}
+# the fused ops' error from the region's exact value (float64, its casts left out) on random
+# inputs: they compute in fp32 and round once, a few ulp of each output at its scale (8 fp32
+# ulp over the 20 iterations in the tests); another function is off by the function itself
+IDENTIFY_ULPS = 16
+_MOVES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+          aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
+          aten.alias.default, aten.contiguous.default)
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+_PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default)
+
+
+def recognize(graph, joint):
+    if not graph.find_nodes(op="call_function", target=aten._softmax.default):
+        return []
+    found = []
+    for node in graph.find_nodes(op="call_function", target=aten.div.Tensor):
+        if (joint and is_backward(node)) or not anchor(node):
+            continue
+        found.extend(_recognized(node, joint))
+    return found
+
+
+def _leaf(node):
+    return node.op in ("placeholder", "get_attr")
+
+
+def _through(node, ops):
+    while is_call(node, *ops):
+        node = node.args[0]
+    return node
+
+
+def _nearest_up(start, read, limit):
+    """The first non-None read(node) of the nodes above `start` (itself first), nearest first,
+    among at most `limit` of them."""
+    pending, seen = [start], set()
+    while pending and len(seen) < limit:
+        node = pending.pop(0)
+        if node in seen or not isinstance(node, torch.fx.Node):
+            continue
+        seen.add(node)
+        found = read(node)
+        if found is not None:
+            return found
+        pending.extend(a for a in node.all_input_nodes if tensor_meta(a) is not None)
+    return None
+
+
+def _projection(logits):
+    """(the matmul the logits come from, its weight leaf fn, its other operand), or None."""
+    def read(node):
+        if not is_call(node, *_PROJECTIONS):
+            return None
+        operands = node.args[1:3] if is_call(node, aten.addmm.default) else node.args[:2]
+        sources = [_through(a, (*_MOVES, *_CASTS)) for a in operands]
+        weights = [i for i, a in enumerate(sources) if _leaf(a) and tensor_meta(a).dim() == 2]
+        return (node, sources[weights[0]], operands[1 - weights[0]]) if len(weights) == 1 else None
+    return _nearest_up(logits, read, 64)
+
+
+def _streams(flat):
+    """The (B, S, n, D) streams the projection's input is computed from: the 4-d value the
+    nearest view up from it flattens (n, D) of, up through the casts only it reads."""
+    def read(node):
+        source = node.args[0] if is_call(node, *RESHAPES) else None
+        if tensor_meta(source) is None or tensor_meta(source).dim() != 4 or tensor_meta(node).dim() != 3:
+            return None
+        # (a cast the rest of the layer reads too is the streams as the layer has them)
+        while is_call(source, *_CASTS) and tensor_meta(source.args[0]).dim() == 4 and len(source.users) == 1:
+            source = source.args[0]
+        return source
+    return _nearest_up(flat, read, 32)
+
+
+def _ancestors(outputs, stops):
+    found, pending = set(), list(outputs)
+    while pending:
+        node = pending.pop()
+        if node in found or node in stops:
+            continue
+        found.add(node)
+        if not _leaf(node):
+            pending.extend(node.all_input_nodes)
+    return found
+
+
+def _recognized(comb, joint):
+    start, iterations = _sinkhorn_start(comb)
+    name = "hyper-connection (identified on random inputs)"
+    hc_eps = start.args[1]
+    projection = _projection(start.args[0].args[0])
+    if not isinstance(hc_eps, (int, float)) or projection is None:
+        return []
+    _, fn, flat = projection
+    x = _streams(flat)
+    if x is None:
+        return []
+    upward = _ancestors([comb], {x})
+    # (a symbolic size is a placeholder too: the region reads it, the fused call its own sizes)
+    sizes = [n for n in upward if _leaf(n) and tensor_meta(n) is None]
+    leaves = [n for n in upward if _leaf(n) and n is not fn and n not in sizes]
+    # the region: what the Sinkhorn's logits are computed from, and every value computed from
+    # it, X and the leaves alone, up to comb and the collapse (what reads them, the residual mix
+    # and the block's norm, is not the module's)
+    inputs, parameters = {x, fn, *leaves, *sizes}, {fn, *leaves}
+    collapse = _collapse(_closure(upward, inputs, parameters, {comb}), x)
+    if len(leaves) != 2 or collapse is None:
+        return []
+    region = _closure(upward, inputs, parameters, {comb, collapse})
+    if joint:
+        return [Recognized(name, comb, [comb], reason=(
+            f"{explain(comb)}; in training only that form fuses: the backward of another spelling is not "
+            "rewritten"))]
+    escaping = {n for n in region if any(u not in region for u in n.users)} - {comb, collapse}
+    escaping = {_through_moves_back(n, region) for n in escaping}
+    if len(escaping) != 1:
+        names = sorted(n.name for n in escaping)
+        names = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "") or "none"
+        return [Recognized(name, comb, [comb], reason=(
+            f"a hyper-connection whose values read outside it besides comb and the collapsed streams are {names} "
+            "(one, post, is what the fused ops return; in a training step's forward graph the values saved for "
+            "the backward are read too)"))]
+    (post,) = escaping
+    region = _ancestors([post, comb, collapse], {x, fn, *leaves, *sizes})
+    nodes = sorted(n for n in region if not _leaf(n))
+    outputs = [post, comb, collapse]
+    unsmooth = next((n for n in nodes if n.target not in _SMOOTH and n.target is not operator.getitem), None)
+    if unsmooth is not None:
+        return [Recognized(name, comb, nodes, reason=f"a hyper-connection whose region computes {unsmooth.target} "
+                           "(not only arithmetic, sigmoid, softmax, sums and views): it is not identified by "
+                           "evaluation")]
+    norm_eps = _norm_eps(nodes)
+    if norm_eps is None:
+        return []
+    escape = next(((n, u) for n in nodes if n not in outputs for u in n.users if u not in region), None)
+    if escape is not None:
+        return [Recognized(name, outputs, nodes, reason=(
+            f"intermediate {escape[0].name} of the hyper-connection is also read by {escape[1].name}"))]
+    return _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, float(hc_eps), iterations)
+
+
+def _closure(upward, inputs, parameters, ends):
+    """The non-leaf nodes of `upward` and every node computed from them and `inputs` alone,
+    reached from them or from the module's `parameters` (not from the streams, which the rest
+    of the layer reads too), not past `ends`."""
+    region = {n for n in upward if not _leaf(n)}
+    known = region | set(inputs)
+    pending = [u for n in (region - set(ends)) | set(parameters) for u in n.users]
+    while pending:
+        node = pending.pop()
+        if node in region or node.op != "call_function" or not all(a in known for a in node.all_input_nodes):
+            continue
+        region.add(node)
+        known.add(node)
+        if node not in ends:
+            pending.extend(node.users)
+    return region
+
+
+def _through_moves_back(node, region):
+    """A value that leaves the region through a view or unsqueeze: the value it views."""
+    while is_call(node, *_MOVES) and node.args[0] in region:
+        node = node.args[0]
+    return node
+
+
+def _collapse(region, x):
+    """The sum over the streams of a product with X (the pre-weighted collapse), through the
+    cast after it to the streams' dtype."""
+    dtype = tensor_meta(x).dtype
+    for node in sorted(region):
+        if is_call(node, aten.sum.dim_IntList) and is_call(node.args[0], aten.mul.Tensor) and any(
+                _through(a, (*_MOVES, *_CASTS)) is x for a in node.args[0].args if isinstance(a, torch.fx.Node)):
+            while tensor_meta(node).dtype != dtype and len(node.users) == 1 and is_call(next(iter(node.users)),
+                                                                                        *_CASTS):
+                node = next(iter(node.users))
+            return node
+    return None
+
+
+def _norm_eps(nodes):
+    """The constant added to the mean square under the region's rsqrt."""
+    for node in nodes:
+        if is_call(node, aten.rsqrt.default) and is_call(node.args[0], aten.add.Tensor, aten.add.Scalar) \
+                and isinstance(node.args[0].args[1], (int, float)):
+            return float(node.args[0].args[1])
+    return None
+
+
+def _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, hc_eps, iterations):
+    """The fused calls for the region, with base and scale in the roles the random inputs
+    identify; else a near miss with the closest disagreement."""
+    fused = [(_mhc_pre_sinkhorn(iterations), "cann_ops_transformer.mhc_pre_sinkhorn"),
+             (_npu_mhc_pre_then_sinkhorn(iterations), "npu.npu_mhc_pre")]
+    n, d = tensor_meta(x).shape[2], tensor_meta(x).shape[3]
+    disagreement = None
+    for base, scale in (leaves, leaves[::-1]):
+        if _shape_reason(tensor_meta(x), tensor_meta(fn), tensor_meta(base), tensor_meta(scale)):
+            continue
+        inputs = {"hidden_streams": x, "fn": fn, "base": base, "scale": scale}
+        # the region also reads the symbolic sizes, which the probes take at their hints
+        probed = {**inputs, **{f"size_{i}": size for i, size in enumerate(sizes)}}
+        sites = []
+        for replace, fused_op in fused:
+            call = _bound(replace, norm_eps, hc_eps)
+            verdict = same_function(nodes, outputs, {k: tensor_meta(v) for k, v in inputs.items()}, probed,
+                                    lambda *args, call=call: call(*args[:4]), list(probed), IDENTIFY_ULPS,
+                                    make_input=_probe)
+            if not verdict.ok:
+                disagreement = disagreement or verdict.detail
+                break
+            site_args = {**{k: tensor_meta(v) for k, v in inputs.items()}, "norm_eps": norm_eps, "hc_eps": hc_eps}
+            sites.append(Recognized(name, outputs, nodes, inputs, call, site_args, fused_op=fused_op,
+                                    notes=[f"identified on random inputs: {verdict.detail}"]))
+        if len(sites) == len(fused):
+            return sites
+    return [Recognized(name, outputs, nodes, reason=(
+        f"a hyper-connection of {n} streams and {iterations} Sinkhorn iterations whose function is not the "
+        f"ops' on random inputs ({disagreement or 'fn, base and scale are not of its shapes'})"))]
+
+
+def _bound(replace, norm_eps, hc_eps):
+    def fused_call(hidden_streams, fn, base, scale):
+        return replace(hidden_streams, fn, base, scale, norm_eps, hc_eps)
+
+    fused_call.__name__ = replace.__name__
+    fused_call.iterations = replace.iterations
+    return fused_call
+
+
+def _probe(name, args, node):
+    """Random inputs that keep the mappings out of saturation (fn scaled by 1/sqrt(n*D)), and
+    the symbolic sizes at their hints (verify.py's make_input)."""
+    if name.startswith("size_"):
+        return int(node.meta["val"].node.hint)
+    if name != "fn":
+        return None
+    shape = [int(size.node.hint) if isinstance(size, torch.SymInt) else size for size in args["fn"].shape]
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * shape[1] ** -0.5
 
 
 # ---- near misses: a Sinkhorn normalisation that no form consumed ---------------------------
@@ -295,4 +561,5 @@ PASS = FusionPass(
     # the streams and the three parameters train through the fused ops' backward
     differentiable=("hidden_streams", "fn", "base", "scale"),
     prefilter=lambda graph: any(n.target is aten._softmax.default for n in graph.nodes),
+    recognize=recognize,
 )

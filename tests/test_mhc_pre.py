@@ -75,13 +75,21 @@ def test_soc_refuses_what_neither_op_takes():
     assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
 
 
-def test_another_iteration_count_is_a_near_miss_naming_it():
+def test_another_iteration_count_is_identified_and_meets_the_ops_limits():
+    """3 iterations is no form (they are registered for 20), but the module is identified on
+    random inputs; in emulation the COT op's 20-only limit is a note, on an A2 SoC (where the
+    torch_npu pair does not run) the near miss."""
     module = HyperConnection(hc_sinkhorn_iters=3)
     out, ref, report = compile_and_run(module, _streams(), config=MHC)
-    assert report.counts["mhc_pre"] == 0
-    (reason,) = near_miss_reasons(report, "mhc_pre")
-    assert "a Sinkhorn loop of 3 iterations: forms are registered for 20" in reason
+    assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+    assert report.sites[0].form == "hyper-connection (identified on random inputs)"
+    assert "on an NPU: 3 Sinkhorn iterations: mhc_pre_sinkhorn takes 20 only" in report.sites[0].note
     _check(out, ref)
+    torch._dynamo.reset()
+    config = nff.FusionConfig(enable={"mhc_pre"}, soc="Ascend910B")
+    _, _, report = compile_and_run(module, _streams(torch.bfloat16), config=config)
+    assert report.counts["mhc_pre"] == 0
+    assert any("3 Sinkhorn iterations: mhc_pre_sinkhorn takes 20 only" in r for r in near_miss_reasons(report, "mhc_pre"))
 
 
 def test_eps_values_are_captured_not_assumed():
@@ -120,7 +128,8 @@ def test_two_eps_values_are_a_near_miss():
     out, ref, report = compile_and_run(module, _streams(), config=MHC)
     assert report.counts["mhc_pre"] == 0
     (reason,) = near_miss_reasons(report, "mhc_pre")
-    assert "not transformers' DeepseekV4HyperConnection" in reason
+    # the form does not match, and random inputs tell the eps apart (an fp32 output, 4 ulp)
+    assert "whose function is not the ops' on random inputs (output 2" in reason, reason
     _check(out, ref)
 
 
@@ -192,3 +201,95 @@ def test_the_scale_gradient_is_rounding_noise_the_size_of_eagers():
     results = (h_post, h_res.view(exact_outs[1].shape), hin)
     sum((o * p.double()).sum() for o, p in zip(results, probes)).backward()
     torch.testing.assert_close(scale.grad, exact.hc.scale.grad, rtol=1e-12, atol=0)
+
+
+# ---- other spellings, identified on random inputs --------------------------------------------
+class HcPre(torch.nn.Module):
+    """torchtitan-npu's HcPre + HcSplitSinkhorn (torchtitan_npu/models/deepseek_v4/model/model.py
+    803-885): the mixes scaled by the rms after the projection, base sliced, scale indexed,
+    the fp32 streams collapsed. `variant` changes one thing (the look-alikes below)."""
+
+    def __init__(self, n=4, d=64, iterations=20, hc_eps=1e-6, norm_eps=1e-6, variant=None):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        width = (2 + n) * n
+        self.fn = torch.nn.Parameter(torch.randn(width, n * d, generator=generator) * (n * d) ** -0.5)
+        self.base = torch.nn.Parameter(torch.randn(width, generator=generator) * 0.1)
+        self.scale = torch.nn.Parameter(torch.rand(3, generator=generator) + 0.5)
+        self.n, self.iterations, self.hc_eps, self.norm_eps, self.variant = n, iterations, hc_eps, norm_eps, variant
+
+    def forward(self, x):
+        n, eps = self.n, self.hc_eps
+        shape, dtype = x.size(), x.dtype
+        x = x.flatten(2).float()
+        rsqrt = torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
+        mixes = torch.nn.functional.linear(x, self.fn) * rsqrt
+        pre, post, comb = mixes.split([n, n, n * n], dim=-1)
+        comb = comb.unflatten(-1, (n, n))
+        pre = torch.sigmoid(pre * self.scale[0] + self.base[:n].unsqueeze(0).unsqueeze(0)) + eps
+        post = (1 if self.variant == "one_sigmoid" else 2) * torch.sigmoid(
+            post * self.scale[1] + self.base[n:2 * n].unsqueeze(0).unsqueeze(0))
+        if self.variant == "clamped":
+            post = post.clamp(max=1.5)
+        comb = comb * self.scale[2] + self.base[2 * n:].view(n, n).unsqueeze(0).unsqueeze(0)
+        comb = comb.softmax(-1) + eps
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        for _ in range(self.iterations - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + eps)
+        weights = post if self.variant == "post_collapse" else pre
+        y = torch.sum(weights.unsqueeze(-1) * x.view(shape), dim=2)
+        return y.to(dtype), post, comb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torchtitan_npus_hc_pre_is_identified_and_fuses(dtype):
+    with torch.no_grad():
+        out, ref, report = compile_and_run(HcPre(), _streams(dtype), config=MHC)
+    assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+    site = report.sites[0]
+    assert site.form == "hyper-connection (identified on random inputs)"
+    assert "identified on random inputs: max error" in site.note
+    _check(out, ref)
+
+
+def test_an_identified_hyper_connection_with_dynamic_shapes():
+    with torch.no_grad():
+        out, ref, report = compile_and_run(HcPre(), _streams(torch.bfloat16), config=MHC, dynamic=True)
+        assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+        _check(out, ref)
+        torch._dynamo.reset()
+        out, ref, report = compile_and_run(HcPre(), _streams(torch.bfloat16, b=3, s=7), config=MHC, dynamic=True)
+    assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+    _check(out, ref)
+
+
+def test_seven_iterations_fuse_the_torch_npu_pair_on_ascend950():
+    config = nff.FusionConfig(enable={"mhc_pre"}, soc="Ascend950")
+    with torch.no_grad():
+        out, ref, report = compile_and_run(HcPre(iterations=7), _streams(torch.bfloat16), config=config)
+    assert report.fused_ops == {"npu.npu_mhc_pre": 1, "npu.npu_mhc_sinkhorn": 1}
+    _check(out, ref)
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("one_sigmoid", "whose function is not the ops' on random inputs (output 0"),
+    ("post_collapse", "whose function is not the ops' on random inputs (output 2"),
+    ("clamped", "computes aten.clamp.default (not only arithmetic, sigmoid, softmax, sums and views)"),
+])
+def test_look_alikes_are_not_identified(variant, reason):
+    with torch.no_grad():
+        out, ref, report = compile_and_run(HcPre(variant=variant), _streams(), config=MHC)
+    assert report.counts["mhc_pre"] == 0
+    (found,) = near_miss_reasons(report, "mhc_pre")
+    assert reason in found, found
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_an_identified_spelling_in_training_is_a_near_miss_with_eagers_gradients():
+    backend = train_and_compare(HcPre(), [_streams()], MHC, {torch.float32: 8, torch.bfloat16: 2})
+    assert backend.report.counts["mhc_pre"] == 0
+    reasons = near_miss_reasons(backend.report, "mhc_pre")
+    assert any("in training only that form fuses: the backward of another spelling is not rewritten" in r
+               for r in reasons), reasons
+    assert any("values saved for the backward are read too" in r for r in reasons), reasons

@@ -28,6 +28,8 @@ from .npu_ops.spec import dtype_argument
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
 from .regions import enclosed_region
 from .spellings import sum_over_count
+# a region's function identified on random inputs against the fused call (Recognized sites)
+from .verify import same_function
 
 __all__ = ["RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "ChannelGather", "ChannelValue", "Expr", "Factor", "FinishOptions", "Form", "FusionPass",
            "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
@@ -35,4 +37,4 @@ __all__ = ["RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "ChannelGather", "Cha
            "group_backend", "group_size", "hcom_of", "is_backward", "is_call", "is_joint_graph", "is_training_graph",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors",
            "rearrange", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
-           "uneven_halves", "users_outside"]
+           "same_function", "uneven_halves", "users_outside"]

@@ -187,8 +187,10 @@ def _random_like(fake: torch.Tensor, generator: torch.Generator) -> Optional[tor
 
 
 def _run_subgraph(nodes: Sequence[Node], outputs: Sequence[Optional[Node]],
-                  arg_nodes: Mapping[str, Any], inputs: Mapping[str, Any]) -> list[Any]:
-    """Copy the matched nodes into a graph of their own and run it on `inputs`."""
+                  arg_nodes: Mapping[str, Any], inputs: Mapping[str, Any], exact: bool = False) -> list[Any]:
+    """Copy the matched nodes into a graph of their own and run it on `inputs`. exact: in
+    float64, its casts between float dtypes left out (what the region computes, without the
+    roundings it spells)."""
     graph = torch.fx.Graph()
     env: dict[Node, Node] = {}
     for name, node in arg_nodes.items():
@@ -203,12 +205,65 @@ def _run_subgraph(nodes: Sequence[Node], outputs: Sequence[Optional[Node]],
         return env[node]
 
     for node in sorted(matched - set(env), key=order.__getitem__):
-        env[node] = graph.node_copy(node, lookup)
+        if exact and _float_cast(node):
+            env[node] = lookup(node.args[0])
+        else:
+            env[node] = graph.node_copy(node, lookup)
     graph.output([env[n] if n is not None else None for n in outputs])
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     placeholders = [n.target for n in graph.nodes if n.op == "placeholder"]
+    values = [inputs[name] for name in placeholders]
+    if exact:
+        values = [v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values]
     with torch.no_grad():
-        return list(module(*[inputs[name] for name in placeholders]))
+        return list(module(*values))
+
+
+def _float_cast(node: Node) -> bool:
+    value = node.meta.get("val")
+    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], Node) else None
+    return (node.target in (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+            and set(node.kwargs) <= {"dtype"} and isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor)
+            and value.is_floating_point() and source.is_floating_point())
+
+
+def same_function(nodes: Sequence[Node], outputs: Sequence[Node], args: Mapping[str, Any],
+                  arg_nodes: Mapping[str, Any], replace: Callable, argnames: Sequence[str], ulps: float,
+                  make_input: Optional[Callable[..., Any]] = None) -> Verdict:
+    """Whether the region `nodes` computes what `replace` does, as functions: both run on the
+    same random inputs (verify_match's), the region in float64 without its casts, and every
+    output of `replace` must be within `ulps` of its dtype, at the output's scale, of the
+    region's exact value. A region that rounds an intermediate to a narrower dtype than the
+    op computes in is the same function, computed less exactly (a Verdict that fails says
+    which output differs and by how much; one that cannot run says so, and fails)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # real tensors, inside the compile's fake mode
+        return _same_function(nodes, outputs, args, arg_nodes, replace, argnames, ulps, make_input)
+
+
+def _same_function(nodes, outputs, args, arg_nodes, replace, argnames, ulps, make_input) -> Verdict:
+    inputs = _inputs(argnames, args, arg_nodes, make_input, torch.Generator().manual_seed(SEED))
+    if isinstance(inputs, Verdict):
+        return Verdict(False, inputs.detail)
+    try:
+        exact = _run_subgraph(nodes, outputs, arg_nodes, inputs, exact=True)
+    except (_NotExtractable, RuntimeError) as exc:
+        return Verdict(False, f"the region does not run in float64: {exc}")
+    with torch.no_grad():
+        fused = replace(*[inputs[n] for n in argnames])
+    fused = list(fused) if isinstance(fused, (tuple, list)) else [fused]
+    worst = 0.0
+    for index, (want, got) in enumerate(zip(exact, fused)):
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            return Verdict(False, f"output {index}: no tensor of the region's shape")
+        scale = max(want.abs().max().item() if want.numel() else 0.0, torch.finfo(got.dtype).tiny)
+        error = (got.double() - want).abs().max().item() / (torch.finfo(got.dtype).eps * scale) if want.numel() else 0.0
+        if not error <= ulps:
+            return Verdict(False, f"output {index}: {error:.3g} ulp at scale {scale:.3g} from the region's exact value "
+                                  f"(more than {ulps:g} ulp of {str(got.dtype)[6:]})")
+        worst = max(worst, error)
+    return Verdict(True, f"max error {worst:.2g} ulp of the region's exact value at the output's scale")
 
 
 def _error_in_ulps(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
