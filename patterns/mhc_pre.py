@@ -477,14 +477,16 @@ def _bound(replace, norm_eps, hc_eps):
 
 
 def _probe(name, args, node):
-    """Random inputs that keep the mappings out of saturation (fn scaled by 1/sqrt(n*D)), and
-    the symbolic sizes at their hints (verify.py's make_input)."""
+    """verify.py's make_input: the streams in fp32 whatever their dtype (the function is told
+    apart in fp32: a bf16 collapse would hide an eps of 1e-6 in pre under its rounding), fn
+    scaled by 1/sqrt(n*D) so the mappings do not saturate, the symbolic sizes at their hints."""
     if name.startswith("size_"):
         return int(node.meta["val"].node.hint)
-    if name != "fn":
+    if name not in ("fn", "hidden_streams"):
         return None
-    shape = [int(size.node.hint) if isinstance(size, torch.SymInt) else size for size in args["fn"].shape]
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * shape[1] ** -0.5
+    shape = [int(size.node.hint) if isinstance(size, torch.SymInt) else size for size in args[name].shape]
+    generator = torch.Generator().manual_seed(1 if name == "fn" else 2)
+    return torch.randn(*shape, generator=generator) * (shape[1] ** -0.5 if name == "fn" else 1.0)
 
 
 # ---- near misses: a Sinkhorn normalisation that no form consumed ---------------------------

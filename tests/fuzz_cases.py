@@ -50,9 +50,10 @@ FAMILIES = ("rms_norm", "add_rms_norm", "rope", "rope_complex", "swiglu", "route
 # leaves every seed's case of FAMILIES as it was: attention_block, a decoder block around SDPA
 # (issue 29's training crash: q / k / v made non-contiguous by .view().transpose(), GQA, B=1 and
 # B>1), which every pass meets at once; library, model code of other codebases
-# (tests/fuzz_library.py); mhc_post, DeepSeek-V4's residual mix of n streams in its spellings
+# (tests/fuzz_library.py); mhc_post and mhc_pre, DeepSeek-V4's residual mix of n streams and its
+# hyper-connection mappings, in their spellings
 LIBRARY = "library"
-NAMED_FAMILIES = ("attention_block", "mhc_post", LIBRARY)
+NAMED_FAMILIES = ("attention_block", "mhc_post", "mhc_pre", LIBRARY)
 
 # Outcome classes. OK_OUTCOMES are the right answers; the others are failures.
 FUSED = "fused"  # a positive fused its sites, numerics within tolerance
@@ -775,9 +776,90 @@ def _make_mhc_post(rng, seed, case_kw):
                 "", dtype, dynamic, training, build)
 
 
+# ---- the hyper-connection mappings (mhc_pre) -----------------------------------------------------
+# transformers' DeepseekV4HyperConnection in other spellings: where the rms scales (the streams
+# before the projection, or the projection after it), how base and scale are cut (split /
+# unbind, slices / indexing), how the streams are flattened and collapsed, the Sinkhorn length.
+# In inference every spelling fuses (the form, or identified on random inputs); in training only
+# the form (transformers' spelling, 20 iterations) does, the rest are near misses saying so.
+PRE_NORM = {
+    "before": ["    h = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + {norm_eps})",
+               "    mixes = F.linear(h, self.fn)"],
+    "after": ["    mixes = F.linear(flat, self.fn) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + {norm_eps})"],
+}
+PRE_CUTS = {
+    "split": ["    pre_w, post_w, comb_w = mixes.split([{n}, {n}, {n} * {n}], dim=-1)",
+              "    pre_b, post_b, comb_b = self.base.split([{n}, {n}, {n} * {n}])",
+              "    pre_s, post_s, comb_s = self.scale.unbind(0)"],
+    "slices": ["    pre_w, post_w, comb_w = mixes[..., :{n}], mixes[..., {n}:2 * {n}], mixes[..., 2 * {n}:]",
+               "    pre_b, post_b, comb_b = self.base[:{n}], self.base[{n}:2 * {n}], self.base[2 * {n}:]",
+               "    pre_s, post_s, comb_s = self.scale[0], self.scale[1], self.scale[2]"],
+}
+FLATTEN = {"view": "x.view(x.shape[0], x.shape[1], -1).float()", "flatten": "x.flatten(2).float()"}
+COLLAPSE = {"streams": "(pre.unsqueeze(-1) * x).sum(dim=2)",
+            "flat_view": "torch.sum(pre.unsqueeze(-1) * flat.view(x.shape), dim=2)"}
+PRE_LOOKALIKES = {  # each changes the function
+    "post_without_2": ("    post = 2 * torch.sigmoid(", "    post = torch.sigmoid("),
+    "collapse_by_post": ("pre.unsqueeze(-1)", "post.unsqueeze(-1)"),
+    "pre_eps_twice": ("+ {hc_eps}\n    post", "+ 2 * {hc_eps}\n    post"),
+    "rows_first": ("comb = comb / (comb.sum(-2, keepdim=True) + {hc_eps})\n    for", "comb = comb / (comb.sum(-1, keepdim=True) + {hc_eps})\n    for"),
+}
+
+
+def _make_mhc_pre(rng, seed, case_kw):
+    dtype, dynamic, training = rng.choice([torch.float32, torch.bfloat16]), case_kw["dynamic"], case_kw["training"]
+    B, S, n, D = rng.choice([1, 2]), rng.choice([3, 5]), 4, rng.choice([16, 32, 64])
+    norm, cuts, flatten, collapse = (rng.choice(sorted(PRE_NORM)), rng.choice(sorted(PRE_CUTS)),
+                                     rng.choice(sorted(FLATTEN)), rng.choice(sorted(COLLAPSE)))
+    iterations = rng.choice([20, 20, 7, 3])
+    norm_eps, hc_eps = rng.choice([1e-6, 2.0 ** -10]), rng.choice([1e-6, 2.0 ** -12])
+    choices = {"norm": norm, "cuts": cuts, "flatten": flatten, "collapse": collapse, "iterations": iterations,
+               "shapes": f"x [{B}, {S}, {n}, {D}]"}
+    lookalike = rng.choice(sorted(PRE_LOOKALIKES)) if rng.random() < 0.25 else None
+    if lookalike:
+        choices["lookalike"] = lookalike
+    lines = ["def forward(self, x):", f"    flat = {FLATTEN[flatten]}",
+             *[line.format(norm_eps=norm_eps) for line in PRE_NORM[norm]],
+             *[line.format(n=n) for line in PRE_CUTS[cuts]],
+             f"    comb_w = comb_w.view(*comb_w.shape[:-1], {n}, {n})",
+             f"    pre = torch.sigmoid(pre_w * pre_s + pre_b) + {hc_eps}",
+             "    post = 2 * torch.sigmoid(post_w * post_s + post_b)",
+             f"    comb = torch.softmax(comb_w * comb_s + comb_b.view({n}, {n}), dim=-1) + {hc_eps}",
+             f"    comb = comb / (comb.sum(-2, keepdim=True) + {hc_eps})",
+             f"    for _ in range({iterations - 1}):",
+             f"        comb = comb / (comb.sum(-1, keepdim=True) + {hc_eps})",
+             f"        comb = comb / (comb.sum(-2, keepdim=True) + {hc_eps})",
+             f"    return post, comb, {COLLAPSE[collapse]}.to(x.dtype)"]
+    source = "\n".join(lines)
+    if lookalike:
+        old, new = (part.format(hc_eps=hc_eps) for part in PRE_LOOKALIKES[lookalike])
+        assert old in source, (lookalike, old)
+        source = source.replace(old, new, 1)
+    # in training only the form fuses, and which respellings of it still match the form is the
+    # form's business: a training case is judged by its outputs and gradients ("either")
+    kind = "negative" if lookalike else "either" if training else "positive"
+
+    def build():
+        gen = torch.Generator().manual_seed(seed)
+        width = (2 + n) * n
+
+        def init(module):
+            module.fn = nn.Parameter(_randn(gen, width, n * D, scale=(n * D) ** -0.5))
+            module.base = nn.Parameter(_randn(gen, width, scale=0.1))
+            module.scale = nn.Parameter(torch.rand(3, generator=gen) + 0.5)
+
+        return _module_from_source(source, f"<fuzz {seed}>", init), (_randn(gen, B, S, n, D).to(dtype),)
+
+    # the unweighted RMSNorm of the streams is an rms_norm site of its own where mhc_pre does not
+    # take the region (training, a look-alike)
+    return Case(seed, "mhc_pre", choices, source, kind, {"mhc_pre": 1} if kind == "positive" else {}, "mhc_pre",
+                "", dtype, dynamic, training, build, allowed=("rms_norm",))
+
+
 MAKERS = {"rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
           "rope": _make_rope, "rope_complex": _make_rope_complex, "swiglu": _make_swiglu, "router": _make_router,
-          "attention_block": _make_attention_block, "mhc_post": _make_mhc_post, LIBRARY: _make_library}
+          "attention_block": _make_attention_block, "mhc_post": _make_mhc_post, "mhc_pre": _make_mhc_pre,
+          LIBRARY: _make_library}
 
 
 def make_case(seed: int, family: Optional[str] = None) -> Case:

@@ -57,25 +57,38 @@ def test_the_block_slice_covers_the_crash_and_inference():
     assert all(".view(B, S, " in c.source and ".transpose(1, 2)" in c.source for c in cases)
 
 
-# DeepSeek-V4's residual mix (mhc_post) in its spellings: every mix spelling, every look-alike,
-# training (forms and the forward of a recognised spelling) and dynamic=True.
-# `benchmarks/fuzz.py --family mhc_post --cases N` runs more.
-MHC_SEEDS = (0, 1, 2, 3, 5, 6, 7, 12, 13, 31, 16, 36)
+# DeepSeek-V4's mHC in its spellings, a slice per family that covers every spelling choice and
+# look-alike, training and dynamic=True (the coverage tests below say which):
+# mhc_post, the residual mix (training: the forms, and the forward of a recognised spelling);
+# mhc_pre, the hyper-connection mappings. `benchmarks/fuzz.py --family mhc_pre --cases N` runs more.
+MHC_SLICES = {"mhc_post": (0, 1, 2, 3, 5, 6, 7, 12, 13, 31, 16, 36), "mhc_pre": (0, 1, 2, 3, 7, 13, 53, 9)}
 
 
-@pytest.mark.parametrize("seed", MHC_SEEDS)
-def test_mhc_post_case(seed):
-    _check(seed, "mhc_post")
+@pytest.mark.parametrize("family, seed", [(f, s) for f, seeds in MHC_SLICES.items() for s in seeds])
+def test_mhc_case(family, seed):
+    _check(seed, family)
 
 
 def test_the_mhc_post_slice_covers_every_spelling_and_look_alike():
     from fuzz_cases import MIX_LOOKALIKES, MIXES
 
-    cases = [make_case(seed, "mhc_post") for seed in MHC_SEEDS]
+    cases = [make_case(seed, "mhc_post") for seed in MHC_SLICES["mhc_post"]]
     positives = [c for c in cases if c.kind == "positive"]
     assert {c.choices["mix"] for c in positives} == set(MIXES)
     assert {c.choices["lookalike"] for c in cases if c.kind == "negative"} == set(MIX_LOOKALIKES)
     assert any(c.training for c in positives) and any(c.training and c.dynamic for c in positives)
+
+
+def test_the_mhc_pre_slice_covers_every_spelling_and_look_alike():
+    from fuzz_cases import PRE_LOOKALIKES
+
+    cases = [make_case(seed, "mhc_pre") for seed in MHC_SLICES["mhc_pre"]]
+    positives = [c for c in cases if c.kind == "positive"]
+    for choice in ("norm", "cuts", "flatten", "collapse"):
+        assert len({c.choices[choice] for c in positives}) == 2, choice
+    assert {c.choices["iterations"] for c in positives} == {3, 7, 20}
+    assert {c.choices["lookalike"] for c in cases if c.kind == "negative"} == set(PRE_LOOKALIKES)
+    assert any(c.dynamic for c in positives) and any(c.training and c.kind == "either" for c in cases)
 
 
 @pytest.mark.slow

@@ -144,3 +144,26 @@ def test_fusion_lowers_the_estimate_and_the_report_says_so():
                                    config=nff.FusionConfig(disable={"attention"}))
     graph = report.graphs[0]
     assert graph.cost_after.bytes_moved < graph.cost_before.bytes_moved
+
+
+# ---- same_function: a region identified on random inputs (mhc_pre's recognition) ---------------
+def _region(f, *shapes):
+    gm = make_fx(f, tracing_mode="fake")(*[torch.empty(s) for s in shapes])
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    (output,) = gm.graph.find_nodes(op="output")
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return nodes, list(output.args[0]), {f"x{i}": p for i, p in enumerate(placeholders)}
+
+
+def test_same_function_takes_a_region_that_rounds_more_coarsely_as_the_same_function():
+    from npu_fx_fusion.verify import same_function
+
+    # the region rounds its product to bf16 (as torchtitan-npu's V4 projects); its exact value is
+    # the fp32 function's, which the "fused" call computes
+    nodes, outputs, args = _region(lambda a, b: [(a.bfloat16() @ b.bfloat16()).float().sigmoid()], (4, 8), (8, 3))
+    values = {name: node.meta["val"] for name, node in args.items()}
+    verdict = same_function(nodes, outputs, values, args, lambda a, b: [(a @ b).sigmoid()], list(args), 16)
+    assert verdict.ok, verdict.detail
+    # another function is told apart, and the verdict says where and by how much
+    verdict = same_function(nodes, outputs, values, args, lambda a, b: [(a @ b).sigmoid() * 1.001], list(args), 16)
+    assert not verdict.ok and verdict.detail.startswith("output 0: ") and "more than 16 ulp of float32" in verdict.detail

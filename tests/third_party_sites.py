@@ -173,17 +173,24 @@ SITES: dict[str, dict[str, Rule]] = {
             "moe.moe.TokenReorderer")},
         # torchtitan-npu DeepSeek-V3.2
         "torchtitan_npu.models.deepseek_v32.model.model.RMSNorm": _fixed(rms_norm=1),
-        "torchtitan_npu.models.deepseek_v32.model.model.Indexer": _fixed(indexer=1),
-        "torchtitan_npu.models.deepseek_v32.model.model.DSV32_SDPA": _fixed(sparse_attention=1),  # SDPA, top-k mask
-        "torchtitan_npu.models.common.dsa_indexer_loss.DSAIndexerLoss": _fixed(indexer_loss=1),
+        # The ops' computations are where the sites are counted: the lightning indexer's scores and
+        # top-k (bf16_index, topk), the loss's target distribution (get_attn_scores: the softmax
+        # summed over heads, L1-normalised) and the SDPA over the top-k mask all run in
+        # DSV32_SDPA.forward. Indexer only projects the indexer's q, k and weights (their inputs);
+        # DSAIndexerLoss is the KL divergence between two distributions (no op replaces it).
+        "torchtitan_npu.models.deepseek_v32.model.model.DSV32_SDPA": _fixed(sparse_attention=1, indexer=1,
+                                                                             indexer_loss=1),
+        "torchtitan_npu.models.common.dsa_indexer_loss.DSAIndexerLoss": NONE,
         **{f"torchtitan_npu.models.deepseek_v32.model.model.{name}": NONE for name in (
-            "DeepSeekV32Model", "TransformerBlockV32", "Attention", "PreAttention", "PostAttention")},
+            "DeepSeekV32Model", "TransformerBlockV32", "Attention", "PreAttention", "PostAttention", "Indexer")},
         # torchtitan-npu DeepSeek-V4
         "torchtitan_npu.models.deepseek_v4.model.model.RMSNorm": _fixed(rms_norm=1),
         # + the weightless per-head q norm written inline: q * rsqrt(mean(q^2) + eps) (model.py:587)
         "torchtitan_npu.models.deepseek_v4.model.model.PreAttention": _fixed(rms_norm=1),
         "torchtitan_npu.models.deepseek_v4.model.model.SparseAttention": _fixed(sparse_attention=1),
-        "torchtitan_npu.models.deepseek_v4.model.model.Indexer": _fixed(indexer=1),
+        # the indexer's scores and top-k are LiCompute's (Indexer projects q, k and weights); the
+        # loss's target distribution is LiLoss's (GetAttnScores within it)
+        "torchtitan_npu.models.deepseek_v4.model.model.LiCompute": _fixed(indexer=1),
         "torchtitan_npu.models.deepseek_v4.model.model.LiLoss": _fixed(indexer_loss=1),
         "torchtitan_npu.models.deepseek_v4.model.model.HcPre": _fixed(mhc=1),
         "torchtitan_npu.models.deepseek_v4.model.model.HcPost": _fixed(mhc=1),
@@ -193,7 +200,7 @@ SITES: dict[str, dict[str, Rule]] = {
         **{f"torchtitan_npu.models.deepseek_v4.model.{name}": NONE for name in (
             "model.DeepSeekV4Model", "model.DeepSeekV4TransformerBlock", "model.Attention", "model.InnerAttention",
             "model.PostAttention", "model.Compressor", "model.HcHead", "model.HcSplitSinkhorn", "model.GetAttnScores",
-            "model.LiCompute", "model.GetWindowTopkIdxs", "model.GetCompressTopkIdxs", "moe.TokenChoiceTopKRouter")},
+            "model.Indexer", "model.GetWindowTopkIdxs", "model.GetCompressTopkIdxs", "moe.TokenChoiceTopKRouter")},
         # the survey's bf16 wrapper (tiny_third_party._Autocast)
         "npu_fx_fusion.tiny_third_party._Autocast": NONE,
     },
@@ -826,8 +833,10 @@ BEFORE: dict[str, dict[str, tuple[int, int, int, int]]] = {
         'moe_dispatch': (1, 0, 1, 0), 'moe_experts': (3, 0, 0, 3), 'moe_router': (1, 0, 1, 0),
         'rms_norm': (9, 9, 0, 0), 'rope': (8, 4, 4, 0), 'sparse_attention': (2, 0, 2, 0), 'swiglu': (3, 0, 3, 0),
     },
+    # (indexer_loss: one per layer with an indexer since the census stopped counting DSAIndexerLoss, the
+    # KL divergence, beside LiLoss, whose target distribution is the site: it was (2, 0, 1, 1))
     'torchtitan_npu:deepseek_v4': {
-        'indexer': (1, 0, 0, 1), 'indexer_loss': (2, 0, 1, 1), 'mhc': (12, 0, 6, 6), 'moe_dispatch': (3, 0, 3, 0),
+        'indexer': (1, 0, 0, 1), 'indexer_loss': (1, 0, 1, 0), 'mhc': (12, 0, 6, 6), 'moe_dispatch': (3, 0, 3, 0),
         'moe_experts': (9, 0, 0, 9), 'moe_router': (3, 0, 0, 3), 'rms_norm': (19, 19, 0, 0), 'rope': (13, 7, 6, 0),
         'sparse_attention': (3, 0, 3, 0), 'swiglu': (6, 0, 6, 0),
     },
