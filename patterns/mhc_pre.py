@@ -418,12 +418,19 @@ def _collapse(region, x):
     dtype = tensor_meta(x).dtype
     for node in sorted(region):
         if is_call(node, aten.sum.dim_IntList) and is_call(node.args[0], aten.mul.Tensor) and any(
-                _through(a, (*_MOVES, *_CASTS)) is x for a in node.args[0].args if isinstance(a, torch.fx.Node)):
+                _reads_through_moves(a, x) for a in node.args[0].args if isinstance(a, torch.fx.Node)):
             while tensor_meta(node).dtype != dtype and len(node.users) == 1 and is_call(next(iter(node.users)),
                                                                                         *_CASTS):
                 node = next(iter(node.users))
             return node
     return None
+
+
+def _reads_through_moves(node, x):
+    """Whether `node` is `x` moved and cast (views and casts up from it pass `x`)."""
+    while node is not x and is_call(node, *_MOVES, *_CASTS):
+        node = node.args[0]
+    return node is x
 
 
 def _norm_eps(nodes):

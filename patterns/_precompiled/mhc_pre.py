@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '97a06e5ed7f1c8b5',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5846a5f2cb137c7e',
        'backward': {'cann_ops_transformer.mhc_pre_sinkhorn': True, 'npu.npu_mhc_pre': True, 'npu.npu_mhc_sinkhorn': True}}
 
 FORMS = {
