@@ -147,7 +147,9 @@ def recognize(graph, joint):
     found = []
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         meta = tensor_meta(add)
-        if joint and is_backward(add) or meta is None or meta.dim() < 3 or not meta.is_floating_point() or add.kwargs.get("alpha", 1) != 1:
+        if (joint and is_backward(add)) or meta is None or meta.dim() < 3 or not meta.is_floating_point():
+            continue
+        if add.kwargs.get("alpha", 1) != 1:
             continue
         stops = _mix_operands(add)
         if stops is None:

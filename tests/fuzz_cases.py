@@ -802,7 +802,8 @@ PRE_LOOKALIKES = {  # each changes the function
     "post_without_2": ("    post = 2 * torch.sigmoid(", "    post = torch.sigmoid("),
     "collapse_by_post": ("pre.unsqueeze(-1)", "post.unsqueeze(-1)"),
     "pre_eps_twice": ("+ {hc_eps}\n    post", "+ 2 * {hc_eps}\n    post"),
-    "rows_first": ("comb = comb / (comb.sum(-2, keepdim=True) + {hc_eps})\n    for", "comb = comb / (comb.sum(-1, keepdim=True) + {hc_eps})\n    for"),
+    "rows_first": ("comb = comb / (comb.sum(-2, keepdim=True) + {hc_eps})\n    for",
+                   "comb = comb / (comb.sum(-1, keepdim=True) + {hc_eps})\n    for"),
 }
 
 
