@@ -31,6 +31,7 @@ Training: npu_mhc_pre / npu_mhc_sinkhorn differentiate at the dispatcher with ou
 Python MhcPreSinkhornFunction, mirrored by MhcPreSinkhorn below, which calls
 mhc_pre_sinkhorn(outFlag=True) and mhc_pre_sinkhorn_backward explicitly.
 """
+import math
 import operator
 
 import torch
@@ -250,6 +251,10 @@ _SMOOTH = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.mul.Tensor, a
 # inputs: they compute in fp32 and round once, a few ulp of each output at its scale (8 fp32
 # ulp over the 20 iterations in the tests); another function is off by the function itself
 IDENTIFY_ULPS = 16
+# symbolic token counts are probed at most at this many; static sizes as they are, up to this
+# many stream elements (fp32 probes, the region in float64: a few hundred MB at most)
+PROBE_TOKENS = 8
+PROBE_MAX_ELEMENTS = 2 ** 22
 _MOVES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
           aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
           aten.alias.default, aten.contiguous.default)
@@ -448,6 +453,13 @@ def _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, hc_eps, it
     fused = [(_mhc_pre_sinkhorn(iterations), "cann_ops_transformer.mhc_pre_sinkhorn"),
              (_npu_mhc_pre_then_sinkhorn(iterations), "npu.npu_mhc_pre")]
     n, d = tensor_meta(x).shape[2], tensor_meta(x).shape[3]
+    probed_elements = math.prod(_probe_size(size) for size in tensor_meta(x).shape)
+    if probed_elements > PROBE_MAX_ELEMENTS:
+        return [Recognized(name, outputs, nodes, reason=(
+            f"a hyper-connection over {probed_elements} stream elements of static sizes: identifying it on random "
+            f"inputs of that size at compile time is refused (more than {PROBE_MAX_ELEMENTS}; with dynamic shapes "
+            f"its tokens are probed at {PROBE_TOKENS}); transformers' DeepseekV4HyperConnection spelling fuses as "
+            "a form at any size"))]
     disagreement = None
     for base, scale in (leaves, leaves[::-1]):
         if _shape_reason(tensor_meta(x), tensor_meta(fn), tensor_meta(base), tensor_meta(scale)):
@@ -486,14 +498,24 @@ def _bound(replace, norm_eps, hc_eps):
 def _probe(name, args, node):
     """verify.py's make_input: the streams in fp32 whatever their dtype (the function is told
     apart in fp32: a bf16 collapse would hide an eps of 1e-6 in pre under its rounding), fn
-    scaled by 1/sqrt(n*D) so the mappings do not saturate, the symbolic sizes at their hints."""
+    scaled by 1/sqrt(n*D) so the mappings do not saturate, sizes as _probe_size gives them."""
     if name.startswith("size_"):
-        return int(node.meta["val"].node.hint)
+        return _probe_size(node.meta["val"])
     if name not in ("fn", "hidden_streams"):
         return None
-    shape = [int(size.node.hint) if isinstance(size, torch.SymInt) else size for size in args[name].shape]
+    shape = [_probe_size(size) for size in args[name].shape]
     generator = torch.Generator().manual_seed(1 if name == "fn" else 2)
     return torch.randn(*shape, generator=generator) * (shape[1] ** -0.5 if name == "fn" else 1.0)
+
+
+def _probe_size(size):
+    """A size at the probe: a symbolic one with each of its symbols at min(hint, PROBE_TOKENS)
+    (the module computes each token alone, so a few tokens identify it and keep the compile
+    cheap at serving sizes), a static one as it is."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr, hints = size.node.expr, size.node.shape_env.var_to_val
+    return int(expr.xreplace({s: min(int(hints[s]), PROBE_TOKENS) for s in expr.free_symbols}))
 
 
 # ---- near misses: a Sinkhorn normalisation that no form consumed ---------------------------

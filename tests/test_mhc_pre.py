@@ -293,3 +293,22 @@ def test_an_identified_spelling_in_training_is_a_near_miss_with_eagers_gradients
     assert any("in training only that form fuses: the backward of another spelling is not rewritten" in r
                for r in reasons), reasons
     assert any("values saved for the backward are read too" in r for r in reasons), reasons
+
+
+def test_static_sizes_too_large_to_probe_are_a_near_miss_dynamic_ones_probe_a_few_tokens():
+    """Identification runs the region on random inputs at compile time: static streams of more
+    than PROBE_MAX_ELEMENTS are refused (saying so); with dynamic shapes the token count is
+    probed at PROBE_TOKENS, whatever the size compiled for."""
+    from npu_fx_fusion.patterns.mhc_pre import PROBE_MAX_ELEMENTS
+
+    x = _streams(torch.bfloat16, b=1, s=PROBE_MAX_ELEMENTS // 256 + 1)  # n = 4 streams of 64
+    with torch.no_grad():
+        out, ref, report = compile_and_run(HcPre(), x, config=MHC)
+        assert report.counts["mhc_pre"] == 0
+        (reason,) = near_miss_reasons(report, "mhc_pre")
+        assert "identifying it on random inputs of that size at compile time is refused" in reason, reason
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        torch._dynamo.reset()
+        out, ref, report = compile_and_run(HcPre(), x, config=MHC, dynamic=True)
+    assert report.fused_ops == {"cann_ops_transformer.mhc_pre_sinkhorn": 1}
+    _check(out, ref)
