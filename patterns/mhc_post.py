@@ -28,8 +28,9 @@ import math
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
-from npu_fx_fusion.matching import (AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes, atoms_of,
-                                    enclosed_region, is_backward, is_call, known_equal, rearrange, strip_casts, tensor_meta)
+from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes,
+                                    atoms_of, enclosed_region, is_backward, is_call, is_cast, known_equal, rearrange,
+                                    strip_casts, tensor_meta)
 
 aten = torch.ops.aten
 NPU_POST = CAPABILITIES["npu.npu_mhc_post"]
@@ -105,10 +106,6 @@ def check(site):
 # token dim T). The roles come from which tensor holds which index, never from sizes. The
 # inputs are read as they are and rearranged into the op's (B, S, n, D) layouts, so a comb
 # indexed [k, j] is passed transposed, as the op's h_res is indexed [j, k].
-_PASSES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default, aten.transpose.int,
-           aten.t.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default,
-           aten.clone.default, aten.contiguous.default, aten.alias.default, aten._to_copy.default,
-           torch.ops.prims.convert_element_type.default)
 _PRODUCTS = (aten.mul.Tensor, aten.bmm.default, aten.matmul.default, aten.mm.default)
 
 
@@ -125,7 +122,7 @@ def _mix_operands(add):
         found_product = False
         while pending:
             node, state = pending.pop()
-            if is_call(node, *_PASSES):
+            if is_call(node, *MOVES) or is_cast(node):
                 pending.append((node.args[0], state))
             elif state != "product" and is_call(node, *_PRODUCTS):
                 found_product = True
@@ -156,7 +153,7 @@ def recognize(graph, joint):
             continue
         output = add
         cast = next(iter(add.users)) if len(add.users) == 1 else None
-        if cast is not None and is_call(cast, aten._to_copy.default, torch.ops.prims.convert_element_type.default):
+        if cast is not None and is_cast(cast):
             output = cast  # the mix computed in fp32 and rounded once (HcPost's type_as)
         try:
             value = AxisEvaluation(stop=stops).value(output)
@@ -225,7 +222,8 @@ def _readings(value):
 def _sites(reading, value, output, joint):
     x, o, post, comb, batch, j, k, d = reading
     name = "streams mix (axis algebra)"
-    ends = [output, *output.all_input_nodes] if output.target is not aten.add.Tensor else [output]
+    # the region's last nodes: the add, and the cast after it where the output is that cast
+    ends = [output] if is_call(output, aten.add.Tensor) else [output, output.args[0]]
     if joint:
         return [Recognized(name, output, ends, reason=(
             "a residual mix of n streams in training, in a spelling other than transformers' DeepseekV4DecoderLayer: "
@@ -241,7 +239,7 @@ def _sites(reading, value, output, joint):
     lead = ((), tuple(batch)) if len(batch) < 2 else ((batch[0],), tuple(batch[1:]))
     layouts = {"hidden_states": (x, (*lead, (j,), channels)), "block_output": (o, (*lead, channels)),
                "post": (post, (*lead, (k,))), "comb": (comb, (*lead, (j,), (k,)))}
-    inputs = {name: expr.node for name, (expr, _) in layouts.items()}
+    inputs = {role: expr.node for role, (expr, _) in layouts.items()}
     if any(node is None for node in inputs.values()):
         return []
     # (a region node read elsewhere too stays, and computes what it did)

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
-from npu_fx_fusion.matching import (RESHAPES, Form, FusionPass, Recognized, is_backward, is_call, is_joint_graph,
-                                    same_function, tensor_meta)
+from npu_fx_fusion.matching import (MOVES, RESHAPES, Form, FusionPass, Recognized, is_backward, is_call, is_cast,
+                                    is_joint_graph, same_function, tensor_meta)
 
 aten = torch.ops.aten
 PRE_SINKHORN = CAPABILITIES["cann_ops_transformer.mhc_pre_sinkhorn"]
@@ -245,8 +245,7 @@ _SMOOTH = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.mul.Tensor, a
            aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim,
            aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
            aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
-           aten._to_copy.default, torch.ops.prims.convert_element_type.default, aten.alias.default,
-           aten.contiguous.default, aten.sym_size.int}
+           aten.alias.default, aten.contiguous.default, aten.sym_size.int}  # and casts (is_cast)
 # the fused ops' error from the region's exact value (float64, its casts left out) on random
 # inputs: they compute in fp32 and round once, a few ulp of each output at its scale (8 fp32
 # ulp over the 20 iterations in the tests); another function is off by the function itself
@@ -255,10 +254,6 @@ IDENTIFY_ULPS = 16
 # many stream elements (fp32 probes, the region in float64: a few hundred MB at most)
 PROBE_TOKENS = 8
 PROBE_MAX_ELEMENTS = 2 ** 22
-_MOVES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-          aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default, aten.clone.default,
-          aten.alias.default, aten.contiguous.default)
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 _PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default)
 
 
@@ -277,8 +272,13 @@ def _leaf(node):
     return node.op in ("placeholder", "get_attr")
 
 
-def _through(node, ops):
-    while is_call(node, *ops):
+def _moved_or_cast(node):
+    return is_call(node, *MOVES) or is_cast(node)
+
+
+def _through(node):
+    """`node` without the moves and casts on it."""
+    while _moved_or_cast(node):
         node = node.args[0]
     return node
 
@@ -305,7 +305,7 @@ def _projection(logits):
         if not is_call(node, *_PROJECTIONS):
             return None
         operands = node.args[1:3] if is_call(node, aten.addmm.default) else node.args[:2]
-        sources = [_through(a, (*_MOVES, *_CASTS)) for a in operands]
+        sources = [_through(a) for a in operands]
         weights = [i for i, a in enumerate(sources) if _leaf(a) and tensor_meta(a).dim() == 2]
         return (node, sources[weights[0]], operands[1 - weights[0]]) if len(weights) == 1 else None
     return _nearest_up(logits, read, 64)
@@ -319,7 +319,7 @@ def _streams(flat):
         if tensor_meta(source) is None or tensor_meta(source).dim() != 4 or tensor_meta(node).dim() != 3:
             return None
         # (a cast the rest of the layer reads too is the streams as the layer has them)
-        while is_call(source, *_CASTS) and tensor_meta(source.args[0]).dim() == 4 and len(source.users) == 1:
+        while is_cast(source) and tensor_meta(source.args[0]).dim() == 4 and len(source.users) == 1:
             source = source.args[0]
         return source
     return _nearest_up(flat, read, 32)
@@ -377,7 +377,8 @@ def _recognized(comb, joint):
     region = _ancestors([post, comb, collapse], {x, fn, *leaves, *sizes})
     nodes = sorted(n for n in region if not _leaf(n))
     outputs = [post, comb, collapse]
-    unsmooth = next((n for n in nodes if n.target not in _SMOOTH and n.target is not operator.getitem), None)
+    unsmooth = next((n for n in nodes if n.target not in _SMOOTH and n.target is not operator.getitem
+                     and not is_cast(n)), None)
     if unsmooth is not None:
         return [Recognized(name, comb, nodes, reason=f"a hyper-connection whose region computes {unsmooth.target} "
                            "(not only arithmetic, sigmoid, softmax, sums and views): it is not identified by "
@@ -412,7 +413,7 @@ def _closure(upward, inputs, parameters, ends):
 
 def _through_moves_back(node, region):
     """A value that leaves the region through a view or unsqueeze: the value it views."""
-    while is_call(node, *_MOVES) and node.args[0] in region:
+    while is_call(node, *MOVES) and node.args[0] in region:
         node = node.args[0]
     return node
 
@@ -424,8 +425,7 @@ def _collapse(region, x):
     for node in sorted(region):
         if is_call(node, aten.sum.dim_IntList) and is_call(node.args[0], aten.mul.Tensor) and any(
                 _reads_through_moves(a, x) for a in node.args[0].args if isinstance(a, torch.fx.Node)):
-            while tensor_meta(node).dtype != dtype and len(node.users) == 1 and is_call(next(iter(node.users)),
-                                                                                        *_CASTS):
+            while tensor_meta(node).dtype != dtype and len(node.users) == 1 and is_cast(next(iter(node.users))):
                 node = next(iter(node.users))
             return node
     return None
@@ -433,7 +433,7 @@ def _collapse(region, x):
 
 def _reads_through_moves(node, x):
     """Whether `node` is `x` moved and cast (views and casts up from it pass `x`)."""
-    while node is not x and is_call(node, *_MOVES, *_CASTS):
+    while node is not x and _moved_or_cast(node):
         node = node.args[0]
     return node is x
 

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '86404bc022f1bf40',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0f637f6b808051e0',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '622f917593de0de3',
+KEY = {'torch': '2.13.0+cpu', 'sources': '88f494a14f4190a5',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4327e93ae2fcfb9e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2f2e28a9bda45e61',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

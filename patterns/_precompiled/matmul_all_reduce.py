@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cd11c10693b2539f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2765c5213b92162c',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

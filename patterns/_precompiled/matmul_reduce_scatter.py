@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bfa556ea4a8f0ac7',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'be4e57eb0cb39cfd',
        'backward': {'npu.npu_mm_reduce_scatter_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '261a7b3f4d2a13a7',
+KEY = {'torch': '2.13.0+cpu', 'sources': '873deae0b1931d42',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

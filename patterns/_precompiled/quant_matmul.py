@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '49b8dce1445c0211',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f43f0214b6d7c224',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

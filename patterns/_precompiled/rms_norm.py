@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9cc5e7010c7f47c2',
+KEY = {'torch': '2.13.0+cpu', 'sources': '774f7dc76227a59a',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2d5e325d0b07fe80',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a151c37ec0031e5b',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

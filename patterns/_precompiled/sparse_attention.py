@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0f23c9bfce235d9b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5ae86bb7d4424cca',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '48455c74f7a73f6c',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e63e49625067c7cc',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c5d231767c656301',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1c056a459b650aa4',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {

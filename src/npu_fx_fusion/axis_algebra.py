@@ -42,11 +42,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 # one exception for both algebras: a region whose value they cannot describe
 from .channel_algebra import NotEvaluable
-from .nodes import is_call, known_equal, tensor_meta
+from .nodes import is_call, is_cast, known_equal, tensor_meta
 
 Node = torch.fx.Node
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 # a pattern's region is evaluated within this many nodes: past it, nodes are leaves
 MAX_REGION = 400
@@ -280,14 +279,6 @@ _REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default
 _MATMUL = frozenset({aten.matmul.default, aten.bmm.default, aten.mm.default, aten.baddbmm.default})
 
 
-def _is_cast(node: Node) -> bool:
-    if is_call(node, prims.convert_element_type.default):
-        return True
-    if is_call(node, aten._to_copy.default):
-        return set(node.kwargs) <= {"dtype", "memory_format", "layout", "device"}
-    return getattr(node.target, "__name__", "").startswith("_npu_dtype_cast")
-
-
 def modelled(node: Node) -> bool:
     """Whether the algebra evaluates `node` (else it is a leaf)."""
     if node.op != "call_function":
@@ -297,7 +288,7 @@ def modelled(node: Node) -> bool:
         return False
     t = node.target
     return (t in _LAYOUT or t in _UNARY or t in _BINARY or t in _NORMALISE or t in _REDUCE or t in _MATMUL
-            or t in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor) or _is_cast(node))
+            or t in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor) or is_cast(node))
 
 
 class AxisEvaluation:
@@ -355,7 +346,7 @@ class AxisEvaluation:
         meta = tensor_meta(node)
         if t in _LAYOUT:
             return self._layout(node, self.value(node.args[0]))
-        if _is_cast(node):
+        if is_cast(node):
             x = self.value(node.args[0])
             if x.dtype == meta.dtype:
                 return Value(x.expr, x.dims, meta.dtype)

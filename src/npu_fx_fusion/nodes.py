@@ -37,6 +37,22 @@ def hashable(value: Any) -> Any:
 # x.view, x.reshape and what aot makes of a view it cannot take (_unsafe_view): the same
 # elements in the same order, another shape
 RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+# the ops that move, copy or re-view a tensor's elements and compute nothing
+_aten = torch.ops.aten
+MOVES = (*RESHAPES, _aten.permute.default, _aten.transpose.int, _aten.t.default, _aten.unsqueeze.default,
+         _aten.squeeze.dim, _aten.squeeze.dims, _aten.expand.default, _aten.clone.default, _aten.contiguous.default,
+         _aten.alias.default)
+
+
+def is_cast(node: Any) -> bool:
+    """node casts its input's dtype and computes nothing else: .to(dtype) as aot spells it
+    (aten._to_copy, with no argument but dtype, memory format, layout and device;
+    prims.convert_element_type), or torch_npu's own cast (an NPU compile's _npu_dtype_cast)."""
+    if is_call(node, torch.ops.prims.convert_element_type.default):
+        return True
+    if is_call(node, torch.ops.aten._to_copy.default):
+        return set(node.kwargs) <= {"dtype", "memory_format", "layout", "device"}
+    return isinstance(node, Node) and getattr(node.target, "__name__", "").startswith("_npu_dtype_cast")
 
 
 def plain_cast(node: Any, dtype: Optional[torch.dtype] = None) -> bool:

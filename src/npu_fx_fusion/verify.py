@@ -23,6 +23,7 @@ import torch
 import torch.fx
 
 from .capabilities import capability
+from .nodes import is_cast
 from .tracing import trace_joint_without_decompositions
 
 Node = torch.fx.Node
@@ -220,11 +221,11 @@ def _run_subgraph(nodes: Sequence[Node], outputs: Sequence[Optional[Node]],
 
 
 def _float_cast(node: Node) -> bool:
-    value = node.meta.get("val")
-    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], Node) else None
-    return (node.target in (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-            and set(node.kwargs) <= {"dtype"} and isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor)
-            and value.is_floating_point() and source.is_floating_point())
+    """A cast from a float dtype to another (what an exact run leaves out)."""
+    if not is_cast(node) or not isinstance(node.args[0], Node):
+        return False
+    value, source = node.meta.get("val"), node.args[0].meta.get("val")
+    return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (value, source))
 
 
 def same_function(nodes: Sequence[Node], outputs: Sequence[Node], args: Mapping[str, Any],
@@ -257,10 +258,7 @@ def _same_function(nodes, outputs, args, arg_nodes, replace, argnames, ulps, mak
     for index, (want, got) in enumerate(zip(exact, fused)):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             return Verdict(False, f"output {index}: no tensor of the region's shape")
-        if not want.numel():
-            continue
-        scale = max(want.abs().max().item(), torch.finfo(got.dtype).tiny)
-        error = (got.double() - want).abs().max().item() / (torch.finfo(got.dtype).eps * scale)
+        error, scale = _error_in_ulps(got, want, got.dtype)
         if not error <= ulps:
             return Verdict(False, f"output {index}: {error:.3g} ulp at scale {scale:.3g} from the region's exact value "
                                   f"(more than {ulps:g} ulp of {str(got.dtype)[6:]})")
@@ -268,9 +266,12 @@ def _same_function(nodes, outputs, args, arg_nodes, replace, argnames, ulps, mak
     return Verdict(True, f"max error {worst:.2g} ulp of the region's exact value at the output's scale")
 
 
-def _error_in_ulps(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
-    eps = torch.finfo(expected.dtype).eps
+def _error_in_ulps(actual: torch.Tensor, expected: torch.Tensor,
+                   dtype: Optional[torch.dtype] = None) -> tuple[float, float]:
+    """(|actual - expected| in ulp of `dtype` (expected's) at expected's largest |value|, that scale)."""
+    dtype = dtype or expected.dtype
+    eps = torch.finfo(dtype).eps
     scale = expected.double().abs().max().item() if expected.numel() else 0.0
-    scale = max(scale, torch.finfo(expected.dtype).tiny)
+    scale = max(scale, torch.finfo(dtype).tiny)
     error = (actual.double() - expected.double()).abs().max().item() if expected.numel() else 0.0
     return error / (eps * scale), scale
