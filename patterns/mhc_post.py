@@ -151,10 +151,7 @@ def recognize(graph, joint):
         stops = _mix_operands(add)
         if stops is None:
             continue
-        output = add
-        cast = next(iter(add.users)) if len(add.users) == 1 else None
-        if cast is not None and is_cast(cast):
-            output = cast  # the mix computed in fp32 and rounded once (HcPost's type_as)
+        output = _rounded(add)
         try:
             value = AxisEvaluation(stop=stops).value(output)
             readings = _readings(value)
@@ -164,8 +161,22 @@ def recognize(graph, joint):
             found.append(Recognized("streams mix (axis algebra)", output, [add], reason=readings))
             continue
         for reading in readings:
-            found.extend(_sites(reading, value, output, joint))
+            found.extend(_sites(reading, value, output, [output] if output is add else [output, add], joint))
     return found
+
+
+def _rounded(add):
+    """Where the mix is rounded once to the streams' dtype (HcPost's type_as), through the moves
+    only it reads (a streams-first layout transposed back): that cast, else the add itself."""
+    node = add
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if is_cast(user):
+            return user
+        if not is_call(user, *MOVES):
+            break
+        node = user
+    return add
 
 
 def _readings(value):
@@ -219,11 +230,10 @@ def _readings(value):
             "the indices of the block output, post, comb and the streams do not play those roles")
 
 
-def _sites(reading, value, output, joint):
+def _sites(reading, value, output, ends, joint):
+    """ends: the region's last nodes (the add, and the cast that rounds it where that is the output)."""
     x, o, post, comb, batch, j, k, d = reading
     name = "streams mix (axis algebra)"
-    # the region's last nodes: the add, and the cast after it where the output is that cast
-    ends = [output] if is_call(output, aten.add.Tensor) else [output, output.args[0]]
     if joint:
         return [Recognized(name, output, ends, reason=(
             "a residual mix of n streams in training, in a spelling other than transformers' DeepseekV4DecoderLayer: "

@@ -207,3 +207,21 @@ class SummedOverTheWrongDim(torch.nn.Module):
 def test_a_product_summed_over_another_dim_is_no_candidate():
     _, _, report = compile_and_run(SummedOverTheWrongDim(), *_inputs(), config=POST)
     assert report.counts["mhc_post"] == 0 and not near_miss_reasons(report, "mhc_post")
+
+
+class StreamsFirstMix(torch.nn.Module):
+    """The streams held (B, n, S, D): the mix as einsums over that layout in fp32, transposed
+    back, then rounded once."""
+
+    def forward(self, hidden_states, block_output, post, comb):
+        streams = hidden_states.transpose(1, 2).float()
+        mixed = torch.einsum("bsjk,bjsd->bksd", comb, streams) + torch.einsum("bsk,bsd->bksd", post,
+                                                                              block_output.float())
+        return mixed.transpose(1, 2).to(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_streams_first_layout_rounded_after_its_transpose_fuses(dynamic):
+    out, ref, report = compile_and_run(StreamsFirstMix(), *_inputs(torch.bfloat16), config=POST, dynamic=dynamic)
+    assert report.fused_ops == {"npu.npu_mhc_post": 1}
+    assert_close_at_scale(out, ref, ULPS[torch.bfloat16])
