@@ -31,13 +31,20 @@ three calls in their place. capabilities.py names the rule (`autograd_rule`), wh
 into training graphs (`has_backward`). On an NPU the same rule runs: it needs nothing
 from torch_npu but the op.
 """
+import itertools
+import operator
+
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion import interop
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import Form, FusionPass, is_call, plain_cast, tensor_meta
+
+from npu_fx_fusion.matching import (Form, FusionPass, Recognized, hashable, is_backward, is_call, is_cast,
+                                    known_equal, plain_cast, tensor_meta, with_arguments)
 
 aten = torch.ops.aten
+Node = torch.fx.Node
 GROUPED_MATMUL = CAPABILITIES["npu.npu_grouped_matmul"]
 
 
@@ -217,44 +224,316 @@ def _integer(dtype):
     return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
 
 
-# ---- near misses: a grouped GEMM left unfused ---------------------------------------------
+# ---- experts run one by one: the loop rolled into one grouped GEMM per weight ----------------
 # Experts may also run one by one: a matmul per expert with weight w[e] on its rows, in a
 # Python loop over torch.split(x, counts) (torchtitan's GroupedExperts with
-# use_grouped_mm=False, litgpt / Mixtral-style loops). The counts are read on the host for
-# the split (a graph break), so the graph holds E separate GEMMs, each specialised on its
-# row count. One near miss per expert weight, at its first expert's matmul.
+# use_grouped_mm=False, which is what runs where its Triton padding kernel does not). The
+# counts are read on the host for the split (a graph break), so the graph after it holds E
+# GEMMs per weight, each on its chunk of rows, with the counts as sizes (constants, or
+# symbolic with dynamic shapes). That is the grouped GEMM with those sizes as its groups:
+#
+#     chunk_e(A) @ w[e]  for e < E   ==   chunk_e(npu_grouped_matmul([A], [w], sizes))
+#
+# `recognize` rolls each weight's E matmuls into one call. A's chunks may come from one
+# split directly, or be computed row by row from chunks split the same way (the gated
+# activation between w1 / w3 and w2: silu(chunk_e(Y)) * chunk_e(Z) is chunk_e(silu(Y) * Z)),
+# the weight through transposes and casts (autocast's bf16 copy of w[e] is a slice of w's).
+# The same ops on whole tensors compute every row as each chunk did; only the GEMM changes.
 _MATMULS = (aten.matmul.default, aten.mm.default)
 _TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
 
 
 def _expert_weight(operand):
-    """(w, e) where `operand` is expert e of a stacked (E, ., .) weight w, maybe transposed."""
-    node = operand
-    while is_call(node, *_TRANSPOSES):
+    """(w, e, chain) where `operand` is expert e of a stacked (E, ., .) weight w read through
+    transposes and casts (`chain`, from w[e] up to operand); else None."""
+    chain, node = [], operand
+    while is_call(node, *_TRANSPOSES) or is_cast(node):
+        chain.append(node)
         node = node.args[0]
     if not (is_call(node, aten.select.int) and isinstance(node.args[2], int)):
         return None
     weight = tensor_meta(node.args[0])
     if weight is None or weight.dim() != 3 or node.args[1] % 3 != 0:  # dim 0, or -3
         return None
-    return node.args[0], node.args[2]
+    return node.args[0], node.args[2], [node, *reversed(chain)]
+
+
+def _expert_matmuls(weight, joint):
+    """{e: the forward matmul reading expert e of `weight` as its right operand}, if each
+    expert has exactly one; else None."""
+    found = {}
+    for select in weight.users:
+        for matmul in _readers_through_chain(select):
+            if joint and is_backward(matmul):
+                continue
+            e = select.args[2]
+            if e in found:
+                return None
+            found[e] = matmul
+    return found or None
+
+
+def _readers_through_chain(select):
+    """The matmuls whose right operand is `select` read through transposes and casts."""
+    readers, frontier = [], [select]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if (is_call(user, *_TRANSPOSES) or is_cast(user)) and user.args[0] is node:
+                frontier.append(user)
+            elif is_call(user, *_MATMULS) and len(user.args) == 2 and user.args[1] is node:
+                readers.append(user)
+    return readers
 
 
 def _per_expert_matmuls(node):
-    """The matmuls that read one expert each of the weight node's first expert reads, if node is
-    one of expert 0 and experts of the same weight feed other matmuls; else None."""
+    """The experts of the weight whose expert 0 `node` multiplies by, when other experts of it
+    feed matmuls too (an anchor: recognize() says why a loop it does not roll is not one)."""
     if not is_call(node, *_MATMULS) or len(node.args) < 2:
         return None
     found = _expert_weight(node.args[1])
     if found is None or found[1] != 0:
         return None
-    weight = found[0]
-    experts = {user.args[2] for user in weight.users
-               if _expert_weight(user) is not None and any(is_call(reader, *_MATMULS, *_TRANSPOSES)
-                                                           for reader in user.users)}
+    experts = {select.args[2] for select in found[0].users if _expert_weight(select) is not None
+               and _readers_through_chain(select)}
     return experts if len(experts) > 1 else None
 
 
+def _weight_replayed(chain):
+    """replay(w) -> w's experts read as `chain` reads expert e: the same transposes (each of a
+    2-d slice swaps its two dims) and casts, on the whole (E, ., .) weight."""
+    def replay(w):
+        for node in chain[1:]:
+            if is_cast(node):
+                w = node.target(w, *node.args[1:], **node.kwargs)
+            elif not (is_call(node, aten.permute.default) and list(node.args[1]) in ([0, 1], [-2, -1])):
+                w = w.transpose(-2, -1)
+        return w
+    return replay
+
+
+class _NotRolled(Exception):
+    """The E operands are not one computation on chunks of whole tensors (the reason)."""
+
+
+class _Rolled:
+    """E per-expert operands as one computation on whole tensors split by the same sizes.
+
+    `template` reads as: ("chunks", x) for the chunks of x's rows; ("shared", node) for a
+    value every expert reads whole (no row dim); ("constant", value); ("op", node, [templates
+    of its args]) for one pointwise op or cast applied to each expert's values alike (`node`:
+    expert 0's; `ops` holds each such op's E nodes)."""
+
+    def __init__(self, operands):
+        self.bounds = self.ends = None
+        self.leaves, self.shared, self.ops = [], [], []
+        self.op_templates = {}
+        self.template = self._roll(list(operands))
+
+    def _roll(self, nodes):
+        first = nodes[0]
+        if all(n is first for n in nodes):
+            meta = tensor_meta(first)
+            if meta is not None and meta.dim() >= 2 and not known_equal(meta.shape[-2], 1):
+                raise _NotRolled(f"{first.name}, read by every expert, has rows of its own")
+            self.shared.append(first)
+            return ("shared", first)
+        if all(is_call(n, operator.getitem) for n in nodes):
+            return self._chunks(nodes)
+        if all(is_call(n, aten.slice.Tensor) for n in nodes):
+            return self._slices(nodes)
+        if not all(isinstance(n, Node) and n.op == "call_function" and n.target is first.target for n in nodes):
+            raise _NotRolled(f"the experts' {first.name} are not one op on each expert's rows")
+        if not (is_cast(first) or torch.Tag.pointwise in getattr(first.target, "tags", ())):
+            raise _NotRolled(f"{first.name} ({first.target}) is not an op of each row alone (pointwise or a cast)")
+        args = []
+        for position, arg in enumerate(first.args):
+            column = [n.args[position] for n in nodes]
+            if isinstance(arg, Node):
+                if not all(isinstance(a, Node) for a in column):
+                    raise _NotRolled(f"the experts' {first.name} differ in argument {position}")
+                args.append(self._roll(column))
+            elif any(hashable(a) != hashable(arg) for a in column):
+                raise _NotRolled(f"the experts' {first.name} differ in argument {position}")
+            else:
+                args.append(("constant", arg))
+        if any(hashable(n.kwargs) != hashable(first.kwargs) for n in nodes):
+            raise _NotRolled(f"the experts' {first.name} differ in their keyword arguments")
+        self.ops.append(list(nodes))
+        self.op_templates[first] = ("op", first, args)
+        return self.op_templates[first]
+
+    def _chunks(self, nodes):
+        split = nodes[0].args[0]
+        if not (is_call(split, aten.split_with_sizes.default, aten.split.Tensor)
+                and all(n.args[0] is split for n in nodes) and [n.args[1] for n in nodes] == list(range(len(nodes)))):
+            raise _NotRolled("the experts' rows are not the chunks of one split, in order")
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if is_call(split, aten.split_with_sizes.default):
+            sizes = list(split.args[1])
+        else:  # equal chunks (the last may be shorter): static sizes only, read off the chunks
+            sizes = [tensor_meta(n).shape[0] for n in nodes]
+            if not all(isinstance(size, int) for size in sizes):
+                raise _NotRolled("the rows are split in chunks of a symbolic size")
+        meta = tensor_meta(split.args[0])
+        if len(sizes) != len(nodes) or meta is None or meta.dim() != 2 or dim not in (0, -2):
+            raise _NotRolled(f"the split is not of a 2-d (tokens, hidden) tensor's rows into {len(nodes)} chunks")
+        return self._leaf(split.args[0], ("sizes", sizes), list(itertools.accumulate(_value(s) for s in sizes)))
+
+    def _slices(self, nodes):
+        """Consecutive row slices: how canonical.py leaves a split of static sizes, or rows
+        sliced by a running offset (`x[start:start + n]`)."""
+        source = nodes[0].args[0]
+        meta = tensor_meta(source)
+        if (meta is None or meta.dim() != 2 or any(n.args[0] is not source or n.args[1] not in (0, -2)
+                                                   or len(n.args) != 4 or n.kwargs for n in nodes)):
+            raise _NotRolled("the experts' rows are not slices of one 2-d (tokens, hidden) tensor")
+        starts, ends = [_value(n.args[2]) for n in nodes], [_value(n.args[3]) for n in nodes]
+        # in order, each at least empty, and within the rows (no slice clamped): rows past the
+        # last one (a static count on a symbolic token count) are left out of the grouped GEMM
+        if not (known_equal(starts[0], 0) and all(known_equal(a, b) for a, b in zip(starts[1:], ends))
+                and all(statically_known_true(b >= a) for a, b in zip(starts, ends))
+                and statically_known_true(ends[-1] <= meta.shape[0])):
+            raise _NotRolled("the experts' row slices do not cover the rows in order")
+        return self._leaf(source, ("ends", [n.args[3] for n in nodes]), ends)
+
+    def _leaf(self, source, bounds, ends):
+        """`bounds`: ("sizes" or "ends", the split's items, ints or symbolic-size nodes)."""
+        if self.bounds is None:
+            self.bounds, self.ends = bounds, ends
+        elif len(ends) != len(self.ends) or not all(known_equal(a, b) for a, b in zip(ends, self.ends)):
+            raise _NotRolled("the experts' rows come from splits of different sizes")
+        self.leaves.append(source)
+        return ("chunks", source)
+
+    def evaluate(self, values, node=None):
+        """The whole tensor of the operands (or of the op whose expert-0 node is `node`): the
+        template run on whole tensors (`values`: leaf node -> value)."""
+        memo = {}
+
+        def run(template):
+            kind = template[0]
+            if kind == "constant":
+                return template[1]
+            if kind in ("chunks", "shared"):
+                return values[template[1]]
+            if template[1] not in memo:
+                memo[template[1]] = template[1].target(*[run(a) for a in template[2]], **template[1].kwargs)
+            return memo[template[1]]
+        return run(self.template if node is None else self.op_templates[node])
+
+
+def _value(size):
+    return size.meta["val"] if isinstance(size, Node) else size
+
+
+def _loop_site(weight, joint):
+    """The Recognized site of one expert weight's per-expert matmuls, or None (no loop here)."""
+    matmuls = _expert_matmuls(weight, joint)
+    experts = int(tensor_meta(weight).shape[0])
+    if matmuls is None or len(matmuls) < 2:
+        return None
+    first = matmuls[min(matmuls)]
+    name = "experts in a loop over split rows"
+    shape = tuple(tensor_meta(weight).shape)
+    if sorted(matmuls) != list(range(experts)):
+        return Recognized(name, first, [first], reason=(
+            f"{len(matmuls)} of the {experts} experts of a {shape} weight run one by one (a matmul per expert "
+            "on its rows): not every expert's, so not one grouped GEMM over the weight"))
+    ordered = [matmuls[e] for e in range(experts)]
+    if joint:
+        return Recognized(name, first, ordered, reason=(
+            f"{experts} experts of a {shape} weight run one by one in training: their backward (a GEMM per expert "
+            "for each gradient) is not rewritten; the forward graph, after partitioning, is where they can fuse"))
+    chains = [_expert_weight(m.args[1])[2] for m in ordered]
+    if any(len(c) != len(chains[0]) or any(a.target is not b.target for a, b in zip(c[1:], chains[0][1:]))
+           for c in chains):
+        return Recognized(name, first, ordered, reason=f"the experts of a {shape} weight are read in different ways")
+    try:
+        rolled = _Rolled([m.args[0] for m in ordered])
+        if rolled.bounds is None:
+            raise _NotRolled("no split of the rows reaches the experts' matmuls")
+    except _NotRolled as why:
+        return Recognized(name, first, ordered, reason=(
+            f"{experts} experts of a {shape} weight run one by one, a matmul per expert on its rows, but {why}: "
+            "npu_grouped_matmul takes the experts as one grouped GEMM over one tensor's rows"))
+    return _rolled_site(name, weight, ordered, chains[0], rolled)
+
+
+def _rolled_site(name, weight, matmuls, chain, rolled):
+    cat = _concatenation(matmuls)
+    region = set(matmuls) | {n for c in (_expert_weight(m.args[1])[2] for m in matmuls) for n in c}
+    region |= {n for nodes in rolled.ops for n in nodes}
+    escaping = [nodes for nodes in rolled.ops if any(u not in region for n in nodes for u in n.users)]
+    outputs = ([cat] if cat is not None else list(matmuls)) + [n for nodes in escaping for n in nodes]
+    if cat is not None:
+        region.add(cat)
+    leaves = rolled.leaves + rolled.shared
+    args = {f"a{i}": leaf for i, leaf in enumerate(dict.fromkeys(leaves))}
+    args["w"] = weight
+    kind, items = rolled.bounds
+    args.update({f"b{i}": item for i, item in enumerate(items) if isinstance(item, Node)})
+    replay = _weight_replayed(chain)
+    escaping_firsts = [nodes[0] for nodes in escaping]
+    short = [leaf for leaf in dict.fromkeys(rolled.leaves) if not known_equal(rolled.ends[-1], tensor_meta(leaf).shape[0])]
+
+    def replace(values):
+        given = [values.get(f"b{i}", item) for i, item in enumerate(items)]
+        ends = list(itertools.accumulate(given)) if kind == "sizes" else given
+        by_node = {node: values[key] for key, node in args.items() if key.startswith("a")}
+        for leaf in short:  # the rows the chunks cover (slices may stop before the last row)
+            by_node[leaf] = by_node[leaf][:ends[-1]]
+        sizes = given if kind == "sizes" else [b - a for a, b in zip([0, *ends[:-1]], ends)]
+        group_list = torch.stack([torch.scalar_tensor(end, dtype=torch.int64) for end in ends])
+        out = npu_grouped_matmul(rolled.evaluate(by_node), replay(values["w"]), group_list)
+        results = [out] if cat is not None else list(torch.split(out, sizes))
+        for node in escaping_firsts:  # an intermediate read elsewhere too: its chunks of the whole
+            results.extend(torch.split(rolled.evaluate(by_node, node), sizes))
+        return results if len(results) > 1 else results[0]
+
+    x_value = tensor_meta(matmuls[0].args[0])  # expert 0's rows: the dtype and width of them all
+    site_args = {"x": x_value, "w": replay(tensor_meta(weight)),
+                 "offs": torch.empty(len(matmuls), dtype=torch.int64, device=x_value.device)}
+    return Recognized(name, outputs if len(outputs) > 1 else outputs[0], sorted(region), args,
+                      with_arguments(args, replace, "npu_grouped_matmul_rolled"), site_args)
+
+
+def _concatenation(matmuls):
+    """The cat of exactly the E results, in expert order along the rows, if it reads them only."""
+    users = {u for m in matmuls for u in m.users}
+    if len(users) != 1:
+        return None
+    (cat,) = users
+    if not is_call(cat, aten.cat.default) or list(cat.args[0]) != list(matmuls):
+        return None
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    return cat if dim in (0, -2) else None
+
+
+def recognize(graph, joint):
+    """Each stacked expert weight whose experts run one by one (a generator: a weight's site is
+    found after the ones before it were replaced, so w2's operand, computed from w1's and w3's
+    rolled results, rolls too)."""
+    weights = []
+    for select in graph.find_nodes(op="call_function", target=aten.select.int):
+        found = _expert_weight(select)
+        if found is not None and found[1] == 0 and found[0] not in weights and _readers_through_chain(select):
+            weights.append(found[0])
+    seen = set()
+    while True:
+        pending = [w for w in weights if w not in seen and not w._erased]  # noqa: SLF001
+        if not pending:
+            return
+        # in the order the loop reads them: the weight whose expert 0 is read first
+        weight = min(pending, key=lambda w: min((m for m in (_expert_matmuls(w, joint) or {}).values()),
+                                               default=w))
+        seen.add(weight)
+        site = _loop_site(weight, joint)
+        if site is not None:
+            yield site
+
+
+# ---- near misses: a grouped GEMM left unfused ---------------------------------------------
 def anchor(node):
     fallback = interop.transformers_grouped_mm_fallback()
     return (is_call(node, aten._grouped_mm.default) or (fallback is not None and node.target is fallback)
@@ -263,12 +542,10 @@ def anchor(node):
 
 def explain(node):
     experts = _per_expert_matmuls(node)
-    if experts is not None:
+    if experts is not None:  # recognize() names the reason of every loop it reads; not this one's
         weight = tensor_meta(_expert_weight(node.args[1])[0])
-        return (f"{len(experts)} experts of a {tuple(weight.shape)} weight run one by one, a matmul per expert on "
-                "its rows (a loop over torch.split(x, counts), which reads the counts on the host: a graph "
-                "break): npu_grouped_matmul takes the experts as one grouped GEMM with the counts as a device "
-                "tensor. Write them as one (torchtitan: GroupedExperts(use_grouped_mm=True); torch._grouped_mm)")
+        return (f"{len(experts)} experts of a {tuple(weight.shape)} weight run one by one, but an expert's weight "
+                "is read by more than one matmul: not one GEMM per expert to group")
     x = tensor_meta(node.args[0])
     if x is not None and x.dim() != 2:
         return f"x is {x.dim()}-d: only the 2-d (tokens, hidden) x of the MoE expert GEMM is fused"
@@ -305,6 +582,7 @@ PASS = FusionPass(
     anchor=anchor,
     anchor_ops=lambda: (aten._grouped_mm.default, interop.transformers_grouped_mm_fallback(), *_MATMULS),
     explain=explain,
+    recognize=recognize,
     verify_input=lambda name, args: even_offsets(args) if name == "offs" else None,
     finish=counts_for_running_sums,
 )

@@ -58,7 +58,6 @@ GE converter: max-autotune does not fuse (capabilities.not_lowerable).
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -66,7 +65,7 @@ import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import causal_mask, evaluate_constant
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta, with_arguments
 
 aten = torch.ops.aten
 OP = "cann_ops_transformer.sparse_flash_mla_softmax_l1_norm"
@@ -270,14 +269,7 @@ def fused(v, a):
 
 def _function(v, body, prefix=""):
     """body(v, {name: value}) as a function of the variant's named arguments."""
-    names = v.argnames
-
-    def fn(*args):
-        return body(v, dict(zip(names, args)))
-
-    fn.__signature__ = inspect.Signature(
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
-    fn.__name__ = fn.__qualname__ = prefix + v.name
+    fn = with_arguments(v.argnames, lambda given: body(v, given), prefix + v.name)
     fn.variant = v
     return fn
 

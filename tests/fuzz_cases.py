@@ -51,9 +51,9 @@ FAMILIES = ("rms_norm", "add_rms_norm", "rope", "rope_complex", "swiglu", "route
 # (issue 29's training crash: q / k / v made non-contiguous by .view().transpose(), GQA, B=1 and
 # B>1), which every pass meets at once; library, model code of other codebases
 # (tests/fuzz_library.py); mhc_post and mhc_pre, DeepSeek-V4's residual mix of n streams and its
-# hyper-connection mappings, in their spellings
+# hyper-connection mappings, in their spellings; experts_loop, MoE experts run one by one
 LIBRARY = "library"
-NAMED_FAMILIES = ("attention_block", "mhc_post", "mhc_pre", LIBRARY)
+NAMED_FAMILIES = ("attention_block", "mhc_post", "mhc_pre", "experts_loop", LIBRARY)
 
 # Outcome classes. OK_OUTCOMES are the right answers; the others are failures.
 FUSED = "fused"  # a positive fused its sites, numerics within tolerance
@@ -857,10 +857,104 @@ def _make_mhc_pre(rng, seed, case_kw):
                 "", dtype, dynamic, training, build, allowed=("rms_norm",))
 
 
+# ---- MoE experts run one by one (grouped_matmul) ---------------------------------------------
+# torchtitan's _run_experts_for_loop and its respellings: the rows cut per expert (a split, or
+# slices at a running offset), each expert's MLP on its rows (weights stacked (E, out, in) and
+# read transposed, or stored (E, in, out)), the results put back together. The counts are the
+# module's (static) or read off the token count (symbolic under dynamic=True).
+EXPERT_ROWS = {
+    "torch_split": ["    for e, rows in enumerate(torch.split(x, counts)):"],
+    "method_split": ["    for e, rows in enumerate(x.split(counts, dim=0)):"],
+    "offsets": ["    start = 0", "    for e, count in enumerate(counts):", "        rows = x[start:start + count]",
+                "        start = start + count"],
+    "narrow": ["    start = 0", "    for e in range(len(counts)):", "        rows = x.narrow(0, start, counts[e])",
+               "        start += counts[e]"],
+}
+EXPERT_GEMMS = {  # {a} @ expert e of weight {w}
+    "matmul_t": "{a} @ self.{w}[e].transpose(-2, -1)",
+    "matmul_T": "torch.matmul({a}, self.{w}[e].T)",
+    "mm_stored_in_out": "torch.mm({a}, self.{w}[e])",  # weights stored (E, in, out)
+}
+EXPERT_MLPS = {
+    "silu_gated": ("F.silu({g1}) * {g3}", ("w1", "w3")),
+    "gelu_gated": ('F.gelu({g1}, approximate="tanh") * {g3}', ("w1", "w3")),
+    "silu": ("F.silu({g1})", ("w1",)),
+}
+EXPERT_COMBINE = {"cat": "torch.cat(outs)", "cat_dim0": "torch.cat(outs, dim=0)", "vstack": "torch.vstack(outs)"}
+EXPERT_LOOKALIKES = {
+    "reversed": "len(counts) - 1 - e",  # chunk e meets another expert's weights
+    "rotated": "(e + 1) % len(counts)",
+    "per_expert_scale": None,  # each expert's hidden scaled by its own factor
+}
+
+
+def _make_experts_loop(rng, seed, case_kw):
+    dtype, dynamic, training = case_kw["dtype"], case_kw["dynamic"], case_kw["training"]
+    E, K, N = rng.choice([2, 4, 8]), rng.choice([8, 16]), rng.choice([16, 32])
+    precision = rng.choice(["params", "params", "autocast"]) if dtype != torch.float32 else "params"
+    rows, gemm, mlp, combine = (rng.choice(sorted(EXPERT_ROWS)), rng.choice(sorted(EXPERT_GEMMS)),
+                                rng.choice(sorted(EXPERT_MLPS)), rng.choice(sorted(EXPERT_COMBINE)))
+    counted = rng.choice(["constant", "from_tokens"])
+    counts = [rng.choice([0, 1, 2, 3, 5]) for _ in range(E)]
+    counts[-1] += 2  # a few rows at least
+    tokens = sum(counts) if counted == "constant" else 4 * E + 2
+    choices = {"rows": rows, "gemm": gemm, "mlp": mlp, "combine": combine, "counts": counted, "precision": precision,
+               "shapes": f"x [{tokens}, {K}], {E} experts of ({K} -> {N} -> {K})"}
+    lookalike = rng.choice(sorted(EXPERT_LOOKALIKES)) if rng.random() < 0.25 else None
+    if lookalike:
+        choices["lookalike"] = lookalike
+    expert = EXPERT_LOOKALIKES[lookalike] if lookalike in ("reversed", "rotated") else "e"
+    stored = "in_out" if gemm == "mm_stored_in_out" else "out_in"
+
+    def product(a, w):
+        return "(" + EXPERT_GEMMS[gemm].format(a=a, w=w).replace("[e]", f"[{expert}]") + ")"
+
+    activation, up = EXPERT_MLPS[mlp]
+    hidden = activation.format(g1=product("rows", "w1"), g3=product("rows", "w3") if "w3" in up else "")
+    if lookalike == "per_expert_scale":
+        hidden = f"({hidden}) * (e + 1.0)"
+    lines = ["def forward(self, x):"]
+    if counted == "constant":
+        lines.append(f"    counts = {counts}")
+    else:  # the token count split evenly, the last expert the rest: symbolic with dynamic shapes
+        lines += ["    n = x.shape[0]", f"    counts = [n // {E}] * {E - 1} + [n - {E - 1} * (n // {E})]"]
+    lines += ["    outs = []", *EXPERT_ROWS[rows], f"        h = {hidden}", f"        outs.append({product('h', 'w2')})",
+              f"    return {EXPERT_COMBINE[combine]}"]
+    source = "\n".join(lines)
+    if precision == "autocast":
+        source = source.replace("def forward(self, x):", "def forward(self, x):\n    with torch.autocast('cpu', dtype=torch.bfloat16):\n        return self.experts(x)\n\n\ndef experts(self, x):", 1)
+    # a per-expert scale between the GEMMs leaves w1 / w3 a grouped GEMM each; w2's rows are not
+    kind = "negative" if lookalike in ("reversed", "rotated") else "positive"
+    param_dtype = torch.float32 if precision == "autocast" else dtype
+
+    def build():
+        gen = torch.Generator().manual_seed(seed)
+
+        def weight(fan_in, fan_out):
+            shape = (E, fan_in, fan_out) if stored == "in_out" else (E, fan_out, fan_in)
+            return nn.Parameter(_randn(gen, *shape, scale=fan_in ** -0.5).to(param_dtype))
+
+        def init(module):
+            module.w1, module.w2 = weight(K, N), weight(N, K)
+            if "w3" in up:
+                module.w3 = weight(K, N)
+
+        module = _module_from_source(source, f"<fuzz {seed}>", init)
+        if precision == "autocast":  # forward calls experts(): bind the source's second function
+            namespace = {"torch": torch, "F": F, "nn": nn, "math": math}
+            exec(compile(source, f"<fuzz {seed}>", "exec"), namespace)  # noqa: S102 - our own generated code
+            type(module).experts = namespace["experts"]
+        return module, (_randn(gen, tokens, K).to(param_dtype),)
+
+    weights = len(up) + (lookalike != "per_expert_scale")
+    return Case(seed, "experts_loop", choices, source, kind, {"grouped_matmul": weights} if kind == "positive" else {},
+                "grouped_matmul", "", dtype, dynamic, training, build, allowed=("swiglu",))
+
+
 MAKERS = {"rms_norm": _make_rms, "add_rms_norm": lambda rng, seed, kw: _make_rms(rng, seed, kw, add=True),
           "rope": _make_rope, "rope_complex": _make_rope_complex, "swiglu": _make_swiglu, "router": _make_router,
           "attention_block": _make_attention_block, "mhc_post": _make_mhc_post, "mhc_pre": _make_mhc_pre,
-          LIBRARY: _make_library}
+          "experts_loop": _make_experts_loop, LIBRARY: _make_library}
 
 
 def make_case(seed: int, family: Optional[str] = None) -> Case:

@@ -57,22 +57,24 @@ def test_the_block_slice_covers_the_crash_and_inference():
     assert all(".view(B, S, " in c.source and ".transpose(1, 2)" in c.source for c in cases)
 
 
-# DeepSeek-V4's mHC in its spellings, a slice per family that covers every spelling choice and
-# look-alike, training and dynamic=True (the coverage tests below say which):
-# mhc_post, the residual mix (training: the forms, and the forward of a recognised spelling);
-# mhc_pre, the hyper-connection mappings. `benchmarks/fuzz.py --family mhc_pre --cases N` runs more.
-MHC_SLICES = {"mhc_post": (0, 1, 2, 3, 5, 6, 7, 12, 13, 31, 16, 36), "mhc_pre": (0, 1, 2, 3, 7, 13, 53, 9)}
+# The named families, a slice each that covers every spelling choice and look-alike, training
+# and dynamic=True (the coverage tests below say which): DeepSeek-V4's mHC, mhc_post (the
+# residual mix; training: the forms, and the forward of a recognised spelling) and mhc_pre (the
+# hyper-connection mappings); experts_loop, MoE experts run one by one (grouped_matmul).
+# `benchmarks/fuzz.py --family mhc_pre --cases N` runs more.
+NAMED_SLICES = {"mhc_post": (0, 1, 2, 3, 5, 6, 7, 12, 13, 31, 16, 36), "mhc_pre": (0, 1, 2, 3, 7, 13, 53, 9),
+                "experts_loop": (0, 2, 4, 5, 7, 9, 10, 33, 36)}
 
 
-@pytest.mark.parametrize("family, seed", [(f, s) for f, seeds in MHC_SLICES.items() for s in seeds])
-def test_mhc_case(family, seed):
+@pytest.mark.parametrize("family, seed", [(f, s) for f, seeds in NAMED_SLICES.items() for s in seeds])
+def test_named_family_case(family, seed):
     _check(seed, family)
 
 
 def test_the_mhc_post_slice_covers_every_spelling_and_look_alike():
     from fuzz_cases import MIX_LOOKALIKES, MIXES
 
-    cases = [make_case(seed, "mhc_post") for seed in MHC_SLICES["mhc_post"]]
+    cases = [make_case(seed, "mhc_post") for seed in NAMED_SLICES["mhc_post"]]
     positives = [c for c in cases if c.kind == "positive"]
     assert {c.choices["mix"] for c in positives} == set(MIXES)
     assert {c.choices["lookalike"] for c in cases if c.kind == "negative"} == set(MIX_LOOKALIKES)
@@ -82,13 +84,27 @@ def test_the_mhc_post_slice_covers_every_spelling_and_look_alike():
 def test_the_mhc_pre_slice_covers_every_spelling_and_look_alike():
     from fuzz_cases import PRE_LOOKALIKES
 
-    cases = [make_case(seed, "mhc_pre") for seed in MHC_SLICES["mhc_pre"]]
+    cases = [make_case(seed, "mhc_pre") for seed in NAMED_SLICES["mhc_pre"]]
     positives = [c for c in cases if c.kind == "positive"]
     for choice in ("norm", "cuts", "flatten", "collapse"):
         assert len({c.choices[choice] for c in positives}) == 2, choice
     assert {c.choices["iterations"] for c in positives} == {3, 7, 20}
     assert {c.choices["lookalike"] for c in cases if c.kind == "negative"} == set(PRE_LOOKALIKES)
     assert any(c.dynamic for c in positives) and any(c.training and c.kind == "either" for c in cases)
+
+
+def test_the_experts_loop_slice_covers_every_spelling_and_look_alike():
+    from fuzz_cases import EXPERT_COMBINE, EXPERT_GEMMS, EXPERT_LOOKALIKES, EXPERT_MLPS, EXPERT_ROWS
+
+    cases = [make_case(seed, "experts_loop") for seed in NAMED_SLICES["experts_loop"]]
+    spellings = [c for c in cases if "lookalike" not in c.choices]
+    for choice, values in (("rows", EXPERT_ROWS), ("gemm", EXPERT_GEMMS), ("mlp", EXPERT_MLPS),
+                           ("combine", EXPERT_COMBINE), ("counts", ("constant", "from_tokens"))):
+        assert {c.choices[choice] for c in spellings} == set(values), choice
+    assert {c.choices["lookalike"] for c in cases if "lookalike" in c.choices} == set(EXPERT_LOOKALIKES)
+    assert any(c.choices["precision"] == "autocast" for c in spellings)
+    assert any(c.training for c in spellings) and any(c.training and c.dynamic for c in spellings)
+    assert any(c.dynamic and c.choices["counts"] == "from_tokens" for c in spellings)
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import npu_fx_fusion as nff
-from helpers import assert_within_ulps, compile_and_run, near_miss_reasons
+from helpers import RecordingBackend, assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
+from npu_fx_fusion.backend import EmulationBackend
+from npu_fx_fusion.report import fused_op_counts, op_counts
 
 ONLY_GMM = nff.FusionConfig(enable={"grouped_matmul"})
 
@@ -139,36 +141,129 @@ def test_offsets_summed_in_floating_point_keep_their_running_sum():
 
 class ExpertsInALoop(torch.nn.Module):
     """torchtitan's GroupedExperts with use_grouped_mm=False (_run_experts_for_loop): the rows
-    split by per-expert counts, a gated MLP per expert on its rows, the results concatenated."""
+    split by per-expert counts, a gated MLP per expert on its rows, the results concatenated.
+    `expert_of(i)`: the expert whose weights chunk i meets (a look-alike when not i)."""
 
-    def __init__(self, experts=4, dim=16, hidden=32, only_expert=None):
+    def __init__(self, experts=4, dim=16, hidden=32, expert_of=None, scale_of=None):
         super().__init__()
         torch.manual_seed(0)
         self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
         self.w2 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
         self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
-        self.only_expert = only_expert
+        self.expert_of = expert_of or (lambda i: i)
+        self.scale_of = scale_of or (lambda i: 1.0)
 
     def forward(self, x, counts):
         outs = []
         for i, rows in enumerate(torch.split(x, counts)):
-            e = i if self.only_expert is None else self.only_expert  # one expert's weights for all
+            e = self.expert_of(i)
             h = torch.nn.functional.silu(rows @ self.w1[e].transpose(-2, -1)) * (rows @ self.w3[e].transpose(-2, -1))
-            outs.append(h @ self.w2[e].transpose(-2, -1))
+            outs.append(h * self.scale_of(i) @ self.w2[e].transpose(-2, -1))
         return torch.cat(outs)
 
 
-def test_experts_run_one_by_one_are_a_near_miss_per_weight():
+def _gemms_left(report):
+    return report.graphs[0].ops_after.get("aten.matmul.default", 0) + report.graphs[0].ops_after.get("aten.mm.default", 0)
+
+
+def test_experts_run_one_by_one_fuse_as_one_grouped_gemm_per_weight():
+    """Each weight's per-expert GEMMs become one npu_grouped_matmul over the split's rows, the
+    gated activation between them runs once on all rows; an expert without rows included."""
     x = torch.randn(10, 16)
-    out, ref, report = compile_and_run(ExpertsInALoop(), x, [3, 2, 4, 1], config=ONLY_GMM)
+    out, ref, report = compile_and_run(ExpertsInALoop(), x, [3, 0, 4, 3], config=ONLY_GMM)
+    assert report.fused_ops == {"npu.npu_grouped_matmul": 3}
+    assert _gemms_left(report) == 0
+    assert report.graphs[0].ops_after["aten.silu.default"] == 1
+    _check(out, ref)
+
+
+def test_experts_run_one_by_one_fuse_with_dynamic_counts():
+    """With dynamic shapes the counts read on the host are symbolic sizes: the group list is
+    built from them in the graph, and other counts run the same graph."""
+    model = ExpertsInALoop()
+    backend = EmulationBackend(ONLY_GMM)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+    for counts in ([3, 2, 4, 5], [6, 2, 3, 3]):
+        x = torch.randn(sum(counts), 16)
+        with torch.no_grad():
+            _check(compiled(x, counts), model(x, counts))
+    assert backend.report.fused_ops == {"npu.npu_grouped_matmul": 3}
+    assert len(backend.report.graphs) == 1
+
+
+class AutocastExperts(ExpertsInALoop):
+    """The loop under bf16 autocast (torchtitan's mixed precision): each matmul reads a bf16
+    copy of its expert's fp32 weight and of its rows."""
+
+    def forward(self, x, counts):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return super().forward(x, counts)
+
+
+def test_experts_run_one_by_one_under_autocast_fuse_with_the_weights_cast_once():
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(AutocastExperts(), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.fused_ops == {"npu.npu_grouped_matmul": 3}
+    assert _gemms_left(report) == 0
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert_within_ulps(out, ref, 1)
+
+
+def test_experts_run_one_by_one_in_training_fuse_their_forward():
+    """The joint graph keeps the loop (its backward is a GEMM per expert and gradient): a near
+    miss there; the forward graph fuses, the gradients are eager's."""
+    model, reference = ExpertsInALoop(), ExpertsInALoop()
+    x = torch.randn(10, 16)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    backend = RecordingBackend(ONLY_GMM)
+    out = torch.compile(model, backend=backend, fullgraph=True)(xs[0], [3, 2, 4, 1])
+    ref = reference(xs[1], [3, 2, 4, 1])
+    probe = torch.randn_like(ref)
+    (out * probe).sum().backward()
+    (ref * probe).sum().backward()
+    _check(out, ref)
+    for a, b in [(xs[0].grad, xs[1].grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]:
+        assert_close_at_scale(a, b, 4)
+    assert dict(fused_op_counts(op_counts(backend.graphs["forward"].graph))) == {"npu.npu_grouped_matmul": 3}
+    reasons = near_miss_reasons(backend.report, "grouped_matmul")
+    assert len(reasons) == 3 and all("in training" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("expert_of, scale_of, why, fused", [
+    # chunk i meets expert 3 - i: each weight's GEMMs read the rows in another order
+    (lambda i: 3 - i, None, "the experts' row slices do not cover the rows in order", 0),
+    # a per-expert factor between the GEMMs: w1 and w3 group, w2's rows are not one computation
+    (None, lambda i: 1.0 + i, "differ in argument 1", 2),
+], ids=["experts in reverse", "a per-expert scale"])
+def test_a_loop_that_is_not_the_grouped_gemm_is_a_near_miss(expert_of, scale_of, why, fused):
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(ExpertsInALoop(expert_of=expert_of, scale_of=scale_of), x, [3, 2, 4, 1],
+                                       config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == fused
+    reasons = near_miss_reasons(report, "grouped_matmul")
+    assert len(reasons) == 3 - fused and any(why in r for r in reasons), reasons
+    torch.testing.assert_close(out, ref)
+
+
+class SomeExperts(ExpertsInALoop):
+    """Only the first three of four experts run: not one GEMM over the whole weight."""
+
+    def forward(self, x, counts):
+        return torch.cat([rows @ self.w1[i].transpose(-2, -1) for i, rows in enumerate(torch.split(x, counts))])
+
+
+def test_a_loop_over_some_of_the_experts_is_a_near_miss():
+    x = torch.randn(9, 16)
+    out, ref, report = compile_and_run(SomeExperts(), x, [3, 2, 4], config=ONLY_GMM)
     assert report.counts["grouped_matmul"] == 0
     reasons = near_miss_reasons(report, "grouped_matmul")
-    assert len(reasons) == 3, reasons  # w1, w3, w2: one each, at expert 0's matmul
-    assert all("4 experts of a" in r and "run one by one" in r and "use_grouped_mm=True" in r for r in reasons)
+    assert reasons == ["3 of the 4 experts of a (4, 32, 16) weight run one by one (a matmul per expert on its rows): "
+                       "not every expert's, so not one grouped GEMM over the weight"], reasons
     torch.testing.assert_close(out, ref)
 
 
 def test_one_expert_weight_reused_for_every_chunk_is_no_expert_loop():
     x = torch.randn(10, 16)
-    _, _, report = compile_and_run(ExpertsInALoop(only_expert=1), x, [3, 2, 4, 1], config=ONLY_GMM)
+    _, _, report = compile_and_run(ExpertsInALoop(expert_of=lambda i: 1), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 0
     assert near_miss_reasons(report, "grouped_matmul") == []

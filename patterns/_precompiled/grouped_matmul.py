@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ca464e00ffd91789',
+KEY = {'torch': '2.13.0+cpu', 'sources': '53815908d7c16960',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

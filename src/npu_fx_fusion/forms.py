@@ -166,6 +166,19 @@ class Recognized:
         return [self.output] if isinstance(self.output, Node) else list(self.output)
 
 
+def with_arguments(names: Sequence[str], body: Callable[[dict], Any], name: str) -> Callable:
+    """body({name: value}) as a function of positional arguments `names`, with that signature:
+    what the tracers call (make_fx reads a function's signature to count its inputs)."""
+    names = list(names)
+
+    def fn(*args):
+        return body(dict(zip(names, args)))
+
+    fn.__signature__ = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
 # A list while the tests run (tests/conftest.py): every (pass name, target) of an anchor
 # node whose target the pass's anchor_ops leave out, which its near-miss walk would skip.
 ANCHOR_OPS_MISSED: Optional[list] = None
