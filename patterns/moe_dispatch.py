@@ -53,8 +53,9 @@ import torch
 
 from npu_fx_fusion import interop
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import (RESHAPES, FinishOptions, Form, FusionPass, Recognized, enclosed_region, hcom_of,
-                                   is_call, is_training_graph, no_communicator_reason, plain_cast, tensor_meta)
+from npu_fx_fusion.matching import (MOVES, RESHAPES, FinishOptions, Form, FusionPass, Recognized, enclosed_region,
+                                   hcom_of, is_call, is_cast, is_training_graph, no_communicator_reason, plain_cast,
+                                   tensor_meta)
 from npu_fx_fusion.patterns.grouped_matmul import gemm_limits_reason
 
 aten = torch.ops.aten
@@ -868,7 +869,30 @@ def explain(node):
                 "order in fp32, to token perm // K), which becomes npu_moe_finalize_routing")
     if kind == "exchange":
         return mc2_reason(node)
+    if kind is None and _gathered_rows_leave_the_graph(node):
+        return ("the tokens are sorted by expert and gathered, but the gathered rows leave this graph: the "
+                "experts and the combine run in another compiled graph (a graph break after the gather, e.g. "
+                "torchtitan's for-loop experts reading the counts with .tolist()), and npu_moe_init_routing_v2 "
+                "and npu_moe_finalize_routing replace the dispatch and the combine only together, in one graph")
     return _not_a_known_block()
+
+
+def _gathered_rows_leave_the_graph(sort):
+    """x[perm // K] (perm: the sort's order), or a cast or view of it, is an output of the graph."""
+    frontier = [user for order in sort.users for div in order.users
+                for user in div.users if is_call(user, aten.index.Tensor)]
+    seen = set()
+    while frontier:
+        node = frontier.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.op == "output":
+                return True
+            if is_cast(user) or is_call(user, *MOVES):
+                frontier.append(user)
+    return False
 
 
 def _not_a_known_block():

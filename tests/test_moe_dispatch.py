@@ -387,3 +387,21 @@ def test_deepseek_v4_experts_block_trains_through_permute_and_unpermute():
     assert fused_calls(backend.graphs["forward"]) == {"npu.npu_moe_token_permute": 1, "npu.npu_moe_token_unpermute": 1}
     assert fused_calls(backend.graphs["backward"]) == {"npu.npu_moe_token_permute_grad_v2": 1,
                                                       "npu.npu_moe_token_unpermute_grad_v2": 1}
+
+
+class SortedRowsLeaveTheGraph(torch.nn.Module):
+    """torchtitan's dispatch up to the gather, where its for-loop experts break the graph
+    (counts.tolist()): the sorted rows and their order are this graph's outputs."""
+
+    def forward(self, x, expert_ids):
+        order = torch.argsort(expert_ids.view(-1), stable=True)
+        return x[order // expert_ids.shape[1]], order
+
+
+def test_a_dispatch_whose_rows_leave_the_graph_names_the_break():
+    x, expert_ids = torch.randn(6, 8), torch.randint(0, 4, (6, 2))
+    out, ref, report = compile_and_run(SortedRowsLeaveTheGraph(), x, expert_ids,
+                                       config=nff.FusionConfig(enable={"moe_dispatch"}))
+    (reason,) = near_miss_reasons(report, "moe_dispatch")
+    assert "the gathered rows leave this graph" in reason and "a graph break after the gather" in reason, reason
+    torch.testing.assert_close(out, ref)
