@@ -514,7 +514,7 @@ def _probe_size(size):
     cheap at serving sizes), a static one as it is."""
     if not isinstance(size, torch.SymInt):
         return int(size)
-    expr, hints = size.node.expr, size.node.shape_env.var_to_val
+    expr, hints = size.node.expr, size.node.shape_env.backed_var_to_val
     return int(expr.xreplace({s: min(int(hints[s]), PROBE_TOKENS) for s in expr.free_symbols}))
 
 
