@@ -329,3 +329,57 @@ def test_an_fp32_norm_has_nothing_to_widen():
     (out, logits), (out_ref, logits_ref), report = compile_and_run(module, x, x.flip(0))
     assert report.fused_ops == {"npu.npu_add_rms_norm": 1}
     assert_close_at_scale(logits, logits_ref, 2 * ULPS[torch.float32])
+
+
+# ---- an add and its norm split by a graph break (graph_breaks.py) ---------------------------
+class BreakingBlocks(torch.nn.Module):
+    """Decoder blocks with a graph break after the second norm (an MoE's .tolist() or a
+    data-dependent op does this): each block's last residual add ends a compiled graph and the
+    next block's first norm (or the final norm) starts another."""
+
+    def __init__(self, dim=64, blocks=2):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(HFLlama(dim, 1e-5) for _ in range(2 * blocks + 1))
+        self.branches = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2 * blocks))
+
+    def block(self, h, i):
+        h = h + self.branches[2 * i](self.norms[2 * i](h))
+        normed = self.norms[2 * i + 1](h)  # its add is in this graph: add_rms_norm fuses it
+        torch._dynamo.graph_break()
+        return h + self.branches[2 * i + 1](normed)
+
+    def forward(self, h):
+        for i in range(len(self.branches) // 2):
+            h = self.block(h, i)
+        return self.norms[-1](h)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_an_add_and_its_norm_in_two_graphs_are_a_near_miss_seen_at_run_time(grad):
+    module = BreakingBlocks()
+    backend = nff.get_npu_backend(fusion_config=nff.FusionConfig(enable={"rms_norm", "add_rms_norm"}))
+    x = _inputs(torch.float32).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(module, backend=backend)(x)
+        torch.testing.assert_close(out, module(x))
+    report = nff.last_report()
+    assert report.executed_counts["add_rms_norm"] == 2  # each block's add before its second norm
+    misses = [m for m in report.near_misses if m.pass_name == "add_rms_norm"]
+    # block 1's first norm reads block 0's last add; the final norm reads block 1's. Block 0's
+    # first norm reads the model's input: no add there, no near miss
+    assert sorted(m.observed for m in misses) == [1, 1], misses
+    assert all("return h + self.branches[2 * i + 1](normed) ends one compiled graph" in m.reason
+               and "a graph break between them" in m.reason for m in misses), misses
+
+
+def test_the_run_time_watch_forgets_the_tensors_that_are_gone():
+    from npu_fx_fusion import graph_breaks
+
+    module = BreakingBlocks(blocks=1)
+    compiled = torch.compile(module, backend=nff.get_npu_backend(fusion_config=nff.FusionConfig(
+        enable={"rms_norm", "add_rms_norm"})))
+    with torch.no_grad():
+        for _ in range(300):
+            compiled(_inputs(torch.float32))
+    assert len(graph_breaks._ADD_AT) <= 2 * len(graph_breaks._RETURNED) + 64
+    assert [m.observed for m in nff.last_report().near_misses if m.pass_name == "add_rms_norm"] == [300]

@@ -388,7 +388,9 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
         copies = (repeats or {}).get(index, 1)
         for pass_result in graph.passes:
             items += [(0, "fused", s.pass_name, s.form, s.location, copies) for s in pass_result.sites]
-            items += [(1, "near", m.pass_name, m.reason, m.location, copies) for m in pass_result.near_misses]
+            # a near miss seen at run time (an add and a norm in two graphs) counts as often as seen
+            items += [(1, "near", m.pass_name, m.reason, m.location, m.observed or copies)
+                      for m in pass_result.near_misses]
     items.sort(key=lambda item: item[0])  # fused sites claim theirs before near misses
     for _, kind, pass_name, what, location, copies in items:
         for _copy in range(copies):
@@ -484,7 +486,8 @@ class Measurement:
     note: str = ""  # why it did not run, pass errors, flags
     crash_with_dispatch: Optional[str] = None  # training: the NPU-dispatch step's error, if any
     sites: list = dataclasses.field(default_factory=list)  # the census
-    items: list = dataclasses.field(default_factory=list)  # the report's: (graph, kind, pass, what, location)
+    # the report's: (graph, kind, pass, what, location, observed: NearMiss.observed or None)
+    items: list = dataclasses.field(default_factory=list)
     repeats: dict = dataclasses.field(default_factory=dict)  # {report graph: runs}
     eager_code: tuple = ()  # the report's dynamo_gaps.eager_code: functions dynamo ran in eager
 
@@ -590,11 +593,11 @@ def measure(library: str, name: str, mode: str, *, npu_dispatch: bool = True, dt
     result.attribution = attribute(sites, report, backend.repeats(), training=mode == "training")
     result.sites, result.repeats = sites, backend.repeats()
     result.eager_code = report.dynamo_gaps.eager_code
-    result.items = [(index, kind, pass_name, what, (loc.file, loc.line, loc.code, loc.module))
+    result.items = [(index, kind, pass_name, what, (loc.file, loc.line, loc.code, loc.module), observed)
                     for index, graph in enumerate(report.graphs) for pass_result in graph.passes
-                    for kind, pass_name, what, loc in
-                    [("fused", s.pass_name, s.form, s.location) for s in pass_result.sites]
-                    + [("near", m.pass_name, m.reason, m.location) for m in pass_result.near_misses]]
+                    for kind, pass_name, what, loc, observed in
+                    [("fused", s.pass_name, s.form, s.location, None) for s in pass_result.sites]
+                    + [("near", m.pass_name, m.reason, m.location, m.observed) for m in pass_result.near_misses]]
     if report.errors:
         result.note += f"pass errors: {report.errors}; "
     if result.error is not None and result.error > FLAG[mode]:
@@ -632,12 +635,12 @@ def reattribute(record: dict) -> dict:
     sites = [Site(s["category"], s["module"], s["source"], s["count"], tuple(s["span"]), tuple(s.get("children", ())))
              for s in record["census"]]
     graphs = {}
-    for index, kind, pass_name, what, (file, line, code, module) in record["items"]:
+    for index, kind, pass_name, what, (file, line, code, module), *observed in record["items"]:
         graph = graphs.setdefault(index, GraphReport(name="inference", nodes_before=0))
         result = PassResult(pass_name)
         location = SourceLocation(file, line, code, module)
         (result.sites.append(FusedSite(pass_name, what, "", location)) if kind == "fused"
-         else result.near_misses.append(NearMiss(pass_name, what, location)))
+         else result.near_misses.append(NearMiss(pass_name, what, location, *observed[:1])))
         graph.passes.append(result)
     count = max(graphs, default=-1) + 1
     gaps = DynamoGaps((), (), tuple(tuple(c) for c in record.get("eager_code", ())))

@@ -34,6 +34,7 @@ from .cleanup import (LAYOUT_CHANGED, copies_for_contiguous_inputs, drop_lossles
 from .config import FusionConfig
 from .dumps import Dumper
 from .forms import FinishOptions
+from .graph_breaks import normed_inputs
 from .nodes import op_name
 from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
@@ -222,6 +223,7 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
     graph_report.ops_after = op_counts(gm.graph)
     graph_report.cost_after = GraphCost.of(gm.graph, measured.sizes)
     graph_report.roofline_after = cost_model.estimates(gm.graph, graph_report.mode, measured.works)
+    graph_report.normed_inputs = normed_inputs(gm)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
     # With TORCH_TRACE set, the graph's report goes into torch's structured trace (tlparse

@@ -175,6 +175,9 @@ class NearMiss(NamedTuple):
     pass_name: str
     reason: str
     location: SourceLocation
+    # how often it was seen at run time (graph_breaks: an add and a norm in two graphs); None:
+    # found in the graph, once per run of it
+    observed: Optional[int] = None
 
 
 @dataclass
@@ -194,7 +197,9 @@ class PassResult:
             "sites": [dict(asdict(s), location=str(s.location), replaced=list(s.replaced), consumed=list(s.consumed),
                            emitted=list(s.emitted), npu_limits=list(s.npu_limits))
                       for s in self.sites],
-            "near_misses": [{"reason": m.reason, "location": str(m.location)} for m in self.near_misses],
+            "near_misses": [{"reason": m.reason, "location": str(m.location),
+                             **({"observed": m.observed} if m.observed is not None else {})}
+                            for m in self.near_misses],
             "error": self.error,
             "skipped": self.skipped,
             "seconds": round(self.seconds, 6),
@@ -342,6 +347,9 @@ class GraphReport:
     # {SoC: cost_model.Estimate}: the roofline estimate of the graph before and after
     roofline_before: dict = field(default_factory=dict)
     roofline_after: dict = field(default_factory=dict)
+    # {placeholder position: location} of the inputs a fused npu_rms_norm reads
+    # (graph_breaks.normed_inputs: where a residual add of another graph may feed it)
+    normed_inputs: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -717,7 +725,9 @@ class FusionReport:
                           + (f" ({s.note})" if s.note else "")
                           + (f" [{s.verified}]" if s.verified else "") for s in r.sites]
                 lines += [f"  - then: {note}" for note in r.finished]
-                lines += [f"  - near miss: {m.reason} at {m.location}" for m in r.near_misses]
+                lines += [f"  - near miss: {m.reason} at {m.location}"
+                          + (f" (seen {_times(m.observed)} so far)" if m.observed is not None else "")
+                          for m in r.near_misses]
             if found_nothing:
                 lines.append(f"- no candidate for: {', '.join(found_nothing)}")
             if skipped:
