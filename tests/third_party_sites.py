@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import os
 import sys
 import types
 from typing import Any, Callable, Optional
@@ -67,6 +68,7 @@ class Site:
     count: int = 1
     span: tuple = ()  # (absolute file, first line, last line) of the class or function
     children: tuple = ()  # the module's sub-module paths, relative to it ("router", "experts")
+    caller: tuple = ()  # the span of the module whose forward calls it (() for the root's own)
 
     def holds(self, file: str, line: int) -> bool:
         return bool(self.span) and file == self.span[0] and self.span[1] <= line <= self.span[2]
@@ -269,13 +271,14 @@ def census(model: nn.Module, inputs: tuple, library: str) -> list[Site]:
     def pre_hook(module, args):
         if not any(m is module for m, _ in stack) and _in(module):
             path = path_of(module)
+            caller = _span(stack[-1][0]) if stack else ()
             stack.append((module, path))
             for category, count in rules[_qualname(module)](module, path).items():
                 children = tuple(name for name, _ in module.named_modules() if name)
-                sites.append(Site(category, path, _source(module), count, _span(module), children))
+                sites.append(Site(category, path, _source(module), count, _span(module), children, caller))
                 if category in _NORMS and args and getattr(args[0], "grad_fn", None) is not None \
                         and type(args[0].grad_fn).__name__ == "AddBackward0":
-                    sites.append(Site("add_rms_norm", path, _source(module), 1, _span(module)))
+                    sites.append(Site("add_rms_norm", path, _source(module), 1, _span(module), (), caller))
 
     def post_hook(module, args, output):
         if stack and stack[-1][0] is module:
@@ -418,6 +421,11 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
     gaps = getattr(report, "dynamo_gaps", None)
     for site in free:
         why = gaps.eager_reason(*site.span) if gaps is not None and site.span else None
+        if not why and gaps is not None and site.caller and _torch_nn(site.span):
+            # dynamo compiles no frame of torch.nn's own modules: called from a forward that ran
+            # in eager, one runs in eager too
+            caller = gaps.eager_reason(*site.caller)
+            why = f"a torch.nn module called from code that ran in eager: {caller}" if caller else None
         if why:
             result.eager.append((site, why))
         else:
@@ -621,8 +629,8 @@ def to_json(m: Measurement) -> dict:
               "seconds": round(m.seconds, 1), "note": m.note, "crash_with_dispatch": m.crash_with_dispatch}
     if a is not None:
         record.update(_attributed(a), eager_code=[list(c) for c in m.eager_code],
-                      census=[dataclasses.asdict(s) | {"span": list(s.span), "children": list(s.children)}
-                              for s in m.sites],
+                      census=[dataclasses.asdict(s) | {"span": list(s.span), "children": list(s.children),
+                                                       "caller": list(s.caller)} for s in m.sites],
                       items=[list(i) for i in m.items], repeats={str(k): v for k, v in m.repeats.items()})
     return record
 
@@ -632,7 +640,8 @@ def reattribute(record: dict) -> dict:
     does now: the same numbers without compiling again."""
     from npu_fx_fusion.report import DynamoGaps, FusedSite, GraphReport, NearMiss, PassResult, SourceLocation
 
-    sites = [Site(s["category"], s["module"], s["source"], s["count"], tuple(s["span"]), tuple(s.get("children", ())))
+    sites = [Site(s["category"], s["module"], s["source"], s["count"], tuple(s["span"]), tuple(s.get("children", ())),
+                  tuple(s.get("caller", ())))
              for s in record["census"]]
     graphs = {}
     for index, kind, pass_name, what, (file, line, code, module), *observed in record["items"]:
@@ -648,6 +657,10 @@ def reattribute(record: dict) -> dict:
                                            for i in range(count)], dynamo_gaps=gaps)
     a = attribute(sites, report, {int(k): v for k, v in record["repeats"].items()}, record["mode"] == "training")
     return dict(record, **_attributed(a))
+
+
+def _torch_nn(span: tuple) -> bool:
+    return bool(span) and f"{os.sep}torch{os.sep}nn{os.sep}" in span[0]
 
 
 def _attributed(a: Attribution) -> dict:
