@@ -445,6 +445,11 @@ def _loop_site(weight, joint):
         return Recognized(name, first, ordered, reason=(
             f"{experts} experts of a {shape} weight run one by one in training: their backward (a GEMM per expert "
             "for each gradient) is not rewritten; the forward graph, after partitioning, is where they can fuse"))
+    rows = tensor_meta(ordered[0].args[0])
+    if rows is None or rows.dim() != 2:
+        return Recognized(name, first, ordered, reason=(
+            f"the experts of a {shape} weight multiply {rows.dim() if rows is not None else 'unknown'}-d rows: "
+            "npu_grouped_matmul's x is 2-d (tokens, hidden)"))
     chains = [_expert_weight(m.args[1])[2] for m in ordered]
     if any(len(c) != len(chains[0]) or any(a.target is not b.target for a, b in zip(c[1:], chains[0][1:]))
            for c in chains):

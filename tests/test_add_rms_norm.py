@@ -341,9 +341,13 @@ class BreakingBlocks(torch.nn.Module):
         super().__init__()
         self.norms = torch.nn.ModuleList(HFLlama(dim, 1e-5) for _ in range(2 * blocks + 1))
         self.branches = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(2 * blocks))
+        # two projections of one input (as q / k / v): in inference merged_projections merges
+        # them into a buffer the graph holds, which aot_autograd lifts before the graph's inputs
+        self.gates = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(blocks))
 
     def block(self, h, i):
-        h = h + self.branches[2 * i](self.norms[2 * i](h))
+        normed = self.norms[2 * i](h)
+        h = h + self.branches[2 * i](normed) * torch.sigmoid(self.gates[i](normed))
         normed = self.norms[2 * i + 1](h)  # its add is in this graph: add_rms_norm fuses it
         torch._dynamo.graph_break()
         return h + self.branches[2 * i + 1](normed)
@@ -357,13 +361,15 @@ class BreakingBlocks(torch.nn.Module):
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_an_add_and_its_norm_in_two_graphs_are_a_near_miss_seen_at_run_time(grad):
     module = BreakingBlocks()
-    backend = nff.get_npu_backend(fusion_config=nff.FusionConfig(enable={"rms_norm", "add_rms_norm"}))
+    backend = nff.get_npu_backend(fusion_config=nff.FusionConfig(enable={"rms_norm", "add_rms_norm",
+                                                                         "merged_projections"}))
     x = _inputs(torch.float32).requires_grad_(grad)
     with torch.set_grad_enabled(grad):
         out = torch.compile(module, backend=backend)(x)
         torch.testing.assert_close(out, module(x))
     report = nff.last_report()
     assert report.executed_counts["add_rms_norm"] == 2  # each block's add before its second norm
+    assert report.counts.get("merged_projections", 0) == (0 if grad else 2)  # one per block
     misses = [m for m in report.near_misses if m.pass_name == "add_rms_norm"]
     # block 1's first norm reads block 0's last add; the final norm reads block 1's. Block 0's
     # first norm reads the model's input: no add there, no near miss
@@ -381,5 +387,5 @@ def test_the_run_time_watch_forgets_the_tensors_that_are_gone():
     with torch.no_grad():
         for _ in range(300):
             compiled(_inputs(torch.float32))
-    assert len(graph_breaks._ADD_AT) <= 2 * len(graph_breaks._RETURNED) + 64
+    assert len(graph_breaks._ADD_AT) < 150  # one per run if the locations of tensors gone were kept
     assert [m.observed for m in nff.last_report().near_misses if m.pass_name == "add_rms_norm"] == [300]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from .config import FusionConfig, check_environment
-from .graph_breaks import residual_outputs, watching
+from .graph_breaks import lifted, residual_outputs, watching
 from .lifted_floats import specialize_module_floats
 from .report import FusionReport, GraphReport, dynamo_counts
 
@@ -269,7 +269,7 @@ class EmulationBackend:
             npu_dispatch.apply_transformers_npu_branches(gm)
             trace_scope.enter_context(npu_dispatch.emulated(config.soc))
             trace_scope.enter_context(sharding_rules())  # a tensor-parallel model's DTensors reach torch_npu's ops
-        residuals = residual_outputs(gm)
+        residuals, lifted_inputs = residual_outputs(gm), lifted(gm)
         first = len(self.report.graphs)
         with trace_scope:
             compiled = aot_module_simplified(
@@ -283,7 +283,7 @@ class EmulationBackend:
                 decompositions={},
                 keep_inference_input_mutations=True,
             )
-        return checked(watching(compiled, residuals, self.report.graphs[first:]))
+        return checked(watching(compiled, residuals, self.report.graphs[first:], lifted_inputs))
 
     def _partition(self, joint_gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         """Fuse the joint graph, then split it as torchair does (default_partition: its
@@ -400,9 +400,10 @@ class TorchairTrainingBackend:
             chained = chained.chained  # a nested compile: do not stack our pass twice
         graphs = self.pipeline.report.graphs
         first = len(graphs)
-        residuals = residual_outputs(gm)
+        residuals, lifted_inputs = residual_outputs(gm), lifted(gm)
         with functorch_config.patch(joint_custom_pass=self._JointPass(self, chained)), self._partitioning():
-            compiled = checked(watching(self.torchair_backend(gm, example_inputs, **kwargs), residuals, graphs[first:]))
+            compiled = checked(watching(self.torchair_backend(gm, example_inputs, **kwargs), residuals, graphs[first:],
+                                        lifted_inputs))
         # the graphs fused while torchair compiled this one: they run when it runs (a
         # backward torchair compiles later, at its first run, is not counted)
         return counting_runs(compiled, graphs[first:])

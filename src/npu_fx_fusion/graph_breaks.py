@@ -80,14 +80,24 @@ def normed_inputs(gm: torch.fx.GraphModule) -> dict[int, SourceLocation]:
     return found
 
 
-def watching(compiled: Callable, residuals: dict[int, SourceLocation], graphs: Sequence[GraphReport]) -> Callable:
-    """`compiled` (called with the graph's flat inputs, returning its outputs), noting the
-    tensors its residual outputs return and the inputs its fused norms read that an earlier
-    graph's residual add returned (a near miss in `graphs`' add_rms_norm result)."""
+def lifted(gm: torch.fx.GraphModule) -> int:
+    """How many inputs aot_autograd puts before the dynamo graph's own: the parameters and
+    buffers `gm` holds as attributes (aot_module_simplified lifts them first)."""
+    return (len(dict(gm.named_parameters(remove_duplicate=False)))
+            + len(dict(gm.named_buffers(remove_duplicate=False))))
+
+
+def watching(compiled: Callable, residuals: dict[int, SourceLocation], graphs: Sequence[GraphReport],
+             lifted_inputs: int = 0) -> Callable:
+    """`compiled` (called with the dynamo graph's flat inputs, returning its outputs), noting
+    the tensors its residual outputs return and the inputs its fused norms read that an
+    earlier graph's residual add returned (a near miss in `graphs`' add_rms_norm result).
+    `lifted_inputs`: the aot graphs' placeholders before the dynamo graph's inputs."""
     norms = {}
     for graph in graphs:
         if graph.name in ("inference", "forward"):
-            norms.update(getattr(graph, "normed_inputs", {}))
+            norms.update({position - lifted_inputs: at for position, at in graph.normed_inputs.items()
+                          if position >= lifted_inputs})
     # where add_rms_norm ran on this compile's graphs (in training: the joint graph)
     results = [r for g in graphs for r in g.passes if r.pass_name == PASS and r.skipped is None]
     if not residuals and not (norms and results):
