@@ -206,7 +206,7 @@ def test_a_site_in_code_dynamo_ran_in_eager_is_not_silent_and_says_why():
     assert a.totals() == (2, 0, 0, 1)
 
 
-def test_a_torch_nn_module_called_from_code_dynamo_ran_in_eager_is_in_eager_too():
+def test_a_torch_nn_module_or_an_add_of_code_dynamo_ran_in_eager_is_in_eager_too():
     """DeepSeek-V3's final torch.nn.RMSNorm, called from the model's forward that a graph break
     in its layer loop made dynamo skip: dynamo compiles no frame of torch.nn's own."""
     from npu_fx_fusion.report import DynamoGaps
@@ -214,14 +214,18 @@ def test_a_torch_nn_module_called_from_code_dynamo_ran_in_eager_is_in_eager_too(
     torch_nn = (os.path.join(os.sep, "site-packages", "torch", "nn", "modules", "normalization.py"), 300, 430)
     caller = ("model.py", 1, 20)  # the root's class, whose forward (line 8) dynamo skipped
     sites = [Site("rms_norm", "norm", "normalization.py:423", 1, torch_nn, (), caller),
-             Site("rms_norm", "layers.0.norm", "model.py:40", 1, ("model.py", 30, 50), (), caller)]
+             Site("rms_norm", "layers.0.norm", "model.py:40", 1, ("model.py", 30, 50), (), caller),
+             # the model's own norm after an add the skipped forward computes (DeepSeek-V3.2's
+             # final `h = h + residual; h = self.norm(h)`): the add ran in eager
+             Site("add_rms_norm", "final_norm", "model.py:40", 1, ("model.py", 30, 50), (), caller)]
     report = _report([[]])
     report.dynamo_gaps = DynamoGaps(("Data dependent operator",), ("forward (model.py:8)",),
                                     (("forward", "model.py", 8, "Data dependent operator"),))
     a = attribute(sites, report)
+    skipped = "forward (model.py:8) ran wholly in eager: Data dependent operator"
     assert [(s.module, why) for s, why in a.eager] == [
-        ("norm", "a torch.nn module called from code that ran in eager: forward (model.py:8) ran wholly in eager: "
-                 "Data dependent operator")]
+        ("norm", f"a torch.nn module called from code that ran in eager: {skipped}"),
+        ("final_norm", f"the add is the calling code's, which ran in eager: {skipped}")]
     # the model's own module: dynamo compiles its frame by itself, so a miss there is silent
     assert [s.module for s in a.silent] == ["layers.0.norm"]
 

@@ -376,7 +376,7 @@ def _match(location: Any, site: Site) -> int:
 
 
 def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
-              training: bool = False) -> Attribution:
+              training: bool = False, observed: Optional[dict] = None) -> Attribution:
     """Match `report`'s fused sites, then its near misses, to `sites`; each item once per
     run of its graph (`repeats`: {report graph index: runs}; a graph dynamo reused for
     several layers after a graph break is one report for all of them). A site takes the
@@ -392,7 +392,9 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
         for pass_result in graph.passes:
             items += [(0, "fused", s.pass_name, s.form, s.location, copies) for s in pass_result.sites]
             # a near miss seen at run time (an add and a norm in two graphs) counts as often as seen
-            items += [(1, "near", m.pass_name, m.reason, m.location, m.observed or copies)
+            # in the counted call (`observed`: CountingBackend.observed; else all the runs so far)
+            items += [(1, "near", m.pass_name, m.reason, m.location,
+                       (observed or {}).get((m.pass_name, m.reason, m.location), m.observed) or copies)
                       for m in pass_result.near_misses]
     items.sort(key=lambda item: item[0])  # fused sites claim theirs before near misses
     for _, kind, pass_name, what, location, copies in items:
@@ -421,11 +423,14 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
     gaps = getattr(report, "dynamo_gaps", None)
     for site in free:
         why = gaps.eager_reason(*site.span) if gaps is not None and site.span else None
-        if not why and gaps is not None and site.caller and _torch_nn(site.span):
+        if not why and gaps is not None and site.caller:
             # dynamo compiles no frame of torch.nn's own modules: called from a forward that ran
-            # in eager, one runs in eager too
+            # in eager, one runs in eager too; and a residual add is computed by the calling code
             caller = gaps.eager_reason(*site.caller)
-            why = f"a torch.nn module called from code that ran in eager: {caller}" if caller else None
+            if caller and site.category == "add_rms_norm":
+                why = f"the add is the calling code's, which ran in eager: {caller}"
+            elif caller and _torch_nn(site.span):
+                why = f"a torch.nn module called from code that ran in eager: {caller}"
         if why:
             result.eager.append((site, why))
         else:
@@ -455,7 +460,20 @@ class CountingBackend:
         self.inner = EmulationBackend(config)
         self.calls: list[int] = []  # per dynamo graph, calls while `counting`
         self.graph_of_report: list[int] = []  # report graph index -> dynamo graph index
-        self.counting = True
+        # near misses seen at run time (NearMiss.observed): how often during the counted call
+        self.observed: Optional[dict] = None
+        self._counting = True
+
+    @property
+    def counting(self) -> bool:
+        return self._counting
+
+    @counting.setter
+    def counting(self, on: bool) -> None:
+        if self._counting and not on:
+            self.observed = {(m.pass_name, m.reason, m.location): m.observed for m in self.report.near_misses
+                             if m.observed is not None}
+        self._counting = on
 
     @property
     def report(self):
@@ -598,14 +616,19 @@ def measure(library: str, name: str, mode: str, *, npu_dispatch: bool = True, dt
     report = backend.report
     result.graphs = len(backend.calls)
     result.reused = sum(max(0, c - 1) for c in backend.calls)
-    result.attribution = attribute(sites, report, backend.repeats(), training=mode == "training")
+    if backend.counting:
+        backend.counting = False
+    result.attribution = attribute(sites, report, backend.repeats(), training=mode == "training",
+                                   observed=backend.observed)
     result.sites, result.repeats = sites, backend.repeats()
     result.eager_code = report.dynamo_gaps.eager_code
     result.items = [(index, kind, pass_name, what, (loc.file, loc.line, loc.code, loc.module), observed)
                     for index, graph in enumerate(report.graphs) for pass_result in graph.passes
                     for kind, pass_name, what, loc, observed in
                     [("fused", s.pass_name, s.form, s.location, None) for s in pass_result.sites]
-                    + [("near", m.pass_name, m.reason, m.location, m.observed) for m in pass_result.near_misses]]
+                    + [("near", m.pass_name, m.reason, m.location,
+                        (backend.observed or {}).get((m.pass_name, m.reason, m.location), m.observed))
+                       for m in pass_result.near_misses]]
     if report.errors:
         result.note += f"pass errors: {report.errors}; "
     if result.error is not None and result.error > FLAG[mode]:
