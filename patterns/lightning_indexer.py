@@ -46,7 +46,7 @@ import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import Form, FusionPass, first_refused_use, is_call, tensor_meta
+from npu_fx_fusion.matching import MOVES, Form, FusionPass, first_refused_use, is_call, tensor_meta
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
@@ -199,11 +199,12 @@ def anchor(node):
 
 def _nearest_input_call(start, target, limit):
     """The first call of `target` met walking up from `start` breadth-first, within `limit`
-    nodes visited, or None."""
+    nodes visited that are not moves (views, permutes: a graph with symbolic sizes re-views a
+    value several times where a static one does not), or None."""
     frontier, seen = [start], 0
     while frontier and seen < limit:
         current = frontier.pop(0)
-        seen += 1
+        seen += not is_call(current, *MOVES)
         if is_call(current, target):
             return current
         if isinstance(current, torch.fx.Node):

@@ -474,3 +474,39 @@ def test_tiny_dsa_models_fuse_the_indexer_and_match_eager(model_type):
     out, ref, report = compile_and_run(tiny.model, *tiny.example_inputs)
     assert report.counts["lightning_indexer"] == 2 and report.counts["sparse_attention"] == 2
     assert (out - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+class CompressedIndexerScores(torch.nn.Module):
+    """torchtitan-npu DeepSeek-V4's LiCompute (deepseek_v4/model/model.py:520-545): relu'd
+    scores of q against compressed keys, weighted over the heads, the blocks past each query
+    masked additively, a top-k; not one of the indexer forms."""
+
+    def __init__(self, reviews=0):
+        super().__init__()
+        self.reviews = reviews
+
+    def forward(self, q, k, weights):
+        seqlen = q.shape[1]
+        score = torch.einsum("bshd,btd->bsht", q, k).relu_()
+        for _ in range(self.reviews):  # moves only, as a graph with symbolic sizes re-views the scores
+            score = score.unsqueeze(-1).transpose(-1, -2).squeeze(-2)
+        score = (score * weights.unsqueeze(-1)).sum(dim=2)
+        base = torch.arange(seqlen).unsqueeze(1)
+        mask = torch.arange(seqlen // 4).unsqueeze(0) >= (base + 1) // 4
+        score += torch.where(mask, torch.finfo(q.dtype).min, 0)
+        return score.topk(min(3, seqlen // 4), dim=-1)[1]
+
+
+@pytest.mark.parametrize("dynamic, reviews", [(False, 0), (True, 0), (False, 20), (True, 20)])
+def test_an_indexer_of_another_form_is_a_near_miss_however_often_its_scores_are_re_viewed(dynamic, reviews):
+    """With symbolic sizes the graph re-views the scores several times between the relu and the
+    top-k (V4's LiCompute in bf16 with dynamic=True was silent): the walk from the top-k up to
+    the relu does not count moves."""
+    torch.manual_seed(0)
+    q, k, weights = torch.randn(2, 16, 4, 8), torch.randn(2, 4, 8), torch.rand(2, 16, 4)
+    out, ref, report = compile_and_run(CompressedIndexerScores(reviews), q, k, weights,
+                                       config=nff.FusionConfig(enable={"lightning_indexer"}), dynamic=dynamic)
+    assert report.counts["lightning_indexer"] == 0
+    (miss,) = near_miss_reasons(report, "lightning_indexer")
+    assert "matches none of the indexer forms" in miss, miss
+    torch.testing.assert_close(out, ref)

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2f2e28a9bda45e61',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'cd8cdba053b1b1ea',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
