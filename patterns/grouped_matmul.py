@@ -340,7 +340,8 @@ class _Rolled:
             return ("shared", first)
         if all(is_call(n, operator.getitem) for n in nodes):
             return self._chunks(nodes)
-        if all(is_call(n, aten.slice.Tensor) for n in nodes):
+        sliced = [n for n in nodes if is_call(n, aten.slice.Tensor)]
+        if sliced and all(n in sliced or n is sliced[0].args[0] for n in nodes):
             return self._slices(nodes)
         if not all(isinstance(n, Node) and n.op == "call_function" and n.target is first.target for n in nodes):
             raise _NotRolled(f"the experts' {first.name} are not one op on each expert's rows")
@@ -383,19 +384,26 @@ class _Rolled:
     def _slices(self, nodes):
         """Consecutive row slices: how canonical.py leaves a split of static sizes, or rows
         sliced by a running offset (`x[start:start + n]`)."""
-        source = nodes[0].args[0]
+        source = next(n.args[0] for n in nodes if is_call(n, aten.slice.Tensor))
         meta = tensor_meta(source)
-        if (meta is None or meta.dim() != 2 or any(n.args[0] is not source or n.args[1] not in (0, -2)
-                                                   or len(n.args) != 4 or n.kwargs for n in nodes)):
+        if (meta is None or meta.dim() != 2 or any(n is not source and (n.args[0] is not source or n.args[1] not in
+                                                                          (0, -2) or len(n.args) != 4 or n.kwargs)
+                                                   for n in nodes)):
             raise _NotRolled("the experts' rows are not slices of one 2-d (tokens, hidden) tensor")
-        starts, ends = [_value(n.args[2]) for n in nodes], [_value(n.args[3]) for n in nodes]
+        # a chunk of all the rows is the tensor itself (aot drops a slice that takes them all:
+        # every token routed to one expert); its end, the row count, is static there
+        if source in nodes and not isinstance(meta.shape[0], int):
+            raise _NotRolled("a chunk of all the rows, of a symbolic count")
+        items = [meta.shape[0] if n is source else n.args[3] for n in nodes]
+        starts = [0 if n is source else _value(n.args[2]) for n in nodes]
+        ends = [_value(item) for item in items]
         # in order, each at least empty, and within the rows (no slice clamped): rows past the
         # last one (a static count on a symbolic token count) are left out of the grouped GEMM
         if not (known_equal(starts[0], 0) and all(known_equal(a, b) for a, b in zip(starts[1:], ends))
                 and all(statically_known_true(b >= a) for a, b in zip(starts, ends))
                 and statically_known_true(ends[-1] <= meta.shape[0])):
             raise _NotRolled("the experts' row slices do not cover the rows in order")
-        return self._leaf(source, ("ends", [n.args[3] for n in nodes]), ends)
+        return self._leaf(source, ("ends", items), ends)
 
     def _leaf(self, source, bounds, ends):
         """`bounds`: ("sizes" or "ends", the split's items, ints or symbolic-size nodes)."""

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd0bc7af8f4d85f6d',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ad51cd31a4167155',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {
