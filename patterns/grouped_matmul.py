@@ -321,13 +321,12 @@ class _Rolled:
 
     `template` reads as: ("chunks", x) for the chunks of x's rows; ("shared", node) for a
     value every expert reads whole (no row dim); ("constant", value); ("op", node, [templates
-    of its args]) for one pointwise op or cast applied to each expert's values alike (`node`:
-    expert 0's; `ops` holds each such op's E nodes)."""
+    of its args], [its E nodes]) for one pointwise op or cast applied to each expert's values
+    alike (`node`: expert 0's; `ops` maps it to that template)."""
 
     def __init__(self, operands):
         self.bounds = self.ends = None
-        self.leaves, self.shared, self.ops = [], [], []
-        self.op_templates = {}
+        self.leaves, self.shared, self.ops = [], [], {}
         self.template = self._roll(list(operands))
 
     def _roll(self, nodes):
@@ -360,9 +359,8 @@ class _Rolled:
                 args.append(("constant", arg))
         if any(hashable(n.kwargs) != hashable(first.kwargs) for n in nodes):
             raise _NotRolled(f"the experts' {first.name} differ in their keyword arguments")
-        self.ops.append(list(nodes))
-        self.op_templates[first] = ("op", first, args)
-        return self.op_templates[first]
+        self.ops[first] = ("op", first, args, list(nodes))
+        return self.ops[first]
 
     def _chunks(self, nodes):
         split = nodes[0].args[0]
@@ -428,7 +426,7 @@ class _Rolled:
             if template[1] not in memo:
                 memo[template[1]] = template[1].target(*[run(a) for a in template[2]], **template[1].kwargs)
             return memo[template[1]]
-        return run(self.template if node is None else self.op_templates[node])
+        return run(self.template if node is None else self.ops[node])
 
 
 def _value(size):
@@ -470,14 +468,14 @@ def _loop_site(weight, joint):
         return Recognized(name, first, ordered, reason=(
             f"{experts} experts of a {shape} weight run one by one, a matmul per expert on its rows, but {why}: "
             "npu_grouped_matmul takes the experts as one grouped GEMM over one tensor's rows"))
-    return _rolled_site(name, weight, ordered, chains[0], rolled)
+    return _rolled_site(name, weight, ordered, chains, rolled)
 
 
-def _rolled_site(name, weight, matmuls, chain, rolled):
+def _rolled_site(name, weight, matmuls, chains, rolled):
     cat = _concatenation(matmuls)
-    region = set(matmuls) | {n for c in (_expert_weight(m.args[1])[2] for m in matmuls) for n in c}
-    region |= {n for nodes in rolled.ops for n in nodes}
-    escaping = [nodes for nodes in rolled.ops if any(u not in region for n in nodes for u in n.users)]
+    region = set(matmuls) | {n for chain in chains for n in chain}
+    region |= {n for *_, nodes in rolled.ops.values() for n in nodes}
+    escaping = [nodes for *_, nodes in rolled.ops.values() if any(u not in region for n in nodes for u in n.users)]
     outputs = ([cat] if cat is not None else list(matmuls)) + [n for nodes in escaping for n in nodes]
     if cat is not None:
         region.add(cat)
@@ -486,7 +484,7 @@ def _rolled_site(name, weight, matmuls, chain, rolled):
     args["w"] = weight
     kind, items = rolled.bounds
     args.update({f"b{i}": item for i, item in enumerate(items) if isinstance(item, Node)})
-    replay = _weight_replayed(chain)
+    replay = _weight_replayed(chains[0])
     escaping_firsts = [nodes[0] for nodes in escaping]
     short = [leaf for leaf in dict.fromkeys(rolled.leaves) if not known_equal(rolled.ends[-1], tensor_meta(leaf).shape[0])]
 
@@ -527,20 +525,15 @@ def recognize(graph, joint):
     """Each stacked expert weight whose experts run one by one (a generator: a weight's site is
     found after the ones before it were replaced, so w2's operand, computed from w1's and w3's
     rolled results, rolls too)."""
-    weights = []
+    first_read = {}  # weight -> the first matmul reading its expert 0
     for select in graph.find_nodes(op="call_function", target=aten.select.int):
         found = _expert_weight(select)
-        if found is not None and found[1] == 0 and found[0] not in weights and _readers_through_chain(select):
-            weights.append(found[0])
-    seen = set()
-    while True:
-        pending = [w for w in weights if w not in seen and not w._erased]  # noqa: SLF001
-        if not pending:
-            return
-        # in the order the loop reads them: the weight whose expert 0 is read first
-        weight = min(pending, key=lambda w: min((m for m in (_expert_matmuls(w, joint) or {}).values()),
-                                               default=w))
-        seen.add(weight)
+        readers = _readers_through_chain(select) if found is not None and found[1] == 0 else []
+        if readers:
+            earlier = first_read.get(found[0])
+            first_read[found[0]] = min(readers) if earlier is None else min(earlier, *readers)
+    # in the order the loop reads them (w1, w3, then w2, whose operand rolls from their results)
+    for weight in sorted(first_read, key=first_read.get):
         site = _loop_site(weight, joint)
         if site is not None:
             yield site
