@@ -102,7 +102,7 @@ def watching(compiled: Callable, residuals: dict[int, SourceLocation], graphs: S
     results = [r for g in graphs for r in g.passes if r.pass_name == PASS and r.skipped is None]
     if not residuals and not (norms and results):
         return compiled
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple, int] = {}  # (add, norm) -> its near miss's index in results[-1]
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
@@ -128,13 +128,13 @@ def watching(compiled: Callable, residuals: dict[int, SourceLocation], graphs: S
 
 
 def _note(result: Any, seen: dict, add_at: SourceLocation, norm_at: SourceLocation) -> None:
+    """One more sighting of the pair: its near miss in `result` (`seen`: pair -> its index)."""
     key = (str(add_at), str(norm_at))
-    seen[key] = seen.get(key, 0) + 1
-    miss = NearMiss(PASS, f"the residual add at {add_at} ends one compiled graph and this RMSNorm starts "
-                          "another (a graph break between them): npu_add_rms_norm takes the add and the norm "
-                          "in one graph", norm_at, seen[key])
-    for index, old in enumerate(result.near_misses):
-        if old.reason == miss.reason and old.location == norm_at:
-            result.near_misses[index] = miss
-            return
-    result.near_misses.append(miss)
+    if key in seen:
+        old = result.near_misses[seen[key]]
+        result.near_misses[seen[key]] = old._replace(observed=old.observed + 1)
+        return
+    seen[key] = len(result.near_misses)
+    result.near_misses.append(NearMiss(
+        PASS, f"the residual add at {add_at} ends one compiled graph and this RMSNorm starts another (a graph "
+              "break between them): npu_add_rms_norm takes the add and the norm in one graph", norm_at, 1))
