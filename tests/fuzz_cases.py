@@ -920,9 +920,9 @@ def _make_experts_loop(rng, seed, case_kw):
         lines += ["    n = x.shape[0]", f"    counts = [n // {E}] * {E - 1} + [n - {E - 1} * (n // {E})]"]
     lines += ["    outs = []", *EXPERT_ROWS[rows], f"        h = {hidden}", f"        outs.append({product('h', 'w2')})",
               f"    return {EXPERT_COMBINE[combine]}"]
+    if precision == "autocast":  # torchtitan's mixed precision: fp32 weights, the body under autocast
+        lines = [lines[0], "    with torch.autocast('cpu', dtype=torch.bfloat16):", *("    " + line for line in lines[1:])]
     source = "\n".join(lines)
-    if precision == "autocast":
-        source = source.replace("def forward(self, x):", "def forward(self, x):\n    with torch.autocast('cpu', dtype=torch.bfloat16):\n        return self.experts(x)\n\n\ndef experts(self, x):", 1)
     # a per-expert scale between the GEMMs leaves w1 / w3 a grouped GEMM each; w2's rows are not
     kind = "negative" if lookalike in ("reversed", "rotated") else "positive"
     param_dtype = torch.float32 if precision == "autocast" else dtype
@@ -939,12 +939,7 @@ def _make_experts_loop(rng, seed, case_kw):
             if "w3" in up:
                 module.w3 = weight(K, N)
 
-        module = _module_from_source(source, f"<fuzz {seed}>", init)
-        if precision == "autocast":  # forward calls experts(): bind the source's second function
-            namespace = {"torch": torch, "F": F, "nn": nn, "math": math}
-            exec(compile(source, f"<fuzz {seed}>", "exec"), namespace)  # noqa: S102 - our own generated code
-            type(module).experts = namespace["experts"]
-        return module, (_randn(gen, tokens, K).to(param_dtype),)
+        return _module_from_source(source, f"<fuzz {seed}>", init), (_randn(gen, tokens, K).to(param_dtype),)
 
     weights = len(up) + (lookalike != "per_expert_scale")
     return Case(seed, "experts_loop", choices, source, kind, {"grouped_matmul": weights} if kind == "positive" else {},

@@ -393,8 +393,7 @@ def attribute(sites: list[Site], report: Any, repeats: Optional[dict] = None,
             items += [(0, "fused", s.pass_name, s.form, s.location, copies) for s in pass_result.sites]
             # a near miss seen at run time (an add and a norm in two graphs) counts as often as seen
             # in the counted call (`observed`: CountingBackend.observed; else all the runs so far)
-            items += [(1, "near", m.pass_name, m.reason, m.location,
-                       (observed or {}).get((m.pass_name, m.reason, m.location), m.observed) or copies)
+            items += [(1, "near", m.pass_name, m.reason, m.location, _seen(m, observed) or copies)
                       for m in pass_result.near_misses]
     items.sort(key=lambda item: item[0])  # fused sites claim theirs before near misses
     for _, kind, pass_name, what, location, copies in items:
@@ -626,8 +625,7 @@ def measure(library: str, name: str, mode: str, *, npu_dispatch: bool = True, dt
                     for index, graph in enumerate(report.graphs) for pass_result in graph.passes
                     for kind, pass_name, what, loc, observed in
                     [("fused", s.pass_name, s.form, s.location, None) for s in pass_result.sites]
-                    + [("near", m.pass_name, m.reason, m.location,
-                        (backend.observed or {}).get((m.pass_name, m.reason, m.location), m.observed))
+                    + [("near", m.pass_name, m.reason, m.location, _seen(m, backend.observed))
                        for m in pass_result.near_misses]]
     if report.errors:
         result.note += f"pass errors: {report.errors}; "
@@ -680,6 +678,12 @@ def reattribute(record: dict) -> dict:
                                            for i in range(count)], dynamo_gaps=gaps)
     a = attribute(sites, report, {int(k): v for k, v in record["repeats"].items()}, record["mode"] == "training")
     return dict(record, **_attributed(a))
+
+
+def _seen(miss: Any, observed: Optional[dict]) -> Optional[int]:
+    """How often a near miss seen at run time was seen in the counted call (`observed`:
+    CountingBackend.observed), else in all the runs so far; None for one found in the graph."""
+    return (observed or {}).get((miss.pass_name, miss.reason, miss.location), miss.observed)
 
 
 def _torch_nn(span: tuple) -> bool:
