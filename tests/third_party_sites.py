@@ -866,22 +866,23 @@ BEFORE: dict[str, dict[str, tuple[int, int, int, int]]] = {
         'add_rms_norm': (4, 4, 0, 0), 'attention': (2, 2, 0, 0), 'rms_norm': (9, 9, 0, 0), 'rope': (4, 0, 0, 4),
         'swiglu': (2, 0, 2, 0),
     },
+    # torchtitan-npu's three: the fourth survey's (2026-12-05: the for-loop experts fuse, no site silent)
     'torchtitan_npu:deepseek_v3': {
-        'add_rms_norm': (4, 2, 0, 2), 'attention': (2, 2, 0, 0), 'moe_dispatch': (1, 0, 1, 0),
-        'moe_experts': (3, 0, 0, 3), 'moe_router': (1, 0, 1, 0), 'rms_norm': (9, 8, 0, 1), 'rope': (4, 4, 0, 0),
-        'swiglu': (3, 0, 3, 0),
+        'add_rms_norm': (4, 2, 1, 0), 'attention': (2, 2, 0, 0), 'moe_dispatch': (1, 0, 1, 0),
+        'moe_experts': (3, 3, 0, 0), 'moe_router': (1, 0, 1, 0), 'rms_norm': (9, 8, 0, 0), 'rope': (4, 4, 0, 0),
+        'swiglu': (3, 2, 1, 0),
     },
     'torchtitan_npu:deepseek_v32': {
-        'add_rms_norm': (4, 3, 0, 1), 'indexer': (2, 0, 0, 2), 'indexer_loss': (2, 0, 0, 2),
-        'moe_dispatch': (1, 0, 1, 0), 'moe_experts': (3, 0, 0, 3), 'moe_router': (1, 0, 1, 0),
-        'rms_norm': (9, 9, 0, 0), 'rope': (8, 4, 4, 0), 'sparse_attention': (2, 0, 2, 0), 'swiglu': (3, 0, 3, 0),
+        'add_rms_norm': (4, 3, 0, 0), 'indexer': (2, 0, 2, 0), 'indexer_loss': (2, 0, 2, 0),
+        'moe_dispatch': (1, 0, 1, 0), 'moe_experts': (3, 3, 0, 0), 'moe_router': (1, 0, 1, 0),
+        'rms_norm': (9, 9, 0, 0), 'rope': (8, 6, 2, 0), 'sparse_attention': (2, 0, 2, 0), 'swiglu': (3, 2, 1, 0),
     },
     # (indexer_loss: one per layer with an indexer since the census stopped counting DSAIndexerLoss, the
     # KL divergence, beside LiLoss, whose target distribution is the site: it was (2, 0, 1, 1))
     'torchtitan_npu:deepseek_v4': {
-        'indexer': (1, 0, 0, 1), 'indexer_loss': (1, 0, 1, 0), 'mhc': (12, 0, 6, 6), 'moe_dispatch': (3, 0, 3, 0),
-        'moe_experts': (9, 0, 0, 9), 'moe_router': (3, 0, 0, 3), 'rms_norm': (19, 19, 0, 0), 'rope': (13, 7, 6, 0),
-        'sparse_attention': (3, 0, 3, 0), 'swiglu': (6, 0, 6, 0),
+        'indexer': (1, 0, 1, 0), 'indexer_loss': (1, 0, 1, 0), 'mhc': (12, 11, 1, 0), 'moe_dispatch': (3, 0, 3, 0),
+        'moe_experts': (9, 9, 0, 0), 'moe_router': (3, 2, 1, 0), 'rms_norm': (19, 19, 0, 0), 'rope': (13, 9, 4, 0),
+        'sparse_attention': (3, 0, 3, 0), 'swiglu': (6, 3, 3, 0),
     },
 }
 
