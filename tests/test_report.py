@@ -15,7 +15,7 @@ from npu_fx_fusion.cleanup import drop_lossless_round_trips
 import helpers
 import npu_fx_fusion as nff
 from helpers import RoutedExpertsLoop
-from npu_fx_fusion.report import (FusedSite, FusionReport, GraphCost, GraphReport, NearMiss, PassResult,
+from npu_fx_fusion.report import (FusedSite, FusionReport, GraphCost, GraphCosts, GraphReport, NearMiss, PassResult,
                                   SourceLocation, added_conversions, human_bytes, op_table, pass_rows, pass_table,
                                   site_location)
 
@@ -269,7 +269,7 @@ def test_a_constant_is_built_once_not_moved_per_run():
     tensor = 64 * 64 * 4
     assert (cost.launches, cost.bytes_moved) == (3, 2 * tensor + tensor + 3 * tensor)  # mul, rand, add
     assert (cost.constant_launches, cost.constant_bytes) == (2, tensor + 2 * tensor)  # ones, triu
-    line = GraphReport("g", nodes_before=0, cost_before=GraphCost(3, 100), cost_after=cost).cost_line()
+    line = GraphReport("g", nodes_before=0, measure=lambda: GraphCosts(GraphCost(3, 100), cost)).cost_line()
     assert "3 -> 3 kernel launches" in line and "built once, not per run" in line and "0 -> 2 launches" in line
 
 

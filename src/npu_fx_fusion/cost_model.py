@@ -352,17 +352,11 @@ def layer_of(node: Node) -> Optional[str]:
     return None
 
 
-def node_works(graph: torch.fx.Graph, mode: Optional[str] = None,
-               memo: Optional[dict] = None) -> list[tuple[Node, Work]]:
+def node_works(graph: torch.fx.Graph, mode: Optional[str] = None) -> list[tuple[Node, Work]]:
     """(node, work) of every node that launches a kernel; a constant subgraph spelled out
-    several times (each attention call's own compressed mask) is counted once.
-
-    memo: kept between walks of one graph (before and after fusion), each node's work with
-    what it was worked out from: a node whose op, arguments and values are the same objects
-    as then (most of a graph, after fusion) costs what it did."""
+    several times (each attention call's own compressed mask) is counted once."""
     inplace = _inplace_writes(graph)
     constants = _constants(graph)
-    memo = {} if memo is None else memo
     keys: dict = {}
     counted: dict = {}  # structure -> ("constant", its number)
     found = []
@@ -375,27 +369,15 @@ def node_works(graph: torch.fx.Graph, mode: Optional[str] = None,
                 keys[node] = counted[key]
                 continue
             keys[node] = counted[key] = ("constant", len(counted))
-        # the objects it is worked out from (the same objects: a fake value compares by
-        # identity), and the numbers
-        objects = (node.target, node.args, node.kwargs, node.meta.get("val"),
-                   *(a.meta.get("val") for a in node.all_input_nodes))
-        numbers = (inplace.get(node), tuple(a in constants for a in node.all_input_nodes))
-        known = memo.get(node)
-        if known is not None and known[1] == numbers and len(known[0]) == len(objects) and all(
-                x is y for x, y in zip(known[0], objects)):
-            work = known[2]
-        else:
-            work = node_work(node, mode, inplace, constants)
-            memo[node] = (objects, numbers, work)
+        work = node_work(node, mode, inplace, constants)
         if work.launches:
             found.append((node, work))
     return found
 
 
-def graph_work(graph: torch.fx.Graph, mode: Optional[str] = None,
-               memo: Optional[dict] = None) -> list[tuple[str, Work]]:
+def graph_work(graph: torch.fx.Graph, mode: Optional[str] = None) -> list[tuple[str, Work]]:
     """(group, work) of every launch: its decoder layer, or "other"."""
-    return [(layer_of(node) or "other", work) for node, work in node_works(graph, mode, memo)]
+    return [(layer_of(node) or "other", work) for node, work in node_works(graph, mode)]
 
 
 def estimate(graph: torch.fx.Graph, soc: Optional[str] = None, mode: Optional[str] = None,
@@ -408,10 +390,9 @@ def estimate(graph: torch.fx.Graph, soc: Optional[str] = None, mode: Optional[st
     return result
 
 
-def estimates(graph: torch.fx.Graph, mode: Optional[str] = None, memo: Optional[dict] = None) -> dict[str, Estimate]:
-    """{SoC: its estimate of `graph`} for every SoC with figures here (one walk of the graph;
-    memo: node_works')."""
-    work = graph_work(graph, mode, memo)
+def estimates(graph: torch.fx.Graph, mode: Optional[str] = None) -> dict[str, Estimate]:
+    """{SoC: its estimate of `graph`} for every SoC with figures here (one walk of the graph)."""
+    work = graph_work(graph, mode)
     return {soc: estimate(graph, soc, mode, work) for soc in ROOFLINES}
 
 

@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -36,7 +35,7 @@ from .dumps import Dumper
 from .forms import FinishOptions
 from .graph_breaks import normed_inputs
 from .nodes import op_name
-from .report import FusionReport, GraphCost, GraphReport, NearMiss, PassResult, added_conversions, op_counts
+from .report import FusionReport, GraphCost, GraphCosts, GraphReport, NearMiss, PassResult, added_conversions, op_counts
 
 log = logging.getLogger("npu_fx_fusion")
 
@@ -138,7 +137,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
     npu_ops.ensure_registered()
     _ensure_tensor_meta(gm, example_inputs)
     soc, mode = _soc(config, report), config.mode or mode
-    graph_report, dumper, folder, measured = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report, dumper, folder, before = _begin_graph(gm, config, report, graph_name, mode)
     graph_report.passes.extend(earlier_results)
 
     enabled = config.enabled_passes()
@@ -174,7 +173,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
         original_nodes = set(_revert(gm, snapshot, exc, config, graph_report, "cleanup after the passes").values())
         graph_report.conversions_added.clear()  # the graph is back as it was: none added
 
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder, measured)
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder, before)
     dumper.draw(folder, gm, f"{graph_name}: after npu-fx-fusion", original_nodes, graph_report)
     dumper.write_reports(report)  # again: report.html shows the drawings
     return graph_report
@@ -189,40 +188,40 @@ def _soc(config: FusionConfig, report: FusionReport) -> Optional[str]:
     return soc
 
 
-@dataclass
-class _Measured:
-    """What the cost estimates of a graph before fusion measured, kept for the estimates
-    after it: the nodes that stay keep their values and their work."""
-    sizes: dict = field(default_factory=dict)  # GraphCost.of's
-    works: dict = field(default_factory=dict)  # cost_model.node_works'
-
-
 def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
-                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str], _Measured]:
-    """The graph's report as it is before fusion, its dump folder with before.py, and what
-    its cost estimates measured."""
-    measured = _Measured()
-    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes),
-                               ops_before=op_counts(gm.graph), cost_before=GraphCost.of(gm.graph, measured.sizes),
-                               roofline_before=cost_model.estimates(gm.graph, mode, measured.works))
+                 graph_name: str, mode: Optional[str]) -> tuple[GraphReport, Dumper, Optional[str], "_Snapshot"]:
+    """The graph's report as it is before fusion, its dump folder with before.py, and a
+    record of the graph for the report's cost estimates."""
+    graph_report = GraphReport(graph_name, mode=mode, nodes_before=len(gm.graph.nodes), ops_before=op_counts(gm.graph))
     dumper = Dumper(config.dump_dir)
     folder = dumper.folder(len(report.graphs), graph_name)
     if folder:
         dumper.write(folder, "before.py", _graph_code(gm))
         dumper.keep_before(gm)
-    return graph_report, dumper, folder, measured
+    return graph_report, dumper, folder, _Snapshot(gm.graph, own_meta=True)
+
+
+def _measure_later(graph_report: GraphReport, before: "_Snapshot", after: "_Snapshot") -> None:
+    """The report's cost estimates, worked out from the two records when first read
+    (GraphReport.measure)."""
+    def measure() -> GraphCosts:
+        graph_before, graph_after = before.copy(), after.copy()
+        return GraphCosts(GraphCost.of(graph_before), GraphCost.of(graph_after),
+                          cost_model.estimates(graph_before, graph_report.mode),
+                          cost_model.estimates(graph_after, graph_report.mode))
+
+    graph_report.measure = measure
 
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
                   graph_report: GraphReport, start: float, dumper: Dumper, folder: Optional[str],
-                  measured: _Measured) -> None:
+                  before: "_Snapshot") -> None:
     """Complete the graph's report (the graph is linted where it changed), add it to
     `report`, trace and dump it."""
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
-    graph_report.cost_after = GraphCost.of(gm.graph, measured.sizes)
-    graph_report.roofline_after = cost_model.estimates(gm.graph, graph_report.mode, measured.works)
+    _measure_later(graph_report, before, _Snapshot(gm.graph, own_meta=True))
     graph_report.normed_inputs = normed_inputs(gm)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
@@ -254,7 +253,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     start = time.perf_counter()
     npu_ops.ensure_registered()
     soc, mode = _soc(config, report), config.mode or mode
-    graph_report, dumper, folder, measured = _begin_graph(gm, config, report, graph_name, mode)
+    graph_report, dumper, folder, before = _begin_graph(gm, config, report, graph_name, mode)
     graph_report.passes.extend(earlier_results)
     # only passes with differentiable arguments have joint patterns (or match their
     # forward-only ones there: FusionPass.forward_forms_on_joint)
@@ -291,8 +290,8 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
         # the passes each revert what fails in them; this is what fails between or after
         # them: the joint graph goes back unfused
         _revert(gm, snapshot, exc, config, graph_report, "joint graph")
-    _finish_graph(gm, config, report, graph_report, start, dumper, folder, measured)
-    return FusedJoint(gm, config, report, graph_report, snapshot if fused else None, dumper, folder)
+    _finish_graph(gm, config, report, graph_report, start, dumper, folder, before)
+    return FusedJoint(gm, config, report, graph_report, snapshot if fused else None, dumper, folder, before)
 
 
 class FusedJoint:
@@ -308,9 +307,9 @@ class FusedJoint:
 
     def __init__(self, gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,
                  graph_report: GraphReport, snapshot: Optional["_Snapshot"], dumper: Dumper,
-                 folder: Optional[str]):
+                 folder: Optional[str], before: "_Snapshot"):
         self.gm, self.config, self.report, self.graph_report = gm, config, report, graph_report
-        self._snapshot, self._dumper, self._folder = snapshot, dumper, folder
+        self._snapshot, self._dumper, self._folder, self._before = snapshot, dumper, folder, before
 
     @property
     def fused(self) -> bool:
@@ -351,8 +350,7 @@ class FusedJoint:
         graph_report = self.graph_report
         graph_report.nodes_after = len(self.gm.graph.nodes)
         graph_report.ops_after = op_counts(self.gm.graph)
-        graph_report.cost_after = GraphCost.of(self.gm.graph)
-        graph_report.roofline_after = cost_model.estimates(self.gm.graph, graph_report.mode)
+        _measure_later(graph_report, self._before, _Snapshot(self.gm.graph, own_meta=True))
         graph_report.seconds += time.perf_counter() - start
         if self._folder:
             self._dumper.write(self._folder, "after.py", _graph_code(self.gm))
@@ -443,9 +441,12 @@ class _Snapshot:
     region ids) describes the node, whatever the pass does next.
     """
 
-    def __init__(self, graph: torch.fx.Graph):
+    def __init__(self, graph: torch.fx.Graph, *, own_meta: bool = False):
+        """own_meta: keep a copy of each node's meta dict (a record read after the passes,
+        whatever they write into the meta of the nodes they keep), not the dict itself."""
         self.graph = graph
-        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, n.meta) for n in graph.nodes]
+        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta) if own_meta else n.meta)
+                        for n in graph.nodes]
 
     def restore(self, gm: torch.fx.GraphModule) -> dict[Node, Node]:
         """Put the graph back into `gm`; returns {node of the snapshot: its rebuilt node}."""
@@ -453,13 +454,23 @@ class _Snapshot:
         graph = torch.fx.Graph(owning_module=gm, tracer_cls=old._tracer_cls,  # noqa: SLF001
                                tracer_extras=old._tracer_extras)  # noqa: SLF001
         graph._codegen = copy.deepcopy(old._codegen)  # noqa: SLF001
+        rebuilt = self._rebuild(graph)
+        gm.graph = graph  # the setter re-parents the graph and recompiles
+        return rebuilt
+
+    def copy(self) -> torch.fx.Graph:
+        """The graph as it was, in a graph of its own (no module: to read, not to run)."""
+        graph = torch.fx.Graph()
+        self._rebuild(graph)
+        return graph
+
+    def _rebuild(self, graph: torch.fx.Graph) -> dict[Node, Node]:
         rebuilt: dict[Node, Node] = {}
         for node, op, target, args, kwargs, name, type_, meta in self.records:
             new = graph.create_node(op, target, torch.fx.node.map_arg(args, rebuilt.__getitem__),
                                     torch.fx.node.map_arg(kwargs, rebuilt.__getitem__), name, type_)
             new.meta = dict(meta)
             rebuilt[node] = new
-        gm.graph = graph  # the setter re-parents the graph and recompiles
         return rebuilt
 
 

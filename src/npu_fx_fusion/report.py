@@ -254,12 +254,10 @@ class GraphCost:
     constant_bytes: int = 0  # once: the bytes building them moves, and get_attr buffers
 
     @staticmethod
-    def of(graph: torch.fx.Graph, sizes: Optional[dict] = None) -> "GraphCost":
-        """The cost of `graph`. sizes: the bytes of nodes' values, measured once and kept
-        (a node keeps its value's shape and dtype through every rewrite: the graph
-        measured again after fusion reuses what the one before it measured)."""
+    def of(graph: torch.fx.Graph) -> "GraphCost":
+        """The cost of `graph`."""
         launches = moved = constant_launches = constant_moved = 0
-        sizes = {} if sizes is None else sizes
+        sizes: dict = {}  # each value measured once, however many nodes read it
 
         def size(node: torch.fx.Node) -> int:
             found = sizes.get(node)
@@ -288,6 +286,17 @@ class GraphCost:
             return GraphCost()
         moved = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
         return GraphCost(1, moved + tensor_bytes(node.meta.get("val")))
+
+
+@dataclass(frozen=True)
+class GraphCosts:
+    """A graph's estimated cost before and after the passes: GraphCost's count, and each
+    SoC's roofline estimate ({SoC: cost_model.Estimate})."""
+
+    before: GraphCost = field(default_factory=GraphCost)
+    after: GraphCost = field(default_factory=GraphCost)
+    time_before: dict = field(default_factory=dict)
+    time_after: dict = field(default_factory=dict)
 
 
 def constant_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -335,8 +344,6 @@ class GraphReport:
     ops_after: Counter = field(default_factory=Counter)
     passes: list[PassResult] = field(default_factory=list)
     seconds: float = 0.0  # the whole pipeline on this graph, setup included
-    cost_before: GraphCost = field(default_factory=GraphCost)
-    cost_after: GraphCost = field(default_factory=GraphCost)
     # dtype conversions the fusions added, by what they convert for (added_conversions)
     conversions_added: Counter = field(default_factory=Counter)
     # how often the compiled graph has run so far: dynamo reuses one compiled graph wherever
@@ -344,12 +351,40 @@ class GraphReport:
     # layer runs the layer's graphs). None: not counted (fuse(), or a graph torchair's
     # backend compiled after dynamo's call returned)
     runs: Optional[int] = None
-    # {SoC: cost_model.Estimate}: the roofline estimate of the graph before and after
-    roofline_before: dict = field(default_factory=dict)
-    roofline_after: dict = field(default_factory=dict)
     # {placeholder position: location} of the inputs a fused npu_rms_norm reads
     # (graph_breaks.normed_inputs: where a residual add of another graph may feed it)
     normed_inputs: dict = field(default_factory=dict)
+    # Works out the graph's GraphCosts (the pipeline's: from records of the graph taken
+    # before and after the passes). Called when a cost is first read, not in the compile:
+    # measuring every node of both graphs costs as much as a pass does, and most compiles'
+    # reports are never read.
+    measure: Optional[Callable[[], "GraphCosts"]] = field(default=None, repr=False, compare=False)
+    _costs: Optional["GraphCosts"] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def costs(self) -> "GraphCosts":
+        """The estimated costs before and after the passes, worked out once (`measure`)."""
+        if self._costs is None:
+            self._costs = self.measure() if self.measure is not None else GraphCosts()
+            self.measure = None  # let go of the records
+        return self._costs
+
+    @property
+    def cost_before(self) -> GraphCost:
+        return self.costs.before
+
+    @property
+    def cost_after(self) -> GraphCost:
+        return self.costs.after
+
+    @property
+    def roofline_before(self) -> dict:
+        """{SoC: cost_model.Estimate}: the roofline estimate of the graph before the passes."""
+        return self.costs.time_before
+
+    @property
+    def roofline_after(self) -> dict:
+        return self.costs.time_after
 
     def to_dict(self) -> dict:
         return {
