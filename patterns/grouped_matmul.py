@@ -330,50 +330,63 @@ class _Rolled:
         self.template = self._roll(list(operands))
 
     def _roll(self, nodes):
-        first = nodes[0]
-        if all(n is first for n in nodes):
-            meta = tensor_meta(first)
-            if meta is not None and meta.dim() >= 2 and not known_equal(meta.shape[-2], 1):
+        """nodes: the E experts' values (None: an expert without rows, see below)."""
+        live = [n for n in nodes if n is not None]
+        first = live[0]
+        if all(n is first for n in live) and (len(live) > 1 or not _has_rows(first)):
+            if _has_rows(first):
                 raise _NotRolled(f"{first.name}, read by every expert, has rows of its own")
             self.shared.append(first)
             return ("shared", first)
-        if all(is_call(n, operator.getitem) for n in nodes):
+        if all(is_call(n, operator.getitem) and n.args[0] is first.args[0] for n in live):
             return self._chunks(nodes)
-        sliced = [n for n in nodes if is_call(n, aten.slice.Tensor)]
-        if sliced and all(n in sliced or n is sliced[0].args[0] for n in nodes):
+        sliced = [n for n in live if is_call(n, aten.slice.Tensor) and _splits_rows(n)]
+        if sliced and all(n in sliced or n is sliced[0].args[0] for n in live):
             return self._slices(nodes)
-        if not all(isinstance(n, Node) and n.op == "call_function" and n.target is first.target for n in nodes):
-            raise _NotRolled(f"the experts' {first.name} are not one op on each expert's rows")
-        if not (is_cast(first) or torch.Tag.pointwise in getattr(first.target, "tags", ())):
-            raise _NotRolled(f"{first.name} ({first.target}) is not an op of each row alone (pointwise or a cast)")
+        if not all(isinstance(n, Node) and n.op == "call_function" and n.target is first.target for n in live):
+            # an expert without rows (a count of 0 in a static trace) computes nothing, so what
+            # its code spells does not matter (the swiglu pass fuses every activation but its
+            # empty one): it is None from here on
+            nodes = [None if n is None or _without_rows(n) else n for n in nodes]
+            live = [n for n in nodes if n is not None]
+            first = live[0] if live else first
+            if not live or not all(isinstance(n, Node) and n.op == "call_function" and n.target is first.target
+                                   for n in live):
+                raise _NotRolled(f"the experts' {first.name} are not one op on each expert's rows")
+        if not _row_wise(first):
+            raise _NotRolled(f"{first.name} ({first.target}) is not an op of each row alone")
         args = []
         for position, arg in enumerate(first.args):
-            column = [n.args[position] for n in nodes]
+            column = [None if n is None else n.args[position] for n in nodes]
             if isinstance(arg, Node):
-                if not all(isinstance(a, Node) for a in column):
+                if not all(isinstance(a, Node) for a in column if a is not None):
                     raise _NotRolled(f"the experts' {first.name} differ in argument {position}")
                 args.append(self._roll(column))
-            elif any(hashable(a) != hashable(arg) for a in column):
+            elif any(hashable(n.args[position]) != hashable(arg) for n in live):
                 raise _NotRolled(f"the experts' {first.name} differ in argument {position}")
             else:
                 args.append(("constant", arg))
-        if any(hashable(n.kwargs) != hashable(first.kwargs) for n in nodes):
+        if any(hashable(n.kwargs) != hashable(first.kwargs) for n in live):
             raise _NotRolled(f"the experts' {first.name} differ in their keyword arguments")
-        self.ops[first] = ("op", first, args, list(nodes))
+        self.ops[first] = ("op", first, args, nodes)
         return self.ops[first]
 
     def _chunks(self, nodes):
-        split = nodes[0].args[0]
+        """nodes: the getitems of one split (None: an expert without rows)."""
+        live = [(e, n) for e, n in enumerate(nodes) if n is not None]
+        split = live[0][1].args[0]
         if not (is_call(split, aten.split_with_sizes.default, aten.split.Tensor)
-                and all(n.args[0] is split for n in nodes) and [n.args[1] for n in nodes] == list(range(len(nodes)))):
+                and all(n.args[0] is split and n.args[1] == e for e, n in live)):
             raise _NotRolled("the experts' rows are not the chunks of one split, in order")
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         if is_call(split, aten.split_with_sizes.default):
             sizes = list(split.args[1])
-        else:  # equal chunks (the last may be shorter): static sizes only, read off the chunks
-            sizes = [tensor_meta(n).shape[0] for n in nodes]
-            if not all(isinstance(size, int) for size in sizes):
+        else:  # equal chunks (the last may be shorter): static sizes only
+            size = split.args[1]
+            rows = tensor_meta(split.args[0]).shape[0]
+            if not (isinstance(size, int) and isinstance(rows, int)):
                 raise _NotRolled("the rows are split in chunks of a symbolic size")
+            sizes = [min(size, rows - start) for start in range(0, rows, size)]
         meta = tensor_meta(split.args[0])
         if len(sizes) != len(nodes) or meta is None or meta.dim() != 2 or dim not in (0, -2):
             raise _NotRolled(f"the split is not of a 2-d (tokens, hidden) tensor's rows into {len(nodes)} chunks")
@@ -382,18 +395,22 @@ class _Rolled:
     def _slices(self, nodes):
         """Consecutive row slices: how canonical.py leaves a split of static sizes, or rows
         sliced by a running offset (`x[start:start + n]`)."""
-        source = next(n.args[0] for n in nodes if is_call(n, aten.slice.Tensor))
+        live = [n for n in nodes if n is not None]
+        source = next(n.args[0] for n in live if is_call(n, aten.slice.Tensor))
         meta = tensor_meta(source)
         if (meta is None or meta.dim() != 2 or any(n is not source and (n.args[0] is not source or n.args[1] not in
                                                                           (0, -2) or len(n.args) != 4 or n.kwargs)
-                                                   for n in nodes)):
+                                                   for n in live)):
             raise _NotRolled("the experts' rows are not slices of one 2-d (tokens, hidden) tensor")
         # a chunk of all the rows is the tensor itself (aot drops a slice that takes them all:
         # every token routed to one expert); its end, the row count, is static there
-        if source in nodes and not isinstance(meta.shape[0], int):
+        if source in live and not isinstance(meta.shape[0], int):
             raise _NotRolled("a chunk of all the rows, of a symbolic count")
-        items = [meta.shape[0] if n is source else n.args[3] for n in nodes]
-        starts = [0 if n is source else _value(n.args[2]) for n in nodes]
+        items, starts = [], []
+        for n in nodes:  # an expert without rows starts and ends where the one before it ends
+            end_before = items[-1] if items else 0
+            items.append(end_before if n is None else meta.shape[0] if n is source else n.args[3])
+            starts.append(_value(end_before) if n is None else 0 if n is source else _value(n.args[2]))
         ends = [_value(item) for item in items]
         # in order, each at least empty, and within the rows (no slice clamped): rows past the
         # last one (a static count on a symbolic token count) are left out of the grouped GEMM
@@ -431,6 +448,49 @@ class _Rolled:
 
 def _value(size):
     return size.meta["val"] if isinstance(size, Node) else size
+
+
+_SPLITS = (aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default)
+
+
+def _split_dim(node):
+    """The dim a slice or split of a 2-d tensor cuts, 0 (rows) or 1; None for another node."""
+    meta = tensor_meta(node.args[0]) if is_call(node, *_SPLITS) else None
+    if meta is None or meta.dim() != 2:
+        return None
+    dim = node.args[1] if is_call(node, aten.slice.Tensor) else (
+        node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0))
+    return dim % 2 if isinstance(dim, int) else None
+
+
+def _has_rows(node):
+    meta = tensor_meta(node)
+    return meta is not None and meta.dim() >= 2 and not known_equal(meta.shape[-2], 1)
+
+
+def _without_rows(node):
+    meta = tensor_meta(node)
+    return meta is not None and meta.dim() >= 1 and known_equal(meta.shape[0], 0)
+
+
+def _splits_rows(node):
+    return _split_dim(node) == 0
+
+
+def _row_wise(node):
+    """An op that computes each row of its result from the same row of its inputs alone, so
+    it runs on the whole rows as on each expert's: pointwise ops and casts; slices and splits
+    of the columns (a merged gate_up projection's `chunk(2, -1)`) and their pieces; SwiGLU
+    over the last dim (npu_swiglu, where the swiglu pass fused an expert's activation)."""
+    if is_cast(node) or torch.Tag.pointwise in getattr(node.target, "tags", ()):
+        return True
+    if is_call(node, operator.getitem):
+        return _split_dim(node.args[0]) == 1
+    if is_call(node, torch.ops.npu.npu_swiglu.default):
+        meta = tensor_meta(node.args[0])
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+        return meta is not None and meta.dim() == 2 and dim % 2 == 1
+    return _split_dim(node) == 1
 
 
 def _loop_site(weight, joint):
@@ -474,9 +534,16 @@ def _loop_site(weight, joint):
 def _rolled_site(name, weight, matmuls, chains, rolled):
     cat = _concatenation(matmuls)
     region = set(matmuls) | {n for chain in chains for n in chain}
-    region |= {n for *_, nodes in rolled.ops.values() for n in nodes}
-    escaping = [nodes for *_, nodes in rolled.ops.values() if any(u not in region for n in nodes for u in n.users)]
-    outputs = ([cat] if cat is not None else list(matmuls)) + [n for nodes in escaping for n in nodes]
+    region |= {n for *_, nodes in rolled.ops.values() for n in nodes if n is not None}
+    # intermediates read outside the site: each is cut from the whole (None: an expert without
+    # rows, whose code is left as it was)
+    escaping = [(first, nodes) for _, first, _, nodes in rolled.ops.values()
+                if any(u not in region for n in nodes if n is not None for u in n.users)]
+    if any(not isinstance(tensor_meta(first), torch.Tensor) for first, _ in escaping):
+        return Recognized(name, matmuls[0], matmuls, reason=(
+            "a split of each expert's columns has pieces read outside the loop's GEMMs: "
+            "not one value per expert to cut from the whole"))
+    outputs = ([cat] if cat is not None else list(matmuls)) + [n for _, nodes in escaping for n in nodes if n is not None]
     if cat is not None:
         region.add(cat)
     leaves = rolled.leaves + rolled.shared
@@ -485,7 +552,6 @@ def _rolled_site(name, weight, matmuls, chains, rolled):
     kind, items = rolled.bounds
     args.update({f"b{i}": item for i, item in enumerate(items) if isinstance(item, Node)})
     replay = _weight_replayed(chains[0])
-    escaping_firsts = [nodes[0] for nodes in escaping]
     short = [leaf for leaf in dict.fromkeys(rolled.leaves) if not known_equal(rolled.ends[-1], tensor_meta(leaf).shape[0])]
 
     def replace(values):
@@ -498,8 +564,9 @@ def _rolled_site(name, weight, matmuls, chains, rolled):
         group_list = torch.stack([torch.scalar_tensor(end, dtype=torch.int64) for end in ends])
         out = npu_grouped_matmul(rolled.evaluate(by_node), replay(values["w"]), group_list)
         results = [out] if cat is not None else list(torch.split(out, sizes))
-        for node in escaping_firsts:  # an intermediate read elsewhere too: its chunks of the whole
-            results.extend(torch.split(rolled.evaluate(by_node, node), sizes))
+        for first, nodes in escaping:  # an intermediate read elsewhere too: its chunks of the whole
+            pieces = torch.split(rolled.evaluate(by_node, first), sizes)
+            results.extend(piece for piece, node in zip(pieces, nodes) if node is not None)
         return results if len(results) > 1 else results[0]
 
     x_value = tensor_meta(matmuls[0].args[0])  # expert 0's rows: the dtype and width of them all

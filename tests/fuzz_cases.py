@@ -875,10 +875,14 @@ EXPERT_GEMMS = {  # {a} @ expert e of weight {w}
     "matmul_T": "torch.matmul({a}, self.{w}[e].T)",
     "mm_stored_in_out": "torch.mm({a}, self.{w}[e])",  # weights stored (E, in, out)
 }
-EXPERT_MLPS = {
-    "silu_gated": ("F.silu({g1}) * {g3}", ("w1", "w3")),
-    "gelu_gated": ('F.gelu({g1}, approximate="tanh") * {g3}', ("w1", "w3")),
-    "silu": ("F.silu({g1})", ("w1",)),
+EXPERT_MLPS = {  # (the hidden, from {g1} / {g3}; the weights; a line computing the halves first)
+    "silu_gated": ("F.silu({g1}) * {g3}", ("w1", "w3"), None),
+    "gelu_gated": ('F.gelu({g1}, approximate="tanh") * {g3}', ("w1", "w3"), None),
+    "silu": ("F.silu({g1})", ("w1",), None),
+    # one merged gate_up weight (E, 2N, K), its product {h13} cut along the columns
+    "merged_chunk": ("F.silu(g) * u", ("w13",), "g, u = {h13}.chunk(2, dim=-1)"),
+    "merged_split": ("F.silu(g) * u", ("w13",), "g, u = torch.split({h13}, {N}, dim=-1)"),
+    "merged_slices": ("F.silu(h13[..., :{N}]) * h13[..., {N}:]", ("w13",), "h13 = {h13}"),
 }
 EXPERT_COMBINE = {"cat": "torch.cat(outs)", "cat_dim0": "torch.cat(outs, dim=0)", "vstack": "torch.vstack(outs)"}
 EXPERT_LOOKALIKES = {
@@ -909,8 +913,9 @@ def _make_experts_loop(rng, seed, case_kw):
     def product(a, w):
         return "(" + EXPERT_GEMMS[gemm].format(a=a, w=w).replace("[e]", f"[{expert}]") + ")"
 
-    activation, up = EXPERT_MLPS[mlp]
-    hidden = activation.format(g1=product("rows", "w1"), g3=product("rows", "w3") if "w3" in up else "")
+    activation, up, halves = EXPERT_MLPS[mlp]
+    hidden = activation.format(g1=product("rows", "w1"), g3=product("rows", "w3") if "w3" in up else "", N=N)
+    halves = [f"        {halves.format(h13=product('rows', 'w13'), N=N)}"] if halves else []
     if lookalike == "per_expert_scale":
         hidden = f"({hidden}) * (e + 1.0)"
     lines = ["def forward(self, x):"]
@@ -918,7 +923,7 @@ def _make_experts_loop(rng, seed, case_kw):
         lines.append(f"    counts = {counts}")
     else:  # the token count split evenly, the last expert the rest: symbolic with dynamic shapes
         lines += ["    n = x.shape[0]", f"    counts = [n // {E}] * {E - 1} + [n - {E - 1} * (n // {E})]"]
-    lines += ["    outs = []", *EXPERT_ROWS[rows], f"        h = {hidden}", f"        outs.append({product('h', 'w2')})",
+    lines += ["    outs = []", *EXPERT_ROWS[rows], *halves, f"        h = {hidden}", f"        outs.append({product('h', 'w2')})",
               f"    return {EXPERT_COMBINE[combine]}"]
     if precision == "autocast":  # torchtitan's mixed precision: fp32 weights, the body under autocast
         lines = [lines[0], "    with torch.autocast('cpu', dtype=torch.bfloat16):", *("    " + line for line in lines[1:])]
@@ -935,9 +940,9 @@ def _make_experts_loop(rng, seed, case_kw):
             return nn.Parameter(_randn(gen, *shape, scale=fan_in ** -0.5).to(param_dtype))
 
         def init(module):
-            module.w1, module.w2 = weight(K, N), weight(N, K)
-            if "w3" in up:
-                module.w3 = weight(K, N)
+            module.w2 = weight(N, K)
+            for name in up:
+                setattr(module, name, weight(K, 2 * N if name == "w13" else N))
 
         return _module_from_source(source, f"<fuzz {seed}>", init), (_randn(gen, tokens, K).to(param_dtype),)
 

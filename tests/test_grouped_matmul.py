@@ -269,3 +269,76 @@ def test_one_expert_weight_reused_for_every_chunk_is_no_expert_loop():
     _, _, report = compile_and_run(ExpertsInALoop(expert_of=lambda i: 1), x, [3, 2, 4, 1], config=ONLY_GMM)
     assert report.counts["grouped_matmul"] == 0
     assert near_miss_reasons(report, "grouped_matmul") == []
+
+
+class MergedExpertsInALoop(torch.nn.Module):
+    """Experts run one by one with a merged gate_up projection (transformers' stacked
+    `gate_up_proj` (E, 2I, H) and `down_proj` (E, H, I)): each expert's product cut in two
+    along its columns, `chunk(2, -1)`. `rows_op`: what the up half goes through (a look-alike
+    when it mixes rows); `up_read_outside`: the up halves returned, not multiplied in."""
+
+    def __init__(self, experts=4, dim=16, hidden=32, rows_op=None, up_read_outside=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * hidden, dim) * 0.2)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
+        self.rows_op, self.up_read_outside = rows_op or (lambda t: t), up_read_outside
+
+    def forward(self, x, counts):
+        outs, ups = [], []
+        for e, rows in enumerate(torch.split(x, counts)):
+            gate, up = torch.nn.functional.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            ups.append(up)
+            other = gate if self.up_read_outside else self.rows_op(up)
+            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * other, self.down_proj[e]))
+        return (torch.cat(outs), *ups) if self.up_read_outside else torch.cat(outs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_experts_with_a_merged_gate_up_fuse_and_their_activation_fuses_once(dynamic):
+    """The column halves of each expert's product are cut from the whole product: the loop is
+    two grouped GEMMs, and the activation between them, which the swiglu pass fused per
+    expert, one npu_swiglu over all rows (it computes each row from that row's halves).
+    Tolerance: the GEMMs are exact (see the top); npu_swiglu's stand-in computes silu(a) * b
+    as eager does."""
+    model = MergedExpertsInALoop()
+    backend = EmulationBackend(nff.FusionConfig(enable={"grouped_matmul", "swiglu"}))
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    for counts in ([3, 1, 4, 3], [2, 5, 1, 2]):
+        x = torch.randn(sum(counts), 16)
+        with torch.no_grad():
+            assert_within_ulps(compiled(x, counts), model(x, counts), 1)
+    graph = backend.report.graphs[-1]
+    assert graph.fused_ops == {"npu.npu_grouped_matmul": 2, "npu.npu_swiglu": 1}
+    assert graph.ops_after.get("aten.mm.default", 0) + graph.ops_after.get("aten.matmul.default", 0) == 0
+
+
+def test_a_merged_gate_up_loop_with_an_expert_without_rows_fuses():
+    """With static counts an expert without rows has an empty product, which npu_swiglu does
+    not take: the swiglu pass (before this one) fuses the other experts' activations only. The
+    empty expert computes nothing, so its spelling does not keep the loop from rolling."""
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(MergedExpertsInALoop(), x, [3, 0, 4, 3])
+    assert report.fused_ops == {"npu.npu_grouped_matmul": 2, "npu.npu_swiglu": 1}
+    assert near_miss_reasons(report, "grouped_matmul") == []
+    assert_within_ulps(out, ref, 1)
+
+
+def test_the_halves_of_a_merged_gate_up_read_outside_the_loop_are_cut_from_the_whole():
+    """The up halves returned, not multiplied in: they are the whole product's columns, cut
+    by the experts' row counts, as each expert's were."""
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(MergedExpertsInALoop(up_read_outside=True), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 2
+    for a, b in zip(out, ref, strict=True):
+        assert_within_ulps(a, b, 1)
+
+
+def test_a_merged_gate_up_loop_that_mixes_rows_rolls_only_its_first_gemm():
+    x = torch.randn(10, 16)
+    model = MergedExpertsInALoop(rows_op=lambda t: t.flip(0))  # each expert's rows reversed
+    out, ref, report = compile_and_run(model, x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 1  # gate_up's GEMMs read the split rows themselves
+    reasons = near_miss_reasons(report, "grouped_matmul")
+    assert len(reasons) == 1 and "is not an op of each row alone" in reasons[0], reasons
+    torch.testing.assert_close(out, ref)
