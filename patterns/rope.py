@@ -116,18 +116,28 @@ def _padded_shape(table, x):
     return (1,) * (x.dim() - table.dim()) + tuple(table.shape)
 
 
+def _rotary_mul(x, cos, sin, *mode):
+    """npu_rotary_mul(x, cos, sin), the tables of x's rank. A 3-d x whose tables are not the
+    op's TND ones (a (B, S, D) key without a head dim, tables (1, S, D): DeepSeek-V4's kv) is
+    BSND with one head, as torchtitan-npu's converter calls it (`_with_one_head`)."""
+    cos, sin = _as_rank_of(cos, x), _as_rank_of(sin, x)
+    if _with_one_head(x.shape, cos.shape):
+        return torch.ops.npu.npu_rotary_mul(x.unsqueeze(2), cos.unsqueeze(2), sin.unsqueeze(2), *mode).squeeze(2)
+    return torch.ops.npu.npu_rotary_mul(x, cos, sin, *mode)
+
+
 def rotary_mul_half(x, cos, sin):
-    return torch.ops.npu.npu_rotary_mul(x, _as_rank_of(cos, x), _as_rank_of(sin, x))
+    return _rotary_mul(x, cos, sin)
 
 
 def rotary_mul_interleave(x, cos, sin):
-    return torch.ops.npu.npu_rotary_mul(x, _as_rank_of(cos, x), _as_rank_of(sin, x), "interleave")
+    return _rotary_mul(x, cos, sin, "interleave")
 
 
 def rotary_mul_interleave_via_half(x, cos, sin):
     # de-interleave x and the tables, rotate halves, interleave back: the same numbers
     cos, sin = _as_rank_of(cos, x), _as_rank_of(sin, x)
-    return _interleave(torch.ops.npu.npu_rotary_mul(_deinterleave(x), _deinterleave(cos), _deinterleave(sin)))
+    return _interleave(_rotary_mul(_deinterleave(x), _deinterleave(cos), _deinterleave(sin)))
 
 
 def interleave_rope(x, cos, sin):
@@ -141,7 +151,7 @@ def interleave_rope_pair_angles(x, pair_cos, pair_sin):
 
 def rotary_mul_half_deinterleaved_pair_angles(x, pair_cos, pair_sin):
     cos, sin = torch.cat((pair_cos, pair_cos), -1), torch.cat((pair_sin, pair_sin), -1)
-    return torch.ops.npu.npu_rotary_mul(_deinterleave(x), _as_rank_of(cos, x), _as_rank_of(sin, x))
+    return _rotary_mul(_deinterleave(x), cos, sin)
 
 
 def _tables_from_complex(freqs):
@@ -287,13 +297,28 @@ _INTERLEAVE_TABLES = ("11SD", "1S1D", "S11D", "T1D")  # interleave mode: no per-
 
 
 def _table_layout(x_shape, table_shape):
-    """(layout, table spelling) of the first layout whose allowed tables fit, or None."""
+    """(layout, table spelling) of the first layout whose allowed tables fit, or None. A 3-d
+    x whose tables fit no 3-d layout is read with a head dim of 1 (_with_one_head)."""
+    if _with_one_head(x_shape, table_shape):
+        x_shape, table_shape = _one_head(x_shape), _one_head(table_shape)
     for layout, tables in _TABLE_LAYOUTS.get(len(x_shape), {}).items():
         for spelling in tables:
             expected = [1 if letter == "1" else size for letter, size in zip(spelling, x_shape)]
             if list(table_shape) == expected:
                 return layout, spelling
     return None
+
+
+def _one_head(shape):
+    return (*shape[:2], 1, shape[2])
+
+
+def _with_one_head(x_shape, table_shape):
+    """A 3-d x (B, S, D) and tables that vary along S only, (1, S, D): the rotation of one
+    head, which the op takes as BSND (B, S, 1, D), tables 1S1D; in the op's own 3-d layout,
+    TND, such tables would be per head (1ND), which it does not take."""
+    return (len(x_shape) == 3 and len(table_shape) == 3 and table_shape[0] == 1 and table_shape[1] == x_shape[1]
+            and table_shape[2] == x_shape[2] and not x_shape[0] == 1)
 
 
 def _rotary_tables(site):
@@ -342,14 +367,16 @@ def _check_rotary_mul(site, mode_name):
         return f"cos {list(cos.shape)} and sin {list(sin.shape)} differ in shape"
     if cos.dim() > x.dim():
         return f"cos/sin have more dims ({cos.dim()}) than x ({x.dim()})"
-    found = _table_layout(x.shape, _padded_shape(cos, x))
+    padded = _padded_shape(cos, x)
+    found = _table_layout(x.shape, padded)
     if found is None:
         allowed = "; ".join(f"{layout}: {', '.join(tables)}" for layout, tables
                             in _TABLE_LAYOUTS.get(x.dim(), {}).items())
-        return (f"cos/sin of shape {list(_padded_shape(cos, x))} do not broadcast to x "
+        return (f"cos/sin of shape {list(padded)} do not broadcast to x "
                 f"{list(x.shape)} the way npu_rotary_mul needs ({allowed or 'x must be 3-d or 4-d'})")
     layout, spelling = found
-    batch, heads = (x.shape[layout.index("B")] if "B" in layout else 1), x.shape[layout.index("N")]
+    shape = _one_head(x.shape) if _with_one_head(x.shape, padded) else x.shape
+    batch, heads = (shape[layout.index("B")] if "B" in layout else 1), shape[layout.index("N")]
     if mode_name == "interleave":
         if spelling not in _INTERLEAVE_TABLES:
             return f"per-batch cos/sin ({spelling}) are not supported in interleave mode"
@@ -368,9 +395,9 @@ def _check_rotary_mul(site, mode_name):
         return f"B = {batch} or N = {heads} is not below {ROTARY_MUL.limits['max_batch_heads']}"
     if site.soc in ROTARY_MUL.limits["jit_compile_only_socs"]:
         wanted = ROTARY_MUL.limits["jit_compile_head_dim"]
-        if mode_name != "half" or x.dim() != 4 or head_dim != wanted:
+        if mode_name != "half" or len(shape) != 4 or head_dim != wanted:
             return (f"on {site.soc} npu_rotary_mul only has its jit kernel: half mode, 4-d x, "
-                    f"head_dim {wanted} (this site: {mode_name}, {x.dim()}-d, head_dim {head_dim})")
+                    f"head_dim {wanted} (this site: {mode_name}, {len(shape)}-d, head_dim {head_dim})")
     return None
 
 

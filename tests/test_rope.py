@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import npu_fx_fusion as nff
-from helpers import (GuardRecordingBackend, assert_close_at_scale, assert_within_ulps, compile_and_run,
+from helpers import (GuardRecordingBackend, RecordingBackend, assert_close_at_scale, assert_within_ulps, compile_and_run,
                      is_size_limit, near_miss_reasons)
 
 ONLY_ROPE = nff.FusionConfig(enable={"rope"})
@@ -866,3 +866,29 @@ def test_a_rotation_of_a_scaled_query_is_fused_or_says_why():
     reasons = near_miss_reasons(report, "rope")
     assert report.counts["rope"] + len(reasons) == 1, reasons
     torch.testing.assert_close(out, ref)
+
+
+class SplitKeyRotation(nn.Module):
+    """DeepSeek-V4's shared key (torchtitan-npu): the rope channels split off a 3-d (B, S, D)
+    key without a head dim, rotated as complex pairs by tables (1, S, D/2) that vary along S
+    only, and put back. The op's own 3-d layout, TND, would read those tables as per head
+    (1ND), which it does not take: it runs as BSND with one head, as the converter calls it."""
+
+    def forward(self, kv, freqs_cis):
+        nope, rope = torch.split(kv, [8, 16], dim=-1)
+        return torch.cat([nope, torchtitan_npu_v4_rope(rope, freqs_cis)], dim=-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_3d_key_without_heads_fuses_as_one_head(dynamic):
+    kv, freqs = inputs(torch.float32, (2, 6, 24)), _freqs_cis(6, 16)
+    backend = RecordingBackend(ONLY_ROPE)
+    with torch.no_grad():
+        out = torch.compile(SplitKeyRotation(), backend=backend, fullgraph=True, dynamic=dynamic)(kv, freqs)
+    assert [site.form for site in backend.report.sites] == ["complex_multiply"]
+    assert _fused(backend.report) == {"npu.npu_rotary_mul": 1}
+    (call,) = backend.graphs["inference"].graph.find_nodes(op="call_function", target=torch.ops.npu.npu_rotary_mul.default)
+    x, cos = (arg.meta["val"] for arg in call.args[:2])
+    assert (x.dim(), x.shape[2], cos.shape[0], cos.shape[2]) == (4, 1, 1, 1)  # BSND, one head; tables 1S1D
+    assert_within_ulps(out, SplitKeyRotation()(kv, freqs), 1)
+
