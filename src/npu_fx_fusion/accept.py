@@ -47,7 +47,7 @@ from .replay import MatchShape
 from .report import FusedSite, NearMiss, PassResult, location_of
 from .spellings import match as match_commutative
 from .spellings import may_occur, ops_present, prefilter, respell_exact
-from .tracing import TRACERS, is_joint_kind, is_static, signature
+from .tracing import TRACERS, failure_is_an_answer, is_joint_kind, is_static, signature
 
 log = logging.getLogger("npu_fx_fusion.matching")
 
@@ -610,7 +610,7 @@ def _exact_pattern(ctx: RunContext, registration: Registration, arguments: _Argu
     argnames, sizes = form.argnames, arguments.symbolic_sizes
     size_arguments: dict[str, Any] = {}
     try:
-        with arguments.fake_mode:
+        with arguments.fake_mode, failure_is_an_answer():
             if sizes:
                 # make_fx dedupes symbolic sizes of its inputs: pass them as inputs, so the
                 # trace reads them as the graph does (its own SymInt inputs), not as sym_size

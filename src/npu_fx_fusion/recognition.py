@@ -27,7 +27,7 @@ from .capabilities import CAPABILITIES, capability, not_lowerable
 from .forms import Form, FusionPass, Reason, Recognized, Site
 from .insertion import insert_replacement, trace_input
 from .report import FusedSite, NearMiss, location_of
-from .tracing import TRACERS
+from .tracing import TRACERS, failure_is_an_answer
 
 log = logging.getLogger("npu_fx_fusion.matching")
 
@@ -153,7 +153,7 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
 
 def _trace(run: RecognitionRun, replace: Callable, args: dict) -> torch.fx.GraphModule:
     values = [a.meta["val"] if isinstance(a, Node) else a for a in args.values()]
-    with run.fake_mode:
+    with run.fake_mode, failure_is_an_answer():
         traced = [trace_input(v) if isinstance(v, torch.Tensor) else v for v in values]
         return TRACERS["forward"](replace, traced)
 

@@ -19,7 +19,9 @@ Two decisions matter for correctness:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+import logging
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx
@@ -30,6 +32,19 @@ from .canonical import (canonicalize, canonicalize_grad_accumulation, functional
 from .npu_dispatch import traced_as_on_npu
 
 Node = torch.fx.Node
+
+
+@contextlib.contextmanager
+def failure_is_an_answer() -> Iterator[None]:
+    """A trace whose failure answers a question (does the form trace at this site's shapes?):
+    torch's fake tensor mode logs each meta kernel that raises at ERROR, with its traceback,
+    before it raises, which a user would read as a failed compile."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = was_disabled
 
 
 def trace_without_decompositions(fn: Callable, args: Sequence[Any], **kwargs: Any) -> torch.fx.GraphModule:
