@@ -198,7 +198,7 @@ def _begin_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionR
     if folder:
         dumper.write(folder, "before.py", _graph_code(gm))
         dumper.keep_before(gm)
-    return graph_report, dumper, folder, _Snapshot(gm.graph, own_meta=True)
+    return graph_report, dumper, folder, _Snapshot(gm.graph)
 
 
 def _measure_later(graph_report: GraphReport, before: "_Snapshot", after: "_Snapshot") -> None:
@@ -221,7 +221,7 @@ def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: Fusion
     gm.recompile()
     graph_report.nodes_after = len(gm.graph.nodes)
     graph_report.ops_after = op_counts(gm.graph)
-    _measure_later(graph_report, before, _Snapshot(gm.graph, own_meta=True))
+    _measure_later(graph_report, before, _Snapshot(gm.graph))
     graph_report.normed_inputs = normed_inputs(gm)
     graph_report.seconds = time.perf_counter() - start
     report.add(graph_report)
@@ -260,7 +260,7 @@ def run_joint_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: Fus
     passes = [name for name in config.enabled_passes()
               if (fusion_pass := load_pass(name)) is not None
               and (fusion_pass.differentiable or fusion_pass.forward_forms_on_joint)]
-    snapshot = _Snapshot(gm.graph) if passes else None
+    snapshot = before if passes else None  # (the graph as _begin_graph recorded it)
     fused = False
     try:
         if passes:
@@ -350,7 +350,7 @@ class FusedJoint:
         graph_report = self.graph_report
         graph_report.nodes_after = len(self.gm.graph.nodes)
         graph_report.ops_after = op_counts(self.gm.graph)
-        _measure_later(graph_report, self._before, _Snapshot(self.gm.graph, own_meta=True))
+        _measure_later(graph_report, self._before, _Snapshot(self.gm.graph))
         graph_report.seconds += time.perf_counter() - start
         if self._folder:
             self._dumper.write(self._folder, "after.py", _graph_code(self.gm))
@@ -439,14 +439,15 @@ class _Snapshot:
     insert, erase and reorder them: the records hold what each was. Meta dicts are kept,
     not copied: what a pass writes into an existing node's meta (the matcher's mutation
     region ids) describes the node, whatever the pass does next.
+
+    The report's cost estimates read the graph before and after the passes from two of
+    them (`copy`, when first read): a node keeps its value's shape and dtype through every
+    rewrite, so the shared meta measures as it did.
     """
 
-    def __init__(self, graph: torch.fx.Graph, *, own_meta: bool = False):
-        """own_meta: keep a copy of each node's meta dict (a record read after the passes,
-        whatever they write into the meta of the nodes they keep), not the dict itself."""
+    def __init__(self, graph: torch.fx.Graph):
         self.graph = graph
-        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, dict(n.meta) if own_meta else n.meta)
-                        for n in graph.nodes]
+        self.records = [(n, n.op, n.target, n.args, n.kwargs, n.name, n.type, n.meta) for n in graph.nodes]
 
     def restore(self, gm: torch.fx.GraphModule) -> dict[Node, Node]:
         """Put the graph back into `gm`; returns {node of the snapshot: its rebuilt node}."""
