@@ -325,7 +325,10 @@ def scenario_install_chains_user_pass():
     }
 
 
-def scenario_npugraph_ex_optimize_fx():
+def scenario_npugraph_ex_optimize_fx(traced_forms=False):
+    """traced_forms: the forms traced in this process, as without precompiled patterns (or
+    with stale ones): each trace runs under the NPU dispatch emulation, next to npugraph_ex's
+    own matmul_backward kernel."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     import npugraph_ex
@@ -335,6 +338,10 @@ def scenario_npugraph_ex_optimize_fx():
 
     import npu_fx_fusion as nff
 
+    if traced_forms:
+        import npu_fx_fusion.registry
+
+        npu_fx_fusion.registry._load_precompiled = lambda fusion_pass, forms: None
     user_calls: list[list[str]] = []
     graphs, post_pass = _graph_counter()
     options = {
@@ -778,8 +785,10 @@ def test_install_chains_with_users_pre_pass():
     assert r["npu_ops_torchair_lowered"][0] == ["npu.npu_add_rms_norm.default", "npu.npu_rms_norm.default"], r
 
 
-def test_npugraph_ex_optimize_fx_runs_our_pass_from_options():
-    r = run_scenario(scenario_npugraph_ex_optimize_fx)
+@pytest.mark.parametrize("traced_forms", [False, True], ids=["precompiled patterns", "forms traced here"])
+def test_npugraph_ex_optimize_fx_runs_our_pass_from_options(traced_forms):
+    r = run_scenario(scenario_npugraph_ex_optimize_fx, traced_forms=traced_forms)
+    assert r["errors"] == [], r
     assert r["options_pre_pass_is_pipeline"] and r["config_pre_pass_is_pipeline"], r
     assert r["config_mode"] == "npugraph_ex", r
     assert r["modes"] == ["npugraph_ex"], r

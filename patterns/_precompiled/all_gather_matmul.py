@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '97cca4783dd30627',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a2435d34f87475ef',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

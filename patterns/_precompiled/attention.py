@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0f637f6b808051e0',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a624bbcbac7e80aa',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '88f494a14f4190a5',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2335893a53430568',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

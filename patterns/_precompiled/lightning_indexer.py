@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cd8cdba053b1b1ea',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3b5edfce4c38c77b',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

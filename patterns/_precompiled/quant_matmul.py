@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f43f0214b6d7c224',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4078e97ecda64743',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a151c37ec0031e5b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a80391e9e9608365',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

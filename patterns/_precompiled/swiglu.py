@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8449a5907ff5e606',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c2ff0ad81023b4f8',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

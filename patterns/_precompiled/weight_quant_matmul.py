@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1c056a459b650aa4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7476d6620d29ab54',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {

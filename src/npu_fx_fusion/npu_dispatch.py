@@ -604,7 +604,10 @@ TORCHAIR_PY_KERNELS: tuple[tuple[str, DispatchKey, Callable], ...] = (
 
 
 def _from_torchair(kernel: Callable) -> bool:
-    return "torchair" in (getattr(kernel, "__module__", None) or "")
+    """torchair's own kernel, or npugraph_ex's (torch_npu's other graph backend, which
+    registers the same ones, e.g. its matmul_backward decomposition)."""
+    module = getattr(kernel, "__module__", None) or ""
+    return "torchair" in module or "npugraph_ex" in module
 
 
 def _overload(op: str) -> torch._ops.OpOverload:
@@ -646,7 +649,8 @@ class NpuDispatch:
                 if key in overload.py_kernels:
                     if _from_torchair(overload.py_kernels[key]):
                         continue  # torchair's backend is built in this process: its own kernel is the real one
-                    raise RuntimeError(f"{overload} already has a Python kernel at {key}, not torchair's")
+                    raise RuntimeError(f"{overload} already has a Python kernel at {key}, not torchair's "
+                                       f"({getattr(overload.py_kernels[key], '__module__', None)})")
                 overload.py_impl(key)(kernel)
                 self._py_kernels.append((overload, key))
         except Exception:
