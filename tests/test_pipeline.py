@@ -48,6 +48,30 @@ def test_a_failing_pass_is_reverted_and_reported(monkeypatch, caplog):
     assert "pass rms_norm failed and was reverted" in caplog.text
 
 
+def test_a_finish_that_leaves_a_node_after_its_readers_is_reverted_alone(monkeypatch):
+    """After each pass or finish that changed the graph, the graph is checked for what one
+    can break: each node reads nodes defined before it. The one that broke it is reverted,
+    not the fusions before it (here a finish moving the fused norm after its readers)."""
+    import copy
+
+    gm, module, x = _graph()
+
+    def misplace(graph, options):
+        norm = next(n for n in graph.nodes if n.target is torch.ops.npu.npu_rms_norm.default)
+        next(iter(graph.find_nodes(op="output"))).prepend(norm)
+        return ["moved"]
+
+    broken = copy.copy(pipeline.load_pass("rms_norm"))
+    broken.finish = misplace
+    monkeypatch.setattr(pipeline, "load_pass", lambda name: broken if name == "rms_norm" else None)
+    report = nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}))
+    assert report.fused_ops == {"npu.npu_rms_norm": 1}
+    (result,) = report.graphs[0].passes
+    assert len(result.finished) == 1 and "reads npu_rms_norm" in result.finished[0], result.finished
+    assert result.finished[0].startswith("its finish raised and was reverted: RuntimeError: ")
+    torch.testing.assert_close(gm(x), module(x))
+
+
 def test_a_failure_is_one_warning_line_and_its_full_text_goes_to_the_dump_dir(monkeypatch, caplog, tmp_path):
     gm, _, _ = _graph()
     exploding = _ExplodingPass()
