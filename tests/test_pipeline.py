@@ -72,6 +72,25 @@ def test_a_finish_that_leaves_a_node_after_its_readers_is_reverted_alone(monkeyp
     torch.testing.assert_close(gm(x), module(x))
 
 
+def test_a_failure_after_the_passes_restores_the_graph_as_given(monkeypatch):
+    """The cleanup after the passes failing puts back the graph the pipeline was given (its
+    canonical spelling included), and turns the fused sites into near misses naming it."""
+    gm, module, x = _graph()
+    before = gm.code
+
+    def fail(graph, *args):
+        raise RuntimeError("cleanup broke")
+
+    monkeypatch.setattr(pipeline, "copies_for_contiguous_inputs", fail)
+    report = nff.fuse(gm, config=nff.FusionConfig(enable={"rms_norm"}))
+    assert gm.code == before and report.fused_ops == {}
+    assert report.errors == [("cleanup after the passes", "RuntimeError: cleanup broke")]
+    (result, _) = report.graphs[0].passes
+    assert [m.reason for m in result.near_misses] == [
+        "fused, then reverted with the cleanup after the passes: RuntimeError: cleanup broke"]
+    torch.testing.assert_close(gm(x), module(x))
+
+
 def test_a_failure_is_one_warning_line_and_its_full_text_goes_to_the_dump_dir(monkeypatch, caplog, tmp_path):
     gm, _, _ = _graph()
     exploding = _ExplodingPass()

@@ -152,7 +152,7 @@ def run_passes(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionRep
             gm.graph.eliminate_dead_code()
         canonicalize(gm.graph)
     original_nodes = set(gm.graph.nodes)
-    snapshot = _Snapshot(gm.graph) if enabled else None
+    snapshot = before if enabled else None  # a failure after the passes restores the graph as given
     try:
         results = []
         for name in enabled:
