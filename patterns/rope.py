@@ -639,7 +639,9 @@ def recognize(graph, joint):
             if value is None or tensor_meta(output).is_complex():
                 continue
             rotations = _rotations(value, output, evaluated)
-            if isinstance(rotations, str):
+            if isinstance(rotations, str) or tensor_meta(output).dim() < 3:
+                # (read in fewer dims than the op takes: V3.2's indexer key reshaped to (B*S, D)
+                # for its Hadamard transform; the rotation's own result has them)
                 output, rotations = _before_a_repeat(output, rotations, evaluated)
             if not rotations:
                 continue

@@ -167,6 +167,12 @@ GATHERS = {
     "de-interleave": (lambda d: [((j % (d // 2)) * 2 + j // (d // 2),) for j in range(d)], lambda d: (d,),
                       lambda d: [1.0] * d),
     "offset block": (lambda d: [(j + 2,) for j in range(d)], lambda d: (d + 4,), lambda d: [1.0] * d),
+    # a rotation's table over rows that merge 2 batches and 3 positions: read alike for each
+    # batch (four digits: batch, position, half, channel)
+    "rows repeat": (lambda d: [(s, j % (d // 2)) for b in range(2) for s in range(3) for j in range(d)],
+                    lambda d: (3, d // 2), lambda d: [1.0] * (6 * d)),
+    "rows repeat, halves negated": (lambda d: [(s, j % (d // 2)) for b in range(2) for s in range(3) for j in range(d)],
+                                    lambda d: (3, d // 2), lambda d: ([-1.0] * (d // 2) + [1.0] * (d // 2)) * 6),
 }
 
 

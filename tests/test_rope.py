@@ -892,3 +892,27 @@ def test_a_3d_key_without_heads_fuses_as_one_head(dynamic):
     assert (x.dim(), x.shape[2], cos.shape[0], cos.shape[2]) == (4, 1, 1, 1)  # BSND, one head; tables 1S1D
     assert_within_ulps(out, SplitKeyRotation()(kv, freqs), 1)
 
+
+
+class IndexerKeyForItsHadamard(nn.Module):
+    """torchtitan-npu DeepSeek-V3.2's indexer key: the rope channels of a 3-d key rotated with
+    a head dim of 1 (unsqueeze, the non-interleaved complex form, squeeze), put back (with a
+    head dim of 1 again), and the key reshaped to (B*S, D) for the Hadamard transform. Read there, the rotation's table
+    repeats over the batch within the merged rows; the rotation fuses at its own result."""
+
+    def __init__(self):
+        super().__init__()
+        self.wk = nn.Linear(32, 32, bias=False)
+
+    def forward(self, x, freqs_cis, hadamard):
+        k_pe, k_nope = torch.split(self.wk(x), [16, 16], dim=-1)
+        k_pe = torchtitan_npu_v32_rope(k_pe.unsqueeze(2), freqs_cis).squeeze(2)
+        k = torch.cat([k_pe, k_nope], dim=-1).unsqueeze(2)
+        return (k.reshape(-1, 32) @ hadamard).view(k.shape)
+
+
+def test_a_rotation_read_through_a_reshape_to_rows_fuses_at_its_own_result():
+    x, hadamard = inputs(torch.float32, (2, 16, 32)), torch.randn(32, 32)
+    out, ref, report = compile_and_run(IndexerKeyForItsHadamard(), x, _freqs_cis(64, 16), hadamard, config=ONLY_ROPE)
+    assert _fused(report) == {"npu.npu_rotary_mul": 1} and near_miss_reasons(report, "rope") == []
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -831,7 +831,28 @@ def channel_gather(sources: Sequence[tuple[int, ...]], source_shape: Sequence[in
         found = _gather(split, (*source_shape[:-1], source_shape[-1] // 2, 2), signs)
         if found is not None:
             found = ChannelGather(found.source_shape, found.radix, found.dims, found.sign_digit, found.signs, 2)
+    if found is None:
+        found = _repeated(list(sources), source_shape, signs)
     return found
+
+
+def _repeated(sources: list, source_shape: Sequence[int], signs: list) -> Optional[ChannelGather]:
+    """The gather of channels that repeat with a period (a rotation's table read alike for
+    every batch row, where the rows merge batch and positions): one more digit, in front,
+    that no source dim reads (a broadcast), and the gather of one period behind it."""
+    count = len(sources)
+    for period in range(1, count // 2 + 1):
+        if count % period or any(sources[i] != sources[i % period] or signs[i] != signs[i % period]
+                                 for i in range(period, count)):
+            continue
+        inner = channel_gather(sources[:period], source_shape, signs[:period])
+        if inner is None:
+            return None
+        dims = tuple(spec if spec[0] == "const" else ("digit", spec[1] + 1, spec[2]) for spec in inner.dims)
+        sign_digit = None if inner.sign_digit is None else inner.sign_digit + 1
+        return ChannelGather(inner.source_shape, (count // period, *inner.radix), dims, sign_digit, inner.signs,
+                             inner.split)
+    return None
 
 
 def _gather(sources: list, source_shape: tuple, signs: list) -> Optional[ChannelGather]:
