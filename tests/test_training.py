@@ -358,7 +358,7 @@ def _two_norms(x, y, w):
     return norm(x), norm(y)
 
 
-def test_a_joint_graph_that_does_not_partition_is_compiled_unfused(monkeypatch):
+def test_a_joint_graph_that_does_not_partition_is_compiled_unfused(monkeypatch, tmp_path):
     # a partitioner that fails on the fused graph (as torchair's default_partition did on a
     # backward op placed among forward ones): the compile must still succeed, unfused
     # there, and say why
@@ -375,12 +375,15 @@ def test_a_joint_graph_that_does_not_partition_is_compiled_unfused(monkeypatch):
     torch._dynamo.reset()
     inputs = [torch.randn(2, 4, 8, 16, requires_grad=True), torch.randn(2, 4, 8, 16, requires_grad=True),
               torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 16)]
-    backend = RecordingBackend(nff.FusionConfig(enable={"rope"}))
+    # (with dumps, the joint graph's report is written, its costs read, before the partition)
+    backend = RecordingBackend(nff.FusionConfig(enable={"rope"}, dump_dir=str(tmp_path)))
     q, k = torch.compile(_two_ropes, backend=backend, fullgraph=True)(*inputs)
     (q.sum() + k.sum()).backward()
     joint = next(g for g in backend.report.graphs if g.name == "joint")
     (error,) = [r.error for r in joint.passes if r.error]
     assert "was invalid, but is output" in error
+    # its cost after is the unfused graph's it was put back to, not the fused one's read before
+    assert joint.cost_after == joint.cost_before
     reverted = [m.reason for r in joint.passes for m in r.near_misses if m.reason.startswith("fused, then reverted")]
     assert len(reverted) == 2 and not any(r.sites for r in joint.passes)
     # the forward-only pass after partitioning fuses the forward halves instead

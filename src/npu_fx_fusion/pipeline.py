@@ -210,7 +210,7 @@ def _measure_later(graph_report: GraphReport, before: "_Snapshot", after: "_Snap
                           cost_model.estimates(graph_before, graph_report.mode),
                           cost_model.estimates(graph_after, graph_report.mode))
 
-    graph_report.measure = measure
+    graph_report.measure_with(measure)
 
 
 def _finish_graph(gm: torch.fx.GraphModule, config: FusionConfig, report: FusionReport,

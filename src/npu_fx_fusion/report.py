@@ -361,6 +361,11 @@ class GraphReport:
     measure: Optional[Callable[[], "GraphCosts"]] = field(default=None, repr=False, compare=False)
     _costs: Optional["GraphCosts"] = field(default=None, init=False, repr=False, compare=False)
 
+    def measure_with(self, measure: Callable[[], "GraphCosts"]) -> None:
+        """Work the costs out with `measure` when next read, forgetting any read before (a
+        joint graph put back unfused after its report was written)."""
+        self.measure, self._costs = measure, None
+
     @property
     def costs(self) -> "GraphCosts":
         """The estimated costs before and after the passes, worked out once (`measure`)."""
