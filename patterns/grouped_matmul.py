@@ -124,9 +124,10 @@ def forms():
 
 # ---- checks -------------------------------------------------------------------------------
 def _weight_layout_reason(w):
-    """None if w is a contiguous (E, K, N) tensor or a transposed view of an (E, N, K) one."""
-    e, k, n = w.shape
-    if w.is_contiguous() or tuple(w.stride()) == (k * n, 1, k):
+    """None if w is a contiguous (E, K, N) tensor or a transposed view of an (E, N, K) one (or
+    an expert's own (K, N) weight, one of a weight list, likewise)."""
+    k, n = w.shape[-2:]
+    if w.is_contiguous() or tuple(w.stride()) == (k * n,) * (w.dim() - 2) + (1, k):
         return None
     return (f"weight strides {tuple(w.stride())} are neither an (E, K, N) tensor nor a transposed "
             "(E, N, K) one, the two layouts npu_grouped_matmul reads")
@@ -493,6 +494,9 @@ def _row_wise(node):
     return _split_dim(node) == 1
 
 
+_LOOP = "experts in a loop over split rows"
+
+
 def _loop_site(weight, joint):
     """The Recognized site of one expert weight's per-expert matmuls, or None (no loop here)."""
     matmuls = _expert_matmuls(weight, joint)
@@ -500,47 +504,55 @@ def _loop_site(weight, joint):
     if matmuls is None or len(matmuls) < 2:
         return None
     first = matmuls[min(matmuls)]
-    name = "experts in a loop over split rows"
     shape = tuple(tensor_meta(weight).shape)
     if sorted(matmuls) != list(range(experts)):
-        return Recognized(name, first, [first], reason=(
+        return Recognized(_LOOP, first, [first], reason=(
             f"{len(matmuls)} of the {experts} experts of a {shape} weight run one by one (a matmul per expert "
             "on its rows): not every expert's, so not one grouped GEMM over the weight"))
     ordered = [matmuls[e] for e in range(experts)]
+    chains = [_expert_weight(m.args[1])[2] for m in ordered]
+    return _rolled_loop(f"a {shape} weight", [weight], ordered, chains, joint)
+
+
+def _rolled_loop(what, weights, ordered, chains, joint):
+    """The site of E matmuls, expert e's `ordered[e]` multiplying its rows by what `chains[e]`
+    reads (from expert e of one stacked weight, `weights` = [w], or from its own weight,
+    `weights` = the E of them): one grouped GEMM, or a near miss saying why not."""
+    experts, first = len(ordered), ordered[0]
     if joint:
-        return Recognized(name, first, ordered, reason=(
-            f"{experts} experts of a {shape} weight run one by one in training: their backward (a GEMM per expert "
+        return Recognized(_LOOP, first, ordered, reason=(
+            f"{experts} experts of {what} run one by one in training: their backward (a GEMM per expert "
             "for each gradient) is not rewritten; the forward graph, after partitioning, is where they can fuse"))
     rows = tensor_meta(ordered[0].args[0])
     if rows is None or rows.dim() != 2:
-        return Recognized(name, first, ordered, reason=(
-            f"the experts of a {shape} weight multiply {rows.dim() if rows is not None else 'unknown'}-d rows: "
+        return Recognized(_LOOP, first, ordered, reason=(
+            f"the experts of {what} multiply {rows.dim() if rows is not None else 'unknown'}-d rows: "
             "npu_grouped_matmul's x is 2-d (tokens, hidden)"))
-    chains = [_expert_weight(m.args[1])[2] for m in ordered]
     if any(len(c) != len(chains[0]) or any(a.target is not b.target for a, b in zip(c[1:], chains[0][1:]))
            for c in chains):
-        return Recognized(name, first, ordered, reason=f"the experts of a {shape} weight are read in different ways")
+        return Recognized(_LOOP, first, ordered, reason=f"the experts of {what} are read in different ways")
     try:
         rolled = _Rolled([m.args[0] for m in ordered])
         if rolled.bounds is None:
             raise _NotRolled("no split of the rows reaches the experts' matmuls")
     except _NotRolled as why:
-        return Recognized(name, first, ordered, reason=(
-            f"{experts} experts of a {shape} weight run one by one, a matmul per expert on its rows, but {why}: "
+        return Recognized(_LOOP, first, ordered, reason=(
+            f"{experts} experts of {what} run one by one, a matmul per expert on its rows, but {why}: "
             "npu_grouped_matmul takes the experts as one grouped GEMM over one tensor's rows"))
-    return _rolled_site(name, weight, ordered, chains, rolled)
+    return _rolled_site(weights, ordered, chains, rolled)
 
 
-def _rolled_site(name, weight, matmuls, chains, rolled):
+def _rolled_site(weights, matmuls, chains, rolled):
+    """`weights`: [the stacked (E, ., .) weight], or the E experts' own weights (a weight list)."""
     cat = _concatenation(matmuls)
-    region = set(matmuls) | {n for chain in chains for n in chain}
+    region = set(matmuls) | {n for chain in chains for n in chain if n not in weights}
     region |= {n for *_, nodes in rolled.ops.values() for n in nodes if n is not None}
     # intermediates read outside the site: each is cut from the whole (None: an expert without
     # rows, whose code is left as it was)
     escaping = [(first, nodes) for _, first, _, nodes in rolled.ops.values()
                 if any(u not in region for n in nodes if n is not None for u in n.users)]
     if any(not isinstance(tensor_meta(first), torch.Tensor) for first, _ in escaping):
-        return Recognized(name, matmuls[0], matmuls, reason=(
+        return Recognized(_LOOP, matmuls[0], matmuls, reason=(
             "a split of each expert's columns has pieces read outside the loop's GEMMs: "
             "not one value per expert to cut from the whole"))
     outputs = ([cat] if cat is not None else list(matmuls)) + [n for _, nodes in escaping for n in nodes if n is not None]
@@ -548,7 +560,7 @@ def _rolled_site(name, weight, matmuls, chains, rolled):
         region.add(cat)
     leaves = rolled.leaves + rolled.shared
     args = {f"a{i}": leaf for i, leaf in enumerate(dict.fromkeys(leaves))}
-    args["w"] = weight
+    args.update({f"w{i}": weight for i, weight in enumerate(weights)})
     kind, items = rolled.bounds
     args.update({f"b{i}": item for i, item in enumerate(items) if isinstance(item, Node)})
     replay = _weight_replayed(chains[0])
@@ -562,7 +574,13 @@ def _rolled_site(name, weight, matmuls, chains, rolled):
             by_node[leaf] = by_node[leaf][:ends[-1]]
         sizes = given if kind == "sizes" else [b - a for a, b in zip([0, *ends[:-1]], ends)]
         group_list = torch.stack([torch.scalar_tensor(end, dtype=torch.int64) for end in ends])
-        out = npu_grouped_matmul(rolled.evaluate(by_node), replay(values["w"]), group_list)
+        x = rolled.evaluate(by_node)
+        if len(weights) == 1:
+            out = npu_grouped_matmul(x, replay(values["w0"]), group_list)
+        else:  # a weight list: inference only (the joint graph's loops are near misses)
+            out = torch.ops.npu.npu_grouped_matmul(
+                [x.contiguous()], [replay(values[f"w{e}"]) for e in range(len(weights))], group_list=group_list,
+                split_item=3, group_type=0, group_list_type=0)[0]
         results = [out] if cat is not None else list(torch.split(out, sizes))
         for first, nodes in escaping:  # an intermediate read elsewhere too: its chunks of the whole
             pieces = torch.split(rolled.evaluate(by_node, first), sizes)
@@ -570,9 +588,14 @@ def _rolled_site(name, weight, matmuls, chains, rolled):
         return results if len(results) > 1 else results[0]
 
     x_value = tensor_meta(matmuls[0].args[0])  # expert 0's rows: the dtype and width of them all
-    site_args = {"x": x_value, "w": replay(tensor_meta(weight)),
+    if len(weights) == 1:
+        w_value = replay(tensor_meta(weights[0]))
+    else:  # check() reads the list as the (E, K, N) weight it would stack into
+        expert = replay(tensor_meta(weights[0]))
+        w_value = x_value.new_empty((len(weights), *expert.shape), dtype=expert.dtype)
+    site_args = {"x": x_value, "w": w_value,
                  "offs": torch.empty(len(matmuls), dtype=torch.int64, device=x_value.device)}
-    return Recognized(name, outputs if len(outputs) > 1 else outputs[0], sorted(region), args,
+    return Recognized(_LOOP, outputs if len(outputs) > 1 else outputs[0], sorted(region), args,
                       with_arguments(args, replace, "npu_grouped_matmul_rolled"), site_args)
 
 
@@ -589,9 +612,9 @@ def _concatenation(matmuls):
 
 
 def recognize(graph, joint):
-    """Each stacked expert weight whose experts run one by one (a generator: a weight's site is
-    found after the ones before it were replaced, so w2's operand, computed from w1's and w3's
-    rolled results, rolls too)."""
+    """Each stacked expert weight whose experts run one by one, then each GEMM of experts that
+    hold their own weights (a generator: a weight's site is found after the ones before it
+    were replaced, so w2's operand, computed from w1's and w3's rolled results, rolls too)."""
     first_read = {}  # weight -> the first matmul reading its expert 0
     for select in graph.find_nodes(op="call_function", target=aten.select.int):
         found = _expert_weight(select)
@@ -604,6 +627,128 @@ def recognize(graph, joint):
         site = _loop_site(weight, joint)
         if site is not None:
             yield site
+    yield from _weight_list_sites(graph, joint)
+
+
+# ---- experts that hold their own weights (an nn.ModuleList of experts) ----------------------
+# The same loop, each expert an nn.Module with its own Linear layers (older transformers MoE
+# blocks, hand-written MoE code): expert e's GEMM reads its rows and a weight of its own,
+#
+#     chunk_e(A) @ W_e  for e < E   ==   chunk_e(npu_grouped_matmul([A], [W_0, ..., W_E-1], sizes))
+#
+# (group_type 0 takes E (K, N) weights as well as one (E, K, N) tensor, op_semantics 7; at most
+# 128 of them). A GEMM belongs to expert e when its left operand is computed from the e-th
+# chunk of the split rows and no other; the j-th GEMM of each expert by a weight of one shape
+# makes one grouped GEMM (w1 / w3 / w2 of each expert, in the order its code runs them).
+def _own_weight(operand):
+    """(w, chain) where `operand` is a 2-d weight of its own (a graph input or attribute) read
+    through transposes and casts (`chain`: w, then the nodes up to operand); else None."""
+    chain, node = [], operand
+    while is_call(node, *_TRANSPOSES) or is_cast(node):
+        chain.append(node)
+        node = node.args[0]
+    meta = tensor_meta(node)
+    if not (isinstance(node, Node) and node.op in ("placeholder", "get_attr") and meta is not None
+            and meta.dim() == 2):
+        return None
+    return node, [node, *reversed(chain)]
+
+
+def _is_row_chunk(node):
+    return (is_call(node, operator.getitem) and _split_dim(node.args[0]) == 0) or (
+        is_call(node, aten.slice.Tensor) and _splits_rows(node))
+
+
+def _split_rows(graph):
+    """The chunks of each 2-d tensor whose rows are cut in two or more (a split's getitems, or
+    row slices)."""
+    chunks = {}
+    for node in itertools.chain(graph.find_nodes(op="call_function", target=operator.getitem),
+                                graph.find_nodes(op="call_function", target=aten.slice.Tensor)):
+        if _is_row_chunk(node):
+            chunks.setdefault(node.args[0], set()).add(node)
+    return {chunk for pieces in chunks.values() if len(pieces) > 1 for chunk in pieces}
+
+
+def _row_chunk(node, chunks, budget=48):
+    """The one chunk of `chunks` that `node` is computed from, if exactly one (looked for among
+    its first `budget` ancestors); else None."""
+    seen, frontier, found = set(), [node], set()
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        if len(seen) == budget:
+            return None
+        seen.add(current)
+        if current in chunks:
+            found.add(current)
+        else:
+            frontier.extend(current.all_input_nodes)
+    return next(iter(found)) if len(found) == 1 else None
+
+
+def _chunk_order(chunk):
+    return (0, chunk.args[1]) if is_call(chunk, operator.getitem) else (1, chunk)
+
+
+def _weight_list_sites(graph, joint):
+    chunks = _split_rows(graph)
+    if not chunks:
+        return
+    groups = {}  # (rows split, weight shape, how it is read) -> {chunk: [its GEMMs, in graph order]}
+    for matmul in (n for target in _MATMULS for n in graph.find_nodes(op="call_function", target=target)):
+        if len(matmul.args) != 2 or (joint and is_backward(matmul)):
+            continue
+        own = _own_weight(matmul.args[1])
+        chunk = _row_chunk(matmul.args[0], chunks) if own is not None else None
+        if chunk is None:
+            continue
+        weight, chain = own
+        key = (chunk.args[0], tuple(tensor_meta(weight).shape), tuple(n.target for n in chain[1:]))
+        groups.setdefault(key, {}).setdefault(chunk, []).append(matmul)
+    layers = []
+    for (_, shape, _), by_chunk in groups.items():
+        if len(by_chunk) < 2:
+            continue
+        chunks = sorted(by_chunk, key=_chunk_order)
+        per_expert = {len(by_chunk[c]) for c in chunks}
+        if len(per_expert) != 1:
+            first = min(m for c in chunks for m in by_chunk[c])
+            layers.append((first, Recognized(_LOOP, first, [first], reason=(
+                f"{len(chunks)} experts' rows are multiplied by {shape} weights of their own, but not as many times "
+                "each: not one GEMM per expert to group"))))
+            continue
+        for j in range(per_expert.pop()):
+            ordered = [sorted(by_chunk[c])[j] for c in chunks]
+            layers.append((ordered[0], ordered))
+    for _, layer in sorted(layers, key=lambda item: item[0]):
+        site = layer if isinstance(layer, Recognized) else _weight_list_site(layer, joint)
+        if site is not None:
+            yield site
+
+
+def _weight_list_site(ordered, joint):
+    owned = [_own_weight(m.args[1]) for m in ordered]
+    weights, chains = [w for w, _ in owned], [c for _, c in owned]
+    if len(set(weights)) != len(weights):  # one linear run on chunks of its input: no experts
+        return None
+    replay = _weight_replayed(chains[0])
+    metas = [replay(tensor_meta(w)) for w in weights]
+    what = f"{len(weights)} {tuple(metas[0].shape)} weights of their own"
+    limit = GROUPED_MATMUL.limits["max_groups_weight_list"]
+    x = tensor_meta(ordered[0].args[0])
+    reason = None
+    if len(weights) > limit:
+        reason = f"{len(weights)} experts: npu_grouped_matmul takes at most {limit} weights in a list"
+    elif any(m.dtype != metas[0].dtype for m in metas) or (x is not None and metas[0].dtype != x.dtype):
+        reason = "the experts' weights and rows are not all one dtype"
+    else:
+        reason = next((why for why in (_weight_layout_reason(m) for m in metas) if why), None)
+    if reason is not None:
+        return Recognized(_LOOP, ordered[0], ordered, reason=(
+            f"{len(weights)} experts run one by one, each with a weight of its own, but {reason}"))
+    return _rolled_loop(what, weights, ordered, chains, joint)
 
 
 # ---- near misses: a grouped GEMM left unfused ---------------------------------------------

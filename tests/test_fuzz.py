@@ -63,7 +63,7 @@ def test_the_block_slice_covers_the_crash_and_inference():
 # hyper-connection mappings); experts_loop, MoE experts run one by one (grouped_matmul).
 # `benchmarks/fuzz.py --family mhc_pre --cases N` runs more.
 NAMED_SLICES = {"mhc_post": (0, 1, 2, 3, 5, 6, 7, 12, 13, 31, 16, 36), "mhc_pre": (0, 1, 2, 3, 7, 13, 53, 9),
-                "experts_loop": (0, 2, 3, 4, 5, 7, 9, 10, 14, 15, 33, 36)}
+                "experts_loop": (0, 17, 24, 48, 60, 96, 107, 116, 122)}
 
 
 @pytest.mark.parametrize("family, seed", [(f, s) for f, seeds in NAMED_SLICES.items() for s in seeds])
@@ -99,12 +99,18 @@ def test_the_experts_loop_slice_covers_every_spelling_and_look_alike():
     cases = [make_case(seed, "experts_loop") for seed in NAMED_SLICES["experts_loop"]]
     spellings = [c for c in cases if "lookalike" not in c.choices]
     for choice, values in (("rows", EXPERT_ROWS), ("gemm", EXPERT_GEMMS), ("mlp", EXPERT_MLPS),
-                           ("combine", EXPERT_COMBINE), ("counts", ("constant", "from_tokens"))):
+                           ("combine", EXPERT_COMBINE), ("counts", ("constant", "from_tokens")),
+                           ("storage", ("stacked", "own"))):
         assert {c.choices[choice] for c in spellings} == set(values), choice
     assert {c.choices["lookalike"] for c in cases if "lookalike" in c.choices} == set(EXPERT_LOOKALIKES)
     assert any(c.choices["precision"] == "autocast" for c in spellings)
     assert any(c.training for c in spellings) and any(c.training and c.dynamic for c in spellings)
     assert any(c.dynamic and c.choices["counts"] == "from_tokens" for c in spellings)
+    # the experts' own weights, in inference and dynamic=True; chunks meeting them in another
+    # order: a weight list in that order
+    own = [c for c in spellings if c.choices["storage"] == "own"]
+    assert any(c.dynamic for c in own) and any(not c.training and not c.dynamic for c in own)
+    assert any(c.kind == "positive" and c.choices.get("lookalike") in ("reversed", "rotated") for c in cases)
 
 
 @pytest.mark.slow

@@ -342,3 +342,94 @@ def test_a_merged_gate_up_loop_that_mixes_rows_rolls_only_its_first_gemm():
     reasons = near_miss_reasons(report, "grouped_matmul")
     assert len(reasons) == 1 and "is not an op of each row alone" in reasons[0], reasons
     torch.testing.assert_close(out, ref)
+
+
+class ExpertModules(torch.nn.Module):
+    """Experts as an nn.ModuleList, each a gated MLP of its own nn.Linear layers (older
+    transformers MoE blocks, hand-written MoE code), run one by one on the rows split by
+    counts. `activation_of(e)`: expert e's activation (a look-alike when they differ)."""
+
+    def __init__(self, experts=4, dim=16, hidden=32, activation_of=None, shared_weight=False):
+        super().__init__()
+        torch.manual_seed(0)
+        linear = lambda a, b: torch.nn.Linear(a, b, bias=False)  # noqa: E731
+        self.experts = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"w1": linear(dim, hidden), "w3": linear(dim, hidden), "w2": linear(hidden, dim)})
+            for _ in range(experts))
+        if shared_weight:  # one MLP run on every chunk: no experts
+            self.experts = torch.nn.ModuleList([self.experts[0]] * experts)
+        self.activation_of = activation_of or (lambda e: torch.nn.functional.silu)
+
+    def forward(self, x, counts):
+        outs = []
+        for e, (expert, rows) in enumerate(zip(self.experts, torch.split(x, counts))):
+            outs.append(expert["w2"](self.activation_of(e)(expert["w1"](rows)) * expert["w3"](rows)))
+        return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_experts_with_weights_of_their_own_fuse_as_a_weight_list(dynamic):
+    """Each layer of the experts' own weights is one npu_grouped_matmul taking the E weights as
+    a list; with the default passes, each expert's gate and up merge (merged_projections) and
+    the activation between the two grouped GEMMs runs once, as npu_swiglu. An expert without
+    rows included (static counts). Tolerance: the GEMMs are exact (see the top)."""
+    model = ExpertModules()
+    backend = RecordingBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    for counts in ([3, 1, 0, 6], [2, 5, 1, 2]):
+        x = torch.randn(sum(counts), 16)
+        with torch.no_grad():
+            assert_within_ulps(compiled(x, counts), model(x, counts), 1)
+    graph = backend.report.graphs[-1]
+    assert graph.fused_ops == {"npu.npu_grouped_matmul": 2, "npu.npu_swiglu": 1}
+    assert graph.ops_after.get("aten.mm.default", 0) + graph.ops_after.get("aten.matmul.default", 0) == 0
+    calls = backend.graphs["inference"].graph.find_nodes(op="call_function",
+                                                         target=torch.ops.npu.npu_grouped_matmul.default)
+    assert [len(call.args[1]) for call in calls] == [4, 4]  # the four experts' weights
+
+
+def test_experts_with_weights_of_their_own_fuse_each_linear_unmerged():
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(ExpertModules(), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.fused_ops == {"npu.npu_grouped_matmul": 3}
+    assert _gemms_left(report) == 0
+    _check(out, ref)
+
+
+def test_experts_with_weights_of_their_own_in_training_fuse_their_forward():
+    """The joint graph's loop is a near miss (its backward is not rewritten); the forward graph
+    fuses, and the gradients are eager's."""
+    model, reference = ExpertModules(), ExpertModules()
+    x = torch.randn(10, 16)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    backend = RecordingBackend(ONLY_GMM)
+    out = torch.compile(model, backend=backend, fullgraph=True)(xs[0], [3, 2, 4, 1])
+    ref = reference(xs[1], [3, 2, 4, 1])
+    probe = torch.randn_like(ref)
+    (out * probe).sum().backward()
+    (ref * probe).sum().backward()
+    _check(out, ref)
+    for a, b in [(xs[0].grad, xs[1].grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]:
+        assert_close_at_scale(a, b, 4)
+    assert dict(fused_op_counts(op_counts(backend.graphs["forward"].graph))) == {"npu.npu_grouped_matmul": 3}
+    reasons = near_miss_reasons(backend.report, "grouped_matmul")
+    assert len(reasons) == 3 and all("in training" in r for r in reasons), reasons
+
+
+def test_experts_of_their_own_that_compute_differently_roll_only_their_alike_gemms():
+    """Expert 1 gates with gelu: w1 and w3 still group (each reads its own rows), w2's rows
+    are not one computation, a near miss that names the differing op."""
+    gelu_for_one = lambda e: torch.nn.functional.gelu if e == 1 else torch.nn.functional.silu  # noqa: E731
+    x = torch.randn(10, 16)
+    out, ref, report = compile_and_run(ExpertModules(activation_of=gelu_for_one), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 2
+    reasons = near_miss_reasons(report, "grouped_matmul")
+    assert len(reasons) == 1 and "are not one op on each expert's rows" in reasons[0], reasons
+    torch.testing.assert_close(out, ref)
+
+
+def test_one_module_run_on_every_chunk_is_no_expert_loop():
+    x = torch.randn(10, 16)
+    _, _, report = compile_and_run(ExpertModules(shared_weight=True), x, [3, 2, 4, 1], config=ONLY_GMM)
+    assert report.counts["grouped_matmul"] == 0
+    assert near_miss_reasons(report, "grouped_matmul") == []
