@@ -641,17 +641,29 @@ def recognize(graph, joint):
 # chunk of the split rows and no other; the j-th GEMM of each expert by a weight of one shape
 # makes one grouped GEMM (w1 / w3 / w2 of each expert, in the order its code runs them).
 def _own_weight(operand):
-    """(w, chain) where `operand` is a 2-d weight of its own (a graph input or attribute) read
-    through transposes and casts (`chain`: w, then the nodes up to operand); else None."""
+    """(w, chain) where `operand` is a 2-d weight of its own read through transposes and casts
+    (`chain`: w, then the nodes up to operand); else None. The weight is a graph input or
+    attribute, or one op on such inputs alone (in training, merged_projections concatenates an
+    expert's gate and up weights in the graph); its sizes are static, as parameters' are
+    (dynamo makes inputs' sizes symbolic, not weights')."""
+    if _expert_weight(operand) is not None:  # expert e of a stacked weight: _loop_site's
+        return None
     chain, node = [], operand
     while is_call(node, *_TRANSPOSES) or is_cast(node):
         chain.append(node)
         node = node.args[0]
     meta = tensor_meta(node)
-    if not (isinstance(node, Node) and node.op in ("placeholder", "get_attr") and meta is not None
-            and meta.dim() == 2):
+    if not (isinstance(node, Node) and meta is not None and meta.dim() == 2
+            and all(isinstance(size, int) for size in meta.shape)):
+        return None
+    if not (_is_input(node) or (node.op == "call_function" and node.all_input_nodes
+                                and all(_is_input(n) for n in node.all_input_nodes))):
         return None
     return node, [node, *reversed(chain)]
+
+
+def _is_input(node):
+    return node.op in ("placeholder", "get_attr")
 
 
 def _is_row_chunk(node):

@@ -433,3 +433,38 @@ def test_one_module_run_on_every_chunk_is_no_expert_loop():
     _, _, report = compile_and_run(ExpertModules(shared_weight=True), x, [3, 2, 4, 1], config=ONLY_GMM)
     assert report.counts["grouped_matmul"] == 0
     assert near_miss_reasons(report, "grouped_matmul") == []
+
+
+class CountedExpertModules(ExpertModules):
+    """The counts read off a tensor (`.tolist()`, as torchtitan's experts do): a graph break,
+    or, with dynamo's capture_scalar_outputs, sizes the graph computes (unbacked)."""
+
+    def forward(self, x, counts):
+        return super().forward(x, counts.tolist())
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_experts_with_counts_computed_in_the_graph_fuse(training):
+    """Under capture_scalar_outputs the counts are unbacked sizes the graph computes: with the
+    default passes each expert's gate and up merge (in training concatenated in the graph, so
+    the weight is computed there from the parameters), and each layer's GEMMs roll (in
+    training in the forward graph; the joint graph's loops are near misses). No pass error,
+    eager's numbers."""
+    model, reference = CountedExpertModules(), CountedExpertModules()
+    counts = torch.tensor([3, 2, 4, 1])
+    x = torch.randn(10, 16).requires_grad_(training)
+    backend = EmulationBackend(nff.FusionConfig(strict=True))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), torch.set_grad_enabled(training):
+        out = torch.compile(model, backend=backend, fullgraph=True)(x, counts)
+        ref = reference(x, counts)
+    assert_within_ulps(out, ref, 1)
+    if training:
+        grads = [torch.autograd.grad(y.sum(), list(m.parameters())) for y, m in ((out, model), (ref, reference))]
+        for a, b in zip(*grads, strict=True):
+            assert_close_at_scale(a, b, 4)
+    assert backend.report.errors == []
+    assert backend.report.counts["grouped_matmul"] == 2
+    # each expert's activation runs on rows that may be none (an unbacked count): not npu_swiglu
+    assert any("is or may be empty" in r for r in near_miss_reasons(backend.report, "swiglu"))
+    reasons = near_miss_reasons(backend.report, "grouped_matmul")
+    assert len(reasons) == (2 if training else 0) and all("in training" in r for r in reasons), reasons
