@@ -185,6 +185,51 @@ def test_training_merges_a_swiglu_by_concatenating_its_weights_each_step(dynamic
     assert report.fused_ops.get("npu.npu_swiglu_backward") == 1
 
 
+class MoEBlockInputs(nn.Module):
+    """A MoE block's router, shared expert and shared-expert gate all read one input (Qwen2-MoE,
+    torchtitan-npu's DeepSeek-V3 compiled without a graph break); `up_first`: the expert's code
+    computes up before gate (`w2(w3(x) * silu(w1(x)))`)."""
+
+    def __init__(self, up_first=False):
+        super().__init__()
+        self.router = nn.Linear(HIDDEN, 8, bias=False)
+        self.gate_proj = nn.Linear(HIDDEN, FFN, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, FFN, bias=False)
+        self.down_proj = nn.Linear(FFN, HIDDEN, bias=False)
+        self.shared_gate = nn.Linear(HIDDEN, 1, bias=False)
+        self.up_first = up_first
+
+    def forward(self, x):
+        scores = self.router(x).softmax(-1)
+        if self.up_first:
+            up = self.up_proj(x)
+            h = up * F.silu(self.gate_proj(x))
+        else:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h) * torch.sigmoid(self.shared_gate(x)) + scores.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("up_first", [False, True], ids=["gate first", "up first"])
+def test_a_swiglus_gate_and_up_merge_by_themselves_gate_first(up_first, training):
+    """The gate and up of a SwiGLU merge as a pair, gate first (npu_swiglu activates the first
+    half), whatever else reads their input and in whichever order the code runs them: the
+    router and the shared-expert gate merge with each other (inference), not into the pair.
+    With all four in one linear, npu_swiglu would get two pieces of a wider tensor."""
+    model, reference = _model(MoEBlockInputs, up_first=up_first), _model(MoEBlockInputs, up_first=up_first)
+    x = torch.randn(2, 3, HIDDEN)
+    backend = EmulationBackend(nff.FusionConfig())
+    with torch.set_grad_enabled(training):
+        out = torch.compile(model.train(training), backend=backend)(x)
+        expected = reference.train(training)(x)
+    assert_close_at_scale(out, expected, 4)
+    report = backend.report
+    sites = [s.form for s in report.sites if s.pass_name == PASS]
+    assert sites == (["gate and up linears of a SwiGLU, in training"] if training
+                     else ["2 linears on one input", "2 linears on one input"]), sites
+    assert report.fused_ops.get("npu.npu_swiglu") == 1, near_miss_reasons(report, "swiglu")
+
+
 class GeGLU(nn.Module):
     def __init__(self):
         super().__init__()

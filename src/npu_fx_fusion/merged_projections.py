@@ -76,7 +76,7 @@ _BUFFERS: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDi
 
 @dataclass
 class _Group:
-    """The linears of one input, in graph order."""
+    """The linears of one input, in graph order (a SwiGLU's two: gate, then up)."""
 
     input: Node
     linears: list[Node]
@@ -247,7 +247,19 @@ def _groups(graph: torch.fx.Graph) -> list[_Group]:
         if (node.op == "call_function" and node.target in _LINEARS and isinstance(node.args[0], Node)
                 and node not in autocast):
             by_input.setdefault(node.args[0], _Group(node.args[0], [])).linears.append(node)
-    return [g for g in by_input.values() if len(g.linears) > 1]
+    groups = []
+    for group in by_input.values():
+        # a SwiGLU's gate and up merge by themselves, gate first: npu_swiglu takes them as the
+        # two halves of one tensor, activating the first. Merged with other linears of the
+        # input (a MoE block's router next to its shared expert) they would be two pieces of
+        # a wider one, and the swiglu pass could not fuse them
+        pairs = _swiglu_pairs(group.linears)
+        paired = {linear for pair in pairs for linear in pair}
+        rest = [linear for linear in group.linears if linear not in paired]
+        groups.extend(_Group(group.input, list(pair)) for pair in pairs)
+        if len(rest) > 1:
+            groups.append(_Group(group.input, rest))
+    return groups
 
 
 def _under_autocast(graph: torch.fx.Graph) -> set:
@@ -279,12 +291,22 @@ _TRAINING = ("a training graph: the weights need gradients of their own (the opt
 def _gates_a_swiglu(group: _Group) -> bool:
     """Two linears whose outputs meet as silu(one) * other (F.silu, or g * sigmoid(g)), in
     either order: where a per-step concatenation of their weights buys a fused npu_swiglu."""
-    if len(group.linears) != 2:
-        return False
-    first, second = group.linears
-    return any(_is_product_of(user, silu, other)
-               for gate, other in ((first, second), (second, first))
-               for silu in _silus_of(gate) for user in silu.users)
+    return len(group.linears) == 2 and bool(_swiglu_pairs(group.linears))
+
+
+def _swiglu_pairs(linears: Sequence[Node]) -> list[tuple[Node, Node]]:
+    """(gate, up) for each two of `linears` whose outputs meet as silu(gate) * up, each
+    linear in one pair at most."""
+    pairs, taken = [], set()
+    for gate in linears:
+        for silu in ([] if gate in taken else _silus_of(gate)):
+            up = next((other for other in linears if other is not gate and other not in taken
+                       and any(_is_product_of(user, silu, other) for user in silu.users)), None)
+            if up is not None:
+                pairs.append((gate, up))
+                taken.update((gate, up))
+                break
+    return pairs
 
 
 def _silus_of(node: Node) -> list[Node]:
@@ -305,7 +327,7 @@ def _is_product_of(node: Node, a: Node, b: Node) -> bool:
 
 def _concatenated_in_the_graph(gm: torch.fx.GraphModule, group: _Group) -> tuple[Node, Optional[Node]]:
     """torch.cat of the group's weights (and biases) in the graph, in front of its first linear."""
-    first = group.linears[0]
+    first = min(group.linears)
     with gm.graph.inserting_before(first):
         weight = gm.graph.call_function(torch.cat, ([linear.args[1] for linear in group.linears],), {"dim": 0})
         bias = None
@@ -438,7 +460,7 @@ def _rewrite(gm: torch.fx.GraphModule, group: _Group, buffer: Any, bias_buffer: 
     """linear(x, w_i, b_i) for each i -> split(linear(x, W, B), sizes, -1)[i]. W, B: merged
     buffers (tensors, registered here) or nodes computing them."""
     graph = gm.graph
-    first = group.linears[0]
+    first = min(group.linears)  # (in graph order; a SwiGLU's up may come before its gate)
     with graph.inserting_before(first):
         weight = buffer if isinstance(buffer, Node) else graph.get_attr(_register(gm, buffer))
         bias = bias_buffer if bias_buffer is None or isinstance(bias_buffer, Node) else \
