@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import (RESHAPES, Form, FusionPass, NotEvaluable, Recognized, channels_of, is_backward,
-                                    is_call, tensor_meta, uneven_halves, users_outside)
+                                    is_call, is_cast, tensor_meta, uneven_halves, users_outside)
 
 aten = torch.ops.aten
 SWIGLU = CAPABILITIES["npu.npu_swiglu"]
@@ -135,9 +135,29 @@ _PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.line
 
 
 def _is_projection(node):
+    return is_call(_unreshaped(node), *_PROJECTIONS)
+
+
+def _unreshaped(node):
     while is_call(node, *RESHAPES):
         node = node.args[0]
-    return is_call(node, *_PROJECTIONS)
+    return node
+
+
+def _reads_stacked_experts(projection):
+    """The projection multiplies by a stacked (E, ., .) expert weight: the whole of it
+    (_grouped_mm), or expert e of it (w[e], through transposes and casts)."""
+    projection = _unreshaped(projection)
+    weight = projection.args[1] if len(projection.args) > 1 else None
+    while isinstance(weight, torch.fx.Node) and (
+            is_call(weight, aten.t.default, aten.transpose.int, aten.permute.default, aten.select.int)
+            or is_cast(weight)):
+        if is_call(weight, aten.select.int):
+            weight = weight.args[0]
+            break
+        weight = weight.args[0]
+    meta = tensor_meta(weight) if isinstance(weight, torch.fx.Node) else None
+    return meta is not None and meta.dim() == 3
 
 
 def anchor(node):
@@ -159,6 +179,12 @@ def explain(mul):
         return ("gate and up are clamped (DeepSeek-V4's clamped SwiGLU): npu_swiglu has no clamp; the "
                 "swiglu_group pass fuses it (cann_ops_nn.swiglu_group / npu_clipped_swiglu)")
     if gate_source is None or up_source is None or gate_source is not up_source:
+        if _is_projection(gate) and _is_projection(up) and _reads_stacked_experts(gate) and _reads_stacked_experts(up):
+            return ("gate and up come from separate projections, MoE experts' GEMMs by two stacked weights (w1, w3): "
+                    "npu_swiglu needs them as the two halves of one product, by one (E, 2I, H) weight; "
+                    "merged_projections merges nn.Linear weights "
+                    "only (re-pointing stacked expert weights into one buffer would change their strides, and "
+                    "dynamo would recompile), and concatenating them would add a copy of the experts per step")
         if _is_projection(gate) and _is_projection(up):
             return ("gate and up come from separate projections: npu_swiglu needs them as the two "
                     "halves of one tensor (one gate_up projection), and concatenating them would "

@@ -664,3 +664,26 @@ def test_pieces_that_are_not_npu_swiglus_halves_say_why(glu, reason):
     reasons = near_miss_reasons(report, "swiglu")
     assert len(reasons) == 1 and reason in reasons[0], reasons
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+class StackedExpertsGateAndUp(torch.nn.Module):
+    """olmo-core's MoEMLP: the experts as batched GEMMs by stacked (E, H, I) weights w1, w3."""
+
+    def __init__(self, experts=2, hidden=HIDDEN, inner=32):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(experts, hidden, inner) * 0.2)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, hidden, inner) * 0.2)
+
+    def forward(self, x):
+        return F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3)
+
+
+def test_experts_gate_and_up_by_stacked_weights_say_why_they_are_not_merged():
+    """merged_projections merges nn.Linear weights only: the near miss says so, and why, rather
+    than pointing at its report (which has nothing on stacked expert weights)."""
+    x = torch.randn(2, 5, HIDDEN)
+    out, ref, report = compile_and_run(StackedExpertsGateAndUp(), x)
+    assert report.counts["swiglu"] == 0
+    (reason,) = near_miss_reasons(report, "swiglu")
+    assert "two stacked weights (w1, w3)" in reason and "would change their strides" in reason, reason
+    torch.testing.assert_close(out, ref)
