@@ -710,7 +710,10 @@ def _weight_list_sites(graph, joint):
         return
     groups = {}  # (rows split, weight shape, how it is read) -> {chunk: [its GEMMs, in graph order]}
     for matmul in (n for target in _MATMULS for n in graph.find_nodes(op="call_function", target=target)):
-        if len(matmul.args) != 2 or (joint and is_backward(matmul)):
+        # the forward's GEMMs only, as for a stacked weight (whose backward graph reads the
+        # experts' weights as saved tensors of their own): a backward graph's are a near miss
+        # of the joint graph's loop
+        if len(matmul.args) != 2 or is_backward(matmul):
             continue
         own = _own_weight(matmul.args[1])
         chunk = _row_chunk(matmul.args[0], chunks) if own is not None else None

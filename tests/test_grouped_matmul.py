@@ -6,6 +6,7 @@ rounding of the summation order.
 """
 import pytest
 import torch
+import torch.nn.functional as F
 
 import npu_fx_fusion as nff
 from helpers import RecordingBackend, assert_close_at_scale, assert_within_ulps, compile_and_run, near_miss_reasons
@@ -468,3 +469,34 @@ def test_experts_with_counts_computed_in_the_graph_fuse(training):
     assert any("is or may be empty" in r for r in near_miss_reasons(backend.report, "swiglu"))
     reasons = near_miss_reasons(backend.report, "grouped_matmul")
     assert len(reasons) == (2 if training else 0) and all("in training" in r for r in reasons), reasons
+
+
+class StoredInOutExperts(torch.nn.Module):
+    """The loop with weights stored (E, in, out), read as `torch.mm(rows, w[e])`; chunk e meets
+    expert E - 1 - e (a look-alike: not one grouped GEMM over the stacked weight)."""
+
+    def __init__(self, experts=2, dim=16, hidden=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
+        self.w3 = torch.nn.Parameter(torch.randn(experts, dim, hidden) * 0.2)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, dim) * 0.2)
+
+    def forward(self, x, counts):
+        n, outs = len(counts), []
+        for e, rows in enumerate(x.split(counts)):
+            h = F.silu(torch.mm(rows, self.w1[n - 1 - e])) * torch.mm(rows, self.w3[n - 1 - e])
+            outs.append(torch.mm(h, self.w2[n - 1 - e]))
+        return torch.cat(outs)
+
+
+def test_a_backward_graph_reading_saved_expert_weights_is_left_to_the_joint_graphs_near_miss():
+    """The backward graph reads each expert's weight as a saved tensor of its own: its GEMMs
+    are not rolled as experts holding their own weights (the look-alike, whose forward does
+    not roll, fuses nothing anywhere; the joint graph's near misses say why)."""
+    x = torch.randn(5, 16, requires_grad=True)
+    backend = EmulationBackend(ONLY_GMM)
+    torch.compile(StoredInOutExperts(), backend=backend, fullgraph=True)(x, [2, 3]).sum().backward()
+    assert backend.report.counts["grouped_matmul"] == 0
+    reasons = near_miss_reasons(backend.report, "grouped_matmul")
+    assert reasons and not any("weights of their own" in r for r in reasons), reasons

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6830c8ce4060a9b0',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f59c487421b544ec',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {
