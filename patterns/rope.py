@@ -35,8 +35,8 @@ from typing import Optional
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import (RESHAPES, ChannelGather, Factor, Form, FusionPass, NotEvaluable, Recognized,
-                                    channel_gather, evaluate_around, is_backward, is_call, modelled, tensor_meta,
-                                    uneven_halves, users_outside)
+                                    channel_gather, evaluate_around, is_backward, is_call, modelled, region_around,
+                                    single_terms, tensor_meta, uneven_halves, users_outside)
 
 aten = torch.ops.aten
 ROTARY_MUL = CAPABILITIES["npu.npu_rotary_mul"]
@@ -623,8 +623,16 @@ def recognize(graph, joint):
             continue
         if not _reaches_arithmetic(node):
             continue  # only moved on into what the algebra stops at: no region to evaluate
+        include = (lambda n: not is_backward(n)) if joint else (lambda n: True)
+        region = region_around(node, include)
+        if region is not None and single_terms(region) and not any(_rotates_halves(n) for n in region.nodes):
+            # no channel in it sums two terms, as a rotation's do, and no half rotation to name
+            # (a merged projection's gate and up halves read by the SwiGLU's product): its
+            # evaluation finds nothing from any of its seeds (a millisecond or more each)
+            seen.update(region.nodes)
+            continue
         try:
-            evaluated = evaluate_around(node, include=lambda n: not (joint and is_backward(n)))
+            evaluated = evaluate_around(node, include=include)
         except NotEvaluable as exc:
             seen.add(node)
             # say why, rather than nothing, where the forms do not (a gradient's rotation is

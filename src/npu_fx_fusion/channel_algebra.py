@@ -628,6 +628,24 @@ def region_around(seed: Node, include: Callable[[Node], bool] = lambda node: Tru
     return Region(nodes, leaves, outputs)
 
 
+# ops whose elements add terms (x + y, x - y, x + 2.0): with complex values (a complex product
+# sums two), the only ones that give a channel more than one term
+_SUMS = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar})
+
+
+def single_terms(region: Region) -> bool:
+    """Whether every channel of every value of `region`, evaluated from its leaves
+    (evaluate_around without `known` values), is one term (a coefficient times a product of
+    the leaves' elements) or zero, whatever the region moves: no node in it sums terms and
+    no node or leaf is complex. Read from the ops alone, without evaluating the region."""
+    def is_complex(node: Node) -> bool:
+        value = tensor_meta(node)
+        return value is not None and value.is_complex()
+
+    return not any(n.target in _SUMS or is_complex(n) for n in region.nodes) and not any(
+        is_complex(leaf) for leaf in region.leaves)
+
+
 @dataclass
 class EvaluatedRegion:
     region: Region

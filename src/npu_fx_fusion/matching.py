@@ -13,7 +13,8 @@ from .axis_algebra import (AxisEvaluation, Expr, MaskedScores, MaskUse, atom_siz
 from .canonical import is_backward, is_joint_graph
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
-                              SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors)
+                              SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors, region_around,
+                              single_terms)
 from .forms import FinishOptions, Form, FusionPass, Reason, Recognized, Site, is_training_graph, with_arguments
 from .nodes import (MOVES, RESHAPES, first_refused_use, hashable, is_call, is_cast, known_equal, normalized_dims, plain_cast, tensor_meta,
                     uneven_halves, users_outside)
@@ -35,6 +36,6 @@ __all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "ChannelGath
            "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
            "channel_gather", "channels_of", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
            "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
-           "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors",
+           "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around",
            "rearrange", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
-           "same_function", "uneven_halves", "users_outside", "with_arguments"]
+           "same_function", "single_terms", "uneven_halves", "users_outside", "with_arguments"]
