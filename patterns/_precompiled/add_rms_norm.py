@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f3766b5f4788a5c4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '39ec646ff18703fd',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a624bbcbac7e80aa',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0d64f0665fe58917',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

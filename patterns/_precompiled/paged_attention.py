@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9e73e1a3fabf155a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '191249ead4527404',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

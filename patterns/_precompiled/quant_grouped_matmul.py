@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '27b07fd0cdb1a81b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'cbc1a6eed6047faa',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4078e97ecda64743',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9afb491e55da0e5e',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

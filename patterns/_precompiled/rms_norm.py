@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'cd2fa9a24dca4e7a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'fdeef57bee366b43',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1bd75ead244cf7ba',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1fdba45dbee76e7f',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6748365b72307623',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e6deb6d7fcd059e9',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

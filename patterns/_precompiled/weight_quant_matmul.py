@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7476d6620d29ab54',
+KEY = {'torch': '2.13.0+cpu', 'sources': '281bf0b93081b50d',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {

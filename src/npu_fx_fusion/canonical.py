@@ -846,15 +846,23 @@ def canonicalize_grad_accumulation(graph: torch.fx.Graph, relaid: Optional[list]
         ordered = sorted(leaves, key=lambda leaf: _leaf_key(leaf, accumulated, order, by_seq))
         if _left_fold_leaves(root) == ordered:
             continue
+        # the partial sums the re-fold replaces; where they, the leaves and the sum all have one
+        # static layout, every new partial sum has it too (an add lays its result out from its
+        # operands' layouts alone), and takes one of theirs rather than a fake add's
+        partial = [n.meta["val"] for n in inner if n is not root]
+        layout = _static_layout(root.meta["val"])
+        same = (layout is not None and len(partial) == len(ordered) - 2
+                and all(_static_layout(v) == layout for v in (*(leaf.meta["val"] for leaf in leaves), *partial)))
         with graph.inserting_before(root):
             acc = ordered[0]
-            for leaf in ordered[1:-1]:
+            for index, leaf in enumerate(ordered[1:-1]):
                 acc_new = graph.call_function(aten.add.Tensor, (acc, leaf))
-                acc_new.meta = dict(root.meta, val=_sum_value(acc, leaf))
+                acc_new.meta = dict(root.meta, val=partial[index] if same else _sum_value(acc, leaf))
                 acc = acc_new
         before = root.meta["val"]
         root.args = (acc, ordered[-1])
-        root.meta["val"] = _sum_value(acc, ordered[-1])
+        if not same:
+            root.meta["val"] = _sum_value(acc, ordered[-1])
         if relaid is not None and not same_layout(before, root.meta["val"]):
             relaid.append(root)
         for n in inner:
@@ -868,6 +876,15 @@ def _sum_value(a: Node, b: Node) -> torch.Tensor:
     """The value of add(a, b) from the operands' (fake) values: its layout follows theirs,
     in their order."""
     return aten.add.Tensor(a.meta["val"], b.meta["val"])
+
+
+def _static_layout(value: torch.Tensor) -> Optional[tuple]:
+    """(shape, strides, offset, dtype, device) of a tensor whose sizes are all plain ints;
+    None where one is symbolic."""
+    sizes = (*value.shape, *value.stride(), value.storage_offset())
+    if not all(type(size) is int for size in sizes):
+        return None
+    return tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype, value.device
 
 
 def _plain_add(node: Any) -> bool:
