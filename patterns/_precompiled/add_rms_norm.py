@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '39ec646ff18703fd',
+KEY = {'torch': '2.13.0+cpu', 'sources': '120ce3ec71ed7492',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b6de4d5a03080c50',
+KEY = {'torch': '2.13.0+cpu', 'sources': '70912b7a830e8715',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9afb491e55da0e5e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1af0be02745936ca',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

@@ -162,7 +162,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     """
     changed = size_reads_from_inputs(graph) + _one_node_per_symbolic_size(graph)
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target not in _CANONICALIZED:
             continue
         if node.target is aten.detach.default and not (
                 node.args[0].op == "placeholder" and any(u.op == "output" for u in node.users)):
@@ -309,6 +309,13 @@ def _is_number(arg: Any) -> bool:
 
 # binary ops that compute in their result's dtype, type promotion converting each operand
 _PROMOTING = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor})
+
+# the ops a rewrite of canonicalize's walk starts from (each one tests its node's op first):
+# other calls it passes by
+_CANONICALIZED = frozenset({aten.detach.default, *_SCALAR_OVERLOADS, *_PROMOTING, aten.clone.default,
+                            aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, *RESHAPES,
+                            *_DIM_ARGUMENTS, aten.split.Tensor, aten.split_with_sizes.default,
+                            aten.slice_backward.default})
 
 
 def _explicit_upcasts(node: Node) -> int:
