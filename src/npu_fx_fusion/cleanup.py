@@ -39,10 +39,14 @@ def merge_repeated_pure_calls(graph: torch.fx.Graph, original_nodes: set) -> int
     number of nodes merged.
     """
     written = _written_in_place(graph)
+    pure: dict = {}  # target -> _pure(target), read once per op of the graph
 
     def merges(node: Node) -> bool:
-        return (_pure(node.target) and node not in written
-                and not any(arg in written for arg in node.all_input_nodes))
+        target = node.target
+        is_pure = pure.get(target)
+        if is_pure is None:
+            is_pure = pure[target] = _pure(target)
+        return is_pure and node not in written and not any(arg in written for arg in node.all_input_nodes)
 
     one_is_new = _one_is_new(original_nodes)
 
@@ -148,12 +152,13 @@ def drop_lossless_round_trips(graph: torch.fx.Graph, original_nodes: set) -> int
     the int32 npu_moe_init_routing_v2 takes. The pair is the identity; the model's own
     conversions stay. Returns the number of conversions bypassed.
     """
+    npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
+
     def dtype_only(node: Node) -> Optional[torch.dtype]:
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             return None
         if plain_cast(node):
             return node.kwargs["dtype"]
-        npu_cast = getattr(getattr(torch.ops, "npu", None), "_npu_dtype_cast", None)
         if npu_cast is not None and node.target is npu_cast.default and len(node.args) == 2:
             return node.args[1]
         return None
