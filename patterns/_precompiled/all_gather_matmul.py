@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f038830bb74748e7',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ca242ce223a50b26',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

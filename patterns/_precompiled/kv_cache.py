@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0535b6eaaf1a4f79',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e80e3070be33636f',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9465c3f51d775061',
+KEY = {'torch': '2.13.0+cpu', 'sources': '724072d0cf1141cb',
        'backward': {'npu.npu_kv_rmsnorm_rope_cache_v2_functional': False}}
 
 FORMS = {

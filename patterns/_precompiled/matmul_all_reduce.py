@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e3a0f1b296043b64',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'baf9d78c5512e59d',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

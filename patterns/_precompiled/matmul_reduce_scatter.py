@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e5d87bf5c555b2a8',
+KEY = {'torch': '2.13.0+cpu', 'sources': '97a4dfe0a8db0025',
        'backward': {'npu.npu_mm_reduce_scatter_base': False}}
 
 FORMS = {

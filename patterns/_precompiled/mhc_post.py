@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '674544cfd70f8a52',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'cfbe8a4420d314d6',
        'backward': {'cann_ops_transformer.mhc_post': True, 'npu.npu_mhc_post': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1af0be02745936ca',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b47d66a5dc3aa451',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

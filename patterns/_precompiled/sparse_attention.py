@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3a0c15c6426b13e5',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c60ec9d9b8b2eac3',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

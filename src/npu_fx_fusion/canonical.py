@@ -909,8 +909,13 @@ def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Provably the same shape (nodes.known_equal). `a.shape == b.shape` guards on symbolic
     sizes, and raises on data-dependent ones (the rows an expert-parallel all-to-all
     received: GuardOnDataDependentSymNode, docs/expert-parallel.md)."""
-    return a.dim() == b.dim() and (statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
-                                   or all(known_equal(x, y) for x, y in zip(a.shape, b.shape)))
+    if a.dim() != b.dim():
+        return False
+    shape_a, shape_b = tuple(a.shape), tuple(b.shape)
+    if all(type(size) is int for size in (*shape_a, *shape_b)):
+        return shape_a == shape_b  # (static sizes: what the symbolic tests below answer)
+    return (statically_known_true(sym_eq(shape_a, shape_b))
+            or all(known_equal(x, y) for x, y in zip(shape_a, shape_b)))
 
 
 def _chain(root: Node) -> tuple[list[Node], list[Node]]:

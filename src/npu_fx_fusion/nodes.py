@@ -18,8 +18,10 @@ def is_call(node: Any, *targets: Any) -> bool:
     """node is a call_function of one of `targets` (OpOverloadPackets match any overload)."""
     if not isinstance(node, Node) or node.op != "call_function":
         return False
+    called = node.target
+    packet = getattr(called, "overloadpacket", None)  # (read once, not once per target)
     for target in targets:
-        if node.target is target or getattr(node.target, "overloadpacket", None) is target:
+        if called is target or packet is target:
             return True
     return False
 
