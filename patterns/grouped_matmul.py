@@ -46,6 +46,7 @@ from npu_fx_fusion.matching import (Form, FusionPass, Recognized, hashable, is_b
 aten = torch.ops.aten
 Node = torch.fx.Node
 GROUPED_MATMUL = CAPABILITIES["npu.npu_grouped_matmul"]
+BIAS_DTYPES = GROUPED_MATMUL.limits["bias_dtype_for_x"]
 
 
 # ---- the unfused forms --------------------------------------------------------------------
@@ -242,6 +243,19 @@ def _integer(dtype):
 # The same ops on whole tensors compute every row as each chunk did; only the GEMM changes.
 _MATMULS = (aten.matmul.default, aten.mm.default)
 _TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
+
+
+def _rows_of(matmul):
+    """The left operand of a GEMM (mm / matmul (a, w), or addmm (bias, a, w))."""
+    return matmul.args[1] if is_call(matmul, aten.addmm.default) else matmul.args[0]
+
+
+def _weight_of(matmul):
+    return matmul.args[2] if is_call(matmul, aten.addmm.default) else matmul.args[1]
+
+
+def _bias_of(matmul):
+    return matmul.args[0] if is_call(matmul, aten.addmm.default) else None
 
 
 def _expert_weight(operand):
@@ -514,7 +528,7 @@ def _loop_site(weight, joint):
     return _rolled_loop(f"a {shape} weight", [weight], ordered, chains, joint)
 
 
-def _rolled_loop(what, weights, ordered, chains, joint):
+def _rolled_loop(what, weights, ordered, chains, joint, biases=()):
     """The site of E matmuls, expert e's `ordered[e]` multiplying its rows by what `chains[e]`
     reads (from expert e of one stacked weight, `weights` = [w], or from its own weight,
     `weights` = the E of them): one grouped GEMM, or a near miss saying why not."""
@@ -523,7 +537,7 @@ def _rolled_loop(what, weights, ordered, chains, joint):
         return Recognized(_LOOP, first, ordered, reason=(
             f"{experts} experts of {what} run one by one in training: their backward (a GEMM per expert "
             "for each gradient) is not rewritten; the forward graph, after partitioning, is where they can fuse"))
-    rows = tensor_meta(ordered[0].args[0])
+    rows = tensor_meta(_rows_of(ordered[0]))
     if rows is None or rows.dim() != 2:
         return Recognized(_LOOP, first, ordered, reason=(
             f"the experts of {what} multiply {rows.dim() if rows is not None else 'unknown'}-d rows: "
@@ -532,18 +546,19 @@ def _rolled_loop(what, weights, ordered, chains, joint):
            for c in chains):
         return Recognized(_LOOP, first, ordered, reason=f"the experts of {what} are read in different ways")
     try:
-        rolled = _Rolled([m.args[0] for m in ordered])
+        rolled = _Rolled([_rows_of(m) for m in ordered])
         if rolled.bounds is None:
             raise _NotRolled("no split of the rows reaches the experts' matmuls")
     except _NotRolled as why:
         return Recognized(_LOOP, first, ordered, reason=(
             f"{experts} experts of {what} run one by one, a matmul per expert on its rows, but {why}: "
             "npu_grouped_matmul takes the experts as one grouped GEMM over one tensor's rows"))
-    return _rolled_site(weights, ordered, chains, rolled)
+    return _rolled_site(weights, ordered, chains, rolled, biases)
 
 
-def _rolled_site(weights, matmuls, chains, rolled):
-    """`weights`: [the stacked (E, ., .) weight], or the E experts' own weights (a weight list)."""
+def _rolled_site(weights, matmuls, chains, rolled, biases=()):
+    """`weights`: [the stacked (E, ., .) weight], or the E experts' own weights (a weight list),
+    with their (N,) `biases` (addmm) if any."""
     cat = _concatenation(matmuls)
     region = set(matmuls) | {n for chain in chains for n in chain if n not in weights}
     region |= {n for *_, nodes in rolled.ops.values() for n in nodes if n is not None}
@@ -561,6 +576,7 @@ def _rolled_site(weights, matmuls, chains, rolled):
     leaves = rolled.leaves + rolled.shared
     args = {f"a{i}": leaf for i, leaf in enumerate(dict.fromkeys(leaves))}
     args.update({f"w{i}": weight for i, weight in enumerate(weights)})
+    args.update({f"c{i}": bias for i, bias in enumerate(biases)})
     kind, items = rolled.bounds
     args.update({f"b{i}": item for i, item in enumerate(items) if isinstance(item, Node)})
     replay = _weight_replayed(chains[0])
@@ -578,16 +594,17 @@ def _rolled_site(weights, matmuls, chains, rolled):
         if len(weights) == 1:
             out = npu_grouped_matmul(x, replay(values["w0"]), group_list)
         else:  # a weight list: inference only (the joint graph's loops are near misses)
+            bias = [values[f"c{e}"].to(BIAS_DTYPES[x.dtype]) for e in range(len(biases))] or None
             out = torch.ops.npu.npu_grouped_matmul(
-                [x.contiguous()], [replay(values[f"w{e}"]) for e in range(len(weights))], group_list=group_list,
-                split_item=3, group_type=0, group_list_type=0)[0]
+                [x.contiguous()], [replay(values[f"w{e}"]) for e in range(len(weights))], bias=bias,
+                group_list=group_list, split_item=3, group_type=0, group_list_type=0)[0]
         results = [out] if cat is not None else list(torch.split(out, sizes))
         for first, nodes in escaping:  # an intermediate read elsewhere too: its chunks of the whole
             pieces = torch.split(rolled.evaluate(by_node, first), sizes)
             results.extend(piece for piece, node in zip(pieces, nodes) if node is not None)
         return results if len(results) > 1 else results[0]
 
-    x_value = tensor_meta(matmuls[0].args[0])  # expert 0's rows: the dtype and width of them all
+    x_value = tensor_meta(_rows_of(matmuls[0]))  # expert 0's rows: the dtype and width of them all
     if len(weights) == 1:
         w_value = replay(tensor_meta(weights[0]))
     else:  # check() reads the list as the (E, K, N) weight it would stack into
@@ -637,7 +654,7 @@ def recognize(graph, joint):
 #     chunk_e(A) @ W_e  for e < E   ==   chunk_e(npu_grouped_matmul([A], [W_0, ..., W_E-1], sizes))
 #
 # (group_type 0 takes E (K, N) weights as well as one (E, K, N) tensor, op_semantics 7; at most
-# 128 of them). A GEMM belongs to expert e when its left operand is computed from the e-th
+# 128 of them), and a Linear's bias (addmm) as the group's bias. A GEMM belongs to expert e when its left operand is computed from the e-th
 # chunk of the split rows and no other; the j-th GEMM of each expert by a weight of one shape
 # makes one grouped GEMM (w1 / w3 / w2 of each expert, in the order its code runs them).
 def _own_weight(operand):
@@ -709,21 +726,23 @@ def _weight_list_sites(graph, joint):
     if not chunks:
         return
     groups = {}  # (rows split, weight shape, how it is read) -> {chunk: [its GEMMs, in graph order]}
-    for matmul in (n for target in _MATMULS for n in graph.find_nodes(op="call_function", target=target)):
+    for matmul in (n for target in (*_MATMULS, aten.addmm.default)
+                   for n in graph.find_nodes(op="call_function", target=target)):
         # the forward's GEMMs only, as for a stacked weight (whose backward graph reads the
         # experts' weights as saved tensors of their own): a backward graph's are a near miss
         # of the joint graph's loop
-        if len(matmul.args) != 2 or is_backward(matmul):
+        if len(matmul.args) != (3 if is_call(matmul, aten.addmm.default) else 2) or matmul.kwargs \
+                or is_backward(matmul):
             continue
-        own = _own_weight(matmul.args[1])
-        chunk = _row_chunk(matmul.args[0], chunks) if own is not None else None
+        own = _own_weight(_weight_of(matmul))
+        chunk = _row_chunk(_rows_of(matmul), chunks) if own is not None else None
         if chunk is None:
             continue
         weight, chain = own
-        key = (chunk.args[0], tuple(tensor_meta(weight).shape), tuple(n.target for n in chain[1:]))
+        key = (chunk.args[0], tuple(tensor_meta(weight).shape), tuple(n.target for n in chain[1:]), matmul.target)
         groups.setdefault(key, {}).setdefault(chunk, []).append(matmul)
     layers = []
-    for (_, shape, _), by_chunk in groups.items():
+    for (_, shape, _, _), by_chunk in groups.items():
         if len(by_chunk) < 2:
             continue
         chunks = sorted(by_chunk, key=_chunk_order)
@@ -744,7 +763,7 @@ def _weight_list_sites(graph, joint):
 
 
 def _weight_list_site(ordered, joint):
-    owned = [_own_weight(m.args[1]) for m in ordered]
+    owned = [_own_weight(_weight_of(m)) for m in ordered]
     weights, chains = [w for w, _ in owned], [c for _, c in owned]
     if len(set(weights)) != len(weights):  # one linear run on chunks of its input: no experts
         return None
@@ -752,18 +771,29 @@ def _weight_list_site(ordered, joint):
     metas = [replay(tensor_meta(w)) for w in weights]
     what = f"{len(weights)} {tuple(metas[0].shape)} weights of their own"
     limit = GROUPED_MATMUL.limits["max_groups_weight_list"]
-    x = tensor_meta(ordered[0].args[0])
+    x = tensor_meta(_rows_of(ordered[0]))
+    biases = [b for b in map(_bias_of, ordered) if b is not None]
     reason = None
     if len(weights) > limit:
         reason = f"{len(weights)} experts: npu_grouped_matmul takes at most {limit} weights in a list"
     elif any(m.dtype != metas[0].dtype for m in metas) or (x is not None and metas[0].dtype != x.dtype):
         reason = "the experts' weights and rows are not all one dtype"
+    elif biases and not all(_a_bias(b, metas[0]) for b in biases):
+        reason = f"a bias is not one ({metas[0].shape[1]},) value per output column in the rows' dtype"
     else:
         reason = next((why for why in (_weight_layout_reason(m) for m in metas) if why), None)
     if reason is not None:
         return Recognized(_LOOP, ordered[0], ordered, reason=(
             f"{len(weights)} experts run one by one, each with a weight of its own, but {reason}"))
-    return _rolled_loop(what, weights, ordered, chains, joint)
+    return _rolled_loop(what, weights, ordered, chains, joint, biases)
+
+
+def _a_bias(node, weight):
+    """An expert's own (N,) bias (a graph input or attribute) in its weight's dtype: the op takes
+    it in BIAS_DTYPES[dtype] (an fp32 bias for bf16 rows: widened exactly)."""
+    meta = tensor_meta(node)
+    return (isinstance(node, Node) and _is_input(node) and meta is not None and meta.dim() == 1
+            and meta.shape[0] == weight.shape[1] and meta.dtype == weight.dtype)
 
 
 # ---- near misses: a grouped GEMM left unfused ---------------------------------------------

@@ -350,10 +350,10 @@ class ExpertModules(torch.nn.Module):
     transformers MoE blocks, hand-written MoE code), run one by one on the rows split by
     counts. `activation_of(e)`: expert e's activation (a look-alike when they differ)."""
 
-    def __init__(self, experts=4, dim=16, hidden=32, activation_of=None, shared_weight=False):
+    def __init__(self, experts=4, dim=16, hidden=32, activation_of=None, shared_weight=False, bias=False):
         super().__init__()
         torch.manual_seed(0)
-        linear = lambda a, b: torch.nn.Linear(a, b, bias=False)  # noqa: E731
+        linear = lambda a, b: torch.nn.Linear(a, b, bias=bias)  # noqa: E731
         self.experts = torch.nn.ModuleList(
             torch.nn.ModuleDict({"w1": linear(dim, hidden), "w3": linear(dim, hidden), "w2": linear(hidden, dim)})
             for _ in range(experts))
@@ -387,6 +387,24 @@ def test_experts_with_weights_of_their_own_fuse_as_a_weight_list(dynamic):
     calls = backend.graphs["inference"].graph.find_nodes(op="call_function",
                                                          target=torch.ops.npu.npu_grouped_matmul.default)
     assert [len(call.args[1]) for call in calls] == [4, 4]  # the four experts' weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_experts_with_biased_linears_of_their_own_fuse_with_a_bias_list(dtype):
+    """nn.Linear with a bias is addmm per expert: the E biases go with the weights, as the op's
+    per-group biases, fp32 for bf16 rows (the op's dtype rule; widening is exact). Tolerance:
+    both add the bias to the fp32 product and round once (bf16: 1 ulp)."""
+    model = ExpertModules(bias=True).to(dtype)
+    x = torch.randn(10, 16, dtype=dtype)
+    backend = RecordingBackend(ONLY_GMM)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x, [3, 2, 0, 5])
+        ref = model(x, [3, 2, 0, 5])
+    assert backend.report.fused_ops == {"npu.npu_grouped_matmul": 3}
+    calls = backend.graphs["inference"].graph.find_nodes(op="call_function",
+                                                         target=torch.ops.npu.npu_grouped_matmul.default)
+    assert all(len(call.kwargs["bias"]) == 4 for call in calls)
+    assert_within_ulps(out, ref, 1)
 
 
 def test_experts_with_weights_of_their_own_fuse_each_linear_unmerged():

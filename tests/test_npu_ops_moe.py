@@ -774,6 +774,16 @@ def test_grouped_matmul_weight_layouts_and_bias(layout):
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
 
 
+def test_grouped_matmul_takes_the_bias_dtype_its_docs_give():
+    """A bf16 x takes an fp32 bias, an fp16 x an fp16 one (the wheel's 数据类型约束, 非量化)."""
+    x, w = randn(5, 4, seed=92).bfloat16(), randn(2, 4, 6, seed=93).bfloat16()
+    kwargs = dict(group_list=torch.tensor([2, 5]), split_item=3, group_type=0)
+    out = npu.npu_grouped_matmul([x], list(w.unbind(0)), bias=[torch.ones(6)] * 2, **kwargs)[0]
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="takes a torch.float32 bias"):
+        npu.npu_grouped_matmul([x], list(w.unbind(0)), bias=[torch.ones(6, dtype=torch.bfloat16)] * 2, **kwargs)
+
+
 def test_grouped_matmul_rows_past_the_groups_are_zero():
     x, w = randn(6, 3, seed=95), randn(2, 3, 4, seed=96)
     (out,) = npu.npu_grouped_matmul([x], [w], group_list=torch.tensor([1, 4]), split_item=3, group_type=0)

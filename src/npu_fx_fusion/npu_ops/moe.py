@@ -157,7 +157,8 @@ def _grouped_matmul_samples(dtype):
     # weight's layout varies (the kernel takes a transposed weight, not a transposed x)
     yield Sample(([x], [w]), dict(group_list=torch.tensor([2, 2, 9]), split_item=3, group_type=0),
                  layout_args=(1,))
-    yield Sample(([x], list(w.unbind(0))), dict(bias=[randn(5, dtype=dtype)] * 3, group_list=torch.tensor([4, 0, 5]),
+    bias = randn(5, dtype=GMM_BIAS_DTYPES[dtype])  # (a bf16 x takes an fp32 bias)
+    yield Sample(([x], list(w.unbind(0))), dict(bias=[bias] * 3, group_list=torch.tensor([4, 0, 5]),
                                                 split_item=2, group_type=0, group_list_type=1), layout_args=(1,))
     # group_type 2, the weight gradient: x.T of the tokens (a transposed view, as the kernel
     # requires) times dy, split along K; neither layout may change
@@ -1044,6 +1045,11 @@ def _reads_transposed(t: torch.Tensor) -> bool:
             and (statically_known_true(col_stride == rows) or statically_known_true(cols <= 1)))
 
 
+# the bias dtype a float x takes (the wheel's docstring, 数据类型约束场景 非量化: fp16 x, fp16 bias;
+# bf16 and fp32 x, fp32 bias)
+GMM_BIAS_DTYPES = {torch.float16: torch.float16, torch.bfloat16: torch.float32, torch.float32: torch.float32}
+
+
 def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, group_list, split_item,
               group_type, group_list_type, act_type, output_dtype, dtype_args, quant_args):
     """Validate the MoE expert-GEMM layout; return (groups, N)."""
@@ -1098,6 +1104,10 @@ def _gmm_plan(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], bias, g
         # biases only], or E (N,) biases for E weights
         if shapes not in ([(groups, n)], [(n,)] * groups) or len(bias) != len(weight):
             raise RuntimeError(f"{op}: bias must match the weights: got {shapes}")
+        wanted = GMM_BIAS_DTYPES[xt.dtype]
+        if any(b.dtype != wanted for b in bias):
+            raise RuntimeError(f"{op}: a {xt.dtype} x takes a {wanted} bias (D, 数据类型约束 非量化), got "
+                               f"{sorted({str(b.dtype) for b in bias})}")
     return groups, n
 
 
@@ -1225,6 +1235,7 @@ def _gmm_fake(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
                  "group_list_dtype": torch.int64,
                  "max_groups_single_weight": 1024,  # one (E, K, N) weight; group_type 2: 1024 groups
                  "max_groups_weight_list": 128,
+                 "bias_dtype_for_x": GMM_BIAS_DTYPES,  # a float x's per-group bias
                  "max_inner_dim": 65536,  # exclusive: x's K and weight's N (or K transposed)
                  "x_transposed": False,  # group_type 0
                  "weight_transposed": True,  # a transposed view of (E, N, K); group_type 0
