@@ -654,9 +654,10 @@ def recognize(graph, joint):
 #     chunk_e(A) @ W_e  for e < E   ==   chunk_e(npu_grouped_matmul([A], [W_0, ..., W_E-1], sizes))
 #
 # (group_type 0 takes E (K, N) weights as well as one (E, K, N) tensor, op_semantics 7; at most
-# 128 of them), and a Linear's bias (addmm) as the group's bias. A GEMM belongs to expert e when its left operand is computed from the e-th
-# chunk of the split rows and no other; the j-th GEMM of each expert by a weight of one shape
-# makes one grouped GEMM (w1 / w3 / w2 of each expert, in the order its code runs them).
+# 128 of them), and a Linear's bias (addmm) as the group's bias. A GEMM belongs to expert e
+# when its left operand is computed from the e-th chunk of the split rows and no other; the
+# j-th GEMM of each expert by a weight of one shape makes one grouped GEMM (w1 / w3 / w2 of
+# each expert, in the order its code runs them).
 def _own_weight(operand):
     """(w, chain) where `operand` is a 2-d weight of its own read through transposes and casts
     (`chain`: w, then the nodes up to operand); else None. The weight is a graph input or
@@ -746,16 +747,14 @@ def _weight_list_sites(graph, joint):
         if len(by_chunk) < 2:
             continue
         chunks = sorted(by_chunk, key=_chunk_order)
-        per_expert = {len(by_chunk[c]) for c in chunks}
-        if len(per_expert) != 1:
+        if len({len(by_chunk[c]) for c in chunks}) != 1:
             first = min(m for c in chunks for m in by_chunk[c])
             layers.append((first, Recognized(_LOOP, first, [first], reason=(
                 f"{len(chunks)} experts' rows are multiplied by {shape} weights of their own, but not as many times "
                 "each: not one GEMM per expert to group"))))
             continue
-        for j in range(per_expert.pop()):
-            ordered = [sorted(by_chunk[c])[j] for c in chunks]
-            layers.append((ordered[0], ordered))
+        # the j-th GEMM of each expert, in graph order: a layer of the experts' MLPs
+        layers.extend((layer[0], list(layer)) for layer in zip(*(sorted(by_chunk[c]) for c in chunks)))
     for _, layer in sorted(layers, key=lambda item: item[0]):
         site = layer if isinstance(layer, Recognized) else _weight_list_site(layer, joint)
         if site is not None:

@@ -149,14 +149,11 @@ def _reads_stacked_experts(projection):
     (_grouped_mm), or expert e of it (w[e], through transposes and casts)."""
     projection = _unreshaped(projection)
     weight = projection.args[1] if len(projection.args) > 1 else None
-    while isinstance(weight, torch.fx.Node) and (
-            is_call(weight, aten.t.default, aten.transpose.int, aten.permute.default, aten.select.int)
-            or is_cast(weight)):
-        if is_call(weight, aten.select.int):
-            weight = weight.args[0]
-            break
+    while is_call(weight, aten.t.default, aten.transpose.int, aten.permute.default) or is_cast(weight):
         weight = weight.args[0]
-    meta = tensor_meta(weight) if isinstance(weight, torch.fx.Node) else None
+    if is_call(weight, aten.select.int):
+        weight = weight.args[0]
+    meta = tensor_meta(weight)
     return meta is not None and meta.dim() == 3
 
 

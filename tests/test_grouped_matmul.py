@@ -210,12 +210,16 @@ def test_experts_run_one_by_one_under_autocast_fuse_with_the_weights_cast_once()
     assert_within_ulps(out, ref, 1)
 
 
-@pytest.mark.parametrize("counts", [[3, 2, 4, 1], [0, 10, 0, 0]], ids=["spread", "all to one expert"])
-def test_experts_run_one_by_one_in_training_fuse_their_forward(counts):
+@pytest.mark.parametrize("experts, counts", [
+    (lambda: ExpertsInALoop(), [3, 2, 4, 1]), (lambda: ExpertsInALoop(), [0, 10, 0, 0]),
+    (lambda: ExpertModules(), [3, 2, 4, 1]),  # (defined below)
+], ids=["spread", "all to one expert", "weights of their own"])
+def test_experts_run_one_by_one_in_training_fuse_their_forward(experts, counts):
     """The joint graph keeps the loop (its backward is a GEMM per expert and gradient): a near
-    miss there; the forward graph fuses, the gradients are eager's. A chunk of all the rows is
-    the rows themselves in the forward graph (aot drops a slice that takes them all)."""
-    model, reference = ExpertsInALoop(), ExpertsInALoop()
+    miss there; the forward graph fuses, the gradients are eager's, whether the experts' weights
+    are stacked or each expert's own (ExpertModules, below). A chunk of all the rows is the rows
+    themselves in the forward graph (aot drops a slice that takes them all)."""
+    model, reference = experts(), experts()
     x = torch.randn(10, 16)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
     backend = RecordingBackend(ONLY_GMM)
@@ -413,26 +417,6 @@ def test_experts_with_weights_of_their_own_fuse_each_linear_unmerged():
     assert report.fused_ops == {"npu.npu_grouped_matmul": 3}
     assert _gemms_left(report) == 0
     _check(out, ref)
-
-
-def test_experts_with_weights_of_their_own_in_training_fuse_their_forward():
-    """The joint graph's loop is a near miss (its backward is not rewritten); the forward graph
-    fuses, and the gradients are eager's."""
-    model, reference = ExpertModules(), ExpertModules()
-    x = torch.randn(10, 16)
-    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    backend = RecordingBackend(ONLY_GMM)
-    out = torch.compile(model, backend=backend, fullgraph=True)(xs[0], [3, 2, 4, 1])
-    ref = reference(xs[1], [3, 2, 4, 1])
-    probe = torch.randn_like(ref)
-    (out * probe).sum().backward()
-    (ref * probe).sum().backward()
-    _check(out, ref)
-    for a, b in [(xs[0].grad, xs[1].grad)] + [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]:
-        assert_close_at_scale(a, b, 4)
-    assert dict(fused_op_counts(op_counts(backend.graphs["forward"].graph))) == {"npu.npu_grouped_matmul": 3}
-    reasons = near_miss_reasons(backend.report, "grouped_matmul")
-    assert len(reasons) == 3 and all("in training" in r for r in reasons), reasons
 
 
 def test_experts_of_their_own_that_compute_differently_roll_only_their_alike_gemms():

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '62ad3e42d392a042',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e9b8c3ea11538db4',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

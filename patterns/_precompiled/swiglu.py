@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '00d2e760a08050f8',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'fd422d2d2af29d19',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
