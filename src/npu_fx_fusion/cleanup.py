@@ -342,9 +342,9 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                for user in node.users]
     heapq.heapify(pending)
     done: set = set()
-    # what a fused op's fake kernel returned for arguments of one layout: every decoder layer
-    # calls it with the same ones (torch's fake mode caches aten ops' results, never those
-    # of ops registered outside torch)
+    # what an op returned for arguments of one layout, where that is new memory: every decoder
+    # layer calls it with the same ones. torch's fake mode caches neither the ops registered
+    # outside torch nor composite ones (a reshape that copies an expanded k / v: ~1 ms each)
     results: dict = {}
     with fake_mode:
         while pending:
@@ -374,7 +374,8 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                     else:
                         raise
                     interpreter.run_node(node)
-                if key is not None and _static_layout(node.meta.get("val")):
+                if key is not None and _static_layout(node.meta.get("val")) \
+                        and _new_memory(node.meta.get("val"), node.all_input_nodes):
                     results[key] = node.meta["val"]
             if not same_layout(before, node.meta.get("val")):
                 for user in node.users:
@@ -397,13 +398,13 @@ def _viewable_as_complex(arg: Any) -> bool:
 
 
 def _fake_result_key(node: Node) -> Optional[tuple]:
-    """(target, the layouts and values of its arguments) of a call to an op registered
-    outside torch that returns new tensors (no view of an input), when every size is
-    static; None otherwise."""
+    """(target, the layouts and values of its arguments) of an op's call when every size is
+    static; None otherwise. An op's result layout is a function of these alone (fake values
+    hold no data; a data-dependent size is symbolic, so no key); whether the result is new
+    memory or a view of an argument too, which is why only new memory is reused
+    (_new_memory: a view's fake value must share its base's storage)."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or torch._library.utils.is_builtin(target):  # noqa: SLF001
-        return None
-    if any(ret.alias_info is not None for ret in target._schema.returns):  # noqa: SLF001
+    if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
         return None
 
     def layout(value: Any) -> Any:
@@ -433,6 +434,18 @@ def _fake_result_key(node: Node) -> Optional[tuple]:
 
 class _Unkeyable(Exception):
     pass
+
+
+def _new_memory(value: Any, inputs: Sequence[Node]) -> bool:
+    """Whether no tensor of `value` shares storage with an input's value: a copy made by the
+    op, which a fresh fake tensor of its layout stands for (fake_copy)."""
+    outputs = value if isinstance(value, (list, tuple)) else [value]
+    if not outputs or not all(isinstance(v, torch.Tensor) for v in outputs):
+        return False
+    storages = {v.untyped_storage()._cdata for node in inputs
+                for v in (node.meta.get("val") if isinstance(node.meta.get("val"), (list, tuple))
+                          else [node.meta.get("val")]) if isinstance(v, torch.Tensor)}
+    return all(v.untyped_storage()._cdata not in storages for v in outputs)  # noqa: SLF001
 
 
 def _static_layout(value: Any) -> bool:
