@@ -16,9 +16,9 @@ exact one, a few bf16 ulps from the model's; in fp32 they agree to rounding.
 
 Other spellings of the same mix (torchtitan-npu's HcPost: a broadcast product summed over the
 streams in fp32, rounded once; einsum; a comb stored the other way round; tokens flattened to
-(T, n, D)) are recognised by what they compute (`recognize`, below) and fused in inference. In
-training only the form above fuses: a recognised spelling's backward is not rewritten (a near
-miss says so).
+(T, n, D)) are recognised by what they compute (`recognize`, below) and fused, in training too: their
+backward is the joint graph's nodes autograd made for the region (regions.backward_region),
+replaced by the op's backward (`_recognized_gradient`).
 
 Training: npu_mhc_post differentiates at the dispatcher (NpuMhcPostBackward0); the COT op by
 the extension's Python MhcPostFunction, mirrored by MhcPost below (mhc_post_backward).
@@ -29,8 +29,9 @@ import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
 from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes,
-                                    atoms_of, enclosed_region, is_backward, is_call, is_cast, known_equal, rearrange,
-                                    strip_casts, tensor_meta)
+                                    atoms_of, backward_nodes_by_seq, backward_region, enclosed_region, is_backward,
+                                    is_call, is_cast, known_equal, rearrange, rearrange_gradient, strip_casts,
+                                    tensor_meta)
 
 aten = torch.ops.aten
 NPU_POST = CAPABILITIES["npu.npu_mhc_post"]
@@ -142,6 +143,7 @@ def _mix_operands(add):
 
 def recognize(graph, joint):
     found = []
+    by_seq = backward_nodes_by_seq(graph) if joint else {}
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         meta = tensor_meta(add)
         if (joint and is_backward(add)) or meta is None or meta.dim() < 3 or not meta.is_floating_point():
@@ -161,7 +163,7 @@ def recognize(graph, joint):
             found.append(Recognized("streams mix (axis algebra)", output, [add], reason=readings))
             continue
         for reading in readings:
-            found.extend(_sites(reading, value, output, [output] if output is add else [output, add], joint))
+            found.extend(_sites(reading, value, output, [output] if output is add else [output, add], by_seq))
     return found
 
 
@@ -230,15 +232,11 @@ def _readings(value):
             "the indices of the block output, post, comb and the streams do not play those roles")
 
 
-def _sites(reading, value, output, ends, joint):
-    """ends: the region's last nodes (the add, and the cast that rounds it where that is the output)."""
+def _sites(reading, value, output, ends, by_seq):
+    """ends: the region's last nodes (the add, and the cast that rounds it where that is the output);
+    by_seq: a joint graph's backward nodes by seq_nr (empty for a forward graph)."""
     x, o, post, comb, batch, j, k, d = reading
     name = "streams mix (axis algebra)"
-    if joint:
-        return [Recognized(name, output, ends, reason=(
-            "a residual mix of n streams in training, in a spelling other than transformers' DeepseekV4DecoderLayer: "
-            "its backward (four gradients from one) is rewritten only for that spelling's traced form, so it stays "
-            "unfused (the partitioned forward graph's mix fuses where it passes the op's checks)"))]
     if tensor_meta(output).dtype != x.dtype:
         return [Recognized(name, output, ends, reason=(
             f"the mix's result is {str(tensor_meta(output).dtype)[6:]} and the streams {str(x.dtype)[6:]}: the op "
@@ -261,9 +259,28 @@ def _sites(reading, value, output, ends, joint):
                                                        dtype=expr.dtype)
                  for role, (expr, target) in layouts.items()}
     out_layout = (*lead, (k,), channels)
-    return [Recognized(name, output, nodes, inputs, _recognized_call(fused, layouts, out_layout, value.dims),
-                       site_args, fused_op=fused_op)
-            for fused, fused_op in ((npu_mhc_post, "npu.npu_mhc_post"), (mhc_post, "cann_ops_transformer.mhc_post"))]
+    backward = {}
+    if by_seq:
+        region = backward_region(nodes, list(inputs.values()), output, by_seq)
+        if isinstance(region, str):
+            return [Recognized(name, output, ends, reason=f"a residual mix of n streams in training: {region}")]
+        roles = {node: role for role, node in inputs.items()}
+        grads = [(roles[source], node) for source, node in region.gradients.items()]
+        backward = dict(backward_nodes=region.nodes, backward_output=[node for _, node in grads],
+                        backward_args={**inputs, "grad": region.gradient})
+    sites = []
+    for fused, fused_op, gradient_op in ((npu_mhc_post, "npu.npu_mhc_post", torch.ops.npu.npu_mhc_post_backward),
+                                         (mhc_post, "cann_ops_transformer.mhc_post",
+                                          torch.ops.cann_ops_transformer.mhc_post_backward)):
+        extra = {}
+        if backward:
+            dtypes = [tensor_meta(node).dtype for node in backward["backward_output"]]
+            wanted = [role for role, _ in grads]
+            extra = dict(backward, backward_replace=_recognized_gradient(gradient_op, layouts, out_layout, value.dims,
+                                                                         wanted, dtypes))
+        sites.append(Recognized(name, output, nodes, inputs, _recognized_call(fused, layouts, out_layout, value.dims),
+                                site_args, fused_op=fused_op, **extra))
+    return sites
 
 
 def _recognized_call(fused, layouts, out_layout, out_dims):
@@ -281,6 +298,32 @@ def _recognized_call(fused, layouts, out_layout, out_dims):
 
     npu_mhc_post_recognized.__name__ = fused.__name__ + "_recognized"
     return npu_mhc_post_recognized
+
+
+# The op's backward computes the four gradients from the output's: (grad_x, grad_h_res,
+# grad_h_out, grad_h_post). The model's gradients are those of its own inputs, laid out as they
+# are: each is rearranged back (the adjoint of the forward's rearrangement: a role broadcast
+# into the op's layout is summed), cast to the dtype autograd gives it.
+_GRADIENT_ORDER = ("hidden_states", "comb", "block_output", "post")
+
+
+def _recognized_gradient(gradient_op, layouts, out_layout, out_dims, wanted, dtypes):
+    dims = {name: expr.dims for name, (expr, _) in layouts.items()}
+    targets = {name: target for name, (_, target) in layouts.items()}
+
+    def mhc_post_backward_recognized(hidden_states, block_output, post, comb, grad):
+        given = {"hidden_states": hidden_states, "block_output": block_output, "post": post, "comb": comb}
+        sizes = {}
+        for name, t in given.items():
+            sizes.update(atom_sizes(t, dims[name]))
+        laid = {name: rearrange(t, dims[name], targets[name], sizes) for name, t in given.items()}
+        grad_y = rearrange(grad, out_dims, out_layout, sizes).contiguous()
+        grads = dict(zip(_GRADIENT_ORDER, gradient_op(grad_y, laid["hidden_states"], laid["comb"].float(),
+                                                      laid["block_output"], laid["post"].float())))
+        return tuple(rearrange_gradient(grads[name], dims[name], targets[name], sizes).to(dtype)
+                     for name, dtype in zip(wanted, dtypes))
+
+    return mhc_post_backward_recognized
 
 
 # ---- near misses: a streams mix no form consumed ----------------------------------------------

@@ -124,19 +124,19 @@ class MoeBlock(nn.Module):
         return self.block(hidden_states, input_ids=input_ids)
 
 
-def train_and_compare(module, inputs, config, ulps, *, grads=None, precision=None):
+def train_and_compare(module, inputs, config, ulps, *, grads=None, precision=None, dynamic=None):
     """One compiled and one eager training step of `module` on `inputs` (the floating ones
     require grad unless `grads` says otherwise); every output and gradient must agree within
     `ulps` of its dtype at its largest element (of `precision`'s ulp when given: an fp32
     gradient transformers computes through bf16 values, V4's fp32 mHC weights and sinks, is
-    only as exact as bf16). Returns the backend (report, graphs)."""
+    only as exact as bf16). `dynamic`: torch.compile's. Returns the backend (report, graphs)."""
     torch._dynamo.reset()
     reference = copy.deepcopy(module)
     grads = grads or [t.is_floating_point() for t in inputs]
     fused_in = [t.detach().clone().requires_grad_(g) for t, g in zip(inputs, grads)]
     eager_in = [t.detach().clone().requires_grad_(g) for t, g in zip(inputs, grads)]
     backend = RecordingBackend(config)
-    outs = torch.compile(module, backend=backend, fullgraph=True)(*fused_in)
+    outs = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(*fused_in)
     outs_ref = reference(*eager_in)
     outs, outs_ref = ([outs], [outs_ref]) if isinstance(outs, torch.Tensor) else (list(outs), list(outs_ref))
     generator = torch.Generator().manual_seed(5)

@@ -699,6 +699,21 @@ def rearrange(t: torch.Tensor, dims: Dims, target: Dims, sizes: dict) -> torch.T
     return x.reshape([_product(sizes[a] for a in group) for group in target])
 
 
+def rearrange_gradient(g: torch.Tensor, dims: Dims, target: Dims, sizes: dict) -> torch.Tensor:
+    """The gradient of `t` from the gradient `g` of rearrange(t, dims, target, sizes): the
+    adjoint of rearrange. The atoms rearrange broadcast (in `target`, not in `dims`) are summed
+    out, and the rest laid out as `dims`."""
+    wanted = list(atoms_of(target))
+    source = list(atoms_of(dims))
+    x = g.reshape([sizes[a] for a in wanted]) if wanted else g.reshape(())
+    broadcast = [i for i, a in enumerate(wanted) if a not in source]
+    if broadcast:
+        x = x.sum(broadcast)
+    kept = [a for a in wanted if a in source]
+    return rearrange(x, (tuple(kept),) if kept else (), dims, sizes) if kept else x.reshape(
+        [_product(sizes[a] for a in group) for group in dims])
+
+
 def free_atoms_in(dims: Dims, atoms: Iterable[Atom]) -> list[int]:
     """The dims of `dims` that hold any of `atoms`."""
     wanted = set(atoms)

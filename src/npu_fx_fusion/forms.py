@@ -136,10 +136,11 @@ class Recognized:
     the op's own operands, as the replacement builds them). `reason`: why the region, which
     computes this pass's kind of thing, cannot be fused (a near miss, nothing replaced).
 
-    `backward`: in a joint graph, the region of the backward that computes the gradient of
-    the region's input from the gradient of its output, and its replacement
-    `backward_replace(**backward_args)` (the fused backward op): both are replaced, or
-    neither."""
+    `backward`: in a joint graph, the region of the backward that computes the gradients of
+    the region's inputs from the gradient of its output (`backward_output`: the node of one
+    gradient, or several, then `backward_replace` returns one value per node, in this order),
+    and its replacement `backward_replace(**backward_args)` (the fused backward op): both are
+    replaced, or neither. recognition.backward_region finds that region for any spelling."""
 
     name: str  # the spelling the report names ("rotation pairs, half mode")
     # the node the replacement stands for, or several (a router's weights and expert ids):
@@ -152,7 +153,7 @@ class Recognized:
     fused_op: Optional[str] = None
     reason: Optional[str] = None
     notes: Sequence[str] = ()
-    backward_output: Optional[Node] = None
+    backward_output: Union[None, Node, Sequence[Node]] = None
     backward_nodes: Sequence[Node] = ()
     backward_args: Mapping[str, Any] = field(default_factory=dict)
     backward_replace: Optional[Callable] = None
@@ -164,6 +165,12 @@ class Recognized:
     @property
     def outputs(self) -> list[Node]:
         return [self.output] if isinstance(self.output, Node) else list(self.output)
+
+    @property
+    def backward_outputs(self) -> list[Node]:
+        if self.backward_output is None:
+            return []
+        return [self.backward_output] if isinstance(self.backward_output, Node) else list(self.backward_output)
 
 
 def with_arguments(names: Sequence[str], body: Callable[[dict], Any], name: str) -> Callable:

@@ -9,7 +9,7 @@ use: importing a pattern module traces and registers nothing.
 """
 # what a region of contractions, reductions and elementwise ops computes, whatever its layouts
 from .axis_algebra import (AxisEvaluation, Expr, MaskedScores, MaskUse, atom_sizes, atoms_of, read_masked_scores,
-                           rearrange, scale_and_rest, strip_casts)
+                           rearrange, rearrange_gradient, scale_and_rest, strip_casts)
 from .canonical import is_backward, is_joint_graph
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
@@ -27,15 +27,15 @@ from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 from .npu_ops.spec import dtype_argument
 # the communicator (`hcom`) a collective op takes for a c10d process group, and that group's facts
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
-from .regions import enclosed_region
+from .regions import BackwardRegion, backward_nodes_by_seq, backward_region, enclosed_region
 from .spellings import sum_over_count
 # a region's function identified on random inputs against the fused call (Recognized sites)
 from .verify import same_function
 
-__all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "ChannelGather", "ChannelValue", "Expr", "Factor", "FinishOptions", "Form", "FusionPass",
+__all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "BackwardRegion", "ChannelGather", "ChannelValue", "Expr", "Factor", "FinishOptions", "Form", "FusionPass",
            "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
-           "channel_gather", "channels_of", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
+           "backward_nodes_by_seq", "backward_region", "channel_gather", "channels_of", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
            "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around",
-           "rearrange", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
+           "rearrange", "rearrange_gradient", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
            "same_function", "single_terms", "uneven_halves", "users_outside", "with_arguments"]

@@ -99,7 +99,7 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
         insert_replacement(_RegionMatch(found.nodes, found.outputs), graph, forward,
                            [found.args[name] for name in found.args], run.fake_mode)
         if backward is not None:
-            insert_replacement(_RegionMatch(found.backward_nodes, [found.backward_output]), graph, backward,
+            insert_replacement(_RegionMatch(found.backward_nodes, found.backward_outputs), graph, backward,
                                [found.backward_args[name] for name in found.backward_args], run.fake_mode,
                                run.reads_gradient)
             # the forward nodes only the replaced backward read
@@ -141,7 +141,7 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
             return reason, None
     reason = _output_differs(run.fusion_pass, forward, found.outputs)
     if reason is None and backward is not None:
-        reason = _output_differs(run.fusion_pass, backward, [found.backward_output])
+        reason = _output_differs(run.fusion_pass, backward, found.backward_outputs)
     if reason:
         return reason, None
     if run.verify:

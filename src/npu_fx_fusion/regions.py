@@ -10,9 +10,12 @@ the outputs, and the runtime checks that read only those nodes, which go with th
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import torch
+
+from .canonical import is_backward
 
 Node = torch.fx.Node
 
@@ -92,3 +95,90 @@ def _dependent_checks(region: set[Node]) -> set[Node]:
 def _is_size(node: Node) -> bool:
     """A node whose value is a (symbolic) integer or boolean: a size, not a tensor."""
     return isinstance(node.meta.get("val"), (int, bool, torch.SymInt, torch.SymBool))
+
+
+@dataclass
+class BackwardRegion:
+    """What autograd made, in a joint graph, of a recognised forward region (backward_region)."""
+
+    nodes: list  # the backward nodes, in graph order
+    gradient: Node  # the gradient of the region's output they start from
+    gradients: dict  # {an input of the region: the node of its gradient}
+
+
+def backward_nodes_by_seq(graph: torch.fx.Graph) -> dict:
+    """{seq_nr: the joint graph's backward nodes autograd made for the forward op(s) of that
+    seq_nr} (aot_autograd gives each backward node its forward op's seq_nr)."""
+    by_seq: dict = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and is_backward(node) and node.meta.get("seq_nr") is not None:
+            by_seq.setdefault(node.meta["seq_nr"], []).append(node)
+    return by_seq
+
+
+def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
+                    by_seq: dict) -> Union[BackwardRegion, str]:
+    """The backward of a forward region `nodes` (reading `inputs`, computing `output`) in a
+    joint graph, or why it cannot be replaced by the fused op's backward alone.
+
+    Whatever the spelling, autograd's nodes for the region are the backward nodes that carry
+    the seq_nr of one of its forward ops (by_seq: backward_nodes_by_seq), less the sums that
+    accumulate a gradient of the region with one from elsewhere (autograd records them under
+    the seq_nr of the backward op it runs when the second gradient arrives). They are the
+    region's backward, and nothing else, when they read one gradient from outside, of the
+    output's layout, and forward values of the region or its inputs only: a gradient of an
+    intermediate summed with one from outside the region, or a forward op spanning the
+    region's edge, is refused. Each gradient they pass on is the gradient of the one input
+    read by the forward op it was made for."""
+    region = [n for n in nodes if n.op == "call_function"]
+    seqs = {n.meta.get("seq_nr") for n in region}
+    if None in seqs:
+        return "its forward ops carry no autograd sequence numbers (seq_nr), which find their backward"
+    backward = sorted(n for seq in seqs for n in by_seq.get(seq, ()))
+    in_backward = set(backward)
+
+    def gradient_from_outside(arg: Node) -> bool:
+        return arg not in in_backward and (is_backward(arg) or (arg.op == "placeholder"
+                                                                 and str(arg.target).startswith("tangents")))
+
+    accumulations = {n for n in backward if n.target is torch.ops.aten.add.Tensor
+                     and any(isinstance(a, Node) and a in in_backward for a in n.args[:2])
+                     and any(isinstance(a, Node) and gradient_from_outside(a) for a in n.args[:2])}
+    backward = [n for n in backward if n not in accumulations]
+    in_backward -= accumulations
+    if not backward:
+        return "no backward nodes of its forward ops (no gradient flows through it)"
+    in_region, given = set(region), set(inputs)
+    gradients_in = set()
+    for node in backward:
+        for arg in node.all_input_nodes:
+            if arg in in_backward or not isinstance(arg.meta.get("val"), torch.Tensor):
+                continue  # (a symbolic size the graph reads from a placeholder)
+            if gradient_from_outside(arg) or arg in accumulations:
+                gradients_in.add(arg)
+            elif arg not in in_region and arg not in given:
+                return (f"its backward reads {arg.name}, a forward value computed outside the region: the fused "
+                        "op's backward does not compute that")
+    if len(gradients_in) != 1:
+        return (f"its backward reads {len(gradients_in)} gradients from outside it, not only its output's: "
+                "an intermediate's gradient is summed with one from elsewhere")
+    (gradient,) = gradients_in
+    gradient_value, output_value = gradient.meta.get("val"), output.meta.get("val")
+    if not isinstance(output_value, torch.Tensor) or list(gradient_value.shape) != list(output_value.shape):
+        return "the gradient its backward starts from is not of its output's shape"
+    region_by_seq: dict = {}
+    for node in region:
+        region_by_seq.setdefault(node.meta["seq_nr"], []).append(node)
+    gradients: dict = {}
+    for node in backward:
+        if all(u in in_backward for u in node.users):
+            continue
+        read = {a for f in region_by_seq[node.meta["seq_nr"]] for a in f.all_input_nodes if a in given}
+        if len(read) != 1:
+            return (f"its gradient {node.name} is passed on from a forward op reading {len(read)} of the region's "
+                    "inputs: which input's gradient it is is not known")
+        (source,) = read
+        if source in gradients:
+            return f"the gradient of {source.name} leaves its backward in two parts"
+        gradients[source] = node
+    return BackwardRegion(backward, gradient, gradients)
