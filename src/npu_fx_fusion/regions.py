@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .canonical import is_backward
+from .nodes import is_call as is_call_of
 
 Node = torch.fx.Node
 
@@ -122,33 +123,49 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
     joint graph, or why it cannot be replaced by the fused op's backward alone.
 
     Whatever the spelling, autograd's nodes for the region are the backward nodes that carry
-    the seq_nr of one of its forward ops (by_seq: backward_nodes_by_seq), less the sums that
-    accumulate a gradient of the region with one from elsewhere (autograd records them under
-    the seq_nr of the backward op it runs when the second gradient arrives). They are the
+    the seq_nr of one of its forward ops (by_seq: backward_nodes_by_seq), less the gradient
+    sums (aot_autograd's is_gradient_acc) that add one from elsewhere (autograd records them
+    under the seq_nr of the backward op it runs when the second gradient arrives). They are the
     region's backward, and nothing else, when they read one gradient from outside, of the
     output's layout, and forward values of the region or its inputs only: a gradient of an
     intermediate summed with one from outside the region, or a forward op spanning the
-    region's edge, is refused. Each gradient they pass on is the gradient of the one input
-    read by the forward op it was made for."""
+    region's edge, is refused. So is a region that passes an input's gradient on unchanged
+    (an add of the input: no backward node computes that part). Each gradient they pass on is
+    the gradient of the one input read by the forward op it was made for."""
     region = [n for n in nodes if n.op == "call_function"]
     seqs = {n.meta.get("seq_nr") for n in region}
     if None in seqs:
         return "its forward ops carry no autograd sequence numbers (seq_nr), which find their backward"
-    backward = sorted(n for seq in seqs for n in by_seq.get(seq, ()))
-    in_backward = set(backward)
+    candidates = sorted(n for seq in seqs for n in by_seq.get(seq, ()))
+    in_candidates = set(candidates)
+    given = set(inputs)
+    with_backward = {n.meta.get("seq_nr") for n in candidates}
+    for node in region:
+        # an input whose gradient autograd passes on unchanged (an add's operand, or any op
+        # that made no backward node) gets it from no node of the backward: that part of its
+        # gradient would be counted twice, once by the op's backward and once as it is
+        passed_on = is_call_of(node, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) \
+            or node.meta["seq_nr"] not in with_backward
+        if passed_on and any(a in given for a in node.all_input_nodes):
+            return (f"{node.name} ({node.target}) passes an input's gradient on unchanged: no backward node "
+                    "computes that part of it")
 
     def gradient_from_outside(arg: Node) -> bool:
-        return arg not in in_backward and (is_backward(arg) or (arg.op == "placeholder"
-                                                                 and str(arg.target).startswith("tangents")))
+        return arg not in in_candidates and (is_backward(arg) or (arg.op == "placeholder"
+                                                                  and str(arg.target).startswith("tangents")))
 
-    accumulations = {n for n in backward if n.target is torch.ops.aten.add.Tensor
-                     and any(isinstance(a, Node) and a in in_backward for a in n.args[:2])
-                     and any(isinstance(a, Node) and gradient_from_outside(a) for a in n.args[:2])}
-    backward = [n for n in backward if n not in accumulations]
-    in_backward -= accumulations
+    # the gradient sums aot_autograd marks (is_gradient_acc) that add a gradient from outside
+    accumulations = {n for n in candidates if n.meta.get("is_gradient_acc")
+                     and any(gradient_from_outside(a) for a in n.all_input_nodes)}
+    read_by_the_rest = {a for n in candidates if n not in accumulations for a in n.all_input_nodes
+                        if gradient_from_outside(a)}
+    if any(a in read_by_the_rest for n in accumulations for a in n.all_input_nodes):
+        return "a gradient its backward starts from is also summed into one of its gradients"
+    backward = [n for n in candidates if n not in accumulations]
+    in_backward = in_candidates - accumulations
     if not backward:
         return "no backward nodes of its forward ops (no gradient flows through it)"
-    in_region, given = set(region), set(inputs)
+    in_region = set(region)
     gradients_in = set()
     for node in backward:
         for arg in node.all_input_nodes:

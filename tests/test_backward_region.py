@@ -1,0 +1,65 @@
+"""regions.backward_region: the backward autograd made for a forward region of a joint graph."""
+import torch
+from functorch.compile import aot_function, make_boxed_func
+from torch._functorch.partitioners import default_partition
+
+from npu_fx_fusion.regions import BackwardRegion, backward_nodes_by_seq, backward_region
+
+
+def _joint(fn, *shapes):
+    graphs = []
+
+    def partition(joint, inputs, **kwargs):
+        graphs.append(joint)
+        return default_partition(joint, inputs, **kwargs)
+
+    aot_function(fn, lambda gm, _: make_boxed_func(gm), partition_fn=partition)(
+        *[torch.randn(s, requires_grad=True) for s in shapes])
+    return graphs[0].graph
+
+
+def _node(graph, name):
+    return next(n for n in graph.nodes if n.name == name)
+
+
+def test_a_region_whose_inputs_are_also_read_elsewhere():
+    """y = sin(x) * w, with x and w read again after it: the backward is sin's and mul's
+    nodes, the sums with the other gradients of x and w stay outside it."""
+    def fn(x, w):
+        return ((torch.sin(x) * w) + x.exp() + w.cos()).sum()
+
+    graph = _joint(fn, 3, 3)
+    x, w = _node(graph, "primals_1"), _node(graph, "primals_2")
+    sin, mul = _node(graph, "sin"), _node(graph, "mul")
+    region = backward_region([sin, mul], [x, w], mul, backward_nodes_by_seq(graph))
+    assert isinstance(region, BackwardRegion), region
+    assert set(region.gradients) == {x, w}
+    assert all(not n.meta.get("is_gradient_acc") for n in region.nodes)
+    # x's gradient from the region is cos(x) * (w * g): computed from sin's backward
+    assert region.gradients[x].meta["seq_nr"] == sin.meta["seq_nr"]
+
+
+def test_an_input_added_unchanged_is_refused():
+    """y = x + sin(x): the add passes x's gradient on unchanged, which no backward node of the
+    region computes (replacing the region's backward would count it twice)."""
+    def fn(x):
+        return ((x + torch.sin(x)) * 2).sum()
+
+    graph = _joint(fn, 3)
+    x = _node(graph, "primals_1")
+    sin, add = _node(graph, "sin"), _node(graph, "add")
+    reason = backward_region([sin, add], [x], add, backward_nodes_by_seq(graph))
+    assert isinstance(reason, str) and "unchanged" in reason, reason
+
+
+def test_an_intermediate_read_elsewhere_is_refused():
+    """y = sin(x) * w, and sin(x) read again: its gradient sums one from outside the region."""
+    def fn(x, w):
+        s = torch.sin(x)
+        return (s * w + s.exp()).sum()
+
+    graph = _joint(fn, 3, 3)
+    x, w = _node(graph, "primals_1"), _node(graph, "primals_2")
+    reason = backward_region([_node(graph, "sin"), _node(graph, "mul")], [x, w], _node(graph, "mul"),
+                             backward_nodes_by_seq(graph))
+    assert isinstance(reason, str) and "gradient" in reason, reason
