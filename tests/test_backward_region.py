@@ -63,3 +63,17 @@ def test_an_intermediate_read_elsewhere_is_refused():
     reason = backward_region([_node(graph, "sin"), _node(graph, "mul")], [x, w], _node(graph, "mul"),
                              backward_nodes_by_seq(graph))
     assert isinstance(reason, str) and "gradient" in reason, reason
+
+
+def test_a_cloned_input_read_again_is_refused():
+    """y = clone(x) * sin(x): clone passes the mul's gradient to x unchanged (no node), while
+    sin's backward computes the other part: the region's gradient of x is in two places."""
+    def fn(x):
+        return (x.clone() * torch.sin(x)).sum()
+
+    graph = _joint(fn, 3)
+    x = _node(graph, "primals_1")
+    region = [n for n in graph.nodes if n.op == "call_function" and not n.meta.get("autograd_backward")
+              and n.target in (torch.ops.aten.clone.default, torch.ops.aten.sin.default, torch.ops.aten.mul.Tensor)]
+    reason = backward_region(region, [x], region[-1], backward_nodes_by_seq(graph))
+    assert isinstance(reason, str) and "gradient" in reason, reason

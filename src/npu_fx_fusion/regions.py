@@ -140,15 +140,18 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
     in_candidates = set(candidates)
     given = set(inputs)
     with_backward = {n.meta.get("seq_nr") for n in candidates}
+    # an input whose gradient autograd passes on unchanged (an add's operand; a clone, which
+    # makes no backward node) gets that part of it from no node of the backward: it would be
+    # counted twice, once by the op's backward and once as it is. (An op that made no backward
+    # node because its input needs no gradient is fine: checked once the gradients are known.)
+    unchanged = {}
     for node in region:
-        # an input whose gradient autograd passes on unchanged (an add's operand, or any op
-        # that made no backward node) gets it from no node of the backward: that part of its
-        # gradient would be counted twice, once by the op's backward and once as it is
-        passed_on = is_call_of(node, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) \
-            or node.meta["seq_nr"] not in with_backward
-        if passed_on and any(a in given for a in node.all_input_nodes):
+        if is_call_of(node, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) \
+                and any(a in given for a in node.all_input_nodes):
             return (f"{node.name} ({node.target}) passes an input's gradient on unchanged: no backward node "
                     "computes that part of it")
+        if node.meta["seq_nr"] not in with_backward:
+            unchanged.update({a: node for a in node.all_input_nodes if a in given})
 
     def gradient_from_outside(arg: Node) -> bool:
         return arg not in in_candidates and (is_backward(arg) or (arg.op == "placeholder"
@@ -198,4 +201,9 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
         if source in gradients:
             return f"the gradient of {source.name} leaves its backward in two parts"
         gradients[source] = node
+    passed_on = next((source for source in gradients if source in unchanged), None)
+    if passed_on is not None:
+        node = unchanged[passed_on]
+        return (f"{node.name} ({node.target}) passes {passed_on.name}'s gradient on unchanged: no backward node "
+                "computes that part of it")
     return BackwardRegion(backward, gradient, gradients)
