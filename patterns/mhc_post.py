@@ -237,6 +237,15 @@ def _sites(reading, value, output, ends, by_seq):
     by_seq: a joint graph's backward nodes by seq_nr (empty for a forward graph)."""
     x, o, post, comb, batch, j, k, d = reading
     name = "streams mix (axis algebra)"
+    mix = ends[-1]
+    if tensor_meta(output).dtype != x.dtype and output is not mix and tensor_meta(mix).dtype == x.dtype:
+        # mixed in the streams' dtype, then rounded to another (HcPost's type_as of a block output
+        # narrower than the streams): the op's result is that mix, and the cast stays after it
+        output, ends = mix, [mix]
+    # a block output narrower than the streams is promoted to theirs by the product (exact): the
+    # op takes it so
+    operand_dtypes = {"block_output": x.dtype} if o.dtype != x.dtype and torch.promote_types(
+        o.dtype, x.dtype) == x.dtype and tensor_meta(mix).dtype == x.dtype else {}
     if tensor_meta(output).dtype != x.dtype:
         return [Recognized(name, output, ends, reason=(
             f"the mix's result is {str(tensor_meta(output).dtype)[6:]} and the streams {str(x.dtype)[6:]}: the op "
@@ -256,7 +265,7 @@ def _sites(reading, value, output, ends, by_seq):
     for expr, _ in layouts.values():
         sizes.update(atom_sizes(tensor_meta(expr.node), expr.dims))
     site_args = {role: tensor_meta(expr.node).new_empty([math.prod(sizes[a] for a in g) for g in target],
-                                                       dtype=expr.dtype)
+                                                       dtype=operand_dtypes.get(role, expr.dtype))
                  for role, (expr, target) in layouts.items()}
     out_layout = (*lead, (k,), channels)
     backward = {}
@@ -277,22 +286,29 @@ def _sites(reading, value, output, ends, by_seq):
             dtypes = [tensor_meta(node).dtype for node in backward["backward_output"]]
             wanted = [role for role, _ in grads]
             extra = dict(backward, backward_replace=_recognized_gradient(gradient_op, layouts, out_layout, value.dims,
-                                                                         wanted, dtypes))
-        sites.append(Recognized(name, output, nodes, inputs, _recognized_call(fused, layouts, out_layout, value.dims),
-                                site_args, fused_op=fused_op, **extra))
+                                                                         wanted, dtypes, operand_dtypes))
+        call = _recognized_call(fused, layouts, out_layout, value.dims, operand_dtypes)
+        sites.append(Recognized(name, output, nodes, inputs, call, site_args, fused_op=fused_op, **extra))
     return sites
 
 
-def _recognized_call(fused, layouts, out_layout, out_dims):
+def _laid_out(given, dims, targets, operand_dtypes):
+    """The role tensors in the op's layouts and dtypes, and {atom: size}."""
+    sizes = {}
+    for name, t in given.items():
+        sizes.update(atom_sizes(t, dims[name]))
+    laid = {name: rearrange(t, dims[name], targets[name], sizes).to(operand_dtypes.get(name, t.dtype))
+            for name, t in given.items()}
+    return laid, sizes
+
+
+def _recognized_call(fused, layouts, out_layout, out_dims, operand_dtypes):
     dims = {name: expr.dims for name, (expr, _) in layouts.items()}
     targets = {name: target for name, (_, target) in layouts.items()}
 
     def npu_mhc_post_recognized(hidden_states, block_output, post, comb):
         given = {"hidden_states": hidden_states, "block_output": block_output, "post": post, "comb": comb}
-        sizes = {}
-        for name, t in given.items():
-            sizes.update(atom_sizes(t, dims[name]))
-        laid = {name: rearrange(t, dims[name], targets[name], sizes) for name, t in given.items()}
+        laid, sizes = _laid_out(given, dims, targets, operand_dtypes)
         out = fused(laid["hidden_states"], laid["block_output"], laid["post"], laid["comb"])
         return rearrange(out, out_layout, out_dims, sizes)
 
@@ -307,16 +323,13 @@ def _recognized_call(fused, layouts, out_layout, out_dims):
 _GRADIENT_ORDER = ("hidden_states", "comb", "block_output", "post")
 
 
-def _recognized_gradient(gradient_op, layouts, out_layout, out_dims, wanted, dtypes):
+def _recognized_gradient(gradient_op, layouts, out_layout, out_dims, wanted, dtypes, operand_dtypes):
     dims = {name: expr.dims for name, (expr, _) in layouts.items()}
     targets = {name: target for name, (_, target) in layouts.items()}
 
     def mhc_post_backward_recognized(hidden_states, block_output, post, comb, grad):
         given = {"hidden_states": hidden_states, "block_output": block_output, "post": post, "comb": comb}
-        sizes = {}
-        for name, t in given.items():
-            sizes.update(atom_sizes(t, dims[name]))
-        laid = {name: rearrange(t, dims[name], targets[name], sizes) for name, t in given.items()}
+        laid, sizes = _laid_out(given, dims, targets, operand_dtypes)
         grad_y = rearrange(grad, out_dims, out_layout, sizes).contiguous()
         grads = dict(zip(_GRADIENT_ORDER, gradient_op(grad_y, laid["hidden_states"], laid["comb"].float(),
                                                       laid["block_output"], laid["post"].float())))

@@ -173,6 +173,25 @@ def test_only_some_inputs_requiring_grad_get_theirs():
     assert fused_calls(backend.graphs["backward"]) == {"npu.npu_mhc_post_backward": 1}
 
 
+def _narrow_block_output_inputs():
+    """fp32 streams, post and comb, and a bf16 block output (torchtitan-npu's fp32 DeepSeek-V4,
+    whose attention returns bf16 in one layer)."""
+    x, o, post, comb = _inputs()
+    return [x, o.to(torch.bfloat16), post, comb]
+
+
+def test_a_narrower_block_output_mixed_in_the_streams_dtype_fuses():
+    """HcPost's type_as rounds to the block output's bf16 a mix torch computes in fp32 (the
+    product promotes o): the op mixes the fp32 streams with o upcast (exact) and the cast stays
+    after it: fp32 ulps before the rounding, so the bf16 results agree to one ulp at scale."""
+    out, ref, report = compile_and_run(SummedProductMix(), *_narrow_block_output_inputs(), config=POST)
+    assert report.fused_ops == {"npu.npu_mhc_post": 1}
+    assert out.dtype == torch.bfloat16
+    assert_close_at_scale(out, ref, 1)
+    backend = train_and_compare(SummedProductMix(), _narrow_block_output_inputs(), POST, ULPS)
+    assert fused_calls(backend.graphs["backward"]) == {"npu.npu_mhc_post_backward": 1}
+
+
 class MixReadAgain(torch.nn.Module):
     """The mix, and its streams' sum read again outside it: the gradient of that intermediate
     is the mix's plus another's, which the op's backward does not compute."""
