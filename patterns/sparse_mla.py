@@ -39,6 +39,15 @@ cann_ops_transformer.lightning_indexer (mask_mode 3 with cmp_ratio and cmp_resid
 compressed causal mask torch_npu's npu_lightning_indexer cannot express) feeding
 sparse_flash_mla. The indexer's scale goes into its weights (relu(s x) = s relu(x), s > 0).
 
+torchtitan-npu's own V4 (its SparseAttention.forward) writes the same attention over an index
+list: the keys are cat([window, compressed + S]) with -1 slots sent to a padding lane S + T of a
+finfo(bf16).min mask that scatter opens at the listed keys and [..., :-1] drops. Its forms
+(torchtitan_v4_*) prove every key set by value or by its producers (docs/passes/sparse_mla.md):
+the sliding / HCA masks are constants, evaluated against the band and w < (t + 1) // m; CSA's
+window indices are evaluated, its compressed ones must be where(k >= (t + 1) // m, -1, k + S) of a
+top-k's indices over the T blocks; the op then reads the model's own indices (re-based, -1 last).
+cmp_ratio is S // T, proven to be the model's m.
+
 Layouts: transformers keeps q as (B, H, S, D); the op takes BSND, and returns what
 transformers returns after its `transpose(1, 2).contiguous()`. Kernel limits the tiny
 models miss (D 512, H in {1, 2, ..., 128}, bf16 / fp16, A2/A3's m in {1, 4, 128} and CSA
@@ -746,7 +755,8 @@ def explain(node):
         return SYMBOLIC
     return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
             "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
-            "its masks and, for CSA, the lightning indexer in the same graph)")
+            "its masks and, for CSA, the lightning indexer in the same graph; torchtitan-npu's SparseAttention: "
+            "one kv head broadcast by the matmul, an additive index mask over the window and compressed keys)")
 
 
 PASS = FusionPass(
