@@ -222,7 +222,25 @@ def _masked_by_a_compressed_threshold(topk):
     return _nearest_input_call(scores.args[1], aten.floor_divide.default, limit=12) is not None
 
 
+def _additively_masked_by_a_compressed_threshold(topk):
+    """torchtitan-npu's LiCompute: scores + where(w >= (t + 1) // ratio, finfo.min, 0)."""
+    scores = topk.args[0]
+    while is_call(scores, aten._to_copy.default):
+        scores = scores.args[0]
+    return (is_call(scores, aten.add.Tensor) and is_call(scores.args[1], aten.where.self)
+            and _nearest_input_call(scores.args[1], aten.floor_divide.default, limit=12) is not None)
+
+
 def explain(topk):
+    if _additively_masked_by_a_compressed_threshold(topk):
+        # sparse_mla's torchtitan-npu forms read the model's own top-k indices (re-based), so
+        # its attention fuses whether or not this does
+        return ("DeepSeek-V4's compressed lightning indexer as torchtitan-npu's LiCompute writes it (an additive "
+                "finfo.min mask past (t + 1) // compress_rate, its top-k values read besides its indices by the "
+                "indexer loss): no form fuses it into cann_ops_transformer.lightning_indexer yet; the op pads "
+                "its values with -inf where the model's are finfo.min and may order tied scores otherwise, "
+                "which would have to be proven harmless to every reader. sparse_mla fuses the attention that "
+                "reads its indices")
     if _masked_by_a_compressed_threshold(topk):
         # left in the graph where sparse_mla refused its CSA site; that pass's near miss for the
         # layer's attention says why (sparse_mla runs first: after=)

@@ -39,6 +39,15 @@ cann_ops_transformer.lightning_indexer (mask_mode 3 with cmp_ratio and cmp_resid
 compressed causal mask torch_npu's npu_lightning_indexer cannot express) feeding
 sparse_flash_mla. The indexer's scale goes into its weights (relu(s x) = s relu(x), s > 0).
 
+torchtitan-npu's own V4 (its SparseAttention.forward) writes the same attention over an index
+list: the keys are cat([window, compressed + S]) with -1 slots sent to a padding lane S + T of a
+finfo(bf16).min mask that scatter opens at the listed keys and [..., :-1] drops. Its forms
+(torchtitan_v4_*) prove every key set by value or by its producers (docs/passes/sparse_mla.md):
+the sliding / HCA masks are constants, evaluated against the band and w < (t + 1) // m; CSA's
+window indices are evaluated, its compressed ones must be where(k >= (t + 1) // m, -1, k + S) of a
+top-k's indices over the T blocks; the op then reads the model's own indices (re-based, -1 last).
+cmp_ratio is S // T, proven to be the model's m.
+
 Layouts: transformers keeps q as (B, H, S, D); the op takes BSND, and returns what
 transformers returns after its `transpose(1, 2).contiguous()`. Kernel limits the tiny
 models miss (D 512, H in {1, 2, ..., 128}, bf16 / fp16, A2/A3's m in {1, 4, 128} and CSA
@@ -58,11 +67,15 @@ where the traced joint pattern copies (clone + _unsafe_view); the engine's joint
 canonicalisation (canonical.normalize_joint_graph) spells both alike, so the joint forms match
 (tests/test_sparse_mla.py trains SWA, HCA and CSA through sparse_flash_mla_grad).
 """
+import operator
+
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason, evaluate_constant, hides
 from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
 
 aten = torch.ops.aten
@@ -139,6 +152,61 @@ def deepseek_v4_csa_attention(query, kv, compressed_kv, sinks, sliding_mask, ind
     keys = torch.cat([kv, compressed_kv], dim=2)
     attention_mask = torch.cat([sliding_mask, block_bias.to(sliding_mask.dtype)], dim=-1)
     return _eager_attention_with_sinks(query, keys, sinks, attention_mask, scaling)
+
+
+# ---- the unfused forms, as torchtitan-npu writes them (its SparseAttention.forward) ------------
+# One key head (B, S, D), also the value, broadcast to the H query heads by the matmul; the keys
+# a query sees are an index list: the window (from aranges), then (CSA / HCA) compressed blocks
+# offset by S; -1 slots go to a padding lane S + T that the mask drops. Under bf16 autocast the
+# fp32 sinks are concatenated to the bf16 logits: torch_npu's autocast lists leave that cat to
+# promote them itself (an NPU graph, and the emulation's), CPU's cast the logits first
+# (cast_logits: the same values); the probabilities are cast back for P @ V in both.
+def _torchtitan_attention(q, kv_states, sinks, index_mask, scaling, cast_logits):
+    query_states = q.transpose(1, 2)
+    kv_states = kv_states.unsqueeze(1)
+    attn_weights = torch.matmul(query_states, kv_states.transpose(2, 3)) * scaling
+    attn_weights = attn_weights + index_mask
+    sinks = sinks.reshape(1, -1, 1, 1).expand(query_states.shape[0], -1, query_states.shape[-2], -1)
+    logits = attn_weights.to(sinks.dtype) if cast_logits else attn_weights
+    combined_logits = torch.cat([logits, sinks], dim=-1)
+    combined_logits = combined_logits - combined_logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined_logits.float(), dim=-1, dtype=combined_logits.dtype)
+    scores = probs[..., :-1]
+    attn_output = torch.matmul(scores.to(kv_states.dtype), kv_states)
+    return attn_output.transpose(1, 2).contiguous()
+
+
+def _torchtitan_searches(cast_logits):
+    def sliding(q, ori_kv, sinks, window_mask, scaling):
+        # the window's index mask is an argument: its value is proven by evaluating it
+        return _torchtitan_attention(q, ori_kv, sinks, window_mask, scaling, cast_logits)
+
+    def compressed(q, ori_kv, cmp_kv, sinks, index_mask, scaling):
+        # HCA: window + every compressed block before the query's threshold, all from aranges, so
+        # the whole (window, compressed) index mask is a compile-time constant, evaluated
+        return _torchtitan_attention(q, torch.cat([ori_kv, cmp_kv], dim=1), sinks, index_mask, scaling, cast_logits)
+
+    def indexed(q, ori_kv, cmp_kv, sinks, window_idx, compressed_idx, padding_lane, fill, scaling):
+        # CSA: the compressed blocks are the lightning indexer's top-k (compressed_idx: -1 or
+        # block + S, proven from its producer by the check); the index mask is spelled out
+        batch, seq_len = q.shape[0], q.shape[1]
+        kv_states = torch.cat([ori_kv, cmp_kv], dim=1)
+        topk_idxs = torch.cat([window_idx, compressed_idx], dim=-1).int()
+        topk_idxs = topk_idxs.masked_fill(topk_idxs < 0, padding_lane)
+        index_mask = torch.full((batch, 1, seq_len, kv_states.shape[1] + 1), fill, dtype=torch.bfloat16,
+                                device=q.device).scatter(-1, topk_idxs.unsqueeze(1), 0)
+        return _torchtitan_attention(q, kv_states, sinks, index_mask[..., :-1], scaling, cast_logits)
+
+    suffix = "_logits_cast" if cast_logits else ""
+    for fn, kind in ((sliding, "sliding"), (compressed, "compressed"), (indexed, "indexed")):
+        fn.__name__ = fn.__qualname__ = f"torchtitan_v4_{kind}_attention{suffix}"
+    return sliding, compressed, indexed
+
+
+_TT_SEARCHES = (_torchtitan_searches(False), _torchtitan_searches(True))
+_TT_SLIDING = frozenset(searches[0] for searches in _TT_SEARCHES)
+_TT_COMPRESSED = frozenset(searches[1] for searches in _TT_SEARCHES)
+_TORCHTITAN = frozenset(search for searches in _TT_SEARCHES for search in searches)
 
 
 # ---- the fused calls -------------------------------------------------------------------------
@@ -253,8 +321,44 @@ def _replacements(with_metadata):
     return sliding, hca, csa
 
 
+def _torchtitan_smla(q, ori_kv, cmp_kv, sinks, scaling, indices, with_metadata):
+    """(B, S, H, D) q, (B, S, D) keys, (B, T, D) compressed keys or None: the ratio is S // T,
+    which the checks prove is the m of the model's thresholds (torchtitan-npu requires S % m == 0)."""
+    ratio = 1 if cmp_kv is None else q.shape[1] // cmp_kv.shape[1]
+    return _sparse_flash_mla(q.transpose(1, 2), ori_kv.unsqueeze(1), None if cmp_kv is None else cmp_kv.unsqueeze(1),
+                             sinks, scaling, ratio, indices, with_metadata)
+
+
+def _cmp_sparse_indices(compressed_idx, seq_len):
+    """The model's compressed index list (-1 or block + S; the check proves every listed block is
+    below the query's threshold, listed once: a top-k's indices) as the op's: block ids, -1 last
+    (the kernel reads up to the first -1; the model's mask only tests membership, so the order is free)."""
+    blocks = torch.where(compressed_idx < 0, -1, compressed_idx - seq_len)
+    return blocks.sort(dim=-1, descending=True).values.to(torch.int32).unsqueeze(2)
+
+
+def _torchtitan_replacements(with_metadata):
+    suffix = "with_metadata" if with_metadata else "without_metadata"
+
+    def sliding(q, ori_kv, sinks, window_mask, scaling):
+        return _torchtitan_smla(q, ori_kv, None, sinks, scaling, None, with_metadata)
+
+    def compressed(q, ori_kv, cmp_kv, sinks, index_mask, scaling):
+        return _torchtitan_smla(q, ori_kv, cmp_kv, sinks, scaling, None, with_metadata)
+
+    def indexed(q, ori_kv, cmp_kv, sinks, window_idx, compressed_idx, padding_lane, fill, scaling):
+        indices = _cmp_sparse_indices(compressed_idx, q.shape[1])
+        return _torchtitan_smla(q, ori_kv, cmp_kv, sinks, scaling, indices, with_metadata)
+
+    for fn, kind in ((sliding, "swa"), (compressed, "hca"), (indexed, "csa")):
+        fn.__name__ = f"sparse_flash_mla_torchtitan_{kind}_{suffix}"
+    return sliding, compressed, indexed
+
+
 _WITH, _WITHOUT = _replacements(True), _replacements(False)
 _TRAINABLE = {"swa": (("query", "kv", "sinks"),), "compressed": (("query", "kv", "compressed_kv", "sinks"),)}
+_TT_WITH, _TT_WITHOUT = _torchtitan_replacements(True), _torchtitan_replacements(False)
+_TT_TRAINABLE = {"swa": (("q", "ori_kv", "sinks"),), "compressed": (("q", "ori_kv", "cmp_kv", "sinks"),)}
 _SMLA_OP = dict(fused_op="cann_ops_transformer.sparse_flash_mla")
 
 FORMS = [
@@ -266,8 +370,14 @@ FORMS = [
     Form(deepseek_v4_hca_attention, _WITHOUT[1], grad_subsets=_TRAINABLE["compressed"], **_SMLA_OP),
     Form(deepseek_v4_sliding_attention, _WITH[0], grad_subsets=_TRAINABLE["swa"], **_SMLA_OP),
     Form(deepseek_v4_sliding_attention, _WITHOUT[0], grad_subsets=_TRAINABLE["swa"], **_SMLA_OP),
+    # torchtitan-npu's SparseAttention: the indexed (CSA) form first, then the compressed one
+    # (whose mask argument would also bind CSA's, refused there as not a constant), then the
+    # sliding one (whose keys argument would bind the compressed layers' cat, refused as S + T keys)
+    *(Form(searches[kind], replacements[kind], grad_subsets=_TT_TRAINABLE["swa" if kind == 0 else "compressed"],
+           **_SMLA_OP)
+      for kind in (2, 1, 0) for searches in _TT_SEARCHES for replacements in (_TT_WITH, _TT_WITHOUT)),
 ]
-_WITH_METADATA = frozenset(_WITH)
+_WITH_METADATA = frozenset(_WITH) | frozenset(_TT_WITH)
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -324,15 +434,18 @@ def _soc_families(site):
     return [("A2/A3", False), ("Ascend950", True)]
 
 
-def _hardware_reasons(site, indices_width=None):
+def _hardware_reasons(site, indices_width=None, heads_dim_ratio=None):
     """sparse_flash_mla's limits (capabilities.py's row): those of every SoC as "<what>: <op>
     takes <limit>", those of one SoC family as "<what>: on <SoC> <op> takes <limit>" (COT
     docs/zh/sparse_flash_mla.md, 规格约束: 950 takes no single query head; A2/A3 take the compress
     ratios 1 / 4 / 128 and CSA top-k 512 / 1024 only)."""
-    query = site["query"]
-    heads, dim = query.shape[1], query.shape[3]
+    if heads_dim_ratio is None:  # transformers' forms: (B, H, S, D) query, compress_rate captured
+        query = site["query"]
+        heads, dim, ratio = query.shape[1], query.shape[3], site.args.get("compress_rate", 1)
+    else:
+        query = site["q"]
+        heads, dim, ratio = heads_dim_ratio
     limits = SMLA.limits
-    ratio = site.args.get("compress_rate", 1)
     reasons = [
         unsupported(SMLA.op, site.soc, x=query),
         f"head dim {dim}: sparse_flash_mla takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
@@ -394,7 +507,172 @@ def _indexer_shape_reason(site):
 def check(site):
     # the metadata convention last: a site refused by the kernel's limits is reported with
     # them, not with the convention of the form that happened to be tried first
+    if site.form.search in _TORCHTITAN:
+        return _torchtitan_reason(site) or _metadata_reason(site)
     return _site_reason(site) or _metadata_reason(site)
+
+
+# ---- checks of torchtitan-npu's forms ----------------------------------------------------------
+def _torchtitan_reason(site):
+    q, kv, sinks = site["q"], site["ori_kv"], site["sinks"]
+    cmp = site.args.get("cmp_kv")
+    if _symbolic(q):
+        return SYMBOLIC
+    if q.dim() != 4 or kv.dim() != 3:
+        return f"q {list(q.shape)} / kv {list(kv.shape)} are not (B, S, H, D) / (B, S, D)"
+    batch, seq_len, heads, dim = q.shape
+    if tuple(kv.shape) != (batch, seq_len, dim):
+        return f"kv {list(kv.shape)} is not one (key = value) head of the {seq_len} queries' tokens"
+    if tuple(sinks.shape) != (heads,):
+        return f"sinks {list(sinks.shape)}: the op takes one per query head ({heads})"
+    if site["scaling"] <= 0:
+        return f"scaling {site['scaling']} <= 0"
+    if kv.dtype != q.dtype or (cmp is not None and cmp.dtype != q.dtype):
+        return "q, kv and compressed kv differ in dtype: the op takes one"
+    if cmp is None:
+        return (_index_mask_reason(site.arg_nodes["window_mask"], seq_len, 0, 1)
+                or site.hardware_limits(_hardware_reasons(site, None, (heads, dim, 1))))
+    if cmp.dim() != 3 or tuple(cmp.shape) != (batch, cmp.shape[1], dim) or cmp.shape[1] == 0:
+        return f"compressed kv {list(cmp.shape)} is not (B, T, D)"
+    blocks = cmp.shape[1]
+    ratio = seq_len // blocks  # the replacement's cmp_ratio: the check proves it is the model's m
+    if seq_len // ratio != blocks:
+        return (f"{blocks} compressed keys for {seq_len} tokens: no ratio m with T = S // m and S // T = m "
+                "(the op's cmp_ratio is taken as S // T)")
+    if site.form.search in _TT_COMPRESSED:
+        return (_index_mask_reason(site.arg_nodes["index_mask"], seq_len, blocks, ratio)
+                or site.hardware_limits(_hardware_reasons(site, None, (heads, dim, ratio))))
+    reason, width = _index_list_reason(site, seq_len, blocks, ratio)
+    if reason is None and width is None:  # HCA's constant list: the compressed form fuses it
+        return (site.hardware_limits(_hardware_reasons(site, None, (heads, dim, ratio))) or _metadata_reason(site)
+                or "the compressed indices are a compile-time constant (HCA): the compressed form, whose op call "
+                   "takes no indices, fuses the site")
+    return reason or site.hardware_limits(_hardware_reasons(site, width, (heads, dim, ratio)))
+
+
+def _visible_window(seq_len, keys):
+    """(S, keys) bool: key j < S visible to query t iff t - WINDOW < j <= t (the op's band,
+    ori_win_left WINDOW - 1, ori_win_right 0)."""
+    t = torch.arange(seq_len).unsqueeze(-1)
+    j = torch.arange(keys).unsqueeze(0)
+    return (j <= t) & (j > t - WINDOW) & (j < seq_len)
+
+
+def _visible_blocks(seq_len, blocks, ratio):
+    """(S, T) bool: compressed block w visible to query t iff w < (t + 1) // m (cmp_mask_mode 3
+    of a prefill: S keys, S queries)."""
+    t = torch.arange(seq_len).unsqueeze(-1)
+    return torch.arange(blocks).unsqueeze(0) < (t + 1) // ratio
+
+
+def _index_mask_reason(node, seq_len, blocks, ratio):
+    """None if the additive mask `node` is a compile-time constant showing query t exactly the op's
+    keys: the 128-key band of the S keys, then (T > 0) the blocks w < (t + 1) // m; else why not.
+    Hidden entries must be -inf or at most -1e30 (torchtitan's finfo(bf16).min): added to a logit
+    they leave exp() exactly 0 beside the sink, which every row has."""
+    with unset_fake_temporarily():
+        value = evaluate_constant(node)
+        if value is None:
+            return ("the index mask is computed from graph inputs (or symbolic sizes) in a form other than "
+                    "torchtitan-npu's index list (a window from aranges, compressed blocks of a top-k), so the "
+                    "keys it shows cannot be proven")
+        if value.dim() < 2 or not value.is_floating_point() or tuple(value.shape[-2:]) != (seq_len, seq_len + blocks):
+            return f"the index mask is {value.dtype}{list(value.shape)}, not an additive (.., {seq_len}, " \
+                   f"{seq_len + blocks}) mask"
+        visible = value == 0
+        if not bool((value[~visible] <= -1e30).all()):
+            return "the index mask holds values that neither show (0) nor hide (-inf, finfo.min) a key"
+        expected = torch.cat([_visible_window(seq_len, seq_len), _visible_blocks(seq_len, blocks, ratio)], -1)
+        wrong = visible != expected
+        if not bool(wrong.any()):
+            return None
+        if bool(wrong[..., :seq_len].any()):
+            widest = int(visible[..., :seq_len].sum(-1).max())
+            return (f"the index mask does not show each query the {WINDOW}-key window the op's band is "
+                    f"(ori_win_left {WINDOW - 1}, ori_win_right 0; the widest row shows {widest} keys)")
+        return (f"the index mask's compressed keys are not the blocks w < (t + 1) // {ratio} (cmp_mask_mode 3 "
+                f"at cmp_ratio S // T = {ratio})")
+
+
+def _index_list_reason(site, seq_len, blocks, ratio):
+    """torchtitan-npu's CSA index list, proven: (reason, top-k width).
+
+    window_idx is evaluated (aranges): per query t, its ids >= 0 are below S and are the op's
+    band; compressed_idx is where(k >= thr, -1, k + S) with k a top-k's indices over T blocks
+    (distinct, in [0, T)) and thr the evaluated (t + 1) // m: so every listed block is visible
+    under cmp_mask_mode 3 and listed once, and the model's padding lane is S + T, hidden."""
+    keys = seq_len + blocks
+    if site["padding_lane"] != keys:
+        return (f"the -1 slots go to column {site['padding_lane']}, not the padding lane {keys} the mask "
+                "drops"), None
+    if not hides(site["fill"]) or (site["fill"] != float("-inf") and site["fill"] > -1e30):
+        return f"the index mask's fill {site['fill']:g} does not hide a key as -inf does", None
+    with unset_fake_temporarily():
+        window = evaluate_constant(site.arg_nodes["window_idx"])
+        if window is None or window.is_floating_point() or window.dim() < 2 or window.shape[-2] != seq_len:
+            return ("the window indices are not a compile-time constant (S, W) index list (torchtitan-npu "
+                    "computes them from aranges)"), None
+        if bool((window >= seq_len).any()):
+            return "the window indices list keys past the S window keys", None
+        rows = window.reshape(-1, seq_len, window.shape[-1])
+        shown = torch.zeros(rows.shape[0], seq_len, seq_len + 1, dtype=torch.bool)
+        shown.scatter_(-1, torch.where(rows < 0, seq_len, rows), True)
+        if not bool((shown[..., :seq_len] == _visible_window(seq_len, seq_len)).all()):
+            widest = int(shown[..., :seq_len].sum(-1).max())
+            return (f"the window indices do not list the {WINDOW}-key window the op's band is (ori_win_left "
+                    f"{WINDOW - 1}, ori_win_right 0; the widest row lists {widest} keys)"), None
+        reason, width = _compressed_list_reason(site.arg_nodes["compressed_idx"], seq_len, blocks, ratio)
+    return reason, width
+
+
+def _compressed_list_reason(node, seq_len, blocks, ratio):
+    """where(k >= thr, -1, k + S), k = topk(scores over T blocks).indices, thr = (t + 1) // m."""
+    constant = evaluate_constant(node)
+    if constant is not None:  # HCA (GetCompressTopkIdxs, from aranges): the listed blocks, by value
+        if constant.is_floating_point() or constant.dim() < 2 or constant.shape[-2] != seq_len:
+            return f"the compressed indices are {constant.dtype}{list(constant.shape)}, not a (S, K) index list", None
+        rows = constant.reshape(-1, seq_len, constant.shape[-1])
+        if bool(((rows >= 0) & (rows < seq_len)).any()) or bool((rows > seq_len + blocks).any()):
+            return "the compressed indices list keys outside the T compressed blocks", None
+        shown = torch.zeros(rows.shape[0], seq_len, seq_len + blocks + 1, dtype=torch.bool)
+        shown.scatter_(-1, torch.where(rows < 0, seq_len + blocks, rows), True)
+        if not bool((shown[..., seq_len:seq_len + blocks] == _visible_blocks(seq_len, blocks, ratio)).all()):
+            return (f"the compressed indices do not list the blocks w < (t + 1) // {ratio} (cmp_mask_mode 3 at "
+                    f"cmp_ratio S // T = {ratio})"), None
+        return None, None
+    what = ("the compressed indices are not where(k >= (t + 1) // m, -1, k + S) of a top-k's indices k over "
+            "the T blocks (torchtitan-npu's LiCompute)")
+    if not is_call(node, aten.where.self):
+        return what, None
+    cond, invalid, valid = node.args
+    minus_one = evaluate_constant(invalid)
+    if minus_one is None or minus_one.numel() != 1 or int(minus_one) != -1:
+        return what + ": its masked slots are not -1", None
+    if not is_call(cond, aten.ge.Tensor) or not is_call(valid, aten.add.Tensor):
+        return what, None
+    picks, threshold = cond.args
+    if valid.args[0] is not picks or len(valid.args) < 2 or valid.args[1] != seq_len or valid.kwargs:
+        return what + f": the listed blocks are not offset by the S = {seq_len} window keys", None
+    topk = picks.args[0] if is_call(picks, operator.getitem) and picks.args[1] == 1 else None
+    if not is_call(topk, aten.topk.default):
+        return what + ": the blocks are not a top-k's indices", None
+    scores = tensor_meta(topk.args[0])
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    if scores is None or dim not in (-1, scores.dim() - 1) or scores.shape[-1] != blocks:
+        return what + f": the top-k does not rank the {blocks} compressed blocks", None
+    value = evaluate_constant(threshold)
+    expected = (torch.arange(seq_len) + 1) // ratio
+    if value is None or value.is_floating_point():
+        return what + ": the threshold is not a compile-time constant", None
+    picks_shape = tensor_meta(picks).shape
+    try:
+        value = torch.broadcast_to(value, tuple(picks_shape))
+    except RuntimeError:
+        return what + ": the threshold is not one per query", None
+    if not bool((value == expected.view(seq_len, 1)).all()):
+        return (f"the compressed indices' threshold is not (t + 1) // {ratio} (cmp_mask_mode 3 at cmp_ratio "
+                f"S // T = {ratio})"), None
+    return None, picks_shape[-1]
 
 
 def _site_reason(site):
@@ -477,7 +755,8 @@ def explain(node):
         return SYMBOLIC
     return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
             "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
-            "its masks and, for CSA, the lightning indexer in the same graph)")
+            "its masks and, for CSA, the lightning indexer in the same graph; torchtitan-npu's SparseAttention: "
+            "one kv head broadcast by the matmul, an additive index mask over the window and compressed keys)")
 
 
 PASS = FusionPass(
@@ -505,12 +784,23 @@ PASS = FusionPass(
         "index_scale": 2.0**-3,
         "weights_scale": 2.0**-4,
         "scaling": 2.0**-5,
+        # torchtitan-npu's forms: q (B, S, H, D), one key head (B, S, D), T = 7 compressed (B, T, D);
+        # an index list of an 11-key window and 4 compressed picks, its padding lane and fill
+        "q": lambda dtype: torch.empty(2, 47, 5, 16, dtype=dtype),
+        "ori_kv": lambda dtype: torch.empty(2, 47, 16, dtype=dtype),
+        "cmp_kv": lambda dtype: torch.empty(2, 7, 16, dtype=dtype),
+        "window_mask": lambda dtype: torch.empty(2, 1, 47, 47, dtype=dtype),
+        "index_mask": lambda dtype: torch.empty(2, 1, 47, 54, dtype=dtype),
+        "window_idx": lambda dtype: torch.empty(2, 47, 11, dtype=torch.int64),
+        "compressed_idx": lambda dtype: torch.empty(2, 47, 4, dtype=torch.int64),
+        "padding_lane": 59,
+        "fill": -3.0e38,
     },
     check=check,
     anchor=anchor,
     anchor_ops=(aten._softmax.default,),
     explain=explain,
     verify_input=verify_input,
-    differentiable=("query", "kv", "compressed_kv", "sinks"),
+    differentiable=("query", "kv", "compressed_kv", "sinks", "q", "ori_kv", "cmp_kv"),
     prefilter=lambda graph: any(_sink_softmax(n) for n in graph.nodes if n.op == "call_function"),
 )
