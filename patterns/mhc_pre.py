@@ -26,6 +26,10 @@ names its count (engine follow-up: a repeated sub-pattern with a captured trip c
 The fused ops compute the mixes as (x @ fn^T) * rsqrt(...) where transformers scales first
 and rounds the normalised streams: equal up to fp32 rounding. collapsed is rounded once.
 
+Other spellings are identified by evaluating their region on random inputs (`_recognized`), and
+train fused too: in a joint graph the region's backward is what autograd made of it
+(regions.backward_region), and both are replaced by one joint trace of the fused call (`_trained`).
+
 Training: npu_mhc_pre / npu_mhc_sinkhorn differentiate at the dispatcher with out_flag=1
 (set where autograd records the call); the COT op is differentiated by the extension's
 Python MhcPreSinkhornFunction, mirrored by MhcPreSinkhorn below, which calls
@@ -33,13 +37,15 @@ mhc_pre_sinkhorn(outFlag=True) and mhc_pre_sinkhorn_backward explicitly.
 """
 import math
 import operator
+from dataclasses import replace as with_fields
 
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
-from npu_fx_fusion.matching import (MOVES, RESHAPES, Form, FusionPass, Recognized, is_backward, is_call, is_cast,
-                                    is_joint_graph, same_function, tensor_meta)
+from npu_fx_fusion.matching import (MOVES, RESHAPES, Form, FusionPass, Recognized, backward_nodes_by_seq,
+                                    backward_region, is_backward, is_call, is_cast, is_joint_graph, same_function,
+                                    tensor_meta)
 
 aten = torch.ops.aten
 PRE_SINKHORN = CAPABILITIES["cann_ops_transformer.mhc_pre_sinkhorn"]
@@ -261,10 +267,11 @@ def recognize(graph, joint):
     if not graph.find_nodes(op="call_function", target=aten._softmax.default):
         return []
     found = []
+    by_seq = backward_nodes_by_seq(graph) if joint else None
     for node in graph.find_nodes(op="call_function", target=aten.div.Tensor):
         if (joint and is_backward(node)) or not anchor(node):
             continue
-        found.extend(_recognized(node, joint))
+        found.extend(_recognized(node, by_seq))
     return found
 
 
@@ -337,7 +344,9 @@ def _ancestors(outputs, stops):
     return found
 
 
-def _recognized(comb, joint):
+def _recognized(comb, by_seq):
+    """by_seq: a joint graph's backward nodes by seq_nr (None for a forward graph)."""
+    joint = by_seq is not None
     start, iterations = _sinkhorn_start(comb)
     name = "hyper-connection (identified on random inputs)"
     hc_eps = start.args[1]
@@ -360,11 +369,11 @@ def _recognized(comb, joint):
     if len(leaves) != 2 or collapse is None:
         return []
     region = _closure(upward, inputs, parameters, {comb, collapse})
-    if joint:
-        return [Recognized(name, comb, [comb], reason=(
-            f"{explain(comb)}; in training only that form fuses: the backward of another spelling is not "
-            "rewritten"))]
-    escaping = {n for n in region if any(u not in region for u in n.users)} - {comb, collapse}
+
+    def outside(user, region):  # (a joint graph's backward reads what its forward saved)
+        return user not in region and not (joint and is_backward(user))
+
+    escaping = {n for n in region if any(outside(u, region) for u in n.users)} - {comb, collapse}
     escaping = {_through_moves_back(n, region) for n in escaping}
     if len(escaping) != 1:
         names = sorted(n.name for n in escaping)
@@ -386,11 +395,31 @@ def _recognized(comb, joint):
     norm_eps = _norm_eps(nodes)
     if norm_eps is None:
         return []
-    escape = next(((n, u) for n in nodes if n not in outputs for u in n.users if u not in region), None)
+    escape = next(((n, u) for n in nodes if n not in outputs for u in n.users if outside(u, region)), None)
     if escape is not None:
         return [Recognized(name, outputs, nodes, reason=(
             f"intermediate {escape[0].name} of the hyper-connection is also read by {escape[1].name}"))]
-    return _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, float(hc_eps), iterations)
+    sites = _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, float(hc_eps), iterations)
+    return [_trained(site, by_seq) for site in sites] if joint else sites
+
+
+def _trained(site, by_seq):
+    """A recognised site of a joint graph, with the backward autograd made of its region
+    (regions.backward_region), replaced jointly: the fused ops' backward reads what their
+    forward saves (out_flag)."""
+    if site.reason is not None:
+        return site
+    backward = backward_region(site.nodes, list(site.args.values()), site.outputs, by_seq)
+    if isinstance(backward, str):
+        return with_fields(site, args={}, replace=None, reason=f"a hyper-connection in training: {backward}")
+    if any(gradient is None for gradient in backward.output_gradients):
+        unused = [o.name for o, g in zip(site.outputs, backward.output_gradients) if g is None]
+        return with_fields(site, args={}, replace=None, reason=(
+            f"a hyper-connection in training whose {', '.join(unused)} get no gradient: the fused ops' backward "
+            "takes one for each of post, comb and the collapsed streams"))
+    trained = [role for role, node in site.args.items() if node in backward.gradients]
+    return with_fields(site, backward_nodes=backward.nodes, output_gradients=backward.output_gradients,
+                   needs_gradient=trained, backward_output=[backward.gradients[site.args[r]] for r in trained])
 
 
 def _closure(upward, inputs, parameters, ends):

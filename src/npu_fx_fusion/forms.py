@@ -157,6 +157,13 @@ class Recognized:
     backward_nodes: Sequence[Node] = ()
     backward_args: Mapping[str, Any] = field(default_factory=dict)
     backward_replace: Optional[Callable] = None
+    # a joint replacement, for a fused op whose backward reads what its forward saves: `replace`
+    # traced forward and backward at once (through its autograd), given `args` (those named in
+    # `needs_gradient` traced as requiring one) and then `output_gradients` (the gradient of
+    # each output, in order). It stands for nodes and backward_nodes, its outputs for `outputs`
+    # and then `backward_output` (the gradients of the arguments in `needs_gradient`, in order).
+    output_gradients: Sequence[Node] = ()
+    needs_gradient: Sequence[str] = ()
     # a near miss (`reason`) said only where nothing else does: the pass reports it unless
     # another of its near misses stands at the same source line (a region the algebra could
     # not evaluate, where the forms' own diagnosis, when there is one, says more)

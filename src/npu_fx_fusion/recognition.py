@@ -92,12 +92,18 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
             continue
         forward, backward = graphs
         nodes = list(found.nodes) + list(found.backward_nodes)
+        joint = bool(found.output_gradients)
         notes = [f"instead of {alternative.name}: {why}" for alternative, why in refused.pop(found.outputs[0], [])]
         site_record = FusedSite.of_match(fusion_pass.name, found.name, found.fused_op or fusion_pass.fused_op,
                                          nodes, found.outputs, None, [*notes, *_notes(run, found, site, graphs)],
                                          site.verified, [op for g in graphs if g is not None for op in emitted_ops(g)])
-        insert_replacement(_RegionMatch(found.nodes, found.outputs), graph, forward,
-                           [found.args[name] for name in found.args], run.fake_mode)
+        if joint:  # forward and backward at once, the backward half placed where autograd's was
+            insert_replacement(_RegionMatch(nodes, found.outputs + found.backward_outputs), graph, forward,
+                               [*found.args.values(), *found.output_gradients], run.fake_mode, run.reads_gradient)
+            _RegionMatch(found.nodes, found.outputs).erase_nodes()
+        else:
+            insert_replacement(_RegionMatch(found.nodes, found.outputs), graph, forward,
+                               [found.args[name] for name in found.args], run.fake_mode)
         if backward is not None:
             insert_replacement(_RegionMatch(found.backward_nodes, found.backward_outputs), graph, backward,
                                [found.backward_args[name] for name in found.backward_args], run.fake_mode,
@@ -131,7 +137,10 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
     if reason:
         return reason, None
     try:
-        forward = _trace(run, found.replace, found.args)
+        if found.output_gradients:
+            forward = _trace(run, found.replace, found.args, found.needs_gradient)
+        else:
+            forward = _trace(run, found.replace, found.args)
         backward = _trace(run, found.backward_replace, found.backward_args) if found.backward_replace else None
     except (RuntimeError, ValueError, TypeError) as exc:
         return f"{found.name}: the fused call does not trace at this site: {type(exc).__name__}: {exc}", None
@@ -139,7 +148,8 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
         reason = _emitted_ops_refused(run, graph)
         if reason:
             return reason, None
-    reason = _output_differs(run.fusion_pass, forward, found.outputs)
+    reason = _output_differs(run.fusion_pass, forward, found.outputs + (found.backward_outputs
+                                                                        if found.output_gradients else []))
     if reason is None and backward is not None:
         reason = _output_differs(run.fusion_pass, backward, found.backward_outputs)
     if reason:
@@ -151,11 +161,23 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
     return None, (forward, backward)
 
 
-def _trace(run: RecognitionRun, replace: Callable, args: dict) -> torch.fx.GraphModule:
-    values = [a.meta["val"] if isinstance(a, Node) else a for a in args.values()]
+def _trace(run: RecognitionRun, replace: Callable, args: dict,
+           needs_gradient: Optional[Sequence[str]] = None) -> torch.fx.GraphModule:
+    """`replace` traced on the arguments' values; jointly (forward and backward) when
+    `needs_gradient` names the arguments whose gradients it computes."""
+    values = {name: a.meta["val"] if isinstance(a, Node) else a for name, a in args.items()}
     with run.fake_mode, failure_is_an_answer():
-        traced = [trace_input(v) if isinstance(v, torch.Tensor) else v for v in values]
-        return TRACERS["forward"](replace, traced)
+        if needs_gradient is None:
+            traced = [trace_input(v) if isinstance(v, torch.Tensor) else v for v in values.values()]
+            return TRACERS["forward"](replace, traced)
+        traced = [trace_input(v, name in needs_gradient) if isinstance(v, torch.Tensor) else v
+                  for name, v in values.items()]
+        joint = TRACERS["joint"](replace, traced)
+    # its outputs: the forward's, then a gradient per argument (None for those that need none)
+    (output,) = joint.graph.find_nodes(op="output")
+    output.args = ([value for value in output.args[0] if value is not None],)
+    joint.recompile()
+    return joint
 
 
 def emitted_ops(graph: torch.fx.GraphModule) -> list[str]:

@@ -103,54 +103,83 @@ class BackwardRegion:
     """What autograd made, in a joint graph, of a recognised forward region (backward_region)."""
 
     nodes: list  # the backward nodes, in graph order
-    gradient: Node  # the gradient of the region's output they start from
+    output_gradients: list  # per output of the region, the gradient they start from (None: it has none)
     gradients: dict  # {an input of the region: the node of its gradient}
+
+    @property
+    def gradient(self) -> Node:
+        """The gradient of a one-output region's output."""
+        (gradient,) = self.output_gradients
+        return gradient
+
+
+# ops whose derivative passes the gradient on as it is, with no backward node (add and sub, whose
+# operands get it so, are refused where they read an input at all)
+_GRADIENT_UNCHANGED = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
 
 
 def backward_nodes_by_seq(graph: torch.fx.Graph) -> dict:
     """{seq_nr: the joint graph's backward nodes autograd made for the forward op(s) of that
     seq_nr} (aot_autograd gives each backward node its forward op's seq_nr)."""
-    by_seq: dict = {}
+    by_seq: dict = {GRADIENT_SUMS: []}
     for node in graph.nodes:
-        if node.op == "call_function" and is_backward(node) and node.meta.get("seq_nr") is not None:
-            by_seq.setdefault(node.meta["seq_nr"], []).append(node)
+        if node.op == "call_function" and is_backward(node):
+            if node.meta.get("is_gradient_acc"):
+                by_seq[GRADIENT_SUMS].append(node)
+            if node.meta.get("seq_nr") is not None:
+                by_seq.setdefault(node.meta["seq_nr"], []).append(node)
     return by_seq
 
 
-def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
+# backward_nodes_by_seq's entry for every gradient sum aot_autograd made (is_gradient_acc), in
+# graph order: a sum of two of a region's own gradients (a value it reads twice) carries the
+# seq_nr of whichever backward op ran when the second arrived, which may be none of its own
+GRADIENT_SUMS = "gradient sums"
+
+
+def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Union[Node, Sequence[Node]],
                     by_seq: dict) -> Union[BackwardRegion, str]:
-    """The backward of a forward region `nodes` (reading `inputs`, computing `output`) in a
+    """The backward of a forward region `nodes` (reading `inputs`, computing `outputs`) in a
     joint graph, or why it cannot be replaced by the fused op's backward alone.
 
     Whatever the spelling, autograd's nodes for the region are the backward nodes that carry
     the seq_nr of one of its forward ops (by_seq: backward_nodes_by_seq), less the gradient
     sums (aot_autograd's is_gradient_acc) that add one from elsewhere (autograd records them
     under the seq_nr of the backward op it runs when the second gradient arrives). They are the
-    region's backward, and nothing else, when they read one gradient from outside, of the
-    output's layout, and forward values of the region or its inputs only: a gradient of an
-    intermediate summed with one from outside the region, or a forward op spanning the
-    region's edge, is refused. So is a region that passes an input's gradient on unchanged
+    region's backward, and nothing else, when no value of the region but its outputs is read
+    outside it and its backward, and they read forward values of the region or its inputs
+    only, and one gradient from outside per output at most, of that output's layout, entering
+    the backward of that output's op (or of the ops whose values it passes on unchanged: an
+    add's operands): a gradient of an intermediate summed with one from outside the region,
+    or a forward op spanning the region's edge, is refused. So is a region that passes an input's gradient on unchanged
     (an add of the input: no backward node computes that part). Each gradient they pass on is
     the gradient of the one input read by the forward op it was made for."""
+    outputs = [outputs] if isinstance(outputs, Node) else list(outputs)
     region = [n for n in nodes if n.op == "call_function"]
     seqs = {n.meta.get("seq_nr") for n in region}
     if None in seqs:
         return "its forward ops carry no autograd sequence numbers (seq_nr), which find their backward"
     candidates = sorted(n for seq in seqs for n in by_seq.get(seq, ()))
     in_candidates = set(candidates)
+    for total in by_seq.get(GRADIENT_SUMS, ()):  # (graph order: a sum of sums follows them)
+        if total not in in_candidates and all(a in in_candidates for a in total.all_input_nodes):
+            candidates.append(total)
+            in_candidates.add(total)
+    candidates.sort()
     given = set(inputs)
     with_backward = {n.meta.get("seq_nr") for n in candidates}
     # an input whose gradient autograd passes on unchanged (an add's operand; a clone, which
     # makes no backward node) gets that part of it from no node of the backward: it would be
-    # counted twice, once by the op's backward and once as it is. (An op that made no backward
-    # node because its input needs no gradient is fine: checked once the gradients are known.)
+    # counted twice, once by the op's backward and once as it is. (A clone whose input needs no
+    # gradient is fine: checked once the gradients are known. Other ops make no backward node
+    # only where their value needs no gradient: comb's slice of base when comb is detached.)
     unchanged = {}
     for node in region:
         if is_call_of(node, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) \
                 and any(a in given for a in node.all_input_nodes):
             return (f"{node.name} ({node.target}) passes an input's gradient on unchanged: no backward node "
                     "computes that part of it")
-        if node.meta["seq_nr"] not in with_backward:
+        if node.target in _GRADIENT_UNCHANGED and node.meta["seq_nr"] not in with_backward:
             unchanged.update({a: node for a in node.all_input_nodes if a in given})
 
     def gradient_from_outside(arg: Node) -> bool:
@@ -169,6 +198,10 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
     if not backward:
         return "no backward nodes of its forward ops (no gradient flows through it)"
     in_region = set(region)
+    escaping = next((n for n in region if n not in outputs for u in n.users
+                     if u not in in_region and u not in in_candidates), None)
+    if escaping is not None:
+        return f"its intermediate {escaping.name} is read outside it: its gradient would come from there too"
     gradients_in = set()
     for node in backward:
         for arg in node.all_input_nodes:
@@ -179,21 +212,22 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
             elif arg not in in_region and arg not in given:
                 return (f"its backward reads {arg.name}, a forward value computed outside the region: the fused "
                         "op's backward does not compute that")
-    if len(gradients_in) != 1:
-        return (f"its backward reads {len(gradients_in)} gradients from outside it, not only its output's: "
-                "an intermediate's gradient is summed with one from elsewhere")
-    (gradient,) = gradients_in
-    gradient_value, output_value = gradient.meta.get("val"), output.meta.get("val")
-    if not isinstance(output_value, torch.Tensor) or list(gradient_value.shape) != list(output_value.shape):
-        return "the gradient its backward starts from is not of its output's shape"
+    output_gradients = _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_region)
+    if isinstance(output_gradients, str):
+        return output_gradients
     region_by_seq: dict = {}
     for node in region:
         region_by_seq.setdefault(node.meta["seq_nr"], []).append(node)
+    def read_by_its_forward(node):
+        if node.meta.get("is_gradient_acc"):  # a sum of two of the region's gradients of one value
+            return set().union(*[read_by_its_forward(a) for a in node.all_input_nodes])
+        return {a for f in region_by_seq.get(node.meta.get("seq_nr"), ()) for a in f.all_input_nodes if a in given}
+
     gradients: dict = {}
     for node in backward:
         if all(u in in_backward for u in node.users):
             continue
-        read = {a for f in region_by_seq[node.meta["seq_nr"]] for a in f.all_input_nodes if a in given}
+        read = read_by_its_forward(node)
         if len(read) != 1:
             return (f"its gradient {node.name} is passed on from a forward op reading {len(read)} of the region's "
                     "inputs: which input's gradient it is is not known")
@@ -206,4 +240,36 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], output: Node,
         node = unchanged[passed_on]
         return (f"{node.name} ({node.target}) passes {passed_on.name}'s gradient on unchanged: no backward node "
                 "computes that part of it")
-    return BackwardRegion(backward, gradient, gradients)
+    return BackwardRegion(backward, output_gradients, gradients)
+
+
+def _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_region):
+    """[the gradient of each output (None: none)] among the gradients the backward reads from
+    outside, each entering it at its output's op's backward, or at the ops an op with no
+    backward node passes it on to (an add's operands); or why they are not that."""
+    # where a gradient of each region value enters the backward: its op's backward, or, for an
+    # op autograd made no node for, those of its operands' ops it passes the gradient on to
+    # (one walk in graph order: operands first)
+    entries: dict = {}
+    for node in sorted(in_region):
+        seq = node.meta.get("seq_nr")
+        entries[node] = {seq} if seq in with_backward else set().union(
+            *[entries[a] for a in node.all_input_nodes if a in entries])
+    at = [entries.get(output, set()) for output in outputs]
+    found: list = [None] * len(outputs)
+    for gradient in gradients_in:
+        readers = {n.meta.get("seq_nr") for n in backward if gradient in n.all_input_nodes}
+        owners = [i for i, seqs in enumerate(at) if readers <= seqs]
+        if len(owners) != 1:
+            return (f"a gradient its backward reads from outside ({gradient.name}) does not enter it at one "
+                    "output's backward: an intermediate's gradient is summed with one from elsewhere")
+        (i,) = owners
+        value, wanted = gradient.meta.get("val"), outputs[i].meta.get("val")
+        if found[i] is not None:
+            return f"its output {outputs[i].name} has two gradients from outside"
+        if not isinstance(wanted, torch.Tensor) or list(value.shape) != list(wanted.shape):
+            return f"the gradient of its output {outputs[i].name} is not of that output's shape"
+        found[i] = gradient
+    if all(g is None for g in found):
+        return "its backward reads no gradient from outside"
+    return found
