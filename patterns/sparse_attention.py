@@ -662,12 +662,47 @@ def _hardware_reasons(query, key, value, soc):
 
 
 # ---- near misses: a mask scattered from top-k indices, feeding attention ----------------------
+def _flash_attention_ops():
+    return (torch.ops.npu.npu_fusion_attention_v3.default, torch.ops.npu.npu_fusion_attention.default)
+
+
+def _given_mask_of(node):
+    """The mask an attention node applies, as the given-mask forms take it: FlashAttention's
+    atten_mask, or the `where` bias added to the scores _safe_softmax normalises; else None."""
+    if is_call(node, aten._safe_softmax.default):
+        add = node.args[0]
+        if is_call(add, aten.add.Tensor):
+            return next((a for a in add.args if is_call(a, aten.where.self)), None)
+        return None
+    if node.op == "call_function" and node.target in _flash_attention_ops():
+        return node.args[7] if len(node.args) > 7 else node.kwargs.get("atten_mask")
+    return None
+
+
+def _is_transformers_top_k_mask(node):
+    return (is_call(node, aten.scatter.value) and node.args[3] is False
+            and is_call(node.args[0], aten.new_ones.default, aten.ones.default, aten.ones_like.default))
+
+
+def _attention_over_a_scattered_mask(node):
+    """An attention whose mask is computed from a scatter (other than transformers' top-k mask,
+    itself an anchor): a top-k mask the model materialised its own way."""
+    mask = _given_mask_of(node)
+    if not isinstance(mask, torch.fx.Node):
+        return False
+    found = _scatters_reached(mask)
+    return bool(found and found[0]) and not any(_is_transformers_top_k_mask(n) for n in found[0])
+
+
 def anchor(node):
     """scatter(ones, -1, indices, False): the model deselects everything but the top-k keys;
-    or an index of keys by clamped top-k indices: it gathers them."""
+    an index of keys by clamped top-k indices: it gathers them; or an attention whose mask is
+    computed from a scatter (the given-mask forms' sites)."""
     if is_call(node, aten.scatter.value):
-        return node.args[3] is False and is_call(node.args[0], aten.new_ones.default, aten.ones.default,
-                                                 aten.ones_like.default)
+        return _is_transformers_top_k_mask(node)
+    if is_call(node, aten._safe_softmax.default) or (node.op == "call_function"
+                                                     and node.target in _flash_attention_ops()):
+        return _attention_over_a_scattered_mask(node)
     if not is_call(node, aten.clamp.default) or tensor_meta(node) is None or tensor_meta(node).is_floating_point():
         return False
     users = [u2 for u in node.users for u2 in (u.users if is_call(u, aten._to_copy.default) else [u])]
@@ -675,6 +710,9 @@ def anchor(node):
 
 
 def explain(node):
+    if not is_call(node, aten.clamp.default, aten.scatter.value):
+        return ("an attention over a mask computed from a scatter, in a form other than SDPA over that bool mask "
+                "(its CPU math decomposition, or torch_npu's FlashAttention as an NPU compile records it)")
     if is_call(node, aten.clamp.default):
         return ("keys gathered by clamped top-k indices, in a form other than the absorbed MLA "
                 "attention (latent and rope keys gathered, einsum scores, -1 slots masked, softmax)")
@@ -740,7 +778,7 @@ PASS = FusionPass(
     }],
     check=check,
     anchor=anchor,
-    anchor_ops=(aten.scatter.value, aten.clamp.default),
+    anchor_ops=lambda: (aten.scatter.value, aten.clamp.default, aten._safe_softmax.default, *_flash_attention_ops()),
     explain=explain,
     verify_input=lambda name, args: _top_k_indices(args) if name == "indices" else None,
     differentiable=("query", "key", "value", "q_nope", "q_rope", "kv", "k_rope"),

@@ -1,0 +1,204 @@
+"""sparse_attention over a top-k mask the model materialises its own way (the given-mask forms).
+
+torchtitan-npu's DeepSeek-V3.2 (DSV32_SDPA.forward) turns its indexer's top-k into an
+attention mask through an additive causal bias, a scatter of 0 into -inf, isinf and a
+negation, with the slots whose key is in the future replaced by the sentinel seqlen - 1
+(scatter takes no -1); then SDPA over that bool mask. The pass matches SDPA over any
+bool mask and proves, for every size, that the mask shows each query exactly the keys
+its row of a top-k lists that the causal mask lets through (sparse_attention.
+top_k_mask_proof), and that no key the query sees is listed twice; the fused call takes
+those indices (Form.bound).
+
+The module below writes that computation in several spellings (the mask: additive
+-inf/0 with isinf, a bool scatter, masked_fill of a float scatter; with or without the
+sentinel; one key head (MLA absorbed) or per-head keys), and the negatives break one
+condition each. Numerics: npu_sparse_flash_attention's stand-in computes the scores in
+fp32 with the scale applied once, the model's SDPA scales q and k by sqrt(scale) each:
+a few fp32 ulps at the output's scale (bf16: both compute in fp32 and round the output
+once).
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import npu_fx_fusion as nff
+from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+
+SPARSE = nff.FusionConfig(enable={"sparse_attention", "attention"})
+SEQ, TOPK = 12, 5
+
+
+class TopKMaskAttention(torch.nn.Module):
+    """Attention over the top-k keys of an indexer score, the mask built as `mask` says.
+
+    mask: "additive" (torchtitan-npu's: causal bias + scatter(-inf, idx, 0), isinf & < 0),
+    "bool" (zeros(bool).scatter(idx, True) & tril), "masked_fill" (a float scatter read
+    with masked_fill of the causal mask, == 0);
+    sentinel: the hidden slots (index > query) replaced by this key ("last": seqlen - 1, an
+    int: that key), or None (the top-k's indices as they are).
+    Negatives: window (a sliding window instead of the causal mask), hide_key (the mask
+    hides key 3 too), indices="input" (indices given by the caller), strict (the slots kept
+    where index < query, which the proof does not take).
+    """
+
+    def __init__(self, mask="additive", sentinel="last", kv_heads=1, window=None, hide_key=None, strict=False,
+                 dim=16, rope=8, heads=4):
+        super().__init__()
+        self.mask, self.sentinel, self.kv_heads = mask, sentinel, kv_heads
+        self.window, self.hide_key, self.strict = window, hide_key, strict
+        self.dim, self.rope, self.heads = dim, rope, heads
+
+    def _mask(self, index_score, indices_input):
+        bsz, seqlen, _ = index_score.shape
+        causal_bias = torch.where(
+            torch.triu(torch.ones((bsz, seqlen, seqlen), dtype=index_score.dtype), diagonal=1) == 1,
+            float("-inf"), 0.0)
+        if self.window is not None:
+            i = torch.arange(seqlen).unsqueeze(-1)
+            j = torch.arange(seqlen).unsqueeze(0)
+            causal_bias = torch.where((j <= i) & (j > i - self.window), 0.0, float("-inf")).expand(bsz, -1, -1)
+        if indices_input is None:
+            _, indices = (index_score + causal_bias).topk(min(TOPK, seqlen), dim=-1)
+        else:
+            indices = indices_input
+        if self.sentinel is not None:
+            positions = torch.arange(seqlen).unsqueeze(0).unsqueeze(-1)
+            valid = indices < positions if self.strict else indices <= positions
+            sentinel = seqlen - 1 if self.sentinel == "last" else self.sentinel
+            indices = torch.where(valid, indices, torch.full_like(indices, sentinel))
+        if self.mask == "additive":
+            index_mask = torch.full((bsz, seqlen, seqlen), float("-inf")).scatter_(-1, indices, 0)
+            hidden = causal_bias + index_mask
+            visible = ~(torch.isinf(hidden) & (hidden < 0))
+        elif self.mask == "bool":
+            listed = torch.zeros((bsz, seqlen, seqlen), dtype=torch.bool).scatter(-1, indices, True)
+            visible = listed & (causal_bias == 0)
+        else:  # masked_fill
+            index_mask = torch.full((bsz, seqlen, seqlen), float("-inf")).scatter(-1, indices, 0.0)
+            visible = index_mask.masked_fill(causal_bias != 0, float("-inf")) == 0
+        if self.hide_key is not None:
+            visible = visible & (torch.arange(seqlen) != self.hide_key)
+        return visible.unsqueeze(1)
+
+    def forward(self, q, k, v, index_score, indices_input=None):
+        visible = self._mask(index_score, indices_input)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.25)
+
+
+def _inputs(kv_heads=1, dtype=torch.float32, seq=SEQ, batch=2, heads=4, dim=16, rope=8, grad=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq, dim + rope, generator=g)
+    k = torch.randn(batch, kv_heads, seq, dim + rope, generator=g)
+    latent = k[..., :dim] if kv_heads == 1 else torch.randn(batch, kv_heads, seq, dim, generator=g)
+    v = latent.clone()
+    score = torch.randn(batch, seq, seq, generator=g)
+    tensors = [t.to(dtype).requires_grad_(grad) for t in (q, k, v)]
+    return (*tensors, score)
+
+
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+@pytest.mark.parametrize("kv_heads", [1, 4], ids=["one key head", "per-head keys"])
+@pytest.mark.parametrize("mask, sentinel", [
+    ("additive", "last"), ("additive", None), ("bool", "last"), ("bool", None), ("masked_fill", "last"),
+])
+def test_a_mask_materialised_from_top_k_indices_fuses_as_a_sparse_attention(mask, sentinel, kv_heads, npu_dispatch):
+    config = nff.FusionConfig(enable={"sparse_attention", "attention"}, npu_dispatch=npu_dispatch)
+    out, ref, report = compile_and_run(TopKMaskAttention(mask, sentinel), *_inputs(kv_heads), config=config)
+    # the sparse pass runs first: the dense attention pass does not take it
+    assert report.counts["sparse_attention"] == 1 and report.counts["attention"] == 0, report.near_misses
+    assert report.fused_ops == {"npu.npu_sparse_flash_attention": 1}
+    (site,) = report.sites
+    assert "under the right-down causal mask (proven for every size)" in site.note, site.note
+    assert_close_at_scale(out, ref, 4)
+
+
+@pytest.mark.parametrize("module, reason", [
+    (TopKMaskAttention(window=4), "not shown by the attention mask as the right-down causal mask"),
+    (TopKMaskAttention(hide_key=3), "not shown by the attention mask as the right-down causal mask"),
+    (TopKMaskAttention(sentinel=0), "replacement for slots the causal mask hides (0) is not proven >= T - 1"),
+    (TopKMaskAttention(strict=True), "not where the causal mask shows the key"),
+], ids=["sliding window", "another key hidden", "visible sentinel", "strict validity"])
+def test_masks_that_are_not_causal_and_listed_keep_the_model_unfused_as_sparse(module, reason):
+    out, ref, report = compile_and_run(module, *_inputs(), config=nff.FusionConfig(enable={"sparse_attention"}))
+    assert report.counts["sparse_attention"] == 0
+    misses = near_miss_reasons(report, "sparse_attention")
+    assert any(reason in m for m in misses), misses
+    torch.testing.assert_close(out, ref)
+
+
+def test_indices_that_are_not_a_top_k_are_not_fused():
+    # the caller's indices may list a key twice: the op would count it twice, the mask once
+    indices = torch.randint(0, SEQ, (2, SEQ, TOPK))
+    out, ref, report = compile_and_run(TopKMaskAttention(sentinel=None), *_inputs(), indices,
+                                       config=nff.FusionConfig(enable={"sparse_attention"}))
+    assert report.counts["sparse_attention"] == 0
+    assert any("not a top-k's" in m for m in near_miss_reasons(report, "sparse_attention"))
+    torch.testing.assert_close(out, ref)
+
+
+def test_bf16_fuses_and_rounds_once():
+    out, ref, report = compile_and_run(TopKMaskAttention(), *_inputs(dtype=torch.bfloat16), config=SPARSE)
+    assert report.counts["sparse_attention"] == 1
+    # the model's SDPA computes in fp32 and rounds its output once, as the op does
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_under_dynamic_shapes_the_mask_and_sentinel_are_proven_for_every_size():
+    module = TopKMaskAttention()
+    backend_config = nff.FusionConfig(enable={"sparse_attention"})
+    from helpers import GuardRecordingBackend
+
+    backend = GuardRecordingBackend(backend_config)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for seq in (12, 9):
+            assert_close_at_scale(compiled(*_inputs(seq=seq)), module(*_inputs(seq=seq)), 4)
+    assert backend.report.counts["sparse_attention"] == 1
+
+
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+def test_training_fuses_and_the_gradients_are_eagers(npu_dispatch):
+    module = TopKMaskAttention()
+    config = nff.FusionConfig(enable={"sparse_attention"}, npu_dispatch=npu_dispatch)
+    inputs = _inputs(grad=True)
+    out, ref, report = compile_and_run(module, *inputs, config=config, grad=True)
+    assert report.counts["sparse_attention"] == 1, report.near_misses
+    assert report.fused_ops.get("npu.npu_sparse_flash_attention_grad", 0) == 1, report.fused_ops
+    grads = torch.autograd.grad(out.sum(), inputs[:3])
+    ref_inputs = [t.detach().clone().requires_grad_(True) for t in inputs[:3]]
+    expected = module(*ref_inputs, inputs[3])
+    ref_grads = torch.autograd.grad(expected.sum(), ref_inputs)
+    assert_close_at_scale(out.detach(), expected.detach(), 4)
+    for actual, wanted in zip(grads, ref_grads):
+        assert_close_at_scale(actual, wanted, 16)
+
+
+# ---- torchtitan-npu's own DeepSeek-V3.2 (DSV32_SDPA), built tiny -------------------------------------
+def _torchtitan_npu():
+    from npu_fx_fusion import tiny_third_party
+
+    if not os.path.isdir(os.path.join(tiny_third_party.torchtitan_npu_dir(), "torchtitan_npu")):
+        pytest.skip("torchtitan-npu is not unpacked (bash scripts/test.sh sets it up)")
+    return tiny_third_party
+
+
+@pytest.mark.parametrize("dtype, dynamic", [(torch.float32, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16 dynamic"])
+def test_torchtitan_npu_dsv32_sparse_attention_fuses(dtype, dynamic):
+    tiny = _torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v32", dtype=dtype)
+    torch._dynamo.reset()
+    backend = nff.get_npu_backend(fusion_config=nff.FusionConfig())
+    compiled = torch.compile(tiny.model, backend=backend, dynamic=dynamic)
+    with torch.no_grad():
+        out = compiled(*tiny.example_inputs)
+        ref = tiny.model(*tiny.example_inputs)
+    report = nff.last_report()
+    assert report.counts["sparse_attention"] == 2 and report.counts["attention"] == 0, report.near_misses
+    if dtype == torch.float32:
+        # the op scales q.k once where SDPA scales q and k by sqrt(scale) each: fp32 ulps,
+        # through two layers and the head
+        assert_close_at_scale(out, ref, 16)
+    else:  # the bf16 model rounds its activations in bf16 around the attention either way
+        assert (out.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
