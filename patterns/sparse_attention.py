@@ -44,7 +44,8 @@ import torch
 from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
 from npu_fx_fusion.matching import (Form, FusionPass, decided_nonnegative, formula_of, index_symbol, is_backward,
-                                   is_call, is_cast, mask_mode_with_leaf, sdpa_as_on_npu, size_expr, tensor_meta)
+                                   is_call, is_cast, is_training_graph, mask_mode_with_leaf, sdpa_as_on_npu, size_expr,
+                                   tensor_meta)
 
 aten = torch.ops.aten
 SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
@@ -711,8 +712,16 @@ def anchor(node):
 
 def explain(node):
     if not is_call(node, aten.clamp.default, aten.scatter.value):
-        return ("an attention over a mask computed from a scatter, in a form other than SDPA over that bool mask "
-                "(its CPU math decomposition, or torch_npu's FlashAttention as an NPU compile records it)")
+        reason = ("an attention over a mask computed from a scatter, in a form other than SDPA over that bool mask "
+                  "(its CPU math decomposition, or torch_npu's FlashAttention as an NPU compile records it)")
+        if is_training_graph(node.graph) and is_call(node, aten._safe_softmax.default):
+            # seen: torchtitan-npu's DeepSeek-V3.2 on the CPU graph (npu_dispatch=False), whose
+            # output's gradient arrives as clone + _unsafe_view of a permuted einsum gradient
+            reason += ("; in a training graph the joint forms of the math decomposition take the output's gradient "
+                       "as their trace has it (a plain view of a contiguous gradient): one that arrives in another "
+                       "layout (a copy of a permuted gradient) does not match. On the NPU graph (npu_dispatch=True, "
+                       "FlashAttention and its grad op) the same site fuses")
+        return reason
     if is_call(node, aten.clamp.default):
         return ("keys gathered by clamped top-k indices, in a form other than the absorbed MLA "
                 "attention (latent and rope keys gathered, einsum scores, -1 slots masked, softmax)")

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e06b56f92b48441a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0af93ba47701d45c',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {
