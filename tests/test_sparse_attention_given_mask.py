@@ -44,9 +44,9 @@ class TopKMaskAttention(torch.nn.Module):
     """
 
     def __init__(self, mask="additive", sentinel="last", kv_heads=1, window=None, hide_key=None, strict=False,
-                 dim=16, rope=8, heads=4):
+                 dim=16, rope=8, heads=4, causal=True):
         super().__init__()
-        self.mask, self.sentinel, self.kv_heads = mask, sentinel, kv_heads
+        self.mask, self.sentinel, self.kv_heads, self.causal = mask, sentinel, kv_heads, causal
         self.window, self.hide_key, self.strict = window, hide_key, strict
         self.dim, self.rope, self.heads = dim, rope, heads
 
@@ -55,6 +55,8 @@ class TopKMaskAttention(torch.nn.Module):
         causal_bias = torch.where(
             torch.triu(torch.ones((bsz, seqlen, seqlen), dtype=index_score.dtype), diagonal=1) == 1,
             float("-inf"), 0.0)
+        if not self.causal:  # every key visible: the selection alone (sparse_mode 0)
+            causal_bias = torch.zeros((bsz, seqlen, seqlen), dtype=index_score.dtype)
         if self.window is not None:
             i = torch.arange(seqlen).unsqueeze(-1)
             j = torch.arange(seqlen).unsqueeze(0)
@@ -125,6 +127,22 @@ def test_masks_that_are_not_causal_and_listed_keep_the_model_unfused_as_sparse(m
     assert report.counts["sparse_attention"] == 0
     misses = near_miss_reasons(report, "sparse_attention")
     assert any(reason in m for m in misses), misses
+    torch.testing.assert_close(out, ref)
+
+
+def test_without_a_causal_mask_the_selection_alone_fuses_with_sparse_mode_0():
+    out, ref, report = compile_and_run(TopKMaskAttention(sentinel=None, causal=False), *_inputs(), config=SPARSE)
+    assert report.counts["sparse_attention"] == 1
+    (site,) = report.sites
+    assert "shows the keys its top-k indices list (proven" in site.note and "causal" not in site.note, site.note
+    assert_close_at_scale(out, ref, 4)
+
+
+def test_a_sentinel_without_the_causal_mask_is_not_fused():
+    # no causal mask hides the sentinel key: where it repeats, the op would count it again
+    out, ref, report = compile_and_run(TopKMaskAttention(causal=False), *_inputs(), config=SPARSE)
+    assert report.counts["sparse_attention"] == 0
+    assert any("not a top-k's" in m for m in near_miss_reasons(report, "sparse_attention"))
     torch.testing.assert_close(out, ref)
 
 
