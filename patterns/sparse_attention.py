@@ -44,8 +44,8 @@ import torch
 from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
 from npu_fx_fusion.matching import (Form, FusionPass, decided_nonnegative, formula_of, index_symbol, is_backward,
-                                   is_call, is_cast, is_training_graph, mask_mode_with_leaf, sdpa_as_on_npu, size_expr,
-                                   tensor_meta)
+                                   is_call, is_cast, is_training_graph, known_equal, mask_mode_with_leaf, sdpa_as_on_npu,
+                                   size_expr, tensor_meta)
 
 aten = torch.ops.aten
 SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
@@ -440,36 +440,93 @@ _REGION_LIMIT = 40  # nodes between a mask and its scatter: a handful in the mod
 
 
 def _scatters_reached(mask):
-    """The scatter nodes the mask is computed from, and whether every path from the mask to
-    them is elementwise with broadcasting (element (.., s, t) of the mask reads element
-    (.., s, t) of the scatter), or None for a region too large to follow."""
-    reaches, order, stack = {}, [], [mask]
-    while stack:  # the region above the mask, nearest first
+    """(the scatter nodes the mask is computed from, the mask's dims' roles when each mask
+    element (b, s, t) reads the scatter's element (b, s, t): every path between them
+    elementwise with broadcasting, dims inserted or size-1 dims dropped, no permute; else
+    None), or None for a region too large to follow."""
+    region, stack = set(), [mask]
+    while stack:  # the region above the mask
         node = stack.pop()
-        if node in reaches or not isinstance(node, torch.fx.Node):
+        if node in region or not isinstance(node, torch.fx.Node):
             continue
-        reaches[node] = None
-        order.append(node)
-        if len(order) > _REGION_LIMIT:
+        region.add(node)
+        if len(region) > _REGION_LIMIT:
             return None
         if node.op == "call_function" and not is_call(node, aten.scatter.value, aten.scatter.src):
             stack.extend(node.all_input_nodes)
-    scatters = [n for n in order if is_call(n, aten.scatter.value, aten.scatter.src)]
-    aligned = True
-    for node in reversed(order):  # inputs first
-        if node in scatters:
-            reaches[node] = True
+    scatters = sorted(n for n in region if is_call(n, aten.scatter.value, aten.scatter.src))
+    if len(scatters) != 1:
+        return scatters, None
+    dims = {scatters[0]: list(range(tensor_meta(scatters[0]).dim()))}  # per dim: the scatter's dim it reads
+    for node in sorted(region):  # graph order: inputs first
+        if node in dims or not any(a in dims for a in node.all_input_nodes):
             continue
-        reaches[node] = any(reaches.get(a) for a in node.all_input_nodes)
-        if not reaches[node]:
+        found = _dims_read(node, dims)
+        if found is None:
+            return scatters, None
+        dims[node] = found
+    return scatters, _roles(dims.get(mask), tensor_meta(mask), tensor_meta(scatters[0]))
+
+
+def _roles(read, mask, leaf):
+    """The mask's dims as MaskTerm roles ("b", "s", "t", None for a size-1 dim) read off which
+    of the scatter's dims each reads: its last two the scatter's last two (queries, keys), at
+    most one other the scatter's batch; None where the mask reads the scatter otherwise (a
+    transposed or diagonal read) or has a dim of size > 1 the scatter does not index."""
+    if read is None:
+        return None
+    rank, last = mask.dim(), leaf.dim() - 1
+    if read[-1] != last or not (read[-2] == last - 1 or (read[-2] is None and _is_one(mask.shape[-2])
+                                                         and _is_one(leaf.shape[-2]))):
+        return None
+    roles = [None] * (rank - 2) + ["s", "t"]
+    batch = [d for d in range(rank - 2) if read[d] is not None]
+    if len(batch) > 1 or any(read[d] is None and not _is_one(mask.shape[d]) for d in range(rank - 2)):
+        return None
+    for d in batch:
+        roles[d] = "b"
+    return roles
+
+
+def _is_one(size):
+    """A size known to be 1 (a symbolic size is not: dynamo specialises sizes 0 and 1); no guard."""
+    return isinstance(size, int) and size == 1
+
+
+def _dims_read(node, dims):
+    """Per dim of `node`, the scatter's dim it reads (None: none, broadcast), from its inputs'
+    (`dims`); None where the op moves elements otherwise (a permute, a reshape of non-1 dims)."""
+    meta = tensor_meta(node)
+    if meta is None:
+        return None
+    rank = meta.dim()
+    if is_call(node, aten.unsqueeze.default):
+        read = list(dims[node.args[0]])
+        read.insert(node.args[1] % rank, None)
+        return read
+    if is_call(node, *_RESHAPES):
+        source = tensor_meta(node.args[0])
+        kept = [(k, size) for k, size in zip(dims[node.args[0]], source.shape) if not _is_one(size)]
+        sizes = [size for size in meta.shape if not _is_one(size)]
+        if len(kept) != len(sizes) or not all(known_equal(a, b) for (_, a), b in zip(kept, sizes)):
+            return None
+        it = iter(k for k, _ in kept)
+        return [None if _is_one(size) else next(it) for size in meta.shape]
+    if not (is_call(node, *_ELEMENTWISE) or is_cast(node)):
+        return None
+    read = [None] * rank
+    for a in node.all_input_nodes:  # right-aligned broadcasting
+        if a not in dims:
             continue
-        if is_call(node, *_RESHAPES):
-            source, meta = tensor_meta(node.args[0]), tensor_meta(node)
-            if [s for s in source.shape if s != 1] != [s for s in meta.shape if s != 1]:
-                aligned = False
-        elif not (is_call(node, *_ELEMENTWISE) or is_cast(node)):
-            aligned = False
-    return scatters, aligned
+        shape = tensor_meta(a).shape
+        offset = rank - len(shape)
+        for d, k in enumerate(dims[a]):
+            if k is None or _is_one(shape[d]):
+                continue
+            if read[d + offset] not in (None, k):
+                return None
+            read[d + offset] = k
+    return read
 
 
 def top_k_mask_proof(mask):
@@ -489,7 +546,7 @@ def top_k_mask_proof(mask):
     found = _scatters_reached(mask)
     if found is None:
         return "the attention mask is computed by more ops than the top-k mask proof follows"
-    scatters, aligned = found
+    scatters, roles = found
     if len(scatters) != 1:
         return (f"the attention mask is computed from {len(scatters)} scatters, not one scatter of top-k indices: "
                 "npu_sparse_flash_attention needs the keys it lists")
@@ -498,15 +555,11 @@ def top_k_mask_proof(mask):
     out = tensor_meta(scatter)
     if dim not in (-1, out.dim() - 1) or not isinstance(listed, (int, float, bool)):
         return "the mask's scatter does not write one scalar along the keys (its last dim)"
-    if not aligned:
-        return ("the attention mask reads its scatter through a permute, slice or reshape: the proof follows "
-                "elementwise ops with broadcasting only")
+    if roles is None:
+        return ("the attention mask reads its scatter through a permute, slice or reshape, or has a dim the "
+                "scatter does not index: the proof follows elementwise ops, broadcasting and inserted dims only, "
+                "with the mask's (batch, query, key) reading the scatter's")
     queries, keys = meta.shape[-2], meta.shape[-1]
-    roles = [None] * (meta.dim() - 2) + ["s", "t"]
-    lead = meta.dim() - out.dim()
-    for d in range(out.dim() - 2):  # the scatter's leading dims broadcast to the mask's: the batch's
-        if out.shape[d] != 1:
-            roles[lead + d] = "b"
     fill = _constant_fill(base)
     if fill is None:
         return "the mask's scatter writes into a tensor that is not one constant"

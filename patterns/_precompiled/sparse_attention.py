@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0af93ba47701d45c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '017bb62555ec6c1c',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {
