@@ -288,3 +288,38 @@ def dsv32_training_step():
             assert fused.grad is None or not fused.grad.any(), name
             continue
         assert_close_at_scale(fused.grad, eager.grad, 64)
+
+
+def test_a_check_that_binds_nothing_is_not_fused(monkeypatch):
+    # Form.bound: the replacement needs the indices; a site accepted without them is refused
+    from npu_fx_fusion.forms import Site
+
+    monkeypatch.setattr(Site, "bind", lambda self, name, node: None)
+    out, ref, report = compile_and_run(TopKMaskAttention(), *_inputs(), config=SPARSE)
+    assert report.counts["sparse_attention"] == 0
+    assert any("the check bound no indices" in m for m in near_miss_reasons(report, "sparse_attention"))
+    torch.testing.assert_close(out, ref)
+
+
+class IndexerFeedingALoss(torch.nn.Module):
+    """An indexer (sum over heads of w_h * relu(q_h . k), an additive causal mask, a top-k)
+    whose scores and indices also feed a loss, as torchtitan-npu's DSV32_SDPA's do; spelled
+    with einsum here (the model: permutes and matmul)."""
+
+    def forward(self, q, k, w):
+        scores = (torch.relu(torch.einsum("bshd,btd->bhst", q.float(), k.float())) * w.permute(0, 2, 1)[..., None])
+        scores = scores.sum(dim=1)
+        seq = scores.shape[-1]
+        scores = scores + torch.where(torch.triu(torch.ones(seq, seq), diagonal=1) == 1, float("-inf"), 0.0)
+        values, indices = scores.topk(4, dim=-1)
+        target = torch.softmax(torch.randn_like(scores).masked_fill(torch.isinf(scores), float("-inf")), -1)
+        return (torch.softmax(values, -1) * target.gather(-1, indices)).sum()
+
+
+def test_an_indexer_whose_scores_and_indices_feed_a_loss_names_both_readers():
+    q, k, w = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 16), torch.randn(2, 8, 4)
+    _, _, report = compile_and_run(IndexerFeedingALoss(), q, k, w,
+                                   config=nff.FusionConfig(enable={"lightning_indexer"}))
+    assert report.counts["lightning_indexer"] == 0
+    (miss,) = near_miss_reasons(report, "lightning_indexer")
+    assert "its top-k scores reach" in miss and "its indices reach" in miss and "gather" in miss, miss
