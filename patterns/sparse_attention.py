@@ -404,6 +404,10 @@ def check(site):
         if isinstance(proof, str):
             return proof
         mode, indices_node, why = proof
+        rows = tensor_meta(indices_node).shape
+        if not (known_equal(rows[0], query.shape[0]) and known_equal(rows[1], query.shape[2])):
+            return (f"the indices {list(rows)} do not hold one row per query of the attention's "
+                    f"{list(query.shape)} (batch, queries)")
     else:
         query, key, value = site["query"], site["key"], site["value"]
         mode, why = sparse_mode_of(site.arg_nodes["mask"])
@@ -560,6 +564,11 @@ def top_k_mask_proof(mask):
                 "scatter does not index: the proof follows elementwise ops, broadcasting and inserted dims only, "
                 "with the mask's (batch, query, key) reading the scatter's")
     queries, keys = meta.shape[-2], meta.shape[-1]
+    rows = tensor_meta(index)
+    if (rows is None or rows.dim() != 3 or out.dim() != 3
+            or not all(known_equal(a, b) for a, b in zip(rows.shape[:-1], out.shape[:-1]))):
+        return ("the mask's scatter is not a (B, S, T) tensor written at (B, S, k) indices, one row of keys per "
+                "query, as npu_sparse_flash_attention's sparse_indices are")
     fill = _constant_fill(base)
     if fill is None:
         return "the mask's scatter writes into a tensor that is not one constant"
