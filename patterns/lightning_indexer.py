@@ -42,6 +42,8 @@ In training the indexer has no gradient (transformers runs it under no_grad) and
 are saved for the fused attention's backward (npu_sparse_flash_attention_grad), a reader
 only the joint graph shows: the forward-only forms also run there (forward_forms_on_joint).
 """
+import operator
+
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
@@ -231,6 +233,27 @@ def _additively_masked_by_a_compressed_threshold(topk):
             and _nearest_input_call(scores.args[1], aten.floor_divide.default, limit=12) is not None)
 
 
+def _readers_beyond_the_attention(topk):
+    """(the top-k scores' first reader, the indices' first reader that is no fused sparse
+    attention), each None where there is none: what the model reads of its top-k besides
+    the key selection (DeepSeek-V3.2's indexer loss: a softmax of the scores, a gather at
+    the indices)."""
+    scores = next((u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 0 and u.users), None)
+    frontier = [u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 1]
+    seen, other = 0, None
+    while frontier and seen < 24 and other is None:
+        node = frontier.pop(0)
+        seen += 1
+        for user in node.users:
+            if is_call(user, *_PASS_ON):
+                frontier.append(user)
+            elif user.op == "call_function" and not is_call(user, torch.ops.npu.npu_sparse_flash_attention,
+                                                            torch.ops.npu.npu_sparse_flash_attention_grad):
+                other = user
+                break
+    return (next(iter(scores.users)) if scores is not None else None), other
+
+
 def explain(topk):
     if _additively_masked_by_a_compressed_threshold(topk):
         # sparse_mla's torchtitan-npu forms read the model's own top-k indices (re-based), so
@@ -248,6 +271,23 @@ def explain(topk):
                 "compress_rate): sparse_mla fuses it with its CSA attention, into "
                 "cann_ops_transformer.lightning_indexer (npu_lightning_indexer has no cmp_ratio for that "
                 "mask); see sparse_mla's near miss for this layer's attention")
+    scores_reader, indices_reader = _readers_beyond_the_attention(topk)
+    if scores_reader is not None and indices_reader is not None:
+        read = []
+        if scores_reader is not None:
+            read.append(f"its top-k scores reach {scores_reader.name} ({scores_reader.target})")
+        if indices_reader is not None:
+            read.append(f"its indices reach {indices_reader.name} ({indices_reader.target}) besides any sparse "
+                        "attention")
+        return ("a top-k over relu'd query-key scores whose results the model reads beyond the attention's key "
+                "selection (DeepSeek-V3.2's indexer loss: a softmax of the top-k scores, a gather of the attention "
+                "distribution at the indices): " + ", and ".join(read) + ". npu_lightning_indexer pads with -1 "
+                "where fewer than k keys are visible (the model's top-k lists hidden keys there, which its code "
+                "replaces or masks by position: -1 passes `index <= position` and no gather takes it), may order "
+                "equal scores differently, and gives the scores only with return_value=True: only a fused sparse "
+                "attention reads its indices as the model does, and a fused indexer loss "
+                "(npu_sparse_lightning_indexer_grad_kl_loss, as torchtitan-npu's npu_dsa converter uses) is no "
+                "pass here (its scores are not matched as an indexer form either)")
     return ("a top-k over relu'd query-key scores that matches none of the indexer forms "
             "(transformers DeepseekV32Indexer: scale inside the relu, weights summing the heads, "
             "a bool mask; the additive mask of its eager path is not covered)")

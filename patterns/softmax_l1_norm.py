@@ -488,10 +488,14 @@ def explain(head_sum):
     summed = tensor_meta(head_sum.args[0])
     dim = head_sum.args[1][0] % summed.dim()
     if dim != summed.dim() - 2:
+        undivided = (is_call(head_sum, aten.sum.dim_IntList)
+                     and not any(is_call(u, aten.div.Tensor, aten.mul.Tensor) for u in head_sum.users))
         return (f"the sum is over dim {dim} of the {summed.dim()}-d probabilities {list(summed.shape)}, "
                 f"not the one next to the keys: the heads of eager attention's (B, H, S1, S2) layout? {OP} "
                 "takes q as BSND / TND, (.., S1, H, D) with scores (.., H, S2); scores computed from q "
-                "transposed to (B, S1, H, D) fuse")
+                "transposed to (B, S1, H, D) fuse"
+                + (f"; and the sum is not divided by the {summed.shape[dim]} heads, where {OP} returns their mean"
+                   if undivided else ""))
     heads = summed.shape[-2]
     chain = [head_sum.args[0]]
     while chain[-1] is not probs:

@@ -38,11 +38,14 @@ npu_sparse_flash_attention_grad. Under max-autotune joint sites are refused
 import math
 import operator
 
+import sympy
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import Form, FusionPass, is_backward, is_call, tensor_meta
+from npu_fx_fusion.matching import (Form, FusionPass, decided_nonnegative, formula_of, index_symbol, is_backward,
+                                   is_call, is_cast, is_training_graph, known_equal, mask_mode_with_leaf, sdpa_as_on_npu,
+                                   size_expr, tensor_meta)
 
 aten = torch.ops.aten
 SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
@@ -158,6 +161,43 @@ def mla_gathered_top_k(q_nope, q_rope, kv, k_rope, indices, scale):
     return _mla_gathered(q_nope, q_rope, kv, k_rope, indices, scale, causal=False)
 
 
+# A mask given to SDPA whole: the model built it from top-k indices and the causal mask in its
+# own way (torchtitan-npu's DSV32_SDPA: `isinf(causal_bias + full(-inf).scatter(-1, indices, 0))
+# & (... < 0)`, inverted; other code a bool scatter, masked_fill ...). The search is SDPA over
+# any bool mask (True = attend); the check proves what the mask is (_top_k_mask_proof) and binds
+# the indices it was scattered from, which the fused call takes (Form.bound).
+def sdpa_math_given_mask(query, key, value, mask, sqrt_scale):
+    """SDPA's CPU math decomposition over a bool mask the check proves causal & listed."""
+    zero = aten.scalar_tensor.default(0.0, dtype=query.dtype, layout=torch.strided, device=query.device)
+    minus_inf = aten.scalar_tensor.default(float("-inf"), dtype=query.dtype, device=query.device)
+    bias = torch.where(mask, zero, minus_inf)
+    scores = aten.mul.Scalar(query, sqrt_scale) @ aten.mul.Scalar(key.transpose(-2, -1), sqrt_scale)
+    return aten._safe_softmax.default(scores + bias, -1) @ value
+
+
+def sdpa_math_given_mask_upcast(query, key, value, mask, sqrt_scale):
+    """The same in bf16/fp16: SDPA's math path computes in fp32 and casts back."""
+    zero = aten.scalar_tensor.default(0.0, dtype=query.dtype, layout=torch.strided, device=query.device)
+    minus_inf = aten.scalar_tensor.default(float("-inf"), dtype=query.dtype, device=query.device)
+    bias = torch.where(mask, zero, minus_inf)
+    q, k, v = query.float(), key.float(), value.float()
+    scores = aten.mul.Scalar(q, sqrt_scale) @ aten.mul.Scalar(k.transpose(-2, -1), sqrt_scale)
+    return (aten._safe_softmax.default(scores + bias, -1) @ v).to(query.dtype)
+
+
+_NPU_SDPA = {soc: sdpa_as_on_npu(soc) for soc in ("Ascend910B", "Ascend950")}
+
+
+def sdpa_fa_v3_given_mask(query, key, value, mask, scale):
+    """The same SDPA as an A2/A3 compile records it (npu_fusion_attention_v3, logical_not(mask))."""
+    return _NPU_SDPA["Ascend910B"](query, key, value, attn_mask=mask, scale=scale)
+
+
+def sdpa_fa_given_mask(query, key, value, mask, scale):
+    """The same on Ascend950 (npu_fusion_attention)."""
+    return _NPU_SDPA["Ascend950"](query, key, value, attn_mask=mask, scale=scale)
+
+
 # ---- the fused calls -----------------------------------------------------------------------
 def _training(*tensors):
     """Whether autograd records this call: the replacement traced on a joint graph (its
@@ -219,6 +259,24 @@ def npu_sparse_flash_attention_from_fa_unmasked_bsnd(query, key, value, indices,
     return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=0, bsnd_out=True)
 
 
+# the given-mask forms' replacements: the indices the check bound (Form.bound), the scale as
+# the form has it (the math form's sqrt(scale) squared)
+def npu_sparse_flash_attention_given_causal(query, key, value, mask, sqrt_scale, indices):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale * sqrt_scale, sparse_mode=3)
+
+
+def npu_sparse_flash_attention_given_unmasked(query, key, value, mask, sqrt_scale, indices):
+    return _sparse_flash_attention(query, key, value, indices, sqrt_scale * sqrt_scale, sparse_mode=0)
+
+
+def npu_sparse_flash_attention_from_fa_given_causal(query, key, value, mask, scale, indices):
+    return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=3)
+
+
+def npu_sparse_flash_attention_from_fa_given_unmasked(query, key, value, mask, scale, indices):
+    return _sparse_flash_attention(query, key, value, indices, scale, sparse_mode=0)
+
+
 def _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode):
     # one KV head, which is also the value
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
@@ -235,6 +293,21 @@ def npu_sparse_flash_attention_mla_causal(q_nope, q_rope, kv, k_rope, indices, s
 def npu_sparse_flash_attention_mla(q_nope, q_rope, kv, k_rope, indices, scale):
     return _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, sparse_mode=0)
 
+
+# The given-mask forms' examples besides the pass's: MLA absorbed into one key head, which
+# is also the value (torchtitan-npu's DeepSeek-V3.2: q (B, N, S, D + R) a transposed
+# concatenation, k (B, 1, S, D + R), v (B, 1, S, D) a view of the latent), at batch 2 and 1
+# (torch's matmul copies or views by strides and broadcasting)
+def _given_variant(batch):
+    return {
+        "query": lambda dtype: torch.empty(batch, 7, 3, 24, dtype=dtype).transpose(1, 2),
+        "key": lambda dtype: torch.empty(batch, 7, 1, 24, dtype=dtype).transpose(1, 2),
+        "value": lambda dtype: torch.empty(batch, 7, 16, dtype=dtype).unsqueeze(2).transpose(1, 2),
+        "mask": lambda dtype: torch.empty(batch, 1, 7, 7, dtype=torch.bool),
+    }
+
+
+_GIVEN_VARIANTS = [_given_variant(2), _given_variant(1)]
 
 # Training graphs (joint patterns): the gradients flow to q, k and v (q_nope, q_rope, kv and
 # k_rope), which in the models all come from trainable projections; the indices and the mask
@@ -278,8 +351,19 @@ FORMS = [
           (fa_form, npu_sparse_flash_attention_from_fa_unmasked, _FORWARD_ONLY))),
     Form(mla_gathered_top_k_causal, npu_sparse_flash_attention_mla_causal, grad_subsets=_MLA),
     Form(mla_gathered_top_k, npu_sparse_flash_attention_mla, grad_subsets=_MLA),
+    # SDPA over a mask the model materialised from top-k indices its own way (after the forms
+    # above, which contain it): traced also with one key head (MLA absorbed: torchtitan-npu)
+    *(Form(search, replace, dtypes=dtypes, grad_subsets=_QKV, bound=("indices",), example_variants=_GIVEN_VARIANTS)
+      for search, dtypes in ((sdpa_fa_v3_given_mask, (torch.float32,)), (sdpa_fa_given_mask, (torch.float32,)),
+                             (sdpa_math_given_mask, (torch.float32,)),
+                             (sdpa_math_given_mask_upcast, (torch.bfloat16, torch.float16)))
+      for replace in ((npu_sparse_flash_attention_from_fa_given_causal, npu_sparse_flash_attention_from_fa_given_unmasked)
+                      if search in (sdpa_fa_v3_given_mask, sdpa_fa_given_mask) else
+                      (npu_sparse_flash_attention_given_causal, npu_sparse_flash_attention_given_unmasked))),
 ]
-_MODE = {npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
+_MODE = {npu_sparse_flash_attention_given_causal: 3, npu_sparse_flash_attention_given_unmasked: 0,
+         npu_sparse_flash_attention_from_fa_given_causal: 3, npu_sparse_flash_attention_from_fa_given_unmasked: 0,
+         npu_sparse_flash_attention_causal: 3, npu_sparse_flash_attention_unmasked: 0,
          npu_sparse_flash_attention_causal_bsnd: 3, npu_sparse_flash_attention_unmasked_bsnd: 0,
          npu_sparse_flash_attention_from_fa_causal: 3, npu_sparse_flash_attention_from_fa_unmasked: 0,
          npu_sparse_flash_attention_from_fa_causal_bsnd: 3, npu_sparse_flash_attention_from_fa_unmasked_bsnd: 0}
@@ -314,10 +398,21 @@ def check(site):
         return reason
     if site.form.search in (mla_gathered_top_k, mla_gathered_top_k_causal):
         return _check_mla(site)
-    query, key, value, indices = site["query"], site["key"], site["value"], site["indices"]
-    mode, why = sparse_mode_of(site.arg_nodes["mask"])
-    if mode is None:
-        return why
+    if site.form.bound:
+        query, key, value = site["query"], site["key"], site["value"]
+        proof = top_k_mask_proof(site.arg_nodes["mask"])
+        if isinstance(proof, str):
+            return proof
+        mode, indices_node, why = proof
+        rows = tensor_meta(indices_node).shape
+        if not (known_equal(rows[0], query.shape[0]) and known_equal(rows[1], query.shape[2])):
+            return (f"the indices {list(rows)} do not hold one row per query of the attention's "
+                    f"{list(query.shape)} (batch, queries)")
+    else:
+        query, key, value = site["query"], site["key"], site["value"]
+        mode, why = sparse_mode_of(site.arg_nodes["mask"])
+        if mode is None:
+            return why
     if mode != _MODE[site.form.replace]:
         return f"{why}: sparse_mode {mode}, not {_MODE[site.form.replace]}"
     if key.shape[1] != value.shape[1] or key.shape[-2] != value.shape[-2]:
@@ -327,7 +422,257 @@ def check(site):
                 f"{value.shape[-1]}: the op needs q = k = [v-sized part, rope part]")
     if query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads over {key.shape[1]} key heads"
-    return site.hardware_limits(_hardware_reasons(query, key, value, site.soc))
+    reason = site.hardware_limits(_hardware_reasons(query, key, value, site.soc))
+    if reason is None and site.form.bound:
+        site.bind("indices", indices_node)
+        site.notes.append(why)
+    return reason
+
+
+# ---- the proof of a given mask: causal & listed in top-k indices ------------------------------
+_ELEMENTWISE = (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+                aten.neg.default, aten.isinf.default, aten.isneginf.default, aten.eq.Scalar, aten.eq.Tensor,
+                aten.ne.Scalar, aten.ne.Tensor, aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor,
+                aten.gt.Scalar, aten.gt.Tensor, aten.ge.Scalar, aten.ge.Tensor, aten.bitwise_and.Tensor,
+                aten.bitwise_or.Tensor, aten.logical_and.default, aten.logical_or.default, aten.bitwise_not.default,
+                aten.logical_not.default, aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+                aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
+                aten.unsqueeze.default, aten.expand.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
+             aten.squeeze.default)
+_REGION_LIMIT = 40  # nodes between a mask and its scatter: a handful in the models
+
+
+def _scatters_reached(mask):
+    """(the scatter nodes the mask is computed from, the mask's dims' roles when each mask
+    element (b, s, t) reads the scatter's element (b, s, t): every path between them
+    elementwise with broadcasting, dims inserted or size-1 dims dropped, no permute; else
+    None), or None for a region too large to follow."""
+    region, stack = set(), [mask]
+    while stack:  # the region above the mask
+        node = stack.pop()
+        if node in region or not isinstance(node, torch.fx.Node):
+            continue
+        region.add(node)
+        if len(region) > _REGION_LIMIT:
+            return None
+        if node.op == "call_function" and not is_call(node, aten.scatter.value, aten.scatter.src):
+            stack.extend(node.all_input_nodes)
+    scatters = sorted(n for n in region if is_call(n, aten.scatter.value, aten.scatter.src))
+    if len(scatters) != 1:
+        return scatters, None
+    dims = {scatters[0]: list(range(tensor_meta(scatters[0]).dim()))}  # per dim: the scatter's dim it reads
+    for node in sorted(region):  # graph order: inputs first
+        if node in dims or not any(a in dims for a in node.all_input_nodes):
+            continue
+        found = _dims_read(node, dims)
+        if found is None:
+            return scatters, None
+        dims[node] = found
+    return scatters, _roles(dims.get(mask), tensor_meta(mask), tensor_meta(scatters[0]))
+
+
+def _roles(read, mask, leaf):
+    """The mask's dims as MaskTerm roles ("b", "s", "t", None for a size-1 dim) read off which
+    of the scatter's dims each reads: its last two the scatter's last two (queries, keys), at
+    most one other the scatter's batch; None where the mask reads the scatter otherwise (a
+    transposed or diagonal read) or has a dim of size > 1 the scatter does not index."""
+    if read is None:
+        return None
+    rank, last = mask.dim(), leaf.dim() - 1
+    if read[-1] != last or not (read[-2] == last - 1 or (read[-2] is None and _is_one(mask.shape[-2])
+                                                         and _is_one(leaf.shape[-2]))):
+        return None
+    roles = [None] * (rank - 2) + ["s", "t"]
+    batch = [d for d in range(rank - 2) if read[d] is not None]
+    if len(batch) > 1 or any(read[d] is None and not _is_one(mask.shape[d]) for d in range(rank - 2)):
+        return None
+    for d in batch:
+        roles[d] = "b"
+    return roles
+
+
+def _is_one(size):
+    """A size known to be 1 (a symbolic size is not: dynamo specialises sizes 0 and 1); no guard."""
+    return isinstance(size, int) and size == 1
+
+
+def _dims_read(node, dims):
+    """Per dim of `node`, the scatter's dim it reads (None: none, broadcast), from its inputs'
+    (`dims`); None where the op moves elements otherwise (a permute, a reshape of non-1 dims)."""
+    meta = tensor_meta(node)
+    if meta is None:
+        return None
+    rank = meta.dim()
+    if is_call(node, aten.unsqueeze.default):
+        read = list(dims[node.args[0]])
+        read.insert(node.args[1] % rank, None)
+        return read
+    if is_call(node, *_RESHAPES):
+        source = tensor_meta(node.args[0])
+        kept = [(k, size) for k, size in zip(dims[node.args[0]], source.shape) if not _is_one(size)]
+        sizes = [size for size in meta.shape if not _is_one(size)]
+        if len(kept) != len(sizes) or not all(known_equal(a, b) for (_, a), b in zip(kept, sizes)):
+            return None
+        it = iter(k for k, _ in kept)
+        return [None if _is_one(size) else next(it) for size in meta.shape]
+    if not (is_call(node, *_ELEMENTWISE) or is_cast(node)):
+        return None
+    read = [None] * rank
+    for a in node.all_input_nodes:  # right-aligned broadcasting
+        if a not in dims:
+            continue
+        shape = tensor_meta(a).shape
+        offset = rank - len(shape)
+        for d, k in enumerate(dims[a]):
+            if k is None or _is_one(shape[d]):
+                continue
+            if read[d + offset] not in (None, k):
+                return None
+            read[d + offset] = k
+    return read
+
+
+def top_k_mask_proof(mask):
+    """(sparse_mode, indices node, why) when the bool mask (True: the key is visible) shows each
+    query exactly the keys its row of an index tensor lists that the right-down causal mask (3)
+    or nothing (0) lets through, each visible listed key once; else the reason it is not proven.
+
+    Proven, not sampled: the mask is elementwise (with broadcasting only) in one scatter of a
+    scalar into a constant fill along the keys, and in values computed from sizes; its value
+    were every element the fill, and were every element the scattered scalar, is decided for
+    every size (symbolic_values.mask_mode_with_leaf): hidden everywhere, and causal (or
+    nothing hidden). The scattered index tensor must list no visible key twice
+    (_listed_once)."""
+    meta = tensor_meta(mask)
+    if meta is None or meta.dtype != torch.bool or meta.dim() < 2:
+        return "the attention mask is not a bool (.., S, T) tensor"
+    found = _scatters_reached(mask)
+    if found is None:
+        return "the attention mask is computed by more ops than the top-k mask proof follows"
+    scatters, roles = found
+    if len(scatters) != 1:
+        return (f"the attention mask is computed from {len(scatters)} scatters, not one scatter of top-k indices: "
+                "npu_sparse_flash_attention needs the keys it lists")
+    scatter = scatters[0]
+    base, dim, index, listed = scatter.args[:4]
+    out = tensor_meta(scatter)
+    if dim not in (-1, out.dim() - 1) or not isinstance(listed, (int, float, bool)):
+        return "the mask's scatter does not write one scalar along the keys (its last dim)"
+    if roles is None:
+        return ("the attention mask reads its scatter through a permute, slice or reshape, or has a dim the "
+                "scatter does not index: the proof follows elementwise ops, broadcasting and inserted dims only, "
+                "with the mask's (batch, query, key) reading the scatter's")
+    queries, keys = meta.shape[-2], meta.shape[-1]
+    rows = tensor_meta(index)
+    if (rows is None or rows.dim() != 3 or out.dim() != 3
+            or not all(known_equal(a, b) for a, b in zip(rows.shape[:-1], out.shape[:-1]))):
+        return ("the mask's scatter is not a (B, S, T) tensor written at (B, S, k) indices, one row of keys per "
+                "query, as npu_sparse_flash_attention's sparse_indices are")
+    fill = _constant_fill(base)
+    if fill is None:
+        return "the mask's scatter writes into a tensor that is not one constant"
+    unlisted, why_unlisted = mask_mode_with_leaf(mask, roles, scatter, fill, queries, keys)
+    if unlisted != "all":
+        return f"a key the indices do not list is not hidden by the attention mask: {why_unlisted}"
+    mode, why = mask_mode_with_leaf(mask, roles, scatter, listed, queries, keys)
+    if mode not in ("causal", "none"):
+        return (f"the keys the indices list are not shown by the attention mask as the right-down causal mask or no "
+                f"mask shows them ({why}): npu_sparse_flash_attention's sparse_mode 3 / 0 cannot express it")
+    sparse_mode = 3 if mode == "causal" else 0
+    reason = _listed_once(index, sparse_mode, queries, keys)
+    if reason is not None:
+        return reason
+    return sparse_mode, index, ("the attention mask shows the keys its top-k indices list, under the right-down "
+                                "causal mask" if sparse_mode == 3 else "the attention mask shows the keys its top-k "
+                                "indices list") + " (proven for every size)"
+
+
+def _constant_fill(node):
+    """The one value of a tensor every element of which is it (full, full_like, new_full,
+    ones, zeros ...), or None."""
+    meta = tensor_meta(node)
+    value = formula_of(node, meta.shape) if meta is not None else None
+    if value is None or getattr(value, "free_symbols", set()):
+        return None
+    try:
+        return float(value) if not value.is_Boolean else bool(value)
+    except (TypeError, AttributeError):
+        return None
+
+
+def _plain(node):
+    while is_call(node, aten._to_copy.default, aten.clone.default, aten.alias.default,
+                  torch.ops.prims.convert_element_type.default):
+        node = node.args[0]
+    return node
+
+
+def _top_k_indices_of(node):
+    """The top-k whose indices `node` is (through casts), taken along the last dim, or None."""
+    node = _plain(node)
+    if is_call(node, operator.getitem) and node.args[1] == 1 and is_call(node.args[0], aten.topk.default):
+        topk = node.args[0]
+        dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+        if dim in (-1, tensor_meta(topk.args[0]).dim() - 1):
+            return topk
+    return None
+
+
+def _listed_once(index, sparse_mode, queries, keys):
+    """Why the index tensor may list a key the query sees twice (the op would count it twice,
+    the mask shows it once), or None: its rows are a top-k's indices (distinct), or those
+    with the slots whose key the causal mask hides replaced by one constant c >= T - 1
+    (torchtitan-npu's sentinel T - 1: scatter takes no -1). Such a slot of query i held a
+    key j > i + T - S, and j <= T - 1 <= c: c is hidden from query i too, so its copies and
+    the hidden keys it replaced add nothing."""
+    if _top_k_indices_of(index) is not None:
+        return None
+    node = _plain(index)
+    if not is_call(node, aten.where.self) or sparse_mode != 3:
+        return ("the indices the mask is scattered from are not a top-k's (whose entries are distinct): a key listed "
+                "twice would count twice in npu_sparse_flash_attention and once in the mask")
+    condition, picked, sentinel = node.args[:3]
+    if _top_k_indices_of(picked) is None:
+        return "the indices the mask is scattered from keep slots of something other than a top-k's indices"
+    reason = _hidden_where_replaced(condition, _plain(picked), tensor_meta(node), queries, keys)
+    if reason is not None:
+        return reason
+    meta = tensor_meta(node)
+    value = sentinel if not isinstance(sentinel, torch.fx.Node) else formula_of(sentinel, meta.shape)
+    if isinstance(value, torch.SymInt):
+        value = value.node.expr
+    if value is None or getattr(value, "free_symbols", set()) & _index_symbols(meta.dim()):
+        return "the indices' replacement for hidden slots is not one constant"
+    if not decided_nonnegative(value - (size_expr(keys) - 1), node):
+        return (f"the indices' replacement for slots the causal mask hides ({value}) is not proven >= T - 1: a key "
+                "the query sees may be listed twice")
+    return None
+
+
+def _index_symbols(rank):
+    return {index_symbol(d) for d in range(rank)}
+
+
+def _hidden_where_replaced(condition, picked, meta, queries, keys):
+    """None if `condition` keeps exactly the slots whose key `picked` the right-down causal mask
+    shows its query: picked <= i + T - S (or < i + T - S + 1) for the slot's query i, whatever
+    side the comparison writes it on."""
+    if is_call(condition, aten.le.Tensor, aten.lt.Tensor) and _plain(condition.args[0]) is picked:
+        bound, strict = condition.args[1], is_call(condition, aten.lt.Tensor)
+    elif is_call(condition, aten.ge.Tensor, aten.gt.Tensor) and _plain(condition.args[1]) is picked:
+        bound, strict = condition.args[0], is_call(condition, aten.gt.Tensor)
+    else:
+        return ("the indices' slots are replaced where a condition other than `index <= query position` holds: "
+                "the replacement is not proven hidden")
+    value = formula_of(bound, meta.shape) if isinstance(bound, torch.fx.Node) else None
+    if value is None:
+        return "the indices' slots are replaced by a comparison with something other than the query positions"
+    expected = index_symbol(meta.dim() - 2) + size_expr(keys) - size_expr(queries) + (1 if strict else 0)
+    if sympy.simplify(value - expected) != 0:
+        return (f"the indices' slots are kept where index <= {value}, not where the causal mask shows the key "
+                f"(index <= {expected})")
+    return None
 
 
 def _check_mla(site):
@@ -380,12 +725,47 @@ def _hardware_reasons(query, key, value, soc):
 
 
 # ---- near misses: a mask scattered from top-k indices, feeding attention ----------------------
+def _flash_attention_ops():
+    return (torch.ops.npu.npu_fusion_attention_v3.default, torch.ops.npu.npu_fusion_attention.default)
+
+
+def _given_mask_of(node):
+    """The mask an attention node applies, as the given-mask forms take it: FlashAttention's
+    atten_mask, or the `where` bias added to the scores _safe_softmax normalises; else None."""
+    if is_call(node, aten._safe_softmax.default):
+        add = node.args[0]
+        if is_call(add, aten.add.Tensor):
+            return next((a for a in add.args if is_call(a, aten.where.self)), None)
+        return None
+    if node.op == "call_function" and node.target in _flash_attention_ops():
+        return node.args[7] if len(node.args) > 7 else node.kwargs.get("atten_mask")
+    return None
+
+
+def _is_transformers_top_k_mask(node):
+    return (is_call(node, aten.scatter.value) and node.args[3] is False
+            and is_call(node.args[0], aten.new_ones.default, aten.ones.default, aten.ones_like.default))
+
+
+def _attention_over_a_scattered_mask(node):
+    """An attention whose mask is computed from a scatter (other than transformers' top-k mask,
+    itself an anchor): a top-k mask the model materialised its own way."""
+    mask = _given_mask_of(node)
+    if not isinstance(mask, torch.fx.Node):
+        return False
+    found = _scatters_reached(mask)
+    return bool(found and found[0]) and not any(_is_transformers_top_k_mask(n) for n in found[0])
+
+
 def anchor(node):
     """scatter(ones, -1, indices, False): the model deselects everything but the top-k keys;
-    or an index of keys by clamped top-k indices: it gathers them."""
+    an index of keys by clamped top-k indices: it gathers them; or an attention whose mask is
+    computed from a scatter (the given-mask forms' sites)."""
     if is_call(node, aten.scatter.value):
-        return node.args[3] is False and is_call(node.args[0], aten.new_ones.default, aten.ones.default,
-                                                 aten.ones_like.default)
+        return _is_transformers_top_k_mask(node)
+    if is_call(node, aten._safe_softmax.default) or (node.op == "call_function"
+                                                     and node.target in _flash_attention_ops()):
+        return _attention_over_a_scattered_mask(node)
     if not is_call(node, aten.clamp.default) or tensor_meta(node) is None or tensor_meta(node).is_floating_point():
         return False
     users = [u2 for u in node.users for u2 in (u.users if is_call(u, aten._to_copy.default) else [u])]
@@ -393,6 +773,17 @@ def anchor(node):
 
 
 def explain(node):
+    if not is_call(node, aten.clamp.default, aten.scatter.value):
+        reason = ("an attention over a mask computed from a scatter, in a form other than SDPA over that bool mask "
+                  "(its CPU math decomposition, or torch_npu's FlashAttention as an NPU compile records it)")
+        if is_training_graph(node.graph) and is_call(node, aten._safe_softmax.default):
+            # seen: torchtitan-npu's DeepSeek-V3.2 on the CPU graph (npu_dispatch=False), whose
+            # output's gradient arrives as clone + _unsafe_view of a permuted einsum gradient
+            reason += ("; in a training graph the joint forms of the math decomposition take the output's gradient "
+                       "as their trace has it (a plain view of a contiguous gradient): one that arrives in another "
+                       "layout (a copy of a permuted gradient) does not match. On the NPU graph (npu_dispatch=True, "
+                       "FlashAttention and its grad op) the same site fuses")
+        return reason
     if is_call(node, aten.clamp.default):
         return ("keys gathered by clamped top-k indices, in a form other than the absorbed MLA "
                 "attention (latent and rope keys gathered, einsum scores, -1 slots masked, softmax)")
@@ -458,7 +849,7 @@ PASS = FusionPass(
     }],
     check=check,
     anchor=anchor,
-    anchor_ops=(aten.scatter.value, aten.clamp.default),
+    anchor_ops=lambda: (aten.scatter.value, aten.clamp.default, aten._safe_softmax.default, *_flash_attention_ops()),
     explain=explain,
     verify_input=lambda name, args: _top_k_indices(args) if name == "indices" else None,
     differentiable=("query", "key", "value", "q_nope", "q_rope", "kv", "k_rope"),

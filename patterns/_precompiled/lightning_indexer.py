@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9448a77326f95ef1',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c04ffb4f1ea08afe',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

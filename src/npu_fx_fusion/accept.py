@@ -264,7 +264,8 @@ class _Replacement(pm.ReplacementPatternEntry):
     def __init__(self, ctx: RunContext, registration: Registration, pattern: pm.PatternExpr):
         super().__init__(pattern=pattern,
                          extra_check=lambda match: _accept(ctx, registration, match),
-                         normalize_args=_replacement_arguments(registration.form.argnames))
+                         normalize_args=_replacement_arguments([*registration.form.argnames,
+                                                                *registration.form.bound]))
         self.ctx, self.registration = ctx, registration
         self.may_match = prefilter(pattern)  # shared by the patterns that test the same
 
@@ -372,6 +373,7 @@ def _accept(ctx: RunContext, registration: Registration, match: pm.Match) -> boo
         ctx.reject(form, exact_match.nodes, reason)
         return False
     match.replacement_graph = replacement[0]
+    match.kwargs.update(site.bound)  # the replacement's further arguments (Form.bound), after the form's
     # The replacement goes where the exact match (the one checked) binds, not the structural
     # one: with sizes as wildcards, two outputs of a multi-output pattern that differ only in
     # sizes can bind one node there (the first candidate torch's matcher tries for each), e.g.
@@ -662,19 +664,54 @@ def _drop_size_gradients(gm: torch.fx.GraphModule, sizes: int, arguments: int) -
     gm.recompile()
 
 
+def _drop_bound_gradients(gm: torch.fx.GraphModule, bound: int) -> None:
+    """A joint trace of a replacement returns a gradient per input, the bound ones (Form.bound,
+    last) too, where the search has none: they are None (no gradient flows to what a check
+    binds) and are dropped, so the outputs line up with the match's."""
+    (output,) = gm.graph.find_nodes(op="output")
+    outputs = list(output.args[0])
+    if any(g is not None for g in outputs[len(outputs) - bound:]):
+        raise RuntimeError("a bound argument of a joint replacement gets a gradient")
+    output.args = (outputs[:len(outputs) - bound],)
+    gm.recompile()
+
+
 def _first_failure(ctx: RunContext, registration: Registration, site: Site, match: pm.Match,
                    arguments: _Arguments, replacement: list) -> Reason:
     form = site.form
-    return ((_joint_roles_swapped(match, ctx) if ctx.joint and not ctx.gradient_free_only else None)
-            or _scopes_differ(ctx, site.nodes)
-            or _argument_kinds_differ(ctx.fusion_pass, site)
-            or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
-            or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
-            or ctx.fusion_pass.check(site)
-            or _specialise_sizes(site, arguments)
+    reason = ((_joint_roles_swapped(match, ctx) if ctx.joint and not ctx.gradient_free_only else None)
+              or _scopes_differ(ctx, site.nodes)
+              or _argument_kinds_differ(ctx.fusion_pass, site)
+              or _unexpected_keyword(site.nodes, ctx.patterns.keywords[form])
+              or next(filter(None, (not_lowerable(op, ctx.mode) for op in ctx.patterns.emitted_ops[form])), None)
+              or ctx.fusion_pass.check(site))
+    if reason is not None:
+        return reason
+    if form.bound:
+        arguments = _with_bound(site, arguments)
+        if isinstance(arguments, str):
+            return arguments
+    return (_specialise_sizes(site, arguments)
             or _outputs_differ(ctx, registration, match, arguments, replacement)
             or _slower(ctx, site, match, replacement[0])
             or (_verify(ctx, site, match) if ctx.verify else None))
+
+
+def _with_bound(site: Site, arguments: _Arguments):
+    """The match's arguments followed by the nodes the check bound (Form.bound), as the
+    replacement takes them; or why not (a check that accepted the site without binding)."""
+    missing = [name for name in site.form.bound if name not in site.bound]
+    if missing:
+        return f"the check bound no {missing[0]} (an argument of the replacement the search does not compute)"
+    nodes = [site.bound[name] for name in site.form.bound]
+    values = [n.meta.get("val") for n in nodes]
+    if any(not isinstance(v, torch.Tensor) for v in values):
+        return "a bound argument carries no tensor metadata (meta['val'])"
+    all_values = [*arguments.values, *values]
+    requires_grad = [*arguments.requires_grad, *([False] * len(values))]
+    sizes = arguments.symbolic_sizes
+    key = signature([*sizes, *all_values], requires_grad=[False] * len(sizes) + requires_grad)
+    return _Arguments({**arguments.nodes, **site.bound}, all_values, requires_grad, arguments.fake_mode, sizes, key)
 
 
 def _scopes_differ(ctx: RunContext, nodes: Sequence[Node]) -> Reason:
@@ -812,6 +849,8 @@ def _replacement_graph(ctx: RunContext, registration: Registration, arguments: _
         return cache[key]
     with arguments.fake_mode:
         graph = TRACERS[registration.kind](form.replace, arguments.traced)
+    if form.bound and is_joint_kind(registration.kind):
+        _drop_bound_gradients(graph, len(form.bound))
     if arguments.key is not None:
         cache[key] = graph
     return graph
@@ -854,6 +893,12 @@ def _verify(ctx: RunContext, site: Site, match: pm.Match) -> Reason:
     fused_op = site.form.fused_op or fusion_pass.fused_op
     make_input = functools.partial(_verification_input, fusion_pass)
     tangents = {name: node for name, node in match.kwargs.items() if name.startswith("tangents_")}
+    if site.form.bound:
+        # the bound values are what the check proved the matched nodes compute from (a mask
+        # scattered from indices): independent random inputs would break that relation
+        site.verified = (f"not verified: the replacement reads {', '.join(site.form.bound)}, which the check proved "
+                         "the matched inputs are computed from; random inputs do not keep that relation")
+        return None
     if not tangents:
         verdict = verify_match(match.nodes, match.output_nodes(), site.args, site.arg_nodes,
                                site.form.replace, site.form.argnames, fused_op,

@@ -51,6 +51,11 @@ class Form:
     # values (a scalar too: a rank count); None: the pass's example_variants. For a form whose
     # structure depends on a value the others' does not (a concatenation of one slice per rank).
     example_variants: Optional[Sequence[Mapping[str, Any]]] = field(default=None, hash=False, compare=False)
+    # Further arguments of `replace`, after the search's: graph values the search does not
+    # compute but the fused call needs, which the pass's check finds and proves (the index
+    # tensor a mask argument was scattered from) and binds with Site.bind. A site whose check
+    # binds no node to one of them is not fused.
+    bound: tuple = ()
 
     @property
     def name(self) -> str:
@@ -92,9 +97,18 @@ class Site:
     # scalars computed from symbolic sizes that are a constant over a range of them
     # (min(index_topk, S)): {name: (constant, guard)}, guarded once the site is accepted
     specialised: dict = field(default_factory=dict)
+    # Form.bound: {name: graph node} the check binds (Site.bind)
+    bound: dict = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> Any:
         return self.args[name]
+
+    def bind(self, name: str, node: Node) -> None:
+        """Pass graph node `node` to the replacement as its argument `name` (one of
+        Form.bound): a value the check proved the matched nodes compute from."""
+        if name not in self.form.bound:
+            raise ValueError(f"{self.form.name}: {name} is not one of the form's bound arguments {self.form.bound}")
+        self.bound[name] = node
 
     def hardware_limits(self, broken: Sequence[str]) -> Reason:
         """For limits of the real kernels that the CPU stand-ins do not have (head dims,

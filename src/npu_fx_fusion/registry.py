@@ -442,8 +442,9 @@ def _emitted_ops(fusion_pass: FusionPass, form: Form) -> tuple[str, ...]:
     emits (a pass that calls an earlier pass's op anew: paged_attention gives FIA a block
     table). Every one needs a capabilities entry."""
     inputs = [fusion_pass.example_value(n, form.dtypes[0]) for n in form.argnames]
+    bound = [fusion_pass.example_value(n, form.dtypes[0]) for n in form.bound]  # (Form.bound: the pass's example)
     trace = TRACERS[FORWARD_NPU] if form.npu_only else trace_without_decompositions
-    replaced = custom_ops(trace(form.replace, inputs))
+    replaced = custom_ops(trace(form.replace, [*inputs, *bound]))
     declared = {form.fused_op or fusion_pass.fused_op} & replaced
     ops = sorted((replaced - custom_ops(trace(form.search, inputs))) | declared)
     for op in ops:

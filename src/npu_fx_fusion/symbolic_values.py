@@ -720,3 +720,79 @@ def _shape_env_lower_bounds(terms: Sequence[Any]) -> dict:
                 env = size.node.shape_env
                 return {s: int(r.lower) if r.lower.is_finite else 0 for s, r in env.var_to_range.items()}
     return {}
+
+
+# ---- masks with one data-dependent leaf of two values -----------------------------------------------------
+class _Bounds:
+    """What _shape_env_lower_bounds reads of a mask term: its node."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+
+def mask_mode_with_leaf(mask: Node, roles: Sequence[Optional[str]], leaf: Node, leaf_value: Any,
+                        queries: Any, keys: Any) -> tuple[Optional[str], str]:
+    """(mode, why) of the bool `mask` (True: the key is visible) were every element of the
+    tensor `leaf` `leaf_value`: "all" (it hides every key), "none" (it hides none), "causal"
+    (right-down: query i of S sees key j <= i + T - S), or None with why not. `roles`: per
+    dim of the mask, "b", "s", "t" or None (as MaskTerm's).
+
+    A mask built elementwise from one data-dependent tensor that takes only two values (a
+    scatter of a constant into a constant fill) is decided by two such calls, one per value,
+    for every size: the caller proves the leaf's elements reach the mask by broadcasting
+    alone (no permute), so that the mask's (b, s, t) reads the leaf's (b, s, t)."""
+    try:
+        lower = _shape_env_lower_bounds([_Bounds(mask), _Bounds(leaf)])
+        ev = _Evaluation(lower)
+        ev.values[leaf] = Formula(_meta_shape(leaf), ev.value(leaf_value))
+        value = ev.value(mask)
+        if not isinstance(value, Formula):
+            return None, "the mask is not a tensor"
+        mapping = {_IDX[d]: _ROLE[role] if role is not None else sympy.Integer(0) for d, role in enumerate(roles)}
+        visible = _as_bool(value.expr.xreplace(mapping))
+        S, T = _size(queries), _size(keys)
+        ranges = {_ROLE["s"]: (sympy.Integer(0), S - 1), _ROLE["t"]: (sympy.Integer(0), T - 1)}
+        if "b" in roles:
+            ranges[_ROLE["b"]] = (sympy.Integer(0), _meta_shape(mask)[list(roles).index("b")] - 1)
+        box = _Box(ranges, lower)
+        if _simplify(visible, box) == sympy.true:
+            return "none", "it hides no key"
+        if _simplify(visible, box) == sympy.false:
+            return "all", "it hides every key"
+        causal = sympy.Le(_ROLE["t"] - _ROLE["s"] - (T - S), 0)
+        if (_simplify(sympy.And(visible, sympy.Not(causal)), box) == sympy.false
+                and _simplify(sympy.And(causal, sympy.Not(visible)), box) == sympy.false):
+            return "causal", "it is right-down causal"
+    except NotSymbolic as exc:
+        return None, f"it cannot be evaluated symbolically ({exc})"
+    except Exception as exc:  # noqa: BLE001 - sympy failing on a formula proves nothing
+        return None, f"it could not be decided ({type(exc).__name__}: {exc})"
+    return None, "it is neither right-down causal, empty nor full for every size"
+
+
+def formula_of(node: Node, shape: Sequence[Any]) -> Any:
+    """The value of a tensor node computed from sizes only, as a sympy formula over the
+    indices of `shape` (broadcast to it; sizes of the graph's shape env), or None."""
+    try:
+        lower = _shape_env_lower_bounds([_Bounds(node)])
+        value = _Evaluation(lower).value(node)
+        if not isinstance(value, Formula):
+            return value
+        return _broadcast(value, tuple(_size(s) for s in shape))
+    except Exception:  # noqa: BLE001 - not a formula: not proven
+        return None
+
+
+def index_symbol(dim: int) -> Any:
+    """The symbol formula_of names a shape's dim `dim` by."""
+    return _IDX[dim]
+
+
+def decided_nonnegative(expr: Any, node: Node) -> bool:
+    """expr >= 0 for every size the shape env of `node` allows (no index symbols)."""
+    return _nonnegative(expr, _shape_env_lower_bounds([_Bounds(node)]))
+
+
+def size_expr(size: Any) -> Any:
+    """A size (int or SymInt) as the sympy expression the formulas above use."""
+    return _size(size)
