@@ -258,12 +258,13 @@ def explain(topk):
     if _additively_masked_by_a_compressed_threshold(topk):
         # sparse_mla's torchtitan-npu forms read the model's own top-k indices (re-based), so
         # its attention fuses whether or not this does
+        scores_reader, _ = _readers_beyond_the_attention(topk)
+        values = ("; its top-k values are read too (the indexer loss), and the op pads them with -inf where the "
+                  "model's are finfo.min" if scores_reader is not None else "")
         return ("DeepSeek-V4's compressed lightning indexer as torchtitan-npu's LiCompute writes it (an additive "
-                "finfo.min mask past (t + 1) // compress_rate, its top-k values read besides its indices by the "
-                "indexer loss): no form fuses it into cann_ops_transformer.lightning_indexer yet; the op pads "
-                "its values with -inf where the model's are finfo.min and may order tied scores otherwise, "
-                "which would have to be proven harmless to every reader. sparse_mla fuses the attention that "
-                "reads its indices")
+                "finfo.min mask past (t + 1) // compress_rate): no form fuses it into "
+                f"cann_ops_transformer.lightning_indexer yet{values}. The op may order tied scores otherwise, "
+                "which would have to be proven harmless to every reader of its indices")
     if _masked_by_a_compressed_threshold(topk):
         # left in the graph where sparse_mla refused its CSA site; that pass's near miss for the
         # layer's attention says why (sparse_mla runs first: after=)

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f26ba1e8ab8fcc69',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5d014d545185fffc',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
