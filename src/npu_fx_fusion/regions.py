@@ -150,10 +150,11 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
     outside it and its backward, and they read forward values of the region or its inputs
     only, and one gradient from outside per output at most, of that output's layout, entering
     the backward of that output's op (or of the ops whose values it passes on unchanged: an
-    add's operands): a gradient of an intermediate summed with one from outside the region,
-    or a forward op spanning the region's edge, is refused. So is a region that passes an input's gradient on unchanged
-    (an add of the input: no backward node computes that part). Each gradient they pass on is
-    the gradient of the one input read by the forward op it was made for."""
+    add's operands). Refused, with the reason: a gradient of an intermediate summed with one
+    from outside the region, a forward op spanning the region's edge, a region that passes an
+    input's gradient on unchanged (an add of the input: no backward node computes that part).
+    Each gradient they pass on is the gradient of the one input read by the forward op it was
+    made for."""
     outputs = [outputs] if isinstance(outputs, Node) else list(outputs)
     region = [n for n in nodes if n.op == "call_function"]
     seqs = {n.meta.get("seq_nr") for n in region}
@@ -207,6 +208,9 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
         for arg in node.all_input_nodes:
             if arg in in_backward or not isinstance(arg.meta.get("val"), torch.Tensor):
                 continue  # (a symbolic size the graph reads from a placeholder)
+            if arg in accumulations and any(a in in_backward for a in arg.all_input_nodes):
+                return (f"{arg.name} sums a gradient of its own with one from outside and feeds it back: an output "
+                        "it also reads itself")
             if gradient_from_outside(arg) or arg in accumulations:
                 gradients_in.add(arg)
             elif arg not in in_region and arg not in given:
@@ -218,6 +222,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
     region_by_seq: dict = {}
     for node in region:
         region_by_seq.setdefault(node.meta["seq_nr"], []).append(node)
+
     def read_by_its_forward(node):
         if node.meta.get("is_gradient_acc"):  # a sum of two of the region's gradients of one value
             return set().union(*[read_by_its_forward(a) for a in node.all_input_nodes])
