@@ -882,12 +882,13 @@ BEFORE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     # (indexer_loss: one per layer with an indexer since the census stopped counting DSAIndexerLoss, the
     # KL divergence, beside LiLoss, whose target distribution is the site: it was (2, 0, 1, 1))
     'torchtitan_npu:deepseek_v4': {
-        'indexer': (1, 0, 1, 0), 'indexer_loss': (1, 0, 1, 0), 'mhc': (12, 11, 1, 0), 'moe_dispatch': (3, 0, 3, 0),
+        'indexer': (1, 0, 1, 0), 'indexer_loss': (1, 0, 1, 0), 'mhc': (12, 12, 0, 0), 'moe_dispatch': (3, 0, 3, 0),
         'moe_experts': (9, 9, 0, 0), 'moe_router': (3, 2, 1, 0), 'rms_norm': (19, 19, 0, 0), 'rope': (13, 9, 4, 0),
         'sparse_attention': (3, 3, 0, 0), 'swiglu': (6, 3, 3, 0),
     },
     # (sparse_attention: its SparseAttention's three layers fuse to sparse_flash_mla since sparse_mla's
     # torchtitan-npu forms, in fp32 and in the training step; with dynamic=True they are near misses)
+    # (mhc: (12, 11, 1, 0) until mhc_post took a bf16 block output mixed into fp32 streams, o upcast)
 }
 
 
