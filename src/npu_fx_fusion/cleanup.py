@@ -374,6 +374,9 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                     else:
                         raise
                     interpreter.run_node(node)
+                # (keyed by the op as it now is: a view that failed is a reshape, and another view of
+                # those layouts must fail and become one too, not take the reshape's copy)
+                key = _fake_result_key(node)
                 if key is not None and _static_layout(node.meta.get("val")) \
                         and _new_memory(node.meta.get("val"), node.all_input_nodes):
                     results[key] = node.meta["val"]
