@@ -137,10 +137,7 @@ def _accept(run: RecognitionRun, found: Recognized, site: Site) -> tuple[Reason,
     if reason:
         return reason, None
     try:
-        if found.output_gradients:
-            forward = _trace(run, found.replace, found.args, found.needs_gradient)
-        else:
-            forward = _trace(run, found.replace, found.args)
+        forward = _trace(run, found.replace, found.args, found.needs_gradient if found.output_gradients else None)
         backward = _trace(run, found.backward_replace, found.backward_args) if found.backward_replace else None
     except (RuntimeError, ValueError, TypeError) as exc:
         return f"{found.name}: the fused call does not trace at this site: {type(exc).__name__}: {exc}", None
