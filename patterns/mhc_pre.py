@@ -400,16 +400,17 @@ def _recognized(comb, by_seq):
         return [Recognized(name, outputs, nodes, reason=(
             f"intermediate {escape[0].name} of the hyper-connection is also read by {escape[1].name}"))]
     sites = _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, float(hc_eps), iterations)
-    return [_trained(site, by_seq) for site in sites] if joint else sites
+    if not joint or not sites or sites[0].reason is not None:
+        return sites
+    # one region, whichever fused call replaces it: its backward is found once
+    backward = backward_region(sites[0].nodes, list(sites[0].args.values()), sites[0].outputs, by_seq)
+    return [_trained(site, backward) for site in sites]
 
 
-def _trained(site, by_seq):
+def _trained(site, backward):
     """A recognised site of a joint graph, with the backward autograd made of its region
-    (regions.backward_region), replaced jointly: the fused ops' backward reads what their
-    forward saves (out_flag)."""
-    if site.reason is not None:
-        return site
-    backward = backward_region(site.nodes, list(site.args.values()), site.outputs, by_seq)
+    (`backward`: regions.backward_region's answer), replaced jointly: the fused ops' backward
+    reads what their forward saves (out_flag)."""
     if isinstance(backward, str):
         return with_fields(site, args={}, replace=None, reason=f"a hyper-connection in training: {backward}")
     if any(gradient is None for gradient in backward.output_gradients):
