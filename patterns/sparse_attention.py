@@ -413,6 +413,9 @@ def check(site):
         mode, why = sparse_mode_of(site.arg_nodes["mask"])
         if mode is None:
             return why
+        reason = _listed_once(site.arg_nodes["indices"], mode, query.shape[2], key.shape[2])
+        if reason is not None:
+            return reason
     if mode != _MODE[site.form.replace]:
         return f"{why}: sparse_mode {mode}, not {_MODE[site.form.replace]}"
     if key.shape[1] != value.shape[1] or key.shape[-2] != value.shape[-2]:

@@ -124,6 +124,21 @@ def test_the_indexer_alone_does_not_fuse_where_its_indices_feed_the_models_own_m
     torch.testing.assert_close(out, ref)
 
 
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+def test_indices_that_are_not_a_top_k_are_not_fused(npu_dispatch):
+    # halved top-k indices list keys twice: the model's scatter shows such a key once, the op
+    # would count it twice
+    layer = AttentionLayer()
+    indexer = layer.attention.indexer
+    top_k = indexer.forward
+    indexer.forward = lambda *args, **kwargs: torch.div(top_k(*args, **kwargs), 2, rounding_mode="floor")
+    config = nff.FusionConfig(enable={"sparse_attention"}, npu_dispatch=npu_dispatch)
+    out, ref, report = compile_and_run(layer, _hidden(), config=config)
+    assert report.counts["sparse_attention"] == 0
+    assert any("not a top-k's" in m for m in near_miss_reasons(report, "sparse_attention")), report.near_misses
+    torch.testing.assert_close(out, ref)
+
+
 @pytest.mark.parametrize("mask, reason", [
     ("window", "neither right-down causal nor empty"),
     ("input", "computed from graph inputs"),
