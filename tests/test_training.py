@@ -328,6 +328,41 @@ def test_a_site_no_gradient_flows_through_fuses_forward_only_in_the_joint_graph(
     assert report.counts["rms_norm"] == 1 and report.near_misses == []
 
 
+class AuxiliaryLossScaler(torch.autograd.Function):
+    """Passes the output through and seeds the auxiliary loss's gradient with ones in the
+    backward, as torchtitan-npu's DSAIndexerLossAutoScaler (after Megatron-LM's) does."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss):
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+class NormReadByAnAuxiliaryLoss(nn.Module):
+    """The norm feeds an auxiliary loss only (DeepSeek-V4's indexer compressor norm): its
+    output's gradient is computed from the seeded ones, from no tangent of the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = HFNorm()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        aux_loss = torch.log_softmax(self.norm(x) @ self.proj.weight, -1).float().mean()
+        return AuxiliaryLossScaler.apply(self.proj(x), aux_loss)
+
+
+def test_a_norm_whose_gradient_no_tangent_computes_trains_fused():
+    report, fw, bw = train_and_compare(NormReadByAnAuxiliaryLoss, torch.bfloat16)
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+    assert report.near_misses == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_fuses_forward_and_backward(dtype):
     _, fw, bw = train_and_compare(HFRope, dtype)

@@ -949,15 +949,19 @@ def _joint_roles_swapped(match: pm.Match, ctx: RunContext) -> Reason:
     are matmuls) also matches with the roles swapped: a backward GEMM read as the forward,
     the model's input read as the incoming gradient. The values may even be the same, but
     the replacement's forward half would then sit in the backward. Told apart by whether
-    a value is computed from a tangent (the tags aot_autograd puts on backward nodes are
-    missing on nodes an earlier replacement inserted)."""
+    a value is backward: computed from a tangent, or tagged by aot_autograd as a backward
+    node. Both are needed: the tags are missing on nodes an earlier replacement inserted,
+    and a gradient may be computed from no tangent at all (an auxiliary loss's gradient
+    that an autograd.Function seeds with ones_like, torchtitan-npu's
+    DSAIndexerLossAutoScaler). A forward value is neither."""
     for name, value in match.kwargs.items():
         if not isinstance(value, Node):
             continue
         tangent = name.startswith("tangents_")
-        if tangent != _reads_tangents(value, ctx.from_tangents):
+        if tangent != (_reads_tangents(value, ctx.from_tangents) or is_backward(value)):
             which = "the incoming gradient" if tangent else "a forward input"
-            return f"{value.name} bound as {which} ({name}) is {'not ' if tangent else ''}computed from a tangent"
+            return (f"{value.name} bound as {which} ({name}) is {'not ' if tangent else ''}computed in the backward "
+                    "(from a tangent, or by a node aot_autograd tags as backward)")
     return None
 
 
