@@ -873,7 +873,10 @@ def explain(node):
         return ("the tokens are sorted by expert and gathered, but the gathered rows leave this graph: the "
                 "experts and the combine run in another compiled graph (a graph break after the gather, e.g. "
                 "torchtitan's for-loop experts reading the counts with .tolist()), and npu_moe_init_routing_v2 "
-                "and npu_moe_finalize_routing replace the dispatch and the combine only together, in one graph")
+                "and npu_moe_finalize_routing replace the dispatch and the combine only together, in one graph. "
+                "npu_moe_token_permute alone (torchtitan-npu's converter) hands its combine, "
+                "npu_moe_token_unpermute, its own sorted_indices: a backend cannot change what one compiled graph "
+                "hands the next (the model's argsort), so the permute would leave the sort in place and save nothing")
     return _not_a_known_block()
 
 
