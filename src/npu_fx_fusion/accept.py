@@ -958,7 +958,7 @@ def _joint_roles_swapped(match: pm.Match, ctx: RunContext) -> Reason:
         if not isinstance(value, Node):
             continue
         tangent = name.startswith("tangents_")
-        if tangent != (_reads_tangents(value, ctx.from_tangents) or is_backward(value)):
+        if tangent != (is_backward(value) or _reads_tangents(value, ctx.from_tangents)):  # the tag is cheaper
             which = "the incoming gradient" if tangent else "a forward input"
             return (f"{value.name} bound as {which} ({name}) is {'not ' if tangent else ''}computed in the backward "
                     "(from a tangent, or by a node aot_autograd tags as backward)")
