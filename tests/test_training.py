@@ -328,6 +328,36 @@ def test_a_site_no_gradient_flows_through_fuses_forward_only_in_the_joint_graph(
     assert report.counts["rms_norm"] == 1 and report.near_misses == []
 
 
+class NormBesideAProjection(nn.Module):
+    """The norm's input also feeds a projection, and the model adds the two: in fp32 the
+    input's gradient sums the projection's and the norm's two terms in whatever order
+    autograd meets them, which the operand order decides."""
+
+    def __init__(self, projection_first=False):
+        super().__init__()
+        self.norm = HFNorm()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.projection_first = projection_first
+
+    def forward(self, x):
+        return self.proj(x) + self.norm(x) if self.projection_first else self.norm(x) + self.proj(x)
+
+
+class ProjectionFirst(NormBesideAProjection):
+    def __init__(self):
+        super().__init__(projection_first=True)
+
+
+@pytest.mark.parametrize("cls", [NormBesideAProjection, ProjectionFirst], ids=["norm + proj", "proj + norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_trains_fused_whatever_the_order_of_its_inputs_other_consumers(cls, dtype):
+    # canonical.canonicalize_grad_accumulation sums the norm's own two terms first (a subtree,
+    # as in the pattern's trace) however autograd ordered the projection's between them
+    report, fw, bw = train_and_compare(cls, dtype)
+    assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
+    assert report.near_misses == []
+
+
 class AuxiliaryLossScaler(torch.autograd.Function):
     """Passes the output through and seeds the auxiliary loss's gradient with ones in the
     backward, as torchtitan-npu's DSAIndexerLossAutoScaler (after Megatron-LM's) does."""
@@ -357,8 +387,11 @@ class NormReadByAnAuxiliaryLoss(nn.Module):
         return AuxiliaryLossScaler.apply(self.proj(x), aux_loss)
 
 
-def test_a_norm_whose_gradient_no_tangent_computes_trains_fused():
-    report, fw, bw = train_and_compare(NormReadByAnAuxiliaryLoss, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_whose_gradient_no_tangent_computes_trains_fused(dtype):
+    # fp32: the input's gradient also sums the projection's term, which autograd meets
+    # between the norm's two (canonicalize_grad_accumulation keeps the norm's sum a subtree)
+    report, fw, bw = train_and_compare(NormReadByAnAuxiliaryLoss, dtype)
     assert npu_ops(fw) == {"npu_rms_norm": 1} and npu_ops(bw) == {"npu_rms_norm_backward": 1}
     assert report.near_misses == []
 

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9475a1a670a6abfe',
+KEY = {'torch': '2.13.0+cpu', 'sources': '01aea13136beabeb',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -949,19 +949,21 @@ def _joint_roles_swapped(match: pm.Match, ctx: RunContext) -> Reason:
     are matmuls) also matches with the roles swapped: a backward GEMM read as the forward,
     the model's input read as the incoming gradient. The values may even be the same, but
     the replacement's forward half would then sit in the backward. Told apart by whether
-    a value is backward: computed from a tangent, or tagged by aot_autograd as a backward
-    node. Both are needed: the tags are missing on nodes an earlier replacement inserted,
-    and a gradient may be computed from no tangent at all (an auxiliary loss's gradient
-    that an autograd.Function seeds with ones_like, torchtitan-npu's
-    DSAIndexerLossAutoScaler). A forward value is neither."""
+    a value is computed from a tangent: a forward input must not be (the tags aot_autograd
+    puts on backward nodes are missing on nodes an earlier replacement inserted, and are on
+    the symbolic sizes the backward reads again), the incoming gradient must be, or be a
+    node tagged backward: a gradient may be computed from no tangent at all (an auxiliary
+    loss's gradient that an autograd.Function seeds with ones_like, torchtitan-npu's
+    DSAIndexerLossAutoScaler)."""
     for name, value in match.kwargs.items():
         if not isinstance(value, Node):
             continue
-        tangent = name.startswith("tangents_")
-        if tangent != (is_backward(value) or _reads_tangents(value, ctx.from_tangents)):  # the tag is cheaper
-            which = "the incoming gradient" if tangent else "a forward input"
-            return (f"{value.name} bound as {which} ({name}) is {'not ' if tangent else ''}computed in the backward "
-                    "(from a tangent, or by a node aot_autograd tags as backward)")
+        if not name.startswith("tangents_"):
+            if _reads_tangents(value, ctx.from_tangents):
+                return f"{value.name} bound as a forward input ({name}) is computed from a tangent"
+        elif not (is_backward(value) or _reads_tangents(value, ctx.from_tangents)):  # the tag is cheaper
+            return (f"{value.name} bound as the incoming gradient ({name}) is computed in the forward (from no "
+                    "tangent, by no node aot_autograd tags as backward)")
     return None
 
 

@@ -825,8 +825,12 @@ def canonicalize_grad_accumulation(graph: torch.fx.Graph, relaid: Optional[list]
     input) the pattern's own add(g_a, g_b) does not exist in the graph, and a search
     function that runs its ops in another order than the model (rotate_half slicing x2
     before x1) sums in another order. Both the joint graph and every joint pattern trace
-    are re-folded as a left fold over their leaves sorted by a key that depends on the
-    graph's structure only (_leaf_key). Only the rounding of those sums changes, and,
+    are re-folded over their leaves sorted by a key that depends on the graph's structure
+    only (_leaf_key): the leaves of related consumers (one computes, within a few ops, what
+    the other reads: RMSNorm's square and product) summed first, as a left fold, and those
+    sums as a left fold (_related_groups), so that another consumer's gradient that autograd
+    met in between (`o + norm(h)`, an auxiliary loss) does not split a pattern's own sum.
+    Only the rounding of those sums changes, and,
     where the leaves differ in layout, the sum's: an elementwise add lays its result out
     after its first operand that orders the dims (olmo-core's RoPE: the gradient through
     a transpose, then rotate_half's contiguous one). Each new add gets the fake value of
@@ -850,26 +854,33 @@ def canonicalize_grad_accumulation(graph: torch.fx.Graph, relaid: Optional[list]
         accumulated = _accumulated_tensor(leaves, root, by_seq)
         if accumulated is None:
             continue
-        ordered = sorted(leaves, key=lambda leaf: _leaf_key(leaf, accumulated, order, by_seq))
-        if _left_fold_leaves(root) == ordered:
+        keys = {leaf: _leaf_key(leaf, accumulated, order, by_seq) for leaf in leaves}
+        tree = _canonical_tree(_related_groups(sorted(leaves, key=keys.__getitem__), accumulated, by_seq))
+        if _tree_of(root, inner) == tree:
             continue
         # the partial sums the re-fold replaces; where they, the leaves and the sum all have one
         # static layout, every new partial sum has it too (an add lays its result out from its
         # operands' layouts alone), and takes one of theirs rather than a fake add's
         partial = [n.meta["val"] for n in inner if n is not root]
         layout = _static_layout(root.meta["val"])
-        same = (layout is not None and len(partial) == len(ordered) - 2
+        same = (layout is not None and len(partial) == len(leaves) - 2
                 and all(_static_layout(v) == layout for v in (*(leaf.meta["val"] for leaf in leaves), *partial)))
+        spare = iter(partial)
+
+        def build(subtree):
+            if not isinstance(subtree, tuple):
+                return subtree
+            left, right = build(subtree[0]), build(subtree[1])
+            node = graph.call_function(aten.add.Tensor, (left, right))
+            node.meta = dict(root.meta, val=next(spare) if same else _sum_value(left, right))
+            return node
+
         with graph.inserting_before(root):
-            acc = ordered[0]
-            for index, leaf in enumerate(ordered[1:-1]):
-                acc_new = graph.call_function(aten.add.Tensor, (acc, leaf))
-                acc_new.meta = dict(root.meta, val=partial[index] if same else _sum_value(acc, leaf))
-                acc = acc_new
+            left, right = build(tree[0]), build(tree[1])
         before = root.meta["val"]
-        root.args = (acc, ordered[-1])
+        root.args = (left, right)
         if not same:
-            root.meta["val"] = _sum_value(acc, ordered[-1])
+            root.meta["val"] = _sum_value(left, right)
         if relaid is not None and not same_layout(before, root.meta["val"]):
             relaid.append(root)
         for n in inner:
@@ -931,14 +942,70 @@ def _chain(root: Node) -> tuple[list[Node], list[Node]]:
     return leaves, inner
 
 
-def _left_fold_leaves(root: Node) -> list[Node]:
-    """Leaves of a left fold add(add(a, b), c) -> [a, b, c] (the right args, then the base)."""
-    out, n = [], root
-    while _plain_add(n) and (n is root or len(n.users) == 1):
-        out.append(n.args[1])
-        n = n.args[0]
-    out.append(n)
-    return out[::-1]
+def _tree_of(root: Node, inner: list[Node]) -> Any:
+    """The add tree under root as nested pairs of its leaves."""
+    if root not in inner:
+        return root
+    return (_tree_of(root.args[0], inner), _tree_of(root.args[1], inner))
+
+
+def _canonical_tree(groups: list[list[Node]]) -> Any:
+    """Each group's leaves summed as a left fold, then the groups' sums as a left fold."""
+    def left_fold(items):
+        acc = items[0]
+        for item in items[1:]:
+            acc = (acc, item)
+        return acc
+
+    return left_fold([left_fold(group) for group in groups])
+
+
+_RELATED_WITHIN = 12  # forward nodes searched below a consumer: one op's decomposition spans a handful
+
+
+def _related_groups(ordered: list[Node], accumulated: Node, by_seq: dict) -> list[list[Node]]:
+    """The leaves (in canonical order) grouped by their forward consumers: two leaves are in
+    one group where one's consumer computes, within a few ops, what the other's consumer
+    reads (RMSNorm's `x.pow(2)` and `x * rsqrt(...)`). A pattern traced alone sums its own
+    consumers' gradients first; in the model another consumer of the same tensor (a sibling
+    projection, an auxiliary loss) may come between them in the order, however the model
+    orders its operands (`o + norm(h)` or `norm(h) + o`). Summing each group on its own keeps
+    the pattern's sum a subtree of the model's. Where no leaves are related this is the left
+    fold of `ordered`."""
+    consumers = []
+    for leaf in ordered:
+        seq = leaf.meta.get("seq_nr")
+        consumers.append(next((n for n in by_seq.get(seq, ()) if accumulated in n.all_input_nodes), None))
+    group_of = list(range(len(ordered)))
+
+    def root_of(i):
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+
+    for i, consumer in enumerate(consumers):
+        if consumer is None:
+            continue
+        below = _forward_descendants(consumer, _RELATED_WITHIN)
+        for j, other in enumerate(consumers):
+            if j != i and other is not None and other in below:
+                group_of[max(root_of(i), root_of(j))] = min(root_of(i), root_of(j))
+    groups: dict = {}
+    for i, leaf in enumerate(ordered):
+        groups.setdefault(root_of(i), []).append(leaf)
+    return list(groups.values())  # in the order of each group's first leaf
+
+
+def _forward_descendants(node: Node, limit: int) -> set:
+    """Up to `limit` forward nodes computed from node, nearest first."""
+    found, frontier = set(), [node]
+    while frontier and len(found) < limit:
+        current = frontier.pop(0)
+        for user in current.users:
+            if user not in found and not is_backward(user) and user.op == "call_function":
+                found.add(user)
+                frontier.append(user)
+    return found
 
 
 def _forward_order(graph: torch.fx.Graph) -> dict:
