@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a99c0d3aae71fe44',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a9b405f3c62c3ca8',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ca242ce223a50b26',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8effdc04585b7bdc',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1c022a26dbad47eb',
+KEY = {'torch': '2.13.0+cpu', 'sources': '414c7dfd559090dd',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4641cfc22dbf32db',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd649dd50822d9e8e',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

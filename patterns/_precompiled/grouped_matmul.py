@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e9b8c3ea11538db4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4413e4f0fe0a52fc',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

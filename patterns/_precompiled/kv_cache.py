@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e80e3070be33636f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1e5b707b60e90128',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5d014d545185fffc',
+KEY = {'torch': '2.13.0+cpu', 'sources': '94d1b5a3464f3c0f',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

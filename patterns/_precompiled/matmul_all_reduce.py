@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'baf9d78c5512e59d',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ba7a2d36a7948ea7',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '97a4dfe0a8db0025',
+KEY = {'torch': '2.13.0+cpu', 'sources': '90df5ff8179621b5',
        'backward': {'npu.npu_mm_reduce_scatter_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'aabb33da662e1de5',
+KEY = {'torch': '2.13.0+cpu', 'sources': '43876feaba5f8c5e',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2997a1304b388bdc',
+KEY = {'torch': '2.13.0+cpu', 'sources': '511e5f81aa36e131',
        'backward': {'npu.npu_scatter_nd_update': False, 'npu.npu_scatter_pa_kv_cache_functional': False}}
 
 FORMS = {

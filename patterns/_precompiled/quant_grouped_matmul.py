@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'a73db6e4775df2d4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '95d4e042f8ab6657',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

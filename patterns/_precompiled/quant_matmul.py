@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b47d66a5dc3aa451',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8d3c839fc78cd3bf',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

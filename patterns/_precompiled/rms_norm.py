@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6905a7bb29b16ede',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4f941ec293c7346e',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '428eba8475f616e5',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'f05a21d64fbb3914',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

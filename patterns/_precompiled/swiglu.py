@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fd422d2d2af29d19',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'baa8806f4473c0c4',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3f57edc21f425187',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'c1e6374271cb9871',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '38f6eb0ee4ba8e2c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '211e1d567502d55b',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {
