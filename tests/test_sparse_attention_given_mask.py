@@ -263,6 +263,21 @@ def test_in_training_on_the_cpu_graph_masks_that_are_not_causal_and_listed_stay_
     torch.testing.assert_close(torch.autograd.grad(out.sum(), leaves), torch.autograd.grad(ref.sum(), leaves))
 
 
+@pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
+def test_in_training_a_frozen_value_is_a_near_miss_that_says_so(npu_dispatch):
+    # the joint forms are traced with q, k and v all differentiable (one gradient subset)
+    config = nff.FusionConfig(enable={"sparse_attention"}, npu_dispatch=npu_dispatch)
+    q, k, v, score = _inputs(grad=True)
+    w = torch.randn(4, 16, 8, requires_grad=True)
+    out, ref, report = compile_and_run(ProjectedTopKMaskAttention(), q, k, v.detach(), score, w, config=config,
+                                       grad=True)
+    assert report.counts["sparse_attention"] == 0
+    misses = near_miss_reasons(report, "sparse_attention")
+    assert misses and all("a site where one of them gets no gradient (a frozen projection) is not covered" in m
+                          for m in misses), misses
+    torch.testing.assert_close(out, ref)
+
+
 # ---- torchtitan-npu's own DeepSeek-V3.2 (DSV32_SDPA), built tiny -------------------------------------
 def _torchtitan_npu():
     from npu_fx_fusion import tiny_third_party

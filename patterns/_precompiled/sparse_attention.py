@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'caad21120aba3711',
+KEY = {'torch': '2.13.0+cpu', 'sources': '09f3991f61017be0',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {
