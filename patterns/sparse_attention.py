@@ -779,13 +779,15 @@ def explain(node):
     if not is_call(node, aten.clamp.default, aten.scatter.value):
         reason = ("an attention over a mask computed from a scatter, in a form other than SDPA over that bool mask "
                   "(its CPU math decomposition, or torch_npu's FlashAttention as an NPU compile records it)")
-        if is_training_graph(node.graph) and is_call(node, aten._safe_softmax.default):
-            # seen: torchtitan-npu's DeepSeek-V3.2 on the CPU graph (npu_dispatch=False), whose
-            # output's gradient arrives as clone + _unsafe_view of a permuted einsum gradient
-            reason += ("; in a training graph the joint forms of the math decomposition take the output's gradient "
-                       "as their trace has it (a plain view of a contiguous gradient): one that arrives in another "
-                       "layout (a copy of a permuted gradient) does not match. On the NPU graph (npu_dispatch=True, "
-                       "FlashAttention and its grad op) the same site fuses")
+        if is_training_graph(node.graph):
+            # the output's gradient itself may arrive in any layout (torchtitan-npu's DeepSeek-V3.2
+            # on the CPU graph: a copy of the permuted gradient of the einsum through wo): the
+            # joint graph's canonicalisation leaves that copy outside the match
+            # (canonical.gradient_copies_apart)
+            reason += ("; in a training graph the joint forms take the output's gradient in any layout (a copy of "
+                       "it stays outside the match) but are traced with q, k and v all differentiable: a site where "
+                       "one of them gets no gradient (a frozen projection) is not covered, and after partitioning "
+                       "the intermediates saved for the backward keep its forward unfused")
         return reason
     if is_call(node, aten.clamp.default):
         return ("keys gathered by clamped top-k indices, in a form other than the absorbed MLA "

@@ -63,8 +63,9 @@ Training: the extension has no autograd for sparse_flash_mla; SparseFlashMla bel
 for its lse and calls sparse_flash_mla_grad (dq, dori_kv, dcmp_kv, dsinks). The indexer has
 no gradient (it selects). In transformers' training graphs the output gradient reaches the
 bmm backward through a view (the inverse RoPE hands back a (B, H, S, D)-contiguous gradient)
-where the traced joint pattern copies (clone + _unsafe_view); the engine's joint-graph
-canonicalisation (canonical.normalize_joint_graph) spells both alike, so the joint forms match
+where the traced joint pattern copies (clone + _unsafe_view, spelled clone + view:
+canonical.gradient_copies_apart); the engine's joint-graph canonicalisation
+(canonical.normalize_joint_graph) spells both alike, so the joint forms match
 (tests/test_sparse_mla.py trains SWA, HCA and CSA through sparse_flash_mla_grad).
 """
 import operator

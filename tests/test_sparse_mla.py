@@ -179,7 +179,7 @@ def test_symbolic_sizes_are_reported_not_fused():
 
 
 # the joint forms match transformers' training graphs (canonical.normalize_joint_graph spells the
-# output gradient's view and the traced clone + _unsafe_view alike). HCA and CSA: the gradients
+# output gradient's view and the traced clone + view alike). HCA and CSA: the gradients
 # of kv and of the compressed kv are two slices of one cat gradient, alike but for their sizes;
 # the structural match bound both to kv's until the replacement followed the exact match
 # (accept.py, tests/test_accept.py), and the eager attention stayed in the graph for the

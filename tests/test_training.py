@@ -411,6 +411,43 @@ def test_rope_of_a_split_query_fuses_forward_and_backward():
     assert npu_ops(bw) == {"npu_rotary_mul_backward": 1}
 
 
+def test_a_gradient_copied_for_a_reshape_is_spelled_as_the_copy_and_a_view():
+    # canonical.gradient_copies_apart: the einsum hands the matmul a permuted gradient, upcast
+    # (the forward's .float()); its backward copies it before the reshape. The rewrite leaves
+    # a plain view of a contiguous copy, the copy moved above the cast, and the forward alone
+    from torch._inductor import pattern_matcher as pm
+
+    from npu_fx_fusion.canonical import gradient_copies_apart, is_backward
+
+    aten = torch.ops.aten
+
+    def fn(p, v, w):
+        return torch.einsum("bhsd,hde->bse", (p @ v).float(), w)
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(2, 3, 5, 5, generator=g).bfloat16().requires_grad_(), torch.randn(
+        2, 3, 5, 4, generator=g).bfloat16().requires_grad_(), torch.randn(3, 4, 6, generator=g).requires_grad_()]
+    gm = pm.joint_fwd_bwd(fn, args, get_decomp_fn=dict)
+    before = copy.deepcopy(gm)
+
+    def copied_views(graph):  # (backward _unsafe_views of a clone, forward ones)
+        found = [n for n in graph.nodes
+                 if n.target is aten._unsafe_view.default and n.args[0].target is aten.clone.default]
+        return sum(map(is_backward, found)), sum(not is_backward(n) for n in found)
+
+    assert copied_views(gm.graph)[0] >= 1
+    forward = [(n.name, n.target) for n in gm.graph.nodes if not is_backward(n)]
+    assert gradient_copies_apart(gm.graph) >= 2
+    gm.recompile()
+    assert copied_views(gm.graph) == (0, copied_views(before.graph)[1])
+    assert [(n.name, n.target) for n in gm.graph.nodes if not is_backward(n)] == forward
+    (cast,) = [n for n in gm.graph.nodes if is_backward(n) and n.target is aten._to_copy.default]
+    assert cast.args[0].target is aten.clone.default and all(u.target is aten.view.default for u in cast.users)
+    inputs = [a.detach() for a in args] + [torch.randn(2, 5, 6, generator=g)]
+    for old, new in zip(torch.fx.Interpreter(before).run(*inputs), torch.fx.Interpreter(gm).run(*inputs)):
+        assert torch.equal(old, new)
+
+
 def _rotate_half(x):
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ce927d6686d7f02b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4cc8c8fed15b7f06',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

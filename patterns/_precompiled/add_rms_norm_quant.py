@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b7229391d5b5cf0d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9be57a59d927cd21',
        'backward': {'npu.npu_add_rms_norm_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b59cb718c5f9e860',
+KEY = {'torch': '2.13.0+cpu', 'sources': '53a227434d7031bb',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e0aacedcf551bb2c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '254958c10a3e8bfb',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

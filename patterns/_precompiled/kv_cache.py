@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bd1ff897d2cfc5f0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3eca6495db417cab',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '83cfbc957e3d5e1f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '108843e52bfd1af8',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

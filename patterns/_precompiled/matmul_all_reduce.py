@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'c104d64d880e0e41',
+KEY = {'torch': '2.13.0+cpu', 'sources': '83a25b12a2f6b773',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

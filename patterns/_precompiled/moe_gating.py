@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0c7be55b06316424',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'de1d054eac40e07b',
        'backward': {'npu.npu_moe_gating_top_k': True, 'npu.npu_moe_gating_top_k_softmax': False}}
 
 FORMS = {

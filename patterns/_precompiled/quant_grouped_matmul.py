@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '4ec162cdca1ba2ce',
+KEY = {'torch': '2.13.0+cpu', 'sources': '84e15ce01c49fdd4',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8339c6563be122ce',
+KEY = {'torch': '2.13.0+cpu', 'sources': '837904615d0ca3d1',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

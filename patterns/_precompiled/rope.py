@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'dc993b5c01d95a8e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '2099350afee9542d',
        'backward': {'cann_ops_transformer.inplace_partial_rotary_mul': True, 'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3d63a9ddf48d28e5',
+KEY = {'torch': '2.13.0+cpu', 'sources': '6d5437b328ee128e',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

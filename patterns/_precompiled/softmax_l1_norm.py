@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '075f1cf4f0063930',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'eca9f0ea7ce72aaa',
        'backward': {'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm': False, 'cann_ops_transformer.sparse_flash_mla_softmax_l1_norm_metadata': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6b86d4ed1b0f31e0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '84b362fdcb5fe3fd',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

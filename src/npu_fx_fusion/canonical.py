@@ -674,6 +674,7 @@ def normalize_joint_graph(gm: torch.fx.GraphModule) -> list[Node]:
     remove_noop_ops(gm.graph)
     early_patterns.apply(gm.graph)
     hoist_contiguous_copies(gm.graph)
+    gradient_copies_apart(gm.graph)
     relaid: list[Node] = []
     canonicalize_grad_accumulation(gm.graph, relaid)
     gm.recompile()
@@ -812,6 +813,67 @@ def hoist_contiguous_copies(graph: torch.fx.Graph) -> int:
         graph.erase_node(clone)
         moved += 1
     return moved
+
+
+def gradient_copies_apart(graph: torch.fx.Graph) -> int:
+    """In a joint graph's backward, a gradient's layout copy stands apart from what reads it:
+    - a reshape that had to copy, `_unsafe_view(clone(g, contiguous))`, as the copy and a
+      plain `view` of it;
+    - a dtype cast the copy follows, `clone(cast(g), contiguous)`, as `cast(clone(g,
+      contiguous))` (a cast keeps its input's layout: both are contiguous, the same values).
+
+    A joint pattern's incoming gradient is a contiguous tangent, and where its trace reshapes
+    it (aten.matmul's backward flattening the batch dims) the reshape is a plain view of it,
+    possibly after a cast (an upcast form's `.to()`). In a model the same gradient may arrive
+    in any layout (a permute of an einsum's gradient: torchtitan-npu's attention output
+    goes through transpose and einsum), and then the reshape copies it first: clone +
+    _unsafe_view. `_unsafe_view` is `view` for an aot graph (it only tells autograd that
+    the result is no alias), so spelled this way the copy is a value of its own, contiguous
+    as the trace's tangent, and the pattern's tangent binds to it: the copy, and any layout
+    change above it, stay outside the match. The trace gets the same rewrite, so a copy
+    inside a pattern is spelled alike on both sides. Forward nodes are left as they are
+    (the forward forms, traced without this, match them there too). Returns the number of
+    nodes rewritten."""
+    changed = 0
+    for view in list(graph.nodes):
+        if not (is_call(view, aten._unsafe_view.default) and is_backward(view)):
+            continue
+        copy = view.args[0]
+        if (is_call(copy, aten.clone.default) and len(copy.users) == 1
+                and copy.kwargs.get("memory_format") == torch.contiguous_format):
+            view.target = aten.view.default
+            changed += 1
+    for copy in list(graph.nodes):
+        if not (is_call(copy, aten.clone.default) and is_backward(copy)
+                and copy.kwargs.get("memory_format") == torch.contiguous_format):
+            continue
+        cast = copy.args[0]
+        if not (isinstance(cast, Node) and _layout_keeping_cast(cast) and len(cast.users) == 1
+                and is_backward(cast) and isinstance(cast.args[0], Node)):
+            continue
+        with graph.inserting_before(cast):
+            moved = graph.call_function(aten.clone.default, (cast.args[0],), {"memory_format": torch.contiguous_format})
+        moved.meta = dict(copy.meta)
+        source = cast.args[0].meta.get("val")
+        if isinstance(source, torch.Tensor):
+            moved.meta["val"] = source.clone(memory_format=torch.contiguous_format)
+        cast.args = (moved, *cast.args[1:])
+        if "val" in copy.meta:  # a cast of a contiguous tensor is the contiguous copy's layout
+            cast.meta["val"] = copy.meta["val"]
+        copy.replace_all_uses_with(cast)
+        graph.erase_node(copy)
+        changed += 1
+    return changed
+
+
+def _layout_keeping_cast(node: Node) -> bool:
+    """A dtype cast whose result has its input's layout: aten._to_copy with a dtype (and
+    layout / device) only, prims.convert_element_type, torch_npu's _npu_dtype_cast(_backward)."""
+    if is_call(node, aten._to_copy.default):
+        return "dtype" in node.kwargs and set(node.kwargs) <= {"dtype", "layout", "device"}
+    if is_call(node, torch.ops.prims.convert_element_type.default):
+        return True
+    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith("_npu_dtype_cast")
 
 
 # ---- gradient accumulation ----------------------------------------------------------------

@@ -28,7 +28,7 @@ import torch.fx
 from torch._inductor import pattern_matcher as pm
 
 from .canonical import (canonicalize, canonicalize_grad_accumulation, functionalize_inplace_on_temporaries,
-                        hoist_contiguous_copies, is_backward)
+                        gradient_copies_apart, hoist_contiguous_copies, is_backward)
 from .npu_dispatch import traced_as_on_npu
 
 Node = torch.fx.Node
@@ -103,7 +103,8 @@ def trace_joint_without_decompositions(fn: Callable, args: Sequence[Any], **kwar
     with torch._functorch.config.patch(joint_custom_pass=None):  # noqa: SLF001
         gm = pm.joint_fwd_bwd(scalars_constant, args, **kwargs)
     changed = (functionalize_inplace_on_temporaries(gm.graph) + canonicalize(gm.graph)
-               + hoist_contiguous_copies(gm.graph) + canonicalize_grad_accumulation(gm.graph))
+               + hoist_contiguous_copies(gm.graph) + gradient_copies_apart(gm.graph)
+               + canonicalize_grad_accumulation(gm.graph))
     if changed:
         gm.graph.eliminate_dead_code()
         gm.recompile()
