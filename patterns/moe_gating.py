@@ -55,14 +55,15 @@ npu_moe_gating_top_k_softmax under the same order proof as the biased ones.
 import itertools
 import operator
 from dataclasses import dataclass, field
+from dataclasses import replace as with_fields
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.matching import (SHAPE_ONLY_OPS, Form, FusionPass, NotEvaluable, Recognized, channels_of,
-                                    evaluate_slice, real_tensors,
+from npu_fx_fusion.matching import (SHAPE_ONLY_OPS, Form, FusionPass, NotEvaluable, Recognized, backward_nodes_by_seq,
+                                    backward_region, channels_of, evaluate_slice, real_tensors,
                                     first_refused_use, is_backward, is_call, is_joint_graph, tensor_meta)
 
 Node = torch.fx.Node
@@ -382,7 +383,14 @@ def order_dependent_use(site, top_k):
     """The first node outside the site that depends on the order of its k experts, or None."""
     k_wide = [node for node in site.nodes
               if (meta := tensor_meta(node)) is not None and meta.dim() and meta.shape[-1] == top_k]
-    return first_refused_use(site, _indifferent_to_k_order, _keeps_k_order, outputs=k_wide)
+    # in a joint graph the router's own backward (the nodes autograd made for its ops, which
+    # carry their seq_nr) is replaced with it
+    own = {node.meta.get("seq_nr") for node in site.nodes} - {None}
+
+    def indifferent(user, value):
+        return _indifferent_to_k_order(user, value) or (is_backward(user) and user.meta.get("seq_nr") in own)
+
+    return first_refused_use(site, indifferent, _keeps_k_order, outputs=k_wide)
 
 
 # ---- near misses: a router top-k left unfused ---------------------------------------------
@@ -930,9 +938,14 @@ def _renorm_divisor(node, value):
     return None
 
 
+def _forward_users(node):
+    """The nodes that read `node`, less the graph's output (_router_outputs checks that one)
+    and, in a joint graph, the backward's (regions.backward_region checks those)."""
+    return [u for u in node.users if u.op != "output" and not is_backward(u)]
+
+
 def _uses(node):
-    """How many nodes read `node`, the graph's output aside (_router_outputs checks that one)."""
-    return sum(1 for u in node.users if u.op != "output")
+    return len(_forward_users(node))
 
 
 def _read_steps(router):
@@ -942,7 +955,7 @@ def _read_steps(router):
     while True:
         # (a value also saved for the backward, in a partitioned training forward, is read past
         # the region: _router_outputs says so)
-        users = [u for u in current.users if u.op != "output"]
+        users = _forward_users(current)
         step = None
         if len(users) == 1 and (_is_cast(users[0]) or is_call(users[0], aten.view.default, aten.reshape.default,
                                                               aten._unsafe_view.default)) \
@@ -1037,7 +1050,7 @@ def _router_outputs(router):
     for node in router.nodes:
         if node in outputs or node is router.act_node:
             continue
-        outside = [u for u in node.users if u not in router.nodes]
+        outside = [u for u in node.users if u not in router.nodes and not is_backward(u)]
         if any(u.op == "output" for u in outside):
             return (f"{node.name}, a value inside the router, is also an output of the graph (in a training "
                     "step's forward: saved for its backward): the fused op gives the chosen weights and ids only")
@@ -1103,7 +1116,8 @@ def _router_replacement(router):
         y, idx, _ = torch.ops.npu.npu_moe_gating_top_k(
             flat, k, bias=None if bias is None else bias.reshape(-1).to(dtype), k_group=groups[1],
             group_count=groups[0], group_select_mode=groups[2], renorm=0, norm_type=norm_type,
-            out_flag=False, routed_scaling_factor=scale, eps=eps)
+            # the backward reads norm_out: asked for where autograd records the call (a joint trace)
+            out_flag=torch.is_grad_enabled() and logits.requires_grad, routed_scaling_factor=scale, eps=eps)
         return finish(y, idx, logits)
 
     if router.bias is None:  # (the replacement takes the site's args, and no bias is one)
@@ -1117,6 +1131,7 @@ def _router_replacement(router):
 
 def recognize(graph, joint):
     found = []
+    by_seq = backward_nodes_by_seq(graph) if joint else None
     readings = {}
     for topk in graph.find_nodes(op="call_function", target=aten.topk.default):
         if not (joint and is_backward(topk)):
@@ -1142,13 +1157,10 @@ def recognize(graph, joint):
         if isinstance(outputs, str):
             found.append(Recognized(name, topk, nodes, reason=outputs))
             continue
-        if joint:
-            backward = next((u for n in nodes for u in n.users if is_backward(u)), None)
-            if backward is not None:
-                found.append(Recognized(name, outputs, nodes, reason=_training_reason(router.act_node) or (
-                    f"a router in training whose weights get a gradient ({backward.name}): its backward is "
-                    "not rewritten for the recognised spellings")))
-                continue
+        differentiated = joint and any(is_backward(u) for n in nodes for u in n.users)
+        if differentiated and _training_reason(router.act_node):
+            found.append(Recognized(name, outputs, nodes, reason=_training_reason(router.act_node)))
+            continue
         replace, fused_op, reason = _router_replacement(router)
         if reason:
             found.append(Recognized(name, outputs, nodes, reason=reason))
@@ -1163,9 +1175,28 @@ def recognize(graph, joint):
         if router.bias is not None:
             args["bias"] = router.bias
             site_args["bias"] = tensor_meta(router.bias).reshape(-1)
-        found.append(Recognized(f"{router.act.replace('_', '-')} router (read by what it computes)", outputs, nodes,
-                                args, replace, site_args, fused_op=fused_op, notes=router.notes))
+        site = Recognized(f"{router.act.replace('_', '-')} router (read by what it computes)", outputs, nodes,
+                          args, replace, site_args, fused_op=fused_op, notes=router.notes)
+        found.append(_trained(site, backward_region(nodes, list(args.values()), outputs, by_seq))
+                     if differentiated else site)
     return found
+
+
+def _trained(site, backward):
+    """A recognised router of a joint graph whose weights get a gradient, with the backward
+    autograd made of it (`backward`: regions.backward_region's answer), replaced jointly by
+    the fused call traced with its gradient (npu_moe_gating_top_k_backward): whatever the
+    spelling, its backward is found by what autograd recorded for the region's ops."""
+    if isinstance(backward, str):
+        return with_fields(site, args={}, replace=None, reason=f"a router in training: {backward}")
+    ids, weights = backward.output_gradients
+    if weights is None:
+        return with_fields(site, args={}, replace=None, reason=(
+            "a router in training whose chosen weights get no gradient but whose region does: its backward is "
+            "not the fused op's"))
+    trained = [role for role, node in site.args.items() if node in backward.gradients]
+    return with_fields(site, backward_nodes=backward.nodes, output_gradients=backward.output_gradients,
+                       needs_gradient=trained, backward_output=[backward.gradients[site.args[r]] for r in trained])
 
 
 PASS = FusionPass(

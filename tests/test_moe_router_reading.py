@@ -228,3 +228,53 @@ def test_look_alikes_do_not_fuse_and_say_why(module, x, reason):
     assert len(reasons) == 1 and reason in reasons[0], reasons
     for o, r in zip(out, ref):
         torch.testing.assert_close(o, r, rtol=0, atol=0)
+
+
+# ---- training: a recognised router and its backward replaced together -------------------------
+def _train(module, x, dynamic=False):
+    """(report, the compiled step's and eager's gradients of x and the gate weight)."""
+    import copy
+    torch._dynamo.reset()
+    reference, model = copy.deepcopy(module), copy.deepcopy(module)  # (parametrised modules are shared)
+    backend = EmulationBackend(ONLY_GATING)
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    grads = []
+    for run, mod in ((compiled, model), (reference, reference)):
+        xi = x.clone().requires_grad_()
+        weights, _ = run(xi)
+        torch.manual_seed(7)
+        (weights * torch.randn_like(weights)).sum().backward()
+        grads.append((xi.grad, mod.gate.weight.grad))
+    return backend.report, grads
+
+
+class TorchtitanRouterTrained(Gate):
+    """torchtitan 0.2.2's router as above, its chosen weights what the step differentiates."""
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x).to(torch.float32))
+        _, selected = torch.topk(scores + self.expert_bias, k=self.k, dim=1)
+        top_scores = scores.gather(dim=1, index=selected)
+        return top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) * 2.5, selected
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("module, x", [
+    (TorchtitanRouterTrained(k=3), _x(10)),
+    (GroupLimitedRouter(k=4, groups=4, kept=2, inverted=False, new_ones=True), _x(2, 5)),
+], ids=["torchtitan 0.2.2", "group-limited"])
+def test_a_recognised_sigmoid_router_trains_fused(module, x, dynamic):
+    report, ((dx, dw), (dx_ref, dw_ref)) = _train(module, x, dynamic)
+    assert report.counts["moe_gating"] == 1, near_miss_reasons(report, "moe_gating")
+    assert report.fused_ops == {"npu.npu_moe_gating_top_k": 1, "npu.npu_moe_gating_top_k_backward": 1}
+    # the op's backward: the renormalisation's and the sigmoid's derivatives in fp32, in
+    # another order than autograd's chain: a few ulp of the gradient's largest element
+    assert_close_at_scale(dx, dx_ref, 8)
+    assert_close_at_scale(dw, dw_ref, 8)
+
+
+def test_a_softmax_router_in_training_says_the_op_has_no_backward():
+    report, ((dx, dw), (dx_ref, dw_ref)) = _train(BiasedSoftmaxRouter(k=4), _x(10))
+    assert report.counts["moe_gating"] == 0
+    assert any("npu_moe_gating_top_k_softmax has no backward" in m for m in near_miss_reasons(report, "moe_gating"))
+    torch.testing.assert_close(dx, dx_ref)

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6dd0be085334bc70',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3decb20cab21263a',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3eca6495db417cab',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e04de916e5fef47b',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f1fcf7ad9442ee2f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9589b55e4b6d0d48',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

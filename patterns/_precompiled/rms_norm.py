@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8fe7b6e22070e6e6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '3058e0729534fbbf',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

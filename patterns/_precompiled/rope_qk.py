@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '6d5437b328ee128e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8d95f2d5136baa6b',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

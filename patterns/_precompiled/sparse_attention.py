@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '867fb3dc9e73dc78',
+KEY = {'torch': '2.13.0+cpu', 'sources': '85df430792a572cd',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

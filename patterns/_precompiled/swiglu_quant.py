@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '79a30e7f7e71cca1',
+KEY = {'torch': '2.13.0+cpu', 'sources': '62a55b96cbd8b6c3',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.fx
 
-from .nodes import is_call, known_equal, tensor_meta
+from .nodes import SHAPE_ONLY_OPS, is_call, known_equal, tensor_meta
 
 Node = torch.fx.Node
 aten = torch.ops.aten
@@ -951,10 +951,6 @@ def channels_of(node: Node, include: Callable[[Node], bool] = lambda node: True)
 
 
 # ---- running a slice of the graph on concrete values ------------------------------------------------
-# ops whose result depends on their first argument's shape (and dtype, device) only
-SHAPE_ONLY_OPS = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-                         aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
-                         aten.new_empty.default, aten.new_full.default, aten.sym_size.int})
 MAX_SLICE = 64
 
 

@@ -41,6 +41,10 @@ def hashable(value: Any) -> Any:
 RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
 # the ops that move, copy or re-view a tensor's elements and compute nothing
 _aten = torch.ops.aten
+# ops whose result depends on their first argument's shape (and dtype, device) only
+SHAPE_ONLY_OPS = frozenset({_aten.zeros_like.default, _aten.ones_like.default, _aten.empty_like.default,
+                            _aten.full_like.default, _aten.new_zeros.default, _aten.new_ones.default,
+                            _aten.new_empty.default, _aten.new_full.default, _aten.sym_size.int})
 MOVES = (*RESHAPES, _aten.permute.default, _aten.transpose.int, _aten.t.default, _aten.unsqueeze.default,
          _aten.squeeze.dim, _aten.squeeze.dims, _aten.expand.default, _aten.clone.default, _aten.contiguous.default,
          _aten.alias.default)

@@ -26,6 +26,7 @@ from .canonical import same_shape
 from .capabilities import CAPABILITIES, capability, not_lowerable
 from .forms import Form, FusionPass, Reason, Recognized, Site
 from .insertion import insert_replacement, trace_input
+from .nodes import tensor_meta
 from .report import FusedSite, NearMiss, location_of
 from .tracing import TRACERS, failure_is_an_answer
 
@@ -99,7 +100,7 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
                                          site.verified, [op for g in graphs if g is not None for op in emitted_ops(g)])
         if joint:  # forward and backward at once, the backward half placed where autograd's was
             insert_replacement(_RegionMatch(nodes, found.outputs + found.backward_outputs), graph, forward,
-                               [*found.args.values(), *found.output_gradients], run.fake_mode, run.reads_gradient)
+                               [*found.args.values(), *_tangents(found)], run.fake_mode, run.reads_gradient)
             _RegionMatch(found.nodes, found.outputs).erase_nodes()
         else:
             insert_replacement(_RegionMatch(found.nodes, found.outputs), graph, forward,
@@ -116,6 +117,14 @@ def recognized_sites(run: RecognitionRun, graph: torch.fx.Graph, joint: bool) ->
         if not output._erased:  # noqa: SLF001
             misses.append((found, NearMiss(fusion_pass.name, reason, location_of([output, *output.users]))))
     return sites, misses
+
+
+def _tangents(found: Recognized) -> list[Node]:
+    """The incoming gradients of a joint replacement's trace, in its tangents' order: one per
+    output that can have one (aot_autograd makes no tangent for an integer output, a router's
+    expert ids)."""
+    return [gradient for output, gradient in zip(found.outputs, found.output_gradients)
+            if tensor_meta(output).dtype.is_floating_point or tensor_meta(output).dtype.is_complex]
 
 
 def _site(run: RecognitionRun, found: Recognized) -> Site:

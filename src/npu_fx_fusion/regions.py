@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .canonical import is_backward
+from .nodes import SHAPE_ONLY_OPS
 from .nodes import is_call as is_call_of
 
 Node = torch.fx.Node
@@ -176,10 +177,6 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
     # only where their value needs no gradient: comb's slice of base when comb is detached.)
     unchanged = {}
     for node in region:
-        if is_call_of(node, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) \
-                and any(a in given for a in node.all_input_nodes):
-            return (f"{node.name} ({node.target}) passes an input's gradient on unchanged: no backward node "
-                    "computes that part of it")
         if node.target in _GRADIENT_UNCHANGED and node.meta["seq_nr"] not in with_backward:
             unchanged.update({a: node for a in node.all_input_nodes if a in given})
 
@@ -200,7 +197,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
         return "no backward nodes of its forward ops (no gradient flows through it)"
     in_region = set(region)
     escaping = next((n for n in region if n not in outputs for u in n.users
-                     if u not in in_region and u not in in_candidates), None)
+                     if u not in in_region and u not in in_candidates and u.target not in SHAPE_ONLY_OPS), None)
     if escaping is not None:
         return f"its intermediate {escaping.name} is read outside it: its gradient would come from there too"
     gradients_in = set()
@@ -219,6 +216,12 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
     output_gradients = _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_region)
     if isinstance(output_gradients, str):
         return output_gradients
+    carrying = _carrying_a_gradient(region, [o for o, g in zip(outputs, output_gradients) if g is not None])
+    added = next((n for n in region if n in carrying and any(a in given for a in n.all_input_nodes)
+                  and is_call_of(n, torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor)), None)
+    if added is not None:
+        return (f"{added.name} ({added.target}) passes an input's gradient on unchanged: no backward node "
+                "computes that part of it")
     region_by_seq: dict = {}
     for node in region:
         region_by_seq.setdefault(node.meta["seq_nr"], []).append(node)
@@ -246,6 +249,24 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
         return (f"{node.name} ({node.target}) passes {passed_on.name}'s gradient on unchanged: no backward node "
                 "computes that part of it")
     return BackwardRegion(backward, output_gradients, gradients)
+
+
+def _carrying_a_gradient(region: Sequence[Node], seeds: Sequence[Node]) -> set:
+    """The region's values a gradient reaches from the outputs that get one (`seeds`): those a
+    reader reaching it reads as a floating-point value. Gradients flow through floating-point
+    tensors only, so a value that feeds only a top-k's indices, a comparison or a gather's
+    index gets none (a router's `scores + bias`, which only selects)."""
+    in_region = set(region)
+    carrying = set(seeds)
+    for node in sorted(region, reverse=True):  # readers first
+        if node in carrying:
+            continue
+        value = node.meta.get("val")
+        differentiable = isinstance(value, (tuple, list)) or (
+            isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex))
+        if differentiable and any(u in carrying for u in node.users if u in in_region):
+            carrying.add(node)
+    return carrying
 
 
 def _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_region):
