@@ -306,13 +306,10 @@ def explain(topk):
                         "attention")
         return ("a top-k over relu'd query-key scores whose results the model reads beyond the attention's key "
                 "selection (DeepSeek-V3.2's indexer loss: a softmax of the top-k scores, a gather of the attention "
-                "distribution at the indices): " + ", and ".join(read) + ". npu_lightning_indexer pads with -1 "
-                "where fewer than k keys are visible (the model's top-k lists hidden keys there, which its code "
-                "replaces or masks by position: -1 passes `index <= position` and no gather takes it), may order "
-                "equal scores differently, and gives the scores only with return_value=True: only a fused sparse "
-                "attention reads its indices as the model does, and a fused indexer loss "
-                "(npu_sparse_lightning_indexer_grad_kl_loss, as torchtitan-npu's npu_dsa converter uses) is no "
-                "pass here (its scores are not matched as an indexer form either)")
+                "distribution at the indices): " + ", and ".join(read) + ". The axis algebra could not evaluate "
+                "the scores as an indexer's (sum_h w_h * relu(s * q_h . k)), so its readers were not analysed; "
+                "npu_lightning_indexer pads with -1 where fewer than k keys are visible and may order the k slots "
+                "otherwise")
     return ("a top-k over relu'd query-key scores that matches none of the indexer forms "
             "(transformers DeepseekV32Indexer: scale inside the relu, weights summing the heads, "
             "a bool mask; the additive mask of its eager path is not covered)")
@@ -348,6 +345,10 @@ def _widens(source, target):
         return True
     return source in order and target in order and order[target] > order[source] and not (
         {source, target} == {torch.float16, torch.bfloat16})
+
+
+def _wider(a, b):
+    return a != b and _widens(b, a)
 
 
 def _factors(expr):
@@ -421,8 +422,6 @@ def _read_indexer(value):
     q, k = (_strip_exact_casts(f) for f in product.args[0].args)
     batch, queries, keys = (set(d) for d in dims)
     head_dim = set(product.atoms)
-    if heads & q.free == heads and heads & k.free:
-        pass
     if heads & k.free:
         q, k = k, q
     w = weights[0]
@@ -453,10 +452,9 @@ def _mask_terms(read):
         roles = []
         for atoms in mask.dims:
             found = {roles_of.get(a, "?") for a in atoms}
-            if len(found) != 1 or "?" in found:
+            if len(found) > 1 or "?" in found:
                 return "a mask of the scores has a dim that is not the batch, the queries or the keys"
-            roles.append(found.pop())
-        roles = tuple(r if r else None for r in roles) if roles else ()
+            roles.append(found.pop() if found else None)  # a dim of size 1: broadcast
         roles = tuple(roles)
         if mask.kind in ("fill", "keep"):
             if not (isinstance(mask.fill, float) and mask.fill == float("-inf")):
@@ -519,11 +517,14 @@ def _recognized(topk, evaluation, joint):
     values, indices = _topk_outputs(topk)
     if indices is None and values is None:
         return None
+    if _masked_by_a_compressed_threshold(topk) or _additively_masked_by_a_compressed_threshold(topk):
+        return None  # DeepSeek-V4's compressed indexer: sparse_mla's, and explain() says so
     read = _read_indexer(evaluation.value(x))
     outputs = [n for n in (values, indices) if n is not None]
     if isinstance(read, str):
         # a top-k the pass's anchor flags (relu'd scores) says why the algebra does not take it
-        return Recognized(_RECOGNIZED, outputs, [topk], reason=read, fallback=True) if anchor(topk) else None
+        return Recognized(_RECOGNIZED, outputs, [topk], reason=f"the scores the top-k ranks are not an indexer's "
+                          f"(sum_h w_h * relu(s * q_h . k), masked): {read}") if anchor(topk) else None
     refuse = lambda why: Recognized(_RECOGNIZED, outputs, [topk], reason=why)  # noqa: E731
     terms = _mask_terms(read)
     if isinstance(terms, str):
@@ -568,6 +569,10 @@ def _recognized(topk, evaluation, joint):
                                       tensor_meta(values).dtype if values is not None else None,
                                       tensor_meta(indices).dtype if indices is not None else None, guard)
     replace.rounds = read.rounds
+    if values is not None and _wider(tensor_meta(values).dtype, replace.dtype):
+        notes.append(f"the op returns the top-k scores in {str(replace.dtype)[6:]} (its query's dtype), the model's are "
+                     f"{str(tensor_meta(values).dtype)[6:]}: each read score within half a {str(replace.dtype)[6:]} "
+                     "ulp of the model's")
     sizes = {}
     for expr in (read.q, read.k, read.w):
         sizes.update(atom_sizes(tensor_meta(expr.node), expr.dims))
@@ -589,7 +594,7 @@ def _recognized(topk, evaluation, joint):
         "index_topk": count,
     }
     return Recognized(_RECOGNIZED, outputs if len(outputs) > 1 else outputs[0], nodes, inputs, replace, site_args,
-                      fused_op="npu.npu_lightning_indexer", notes=notes)
+                      fused_op="npu.npu_lightning_indexer", notes=notes, canonical_outputs=replace.canonical)
 
 
 def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard):
@@ -628,6 +633,32 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
             out.append(indices.to(index_dtype))
         return tuple(out) if len(out) > 1 else out[0]
 
+    def kept_scores(outputs, inputs):
+        """kept_keys_by_score for a recognised site: per query, the scores of the keys its top-k values and
+        indices keep, best first (-inf, a hidden or padded slot, as 0): equal for any two top-k selections
+        whatever their slot order, tied keys exchanged or not, and whichever hidden key a padded slot lists."""
+        query, key, weights = inputs["query"], inputs["key"], inputs["weights"]
+        sizes = {**atom_sizes(query, q_dims), **atom_sizes(key, k_dims), **atom_sizes(weights, w_dims)}
+        q = rearrange(query, q_dims, bsnd_q, sizes).float()
+        k = rearrange(key, k_dims, bsnd_k, sizes).float().squeeze(2)
+        w = rearrange(weights, w_dims, bsn_w, sizes).float() * scale
+        scores = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        if sparse_mode == 3:
+            s_len, t_len = scores.shape[-2:]
+            i = torch.arange(s_len).unsqueeze(-1) + (t_len - s_len)
+            scores = scores.masked_fill(torch.arange(t_len) > i, float("-inf"))
+        out = list(outputs)
+        canonical = []
+        if return_value:
+            values = out.pop(0).float()
+            canonical.append(values.sort(dim=-1, descending=True).values.nan_to_num(neginf=0.0))
+        if index_dtype is not None:
+            indices = out.pop(0).long()
+            listed = scores.gather(-1, indices.clamp(0, scores.shape[-1] - 1)).masked_fill(indices < 0, float("-inf"))
+            canonical.append(listed.sort(dim=-1, descending=True).values.nan_to_num(neginf=0.0))
+        return canonical
+
+    npu_lightning_indexer_recognized.canonical = kept_scores
     npu_lightning_indexer_recognized.dtype = dtype
     npu_lightning_indexer_recognized.weights_dtype = weights_dtype
     npu_lightning_indexer_recognized.guard = guard
@@ -758,13 +789,16 @@ def _state_of(node, states, sparse_mode, queries, keys):
         return _END
     if is_call(node, torch.ops.npu.npu_sparse_flash_attention, torch.ops.npu.npu_sparse_flash_attention_grad):
         if len(tracked) == 1 and len(node.args) > 3 and node.args[3] is tracked[0] and (
-                first.kind == "perm" or _sparse_mode_of_reader(node) == 3):
+                first.kind == "perm" or _hides_what_the_indexer_hides(node, queries, keys)):
             return _END  # attends to the listed keys as a set; hidden ones hidden by its causal mode
         return (f"the top-k's results reach {_describe(node)} other than as the sparse indices of a causal sparse "
                 "attention")
     if meta is None:
         return f"the top-k's results reach {_describe(node)}, which computes no tensor"
     if len(tracked) == 1 and (t in _KEEPS or is_cast(node)):
+        if first.kind == "raw" and meta.dtype not in (torch.int32, torch.int64):
+            return (f"the op's indices are cast to {meta.dtype} by {_describe(node)}, which may not hold every key "
+                    "index: hidden keys would not all compare alike")
         return first
     if len(tracked) == 1 and node.args[0] is tracked[0] and t in (
             aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.permute.default, aten.transpose.int,
@@ -784,6 +818,20 @@ def _state_of(node, states, sparse_mode, queries, keys):
         return _elementwise(node, tracked, states, sparse_mode, queries, keys)
     return (f"the top-k's results reach {_describe(node)}, which the slot-order analysis does not know to be "
             "indifferent to the order of the k slots (and to the keys of the slots the op pads)")
+
+
+def _hides_what_the_indexer_hides(attention, queries, keys):
+    """A sparse attention that hides, by its own right-down causal mode over the same queries and keys
+    (BSND), every key the indexer's mask hides: key T - 1 in a padded slot adds nothing there."""
+    if (not is_call(attention, torch.ops.npu.npu_sparse_flash_attention) or _sparse_mode_of_reader(attention) != 3
+            or attention.kwargs.get("layout_query", "BSND") != "BSND"
+            or attention.kwargs.get("layout_kv", "BSND") != "BSND"
+            or any(attention.kwargs.get(name) is not None
+                   for name in ("block_table", "actual_seq_lengths_query", "actual_seq_lengths_kv"))):
+        return False
+    query, key = (tensor_meta(a) for a in attention.args[:2])
+    return (query is not None and key is not None and query.dim() == 4 and key.dim() == 4
+            and known_equal(query.shape[1], queries) and known_equal(key.shape[1], keys))
 
 
 def _moved(node, state):

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5d014d545185fffc',
+KEY = {'torch': '2.13.0+cpu', 'sources': '13d5c0d03822e66c',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
