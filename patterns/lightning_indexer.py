@@ -42,13 +42,19 @@ In training the indexer has no gradient (transformers runs it under no_grad) and
 are saved for the fused attention's backward (npu_sparse_flash_attention_grad), a reader
 only the joint graph shows: the forward-only forms also run there (forward_forms_on_joint).
 """
+import heapq
 import operator
 
+import sympy
 import torch
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
-from npu_fx_fusion.constants import sparse_mode_of
-from npu_fx_fusion.matching import MOVES, Form, FusionPass, first_refused_use, is_call, tensor_meta
+from npu_fx_fusion.constants import MaskTerm, mask_mode, sparse_mode_of, value_set
+from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes,
+                                   first_refused_use, formula_of, index_symbol, is_backward, is_call, is_cast,
+                                   known_equal, read_masked_scores, rearrange, scale_and_rest, size_expr,
+                                   tensor_meta)
+from npu_fx_fusion.nodes import constant_on_a_size_range
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
@@ -122,6 +128,8 @@ _MODE = {npu_lightning_indexer_causal: 3, npu_lightning_indexer_unmasked: 0}
 
 # ---- checks -------------------------------------------------------------------------------
 def check(site):
+    if getattr(site.form.replace, "indexer_recognized", False):
+        return _check_recognized(site)
     query, key, weights = site["query"], site["key"], site["weights"]
     if site["scale"] <= 0:
         return f"scale {site['scale']} <= 0: relu(scale * x) is not scale * relu(x)"
@@ -141,6 +149,22 @@ def check(site):
                 "than k keys are visible and may order equal scores differently, which only a "
                 "fused sparse attention (or its backward) under the same mask reads as the model does")
     return site.hardware_limits(_hardware_reasons(query, key, weights, site["index_topk"], site.soc))
+
+
+def _check_recognized(site):
+    replace = site.form.replace
+    if replace.rounds and site.keep_intermediate_rounding:
+        return ("the model rounds the indexer's scores to bf16/fp16 on the way, the op ranks fp32 scores "
+                "(FusionConfig.keep_intermediate_rounding keeps the code's roundings)")
+    reason = site.hardware_limits(_hardware_reasons(site["query"], site["key"], site["weights"], site["index_topk"],
+                                                    site.soc))
+    if reason is None and replace.guard is not None:
+        # min(index_topk, S) is index_topk for every S >= index_topk: guarded as dynamo guards its own
+        if not replace.guard():
+            return f"the top-k's k is not {replace.count} at this compile's sizes"
+        site.notes.append(f"k taken as {replace.count}: a guard keeps this graph to the sizes where it is (a call "
+                          "outside them compiles again)")
+    return reason
 
 
 def _hardware_reasons(query, key, weights, count, soc):
@@ -282,16 +306,730 @@ def explain(topk):
                         "attention")
         return ("a top-k over relu'd query-key scores whose results the model reads beyond the attention's key "
                 "selection (DeepSeek-V3.2's indexer loss: a softmax of the top-k scores, a gather of the attention "
-                "distribution at the indices): " + ", and ".join(read) + ". npu_lightning_indexer pads with -1 "
-                "where fewer than k keys are visible (the model's top-k lists hidden keys there, which its code "
-                "replaces or masks by position: -1 passes `index <= position` and no gather takes it), may order "
-                "equal scores differently, and gives the scores only with return_value=True: only a fused sparse "
-                "attention reads its indices as the model does, and a fused indexer loss "
-                "(npu_sparse_lightning_indexer_grad_kl_loss, as torchtitan-npu's npu_dsa converter uses) is no "
-                "pass here (its scores are not matched as an indexer form either)")
+                "distribution at the indices): " + ", and ".join(read) + ". The axis algebra could not evaluate "
+                "the scores as an indexer's (sum_h w_h * relu(s * q_h . k)), so its readers were not analysed; "
+                "npu_lightning_indexer pads with -1 where fewer than k keys are visible and may order the k slots "
+                "otherwise")
     return ("a top-k over relu'd query-key scores that matches none of the indexer forms "
             "(transformers DeepseekV32Indexer: scale inside the relu, weights summing the heads, "
             "a bool mask; the additive mask of its eager path is not covered)")
+
+
+# ---- any spelling, recognised by what it computes (recognize=) ------------------------------------
+# A top-k over  masks(c * sum_H(W * relu(c' * sum_D(Q * K))))  is an indexer whatever its spelling
+# (rearrange / permute, matmul / einsum, a product summed over the heads or a matmul with the
+# weights): the axis algebra (axis_algebra.py) evaluates the top-k's input into that expression,
+# over index variables, and the replacement rearranges Q, K and W into the op's BSND layouts.
+# The op's results are the model's only up to (a) the order of the k slots and (b) the slots it
+# pads; both are proven harmless to every reader of the top-k's values and indices (_readers_reason)
+# before it fuses, or the site is a near miss naming the reader.
+_RECOGNIZED = "lightning indexer (axis algebra)"
+
+
+def _strip_exact_casts(expr):
+    """The expression under casts that round nothing: each cast's dtype at least as wide as the
+    value's own (a bf16 value cast to fp32 and back)."""
+    base = expr
+    chain = []
+    while base.op == "cast":
+        chain.append(base.value)
+        base = base.args[0]
+    if all(_widens(base.dtype, dtype) for dtype in chain):
+        return base
+    return expr
+
+
+def _widens(source, target):
+    order = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+    if source == target:
+        return True
+    return source in order and target in order and order[target] > order[source] and not (
+        {source, target} == {torch.float16, torch.bfloat16})
+
+
+def _wider(a, b):
+    return a != b and _widens(b, a)
+
+
+def _factors(expr):
+    """The factors of a product (nested products flattened)."""
+    if expr.op == "mul":
+        return [f for a in expr.args for f in _factors(a)]
+    return [expr]
+
+
+def _rounds(expr, stop):
+    """Whether `expr` rounds an intermediate value to a narrower float than fp32 (a cast down, or an
+    op computed in bf16/fp16) above the leaves `stop`."""
+    stack = [expr]
+    while stack:
+        e = stack.pop()
+        if any(e is s for s in stop) or e.op in ("leaf", "const"):
+            continue
+        if e.dtype in (torch.float16, torch.bfloat16):
+            return True
+        stack.extend(e.args)
+    return False
+
+
+class _Read:
+    """An indexer's scores read off the algebra: query / key / weights expressions, their atoms' roles,
+    the constant folded into the weights, and the masks."""
+
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+def _read_indexer(value):
+    """The indexer read off the top-k input's Value, or why it is not  sum_H(W * relu(s * Q.K)) masked."""
+    dims = value.dims
+    if len(dims) != 3:
+        return "the top-k's scores are not (batch, queries, keys)"
+    read = read_masked_scores(value.expr)
+    coefficient, core = scale_and_rest(read.rest)
+    if core.op not in ("sum", "mean") or len(core.args) != 1:
+        return "the scores are not a sum over the indexer heads (sum_h w_h * relu(q_h . k))"
+    if not isinstance(coefficient, (int, float)):
+        return f"the scores' scale {coefficient} is not a constant"
+    heads = set(core.atoms)
+    if core.op == "mean":  # the mean over the heads: the sum over them divided by their count
+        if not isinstance(core.value, int):
+            return "the scores are a mean over a symbolic number of heads"
+        coefficient = coefficient / core.value
+    factors = _factors(core.args[0])
+    relus = [f for f in factors if _strip_exact_casts(f).op == "relu"]
+    if len(relus) != 1:
+        return "the summed product holds no relu of the query-key product (or more than one)"
+    relu = _strip_exact_casts(relus[0])
+    rest = [f for f in factors if f is not relus[0]]
+    scale = 1.0
+    weights = []
+    for f in rest:
+        c, e = scale_and_rest(f)
+        scale *= c
+        if e.op != "const":
+            weights.append(_strip_exact_casts(e))
+    if len(weights) != 1 or weights[0].node is None:
+        return "the heads are not weighted by one tensor (sum_h w_h * relu(q_h . k))"
+    inner_scale, product = scale_and_rest(relu.args[0])
+    if not isinstance(inner_scale, (int, float)) or not isinstance(scale, (int, float)):
+        return "a scale of the scores is not a constant"
+    if inner_scale <= 0:
+        return f"the relu's argument is scaled by {inner_scale} <= 0: relu(s * x) is not s * relu(x)"
+    if not (product.op == "sum" and len(product.args) == 1 and product.args[0].op == "mul"
+            and len(product.args[0].args) == 2):
+        return "the relu's argument is not a contraction of a query with a key"
+    q, k = (_strip_exact_casts(f) for f in product.args[0].args)
+    batch, queries, keys = (set(d) for d in dims)
+    head_dim = set(product.atoms)
+    if heads & k.free:
+        q, k = k, q
+    w = weights[0]
+    if q.node is None or k.node is None or not heads or not head_dim:
+        return "the query-key product is not of two tensors"
+    if (not heads <= q.free or heads & k.free or not head_dim <= q.free or not head_dim <= k.free
+            or not q.free <= batch | queries | heads | head_dim or not k.free <= batch | keys | head_dim
+            or not keys <= k.free or keys & (q.free | w.free) or not w.free <= batch | queries | heads
+            or not heads <= w.free or not queries <= q.free):
+        return ("the scores do not read query (batch, queries, heads, dim), one key head (batch, keys, dim) and "
+                "weights (batch, queries, heads) as the indexer does")
+    return _Read(q=q, k=k, w=w, masks=read.masks, weight_scale=float(coefficient * scale * inner_scale),
+                 batch=dims[0], queries=dims[1], keys=dims[2], heads=_ordered(heads, q.dims),
+                 head_dim=_ordered(head_dim, q.dims), rounds=_rounds(value.expr, (q, k, w)))
+
+
+def _ordered(atoms, dims):
+    order = [a for group in dims for a in group]
+    return tuple(sorted(atoms, key=order.index))
+
+
+def _mask_terms(read):
+    """MaskTerms of the scores' masks, or the reason one is not a mask hiding keys with -inf: the
+    op's padded slots stand for the model's hidden keys only where those score exactly -inf."""
+    roles_of = {**{a: "b" for a in read.batch}, **{a: "s" for a in read.queries}, **{a: "t" for a in read.keys}}
+    terms = []
+    for mask in read.masks:
+        roles = []
+        for atoms in mask.dims:
+            found = {roles_of.get(a, "?") for a in atoms}
+            if len(found) > 1 or "?" in found:
+                return "a mask of the scores has a dim that is not the batch, the queries or the keys"
+            roles.append(found.pop() if found else None)  # a dim of size 1: broadcast
+        roles = tuple(roles)
+        if mask.kind in ("fill", "keep"):
+            if not (isinstance(mask.fill, float) and mask.fill == float("-inf")):
+                return f"the scores are masked with {mask.fill}, not -inf (the op's padded slots stand for -inf scores)"
+            terms.append(MaskTerm(mask.node, "true" if mask.kind == "fill" else "false", roles))
+            continue
+        values = value_set(mask.node)
+        if values is None or not values <= {0.0, float("-inf")} or 0.0 not in values:
+            return (f"the additive mask {mask.node.name} is not only 0 and -inf"
+                    + ("" if values is None else f" (it holds {sorted(values)})"))
+        terms.append(MaskTerm(mask.node, "nonzero", roles))
+    return terms
+
+
+def _region(outputs, inputs):
+    region, stack = set(), list(outputs)
+    while stack:
+        node = stack.pop()
+        if node in region or node in inputs:
+            continue
+        if node.op != "call_function":
+            return None
+        region.add(node)
+        stack.extend(a for a in node.all_input_nodes if tensor_meta(a) is not None)
+    return sorted(region)
+
+
+def recognize(graph, joint):
+    """Indexers of any spelling whose top-k the forms left: fused where the mask is proven causal (or
+    none) and every reader of the top-k's values and indices is proven to read the op's as the model's."""
+    evaluation = AxisEvaluation()
+    found = []
+    for topk in sorted(graph.find_nodes(op="call_function", target=aten.topk.default)):
+        if joint and is_backward(topk):
+            continue
+        try:
+            site = _recognized(topk, evaluation, joint)
+        except NotEvaluable:
+            site = None
+        if site is not None:
+            found.append(site)
+    return found
+
+
+def _topk_outputs(topk):
+    values = next((u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 0 and u.users), None)
+    indices = next((u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 1 and u.users), None)
+    return values, indices
+
+
+def _recognized(topk, evaluation, joint):
+    x = topk.args[0]
+    meta = tensor_meta(x)
+    if meta is None or not meta.is_floating_point() or meta.dim() != 3:
+        return None
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
+    if dim not in (-1, 2) or not largest:
+        return None
+    values, indices = _topk_outputs(topk)
+    if indices is None and values is None:
+        return None
+    if _masked_by_a_compressed_threshold(topk) or _additively_masked_by_a_compressed_threshold(topk):
+        return None  # DeepSeek-V4's compressed indexer: sparse_mla's, and explain() says so
+    read = _read_indexer(evaluation.value(x))
+    outputs = [n for n in (values, indices) if n is not None]
+    if isinstance(read, str):
+        # a top-k the pass's anchor flags (relu'd scores) says why the algebra does not take it
+        return Recognized(_RECOGNIZED, outputs, [topk], reason=f"the scores the top-k ranks are not an indexer's "
+                          f"(sum_h w_h * relu(s * q_h . k), masked): {read}") if anchor(topk) else None
+    refuse = lambda why: Recognized(_RECOGNIZED, outputs, [topk], reason=why)  # noqa: E731
+    terms = _mask_terms(read)
+    if isinstance(terms, str):
+        return refuse(terms)
+    queries, keys = meta.shape[1], meta.shape[2]
+    mode, why = mask_mode(terms, queries, keys)
+    if mode not in ("causal", "none"):
+        return refuse(f"the scores' mask is not proven right-down causal or empty ({why}): npu_lightning_indexer's "
+                      "sparse_mode 3 / 0 cannot express it")
+    sparse_mode = 3 if mode == "causal" else 0
+    count = topk.args[1]
+    guard = None
+    if isinstance(count, torch.fx.Node):
+        count = count.meta.get("val")
+    if isinstance(count, torch.SymInt) and count.node.expr.is_number:  # min(k, S) where S >= k is known
+        count = int(count.node.expr)
+    if isinstance(count, torch.SymInt):
+        constant = constant_on_a_size_range(count)
+        if constant is None:
+            return refuse(f"the top-k's k is {count}, computed from symbolic sizes, not a constant the op's "
+                          "sparse_count can take")
+        count, guard = constant
+    if not isinstance(count, int):
+        return refuse(f"the top-k's k is {count!r}, not a constant")
+    inputs = {"query": read.q.node, "key": read.k.node, "weights": read.w.node}
+    nodes = _region([topk, *outputs], set(inputs.values()))
+    if nodes is None:
+        return None
+    if joint and any(is_backward(u) for n in nodes for u in n.users):
+        return refuse("in training the indexer's scores get a gradient (its top-k values feed a loss, or its "
+                      "intermediates are saved for a backward): this pass fuses the indexer forward only, and "
+                      "emits no joint replacement (npu_lightning_indexer's backward, npu_lightning_indexer_grad, "
+                      "differentiates its sparse_values, not the model's substitutions for the padded slots)")
+    reason = _readers_reason(values, indices, sparse_mode, queries, keys)
+    if reason is not None:
+        return refuse(reason)
+    notes = [f"{why} (the scores' mask)"]
+    if read.rounds:
+        notes.append("the model rounds the scores to bf16/fp16 on the way (autocast); the op computes them in fp32 "
+                     "and ranks those: keys whose scores differ by about the rounding may be selected differently")
+    replace = _recognized_replacement(read, count, sparse_mode, values is not None,
+                                      tensor_meta(values).dtype if values is not None else None,
+                                      tensor_meta(indices).dtype if indices is not None else None, guard)
+    replace.rounds = read.rounds
+    if values is not None and _wider(tensor_meta(values).dtype, replace.dtype):
+        notes.append(f"the op returns the top-k scores in {str(replace.dtype)[6:]} (its query's dtype), the model's are "
+                     f"{str(tensor_meta(values).dtype)[6:]}: each read score within half a {str(replace.dtype)[6:]} "
+                     "ulp of the model's")
+    sizes = {}
+    for expr in (read.q, read.k, read.w):
+        sizes.update(atom_sizes(tensor_meta(expr.node), expr.dims))
+
+    def size(atoms):
+        out = 1
+        for a in atoms:
+            out = out * sizes[a] if a in sizes else out * a.size
+        return out
+
+    q_meta = tensor_meta(read.q.node)
+    dtype = replace.dtype
+    site_args = {
+        "query": q_meta.new_empty((size(read.batch), size(read.queries), size(read.heads), size(read.head_dim)),
+                                  dtype=dtype),
+        "key": q_meta.new_empty((size(read.batch), size(read.keys), size(read.head_dim)), dtype=dtype),
+        "weights": q_meta.new_empty((size(read.batch), size(read.queries), size(read.heads)),
+                                    dtype=replace.weights_dtype),
+        "index_topk": count,
+    }
+    return Recognized(_RECOGNIZED, outputs if len(outputs) > 1 else outputs[0], nodes, inputs, replace, site_args,
+                      fused_op="npu.npu_lightning_indexer", notes=notes, canonical_outputs=replace.canonical)
+
+
+def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard):
+    q_dims, k_dims, w_dims = read.q.dims, read.k.dims, read.w.dims
+    bsnd_q = (read.batch, read.queries, read.heads, read.head_dim)
+    bsnd_k = (read.batch, read.keys, (), read.head_dim)
+    bsn_w = (read.batch, read.queries, read.heads)
+    q_dtype, k_dtype = read.q.dtype, read.k.dtype
+    dtype = q_dtype if q_dtype == k_dtype and q_dtype in (torch.float16, torch.bfloat16, torch.float32) \
+        else torch.float32
+    scale = read.weight_scale
+    weights_dtype = read.w.dtype if scale == 1.0 and read.w.dtype in (torch.float16, torch.bfloat16, torch.float32) \
+        else torch.float32
+
+    def npu_lightning_indexer_recognized(query, key, weights):
+        sizes = {**atom_sizes(query, q_dims), **atom_sizes(key, k_dims), **atom_sizes(weights, w_dims)}
+        q = rearrange(query, q_dims, bsnd_q, sizes).to(dtype)
+        k = rearrange(key, k_dims, bsnd_k, sizes).to(dtype)
+        w = rearrange(weights, w_dims, bsn_w, sizes).to(weights_dtype)
+        if scale != 1.0:
+            w = w * scale
+        indices, scores = torch.ops.npu.npu_lightning_indexer(
+            q, k, w, layout_query="BSND", layout_key="BSND", sparse_count=count, sparse_mode=sparse_mode,
+            return_value=return_value)
+        indices = indices.squeeze(2)
+        padded = indices < 0
+        out = []
+        if return_value:
+            # the padded slots' scores: -inf, the model's scores of the hidden keys its top-k lists there
+            out.append(torch.where(padded, float("-inf"), scores.squeeze(2).float()).to(value_dtype))
+        if index_dtype is not None:
+            if sparse_mode == 3:
+                # a hidden key for the padded slots: key T - 1 (_readers_reason proves the readers indifferent
+                # to which hidden key a slot lists)
+                indices = torch.where(padded, k.shape[1] - 1, indices)
+            out.append(indices.to(index_dtype))
+        return tuple(out) if len(out) > 1 else out[0]
+
+    def kept_scores(outputs, inputs):
+        """kept_keys_by_score for a recognised site: per query, the scores of the keys its top-k values and
+        indices keep, best first (-inf, a hidden or padded slot, as 0): equal for any two top-k selections
+        whatever their slot order, tied keys exchanged or not, and whichever hidden key a padded slot lists."""
+        query, key, weights = inputs["query"], inputs["key"], inputs["weights"]
+        sizes = {**atom_sizes(query, q_dims), **atom_sizes(key, k_dims), **atom_sizes(weights, w_dims)}
+        q = rearrange(query, q_dims, bsnd_q, sizes).float()
+        k = rearrange(key, k_dims, bsnd_k, sizes).float().squeeze(2)
+        w = rearrange(weights, w_dims, bsn_w, sizes).float() * scale
+        scores = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
+        if sparse_mode == 3:
+            s_len, t_len = scores.shape[-2:]
+            i = torch.arange(s_len).unsqueeze(-1) + (t_len - s_len)
+            scores = scores.masked_fill(torch.arange(t_len) > i, float("-inf"))
+        out = list(outputs)
+        canonical = []
+        if return_value:
+            values = out.pop(0).float()
+            canonical.append(values.sort(dim=-1, descending=True).values.nan_to_num(neginf=0.0))
+        if index_dtype is not None:
+            indices = out.pop(0).long()
+            listed = scores.gather(-1, indices.clamp(0, scores.shape[-1] - 1)).masked_fill(indices < 0, float("-inf"))
+            canonical.append(listed.sort(dim=-1, descending=True).values.nan_to_num(neginf=0.0))
+        return canonical
+
+    npu_lightning_indexer_recognized.canonical = kept_scores
+    npu_lightning_indexer_recognized.dtype = dtype
+    npu_lightning_indexer_recognized.weights_dtype = weights_dtype
+    npu_lightning_indexer_recognized.guard = guard
+    npu_lightning_indexer_recognized.count = count
+    npu_lightning_indexer_recognized.indexer_recognized = True
+    return npu_lightning_indexer_recognized
+
+
+# ---- the readers: indifferent to the order of the k slots and to which hidden key a padded slot lists --
+# The op's k slots may come in another order than torch.topk's (per query row), and where fewer than k
+# keys are visible (right-down causal: query i of S sees i + T - S + 1 keys) it pads the rest with -1
+# (scores -inf); the model's top-k lists hidden keys there, scored -inf. The replacement gives -inf
+# scores and key T - 1 in those slots: hidden too, since a padded slot exists only where
+# i + T - S + 1 < k <= T, i.e. i + T - S < T - 1. So the values equal the model's, and the indices
+# differ only in which hidden key a padded slot lists. Every reader must be proven not to care:
+#
+#   "perm" values (the model's, up to one permutation of the slots per query row): elementwise ops whose
+#   other operands are constant along the slots (broadcast, expanded from 1, a constant), layout moves
+#   that keep the slot dim, softmax over the slots, a gather along the slot dim at such indices, stay
+#   "perm"; a reduction over the slots (sum, mean, norm, amax ...), a scatter of a constant at such
+#   indices along the slots, and a fused sparse attention's sparse_indices end the permutation;
+#   "raw" indices (the padded slots list some hidden key): only comparisons with the query's last
+#   visible key position (index <= i + T - S, or < i + T - S + 1, or the negations) read them, which
+#   are the same for every hidden key, a where that replaces the slots such a comparison finds
+#   hidden by something constant along the slots, and a fused sparse attention with the causal mode
+#   (which hides any hidden key it is given). Anything else refuses, naming the reader.
+_KEEPS = (aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
+          aten.contiguous.default, aten.lift_fresh_copy.default, torch.ops.prims.convert_element_type.default)
+_ELEMENTWISE = frozenset({
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.mul.Tensor,
+    aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.exp.default, aten.log.default,
+    aten.log1p.default, aten.abs.default, aten.clamp_min.default, aten.clamp_max.default, aten.clamp.default,
+    aten.maximum.default, aten.minimum.default, aten.pow.Tensor_Scalar, aten.sqrt.default, aten.rsqrt.default,
+    aten.reciprocal.default, aten.sigmoid.default, aten.tanh.default, aten.relu.default, aten.isinf.default,
+    aten.isneginf.default, aten.isposinf.default, aten.isnan.default, aten.eq.Scalar, aten.eq.Tensor,
+    aten.ne.Scalar, aten.ne.Tensor, aten.lt.Scalar, aten.lt.Tensor, aten.le.Scalar, aten.le.Tensor,
+    aten.gt.Scalar, aten.gt.Tensor, aten.ge.Scalar, aten.ge.Tensor, aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
+    aten.bitwise_not.default, aten.logical_not.default, aten.where.self, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.xlogy.Tensor, aten.kl_div.default,
+})
+_NOT = (aten.bitwise_not.default, aten.logical_not.default)
+_COMPARE = {aten.le.Tensor: "le", aten.le.Scalar: "le", aten.lt.Tensor: "lt", aten.lt.Scalar: "lt",
+            aten.ge.Tensor: "ge", aten.ge.Scalar: "ge", aten.gt.Tensor: "gt", aten.gt.Scalar: "gt"}
+_SLOT_REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+                              aten.amax.default, aten.amin.default, aten.linalg_vector_norm.default,
+                              aten.logsumexp.default, aten.any.dim, aten.all.dim, aten.any.default,
+                              aten.all.default, aten.prod.dim_int, aten.prod.default})
+_SLOT_NORMALISE = frozenset({aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default})
+_LIKE = frozenset({aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+                   aten.empty_like.default})
+_CONSTANT_SOURCES = frozenset({aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
+                               *_LIKE})
+_READERS_LIMIT = 300  # nodes after the top-k that the analysis follows
+
+
+class _State:
+    """A tracked value: kind "raw" (the op's indices with a hidden key in the padded slots) or "perm" (the
+    model's values with the slots permuted per row); `slot` / `query`: its dims holding the k slots and
+    the query rows (None where a layout move dropped the rows' dim); `visible`: for a comparison of raw
+    indices with the query position, whether it is True where the key is visible (None otherwise)."""
+
+    __slots__ = ("kind", "slot", "query", "visible")
+
+    def __init__(self, kind, slot, query, visible=None):
+        self.kind, self.slot, self.query, self.visible = kind, slot, query, visible
+
+
+_END = object()  # a value the slot order does not reach (a reduction over the slots, a scattered mask)
+
+
+def _describe(node):
+    return f"{node.name} ({node.target})"
+
+
+def _readers_reason(values, indices, sparse_mode, queries, keys):
+    """None when every reader of the top-k's values and indices reads the replacement's as the model's
+    (order of the slots, the padded slots' keys), else the reason naming the first that does not."""
+    order = {n: i for i, n in enumerate(next(iter(filter(None, (values, indices)))).graph.nodes)}
+    states = {}
+    heap = []
+    for node, kind in ((values, "perm"), (indices, "raw" if sparse_mode == 3 else "perm")):
+        if node is not None:
+            rank = tensor_meta(node).dim()
+            states[node] = _State(kind, rank - 1, rank - 2)
+            for user in node.users:
+                heapq.heappush(heap, (order[user], user))
+    seen = set()
+    while heap:
+        _, node = heapq.heappop(heap)
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > _READERS_LIMIT:
+            return "the top-k's results are read by more ops than the slot-order analysis follows"
+        state = _state_of(node, states, sparse_mode, queries, keys)
+        if isinstance(state, str):
+            return state
+        if state is _END:
+            continue
+        states[node] = state
+        for user in node.users:
+            heapq.heappush(heap, (order[user], user))
+    return None
+
+
+def _tracked(node, states):
+    return [a for a in node.all_input_nodes if a in states]
+
+
+def _same_shape(a, b):
+    return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+
+
+def _state_of(node, states, sparse_mode, queries, keys):
+    """The node's _State from its tracked inputs, _END, or the reason it is refused."""
+    if node.op == "output":
+        return ("the top-k's results are outputs of the graph (returned, or saved for a backward this pass cannot "
+                "see): the op's slot order and padded slots would reach code no proof covers")
+    if node.op != "call_function" or is_backward(node):
+        return (f"the top-k's results reach {_describe(node)}, in the backward: the indexer is fused for inference "
+                "only (see the training note)")
+    tracked = _tracked(node, states)
+    first = states[tracked[0]]
+    meta = tensor_meta(node)
+    t = node.target
+    if is_call(node, *_LIKE):  # shape only: a constant tensor
+        return _END
+    if is_call(node, torch.ops.npu.npu_sparse_flash_attention, torch.ops.npu.npu_sparse_flash_attention_grad):
+        if len(tracked) == 1 and len(node.args) > 3 and node.args[3] is tracked[0] and (
+                first.kind == "perm" or _hides_what_the_indexer_hides(node, queries, keys)):
+            return _END  # attends to the listed keys as a set; hidden ones hidden by its causal mode
+        return (f"the top-k's results reach {_describe(node)} other than as the sparse indices of a causal sparse "
+                "attention")
+    if meta is None:
+        return f"the top-k's results reach {_describe(node)}, which computes no tensor"
+    if len(tracked) == 1 and (t in _KEEPS or is_cast(node)):
+        if first.kind == "raw" and meta.dtype not in (torch.int32, torch.int64):
+            return (f"the op's indices are cast to {meta.dtype} by {_describe(node)}, which may not hold every key "
+                    "index: hidden keys would not all compare alike")
+        return first
+    if len(tracked) == 1 and node.args[0] is tracked[0] and t in (
+            aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.permute.default, aten.transpose.int,
+            aten.expand.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return _moved(node, first)
+    if t in _SLOT_REDUCTIONS:
+        return _reduced(node, tracked, states)
+    if t in _SLOT_NORMALISE:
+        if first.kind != "perm" or node.args[1] % tensor_meta(node.args[0]).dim() != first.slot:
+            return f"the top-k's results reach {_describe(node)}, a softmax over another dim than the k slots"
+        return _State("perm", first.slot, first.query)
+    if t is aten.gather.default:
+        return _gathered(node, tracked, states)
+    if t in (aten.scatter.value, aten.scatter.src):
+        return _scattered(node, tracked, states)
+    if t in _ELEMENTWISE:
+        return _elementwise(node, tracked, states, sparse_mode, queries, keys)
+    return (f"the top-k's results reach {_describe(node)}, which the slot-order analysis does not know to be "
+            "indifferent to the order of the k slots (and to the keys of the slots the op pads)")
+
+
+def _hides_what_the_indexer_hides(attention, queries, keys):
+    """A sparse attention that hides, by its own right-down causal mode over the same queries and keys
+    (BSND), every key the indexer's mask hides: key T - 1 in a padded slot adds nothing there."""
+    if (not is_call(attention, torch.ops.npu.npu_sparse_flash_attention) or _sparse_mode_of_reader(attention) != 3
+            or attention.kwargs.get("layout_query", "BSND") != "BSND"
+            or attention.kwargs.get("layout_kv", "BSND") != "BSND"
+            or any(attention.kwargs.get(name) is not None
+                   for name in ("block_table", "actual_seq_lengths_query", "actual_seq_lengths_kv"))):
+        return False
+    query, key = (tensor_meta(a) for a in attention.args[:2])
+    return (query is not None and key is not None and query.dim() == 4 and key.dim() == 4
+            and known_equal(query.shape[1], queries) and known_equal(key.shape[1], keys))
+
+
+def _moved(node, state):
+    """A layout move of a tracked value: where its slot and query dims go (None: refused)."""
+    source = tensor_meta(node.args[0]).shape
+    shape = tensor_meta(node).shape
+    rank = len(source)
+    t = node.target
+    position = list(range(rank))  # new position of each input dim (None: dropped)
+    if t is aten.unsqueeze.default:
+        d = node.args[1] % (rank + 1)
+        position = [p + (p >= d) for p in range(rank)]
+    elif t in (aten.squeeze.dim, aten.squeeze.dims):
+        dropped = {d % rank for d in ([node.args[1]] if t is aten.squeeze.dim else node.args[1])
+                   if source[d % rank] == 1}
+        if state.slot in dropped:
+            return "the top-k's k slots are squeezed away"
+        kept = [p for p in range(rank) if p not in dropped]
+        position = [kept.index(p) if p in kept else None for p in range(rank)]
+    elif t is aten.permute.default:
+        perm = [d % rank for d in node.args[1]]
+        position = [perm.index(p) for p in range(rank)]
+    elif t is aten.transpose.int:
+        a, b = node.args[1] % rank, node.args[2] % rank
+        position[a], position[b] = b, a
+    elif t is aten.expand.default:
+        lead = len(shape) - rank
+        if not known_equal(shape[lead + state.slot], source[state.slot]):
+            return "the top-k's k slots are expanded"
+        position = [p + lead for p in range(rank)]
+    else:  # a view: only size-1 dims may come and go
+        big = [p for p in range(rank) if not (isinstance(source[p], int) and source[p] == 1)]
+        out = [p for p in range(len(shape)) if not (isinstance(shape[p], int) and shape[p] == 1)]
+        if len(big) != len(out) or not all(known_equal(source[a], shape[b]) for a, b in zip(big, out)):
+            return f"the top-k's results are re-viewed by {_describe(node)}, merging or splitting their dims"
+        position = [out[big.index(p)] if p in big else None for p in range(rank)]
+    slot = position[state.slot]
+    query = position[state.query] if state.query is not None else None
+    if slot is None:
+        return "the top-k's k slots are dropped by a view"
+    return _State(state.kind, slot, query, state.visible)
+
+
+def _reduced(node, tracked, states):
+    (value,) = tracked
+    state = states[value]
+    if state.kind != "perm":
+        return (f"the op's indices reach {_describe(node)}, a reduction of the key indices, where the op pads "
+                "slots the model's top-k fills with hidden keys")
+    rank = tensor_meta(value).dim()
+    dims = node.args[1] if len(node.args) > 1 and node.target not in (aten.linalg_vector_norm.default,) \
+        else node.kwargs.get("dim")
+    if node.target is aten.linalg_vector_norm.default:
+        dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if node.target in (aten.sum.default, aten.mean.default, aten.any.default, aten.all.default,
+                       aten.prod.default) or dims is None or dims == []:
+        return _END
+    dims = {d % rank for d in ([dims] if isinstance(dims, int) else dims)}
+    if state.slot in dims:
+        return _END
+    return (f"the top-k's results reach {_describe(node)}, a reduction over other dims than the k slots: it adds "
+            "up query rows whose slots the op may order differently")
+
+
+def _gathered(node, tracked, states):
+    src, dim, index = node.args[:3]
+    if src in states or index not in states:
+        return f"the top-k's results are gathered from by {_describe(node)}"
+    state = states[index]
+    rank = tensor_meta(index).dim()
+    if state.kind != "perm":
+        return (f"the op's indices reach {_describe(node)}, a gather at the key indices, where the op pads slots "
+                "the model's top-k fills with hidden keys (which key the gather reads there differs)")
+    if dim % rank != state.slot or tensor_meta(src).dim() != rank:
+        return f"the top-k's indices are gathered at along another dim than the k slots ({_describe(node)})"
+    return _State("perm", state.slot, state.query)
+
+
+def _scattered(node, tracked, states):
+    base, dim, index = node.args[:3]
+    source = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", node.kwargs.get("src"))
+    if base in states or index not in states or (isinstance(source, torch.fx.Node) and source in states):
+        return f"the top-k's values are scattered by {_describe(node)}"
+    state = states[index]
+    if state.kind != "perm":
+        return (f"the op's indices reach {_describe(node)}, a scatter at the key indices, where the op pads slots "
+                "the model's top-k fills with hidden keys")
+    rank = tensor_meta(index).dim()
+    if dim % rank != state.slot or (isinstance(source, torch.fx.Node) and not _constant_along(source, None)):
+        return f"the top-k's indices are scattered along another dim than the k slots, or with varying values"
+    return _END  # one value written at each listed key: the set of keys, not their order
+
+
+def _constant_along(node, dim, rank=None):
+    """Whether an untracked operand is constant along the output dim `dim` (of an output of `rank`
+    dims; dim None: constant everywhere): broadcast there, of size 1, expanded from size 1, or a
+    constant tensor."""
+    if not isinstance(node, torch.fx.Node):
+        return True
+    meta = tensor_meta(node)
+    if meta is None:
+        return False
+    if is_call(node, *_CONSTANT_SOURCES):
+        return True
+    if dim is None:
+        return meta.dim() == 0
+    position = dim - (rank - meta.dim())
+    if position < 0:
+        return True
+    size = meta.shape[position]
+    if isinstance(size, int) and size == 1:
+        return True
+    if is_call(node, aten.expand.default):
+        source = tensor_meta(node.args[0])
+        source_position = position - (meta.dim() - source.dim())
+        return source_position < 0 or (isinstance(source.shape[source_position], int)
+                                        and source.shape[source_position] == 1)
+    if is_call(node, *_KEEPS) or is_cast(node):
+        return _constant_along(node.args[0], position, meta.dim())
+    return False
+
+
+def _elementwise(node, tracked, states, sparse_mode, queries, keys):
+    meta = tensor_meta(node)
+    rank = meta.dim()
+    shape = meta.shape
+    if node.target is aten.kl_div.default and (node.args[2] if len(node.args) > 2 else
+                                               node.kwargs.get("reduction", 1)) != 0:
+        return f"the top-k's results reach {_describe(node)}, a kl_div that reduces"
+    slots = {(states[a].slot + rank - tensor_meta(a).dim()) for a in tracked}
+    queries_at = {(states[a].query + rank - tensor_meta(a).dim()) if states[a].query is not None else None
+                  for a in tracked}
+    if len(slots) != 1 or len(queries_at) != 1 or not all(_same_shape(tensor_meta(a).shape, shape) for a in tracked):
+        return (f"{_describe(node)} combines results of the top-k laid out differently (or broadcast): its "
+                "operands' slots are not permuted alike")
+    (slot,), (query,) = slots, queries_at
+    operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    for a in operands:
+        if a not in states and not _constant_along(a, slot, rank):
+            return (f"{_describe(node)} combines the top-k's results with {a.name}, which varies along the k "
+                    "slots: the op's slot order would pair them otherwise")
+    raw = [a for a in tracked if states[a].kind == "raw"]
+    if not raw:
+        visible = None
+        if len(tracked) == 1 and is_call(node, *_NOT) and states[tracked[0]].visible is not None:
+            visible = not states[tracked[0]].visible
+        return _State("perm", slot, query, visible)
+    return _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query)
+
+
+def _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query):
+    """A reader of the op's indices with a hidden key in the padded slots: a comparison with the query's
+    last visible key, or a where replacing the slots such a comparison finds hidden."""
+    refused = (f"the op's indices reach {_describe(node)}, which reads the key index of every slot: where fewer "
+               "than k keys are visible the op pads slots the model's top-k fills with hidden keys, and this reader "
+               "is not proven to treat every hidden key alike")
+    (value,) = raw
+    if query is None:
+        return refused
+    rank = tensor_meta(node).dim()
+    if node.target in _COMPARE:
+        op = _COMPARE[node.target]
+        a, b = node.args[:2]
+        if b is value:  # b op a  ->  a (flipped op) b
+            a, b = b, a
+            op = {"le": "ge", "lt": "gt", "ge": "le", "gt": "lt"}[op]
+        if a is not value or b in states:
+            return refused
+        bound = b if not isinstance(b, torch.fx.Node) else formula_of(b, tensor_meta(node).shape)
+        if bound is None:
+            return refused + " (its other operand is not computed from sizes)"
+        last = index_symbol(query) + size_expr(keys) - size_expr(queries)  # the query's last visible key
+        expected = last + (1 if op in ("lt", "ge") else 0)
+        try:
+            same = sympy.simplify(sympy.sympify(bound) - expected) == 0
+        except (TypeError, sympy.SympifyError):
+            same = False
+        if not same:
+            return (f"the op's indices are compared with {bound} by {_describe(node)}, not with the query's last "
+                    f"visible key (index <= {last}): hidden keys would not all compare alike")
+        return _State("perm", slot, query, visible=op in ("le", "lt"))
+    if node.target in (aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+        if node.target is aten.where.self:
+            condition, kept, replaced = node.args[:3]
+            wanted = True  # keeps `kept` where the condition holds
+            if replaced is value:
+                kept, replaced, wanted = replaced, kept, False
+        else:
+            kept, condition, replaced = node.args[:3]
+            wanted = False  # masked_fill keeps the input where the mask is False
+        if kept is not value or condition not in states or replaced in states:
+            return refused
+        test = states[condition]
+        if test.visible is not wanted or test.slot != states[value].slot + rank - tensor_meta(value).dim():
+            return (f"{_describe(node)} keeps the op's indices where {condition.name} holds, which is not proven "
+                    "to be where their key is visible to the query")
+        return _State("perm", slot, query)
+    return refused
 
 
 PASS = FusionPass(
@@ -323,6 +1061,7 @@ PASS = FusionPass(
     anchor=anchor,
     anchor_ops=(aten.topk.default,),
     explain=explain,
+    recognize=recognize,
     # transformers' indexer runs under no_grad, so in training its indices are saved for the
     # fused attention's backward: only on the joint graph does the check see that reader
     forward_forms_on_joint=True,

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2f8a08b69ae16ea1',
+KEY = {'torch': '2.13.0+cpu', 'sources': '83fb71c10b210c22',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

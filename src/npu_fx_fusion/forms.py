@@ -182,6 +182,9 @@ class Recognized:
     # another of its near misses stands at the same source line (a region the algebra could
     # not evaluate, where the forms' own diagnosis, when there is one, says more)
     fallback: bool = False
+    # verification: puts the region's and the replacement's outputs in one canonical form before
+    # they are compared (Form.canonical_outputs; a top-k's slots in another order, say)
+    canonical_outputs: Optional[Callable[[list, dict], list]] = None
 
     @property
     def outputs(self) -> list[Node]:

@@ -241,7 +241,7 @@ def _verify(run: RecognitionRun, found: Recognized, site: Site) -> Reason:
     argnames = list(found.args)
     values = {name: a.meta["val"] if isinstance(a, Node) else a for name, a in found.args.items()}
     verdict = verify_match(list(found.nodes), found.outputs, values, dict(found.args), found.replace, argnames,
-                           found.fused_op or run.fusion_pass.fused_op)
+                           found.fused_op or run.fusion_pass.fused_op, canonical=found.canonical_outputs)
     site.verified = verdict.detail
     return None if verdict.ok else f"verification failed: {verdict.detail}"
 
