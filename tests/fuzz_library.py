@@ -45,6 +45,7 @@ class Spelling:
     grad_inputs: tuple = (0,)  # training: the inputs that take a gradient (tables never)
     index_outputs: tuple = ()
     training_limit: str = ""  # in a training step: a limit, with this near-miss regex
+    training_limit_dtypes: tuple = ()  # ... in these dtypes only (none: in every dtype)
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------
@@ -356,9 +357,6 @@ def _router_inputs(rng, gen, dtype):
     return (x,), f"[{T}, {D}] -> logits [{T}, {E}]", init
 
 
-ROUTER_IN_TRAINING = r"router in training whose weights get a gradient"
-
-
 def _biased_router_inputs(rng, gen, dtype):
     (x,), shapes, gate = _router_inputs(rng, gen, dtype)
 
@@ -380,7 +378,11 @@ ROUTERS = {
         "    probs, indices = torch.topk(router, self.k)\n"
         "    probs = probs.softmax(dim=1, dtype=torch.float).to(dtype=x.dtype)\n"
         "    return probs, indices",
-        _router_inputs, {"moe_gating": 1}, index_outputs=(1,)),
+        _router_inputs, {"moe_gating": 1}, index_outputs=(1,),
+        # a half step saves the fp32 softmax over the k chosen for its backward; the op returns the
+        # weights in the logits' dtype, and its softmax mode has no backward
+        training_limit=r"softmax router in training|a value inside the router, is also an output of the graph",
+        training_limit_dtypes=(torch.bfloat16, torch.float16)),
     "torchtitan_npu.v3_router": Spelling(
         "torchtitan 0.2.2 models/moe/moe.py:311-345 (torchtitan-npu DeepSeek-V3 / V3.2): fp32 sigmoid, expert_bias, "
         "unsorted top-k, gather, / (sum + 1e-20), * route_scale; the routing map and per-token sums (order-free uses)",
@@ -396,7 +398,7 @@ ROUTERS = {
         "    top_scores = top_scores * self.route_scale\n"
         "    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, selected, True)\n"
         "    return routing_map, top_scores.sum(dim=-1)",
-        _biased_router_inputs, {"moe_gating": 1}, index_outputs=(0,), training_limit=ROUTER_IN_TRAINING),
+        _biased_router_inputs, {"moe_gating": 1}, index_outputs=(0,)),
     "torchtitan_npu.v4_router": Spelling(
         "torchtitan-npu deepseek_v4/model/moe.py:41 + 141-165: sqrt of softplus written log1p(exp(-|x|)) + relu(x), "
         "expert_bias, sorted top-k, gather, route_norm, route_scale",
@@ -526,11 +528,12 @@ def make(rng, seed: int, case_kw: dict, name: Optional[str] = None) -> Case:
     if "view_as_complex" in spelling.source and dtype == torch.float16:
         dtype = torch.bfloat16  # complex RoPE in fp32 / bf16, as make_case draws the rope_complex family
     kind, limit, expect = spelling.kind, spelling.limit, dict(spelling.expect)
-    # a router in training: the joint graph keeps a router read by what it computes (its backward
-    # is not rewritten); the partitioned forward fuses it where the backward reads only what the op
-    # returns (litgpt's softmax over the k chosen: the weights and ids themselves), else the
+    # a router in training: a sigmoid router trains fused with its backward; a softmax one has no
+    # backward op, and the partitioned forward fuses it where the backward reads only what the op
+    # returns (litgpt's fp32 softmax over the k chosen: the weights and ids themselves), else the
     # spelling's training_limit says why not
-    if training and spelling.training_limit:
+    if training and spelling.training_limit and (not spelling.training_limit_dtypes
+                                                 or dtype in spelling.training_limit_dtypes):
         kind, limit, expect = "limit", spelling.training_limit, {}
     state = rng.getstate()
 
