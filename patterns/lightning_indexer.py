@@ -51,10 +51,9 @@ import torch
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import MaskTerm, mask_mode, sparse_mode_of, value_set
 from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes,
-                                   first_refused_use, formula_of, index_symbol, is_backward, is_call, is_cast,
-                                   known_equal, read_masked_scores, rearrange, scale_and_rest, size_expr,
-                                   tensor_meta)
-from npu_fx_fusion.nodes import constant_on_a_size_range
+                                   constant_on_a_size_range, first_refused_use, formula_of, index_symbol, is_backward,
+                                   is_call, is_cast, known_equal, read_masked_scores, rearrange, scale_and_rest,
+                                   size_expr, tensor_meta)
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '83fb71c10b210c22',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'fd1ad6ea58a73980',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -16,7 +16,7 @@ from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable,
                               SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors, region_around,
                               single_terms)
 from .forms import FinishOptions, Form, FusionPass, Reason, Recognized, Site, is_training_graph, with_arguments
-from .nodes import (MOVES, RESHAPES, first_refused_use, hashable, is_call, is_cast, known_equal, normalized_dims, plain_cast, tensor_meta,
+from .nodes import (MOVES, RESHAPES, constant_on_a_size_range, first_refused_use, hashable, is_call, is_cast, known_equal, normalized_dims, plain_cast, tensor_meta,
                     uneven_halves, users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
 # own kernel): a form whose search means the NPU's SDPA calls it instead of spelling the
@@ -36,7 +36,7 @@ from .verify import same_function
 
 __all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "BackwardRegion", "ChannelGather", "ChannelValue", "Expr", "Factor", "FinishOptions", "Form", "FusionPass",
            "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
-           "backward_nodes_by_seq", "backward_region", "channel_gather", "channels_of", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
+           "backward_nodes_by_seq", "backward_region", "channel_gather", "channels_of", "constant_on_a_size_range", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
            "decided_nonnegative", "formula_of", "index_symbol", "mask_mode_with_leaf", "size_expr",
            "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around",
