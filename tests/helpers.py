@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from typing import Optional
 
 import torch
@@ -300,3 +303,27 @@ class RoutedExpertsLoop(torch.nn.Module):
             tokens, slot = torch.where(chosen == index)
             y[tokens] += probs[tokens, slot, None] * expert(x[tokens])
         return y
+
+
+# ---- torchtitan-npu's own models: built in a process of their own ----------------------------
+def torchtitan_npu():
+    """npu_fx_fusion.tiny_third_party, which builds torchtitan-npu's models; skips the test where
+    the wheel is not unpacked (bash scripts/test.sh sets it up)."""
+    import pytest
+    from npu_fx_fusion import tiny_third_party
+
+    if not os.path.isdir(os.path.join(tiny_third_party.torchtitan_npu_dir(), "torchtitan_npu")):
+        pytest.skip("torchtitan-npu is not unpacked (bash scripts/test.sh sets it up)")
+    return tiny_third_party
+
+
+def in_subprocess(module: str, call: str) -> None:
+    """Run `call` (a function of the test module `module`, as code) in a process of its own:
+    torchtitan-npu needs torchtitan 0.2.2, which must not stay imported in the test session
+    (tiny_third_party refuses a process holding another torchtitan; test_third_party_models
+    measures it the same way)."""
+    torchtitan_npu()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import sys; sys.path.insert(0, 'tests'); import torch, {module} as t; t.{call}"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])

@@ -17,16 +17,14 @@ the same slots in another order: the loss within 64 ulp of its value, the attent
 16 ulp at its scale (the scale applied once, as in test_sparse_attention_given_mask). With 16
 indexer heads a tie at the k-th score (a key zeroed by relu in every head) has probability ~2^-16.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+from helpers import (assert_close_at_scale, compile_and_run, in_subprocess, near_miss_reasons,
+                     torchtitan_npu)
 
 CONFIG = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"})
 SEQ, TOPK, HEADS, DIM = 12, 5, 16, 16
@@ -241,33 +239,15 @@ def test_training_is_a_near_miss_naming_the_missing_backward():
 
 
 # ---- torchtitan-npu's own DeepSeek-V3.2, built tiny ----------------------------------------------------
-def _torchtitan_npu():
-    from npu_fx_fusion import tiny_third_party
-
-    if not os.path.isdir(os.path.join(tiny_third_party.torchtitan_npu_dir(), "torchtitan_npu")):
-        pytest.skip("torchtitan-npu is not unpacked (bash scripts/test.sh sets it up)")
-    return tiny_third_party
-
-
-def _in_subprocess(call):
-    """`call` in a process of its own: torchtitan-npu needs torchtitan 0.2.2, which must not stay
-    imported in the test session (test_sparse_attention_given_mask._in_subprocess)."""
-    _torchtitan_npu()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import sys; sys.path.insert(0, 'tests'); import torch, test_lightning_indexer_readers as t; t.{call}"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
-
-
 @pytest.mark.parametrize("dtype, dynamic", [("float32", False), ("bfloat16", True)], ids=["fp32", "bf16 dynamic"])
 def test_torchtitan_npu_dsv32_indexer_fuses_and_its_loss_is_eagers(dtype, dynamic):
-    _in_subprocess(f"dsv32_indexer(torch.{dtype}, {dynamic})")
+    in_subprocess("test_lightning_indexer_readers", f"dsv32_indexer(torch.{dtype}, {dynamic})")
 
 
 def dsv32_indexer(dtype, dynamic):
     import importlib
 
-    tiny = _torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v32", dtype=dtype)
+    tiny = torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v32", dtype=dtype)
     helper = importlib.import_module("torchtitan_npu.models.common.dsa_indexer_loss").DSAIndexerLossLoggingHelper
     torch._dynamo.reset()
     backend = nff.get_npu_backend(fusion_config=nff.FusionConfig())

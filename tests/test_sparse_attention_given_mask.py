@@ -17,16 +17,14 @@ fp32 with the scale applied once, the model's SDPA scales q and k by sqrt(scale)
 a few fp32 ulps at the output's scale (bf16: both compute in fp32 and round the output
 once).
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import assert_close_at_scale, compile_and_run, near_miss_reasons
+from helpers import (assert_close_at_scale, compile_and_run, in_subprocess, near_miss_reasons,
+                     torchtitan_npu)
 
 SPARSE = nff.FusionConfig(enable={"sparse_attention", "attention"})
 SEQ, TOPK = 12, 5
@@ -279,32 +277,13 @@ def test_in_training_a_frozen_value_is_a_near_miss_that_says_so(npu_dispatch):
 
 
 # ---- torchtitan-npu's own DeepSeek-V3.2 (DSV32_SDPA), built tiny -------------------------------------
-def _torchtitan_npu():
-    from npu_fx_fusion import tiny_third_party
-
-    if not os.path.isdir(os.path.join(tiny_third_party.torchtitan_npu_dir(), "torchtitan_npu")):
-        pytest.skip("torchtitan-npu is not unpacked (bash scripts/test.sh sets it up)")
-    return tiny_third_party
-
-
-def _in_subprocess(call):
-    """Run `call` (this module's function, as code) in a process of its own: torchtitan-npu needs
-    torchtitan 0.2.2, which must not stay imported in the test session (tiny_third_party refuses
-    a process holding another torchtitan; test_third_party_models measures it the same way)."""
-    _torchtitan_npu()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import sys; sys.path.insert(0, 'tests'); import torch, test_sparse_attention_given_mask as t; t.{call}"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
-
-
 @pytest.mark.parametrize("dtype, dynamic", [("float32", False), ("bfloat16", True)], ids=["fp32", "bf16 dynamic"])
 def test_torchtitan_npu_dsv32_sparse_attention_fuses(dtype, dynamic):
-    _in_subprocess(f"dsv32_inference(torch.{dtype}, {dynamic})")
+    in_subprocess("test_sparse_attention_given_mask", f"dsv32_inference(torch.{dtype}, {dynamic})")
 
 
 def dsv32_inference(dtype, dynamic):
-    tiny = _torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v32", dtype=dtype)
+    tiny = torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v32", dtype=dtype)
     torch._dynamo.reset()
     backend = nff.get_npu_backend(fusion_config=nff.FusionConfig())
     compiled = torch.compile(tiny.model, backend=backend, dynamic=dynamic)
@@ -328,7 +307,7 @@ def dsv32_inference(dtype, dynamic):
 
 @pytest.mark.parametrize("npu_dispatch", [True, False], ids=["npu graph", "cpu graph"])
 def test_torchtitan_npu_dsv32_training_step_fuses_and_equals_eager(npu_dispatch):
-    _in_subprocess(f"dsv32_training_step(npu_dispatch={npu_dispatch})")
+    in_subprocess("test_sparse_attention_given_mask", f"dsv32_training_step(npu_dispatch={npu_dispatch})")
 
 
 def dsv32_training_step(npu_dispatch=True):
@@ -339,7 +318,7 @@ def dsv32_training_step(npu_dispatch=True):
     Gradients within 64 fp32 ulp of each gradient's largest element, the loss within 4 ulp
     (as test_third_party_models' training steps: the fused ops compute the same fp32 sums in
     another order, and the differences travel through every matmul after them)."""
-    t3 = _torchtitan_npu()
+    t3 = torchtitan_npu()
     fused_model = t3.build_third_party("torchtitan_npu", "deepseek_v32").model
     tiny = t3.build_third_party("torchtitan_npu", "deepseek_v32")
     eager_model, inputs = tiny.model, tiny.example_inputs
