@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import MaskTerm, fill_note, hidden_keys, hides, mask_mode, sparse_mode_of, value_set
 from npu_fx_fusion.matching import (AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes, atoms_of,
-                                    is_call, read_masked_scores, rearrange, sdpa_as_on_npu, strip_casts, tensor_meta)
+                                    is_call, read_masked_scores, rearrange, region_between, sdpa_as_on_npu, strip_casts,
+                                    tensor_meta)
 
 aten = torch.ops.aten
 FIA = CAPABILITIES["npu.npu_fused_infer_attention_score"]
@@ -756,29 +757,13 @@ def _terms(read, layout):
     return terms, [n for n in notes if n]
 
 
-def _region(output, inputs):
-    """The nodes between `inputs` and `output`; None if the region reads a graph input it
-    does not know."""
-    region, stack = set(), [output]
-    while stack:
-        node = stack.pop()
-        if node in region or node in inputs:
-            continue
-        if node.op != "call_function":
-            return None
-        region.add(node)
-        # (a size argument is a SymInt node the replacement reads from its own inputs)
-        stack.extend(a for a in node.all_input_nodes if tensor_meta(a) is not None)
-    return sorted(region)
-
-
 def _site(value, product, softmax, q, k, v, read, layout):
     terms, notes = _terms(read, layout)
     if notes is None:  # (terms is then the reason)
         return _refused(terms, product, softmax)
     inputs = {"query": q.node, "key": k.node, "value": v.node}
     masks = {f"mask_{i}": term.node for i, term in enumerate(terms)}
-    nodes = _region(product, {*inputs.values(), *masks.values()})
+    nodes = region_between([product], [*inputs.values(), *masks.values()])
     if nodes is None:
         return None
     inside = set(nodes)

@@ -52,8 +52,8 @@ from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.constants import MaskTerm, mask_mode, sparse_mode_of, value_set
 from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes,
                                    constant_on_a_size_range, first_refused_use, formula_of, index_symbol, is_backward,
-                                   is_call, is_cast, known_equal, read_masked_scores, rearrange, scale_and_rest,
-                                   size_expr, tensor_meta)
+                                   is_call, is_cast, known_equal, read_masked_scores, rearrange, region_between,
+                                   scale_and_rest, size_expr, tensor_meta)
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
@@ -468,19 +468,6 @@ def _mask_terms(read):
     return terms
 
 
-def _region(outputs, inputs):
-    region, stack = set(), list(outputs)
-    while stack:
-        node = stack.pop()
-        if node in region or node in inputs:
-            continue
-        if node.op != "call_function":
-            return None
-        region.add(node)
-        stack.extend(a for a in node.all_input_nodes if tensor_meta(a) is not None)
-    return sorted(region)
-
-
 def recognize(graph, joint):
     """Indexers of any spelling whose top-k the forms left: fused where the mask is proven causal (or
     none) and every reader of the top-k's values and indices is proven to read the op's as the model's."""
@@ -549,7 +536,7 @@ def _recognized(topk, evaluation, joint):
     if not isinstance(count, int):
         return refuse(f"the top-k's k is {count!r}, not a constant")
     inputs = {"query": read.q.node, "key": read.k.node, "weights": read.w.node}
-    nodes = _region([topk, *outputs], set(inputs.values()))
+    nodes = region_between([topk, *outputs], list(inputs.values()))
     if nodes is None:
         return None
     if joint and any(is_backward(u) for n in nodes for u in n.users):

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1a387fa08c8090e4',
+KEY = {'torch': '2.13.0+cpu', 'sources': '7191d72553ecea62',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

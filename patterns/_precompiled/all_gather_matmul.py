@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7dd3b752d8cf0bc3',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'db633c5fcc04609f',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fd1ad6ea58a73980',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ecf4212e18285c7a',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

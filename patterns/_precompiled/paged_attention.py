@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9589b55e4b6d0d48',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ae6dd830cd7fddca',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

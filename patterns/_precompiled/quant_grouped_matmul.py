@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '0d24ec768e222e58',
+KEY = {'torch': '2.13.0+cpu', 'sources': '77c23c0cf9cd928e',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3058e0729534fbbf',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'fb7969426e2e8acd',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

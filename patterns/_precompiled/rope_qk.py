@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '8d95f2d5136baa6b',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'd2c311c78687d1e9',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '85df430792a572cd',
+KEY = {'torch': '2.13.0+cpu', 'sources': '846c593532cab334',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '93fbd91cf904db9a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '00dd262f14afd45b',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

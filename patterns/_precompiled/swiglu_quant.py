@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '62a55b96cbd8b6c3',
+KEY = {'torch': '2.13.0+cpu', 'sources': '5e2b154e107f5503',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd472a0fe46322f9c',
+KEY = {'torch': '2.13.0+cpu', 'sources': '251f819076ba0e64',
        'backward': {'npu.npu_weight_quant_batchmatmul': False}}
 
 FORMS = {

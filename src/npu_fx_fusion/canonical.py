@@ -800,19 +800,29 @@ def hoist_contiguous_copies(graph: torch.fx.Graph) -> int:
         if not (isinstance(view, Node) and view.op == "call_function"
                 and view.target in (aten.view.default, aten.reshape.default) and len(view.users) == 1):
             continue
-        with graph.inserting_before(view):
-            copy = graph.call_function(aten.clone.default, (view.args[0],),
-                                       {"memory_format": torch.contiguous_format})
-        source = view.args[0].meta.get("val") if isinstance(view.args[0], Node) else None
-        if source is not None:
-            copy.meta["val"] = source.clone(memory_format=torch.contiguous_format)
-        view.args = (copy, *view.args[1:])
-        if "val" in clone.meta:  # the view of a contiguous copy is the contiguous copy's layout
-            view.meta["val"] = clone.meta["val"]
-        clone.replace_all_uses_with(view)
-        graph.erase_node(clone)
+        _copy_before(graph, clone, view)
         moved += 1
     return moved
+
+
+def _copy_before(graph: torch.fx.Graph, copy: Node, op: Node, meta: Optional[dict] = None) -> None:
+    """Rewrite copy = clone(op(x), contiguous) as op(clone(x, contiguous)), for an op whose
+    result is laid out as its input (a view, a dtype cast): the same values, and op's result
+    is then the contiguous layout the old copy had. The new copy's meta is `meta` (if given),
+    with x's value copied contiguous."""
+    source = op.args[0]
+    with graph.inserting_before(op):
+        moved = graph.call_function(aten.clone.default, (source,), {"memory_format": torch.contiguous_format})
+    if meta is not None:
+        moved.meta = meta
+    value = source.meta.get("val") if isinstance(source, Node) else None
+    if isinstance(value, torch.Tensor):
+        moved.meta["val"] = value.clone(memory_format=torch.contiguous_format)
+    op.args = (moved, *op.args[1:])
+    if "val" in copy.meta:
+        op.meta["val"] = copy.meta["val"]
+    copy.replace_all_uses_with(op)
+    graph.erase_node(copy)
 
 
 def gradient_copies_apart(graph: torch.fx.Graph) -> int:
@@ -851,17 +861,7 @@ def gradient_copies_apart(graph: torch.fx.Graph) -> int:
         if not (isinstance(cast, Node) and _layout_keeping_cast(cast) and len(cast.users) == 1
                 and is_backward(cast) and isinstance(cast.args[0], Node)):
             continue
-        with graph.inserting_before(cast):
-            moved = graph.call_function(aten.clone.default, (cast.args[0],), {"memory_format": torch.contiguous_format})
-        moved.meta = dict(copy.meta)
-        source = cast.args[0].meta.get("val")
-        if isinstance(source, torch.Tensor):
-            moved.meta["val"] = source.clone(memory_format=torch.contiguous_format)
-        cast.args = (moved, *cast.args[1:])
-        if "val" in copy.meta:  # a cast of a contiguous tensor is the contiguous copy's layout
-            cast.meta["val"] = copy.meta["val"]
-        copy.replace_all_uses_with(cast)
-        graph.erase_node(copy)
+        _copy_before(graph, copy, cast, meta=dict(copy.meta))
         changed += 1
     return changed
 
@@ -916,8 +916,9 @@ def canonicalize_grad_accumulation(graph: torch.fx.Graph, relaid: Optional[list]
         accumulated = _accumulated_tensor(leaves, root, by_seq)
         if accumulated is None:
             continue
-        keys = {leaf: _leaf_key(leaf, accumulated, order, by_seq) for leaf in leaves}
-        tree = _canonical_tree(_related_groups(sorted(leaves, key=keys.__getitem__), accumulated, by_seq))
+        consumers = {leaf: _consumer_of(leaf, accumulated, by_seq) for leaf in leaves}
+        keys = {leaf: _leaf_key(leaf, consumers[leaf], order) for leaf in leaves}
+        tree = _canonical_tree(_related_groups(sorted(leaves, key=keys.__getitem__), consumers))
         if _tree_of(root, inner) == tree:
             continue
         # the partial sums the re-fold replaces; where they, the leaves and the sum all have one
@@ -1025,7 +1026,7 @@ def _canonical_tree(groups: list[list[Node]]) -> Any:
 _RELATED_WITHIN = 12  # forward nodes searched below a consumer: one op's decomposition spans a handful
 
 
-def _related_groups(ordered: list[Node], accumulated: Node, by_seq: dict) -> list[list[Node]]:
+def _related_groups(ordered: list[Node], consumer_of: dict) -> list[list[Node]]:
     """The leaves (in canonical order) grouped by their forward consumers: two leaves are in
     one group where one's consumer computes, within a few ops, what the other's consumer
     reads (RMSNorm's `x.pow(2)` and `x * rsqrt(...)`). A pattern traced alone sums its own
@@ -1033,11 +1034,8 @@ def _related_groups(ordered: list[Node], accumulated: Node, by_seq: dict) -> lis
     projection, an auxiliary loss) may come between them in the order, however the model
     orders its operands (`o + norm(h)` or `norm(h) + o`). Summing each group on its own keeps
     the pattern's sum a subtree of the model's. Where no leaves are related this is the left
-    fold of `ordered`."""
-    consumers = []
-    for leaf in ordered:
-        seq = leaf.meta.get("seq_nr")
-        consumers.append(next((n for n in by_seq.get(seq, ()) if accumulated in n.all_input_nodes), None))
+    fold of `ordered`. `consumer_of`: each leaf's (_consumer_of)."""
+    consumers = [consumer_of[leaf] for leaf in ordered]
     group_of = list(range(len(ordered)))
 
     def root_of(i):
@@ -1114,13 +1112,18 @@ def _accumulated_tensor(leaves: list[Node], root: Node, by_seq: dict) -> Optiona
     return max(fits, key=lambda a: counts[a]) if fits else None
 
 
-def _leaf_key(leaf: Node, accumulated: Node, order: dict, by_seq: dict) -> tuple:
+def _consumer_of(leaf: Node, accumulated: Node, by_seq: dict) -> Optional[Node]:
+    """The forward op reading `accumulated` that the gradient `leaf` was made for (backward
+    nodes carry their forward op's seq_nr), or None (tangents, pass-through gradients)."""
+    return next((n for n in by_seq.get(leaf.meta.get("seq_nr"), ()) if accumulated in n.all_input_nodes), None)
+
+
+def _leaf_key(leaf: Node, consumer: Optional[Node], order: dict) -> tuple:
     """(structural position of the forward consumer this leaf is the gradient for, seq_nr).
 
     Leaves whose consumer cannot be told (tangents, pass-through gradients) go last.
     """
     seq = leaf.meta.get("seq_nr")
-    consumer = next((n for n in by_seq.get(seq, ()) if accumulated in n.all_input_nodes), None)
     return (order.get(consumer, float("inf")), float("inf") if seq is None else seq)
 
 

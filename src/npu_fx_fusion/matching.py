@@ -27,7 +27,7 @@ from .npu_dispatch import make_sdpa as sdpa_as_on_npu
 from .npu_ops.spec import dtype_argument
 # the communicator (`hcom`) a collective op takes for a c10d process group, and that group's facts
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
-from .regions import BackwardRegion, backward_nodes_by_seq, backward_region, enclosed_region
+from .regions import BackwardRegion, backward_nodes_by_seq, backward_region, enclosed_region, region_between
 # masks and index tensors computed from sizes (and one two-valued leaf), decided for every size
 from .symbolic_values import decided_nonnegative, formula_of, index_symbol, mask_mode_with_leaf, size_expr
 from .spellings import sum_over_count
@@ -40,5 +40,5 @@ __all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "BackwardReg
            "decided_nonnegative", "formula_of", "index_symbol", "mask_mode_with_leaf", "size_expr",
            "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around",
-           "rearrange", "rearrange_gradient", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
+           "rearrange", "rearrange_gradient", "region_between", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
            "same_function", "single_terms", "uneven_halves", "users_outside", "with_arguments"]

@@ -16,10 +16,28 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .canonical import is_backward
-from .nodes import SHAPE_ONLY_OPS
+from .nodes import SHAPE_ONLY_OPS, tensor_meta
 from .nodes import is_call as is_call_of
 
 Node = torch.fx.Node
+
+
+def region_between(outputs: Sequence[Node], inputs: Sequence[Node]) -> Optional[list[Node]]:
+    """The nodes, in graph order, that `outputs` are computed from, walking up to `inputs`
+    (tensors; a size argument is a SymInt node the replacement reads from its own inputs); None
+    where the walk reaches a graph input (or attribute) that is not one of `inputs`."""
+    boundary = set(inputs)
+    region: set[Node] = set()
+    stack = list(outputs)
+    while stack:
+        node = stack.pop()
+        if node in region or node in boundary:
+            continue
+        if node.op != "call_function":
+            return None
+        region.add(node)
+        stack.extend(a for a in node.all_input_nodes if tensor_meta(a) is not None)
+    return sorted(region)
 
 
 def enclosed_region(outputs: Sequence[Node], inputs: Sequence[Node],
