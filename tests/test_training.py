@@ -396,6 +396,29 @@ def test_a_norm_whose_gradient_no_tangent_computes_trains_fused(dtype):
     assert report.near_misses == []
 
 
+@pytest.mark.parametrize("cls", [NormBesideAProjection, ProjectionFirst, NormReadByAnAuxiliaryLoss],
+                         ids=["norm + proj", "proj + norm", "auxiliary loss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_gradient_sums_hold_under_dynamic_shapes(cls, dtype):
+    # one symbolic graph, two batch / sequence sizes: fused forward and backward, eager's gradients
+    torch._dynamo.reset()
+    model, reference = _seeded(cls, dtype), _seeded(cls, dtype)
+    backend = RecordingBackend(None)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for shape in ((2, 8), (3, 5)):
+        torch.manual_seed(1)
+        x = torch.randn(*shape, HIDDEN, dtype=dtype)
+        x, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        probe = torch.randn(reference(x_ref).shape)
+        _step(compiled, x, probe)
+        _step(reference, x_ref, probe)
+        assert_close_at_scale(x.grad, x_ref.grad, UNIT_ULPS[dtype])
+    for p, p_ref in zip(model.parameters(), reference.parameters()):
+        assert_close_at_scale(p.grad, p_ref.grad, UNIT_ULPS[dtype])
+    assert npu_ops(backend.graphs["forward"]) == {"npu_rms_norm": 1}
+    assert npu_ops(backend.graphs["backward"]) == {"npu_rms_norm_backward": 1}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_fuses_forward_and_backward(dtype):
     _, fw, bw = train_and_compare(HFRope, dtype)
