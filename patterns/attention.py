@@ -850,7 +850,10 @@ def _fia_replacement(q_dims, k_dims, v_dims, layout, terms, scale, mode, dtype, 
 def could_match(graph):
     """Whether the graph holds an op every form needs (SDPA's CPU op or torch_npu's
     FlashAttention, a softmax after a bmm); the forms take a few seconds to register."""
-    return any(node.op == "call_function" and anchor(node) for node in graph.nodes)
+    targets = (aten._scaled_dot_product_flash_attention_for_cpu.default, aten._softmax.default,
+               aten._safe_softmax.default,
+               *(getattr(packet, overload) for packet in _flash_attention_ops() for overload in packet.overloads()))
+    return any(anchor(node) for target in targets for node in graph.find_nodes(op="call_function", target=target))
 
 
 # B=2, N=4 query heads, S_q=3 queries, S_kv=6 keys, D=8; the GQA forms' key and value

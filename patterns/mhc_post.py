@@ -143,7 +143,7 @@ def _mix_operands(add):
 
 def recognize(graph, joint):
     found = []
-    by_seq = backward_nodes_by_seq(graph) if joint else {}
+    by_seq = None  # (read only where a mix is recognised: a walk over the whole joint graph)
     for add in graph.find_nodes(op="call_function", target=aten.add.Tensor):
         meta = tensor_meta(add)
         if (joint and is_backward(add)) or meta is None or meta.dim() < 3 or not meta.is_floating_point():
@@ -162,6 +162,8 @@ def recognize(graph, joint):
         if isinstance(readings, str):
             found.append(Recognized("streams mix (axis algebra)", output, [add], reason=readings))
             continue
+        if by_seq is None:
+            by_seq = backward_nodes_by_seq(graph) if joint else {}
         for reading in readings:
             found.extend(_sites(reading, value, output, [output] if output is add else [output, add], by_seq))
     return found
@@ -411,6 +413,6 @@ PASS = FusionPass(
     recognize=recognize,
     # its 150 joint patterns start from an add, which every graph has: a graph with no
     # candidate mix (every one but DeepSeek-V4's) is not matched at all
-    prefilter=lambda graph: any(anchor(node) for node in graph.nodes),
+    prefilter=lambda graph: any(anchor(node) for node in graph.find_nodes(op="call_function", target=aten.add.Tensor)),
     differentiable=("hidden_states", "block_output", "post", "comb"),
 )

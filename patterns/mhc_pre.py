@@ -621,6 +621,6 @@ PASS = FusionPass(
     explain=explain,
     # the streams and the three parameters train through the fused ops' backward
     differentiable=("hidden_streams", "fn", "base", "scale"),
-    prefilter=lambda graph: any(n.target is aten._softmax.default for n in graph.nodes),
+    prefilter=lambda graph: bool(graph.find_nodes(op="call_function", target=aten._softmax.default)),
     recognize=recognize,
 )

@@ -566,7 +566,8 @@ def verify_input(name, args):
 def has_head_sum(graph):
     """Registering this pass's forms costs seconds (many large forms): a graph without a
     head sum of attention probabilities (no anchor) cannot match any of them."""
-    return any(anchor(node) for node in graph.nodes)
+    return any(anchor(node) for target in (aten.sum.dim_IntList, aten.mean.dim)
+               for node in graph.find_nodes(op="call_function", target=target))
 
 
 PASS = FusionPass(

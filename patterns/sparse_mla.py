@@ -803,5 +803,5 @@ PASS = FusionPass(
     explain=explain,
     verify_input=verify_input,
     differentiable=("query", "kv", "compressed_kv", "sinks", "q", "ori_kv", "cmp_kv"),
-    prefilter=lambda graph: any(_sink_softmax(n) for n in graph.nodes if n.op == "call_function"),
+    prefilter=lambda graph: any(map(_sink_softmax, graph.find_nodes(op="call_function", target=aten._softmax.default))),
 )

@@ -1046,3 +1046,42 @@ def test_hf_moe_training_step(name, dtype):
     else:
         assert "npu_moe_gating_top_k_softmax" not in forward
     assert backend.report.errors == []
+
+
+# ---- the joint graph's normalisation ---------------------------------------------------------------
+def _joint_graphs(model, inputs, dynamic):
+    """The joint graphs aot_autograd builds for a training step of `model` (before any pass)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import default_partition
+
+    graphs = []
+
+    def partition(joint, *args, **kwargs):
+        graphs.append(copy.deepcopy(joint))
+        return default_partition(joint, *args, **kwargs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), partition_fn=partition),
+                             dynamic=dynamic)
+    compiled(*inputs).float().pow(2).mean().backward()
+    return graphs
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_remove_noop_ops_is_torchs(dynamic):
+    """canonical.remove_noop_ops tests a candidate's metadata before collecting its fake arguments,
+    where torch collects them first: both tests are pure, so it removes exactly what torch's removes."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops as torchs
+
+    from npu_fx_fusion.canonical import remove_noop_ops
+    from npu_fx_fusion.tiny_models import build_hf
+
+    tiny = build_hf("llama", dtype=torch.bfloat16, num_layers=2)
+    (joint,) = _joint_graphs(tiny.model.train(), tiny.example_inputs, dynamic)
+    ours = copy.deepcopy(joint)
+    before = len(joint.graph.nodes)
+    torchs(joint.graph)
+    remove_noop_ops(ours.graph)
+    assert len(joint.graph.nodes) < before  # there were no-ops to remove (the views that keep a shape)
+    assert str(ours.graph) == str(joint.graph)

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '7191d72553ecea62',
+KEY = {'torch': '2.13.0+cpu', 'sources': '69ac48c7801ba020',
        'backward': {'npu.npu_add_rms_norm': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '78b81dedad60f13a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '94b56caab0985d45',
        'backward': {'npu.npu_add_rms_norm_dynamic_quant': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'db633c5fcc04609f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '21bd328bca3e91b6',
        'backward': {'npu.npu_all_gather_base_mm': False}}
 
 FORMS = {

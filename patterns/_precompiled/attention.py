@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '77424f0e60505ea7',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8071d2517be4043a',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

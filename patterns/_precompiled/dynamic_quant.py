@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'bd3285e57841d2b6',
+KEY = {'torch': '2.13.0+cpu', 'sources': '8bb6f46d4e94e5ea',
        'backward': {'npu.npu_dynamic_quant': False}}
 
 FORMS = {

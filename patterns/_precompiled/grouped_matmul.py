@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ce6b2f4b56ed2545',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'fa8e5ee7a586b9d0',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'f5204056fc669120',
+KEY = {'torch': '2.13.0+cpu', 'sources': '6903b912e6e16733',
        'backward': {'npu.scatter_update': False}}
 
 FORMS = {

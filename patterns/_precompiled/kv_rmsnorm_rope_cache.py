@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '73d0d474cfca528f',
+KEY = {'torch': '2.13.0+cpu', 'sources': '87450978f36e1a93',
        'backward': {'npu.npu_kv_rmsnorm_rope_cache_v2_functional': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '595565fc95fecf94',
+KEY = {'torch': '2.13.0+cpu', 'sources': '533862ebf18d1c80',
        'backward': {'npu.npu_mm_all_reduce_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '346d64fa3c13108a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ff263de2b5c0823f',
        'backward': {'npu.npu_mm_reduce_scatter_base': False}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '32c23dac2382a988',
+KEY = {'torch': '2.13.0+cpu', 'sources': '50d6a7af314443df',
        'backward': {'npu.npu_grouped_matmul': True, 'npu.npu_moe_finalize_routing': False, 'npu.npu_moe_init_routing_v2': False, 'npu.npu_moe_re_routing': True, 'npu.npu_moe_token_permute': True, 'npu.npu_moe_token_unpermute': True}}
 
 FORMS = {

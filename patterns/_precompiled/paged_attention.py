@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ae6dd830cd7fddca',
+KEY = {'torch': '2.13.0+cpu', 'sources': '85ba490f4ed85280',
        'backward': {'npu.npu_fused_infer_attention_score': False}}
 
 FORMS = {

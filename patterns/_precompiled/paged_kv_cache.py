@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '3d2bcdf7d6101e66',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a600c4ea6d46118f',
        'backward': {'npu.npu_scatter_nd_update': False, 'npu.npu_scatter_pa_kv_cache_functional': False}}
 
 FORMS = {

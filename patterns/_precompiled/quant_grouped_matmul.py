@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '77c23c0cf9cd928e',
+KEY = {'torch': '2.13.0+cpu', 'sources': '19a25bb249badb50',
        'backward': {'npu.npu_grouped_matmul': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd1bfdba82c1e841a',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e52471e972feb69c',
        'backward': {'npu.npu_quant_matmul': False}}
 
 FORMS = {

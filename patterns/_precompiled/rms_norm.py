@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'fb7969426e2e8acd',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e6b804a2e9b27712',
        'backward': {'npu.npu_rms_norm': True}}
 
 FORMS = {

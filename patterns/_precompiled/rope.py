@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '2611d2d7adf046d0',
+KEY = {'torch': '2.13.0+cpu', 'sources': '46028980a51ab646',
        'backward': {'cann_ops_transformer.inplace_partial_rotary_mul': True, 'npu.npu_interleave_rope': False, 'npu.npu_rotary_mul': True}}
 
 FORMS = {

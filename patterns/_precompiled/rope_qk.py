@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd2c311c78687d1e9',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9ddd05d208ce8b0d',
        'backward': {'npu.npu_apply_rotary_pos_emb': False}}
 
 FORMS = {

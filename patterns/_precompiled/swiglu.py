@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '00dd262f14afd45b',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1ecb0c0f353c2886',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {

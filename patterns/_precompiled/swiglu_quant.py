@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '5e2b154e107f5503',
+KEY = {'torch': '2.13.0+cpu', 'sources': '48142cbf74289776',
        'backward': {'npu.npu_swiglu_quant': False}}
 
 FORMS = {
