@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import (SHAPE_ONLY_OPS, Form, FusionPass, NotEvaluable, Recognized, backward_nodes_by_seq,
                                     backward_region, channels_of, evaluate_slice, real_tensors,
-                                    first_refused_use, is_backward, is_call, is_joint_graph, tensor_meta)
+                                    first_refused_use, is_backward, is_call, is_joint_graph, known_equal, tensor_meta)
 
 Node = torch.fx.Node
 
@@ -883,18 +883,20 @@ def _read_weights(router):
     if router.act_node is None:
         router.notes.append("the model ranks the logits, the op their fp32 scores (an increasing function: the "
                             "same experts, except between logits whose scores round to one fp32 value)")
-    for user in router.ids.users:
-        if is_call(user, aten.gather.default) and user.args[2] is router.ids and \
-                user.args[1] in (-1, tensor_meta(user).dim() - 1):
-            source = user.args[0]
+    for user, through in _gathers_at(router.ids):
+        if user.args[1] in (-1, tensor_meta(user).dim() - 1):
+            source = _unexpanded(user.args[0])
             act = _act_of(source)
             if router.act_node is None and act is not None and _cast_source(act[1]) is _cast_source(router.logits):
                 router.act_node, (router.act, router.logits) = source, act
             if source is router.act_node:
                 router.weights = user
+                router.nodes.update(through)
+                if user.args[0] is not source:
+                    router.nodes.add(user.args[0])
                 return
     if router.act_node is None:
-        gathered = next((u.args[0] for u in router.ids.users if is_call(u, aten.gather.default)), None)
+        gathered = next((_unexpanded(u.args[0]) for u, _ in _gathers_at(router.ids)), None)
         if _act_of(gathered) is not None:
             raise _NotRouter(f"the experts are chosen on {router.logits.name}, which is neither the "
                              f"{_act_of(gathered)[0].replace('_', '-')} scores gathered as the weights (plus a bias, "
@@ -1001,17 +1003,17 @@ def _read_router(topk):
         return None
     if any(is_call(u, aten.scatter.value, aten.scatter.src) for u in ids.users):
         if all(is_call(u, aten.scatter.value, aten.scatter.src) and u.args[1] in (-1, 1) for u in ids.users) and \
-                not any(is_call(u, aten.gather.default) for u in ids.users) and _feeds_a_mask(ids):
+                not _gathers_at(ids) and _feeds_a_mask(ids):
             return None  # a group top-k (its indices build a mask), read with the router it serves
     router = _Router(topk, ids, topk.args[1], bool(sorted_), "", None, topk.args[0])
     router.nodes = {topk, ids}
     experts = meta.shape[-1]
-    stage = "the scores it selects on"
+    stage = "scores it selects on"
     try:
         if not largest:
             raise _NotRouter(None)
         _read_choice(router, experts)
-        stage = "the weights of the chosen experts"
+        stage = "chosen experts' weights"
         _read_weights(router)
         _read_steps(router)
     except _NotRouter as why:
@@ -1024,6 +1026,43 @@ def _read_router(topk):
     if router.act_node is not None and router.act_node.op == "call_function":
         router.nodes.add(router.act_node)
     return router
+
+
+def _gathers_at(ids):
+    """(gather, the nodes between) for each gather at the top-k's ids: reading them directly, or
+    as torch.take_along_dim spells it, `gather(expand(x), d, remainder(expand(ids), n))`. The
+    expands are to the shapes they already have, and the remainder by the gathered dim's size n
+    wraps indices into [0, n), where a top-k's over n experts already are: identities both. The
+    nodes between are read by the gather alone (and, in a joint graph, by its backward: the
+    gradient is scattered at the same index)."""
+    found = []
+    for user in ids.users:
+        if is_call(user, aten.gather.default) and user.args[2] is ids:
+            found.append((user, []))
+        if not (is_call(user, aten.expand.default) and _same_shape_as_input(user) and len(_forward_users(user)) == 1):
+            continue
+        wrap = _forward_users(user)[0]
+        if not (is_call(wrap, aten.remainder.Scalar) and wrap.args[0] is user and len(_forward_users(wrap)) == 1):
+            continue
+        gather = _forward_users(wrap)[0]
+        source = tensor_meta(gather.args[0]) if is_call(gather, aten.gather.default) else None
+        if source is not None and gather.args[2] is wrap and isinstance(wrap.args[1], int) \
+                and known_equal(wrap.args[1], source.shape[-1]) and gather.args[1] in (-1, source.dim() - 1):
+            found.append((gather, [user, wrap]))
+    return found
+
+
+def _unexpanded(node):
+    """`node` without an expand to the shape it already has (torch.take_along_dim's of its input)."""
+    if is_call(node, aten.expand.default) and _same_shape_as_input(node) and len(_forward_users(node)) == 1:
+        return node.args[0]
+    return node
+
+
+def _same_shape_as_input(expand):
+    before, after = tensor_meta(expand.args[0]), tensor_meta(expand)
+    return before is not None and after is not None and before.dim() == after.dim() and all(
+        known_equal(a, b) for a, b in zip(before.shape, after.shape))
 
 
 def _feeds_a_mask(ids):

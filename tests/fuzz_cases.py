@@ -577,8 +577,11 @@ def _make_router(rng, seed, case_kw):
         lines.append(f"    probs = {scores}")
         largest = ", largest=False" if lookalike == "smallest_k" else ""
         if lookalike == "topk_of_logits":  # softmax is monotonic: the same experts
+            # (drawn last: the cases drawn before keep their seeds' spellings)
+            gather = rng.choice([f"probs.gather({topk_dim}, ids)", f"torch.take_along_dim(probs, ids, dim={topk_dim})"])
+            choices["gather"] = gather.split("(")[0]
             lines += [f"    ids = torch.topk(logits, {k}, dim={topk_dim}{largest}, sorted={sorted_})[1]",
-                      f"    weights = probs.gather({topk_dim}, ids)"]
+                      f"    weights = {gather}"]
         else:
             lines.append(f"    weights, ids = torch.topk(probs, {k}, dim={topk_dim}{largest}, sorted={sorted_})")
         if renorm:

@@ -147,6 +147,30 @@ def test_group_limited_router_with_a_scattered_bool_mask_fuses(dynamic, new_ones
     assert_close_at_scale(out[0], ref[0], 2)
 
 
+class TakeAlongDimRouter(Gate):
+    """A sigmoid router gathering with torch.take_along_dim, which traces as expand (to the shape
+    it has), remainder(ids, n) and gather; `modulus` other than the experts' count is a look-alike
+    (remainder by E - 1 moves the last expert's weight to the first)."""
+
+    def forward(self, x):
+        scores = torch.sigmoid(F.linear(x, self.gate.weight).float())
+        _, ids = torch.topk(torch.add(scores, self.expert_bias), self.k, dim=-1)
+        if self.modulus == E:
+            weights = torch.take_along_dim(scores, ids, dim=-1)
+        else:
+            weights = scores.gather(-1, ids.expand(ids.shape).remainder(self.modulus))
+        return weights / weights.sum(dim=-1, keepdim=True) * 2.5, ids
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_take_along_dim_router_fuses_through_its_identity_remainder(dynamic):
+    out, ref, report = _run(TakeAlongDimRouter(k=3, modulus=E), _x(10), dynamic=dynamic)
+    assert report.counts["moe_gating"] == 1, near_miss_reasons(report, "moe_gating")
+    assert report.fused_ops == {"npu.npu_moe_gating_top_k": 1}
+    assert torch.equal(out[1], ref[1])
+    assert_close_at_scale(out[0], ref[0], 2)
+
+
 class V4Router(Gate):
     """torchtitan-npu 0.2.2 deepseek_v4/model/moe.py:141-165: sqrt of a softplus written
     log1p(exp(-|x|)) + relu(x), bias, sorted top-k, gather, route_norm, route_scale."""
@@ -220,7 +244,9 @@ class HalfLitgptRouter(LitgptRouter):
     (GroupLimitedRouter(k=4, groups=4, kept=2, inverted=True, new_ones=False), _x(2, 5),
      "does not keep exactly the experts of the chosen groups"),
     (HalfLitgptRouter().to(torch.bfloat16), _x(8).to(torch.bfloat16), "softmax over the k chosen bfloat16"),
-], ids=["scaled choice", "offset choice", "no renormalisation", "groups inverted", "bf16 softmax of k"])
+    (TakeAlongDimRouter(k=3, modulus=E - 1), _x(8), "chosen experts' weights are computed some other way"),
+], ids=["scaled choice", "offset choice", "no renormalisation", "groups inverted", "bf16 softmax of k",
+        "ids wrapped by E - 1"])
 def test_look_alikes_do_not_fuse_and_say_why(module, x, reason):
     out, ref, report = _run(module, x)
     assert report.counts["moe_gating"] == 0
@@ -262,7 +288,8 @@ class TorchtitanRouterTrained(Gate):
 @pytest.mark.parametrize("module, x", [
     (TorchtitanRouterTrained(k=3), _x(10)),
     (GroupLimitedRouter(k=4, groups=4, kept=2, inverted=False, new_ones=True), _x(2, 5)),
-], ids=["torchtitan 0.2.2", "group-limited"])
+    (TakeAlongDimRouter(k=3, modulus=E), _x(10)),
+], ids=["torchtitan 0.2.2", "group-limited", "take_along_dim"])
 def test_a_recognised_sigmoid_router_trains_fused(module, x, dynamic):
     report, ((dx, dw), (dx_ref, dw_ref)) = _train(module, x, dynamic)
     assert report.counts["moe_gating"] == 1, near_miss_reasons(report, "moe_gating")
