@@ -1141,6 +1141,8 @@ def _constant_along(node, dim, rank=None):
                                         and source.shape[source_position] == 1)
     if is_call(node, *_KEEPS) or is_cast(node):
         return _constant_along(node.args[0], position, meta.dim())
+    if node.target in _ELEMENTWISE and node.all_input_nodes:  # (a joint graph's -gradient, expanded from (B, S, 1))
+        return all(_constant_along(a, position, meta.dim()) for a in node.all_input_nodes)
     return False
 
 

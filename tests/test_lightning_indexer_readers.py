@@ -265,9 +265,10 @@ def test_the_indices_returned_from_the_graph_keep_it_unfused():
 # Tolerance: the op sums the heads and the products in another order and applies the scale to the weights
 # (the forward's scores a few ulp apart, measured above); the loss's gradient of the values is a difference of
 # softmax terms (p - target) that amplifies those relatively, and each input's gradient is then a sum over
-# the k slots (and, for the keys, over the queries) of such terms. 16 fp32 ulp of each gradient's largest
-# element (assert_close_at_scale; measured <= 6), and 16 for the outputs, as in inference.
-TRAIN_ULPS = 16
+# the k slots (and, for the keys, over the queries) of such terms. 32 fp32 ulp of each gradient's largest
+# element (assert_close_at_scale; measured <= 13 at these inputs, <= 18.4 over seeds 1-5 at S = 7 and 12; against
+# eager in float64 the fused gradients are 20 ulp off where eager in fp32 is 7), and 32 for the outputs.
+TRAIN_ULPS = 32
 
 
 def _train(module, inputs, config=CONFIG, dynamic=None, trained=(0, 1, 2, 3, 4, 5)):
@@ -322,6 +323,21 @@ def test_a_training_step_fuses_the_indexer_and_its_backward(mask, dynamic):
     # keys: queries 0..3 see fewer than k keys); a masked_fill zeroes the hidden keys' gradient itself
     assert ("exactly 0 in the padded slots" in site.note) == (mask == "causal"), site.note
     assert "in max-autotune: training: npu.npu_lightning_indexer_grad has no GE converter" in site.note
+
+
+def test_a_training_step_fuses_on_the_cpu_graph_too():
+    # without NPU dispatch kl_div's backward is aten's formula: the loss's gradient negated and expanded from
+    # (B, S, 1), constant along the slots, times the per-slot target (the survey's training step runs so)
+    config = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"}, npu_dispatch=False)
+    _assert_trained_fused(_train(DSAIndexerAttention(detach=True), _inputs(seq=7), config=config))
+
+
+def test_verification_of_a_trained_site_compares_its_forward():
+    # verify=True runs the recognised region and the fused call (its forward: values and indices, as
+    # kept_scores compares them) on random inputs; the backward is not verified for a recognised site
+    config = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"}, verify=True)
+    site = _assert_trained_fused(_train(DSAIndexerAttention(), _inputs(seq=7), config=config))
+    assert site.verified.startswith("verified"), site.verified
 
 
 @pytest.mark.parametrize("spelling", ["einsum", "weights_matmul"])

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '31acca295eb8e885',
+KEY = {'torch': '2.13.0+cpu', 'sources': '0ba344fed51df39e',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
