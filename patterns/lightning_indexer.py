@@ -46,7 +46,6 @@ replaced jointly with the backward autograd made of it: npu_lightning_indexer(re
 whose autograd brings npu_lightning_indexer_grad (see "training: the joint replacement" below).
 """
 import heapq
-import math
 import operator
 
 import sympy
@@ -564,9 +563,9 @@ def _recognized(topk, evaluation, joint, by_seq=None):
             # a reader the slot-order analysis refuses says more (a backward weighing the slots' gradients by
             # their position is no region's backward either)
             own = {b for n in nodes for b in by_seq.get(n.meta.get("seq_nr"), ())}
-            return refuse(_readers_reason(values, indices, sparse_mode, queries, keys, own) or trained)
+            return refuse(_readers_reason(values, indices, sparse_mode, queries, keys, own_backward=own) or trained)
     reason = _readers_reason(values, indices, sparse_mode, queries, keys,
-                             set(trained.backward.nodes) if trained is not None else frozenset())
+                             own_backward=set(trained.backward.nodes) if trained is not None else frozenset())
     if reason is not None:
         return refuse(reason)
     notes = [f"{why} (the scores' mask)"]
@@ -586,8 +585,7 @@ def _recognized(topk, evaluation, joint, by_seq=None):
         notes.append(f"the op returns the top-k scores in {str(replace.dtype)[6:]} (its query's dtype), the model's are "
                      f"{str(tensor_meta(values).dtype)[6:]}: each read score within half a {str(replace.dtype)[6:]} "
                      "ulp of the model's")
-    sizes = _atom_sizes((tensor_meta(read.q.node), read.q.dims), (tensor_meta(read.k.node), read.k.dims),
-                        (tensor_meta(read.w.node), read.w.dims))
+    sizes = _joint_atom_sizes([(tensor_meta(expr.node), expr.dims) for expr in (read.q, read.k, read.w)])
 
     def size(atoms):
         out = 1
@@ -614,6 +612,34 @@ def _recognized(topk, evaluation, joint, by_seq=None):
     return Recognized(_RECOGNIZED, outputs if len(outputs) > 1 else outputs[0], nodes, inputs, replace, site_args,
                       fused_op="npu.npu_lightning_indexer", notes=notes, canonical_outputs=replace.canonical,
                       **joint_fields)
+
+
+def _joint_atom_sizes(pairs):
+    """{atom: size} over several tensors and their dims (axis_algebra.atom_sizes of each, jointly): a dim
+    holding two symbolic atoms (a leaf with batch and sequence merged, under dynamic shapes) is resolved
+    once the other tensors give all but one of its atoms. Raises NotEvaluable where one stays unknown."""
+    sizes, pending = {}, []
+    for t, dims in pairs:
+        for d, group in enumerate(dims):
+            for a in group:
+                if isinstance(a.size, int):
+                    sizes[a] = a.size
+            pending.append((t.shape[d], group))
+    progress = True
+    while progress:
+        progress = False
+        for total, group in pending:
+            unknown = [a for a in group if a not in sizes]
+            if len(unknown) == 1:
+                known = 1
+                for a in group:
+                    if a is not unknown[0]:
+                        known = known * sizes[a]
+                sizes[unknown[0]] = total // known
+                progress = True
+    if any(a not in sizes for _, group in pending for a in group):
+        raise NotEvaluable("a dim of the indexer's inputs holds symbolic atoms no other input gives the sizes of")
+    return sizes
 
 
 # ---- training: the joint replacement ------------------------------------------------------------
@@ -703,28 +729,6 @@ def _padded_slots_get_no_gradient(gradient, values):
     return None
 
 
-def _atom_sizes(*tensors):
-    """{atom: size} of (tensor, its dims) pairs read together: a dim holding several symbolic atoms (a linear's
-    output flattened to (B * S, N) under dynamic shapes, in a training graph) is read once another tensor gave
-    all but one of them (atom_sizes reads each tensor alone)."""
-    sizes, pending = {}, []
-    for t, dims in tensors:
-        for d, group in enumerate(dims):
-            sizes.update({a: a.size for a in group if isinstance(a.size, int)})
-            pending.append((t.shape[d], group))
-    while pending:
-        resolvable = next((item for item in pending if sum(a not in sizes for a in item[1]) <= 1), None)
-        if resolvable is None:
-            raise NotEvaluable("a dim holds several symbolic atoms no other tensor gives the size of")
-        pending.remove(resolvable)
-        size, group = resolvable
-        unknown = [a for a in group if a not in sizes]
-        if unknown:
-            known = [sizes[a] for a in group if a in sizes]
-            sizes[unknown[0]] = size // math.prod(known) if known else size
-    return sizes
-
-
 def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard):
     q_dims, k_dims, w_dims = read.q.dims, read.k.dims, read.w.dims
     bsnd_q = (read.batch, read.queries, read.heads, read.head_dim)
@@ -738,7 +742,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         else torch.float32
 
     def npu_lightning_indexer_recognized(query, key, weights):
-        sizes = _atom_sizes((query, q_dims), (key, k_dims), (weights, w_dims))
+        sizes = _joint_atom_sizes([(query, q_dims), (key, k_dims), (weights, w_dims)])
         q = rearrange(query, q_dims, bsnd_q, sizes).to(dtype)
         k = rearrange(key, k_dims, bsnd_k, sizes).to(dtype)
         w = rearrange(weights, w_dims, bsn_w, sizes).to(weights_dtype)
@@ -766,7 +770,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         indices keep, best first (-inf, a hidden or padded slot, as 0): equal for any two top-k selections
         whatever their slot order, tied keys exchanged or not, and whichever hidden key a padded slot lists."""
         query, key, weights = inputs["query"], inputs["key"], inputs["weights"]
-        sizes = _atom_sizes((query, q_dims), (key, k_dims), (weights, w_dims))
+        sizes = _joint_atom_sizes([(query, q_dims), (key, k_dims), (weights, w_dims)])
         q = rearrange(query, q_dims, bsnd_q, sizes).float()
         k = rearrange(key, k_dims, bsnd_k, sizes).float().squeeze(2)
         w = rearrange(weights, w_dims, bsn_w, sizes).float() * scale
@@ -877,7 +881,7 @@ def _describe(node):
     return f"{node.name} ({node.target})"
 
 
-def _readers_reason(values, indices, sparse_mode, queries, keys, own_backward=frozenset()):
+def _readers_reason(values, indices, sparse_mode, queries, keys, *, own_backward=frozenset()):
     """None when every reader of the top-k's values and indices reads the replacement's as the model's
     (order of the slots, the padded slots' keys), else the reason naming the first that does not.
 
