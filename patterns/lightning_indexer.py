@@ -41,6 +41,9 @@ matched eager run with a stable top-k (lower key first among ties, as the stand-
 In training the indexer has no gradient (transformers runs it under no_grad) and its indices
 are saved for the fused attention's backward (npu_sparse_flash_attention_grad), a reader
 only the joint graph shows: the forward-only forms also run there (forward_forms_on_joint).
+A recognised indexer whose top-k values get a gradient (torchtitan-npu's indexer loss) is
+replaced jointly with the backward autograd made of it: npu_lightning_indexer(return_value=True),
+whose autograd brings npu_lightning_indexer_grad (see "training: the joint replacement" below).
 """
 import heapq
 import operator
@@ -48,12 +51,13 @@ import operator
 import sympy
 import torch
 
-from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
+from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import MaskTerm, mask_mode, sparse_mode_of, value_set
-from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized, atom_sizes,
-                                   constant_on_a_size_range, first_refused_use, formula_of, index_symbol, is_backward,
-                                   is_call, is_cast, known_equal, read_masked_scores, rearrange, region_between,
-                                   scale_and_rest, size_expr, tensor_meta)
+from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized,
+                                   backward_nodes_by_seq, backward_region, constant_on_a_size_range, first_refused_use,
+                                   formula_of, index_symbol, is_backward, is_call, is_cast, known_equal,
+                                   read_masked_scores, rearrange, region_between, scale_and_rest, size_expr,
+                                   tensor_meta)
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
@@ -152,6 +156,16 @@ def check(site):
 
 def _check_recognized(site):
     replace = site.form.replace
+    if getattr(replace, "trained", False):
+        # the joint replacement emits the op with return_value=True and, through its autograd, its grad op
+        reason = not_lowerable(INDEXER.backward, site.mode or GE_MODES[0])
+        if reason is not None:
+            reason = (f"training: {reason}, and the op's docs support return_value (which its backward needs) in "
+                      f"graph mode only on {', '.join(INDEXER.limits['return_value_graph_socs'])}")
+            if site.mode in GE_MODES:
+                return reason
+            if site.mode is None:
+                site.notes.append(f"in {GE_MODES[0]}: {reason}")
     if replace.rounds and site.keep_intermediate_rounding:
         return ("the model rounds the indexer's scores to bf16/fp16 on the way, the op ranks fp32 scores "
                 "(FusionConfig.keep_intermediate_rounding keeps the code's roundings)")
@@ -473,11 +487,14 @@ def recognize(graph, joint):
     none) and every reader of the top-k's values and indices is proven to read the op's as the model's."""
     evaluation = AxisEvaluation()
     found = []
+    by_seq = {}
     for topk in sorted(graph.find_nodes(op="call_function", target=aten.topk.default)):
         if joint and is_backward(topk):
             continue
+        if joint and not by_seq:
+            by_seq = backward_nodes_by_seq(graph)
         try:
-            site = _recognized(topk, evaluation, joint)
+            site = _recognized(topk, evaluation, joint, by_seq)
         except NotEvaluable:
             site = None
         if site is not None:
@@ -491,7 +508,7 @@ def _topk_outputs(topk):
     return values, indices
 
 
-def _recognized(topk, evaluation, joint):
+def _recognized(topk, evaluation, joint, by_seq=None):
     x = topk.args[0]
     meta = tensor_meta(x)
     if meta is None or not meta.is_floating_point() or meta.dim() != 3:
@@ -539,15 +556,23 @@ def _recognized(topk, evaluation, joint):
     nodes = region_between([topk, *outputs], list(inputs.values()))
     if nodes is None:
         return None
+    trained = None
     if joint and any(is_backward(u) for n in nodes for u in n.users):
-        return refuse("in training the indexer's scores get a gradient (its top-k values feed a loss, or its "
-                      "intermediates are saved for a backward): this pass fuses the indexer forward only, and "
-                      "emits no joint replacement (npu_lightning_indexer's backward, npu_lightning_indexer_grad, "
-                      "differentiates its sparse_values, not the model's substitutions for the padded slots)")
-    reason = _readers_reason(values, indices, sparse_mode, queries, keys)
+        trained = _trained(nodes, inputs, values, outputs, terms, by_seq)
+        if isinstance(trained, str):
+            # a reader the slot-order analysis refuses says more (a backward weighing the slots' gradients by
+            # their position is no region's backward either)
+            own = {b for n in nodes for b in by_seq.get(n.meta.get("seq_nr"), ())}
+            return refuse(_readers_reason(values, indices, sparse_mode, queries, keys, own_backward=own) or trained)
+    reason = _readers_reason(values, indices, sparse_mode, queries, keys,
+                             own_backward=set(trained.backward.nodes) if trained is not None else frozenset())
     if reason is not None:
         return refuse(reason)
     notes = [f"{why} (the scores' mask)"]
+    if trained is not None:
+        notes.append("in training: the top-k values' gradient reaches query, key and weights through "
+                     "npu_lightning_indexer_grad (the padded slots get none, as the model's hidden keys)"
+                     + trained.note)
     if read.rounds:
         notes.append("the model rounds the scores to bf16/fp16 on the way (autocast); the op computes them in fp32 "
                      "and ranks those: keys whose scores differ by about the rounding may be selected differently")
@@ -555,13 +580,12 @@ def _recognized(topk, evaluation, joint):
                                       tensor_meta(values).dtype if values is not None else None,
                                       tensor_meta(indices).dtype if indices is not None else None, guard)
     replace.rounds = read.rounds
+    replace.trained = trained is not None
     if values is not None and _wider(tensor_meta(values).dtype, replace.dtype):
         notes.append(f"the op returns the top-k scores in {str(replace.dtype)[6:]} (its query's dtype), the model's are "
                      f"{str(tensor_meta(values).dtype)[6:]}: each read score within half a {str(replace.dtype)[6:]} "
                      "ulp of the model's")
-    sizes = {}
-    for expr in (read.q, read.k, read.w):
-        sizes.update(atom_sizes(tensor_meta(expr.node), expr.dims))
+    sizes = _joint_atom_sizes([(tensor_meta(expr.node), expr.dims) for expr in (read.q, read.k, read.w)])
 
     def size(atoms):
         out = 1
@@ -579,8 +603,130 @@ def _recognized(topk, evaluation, joint):
                                     dtype=replace.weights_dtype),
         "index_topk": count,
     }
+    joint_fields = {}
+    if trained is not None:
+        backward = trained.backward
+        joint_fields = dict(backward_nodes=backward.nodes, output_gradients=backward.output_gradients,
+                            needs_gradient=trained.roles,
+                            backward_output=[backward.gradients[inputs[role]] for role in trained.roles])
     return Recognized(_RECOGNIZED, outputs if len(outputs) > 1 else outputs[0], nodes, inputs, replace, site_args,
-                      fused_op="npu.npu_lightning_indexer", notes=notes, canonical_outputs=replace.canonical)
+                      fused_op="npu.npu_lightning_indexer", notes=notes, canonical_outputs=replace.canonical,
+                      **joint_fields)
+
+
+def _joint_atom_sizes(pairs):
+    """{atom: size} over several tensors and their dims (axis_algebra.atom_sizes of each, jointly): a dim
+    holding two symbolic atoms (a leaf with batch and sequence merged, under dynamic shapes) is resolved
+    once the other tensors give all but one of its atoms. Raises NotEvaluable where one stays unknown."""
+    sizes, pending = {}, []
+    for t, dims in pairs:
+        for d, group in enumerate(dims):
+            for a in group:
+                if isinstance(a.size, int):
+                    sizes[a] = a.size
+            pending.append((t.shape[d], group))
+    progress = True
+    while progress:
+        progress = False
+        for total, group in pending:
+            unknown = [a for a in group if a not in sizes]
+            if len(unknown) == 1:
+                known = 1
+                for a in group:
+                    if a is not unknown[0]:
+                        known = known * sizes[a]
+                sizes[unknown[0]] = total // known
+                progress = True
+    if any(a not in sizes for _, group in pending for a in group):
+        raise NotEvaluable("a dim of the indexer's inputs holds symbolic atoms no other input gives the sizes of")
+    return sizes
+
+
+# ---- training: the joint replacement ------------------------------------------------------------
+# In a training step the model's top-k values may feed a loss (torchtitan-npu's DSAIndexerLoss), and
+# autograd differentiates the indexer: the top-k's backward scatters each slot's gradient to its key's
+# score, and the scores' backward (relu, the weights, the two matmuls) takes it to query, key and weights.
+# npu_lightning_indexer is differentiable through its values (return_value=True): its registered backward
+# is npu_lightning_indexer_grad, which computes the same sums over the listed keys of each query, and none
+# for the -1 slots it pads. The replacement, traced with its autograd, stands for the forward region and
+# the backward autograd made of it (regions.backward_region finds it by the region's seq_nr) at once:
+#
+# - the gradient of the values enters the op's backward in the op's slot order, which the readers'
+#   analysis (_readers_reason, over the backward's nodes too) proves to be the model's up to the one
+#   permutation per query row (the gradient of a function indifferent to the order of the slots is
+#   permuted with them);
+# - the padded slots: the replacement's where(padded, -inf, scores) sends their gradient nowhere, and the
+#   op's backward skips -1 slots. The model's top-k lists hidden keys there, whose gradient a masked_fill
+#   or where mask zeroes; an additive -inf mask passes it on to those keys' scores, so there the values'
+#   gradient itself must be proven zero in those slots (_padded_slots_get_no_gradient);
+# - a scale folded into the weights (relu(s x) = s relu(x)) is the replacement's weights * s, which
+#   autograd differentiates: the weights' gradient gets the factor s, as the model's does;
+# - the indices have no gradient, and the op computes nothing else: a backward that reads any other
+#   value of the region (an intermediate of the scores saved for another consumer) is refused.
+class _Trained:
+    def __init__(self, backward, roles, note):
+        self.backward, self.roles, self.note = backward, roles, note
+
+
+def _trained(nodes, inputs, values, outputs, terms, by_seq):
+    """The backward of a recognised indexer whose scores get a gradient (_Trained), or why the op's
+    backward is not it."""
+    if values is None:
+        return ("in training the backward reads the indexer's scores, but the model reads only its top-k indices: "
+                "npu_lightning_indexer is differentiable only through its values (return_value=True, "
+                "npu_lightning_indexer_grad), its indices have no gradient")
+    given = set(inputs.values())
+    differentiated = set()
+    for node in nodes:  # (graph order) the region's values computed from query, key or weights
+        if any(a in given or a in differentiated for a in node.all_input_nodes):
+            differentiated.add(node)
+    # what else they read (a mask built from aranges) gets no gradient
+    constants = sorted({a for n in differentiated for a in n.all_input_nodes
+                        if a not in differentiated and a not in given and tensor_meta(a) is not None})
+    backward = backward_region(sorted(differentiated), list(inputs.values()), outputs, by_seq, constants)
+    if isinstance(backward, str):
+        return (f"in training: {backward}; npu_lightning_indexer_grad computes the gradients of query, key and "
+                "weights from the gradient of the top-k values alone")
+    gradient = backward.output_gradients[0]
+    if gradient is None:
+        return ("in training the indexer's scores get a gradient, but not through its top-k values: "
+                "npu_lightning_indexer is differentiable only through them (npu_lightning_indexer_grad)")
+    note = ""
+    if any(term.hides == "nonzero" for term in terms):
+        why = _padded_slots_get_no_gradient(gradient, values)
+        if why is not None:
+            return (f"in training, behind an additive -inf mask the model's top-k passes the gradient of its padded "
+                    f"slots on to the hidden keys it lists there, where the op has none: {why}")
+        note = ("; behind the additive mask the values' gradient is a softmax's over the slots, exactly 0 in the "
+                "padded slots (-inf scores)")
+    roles = [role for role, node in inputs.items() if node in backward.gradients]
+    return _Trained(backward, roles, note)
+
+
+_GRADIENT_KEEPS = (aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default)
+
+
+def _padded_slots_get_no_gradient(gradient, values):
+    """None where the top-k values' gradient is 0 in every slot whose value is -inf: it is the backward of a
+    softmax over the slots of the values (through casts), y * (g - sum(y * g)) with y = softmax(values) exactly
+    0 there; else why that is not proven."""
+    g = gradient
+    while is_cast(g) or is_call(g, *_GRADIENT_KEEPS):
+        g = g.args[0]
+    if not is_call(g, aten._softmax_backward_data.default):
+        return (f"the values' gradient {gradient.name} is not proven 0 where their value is -inf (only a softmax "
+                "over the slots reading the values alone is)")
+    out, dim = g.args[1], g.args[2]
+    while is_cast(out) or is_call(out, *_GRADIENT_KEEPS):
+        out = out.args[0]
+    x = out.args[0] if is_call(out, aten._softmax.default) else None
+    while x is not None and (is_cast(x) or is_call(x, *_GRADIENT_KEEPS)):
+        x = x.args[0]
+    rank = tensor_meta(values).dim()
+    if x is not values or dim % rank != rank - 1 or out.args[1] % rank != rank - 1:
+        return (f"the values' gradient {gradient.name} is a softmax's backward, but not that of a softmax over "
+                "the slots of the top-k values")
+    return None
 
 
 def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard):
@@ -596,7 +742,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         else torch.float32
 
     def npu_lightning_indexer_recognized(query, key, weights):
-        sizes = {**atom_sizes(query, q_dims), **atom_sizes(key, k_dims), **atom_sizes(weights, w_dims)}
+        sizes = _joint_atom_sizes([(query, q_dims), (key, k_dims), (weights, w_dims)])
         q = rearrange(query, q_dims, bsnd_q, sizes).to(dtype)
         k = rearrange(key, k_dims, bsnd_k, sizes).to(dtype)
         w = rearrange(weights, w_dims, bsn_w, sizes).to(weights_dtype)
@@ -624,7 +770,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         indices keep, best first (-inf, a hidden or padded slot, as 0): equal for any two top-k selections
         whatever their slot order, tied keys exchanged or not, and whichever hidden key a padded slot lists."""
         query, key, weights = inputs["query"], inputs["key"], inputs["weights"]
-        sizes = {**atom_sizes(query, q_dims), **atom_sizes(key, k_dims), **atom_sizes(weights, w_dims)}
+        sizes = _joint_atom_sizes([(query, q_dims), (key, k_dims), (weights, w_dims)])
         q = rearrange(query, q_dims, bsnd_q, sizes).float()
         k = rearrange(key, k_dims, bsnd_k, sizes).float().squeeze(2)
         w = rearrange(weights, w_dims, bsn_w, sizes).float() * scale
@@ -685,7 +831,19 @@ _ELEMENTWISE = frozenset({
     aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor, aten.logical_and.default, aten.logical_or.default,
     aten.bitwise_not.default, aten.logical_not.default, aten.where.self, aten.masked_fill.Scalar,
     aten.masked_fill.Tensor, aten.xlogy.Tensor, aten.kl_div.default,
+    # a joint graph's backward: the elementwise derivatives of the ops above
+    aten.threshold_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default, aten.sgn.default,
+    aten.sign.default,
 })
+
+
+def _is_kl_div_backward(node):
+    """kl_div's backward as an NPU compile records it (npu.kl_div_backward: torch_npu differentiates kl_div
+    itself; the stand-in op exists once the npu ops are registered)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.name in ("npu::kl_div_backward", "npu::kl_div_target_backward")
+
+
 _NOT = (aten.bitwise_not.default, aten.logical_not.default)
 _COMPARE = {aten.le.Tensor: "le", aten.le.Scalar: "le", aten.lt.Tensor: "lt", aten.lt.Scalar: "lt",
             aten.ge.Tensor: "ge", aten.ge.Scalar: "ge", aten.gt.Tensor: "gt", aten.gt.Scalar: "gt"}
@@ -694,8 +852,11 @@ _SLOT_REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.sum.default, aten.mean.
                               aten.logsumexp.default, aten.any.dim, aten.all.dim, aten.any.default,
                               aten.all.default, aten.prod.dim_int, aten.prod.default})
 _SLOT_NORMALISE = frozenset({aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default})
+# in a joint graph, the backward of a softmax over the slots: (gradient, output, dim, dtype)
+_SLOT_NORMALISE_BACKWARD = frozenset({aten._softmax_backward_data.default, aten._log_softmax_backward_data.default})
 _LIKE = frozenset({aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
-                   aten.empty_like.default})
+                   aten.empty_like.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+                   aten.new_empty.default})
 _CONSTANT_SOURCES = frozenset({aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
                                *_LIKE})
 _READERS_LIMIT = 300  # nodes after the top-k that the analysis follows
@@ -720,9 +881,14 @@ def _describe(node):
     return f"{node.name} ({node.target})"
 
 
-def _readers_reason(values, indices, sparse_mode, queries, keys):
+def _readers_reason(values, indices, sparse_mode, queries, keys, *, own_backward=frozenset()):
     """None when every reader of the top-k's values and indices reads the replacement's as the model's
-    (order of the slots, the padded slots' keys), else the reason naming the first that does not."""
+    (order of the slots, the padded slots' keys), else the reason naming the first that does not.
+
+    In a joint graph the backward's nodes that read them are analysed as the forward's are (a gradient
+    of per-slot values, permuted with them, is a tracked value too), except `own_backward`: the backward
+    autograd made of the indexer itself, which the replacement's (npu_lightning_indexer_grad) replaces,
+    and which reads the values' gradient in the op's slot order."""
     order = {n: i for i, n in enumerate(next(iter(filter(None, (values, indices)))).graph.nodes)}
     states = {}
     heap = []
@@ -740,7 +906,7 @@ def _readers_reason(values, indices, sparse_mode, queries, keys):
         seen.add(node)
         if len(seen) > _READERS_LIMIT:
             return "the top-k's results are read by more ops than the slot-order analysis follows"
-        state = _state_of(node, states, sparse_mode, queries, keys)
+        state = _END if node in own_backward else _state_of(node, states, sparse_mode, queries, keys)
         if isinstance(state, str):
             return state
         if state is _END:
@@ -764,9 +930,8 @@ def _state_of(node, states, sparse_mode, queries, keys):
     if node.op == "output":
         return ("the top-k's results are outputs of the graph (returned, or saved for a backward this pass cannot "
                 "see): the op's slot order and padded slots would reach code no proof covers")
-    if node.op != "call_function" or is_backward(node):
-        return (f"the top-k's results reach {_describe(node)}, in the backward: the indexer is fused for inference "
-                "only (see the training note)")
+    if node.op != "call_function":
+        return f"the top-k's results reach {_describe(node)}, which is no call of an op"
     tracked = _tracked(node, states)
     first = states[tracked[0]]
     meta = tensor_meta(node)
@@ -796,14 +961,35 @@ def _state_of(node, states, sparse_mode, queries, keys):
         if first.kind != "perm" or node.args[1] % tensor_meta(node.args[0]).dim() != first.slot:
             return f"the top-k's results reach {_describe(node)}, a softmax over another dim than the k slots"
         return _State("perm", first.slot, first.query)
+    if t in _SLOT_NORMALISE_BACKWARD:
+        return _normalise_backward(node, tracked, states)
     if t is aten.gather.default:
         return _gathered(node, tracked, states)
     if t in (aten.scatter.value, aten.scatter.src):
         return _scattered(node, tracked, states)
-    if t in _ELEMENTWISE:
+    if t is aten.scatter_add.default:
+        return _scattered_added(node, states)
+    if t in _ELEMENTWISE or _is_kl_div_backward(node):
         return _elementwise(node, tracked, states, sparse_mode, queries, keys)
     return (f"the top-k's results reach {_describe(node)}, which the slot-order analysis does not know to be "
             "indifferent to the order of the k slots (and to the keys of the slots the op pads)")
+
+
+def _normalise_backward(node, tracked, states):
+    """A softmax's backward (its gradient and its output) along the k slots: per query row, a function of
+    the row's slots that permutes with them, where each operand is permuted alike or constant along them."""
+    rank = tensor_meta(node).dim()
+    dim = node.args[2] % rank
+    for a in node.args[:2]:
+        if a in states:
+            state = states[a]
+            if state.kind != "perm" or tensor_meta(a).dim() != rank or state.slot != dim:
+                return (f"the top-k's results reach {_describe(node)}, a softmax's backward over another dim than "
+                        "the k slots")
+        elif not _constant_along(a, dim, rank):
+            return (f"{_describe(node)} combines the top-k's results with {a.name}, which varies along the k slots: "
+                    "the op's slot order would pair them otherwise")
+    return _State("perm", dim, states[tracked[0]].query)
 
 
 def _hides_what_the_indexer_hides(attention, queries, keys):
@@ -911,6 +1097,28 @@ def _scattered(node, tracked, states):
     return _END  # one value written at each listed key: the set of keys, not their order
 
 
+def _scattered_added(node, states):
+    """A scatter_add of per-slot values at per-slot keys along the slots (a gather's backward: the gradient
+    of what it read, summed at each key): with both permuted alike, each key gets the same sum."""
+    base, dim, index, source = node.args[:4]
+    if base in states or index not in states:
+        return f"the top-k's results are scattered by {_describe(node)}"
+    state = states[index]
+    rank = tensor_meta(index).dim()
+    if state.kind != "perm":
+        return (f"the op's indices reach {_describe(node)}, a scatter at the key indices, where the op pads slots "
+                "the model's top-k fills with hidden keys")
+    if dim % rank != state.slot:
+        return f"the top-k's indices are scattered along another dim than the k slots ({_describe(node)})"
+    if source in states:
+        if (states[source].kind != "perm" or tensor_meta(source).dim() != rank or states[source].slot != state.slot
+                or not _same_shape(tensor_meta(source).shape, tensor_meta(index).shape)):
+            return f"{_describe(node)} adds up values whose slots are not permuted as its indices are"
+    elif not _constant_along(source, None):
+        return f"{_describe(node)} adds up values that vary along the k slots at the top-k's indices"
+    return _END  # per key, the sum of the slots listing it: the same whatever their order
+
+
 def _constant_along(node, dim, rank=None):
     """Whether an untracked operand is constant along the output dim `dim` (of an output of `rank`
     dims; dim None: constant everywhere): broadcast there, of size 1, expanded from size 1, or a
@@ -937,6 +1145,8 @@ def _constant_along(node, dim, rank=None):
                                         and source.shape[source_position] == 1)
     if is_call(node, *_KEEPS) or is_cast(node):
         return _constant_along(node.args[0], position, meta.dim())
+    if node.target in _ELEMENTWISE and node.all_input_nodes:  # (a joint graph's -gradient, expanded from (B, S, 1))
+        return all(_constant_along(a, position, meta.dim()) for a in node.all_input_nodes)
     return False
 
 
@@ -947,6 +1157,9 @@ def _elementwise(node, tracked, states, sparse_mode, queries, keys):
     if node.target is aten.kl_div.default and (node.args[2] if len(node.args) > 2 else
                                                node.kwargs.get("reduction", 1)) != 0:
         return f"the top-k's results reach {_describe(node)}, a kl_div that reduces"
+    if _is_kl_div_backward(node) and (node.args[3] if len(node.args) > 3 else
+                                                                 node.kwargs.get("reduction", 1)) != 0:
+        return f"the top-k's results reach {_describe(node)}, the backward of a kl_div that reduces"
     slots = {(states[a].slot + rank - tensor_meta(a).dim()) for a in tracked}
     queries_at = {(states[a].query + rank - tensor_meta(a).dim()) if states[a].query is not None else None
                   for a in tracked}

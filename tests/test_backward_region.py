@@ -77,3 +77,31 @@ def test_a_cloned_input_read_again_is_refused():
               and n.target in (torch.ops.aten.clone.default, torch.ops.aten.sin.default, torch.ops.aten.mul.Tensor)]
     reason = backward_region(region, [x], region[-1], backward_nodes_by_seq(graph))
     assert isinstance(reason, str) and "gradient" in reason, reason
+
+
+def test_a_constant_mask_the_backward_reads_and_a_top_ks_integer_output():
+    """y = topk(masked_fill(sin(x) * cos(w), mask, -inf)) with the mask built from aranges (read by the rest of the
+    graph too): the mask is one of the region's `constants` (its backward reads it, no gradient reaches it,
+    it is no input the region's gradient is computed for), and of the top-k's two outputs, which carry the
+    same seq_nr, only the values (floating point) own the gradient."""
+    def fn(x, w):
+        i = torch.arange(4)
+        mask = i.unsqueeze(-1) < i  # (4, 4)
+        scores = (x.sin() * w.cos()).masked_fill(mask, float("-inf"))
+        values, indices = scores.topk(2, dim=-1)
+        return values.softmax(-1).sum() + indices.float().sum() + mask.float().sum()
+
+    graph = _joint(fn, (4, 4), (4, 4))
+    x, w = _node(graph, "primals_1"), _node(graph, "primals_2")
+    sin, cos, mul = _node(graph, "sin"), _node(graph, "cos"), _node(graph, "mul")
+    masked, topk = _node(graph, "masked_fill"), _node(graph, "topk")
+    values, indices = sorted(u for u in topk.users)
+    mask = masked.args[1]
+    by_seq = backward_nodes_by_seq(graph)
+    nodes = [sin, cos, mul, masked, topk, values, indices]
+    without = backward_region(nodes, [x, w], [values, indices], by_seq)
+    assert isinstance(without, str) and mask.name in without, without
+    region = backward_region(nodes, [x, w], [values, indices], by_seq, [mask])
+    assert isinstance(region, BackwardRegion), region
+    assert region.output_gradients[1] is None and region.output_gradients[0] is not None
+    assert set(region.gradients) == {x, w}

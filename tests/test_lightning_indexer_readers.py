@@ -11,6 +11,11 @@ and fuses the top-k into npu_lightning_indexer (return_value=True where the scor
 every reader is proven indifferent to the order of the k slots and to which hidden key a padded
 slot lists (the op pads with -1 / -inf; the replacement lists key T - 1, hidden there, with -inf).
 
+In training (the indexer loss's gradient reaches the indexer's q, k and weights) the top-k region and the
+backward autograd made of it are replaced jointly: npu_lightning_indexer(return_value=True) in the forward
+graph, npu_lightning_indexer_grad in the backward, once the backward is proven to need only the values'
+gradient, to read the slots in no order, and (behind an additive mask) to give the padded slots none.
+
 Numerics, fp32: the op computes the same fp32 scores with the weights' constants folded into one
 multiplication and the products summed in another order (a few ulp of the scores), the loss sums
 the same slots in another order: the loss within 64 ulp of its value, the attention output within
@@ -23,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 import npu_fx_fusion as nff
-from helpers import (assert_close_at_scale, compile_and_run, in_subprocess, near_miss_reasons,
-                     torchtitan_npu)
+from helpers import (RecordingBackend, assert_close_at_scale, compile_and_run, in_subprocess, near_miss_reasons,
+                     npu_ops, torchtitan_npu)
 
 CONFIG = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"})
 SEQ, TOPK, HEADS, DIM = 12, 5, 16, 16
@@ -65,22 +70,33 @@ class DSAIndexerAttention(torch.nn.Module):
     reads topk_indices[..., 0] too), "cumsum" (a cumulative sum over the slots), "raw_gather" (the
     loss gathers at the top-k's own indices, before the sentinel: the padded slots' keys reach it),
     "strict" (the sentinel replaces where index < position: the query's own key is replaced too);
-    mask: "causal", or "window" (a sliding window: not a mask the op has)."""
+    in training also "where_sum" (the loss adds the visible slots' scores: a gradient in the padded
+    slots that only a where zeroes), "slot_weighted_grad" (an autograd.Function, the identity forward,
+    whose backward weighs each slot's gradient by its position), "scores_too" (the loss reads the
+    indexer's scores before the top-k as well);
+    mask: "causal", "fill" (causal, spelled masked_fill: the model's hidden keys get no gradient), or
+    "window" (a sliding window: not a mask the op has); detach: the attention distribution from
+    detached q and k (torchtitan-npu's get_attn_scores)."""
 
-    def __init__(self, spelling="rearrange", reader="loss", mask="causal"):
+    def __init__(self, spelling="rearrange", reader="loss", mask="causal", detach=False):
         super().__init__()
-        self.spelling, self.reader, self.mask = spelling, reader, mask
+        self.spelling, self.reader, self.mask, self.detach = spelling, reader, mask, detach
 
     def forward(self, q_idx, k_idx, w, q, k, v):
         bsz, seqlen = q_idx.shape[:2]
-        index_score = _scores(self.spelling, q_idx, k_idx, w)
+        index_score = scores = _scores(self.spelling, q_idx, k_idx, w)
         attn_mask = torch.where(torch.triu(torch.ones((bsz, seqlen, seqlen), dtype=q.dtype), diagonal=1) == 1,
                                 float("-inf"), 0.0)
         if self.mask == "window":
             i, j = torch.arange(seqlen).unsqueeze(-1), torch.arange(seqlen).unsqueeze(0)
             attn_mask = torch.where((j <= i) & (j > i - 3), 0.0, float("-inf")).expand(bsz, -1, -1)
-        index_score = index_score + attn_mask
+        if self.mask == "fill":
+            index_score = index_score.masked_fill(torch.isinf(attn_mask), float("-inf"))
+        else:
+            index_score = index_score + attn_mask
         topk_score, topk_indices = index_score.topk(min(TOPK, seqlen), dim=-1)
+        if self.reader == "slot_weighted_grad":
+            topk_score = _SlotWeightedGradient.apply(topk_score)
         raw_indices = topk_indices
         positions = torch.arange(seqlen).unsqueeze(0).unsqueeze(-1)
         valid = topk_indices < positions if self.reader == "strict" else topk_indices <= positions
@@ -90,7 +106,7 @@ class DSAIndexerAttention(torch.nn.Module):
         hidden = (torch.isinf(hidden) & (hidden < 0)).unsqueeze(1)
         output = F.scaled_dot_product_attention(q, k, v, attn_mask=~hidden, scale=0.25)
         # get_attn_scores + the gather + DSAIndexerLoss.forward
-        attn = (q @ k.transpose(-1, -2)) * 0.25
+        attn = (q.detach() @ k.detach().transpose(-1, -2) if self.detach else q @ k.transpose(-1, -2)) * 0.25
         attn = F.softmax(attn.masked_fill(hidden, float("-inf")), dim=-1, dtype=torch.float32).sum(dim=1)
         gathered_at = raw_indices if self.reader == "raw_gather" else topk_indices
         selected = torch.gather(attn, -1, gathered_at).masked_fill(~valid, 0.0)
@@ -101,7 +117,24 @@ class DSAIndexerAttention(torch.nn.Module):
         loss = F.kl_div((index_prob + 1e-8).log(), selected + 1e-8, reduction="none").sum(dim=-1).mean()
         if self.reader == "first_slot":
             loss = loss + topk_indices[..., 0].float().mean()
+        if self.reader == "where_sum":
+            loss = loss + torch.where(valid, topk_score, 0.0).sum() * 1e-3
+        if self.reader == "scores_too":
+            loss = loss + scores.mean() * 1e-3
         return output, loss
+
+
+class _SlotWeightedGradient(torch.autograd.Function):
+    """The identity, whose backward weighs each top-k slot's gradient by the slot's position: a reader
+    whose forward is indifferent to the slot order and whose gradient is not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.arange(1, grad.shape[-1] + 1, dtype=grad.dtype)
 
 
 def _inputs(dtype=torch.float32, batch=2, seq=SEQ, seed=0):
@@ -225,17 +258,131 @@ def test_the_indices_returned_from_the_graph_keep_it_unfused():
     assert any("outputs of the graph" in m for m in near_miss_reasons(report, "lightning_indexer"))
 
 
-def test_training_is_a_near_miss_naming_the_missing_backward():
-    inputs = [t.requires_grad_(i == 2) for i, t in enumerate(_inputs())]  # the weights train (the loss)
-    model = DSAIndexerAttention()
-    backend = nff.get_npu_backend(fusion_config=CONFIG)
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    out, loss = compiled(*inputs)
-    loss.backward()
-    report = nff.last_report()
-    assert report.counts["lightning_indexer"] == 0
-    assert any("in training" in m and "npu_lightning_indexer_grad" in m
-               for m in near_miss_reasons(report, "lightning_indexer")), report.near_misses
+# ---- training: the indexer's scores get a gradient (the indexer loss) ------------------------------------------
+# The joint replacement: npu_lightning_indexer(return_value=True) in the forward, npu_lightning_indexer_grad
+# (its autograd) in the backward, for the top-k region and the backward autograd made of it.
+#
+# Tolerance: the op sums the heads and the products in another order and applies the scale to the weights
+# (the forward's scores a few ulp apart, measured above); the loss's gradient of the values is a difference of
+# softmax terms (p - target) that amplifies those relatively, and each input's gradient is then a sum over
+# the k slots (and, for the keys, over the queries) of such terms. 32 fp32 ulp of each gradient's largest
+# element (assert_close_at_scale; measured <= 13 at these inputs, <= 18.4 over seeds 1-5 at S = 7 and 12; against
+# eager in float64 the fused gradients are 20 ulp off where eager in fp32 is 7), and 32 for the outputs.
+TRAIN_ULPS = 32
+
+
+def _train(module, inputs, config=CONFIG, dynamic=None, trained=(0, 1, 2, 3, 4, 5)):
+    """One compiled and one eager training step of `module` (the attention output against a fixed probe, plus
+    the indexer loss); every input's gradient compared. Returns the backend (its report and graphs)."""
+    torch._dynamo.reset()
+    fused_in = [t.detach().clone().requires_grad_(i in trained) for i, t in enumerate(inputs)]
+    eager_in = [t.detach().clone().requires_grad_(i in trained) for i, t in enumerate(inputs)]
+    backend = RecordingBackend(config)
+    out, loss = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)(*fused_in)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    ((out * probe).sum() + loss).backward()
+    out_ref, loss_ref = module(*eager_in)
+    ((out_ref * probe).sum() + loss_ref).backward()
+    assert backend.report.errors == []
+    assert_close_at_scale(out, out_ref, TRAIN_ULPS)
+    assert_close_at_scale(loss, loss_ref, 64)  # (the loss within 64 ulp, as in inference)
+    for i, (a, b) in enumerate(zip(fused_in, eager_in)):
+        assert (a.grad is None) == (b.grad is None), i
+        if a.grad is not None:
+            try:
+                assert_close_at_scale(a.grad, b.grad, TRAIN_ULPS)
+            except AssertionError as exc:
+                raise AssertionError(f"input {i}: {exc}") from None
+    return backend
+
+
+def _assert_trained_fused(backend, attention=1):
+    report = backend.report
+    assert report.counts["lightning_indexer"] == 1, report.near_misses
+    forward, backward = npu_ops(backend.graphs["forward"]), npu_ops(backend.graphs["backward"])
+    assert forward.get("npu_lightning_indexer") == 1 and backward.get("npu_lightning_indexer_grad") == 1, \
+        (forward, backward)
+    assert forward.get("npu_sparse_flash_attention", 0) == attention, forward
+    (indexer,) = [n for n in backend.graphs["forward"].graph.nodes
+                  if n.op == "call_function" and str(n.target) == "npu.npu_lightning_indexer.default"]
+    assert indexer.kwargs["return_value"] is True
+    joint = next(g for g in report.graphs if g.name == "joint")
+    (site,) = [s for r in joint.passes if r.pass_name == "lightning_indexer" for s in r.sites]
+    assert "in training: the top-k values' gradient reaches query, key and weights" in site.note, site.note
+    return site
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("mask", ["causal", "fill"])
+def test_a_training_step_fuses_the_indexer_and_its_backward(mask, dynamic):
+    # every input trains: the indexer's q, k and weights through the op's backward, the attention's
+    # through npu_sparse_flash_attention_grad and the loss's gather of the attention distribution
+    module = DSAIndexerAttention(mask=mask)
+    site = _assert_trained_fused(_train(module, _inputs(seq=7), dynamic=dynamic))
+    # behind the additive mask the values' gradient must be proven 0 in the padded slots (k = 5 of 7
+    # keys: queries 0..3 see fewer than k keys); a masked_fill zeroes the hidden keys' gradient itself
+    assert ("exactly 0 in the padded slots" in site.note) == (mask == "causal"), site.note
+    assert "in max-autotune: training: npu.npu_lightning_indexer_grad has no GE converter" in site.note
+
+
+def test_a_training_step_fuses_on_the_cpu_graph_too():
+    # without NPU dispatch kl_div's backward is aten's formula: the loss's gradient negated and expanded from
+    # (B, S, 1), constant along the slots, times the per-slot target (the survey's training step runs so)
+    config = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"}, npu_dispatch=False)
+    _assert_trained_fused(_train(DSAIndexerAttention(detach=True), _inputs(seq=7), config=config))
+
+
+def test_verification_of_a_trained_site_compares_its_forward():
+    # verify=True runs the recognised region and the fused call (its forward: values and indices, as
+    # kept_scores compares them) on random inputs; the backward is not verified for a recognised site
+    config = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"}, verify=True)
+    site = _assert_trained_fused(_train(DSAIndexerAttention(), _inputs(seq=7), config=config))
+    assert site.verified.startswith("verified"), site.verified
+
+
+@pytest.mark.parametrize("spelling", ["einsum", "weights_matmul"])
+def test_the_scale_folded_into_the_weights_gets_its_gradient(spelling):
+    # weights_matmul scales the products by 0.5 inside the relu: the replacement's weights * 0.5, which
+    # autograd differentiates (the weights' gradient gets the factor, as the model's does); torchtitan-npu's
+    # detached attention distribution, and only the indexer's weights train (its q and k frozen)
+    backend = _train(DSAIndexerAttention(spelling, detach=True), _inputs(), trained=(2, 3, 4, 5))
+    _assert_trained_fused(backend)
+
+
+def test_a_padded_slots_gradient_only_a_where_zeroes_is_a_near_miss_behind_an_additive_mask():
+    # behind an additive -inf mask the model's top-k passes the padded slots' gradient on to the hidden
+    # keys it lists there; where(valid, scores, 0) zeroes it, but only a softmax's backward is proven to
+    backend = _train(DSAIndexerAttention(reader="where_sum"), _inputs(seq=7))
+    assert backend.report.counts["lightning_indexer"] == 0
+    # (and, once partitioned, the forward graph's: the pass runs there again, where the values are saved)
+    misses = near_miss_reasons(backend.report, "lightning_indexer")
+    assert any("behind an additive -inf mask" in m and "is not proven 0 where their value is -inf" in m
+               for m in misses), misses
+    # with the mask spelled masked_fill, the model's own backward zeroes the hidden keys' gradient: it fuses
+    _assert_trained_fused(_train(DSAIndexerAttention(reader="where_sum", mask="fill"), _inputs(seq=7)))
+
+
+@pytest.mark.parametrize("reader, expected", [
+    ("slot_weighted_grad", "varies along the k slots"),
+    ("scores_too", "is read outside it: its gradient would come from there too"),
+])
+def test_a_backward_the_op_does_not_compute_keeps_it_unfused(reader, expected):
+    # slot_weighted_grad: the forward reads the values as the loss does, the backward by slot position;
+    # scores_too: the scores before the top-k get a gradient from another consumer too
+    backend = _train(DSAIndexerAttention(reader=reader), _inputs(seq=7))
+    assert backend.report.counts["lightning_indexer"] == 0
+    misses = near_miss_reasons(backend.report, "lightning_indexer")
+    assert any(expected in m for m in misses), misses
+    assert "npu_lightning_indexer_grad" not in npu_ops(backend.graphs["backward"])
+
+
+def test_max_autotune_refuses_the_trained_indexer():
+    # torchair's GE graph mode lowers neither the grad op (no GE converter) nor return_value (Ascend950 only)
+    config = nff.FusionConfig(enable={"sparse_attention", "attention", "lightning_indexer"}, mode="max-autotune")
+    backend = _train(DSAIndexerAttention(), _inputs(seq=7), config=config)
+    assert backend.report.counts["lightning_indexer"] == 0
+    misses = near_miss_reasons(backend.report, "lightning_indexer")
+    assert any(m.startswith("training: npu.npu_lightning_indexer_grad has no GE converter") for m in misses), misses
 
 
 # ---- torchtitan-npu's own DeepSeek-V3.2, built tiny ----------------------------------------------------
@@ -272,3 +419,61 @@ def dsv32_indexer(dtype, dynamic):
     else:
         assert (out.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
         assert ((losses - expected).abs() <= 2e-2 * expected.abs()).all(), (losses, expected)
+
+
+# torchtitan-npu's DeepSeek-V3.2 trains its indexer through DSAIndexerLoss (its gradient seeded by
+# DSAIndexerLossAutoScaler's backward, ones_like: from no tangent). Tolerance: 64 fp32 ulp of each gradient's
+# largest element, as for the two-layer model in test_training_dsa.py: the indexer's scores a few ulp apart
+# (above), amplified by the loss's softmax gradient and carried through wq_b, wk, k_norm and weights_proj
+# (measured <= 42, the indexer's k_norm bias; every other parameter <= 8).
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_torchtitan_npu_dsv32_indexer_trains_fused_with_eagers_gradients(dynamic):
+    in_subprocess("test_lightning_indexer_readers", f"dsv32_indexer_training({dynamic})")
+
+
+def dsv32_indexer_training(dynamic):
+    import copy
+
+    from npu_fx_fusion.backend import EmulationBackend
+
+    class AllGraphs(EmulationBackend):  # every graph compiled, by phase (a graph break makes several)
+        def __init__(self, config):
+            super().__init__(config)
+            self.graphs = []
+
+        def _compile(self, phase, gm, example_inputs):
+            compiled = super()._compile(phase, gm, example_inputs)
+            self.graphs.append((phase, gm))
+            return compiled
+
+    tiny = torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v32", dtype=torch.float32)
+    model = tiny.model.train()
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    backend = AllGraphs(nff.FusionConfig())
+    out = torch.compile(model, backend=backend, dynamic=dynamic)(*tiny.example_inputs)
+    out.float().pow(2).mean().backward()
+    out_ref = reference(*tiny.example_inputs)
+    out_ref.float().pow(2).mean().backward()
+    report = backend.report
+    assert report.errors == []
+    assert report.counts["lightning_indexer"] == 2, report.near_misses
+    assert near_miss_reasons(report, "lightning_indexer") == []
+    indexers = [n for phase, gm in backend.graphs if phase == "forward" for n in gm.graph.nodes
+                if n.op == "call_function" and str(n.target) == "npu.npu_lightning_indexer.default"]
+    assert len(indexers) == 2 and all(n.kwargs["return_value"] is True for n in indexers)
+    grads = sum(npu_ops(gm).get("npu_lightning_indexer_grad", 0) for phase, gm in backend.graphs
+                if phase == "backward")
+    assert grads == 2
+    assert report.fused_ops["npu.npu_sparse_flash_attention_grad"] == 2, report.fused_ops
+    assert_close_at_scale(out, out_ref, 16)
+    trained = 0
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (p_ref.grad is None), name
+        if p.grad is not None:
+            trained += "indexer" in name
+            try:
+                assert_close_at_scale(p.grad, p_ref.grad, 64)
+            except AssertionError as exc:
+                raise AssertionError(f"{name}.grad: {exc}") from None
+    assert trained == 10  # wq_b, wk, k_norm (weight, bias) and weights_proj of both layers' indexers

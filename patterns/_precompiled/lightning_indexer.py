@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '20eeb037cb24c92d',
+KEY = {'torch': '2.13.0+cpu', 'sources': '959962b0f7a2b638',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

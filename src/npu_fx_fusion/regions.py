@@ -157,7 +157,7 @@ GRADIENT_SUMS = "gradient sums"
 
 
 def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Union[Node, Sequence[Node]],
-                    by_seq: dict) -> Union[BackwardRegion, str]:
+                    by_seq: dict, constants: Sequence[Node] = ()) -> Union[BackwardRegion, str]:
     """The backward of a forward region `nodes` (reading `inputs`, computing `outputs`) in a
     joint graph, or why it cannot be replaced by the fused op's backward alone.
 
@@ -173,7 +173,9 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
     from outside the region, a forward op spanning the region's edge, a region that passes an
     input's gradient on unchanged (an add of the input: no backward node computes that part).
     Each gradient they pass on is the gradient of the one input read by the forward op it was
-    made for."""
+    made for. `constants`: forward values the region reads that no gradient reaches (computed
+    from none of the graph's inputs: a mask built from aranges); its backward may read them
+    (a masked_fill's backward reads its mask), and they are no inputs whose gradient it computes."""
     outputs = [outputs] if isinstance(outputs, Node) else list(outputs)
     region = [n for n in nodes if n.op == "call_function"]
     seqs = {n.meta.get("seq_nr") for n in region}
@@ -187,6 +189,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
             in_candidates.add(total)
     candidates.sort()
     given = set(inputs)
+    readable = given | set(constants)
     with_backward = {n.meta.get("seq_nr") for n in candidates}
     # an input whose gradient autograd passes on unchanged (an add's operand; a clone, which
     # makes no backward node) gets that part of it from no node of the backward: it would be
@@ -228,7 +231,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
                         "it also reads itself")
             if gradient_from_outside(arg) or arg in accumulations:
                 gradients_in.add(arg)
-            elif arg not in in_region and arg not in given:
+            elif arg not in in_region and arg not in readable:
                 return (f"its backward reads {arg.name}, a forward value computed outside the region: the fused "
                         "op's backward does not compute that")
     output_gradients = _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_region)
@@ -299,11 +302,12 @@ def _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_reg
         seq = node.meta.get("seq_nr")
         entries[node] = {seq} if seq in with_backward else set().union(
             *[entries[a] for a in node.all_input_nodes if a in entries])
-    at = [entries.get(output, set()) for output in outputs]
+    # (an integer output has no gradient: a top-k's indices, whose op also computes its values)
+    at = [entries.get(output, set()) if _floating(output) else set() for output in outputs]
     found: list = [None] * len(outputs)
     for gradient in gradients_in:
         readers = {n.meta.get("seq_nr") for n in backward if gradient in n.all_input_nodes}
-        owners = [i for i, seqs in enumerate(at) if readers <= seqs]
+        owners = [i for i, seqs in enumerate(at) if seqs and readers <= seqs]
         if len(owners) != 1:
             return (f"a gradient its backward reads from outside ({gradient.name}) does not enter it at one "
                     "output's backward: an intermediate's gradient is summed with one from elsewhere")
@@ -317,3 +321,8 @@ def _gradients_of_outputs(outputs, gradients_in, backward, with_backward, in_reg
     if all(g is None for g in found):
         return "its backward reads no gradient from outside"
     return found
+
+
+def _floating(node: Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and (value.dtype.is_floating_point or value.dtype.is_complex)
