@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ecf4212e18285c7a',
+KEY = {'torch': '2.13.0+cpu', 'sources': '4afa210a84bd56d6',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
