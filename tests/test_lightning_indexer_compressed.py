@@ -38,11 +38,12 @@ def _li_compute(q, k, w, seqlen, offset, variant="model"):
     score = (score.relu_() * w.unsqueeze(-1)).sum(dim=2)
     base = torch.arange(seqlen).unsqueeze(1)
     shift = 2 if variant == "threshold" else 1
-    mask = torch.arange(seqlen // ratio).unsqueeze(0) >= (base + shift) // ratio
+    mask_ratio = 2 if variant == "mask_ratio" else ratio  # (T stays S // 4)
+    mask = torch.arange(seqlen // ratio).unsqueeze(0) >= (base + shift) // mask_ratio
     fill = -1e9 if variant == "fill" else torch.finfo(q.dtype).min
     score += torch.where(mask, fill, 0)
     score, idx = score.topk(min(TOPK, seqlen // ratio), dim=-1)
-    reader_ratio = 2 if variant == "reader_ratio" else ratio
+    reader_ratio = 2 if variant in ("reader_ratio", "mask_ratio") else ratio
     hidden = idx > (base + 1) // reader_ratio if variant == "strict" else idx >= (base + 1) // reader_ratio
     return torch.where(hidden, -1, idx + offset), score, idx
 
@@ -138,6 +139,7 @@ def test_verification_compares_the_kept_scores():
 
 @pytest.mark.parametrize("variant, expected", [
     ("threshold", "nor DeepSeek-V4's compressed causal mask"),          # blocks t >= (s + 2) // 4 hidden
+    ("mask_ratio", "not proven in [0, 2)"),                             # blocks t >= (s + 1) // 2 of T = S // 4
     ("reader_ratio", "not with the query's last visible key"),          # the -1 where tests (s + 1) // 2
     ("strict", "not with the query's last visible key"),                # idx > (s + 1) // 4: one block kept
     ("first_slot", "select"),                                           # values[..., 0]: a slot's order
