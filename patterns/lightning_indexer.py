@@ -38,6 +38,12 @@ matched eager run with a stable top-k (lower key first among ties, as the stand-
 2e-7. Verification therefore compares the scores of the kept keys, not their positions
 (kept_keys_by_score).
 
+DeepSeek-V4's compressed indexer as torchtitan-npu writes it (LiCompute: the scores of T = S // m
+blocks, an additive finfo.min mask past (s + 1) // m, its hidden blocks' indices made -1, its values
+read by LiLoss) is recognised as any other spelling (recognize=) and, once its mask is proven that
+compressed causal mask, becomes cann_ops_transformer.lightning_indexer (mask_mode 3, cmp_ratio m), the
+padded slots given the model's finfo.min values (_mask_terms, _recognized_replacement).
+
 In training the indexer has no gradient (transformers runs it under no_grad) and its indices
 are saved for the fused attention's backward (npu_sparse_flash_attention_grad), a reader
 only the joint graph shows: the forward-only forms also run there (forward_forms_on_joint).
@@ -50,9 +56,10 @@ import operator
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
-from npu_fx_fusion.constants import MaskTerm, mask_mode, sparse_mode_of, value_set
+from npu_fx_fusion.constants import MaskTerm, compressed_mask_ratio, mask_mode, sparse_mode_of, value_set
 from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized,
                                    backward_nodes_by_seq, backward_region, constant_on_a_size_range, first_refused_use,
                                    formula_of, index_symbol, is_backward, is_call, is_cast, known_equal,
@@ -61,6 +68,15 @@ from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, Not
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
+# DeepSeek-V4's compressed indexer (torchtitan-npu's LiCompute): the op sparse_mla's CSA form emits, whose
+# mask_mode 3 takes a cmp_ratio (npu_lightning_indexer's sparse_mode 3 has none)
+COMPRESSED_INDEXER = CAPABILITIES["cann_ops_transformer.lightning_indexer"]
+# A finite additive fill f hides a key as the model's top-k and the replacement read it only where
+# score + f rounds to f itself: with f <= -2**127 (the top binade of fp32, where its spacing is 2**104;
+# bf16's there is 2**120) every score of magnitude below 2**103 leaves f unchanged, in fp32 and in bf16
+# arithmetic alike, and ranks above it. finfo(float32).min and finfo(bfloat16).min are such fills;
+# finfo(float16).min (-65504) is not (a score of 16 moves it).
+_FINITE_FILL_AT_MOST = -(2.0 ** 127)
 
 
 # ---- the unfused form (transformers DeepseekV32Indexer, bool mask: its sdpa path) -----------
@@ -169,8 +185,8 @@ def _check_recognized(site):
     if replace.rounds and site.keep_intermediate_rounding:
         return ("the model rounds the indexer's scores to bf16/fp16 on the way, the op ranks fp32 scores "
                 "(FusionConfig.keep_intermediate_rounding keeps the code's roundings)")
-    reason = site.hardware_limits(_hardware_reasons(site["query"], site["key"], site["weights"], site["index_topk"],
-                                                    site.soc))
+    hardware = _hardware_reasons if replace.ratio is None else _compressed_hardware_reasons
+    reason = site.hardware_limits(hardware(site["query"], site["key"], site["weights"], site["index_topk"], site.soc))
     if reason is None and replace.guard is not None:
         # min(index_topk, S) is index_topk for every S >= index_topk: guarded as dynamo guards its own
         if not replace.guard():
@@ -193,6 +209,23 @@ def _hardware_reasons(query, key, weights, count, soc):
         f"weights are {str(weights.dtype)[6:]}" if weights.dtype not in limits["weights_dtypes"] else None,
         f"index_topk {count} > {limits['max_sparse_count']}"
         if count > limits["max_sparse_count"] and count not in limits["large_sparse_counts"] else None,
+    ]
+
+
+def _compressed_hardware_reasons(query, key, weights, count, soc):
+    """cann_ops_transformer.lightning_indexer's limits (its capability; the metadata op is not called: the
+    op takes metadata=None, as torchtitan-npu's converter calls it)."""
+    limits = COMPRESSED_INDEXER.limits
+    heads, dim = query.shape[-2], query.shape[-1]
+    return [
+        unsupported(COMPRESSED_INDEXER.op, soc, x=query),
+        f"query {str(query.dtype)[6:]} and key {str(key.dtype)[6:]}: the kernel takes one dtype"
+        if key.dtype != query.dtype else None,
+        f"indexer head dim {dim}: lightning_indexer takes {limits['head_dim']}" if dim != limits["head_dim"] else None,
+        f"{heads} indexer heads: lightning_indexer takes 1..{limits['max_query_heads']}"
+        if not 1 <= heads <= limits["max_query_heads"] else None,
+        f"index top-k {count}: lightning_indexer takes 1..{limits['max_topk']} or one of {limits['large_topks']}"
+        if count > limits["max_topk"] and count not in limits["large_topks"] else None,
     ]
 
 
@@ -296,12 +329,11 @@ def explain(topk):
         # sparse_mla's torchtitan-npu forms read the model's own top-k indices (re-based), so
         # its attention fuses whether or not this does
         scores_reader, _ = _readers_beyond_the_attention(topk)
-        values = ("; its top-k values are read too (the indexer loss), and the op pads them with -inf where the "
-                  "model's are finfo.min" if scores_reader is not None else "")
+        values = ("; its top-k values are read too (the indexer loss)" if scores_reader is not None else "")
         return ("DeepSeek-V4's compressed lightning indexer as torchtitan-npu's LiCompute writes it (an additive "
-                "finfo.min mask past (t + 1) // compress_rate): no form fuses it into "
-                f"cann_ops_transformer.lightning_indexer yet{values}. The op may order tied scores otherwise, "
-                "which would have to be proven harmless to every reader of its indices")
+                "finfo.min mask past (t + 1) // compress_rate): its scores could not be read as an indexer's "
+                "(sum_h w_h * relu(s * q_h . k)) by the axis algebra, so it is not fused into "
+                f"cann_ops_transformer.lightning_indexer{values}")
     if _masked_by_a_compressed_threshold(topk):
         # left in the graph where sparse_mla refused its CSA site; that pass's near miss for the
         # layer's attention says why (sparse_mla runs first: after=)
@@ -457,10 +489,12 @@ def _ordered(atoms, dims):
 
 
 def _mask_terms(read):
-    """MaskTerms of the scores' masks, or the reason one is not a mask hiding keys with -inf: the
-    op's padded slots stand for the model's hidden keys only where those score exactly -inf."""
+    """(MaskTerms of the scores' masks, the value a hidden key scores), or the reason one is not a mask
+    hiding keys with -inf or with one finite fill f <= -2**127 (an additive finfo.min: score + f rounds
+    to f for |score| < 2**103, _FINITE_FILL_AT_MOST): the op's padded slots stand for the model's hidden
+    keys, whose scores the replacement restores, only where those are one value."""
     roles_of = {**{a: "b" for a in read.batch}, **{a: "s" for a in read.queries}, **{a: "t" for a in read.keys}}
-    terms = []
+    terms, fills = [], set()
     for mask in read.masks:
         roles = []
         for atoms in mask.dims:
@@ -473,13 +507,21 @@ def _mask_terms(read):
             if not (isinstance(mask.fill, float) and mask.fill == float("-inf")):
                 return f"the scores are masked with {mask.fill}, not -inf (the op's padded slots stand for -inf scores)"
             terms.append(MaskTerm(mask.node, "true" if mask.kind == "fill" else "false", roles))
+            fills.add(float("-inf"))
             continue
         values = value_set(mask.node)
-        if values is None or not values <= {0.0, float("-inf")} or 0.0 not in values:
-            return (f"the additive mask {mask.node.name} is not only 0 and -inf"
+        hiding = None if values is None else values - {0.0}
+        if values is None or 0.0 not in values or len(hiding) != 1 or not (
+                hiding == {float("-inf")} or next(iter(hiding)) <= _FINITE_FILL_AT_MOST):
+            return (f"the additive mask {mask.node.name} is not only 0 and -inf (or 0 and one finite fill <= -2**127, "
+                    "which every score below 2**103 leaves unchanged: finfo(float32 / bfloat16).min)"
                     + ("" if values is None else f" (it holds {sorted(values)})"))
         terms.append(MaskTerm(mask.node, "nonzero", roles))
-    return terms
+        fills |= hiding
+    if len(fills) > 1 or (fills and min(fills) != float("-inf") and len(terms) > 1):
+        return ("the scores are masked by several masks, one of them with a finite fill: a key two of them hide "
+                "scores their sum, not one fill")
+    return terms, (fills.pop() if fills else float("-inf"))
 
 
 def recognize(graph, joint):
@@ -520,8 +562,8 @@ def _recognized(topk, evaluation, joint, by_seq=None):
     values, indices = _topk_outputs(topk)
     if indices is None and values is None:
         return None
-    if _masked_by_a_compressed_threshold(topk) or _additively_masked_by_a_compressed_threshold(topk):
-        return None  # DeepSeek-V4's compressed indexer: sparse_mla's, and explain() says so
+    if _masked_by_a_compressed_threshold(topk):
+        return None  # transformers' DeepSeek-V4 indexer: sparse_mla's (with its CSA attention), explain() says so
     read = _read_indexer(evaluation.value(x))
     outputs = [n for n in (values, indices) if n is not None]
     if isinstance(read, str):
@@ -532,12 +574,26 @@ def _recognized(topk, evaluation, joint, by_seq=None):
     terms = _mask_terms(read)
     if isinstance(terms, str):
         return refuse(terms)
+    terms, hidden_value = terms
     queries, keys = meta.shape[1], meta.shape[2]
     mode, why = mask_mode(terms, queries, keys)
+    ratio = None
     if mode not in ("causal", "none"):
-        return refuse(f"the scores' mask is not proven right-down causal or empty ({why}): npu_lightning_indexer's "
-                      "sparse_mode 3 / 0 cannot express it")
-    sparse_mode = 3 if mode == "causal" else 0
+        # DeepSeek-V4's compressed causal mask (torchtitan-npu's LiCompute): cann_ops_transformer.lightning_indexer's
+        # mask_mode 3 with cmp_ratio m
+        ratio, compressed_why = compressed_mask_ratio(terms, queries, keys, _threshold_divisor(terms))
+        if ratio is None:
+            return refuse(f"the scores' mask is not proven right-down causal or empty ({why}), nor DeepSeek-V4's "
+                          f"compressed causal mask ({compressed_why}): npu_lightning_indexer's sparse_mode 3 / 0 and "
+                          "cann_ops_transformer.lightning_indexer's mask_mode 3 with a cmp_ratio cannot express it")
+        why = compressed_why
+        reason = _compressed_sizes_reason(ratio, queries, keys)
+        if reason is not None:
+            return refuse(reason)
+    if hidden_value != float("-inf") and ratio is None:
+        return refuse(f"the scores are masked with {hidden_value:g}, not -inf (the op's padded slots stand for -inf "
+                      "scores; a finite fill is read only with DeepSeek-V4's compressed mask)")
+    sparse_mode = 3 if mode == "causal" or ratio is not None else 0
     count = topk.args[1]
     guard = None
     if isinstance(count, torch.fx.Node):
@@ -558,17 +614,29 @@ def _recognized(topk, evaluation, joint, by_seq=None):
         return None
     trained = None
     if joint and any(is_backward(u) for n in nodes for u in n.users):
+        if ratio is not None:
+            return refuse("in training the indexer's scores get a gradient (its top-k values feed a loss, or its "
+                          "intermediates are saved for a backward): the joint replacement is npu_lightning_indexer's "
+                          "(npu_lightning_indexer_grad), and DeepSeek-V4's compressed mask is "
+                          "cann_ops_transformer.lightning_indexer's, which has no backward op of its own "
+                          "(torchtitan-npu differentiates it only inside the fused KL-loss op, "
+                          "sparse_lightning_indexer_grad_kl_loss)")
         trained = _trained(nodes, inputs, values, outputs, terms, by_seq)
         if isinstance(trained, str):
             # a reader the slot-order analysis refuses says more (a backward weighing the slots' gradients by
             # their position is no region's backward either)
             own = {b for n in nodes for b in by_seq.get(n.meta.get("seq_nr"), ())}
-            return refuse(_readers_reason(values, indices, sparse_mode, queries, keys, own_backward=own) or trained)
-    reason = _readers_reason(values, indices, sparse_mode, queries, keys,
+            return refuse(_readers_reason(values, indices, sparse_mode, queries, keys, ratio, own_backward=own)
+                          or trained)
+    reason = _readers_reason(values, indices, sparse_mode, queries, keys, ratio,
                              own_backward=set(trained.backward.nodes) if trained is not None else frozenset())
     if reason is not None:
         return refuse(reason)
     notes = [f"{why} (the scores' mask)"]
+    if hidden_value != float("-inf") and values is not None:
+        notes.append(f"the model's hidden blocks score score + {hidden_value:g}, which is {hidden_value:g} for every "
+                     "score below 2**103 in magnitude: the replacement gives the op's padded slots that value "
+                     "(the op's -inf would make a softmax over a row that sees no block NaN, the model's uniform)")
     if trained is not None:
         notes.append("in training: the top-k values' gradient reaches query, key and weights through "
                      "npu_lightning_indexer_grad (the padded slots get none, as the model's hidden keys)"
@@ -578,13 +646,14 @@ def _recognized(topk, evaluation, joint, by_seq=None):
                      "and ranks those: keys whose scores differ by about the rounding may be selected differently")
     replace = _recognized_replacement(read, count, sparse_mode, values is not None,
                                       tensor_meta(values).dtype if values is not None else None,
-                                      tensor_meta(indices).dtype if indices is not None else None, guard)
+                                      tensor_meta(indices).dtype if indices is not None else None, guard,
+                                      ratio=ratio, hidden_value=hidden_value)
     replace.rounds = read.rounds
     replace.trained = trained is not None
-    if values is not None and _wider(tensor_meta(values).dtype, replace.dtype):
-        notes.append(f"the op returns the top-k scores in {str(replace.dtype)[6:]} (its query's dtype), the model's are "
-                     f"{str(tensor_meta(values).dtype)[6:]}: each read score within half a {str(replace.dtype)[6:]} "
-                     "ulp of the model's")
+    if values is not None and _wider(tensor_meta(values).dtype, replace.values_dtype):
+        notes.append(f"the op returns the top-k scores in {str(replace.values_dtype)[6:]} (its query's dtype), the "
+                     f"model's are {str(tensor_meta(values).dtype)[6:]}: each read score within half a "
+                     f"{str(replace.values_dtype)[6:]} ulp of the model's")
     sizes = _joint_atom_sizes([(tensor_meta(expr.node), expr.dims) for expr in (read.q, read.k, read.w)])
 
     def size(atoms):
@@ -610,36 +679,8 @@ def _recognized(topk, evaluation, joint, by_seq=None):
                             needs_gradient=trained.roles,
                             backward_output=[backward.gradients[inputs[role]] for role in trained.roles])
     return Recognized(_RECOGNIZED, outputs if len(outputs) > 1 else outputs[0], nodes, inputs, replace, site_args,
-                      fused_op="npu.npu_lightning_indexer", notes=notes, canonical_outputs=replace.canonical,
+                      fused_op=replace.op, notes=notes, canonical_outputs=replace.canonical,
                       **joint_fields)
-
-
-def _joint_atom_sizes(pairs):
-    """{atom: size} over several tensors and their dims (axis_algebra.atom_sizes of each, jointly): a dim
-    holding two symbolic atoms (a leaf with batch and sequence merged, under dynamic shapes) is resolved
-    once the other tensors give all but one of its atoms. Raises NotEvaluable where one stays unknown."""
-    sizes, pending = {}, []
-    for t, dims in pairs:
-        for d, group in enumerate(dims):
-            for a in group:
-                if isinstance(a.size, int):
-                    sizes[a] = a.size
-            pending.append((t.shape[d], group))
-    progress = True
-    while progress:
-        progress = False
-        for total, group in pending:
-            unknown = [a for a in group if a not in sizes]
-            if len(unknown) == 1:
-                known = 1
-                for a in group:
-                    if a is not unknown[0]:
-                        known = known * sizes[a]
-                sizes[unknown[0]] = total // known
-                progress = True
-    if any(a not in sizes for _, group in pending for a in group):
-        raise NotEvaluable("a dim of the indexer's inputs holds symbolic atoms no other input gives the sizes of")
-    return sizes
 
 
 # ---- training: the joint replacement ------------------------------------------------------------
@@ -729,7 +770,73 @@ def _padded_slots_get_no_gradient(gradient, values):
     return None
 
 
-def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard):
+def _joint_atom_sizes(pairs):
+    """{atom: size} over several tensors and their dims (axis_algebra.atom_sizes of each, jointly): a dim
+    holding two symbolic atoms (a leaf with batch and sequence merged, under dynamic shapes) is resolved
+    once the other tensors give all but one of its atoms. Raises NotEvaluable where one stays unknown."""
+    sizes, pending = {}, []
+    for t, dims in pairs:
+        for d, group in enumerate(dims):
+            for a in group:
+                if isinstance(a.size, int):
+                    sizes[a] = a.size
+            pending.append((t.shape[d], group))
+    progress = True
+    while progress:
+        progress = False
+        for total, group in pending:
+            unknown = [a for a in group if a not in sizes]
+            if len(unknown) == 1:
+                known = 1
+                for a in group:
+                    if a is not unknown[0]:
+                        known = known * sizes[a]
+                sizes[unknown[0]] = total // known
+                progress = True
+    if any(a not in sizes for _, group in pending for a in group):
+        raise NotEvaluable("a dim of the indexer's inputs holds symbolic atoms no other input gives the sizes of")
+    return sizes
+
+
+def _threshold_divisor(terms):
+    """The constant divisor of a floor division the masks compute from (the compress ratio m of
+    `(s + 1) // m`), or None: the candidate a mask of symbolic sizes is proven against."""
+    seen, frontier = set(), [t.node for t in terms]
+    while frontier and len(seen) < 60:
+        node = frontier.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen:
+            continue
+        seen.add(node)
+        if is_call(node, aten.floor_divide.default) and isinstance(node.args[1], int):
+            return node.args[1]
+        frontier.extend(node.all_input_nodes)
+    return None
+
+
+def _compressed_sizes_reason(ratio, queries, keys):
+    """Why the op's compressed mask with cmp_ratio `ratio` and cmp_residual_k S - T * ratio is not the proven one
+    for these sizes, or None: the op takes ratios 1..128 and a residual 0 <= S - T * ratio < ratio (its full
+    length S: query i then sees the blocks t < (i + 1) // ratio, the model's)."""
+    limit = COMPRESSED_INDEXER.limits["max_cmp_ratio"]
+    if ratio > limit:
+        return f"compress ratio {ratio}: cann_ops_transformer.lightning_indexer takes 1..{limit}"
+    residual = queries - keys * ratio
+    try:
+        known = known_equal(keys, queries // ratio) or (
+            statically_known_true(residual >= 0) and statically_known_true(residual < ratio))
+    except Exception:  # noqa: BLE001 - a size relation the shape environment cannot decide: not proven
+        known = False
+    if not known:
+        return (f"{keys} blocks of ratio {ratio} for {queries} queries: the op's residual S - T * {ratio} is not "
+                f"proven in [0, {ratio}) (T = S // {ratio})")
+    return None
+
+
+def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard, ratio=None,
+                            hidden_value=float("-inf")):
+    """The fused call: npu_lightning_indexer (sparse_mode 3 / 0), or with a compress ratio (DeepSeek-V4's mask)
+    cann_ops_transformer.lightning_indexer (mask_mode 3, cmp_ratio, cmp_residual_k S - T * ratio); the padded
+    slots given the model's hidden score (`hidden_value`) and hidden key T - 1."""
     q_dims, k_dims, w_dims = read.q.dims, read.k.dims, read.w.dims
     bsnd_q = (read.batch, read.queries, read.heads, read.head_dim)
     bsnd_k = (read.batch, read.keys, (), read.head_dim)
@@ -740,6 +847,8 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
     scale = read.weight_scale
     weights_dtype = read.w.dtype if scale == 1.0 and read.w.dtype in (torch.float16, torch.bfloat16, torch.float32) \
         else torch.float32
+    if ratio is not None:
+        weights_dtype = COMPRESSED_INDEXER.limits["weights_dtype"]  # fp32 weights (w of the COT op)
 
     def npu_lightning_indexer_recognized(query, key, weights):
         sizes = _joint_atom_sizes([(query, q_dims), (key, k_dims), (weights, w_dims)])
@@ -748,15 +857,23 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         w = rearrange(weights, w_dims, bsn_w, sizes).to(weights_dtype)
         if scale != 1.0:
             w = w * scale
-        indices, scores = torch.ops.npu.npu_lightning_indexer(
-            q, k, w, layout_query="BSND", layout_key="BSND", sparse_count=count, sparse_mode=sparse_mode,
-            return_value=return_value)
+        if ratio is None:
+            indices, scores = torch.ops.npu.npu_lightning_indexer(
+                q, k, w, layout_query="BSND", layout_key="BSND", sparse_count=count, sparse_mode=sparse_mode,
+                return_value=return_value)
+        else:
+            # the op's full length T * ratio + residual is S: query i sees the blocks t < (i + 1) // ratio
+            residual = torch.full((q.shape[0],), q.shape[1] - k.shape[1] * ratio, dtype=torch.int32, device=q.device)
+            indices, scores = torch.ops.cann_ops_transformer.lightning_indexer(
+                q, k, w, count, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3,
+                cmp_ratio=ratio, return_value=int(return_value))
         indices = indices.squeeze(2)
         padded = indices < 0
         out = []
         if return_value:
-            # the padded slots' scores: -inf, the model's scores of the hidden keys its top-k lists there
-            out.append(torch.where(padded, float("-inf"), scores.squeeze(2).float()).to(value_dtype))
+            # the padded slots' scores: the model's scores of the hidden keys its top-k lists there (-inf, or
+            # the finite fill f every score leaves unchanged, rounded to the values' dtype as the model's are)
+            out.append(torch.where(padded, hidden_value, scores.squeeze(2).float()).to(value_dtype))
         if index_dtype is not None:
             if sparse_mode == 3:
                 # a hidden key for the padded slots: key T - 1 (_readers_reason proves the readers indifferent
@@ -775,7 +892,11 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         k = rearrange(key, k_dims, bsnd_k, sizes).float().squeeze(2)
         w = rearrange(weights, w_dims, bsn_w, sizes).float() * scale
         scores = (torch.einsum("bshd,btd->bsht", q, k).relu() * w.unsqueeze(-1)).sum(2)
-        if sparse_mode == 3:
+        if ratio is not None:
+            s_len, t_len = scores.shape[-2:]
+            scores = scores.masked_fill(torch.arange(t_len) >= (torch.arange(s_len).unsqueeze(-1) + 1) // ratio,
+                                        float("-inf"))
+        elif sparse_mode == 3:
             s_len, t_len = scores.shape[-2:]
             i = torch.arange(s_len).unsqueeze(-1) + (t_len - s_len)
             scores = scores.masked_fill(torch.arange(t_len) > i, float("-inf"))
@@ -783,6 +904,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         canonical = []
         if return_value:
             values = out.pop(0).float()
+            values = values.masked_fill(values <= _FINITE_FILL_AT_MOST, float("-inf"))  # a hidden key's fill
             canonical.append(values.sort(dim=-1, descending=True).values.nan_to_num(neginf=0.0))
         if index_dtype is not None:
             indices = out.pop(0).long()
@@ -792,6 +914,10 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
 
     npu_lightning_indexer_recognized.canonical = kept_scores
     npu_lightning_indexer_recognized.dtype = dtype
+    # the dtype the op returns its top-k scores in: npu_lightning_indexer's are its query's, the COT op's fp32
+    npu_lightning_indexer_recognized.values_dtype = dtype if ratio is None else torch.float32
+    npu_lightning_indexer_recognized.op = "npu.npu_lightning_indexer" if ratio is None else COMPRESSED_INDEXER.op
+    npu_lightning_indexer_recognized.ratio = ratio
     npu_lightning_indexer_recognized.weights_dtype = weights_dtype
     npu_lightning_indexer_recognized.guard = guard
     npu_lightning_indexer_recognized.count = count
@@ -851,6 +977,7 @@ _SLOT_REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.sum.default, aten.mean.
                               aten.amax.default, aten.amin.default, aten.linalg_vector_norm.default,
                               aten.logsumexp.default, aten.any.dim, aten.all.dim, aten.any.default,
                               aten.all.default, aten.prod.dim_int, aten.prod.default})
+_SORTS = frozenset({aten.sort.default, aten.sort.stable})
 _SLOT_NORMALISE = frozenset({aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default})
 # in a joint graph, the backward of a softmax over the slots: (gradient, output, dim, dtype)
 _SLOT_NORMALISE_BACKWARD = frozenset({aten._softmax_backward_data.default, aten._log_softmax_backward_data.default})
@@ -868,10 +995,11 @@ class _State:
     the query rows (None where a layout move dropped the rows' dim); `visible`: for a comparison of raw
     indices with the query position, whether it is True where the key is visible (None otherwise)."""
 
-    __slots__ = ("kind", "slot", "query", "visible")
+    __slots__ = ("kind", "slot", "query", "visible", "offset")
 
-    def __init__(self, kind, slot, query, visible=None):
+    def __init__(self, kind, slot, query, visible=None, offset=0):
         self.kind, self.slot, self.query, self.visible = kind, slot, query, visible
+        self.offset = offset  # raw: the indices plus this constant (torchtitan-npu's `topk_idxs + offset`)
 
 
 _END = object()  # a value the slot order does not reach (a reduction over the slots, a scattered mask)
@@ -881,9 +1009,10 @@ def _describe(node):
     return f"{node.name} ({node.target})"
 
 
-def _readers_reason(values, indices, sparse_mode, queries, keys, *, own_backward=frozenset()):
+def _readers_reason(values, indices, sparse_mode, queries, keys, ratio=None, *, own_backward=frozenset()):
     """None when every reader of the top-k's values and indices reads the replacement's as the model's
     (order of the slots, the padded slots' keys), else the reason naming the first that does not.
+    `ratio`: DeepSeek-V4's compressed mask (query i sees the blocks t < (i + 1) // ratio), else None.
 
     In a joint graph the backward's nodes that read them are analysed as the forward's are (a gradient
     of per-slot values, permuted with them, is a tracked value too), except `own_backward`: the backward
@@ -906,7 +1035,7 @@ def _readers_reason(values, indices, sparse_mode, queries, keys, *, own_backward
         seen.add(node)
         if len(seen) > _READERS_LIMIT:
             return "the top-k's results are read by more ops than the slot-order analysis follows"
-        state = _END if node in own_backward else _state_of(node, states, sparse_mode, queries, keys)
+        state = _END if node in own_backward else _state_of(node, states, sparse_mode, queries, keys, ratio)
         if isinstance(state, str):
             return state
         if state is _END:
@@ -925,7 +1054,7 @@ def _same_shape(a, b):
     return len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
 
 
-def _state_of(node, states, sparse_mode, queries, keys):
+def _state_of(node, states, sparse_mode, queries, keys, ratio=None):
     """The node's _State from its tracked inputs, _END, or the reason it is refused."""
     if node.op == "output":
         return ("the top-k's results are outputs of the graph (returned, or saved for a backward this pass cannot "
@@ -944,6 +1073,8 @@ def _state_of(node, states, sparse_mode, queries, keys):
             return _END  # attends to the listed keys as a set; hidden ones hidden by its causal mode
         return (f"the top-k's results reach {_describe(node)} other than as the sparse indices of a causal sparse "
                 "attention")
+    if t in _SORTS:  # (a tuple of the sorted values and the permutation)
+        return _sorted(node, tracked, states)
     if meta is None:
         return f"the top-k's results reach {_describe(node)}, which computes no tensor"
     if len(tracked) == 1 and (t in _KEEPS or is_cast(node)):
@@ -965,12 +1096,14 @@ def _state_of(node, states, sparse_mode, queries, keys):
         return _normalise_backward(node, tracked, states)
     if t is aten.gather.default:
         return _gathered(node, tracked, states)
+    if t is aten.cat.default:
+        return _concatenated(node, tracked, states)
     if t in (aten.scatter.value, aten.scatter.src):
         return _scattered(node, tracked, states)
     if t is aten.scatter_add.default:
         return _scattered_added(node, states)
     if t in _ELEMENTWISE or _is_kl_div_backward(node):
-        return _elementwise(node, tracked, states, sparse_mode, queries, keys)
+        return _elementwise(node, tracked, states, sparse_mode, queries, keys, ratio)
     return (f"the top-k's results reach {_describe(node)}, which the slot-order analysis does not know to be "
             "indifferent to the order of the k slots (and to the keys of the slots the op pads)")
 
@@ -1044,7 +1177,7 @@ def _moved(node, state):
     query = position[state.query] if state.query is not None else None
     if slot is None:
         return "the top-k's k slots are dropped by a view"
-    return _State(state.kind, slot, query, state.visible)
+    return _State(state.kind, slot, query, state.visible, state.offset)
 
 
 def _reduced(node, tracked, states):
@@ -1093,7 +1226,7 @@ def _scattered(node, tracked, states):
                 "the model's top-k fills with hidden keys")
     rank = tensor_meta(index).dim()
     if dim % rank != state.slot or (isinstance(source, torch.fx.Node) and not _constant_along(source, None)):
-        return f"the top-k's indices are scattered along another dim than the k slots, or with varying values"
+        return "the top-k's indices are scattered along another dim than the k slots, or with varying values"
     return _END  # one value written at each listed key: the set of keys, not their order
 
 
@@ -1125,6 +1258,8 @@ def _constant_along(node, dim, rank=None):
     constant tensor."""
     if not isinstance(node, torch.fx.Node):
         return True
+    if isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, int, float)):
+        return True  # a scalar (a symbolic size): one value everywhere
     meta = tensor_meta(node)
     if meta is None:
         return False
@@ -1150,7 +1285,7 @@ def _constant_along(node, dim, rank=None):
     return False
 
 
-def _elementwise(node, tracked, states, sparse_mode, queries, keys):
+def _elementwise(node, tracked, states, sparse_mode, queries, keys, ratio=None):
     meta = tensor_meta(node)
     rank = meta.dim()
     shape = meta.shape
@@ -1178,10 +1313,57 @@ def _elementwise(node, tracked, states, sparse_mode, queries, keys):
         if len(tracked) == 1 and is_call(node, *_NOT) and states[tracked[0]].visible is not None:
             visible = not states[tracked[0]].visible
         return _State("perm", slot, query, visible)
-    return _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query)
+    return _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query, ratio)
 
 
-def _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query):
+def _sorted(node, tracked, states):
+    """A sort of a tracked value: its sorted values along the k slots are the model's whatever the slots'
+    order (sparse_mla's replacement sorts the compressed indices so that the -1 slots come last)."""
+    (value,) = tracked
+    state = states[value]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    if node.target is aten.sort.stable:
+        dim = node.kwargs.get("dim", -1)
+    if state.kind != "perm" or node.args[0] is not value or dim % tensor_meta(value).dim() != state.slot:
+        return (f"the top-k's results reach {_describe(node)}, a sort of the key indices (or along another dim than "
+                "the k slots)")
+    if any(not (is_call(u, operator.getitem) and u.args[1] == 0) for u in node.users):
+        return (f"the top-k's results are sorted by {_describe(node)} and the sort's permutation is read: it depends "
+                "on the order of the slots")
+    return _END  # the sorted values: the model's, whatever the slots' order
+
+
+def _concatenated(node, tracked, states):
+    """A cat along the k slots of the model's values (permuted per row) with other columns: the joined row
+    is the model's up to a permutation of its slots too (torchtitan-npu's window indices, then the blocks)."""
+    tensors = node.args[0]
+    rank = tensor_meta(node).dim()
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    for a in tensors:
+        if a in states and (states[a].kind != "perm" or tensor_meta(a).dim() != rank or states[a].slot != dim):
+            return (f"the top-k's results are concatenated by {_describe(node)} along another dim than the k slots "
+                    "(or as the op's raw indices)")
+    queries_at = {states[a].query for a in tensors if a in states}
+    if len(queries_at) != 1:
+        return f"{_describe(node)} concatenates results of the top-k laid out differently"
+    return _State("perm", dim, queries_at.pop())
+
+
+def _offset_of(node, value):
+    """The constant a raw index is shifted by in `node` (add / sub of an int or a size), or None."""
+    if not is_call(node, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar) \
+            or node.args[0] is not value or node.kwargs.get("alpha", 1) != 1:
+        return None
+    other = node.args[1]
+    if isinstance(other, torch.fx.Node):
+        other = other.meta.get("val")
+    if isinstance(other, bool) or not isinstance(other, (int, torch.SymInt)):
+        return None
+    amount = size_expr(other)
+    return amount if node.target in (aten.add.Tensor, aten.add.Scalar) else -amount
+
+
+def _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query, ratio=None):
     """A reader of the op's indices with a hidden key in the padded slots: a comparison with the query's
     last visible key, or a where replacing the slots such a comparison finds hidden."""
     refused = (f"the op's indices reach {_describe(node)}, which reads the key index of every slot: where fewer "
@@ -1191,6 +1373,9 @@ def _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query):
     if query is None:
         return refused
     rank = tensor_meta(node).dim()
+    offset = _offset_of(node, value)
+    if offset is not None:  # the indices shifted by a constant: hidden keys stay hidden keys, shifted alike
+        return _State("raw", slot, query, offset=states[value].offset + offset)
     if node.target in _COMPARE:
         op = _COMPARE[node.target]
         a, b = node.args[:2]
@@ -1202,7 +1387,11 @@ def _read_raw(node, raw, states, sparse_mode, queries, keys, slot, query):
         bound = b if not isinstance(b, torch.fx.Node) else formula_of(b, tensor_meta(node).shape)
         if bound is None:
             return refused + " (its other operand is not computed from sizes)"
-        last = index_symbol(query) + size_expr(keys) - size_expr(queries)  # the query's last visible key
+        if ratio is None:
+            last = index_symbol(query) + size_expr(keys) - size_expr(queries)  # the query's last visible key
+        else:  # DeepSeek-V4's compressed mask: query i sees the blocks t < (i + 1) // ratio
+            last = sympy.floor((index_symbol(query) + 1) / sympy.Integer(ratio)) - 1
+        last = last + states[value].offset
         expected = last + (1 if op in ("lt", "ge") else 0)
         try:
             same = sympy.simplify(sympy.sympify(bound) - expected) == 0

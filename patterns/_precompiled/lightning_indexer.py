@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '959962b0f7a2b638',
+KEY = {'torch': '2.13.0+cpu', 'sources': '86c008fe219b4e4d',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -301,6 +301,41 @@ def mask_mode(terms: Sequence[MaskTerm], queries: Any, keys: Any) -> tuple[Optio
     return symbolic_mask_mode(terms, queries, keys)
 
 
+def compressed_mask_ratio(terms: Sequence[MaskTerm], queries: Any, keys: Any,
+                          candidate: Optional[int] = None) -> tuple[Optional[int], str]:
+    """(m, why) where the terms hide exactly the keys t >= (s + 1) // m of query s, over `queries` x
+    `keys`, in every batch: DeepSeek-V4's compressed causal mask (a query sees the blocks its own
+    token completes; cann_ops_transformer.lightning_indexer's mask_mode 3 with cmp_ratio m and
+    cmp_residual_k S - T * m), with m >= 2; (None, why not) otherwise. Static masks are evaluated
+    and m read off the first query that sees a block (query m - 1), then every entry compared;
+    masks of symbolic sizes are proven for every size against `candidate` (symbolic_values)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if not terms:
+        return None, "the scores are not masked"
+    with unset_fake_temporarily():
+        values = [evaluate_constant(term.node) for term in terms]
+        if all(v is not None for v in values) and isinstance(queries, int) and isinstance(keys, int):
+            hidden = hidden_keys(values, terms)
+            visible = ~torch.broadcast_to(hidden, (hidden.shape[0], queries, keys))
+            seeing = visible.any(-1).any(0).nonzero()
+            if seeing.numel() == 0:
+                return None, "the scores' mask hides every block from every query"
+            m = int(seeing[0]) + 1
+            i = torch.arange(queries).unsqueeze(-1)
+            expected = torch.arange(keys).unsqueeze(0) < (i + 1) // m
+            if m < 2 or not bool((visible == expected).all()):
+                return None, ("the scores' mask is not the compressed causal mask t < (s + 1) // m for any m >= 2 "
+                              "(the first query that sees a block is query m - 1)")
+            return m, f"the scores' mask hides the blocks t >= (s + 1) // {m}"
+    if candidate is None or candidate < 2:
+        return None, ("the scores' mask has symbolic sizes and no compress ratio to prove it against (the top-k's "
+                      "threshold names none)")
+    from .symbolic_values import symbolic_compressed_ratio
+
+    return symbolic_compressed_ratio(terms, candidate)
+
+
 def _static_mode(visible: torch.Tensor) -> tuple[Optional[str], str]:
     mode, why = _sparse_mode(visible, "true")
     return {0: "none", 3: "causal"}.get(mode), why

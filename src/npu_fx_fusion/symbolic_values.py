@@ -401,6 +401,7 @@ _HANDLERS = {
     "ones_like": _fixed(sympy.Integer(1)), "zeros": _fixed(sympy.Integer(0)), "new_zeros": _fixed(sympy.Integer(0)),
     "zeros_like": _fixed(sympy.Integer(0)),
     "add": _binary(lambda a, b: a + b), "sub": _binary(lambda a, b: a - b), "mul": _binary(lambda a, b: a * b),
+    "floor_divide": _binary(lambda a, b: _fold(lambda x, y: sympy.floor(x / y), a, b)),
     "neg": _unary_map(lambda x: -x), "log": _unary_map(_log), "isinf": _unary_map(_isinf),
     "eq": _compare(sympy.Eq), "ne": _compare(sympy.Ne), "lt": _compare(sympy.Lt), "le": _compare(sympy.Le),
     "gt": _compare(sympy.Gt), "ge": _compare(sympy.Ge),
@@ -710,6 +711,28 @@ def _hidden_formula(terms: Sequence[Any], lower: dict) -> Any:
         else:
             parts.append(_as_bool(expr))  # an additive mask: hidden where not 0
     return sympy.Or(*parts)
+
+
+def symbolic_compressed_ratio(terms: Sequence[Any], candidate: int) -> tuple[Optional[int], str]:
+    """(candidate, why) where the terms hide exactly the keys t >= (s + 1) // candidate of query s
+    (DeepSeek-V4's compressed causal mask) for every size, else (None, why not). The proof is an
+    identity of formulas: the mask's hidden formula, over the query and key index symbols, is
+    (after sympy's canonical form) `t >= floor((s + 1) / candidate)` itself; a mask spelled
+    another way that hides the same keys is not proven (not proven, not fused)."""
+    try:
+        hidden = _hidden_formula(terms, _shape_env_lower_bounds(terms))
+    except NotSymbolic as exc:
+        return None, (f"the compressed mask cannot be proven at compile time: it is computed from graph inputs or "
+                      f"in a way the symbolic proof does not follow ({exc})")
+    except Exception as exc:  # noqa: BLE001 - sympy failing on a formula proves nothing
+        return None, f"the compressed mask could not be decided symbolically ({type(exc).__name__}: {exc})"
+    expected = sympy.Ge(_ROLE["t"], sympy.floor((_ROLE["s"] + 1) / sympy.Integer(candidate)))
+    alternatives = {expected, sympy.Le(sympy.floor((_ROLE["s"] + 1) / sympy.Integer(candidate)), _ROLE["t"]),
+                    sympy.Not(sympy.Lt(_ROLE["t"], sympy.floor((_ROLE["s"] + 1) / sympy.Integer(candidate))))}
+    if hidden in alternatives:
+        return candidate, f"the scores' mask hides the blocks t >= (s + 1) // {candidate} (proven for every size)"
+    return None, (f"the scores' mask is not proven to hide exactly the blocks t >= (s + 1) // {candidate} for every "
+                  f"size (its hidden formula: {hidden})")
 
 
 def _shape_env_lower_bounds(terms: Sequence[Any]) -> dict:
