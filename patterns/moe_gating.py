@@ -64,7 +64,8 @@ import torch.nn.functional as F
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from npu_fx_fusion.matching import (SHAPE_ONLY_OPS, Form, FusionPass, NotEvaluable, Recognized, backward_nodes_by_seq,
                                     backward_region, channels_of, evaluate_slice, real_tensors,
-                                    first_refused_use, is_backward, is_call, is_joint_graph, known_equal, tensor_meta)
+                                    first_refused_use, is_backward, is_call, is_joint_graph, known_equal, same_shape,
+                                    tensor_meta)
 
 Node = torch.fx.Node
 
@@ -1061,8 +1062,7 @@ def _unexpanded(node):
 
 def _same_shape_as_input(expand):
     before, after = tensor_meta(expand.args[0]), tensor_meta(expand)
-    return before is not None and after is not None and before.dim() == after.dim() and all(
-        known_equal(a, b) for a, b in zip(before.shape, after.shape))
+    return before is not None and after is not None and same_shape(before, after)
 
 
 def _feeds_a_mask(ids):

@@ -10,7 +10,7 @@ use: importing a pattern module traces and registers nothing.
 # what a region of contractions, reductions and elementwise ops computes, whatever its layouts
 from .axis_algebra import (AxisEvaluation, Expr, MaskedScores, MaskUse, atom_sizes, atoms_of, read_masked_scores,
                            rearrange, rearrange_gradient, scale_and_rest, strip_casts)
-from .canonical import is_backward, is_joint_graph
+from .canonical import is_backward, is_joint_graph, same_shape
 # what a region computes over its tensors' last dims, whatever its spelling (recognize=)
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
                               SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors, region_around,
@@ -39,6 +39,6 @@ __all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "BackwardReg
            "backward_nodes_by_seq", "backward_region", "channel_gather", "channels_of", "constant_on_a_size_range", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
            "decided_nonnegative", "formula_of", "index_symbol", "mask_mode_with_leaf", "size_expr",
            "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
-           "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around",
+           "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around", "same_shape",
            "rearrange", "rearrange_gradient", "region_between", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
            "same_function", "single_terms", "uneven_halves", "users_outside", "with_arguments"]
