@@ -504,10 +504,12 @@ def _mask_terms(read):
             roles.append(found.pop() if found else None)  # a dim of size 1: broadcast
         roles = tuple(roles)
         if mask.kind in ("fill", "keep"):
-            if not (isinstance(mask.fill, float) and mask.fill == float("-inf")):
-                return f"the scores are masked with {mask.fill}, not -inf (the op's padded slots stand for -inf scores)"
+            # written, not added: a hidden key scores the fill itself, whatever its score
+            if not (isinstance(mask.fill, float) and mask.fill <= _FINITE_FILL_AT_MOST):
+                return (f"the scores are masked with {mask.fill}, not -inf or a fill <= -2**127 (finfo(float32 / "
+                        "bfloat16).min), which every score ranks above: the op's padded slots stand for hidden keys")
             terms.append(MaskTerm(mask.node, "true" if mask.kind == "fill" else "false", roles))
-            fills.add(float("-inf"))
+            fills.add(mask.fill)
             continue
         values = value_set(mask.node)
         hiding = None if values is None else values - {0.0}
@@ -590,9 +592,6 @@ def _recognized(topk, evaluation, joint, by_seq=None):
         reason = _compressed_sizes_reason(ratio, queries, keys)
         if reason is not None:
             return refuse(reason)
-    if hidden_value != float("-inf") and ratio is None:
-        return refuse(f"the scores are masked with {hidden_value:g}, not -inf (the op's padded slots stand for -inf "
-                      "scores; a finite fill is read only with DeepSeek-V4's compressed mask)")
     sparse_mode = 3 if mode == "causal" or ratio is not None else 0
     count = topk.args[1]
     guard = None
@@ -634,9 +633,10 @@ def _recognized(topk, evaluation, joint, by_seq=None):
         return refuse(reason)
     notes = [f"{why} (the scores' mask)"]
     if hidden_value != float("-inf") and values is not None:
-        notes.append(f"the model's hidden blocks score score + {hidden_value:g}, which is {hidden_value:g} for every "
-                     "score below 2**103 in magnitude: the replacement gives the op's padded slots that value "
-                     "(the op's -inf would make a softmax over a row that sees no block NaN, the model's uniform)")
+        notes.append(f"the model's hidden keys score {hidden_value:g} (written by a masked fill, or score + "
+                     f"{hidden_value:g}, which is {hidden_value:g} for every score below 2**103 in magnitude): the "
+                     "replacement gives the op's padded slots that value (the op's -inf would make a softmax over "
+                     "a row that sees no key NaN, the model's uniform)")
     if trained is not None:
         notes.append("in training: the top-k values' gradient reaches query, key and weights through "
                      "npu_lightning_indexer_grad (the padded slots get none, as the model's hidden keys)"
@@ -738,8 +738,10 @@ def _trained(nodes, inputs, values, outputs, terms, by_seq):
         if why is not None:
             return (f"in training, behind an additive -inf mask the model's top-k passes the gradient of its padded "
                     f"slots on to the hidden keys it lists there, where the op has none: {why}")
-        note = ("; behind the additive mask the values' gradient is a softmax's over the slots, exactly 0 in the "
-                "padded slots (-inf scores)")
+        note = ("; behind the additive mask the values' gradient is a softmax's over the slots, 0 in the padded "
+                "slots: exactly, beside a visible key's score (the hidden ones' exp is 0), and in a query that sees "
+                "no key, whose softmax is uniform, to the rounding of its sum (the backward of a reader "
+                "indifferent to the slot order is one value in every slot there)")
     roles = [role for role, node in inputs.items() if node in backward.gradients]
     return _Trained(backward, roles, note)
 
@@ -1201,17 +1203,28 @@ def _reduced(node, tracked, states):
             "up query rows whose slots the op may order differently")
 
 
+def _slot_index(node, dim, index, states, access):
+    """The state of `index` when `node` (a gather or scatter, `access`) reads the top-k's indices, permuted
+    along their k slots, along those slots; else why not. Read at the op's indices, a padded slot names
+    another key than the hidden key the model's top-k fills it with."""
+    state = states[index]
+    if state.kind != "perm":
+        return (f"the op's indices reach {_describe(node)}, a {access} at the key indices, where the op pads slots "
+                "the model's top-k fills with hidden keys (which key it reads or writes there differs)")
+    if dim % tensor_meta(index).dim() != state.slot:
+        return f"the top-k's indices are read along another dim than the k slots by {_describe(node)}"
+    return state
+
+
 def _gathered(node, tracked, states):
     src, dim, index = node.args[:3]
     if src in states or index not in states:
         return f"the top-k's results are gathered from by {_describe(node)}"
-    state = states[index]
-    rank = tensor_meta(index).dim()
-    if state.kind != "perm":
-        return (f"the op's indices reach {_describe(node)}, a gather at the key indices, where the op pads slots "
-                "the model's top-k fills with hidden keys (which key the gather reads there differs)")
-    if dim % rank != state.slot or tensor_meta(src).dim() != rank:
-        return f"the top-k's indices are gathered at along another dim than the k slots ({_describe(node)})"
+    state = _slot_index(node, dim, index, states, "gather")
+    if isinstance(state, str):
+        return state
+    if tensor_meta(src).dim() != tensor_meta(index).dim():
+        return f"{_describe(node)} gathers from a tensor of another rank than the top-k's indices"
     return _State("perm", state.slot, state.query)
 
 
@@ -1220,13 +1233,11 @@ def _scattered(node, tracked, states):
     source = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", node.kwargs.get("src"))
     if base in states or index not in states or (isinstance(source, torch.fx.Node) and source in states):
         return f"the top-k's values are scattered by {_describe(node)}"
-    state = states[index]
-    if state.kind != "perm":
-        return (f"the op's indices reach {_describe(node)}, a scatter at the key indices, where the op pads slots "
-                "the model's top-k fills with hidden keys")
-    rank = tensor_meta(index).dim()
-    if dim % rank != state.slot or (isinstance(source, torch.fx.Node) and not _constant_along(source, None)):
-        return "the top-k's indices are scattered along another dim than the k slots, or with varying values"
+    state = _slot_index(node, dim, index, states, "scatter")
+    if isinstance(state, str):
+        return state
+    if isinstance(source, torch.fx.Node) and not _constant_along(source, None):
+        return f"{_describe(node)} writes values that vary along the k slots at the top-k's indices"
     return _END  # one value written at each listed key: the set of keys, not their order
 
 
@@ -1236,15 +1247,12 @@ def _scattered_added(node, states):
     base, dim, index, source = node.args[:4]
     if base in states or index not in states:
         return f"the top-k's results are scattered by {_describe(node)}"
-    state = states[index]
-    rank = tensor_meta(index).dim()
-    if state.kind != "perm":
-        return (f"the op's indices reach {_describe(node)}, a scatter at the key indices, where the op pads slots "
-                "the model's top-k fills with hidden keys")
-    if dim % rank != state.slot:
-        return f"the top-k's indices are scattered along another dim than the k slots ({_describe(node)})"
+    state = _slot_index(node, dim, index, states, "scatter")
+    if isinstance(state, str):
+        return state
     if source in states:
-        if (states[source].kind != "perm" or tensor_meta(source).dim() != rank or states[source].slot != state.slot
+        if (states[source].kind != "perm" or tensor_meta(source).dim() != tensor_meta(index).dim()
+                or states[source].slot != state.slot
                 or not _same_shape(tensor_meta(source).shape, tensor_meta(index).shape)):
             return f"{_describe(node)} adds up values whose slots are not permuted as its indices are"
     elif not _constant_along(source, None):

@@ -74,8 +74,9 @@ class DSAIndexerAttention(torch.nn.Module):
     slots that only a where zeroes), "slot_weighted_grad" (an autograd.Function, the identity forward,
     whose backward weighs each slot's gradient by its position), "scores_too" (the loss reads the
     indexer's scores before the top-k as well);
-    mask: "causal", "fill" (causal, spelled masked_fill: the model's hidden keys get no gradient), or
-    "window" (a sliding window: not a mask the op has); detach: the attention distribution from
+    mask: "causal", "fill" (causal, spelled masked_fill: the model's hidden keys get no gradient),
+    "finfo_fill" / "finfo_causal" (causal, hiding with finfo.min written or added), "fill_1e9" (hiding
+    with -1e9, which a score can rank below), or "window" (a sliding window: not a mask the op has); detach: the attention distribution from
     detached q and k (torchtitan-npu's get_attn_scores)."""
 
     def __init__(self, spelling="rearrange", reader="loss", mask="causal", detach=False):
@@ -90,8 +91,11 @@ class DSAIndexerAttention(torch.nn.Module):
         if self.mask == "window":
             i, j = torch.arange(seqlen).unsqueeze(-1), torch.arange(seqlen).unsqueeze(0)
             attn_mask = torch.where((j <= i) & (j > i - 3), 0.0, float("-inf")).expand(bsz, -1, -1)
-        if self.mask == "fill":
-            index_score = index_score.masked_fill(torch.isinf(attn_mask), float("-inf"))
+        if self.mask in ("fill", "finfo_fill", "fill_1e9"):
+            fill = {"fill": float("-inf"), "finfo_fill": torch.finfo(index_score.dtype).min, "fill_1e9": -1e9}
+            index_score = index_score.masked_fill(torch.isinf(attn_mask), fill[self.mask])
+        elif self.mask == "finfo_causal":  # an additive finfo.min mask, as torchtitan-npu's V4 writes its own
+            index_score = index_score + torch.where(torch.isinf(attn_mask), torch.finfo(index_score.dtype).min, 0.0)
         else:
             index_score = index_score + attn_mask
         topk_score, topk_indices = index_score.topk(min(TOPK, seqlen), dim=-1)
@@ -221,11 +225,27 @@ def test_a_reader_that_sees_the_slot_order_or_the_padded_keys_keeps_it_unfused(r
     torch.testing.assert_close(out, ref)
 
 
-def test_a_mask_that_is_not_causal_keeps_it_unfused():
-    out, ref, report = compile_and_run(DSAIndexerAttention(mask="window"), *_inputs(), config=CONFIG)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("mask", ["finfo_fill", "finfo_causal"])
+def test_a_finfo_min_fill_hides_keys_as_minus_inf_does(mask, dynamic):
+    # every score ranks above f <= -2**127 (written, or added: score + f is f below 2**103); the padded
+    # slots' values are given f back, so the loss's softmax over the slots is the model's
+    out, ref, report = compile_and_run(DSAIndexerAttention(mask=mask), *_inputs(seq=7), config=CONFIG,
+                                       dynamic=dynamic)
+    _check_fused(out, ref, report)
+    (site,) = [s for s in report.sites if s.pass_name == "lightning_indexer"]
+    assert "the model's hidden keys score -3.40282e+38" in site.note, site.note
+
+
+@pytest.mark.parametrize("mask, expected", [
+    ("window", "not proven right-down causal or empty"),
+    ("fill_1e9", "masked with -1000000000.0, not -inf or a fill <= -2**127"),  # a score can rank below it
+])
+def test_a_mask_the_op_does_not_have_keeps_it_unfused(mask, expected):
+    out, ref, report = compile_and_run(DSAIndexerAttention(mask=mask), *_inputs(), config=CONFIG)
     assert report.counts["lightning_indexer"] == 0
     (miss,) = near_miss_reasons(report, "lightning_indexer")
-    assert "not proven right-down causal or empty" in miss, miss
+    assert expected in miss, miss
     torch.testing.assert_close(out, ref)
 
 
@@ -313,7 +333,7 @@ def _assert_trained_fused(backend, attention=1):
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("mask", ["causal", "fill"])
+@pytest.mark.parametrize("mask", ["causal", "fill", "finfo_causal", "finfo_fill"])
 def test_a_training_step_fuses_the_indexer_and_its_backward(mask, dynamic):
     # every input trains: the indexer's q, k and weights through the op's backward, the attention's
     # through npu_sparse_flash_attention_grad and the loss's gather of the attention distribution
@@ -321,7 +341,7 @@ def test_a_training_step_fuses_the_indexer_and_its_backward(mask, dynamic):
     site = _assert_trained_fused(_train(module, _inputs(seq=7), dynamic=dynamic))
     # behind the additive mask the values' gradient must be proven 0 in the padded slots (k = 5 of 7
     # keys: queries 0..3 see fewer than k keys); a masked_fill zeroes the hidden keys' gradient itself
-    assert ("exactly 0 in the padded slots" in site.note) == (mask == "causal"), site.note
+    assert ("softmax's over the slots, 0 in the padded slots" in site.note) == (mask in ("causal", "finfo_causal")), site.note
     assert "in max-autotune: training: npu.npu_lightning_indexer_grad has no GE converter" in site.note
 
 
@@ -477,3 +497,45 @@ def dsv32_indexer_training(dynamic):
             except AssertionError as exc:
                 raise AssertionError(f"{name}.grad: {exc}") from None
     assert trained == 10  # wq_b, wk, k_norm (weight, bias) and weights_proj of both layers' indexers
+
+
+class FewerKeysIndexer(torch.nn.Module):
+    """An indexer over T < S keys under the right-down causal mask, hiding with an additive finfo.min:
+    queries i < S - T see no key, and their top-k lists hidden keys only, all scoring finfo.min."""
+
+    def forward(self, q_idx, k_idx, w):
+        queries, keys = q_idx.shape[1], k_idx.shape[1]
+        scores = _scores("einsum", q_idx, k_idx, w)
+        last_visible = torch.arange(queries).unsqueeze(-1) + (keys - queries)
+        scores = scores + torch.where(torch.arange(keys) > last_visible, torch.finfo(scores.dtype).min, 0.0)
+        values = scores.topk(3, dim=-1).values
+        return F.softmax(values, dim=-1, dtype=torch.float32).square().sum(-1).mean()
+
+
+def _fewer_keys_inputs():
+    q_idx, k_idx, w = _inputs(seq=7)[:3]
+    return q_idx, k_idx[:, :4].clone(), w
+
+
+def test_a_finfo_min_fill_over_fewer_keys_than_queries_fuses_in_inference():
+    # a query that sees no key: the model's values are all finfo.min, and so are the op's padded slots
+    out, ref, report = compile_and_run(FewerKeysIndexer(), *_fewer_keys_inputs(), config=CONFIG)
+    assert report.counts["lightning_indexer"] == 1, report.near_misses
+    assert_close_at_scale(out, ref, 16)
+
+
+def test_a_finfo_min_fill_over_fewer_keys_than_queries_trains_fused():
+    # a query that sees no key has a uniform softmax over its slots: the backward of any reader indifferent
+    # to the slot order is the same in every slot there, and the softmax's backward of a constant is 0 (up
+    # to the rounding of the probabilities' sum): the hidden keys' scores get no gradient, as the op's
+    # padded slots get none
+    inputs = [t.requires_grad_() for t in _fewer_keys_inputs()]
+    backend = RecordingBackend(CONFIG)
+    torch._dynamo.reset()
+    torch.compile(FewerKeysIndexer(), backend=backend, fullgraph=True)(*inputs).backward()
+    assert backend.report.counts["lightning_indexer"] == 1, backend.report.near_misses
+    assert npu_ops(backend.graphs["backward"]).get("npu_lightning_indexer_grad") == 1
+    expected = [t.detach().clone().requires_grad_() for t in inputs]
+    FewerKeysIndexer()(*expected).backward()
+    for got, want in zip(inputs, expected):
+        assert_close_at_scale(got.grad, want.grad, TRAIN_ULPS)

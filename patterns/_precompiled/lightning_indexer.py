@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '86c008fe219b4e4d',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'e6e4d8724c646624',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {
