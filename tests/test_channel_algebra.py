@@ -136,6 +136,35 @@ def test_a_symbolic_trailing_dim_is_not_tracked():
         evaluate_around(_output(gm))
 
 
+def test_a_vector_viewed_with_leading_ones_needs_no_leading_dim_tracked():
+    # nGPT scales q by a (D,) vector viewed as (1, 1, D) (here added, a product being taken whole
+    # as a leaf): its block holds the whole view, and the ones broadcast as absent dims do, so q
+    # keeps tracking its head dim alone (its batch and sequence are symbolic under dynamic shapes,
+    # and could not be tracked)
+    def fn(x, w, c, s):
+        y = w.view(1, 1, 8) + x
+        return y * c + rotate_half(y) * s
+
+    args = (torch.randn(2, 5, 8), torch.randn(8), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+    gm = _graph(fn, *args)
+    evaluated = evaluate_around(_output(gm))
+    assert evaluated.tracked[_node(gm, "x_1")] == 1, evaluated.tracked
+    _check_against_the_region(fn, args, ("x_1", "w_1", "c_1", "s_1"))
+
+
+def test_a_size_one_dim_behind_an_untracked_one_keeps_its_place():
+    # a table (1, S, D) unsqueezed to (1, S, 1, D) against x (B, S, H, D): its 1 stands for the
+    # heads, so x tracks (H, D) and the table's (1, S) line up with x's (B, S), not (S, H)
+    def fn(x, c, s):
+        return x * c.unsqueeze(2) + rotate_half(x) * s.unsqueeze(2)
+
+    args = (torch.randn(2, 5, 3, 8), torch.randn(1, 5, 8), torch.randn(1, 5, 8))
+    gm = _graph(fn, *args)
+    evaluated = evaluate_around(_output(gm))
+    assert evaluated.tracked[_node(gm, "x_1")] == 2, evaluated.tracked
+    assert evaluated.leading_dims(_node(gm, "c_1")) == 2
+
+
 def test_division_by_a_tensor_is_not_modelled():
     gm = _graph(lambda x, y: rotate_half(x) / y, torch.randn(1, 8), torch.randn(1, 8))
     div = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.div.Tensor)

@@ -288,23 +288,36 @@ def _static(sizes: Iterable[Any], node: Node) -> tuple[int, ...]:
 def _aligned(a: _Value, b: _Value) -> tuple[torch.Tensor, torch.Tensor]:
     """The two operands' id blocks over the same number of trailing dims (a broadcast dim
     of size 1 is added where an operand tracks fewer and has size 1 there)."""
-    tracked = max(a.ids.dim(), b.ids.dim())
+    blocks = [_without_leading_ones(a, b.ids.dim()), _without_leading_ones(b, a.ids.dim())]
+    tracked = max(ids.dim() for ids in blocks)
     out = []
-    for v in (a, b):
-        missing = tracked - v.ids.dim()
+    for v, ids in zip((a, b), blocks):
+        missing = tracked - ids.dim()
         if missing <= 0:
-            out.append(v.ids)
+            out.append(ids)
             continue
         # the operand's dims at those positions (right-aligned in the broadcast) are leading
         # for it: they must be absent or of size 1, else its leaves must track them
-        untracked = v.shape[:len(v.shape) - v.ids.dim()]
+        untracked = v.shape[:len(v.shape) - ids.dim()]
         among = untracked[max(0, len(untracked) - missing):]
         if any(not (isinstance(size, int) and size == 1) for size in among):
             if not v.leaves:
                 raise NotEvaluable("a constant broadcast over tracked dims")
             raise _NeedDims(v.leaves, missing)
-        out.append(v.ids.view((1,) * missing + tuple(v.ids.shape)))
+        out.append(ids.view((1,) * missing + tuple(ids.shape)))
     return out[0], out[1]
+
+
+def _without_leading_ones(value: _Value, keep: int) -> torch.Tensor:
+    """`value`'s block without its leading size-1 dims, down to `keep` dims, where the block is
+    the whole value: those dims then broadcast as absent ones do. (A size-1 dim behind an
+    untracked one places what precedes it: a table's (S, 1, D) against x's (S, H, D).)"""
+    ids = value.ids
+    if ids.dim() != value.rank:
+        return ids
+    while ids.dim() > keep and ids.shape[0] == 1:
+        ids = ids[0]
+    return ids
 
 
 # ---- the ops a region may hold -------------------------------------------------------------------
