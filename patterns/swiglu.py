@@ -63,14 +63,37 @@ def sliced_sigmoid(x):
     return gate * torch.sigmoid(gate) * x[..., half:]
 
 
+# nGPT (olmo-core's NormalizedFeedForward): each half scaled per channel before the gate,
+# silu(sw1 * gate) * (sw3 * up). That is silu(x1) * x2 of x scaled by cat(sw1, sw3) along its
+# halves: npu_swiglu of the scaled x (scales of one number or one per channel: check)
+def chunked_scaled(x, gate_scale, up_scale):
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate_scale * gate) * (up_scale * up)
+
+
+def sliced_scaled(x, gate_scale, up_scale):
+    half = x.shape[-1] // 2
+    return F.silu(gate_scale * x[..., :half]) * (up_scale * x[..., half:])
+
+
 # ---- the fused call -----------------------------------------------------------------------
 def npu_swiglu(x):
     # the op takes contiguous input (capabilities: limits["contiguous"]); a no-op when it is
     return torch.ops.npu.npu_swiglu(x.contiguous(), -1)
 
 
+def npu_swiglu_of_scaled_halves(x, gate_scale, up_scale):
+    # one product by both scales, laid along x's halves, then the op (the model's two products
+    # become one; the scaled x is in the dtype the model's products promote to)
+    half = x.shape[-1] // 2
+    scale = torch.cat([gate_scale.reshape(-1).expand(half), up_scale.reshape(-1).expand(half)])
+    return npu_swiglu(x * scale)
+
+
 FORMS = [Form(search, npu_swiglu, dtypes=(torch.float32,))
          for search in (chunked, sliced, chunked_sigmoid, sliced_sigmoid)]
+FORMS += [Form(search, npu_swiglu_of_scaled_halves, dtypes=(torch.float32,))
+          for search in (chunked_scaled, sliced_scaled)]
 
 
 # ---- checks -------------------------------------------------------------------------------
@@ -79,6 +102,10 @@ def check(site):
     reason = unsupported("npu.npu_swiglu", site.soc, x=x)
     if reason:
         return reason
+    if "gate_scale" in site.args:
+        reason = _scales_reason(x, site["gate_scale"], site["up_scale"])
+        if reason:
+            return reason
     if x.shape[-1] % SWIGLU.limits["split_dim_multiple"]:
         return f"the gate_up dim {x.shape[-1]} is odd: npu_swiglu halves it"
     if not SWIGLU.limits["empty"] and not statically_known_true(x.numel() != 0):
@@ -86,6 +113,20 @@ def check(site):
         # zero, and asking would raise GuardOnDataDependentSymNode)
         return (f"the gate_up tensor {list(x.shape)} is or may be empty: npu_swiglu takes no empty "
                 "tensors")
+    return None
+
+
+def _scales_reason(x, gate_scale, up_scale):
+    """Why the scales are not ones the replacement lays side by side cheaply: one number or one
+    per channel (a (h,) vector, size 1 along every other dim). A scale that varies along the rows
+    would be concatenated in full, a copy of the size of x the two products did not make."""
+    for name, scale in (("gate", gate_scale), ("up", up_scale)):
+        if scale.dim() > x.dim():
+            return f"the {name} scale {list(scale.shape)} has more dims than x {list(x.shape)}: the product adds some"
+        if not all(statically_known_true(size == 1) for size in scale.shape[:-1]):
+            return (f"the {name} scale {list(scale.shape)} varies along the rows, not only the channels: laid "
+                    "beside the other half's scale it would be copied in full (x's size), more than the two "
+                    "products it replaces")
     return None
 
 
@@ -334,12 +375,15 @@ PASS = FusionPass(
     name="swiglu",
     fused_op="npu.npu_swiglu",
     forms=FORMS,
-    example={"x": lambda dtype: torch.empty(2, 3, 8, dtype=dtype)},
+    example={"x": lambda dtype: torch.empty(2, 3, 8, dtype=dtype),
+             # the scales per channel, as nGPT's (the check reads any broadcast)
+             "gate_scale": lambda dtype: torch.empty(4, dtype=dtype),
+             "up_scale": lambda dtype: torch.empty(4, dtype=dtype)},
     check=check,
     anchor=anchor,
     anchor_ops=(aten.mul.Tensor,),
     explain=explain,
     # training graphs: npu_swiglu_backward gives x's gradient
-    differentiable=("x",),
+    differentiable=("x", "gate_scale", "up_scale"),
     recognize=recognize,
 )

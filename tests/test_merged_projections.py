@@ -326,3 +326,51 @@ def test_a_graph_dynamo_reuses_for_another_instance_computes_with_that_instances
         torch.testing.assert_close(param, before, rtol=0, atol=0)
     # said once for the graph, not at each of its four borrowing calls
     assert caplog.text.count("called with another module's parameters") == 1
+
+
+class ScaledSwiGLU(nn.Module):
+    """olmo-core's nGPT feed-forward: gate and up scaled before they meet,
+    w2(silu(sw1 * w1(x)) * (sw3 * w3(x))); `gate_scale`: sw1's shape (per channel, or per row)."""
+
+    def __init__(self, gate_scale=(FFN,)):
+        super().__init__()
+        self.w1 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w3 = nn.Linear(HIDDEN, FFN, bias=False)
+        self.w2 = nn.Linear(FFN, HIDDEN, bias=False)
+        self.sw1 = nn.Parameter(torch.rand(gate_scale) + 0.5)
+        self.sw3 = nn.Parameter(torch.rand(FFN) + 0.5)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.sw1 * self.w1(x)) * (self.w3(x) * self.sw3))
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_training_merges_a_swiglu_scaled_per_channel(dynamic):
+    """The scales stand between the linears and the silu-gated product: per channel, the merged
+    output's halves scaled still fuse (the swiglu pass's scaled forms), so the pair merges; the
+    gradients, the scales' included, equal eager's (64 ulp at scale, as above)."""
+    model, reference = _model(ScaledSwiGLU).train(), _model(ScaledSwiGLU).train()
+    x = torch.randn(2, 3, HIDDEN)
+    backend = EmulationBackend(nff.FusionConfig())
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, dynamic=dynamic)(x)
+    out.pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    assert_close_at_scale(out, expected, 4)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_close_at_scale(p.grad, q.grad, 64)
+    assert backend.report.counts[PASS] == 1
+    assert backend.report.fused_ops.get("npu.npu_swiglu") == 1
+    assert backend.report.fused_ops.get("npu.npu_swiglu_backward") == 1
+
+
+def test_training_keeps_a_swiglu_scaled_per_row_separate():
+    """A gate scale that varies along the rows would not fuse (its concatenation copies it in full):
+    the weights are not concatenated for nothing."""
+    model = _model(ScaledSwiGLU, gate_scale=(3, 1)).train()
+    backend = EmulationBackend(nff.FusionConfig())
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(2, 3, HIDDEN)).sum().backward()
+    assert backend.report.counts[PASS] == 0
+    assert backend.report.fused_ops.get("npu.npu_swiglu") is None

@@ -21,6 +21,7 @@ Tolerances, measured on the CPU stand-in (npu_ops/activation.py) against eager:
   scale of the output (helpers.assert_close_at_scale). Measured over 15 seeds: at most
   1 ulp at scale for one MLP and for the 2-layer stack; we allow 2 and 4.
 """
+import copy
 import inspect
 
 import pytest
@@ -687,3 +688,68 @@ def test_experts_gate_and_up_by_stacked_weights_say_why_they_are_not_merged():
     (reason,) = near_miss_reasons(report, "swiglu")
     assert "two stacked weights (w1, w3)" in reason and "would change their strides" in reason, reason
     torch.testing.assert_close(out, ref)
+
+
+# ---- halves scaled before the gate (nGPT) ------------------------------------------------------
+class ScaledHalvesMLP(MLP):
+    """olmo-core's NormalizedFeedForward on one gate_up projection: each half scaled before the
+    gate, silu(sw1 * gate) * (sw3 * up); the scales' shapes given (per channel, one number, per row)."""
+
+    def __init__(self, spelling="chunk", gate_shape=(FFN,), up_shape=(FFN,)):
+        super().__init__()
+        self.spelling = spelling
+        self.sw1 = torch.nn.Parameter(torch.rand(gate_shape) + 0.5)
+        self.sw3 = torch.nn.Parameter(torch.rand(up_shape) + 0.5)
+
+    def forward(self, x):
+        h = self.gate_up_proj(x)
+        if self.spelling == "chunk":
+            gate, up = h.chunk(2, dim=-1)
+        else:
+            gate, up = h[..., :FFN], h[..., FFN:]
+        return self.down_proj(F.silu(self.sw1 * gate) * (up * self.sw3))
+
+
+SCALES = {"per channel": ((FFN,), (FFN,)), "viewed (1, 1, h)": ((1, 1, FFN), (FFN,)), "one number": ((1,), (FFN,))}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("spelling", ["chunk", "slice"])
+def test_halves_scaled_before_the_gate_fuse(spelling, scales, dtype, dynamic):
+    # x * cat(s1, s2) rounds each scaled element as the model's s1 * gate does (the same product),
+    # then the op is npu_swiglu's: the tolerances of the unscaled forms (module docstring)
+    module = ScaledHalvesMLP(spelling, *SCALES[scales]).to(dtype)
+    out, ref, report = compile_and_run(module, _inputs(dtype), config=ONLY_SWIGLU, dynamic=dynamic)
+    _assert_fused(report, ["chunked_scaled"])  # (slices are a split's in an inference graph)
+    assert_close_at_scale(out, ref, AT_SCALE[dtype])
+
+
+def test_halves_scaled_per_row_say_why():
+    module = ScaledHalvesMLP("chunk", (2, 5, 1), (FFN,))
+    out, ref, report = compile_and_run(module, _inputs(torch.float32), config=ONLY_SWIGLU)
+    assert report.counts["swiglu"] == 0
+    (reason,) = near_miss_reasons(report, "swiglu")
+    assert "the gate scale [2, 5, 1] varies along the rows" in reason, reason
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("spelling", ["chunk", "slice"])
+def test_halves_scaled_before_the_gate_train_fused(spelling):
+    # the scales' gradients come from autograd of x * cat(s1, s2): the sums over the rows of the
+    # op's input gradient times x, each half's to its scale (fp32: within 4 ulp at scale)
+    module = ScaledHalvesMLP(spelling)
+    eager = copy.deepcopy(module)
+    x = _inputs(torch.float32).requires_grad_()
+    backend = EmulationBackend(ONLY_SWIGLU)
+    torch._dynamo.reset()
+    torch.compile(module, backend=backend)(x).square().sum().backward()
+    report = backend.report
+    assert report.counts["swiglu"] == 1, report.near_misses
+    assert report.fused_ops == {"npu.npu_swiglu": 1, "npu.npu_swiglu_backward": 1}
+    x_eager = x.detach().clone().requires_grad_()
+    eager(x_eager).square().sum().backward()
+    assert_close_at_scale(x.grad, x_eager.grad, 4)
+    for name, parameter in module.named_parameters():
+        assert_close_at_scale(parameter.grad, dict(eager.named_parameters())[name].grad, 4)

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1ecb0c0f353c2886',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9cf6aca4df893253',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
@@ -22,6 +22,10 @@ FORMS = {
     'chunked_sigmoid -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
         'keywords': []},
     'sliced_sigmoid -> npu_swiglu @ float32': {'emitted_ops': ('npu.npu_swiglu',),
+        'keywords': []},
+    'chunked_scaled -> npu_swiglu_of_scaled_halves @ float32': {'emitted_ops': ('npu.npu_swiglu',),
+        'keywords': []},
+    'sliced_scaled -> npu_swiglu_of_scaled_halves @ float32': {'emitted_ops': ('npu.npu_swiglu',),
         'keywords': []},
 }
 
@@ -34,7 +38,19 @@ def _p0():  # chunked [forward]
     pattern = CallFunction(aten.mul.Tensor, silu_default, slice_Tensor_1, _users=0)
     return pattern
 
-def _p1():  # chunked [joint]
+def _p1():  # chunked_scaled [forward]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1)
+    pattern = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1, _users=0)
+    return pattern
+
+def _p2():  # chunked [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
     silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
@@ -50,7 +66,7 @@ def _p1():  # chunked [joint]
     ])
     return pattern
 
-def _p2():  # sliced [joint]
+def _p3():  # sliced [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
     silu_default = CallFunction(aten.silu.default, slice_Tensor, _users=2)
@@ -68,7 +84,7 @@ def _p2():  # sliced [joint]
     ])
     return pattern
 
-def _p3():  # chunked_sigmoid [joint]
+def _p4():  # chunked_sigmoid [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
     sigmoid_default = CallFunction(aten.sigmoid.default, slice_Tensor, _users=3)
@@ -88,7 +104,7 @@ def _p3():  # chunked_sigmoid [joint]
     ])
     return pattern
 
-def _p4():  # sliced_sigmoid [joint]
+def _p5():  # sliced_sigmoid [joint]
     arg_x = KeywordArg('x')
     slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=3)
     sigmoid_default = CallFunction(aten.sigmoid.default, slice_Tensor, _users=3)
@@ -110,18 +126,338 @@ def _p4():  # sliced_sigmoid [joint]
     ])
     return pattern
 
+def _p6():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor, _users=2)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default, _users=2)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    cat_default = CallFunction(aten.cat.default, [mul_Tensor_4, mul_Tensor_6], Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, silu_backward_default, slice_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_5, slice_Tensor_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_8, Ignored(), True)
+    view_default_1 = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      cat_default,
+      view_default,
+      view_default_1
+    ])
+    return pattern
+
+def _p7():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor, _users=2)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    cat_default = CallFunction(aten.cat.default, [mul_Tensor_4, mul_Tensor_6], Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, silu_backward_default, slice_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      cat_default,
+      view_default,
+      None
+    ])
+    return pattern
+
+def _p8():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default, _users=2)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    cat_default = CallFunction(aten.cat.default, [mul_Tensor_4, mul_Tensor_6], Ignored())
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, mul_Tensor_5, slice_Tensor_1)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      cat_default,
+      None,
+      view_default
+    ])
+    return pattern
+
+def _p9():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, slice_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_4, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, slice_Tensor_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_6, Ignored(), True)
+    view_default_1 = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      None,
+      view_default,
+      view_default_1
+    ])
+    return pattern
+
+def _p10():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    cat_default = CallFunction(aten.cat.default, [mul_Tensor_4, mul_Tensor_6], Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      cat_default,
+      None,
+      None
+    ])
+    return pattern
+
+def _p11():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, slice_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_4, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      None,
+      view_default,
+      None
+    ])
+    return pattern
+
+def _p12():  # chunked_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, mul_Tensor_3, slice_Tensor_1)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_4, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      None,
+      None,
+      view_default
+    ])
+    return pattern
+
+def _p13():  # sliced_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor, _users=2)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    slice_backward_default = CallFunction(aten.slice_backward.default, mul_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default, _users=2)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, mul_Tensor_6, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_1)
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, silu_backward_default, slice_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    mul_Tensor_8 = CallFunction(aten.mul.Tensor, mul_Tensor_5, slice_Tensor_1)
+    sum_dim_IntList_1 = CallFunction(aten.sum.dim_IntList, mul_Tensor_8, Ignored(), True)
+    view_default_1 = CallFunction(aten.view.default, sum_dim_IntList_1, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      add_Tensor,
+      view_default,
+      view_default_1
+    ])
+    return pattern
+
+def _p14():  # sliced_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor, _users=2)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    slice_backward_default = CallFunction(aten.slice_backward.default, mul_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, mul_Tensor_6, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_1)
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, silu_backward_default, slice_Tensor)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      add_Tensor,
+      view_default,
+      None
+    ])
+    return pattern
+
+def _p15():  # sliced_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored(), _users=2)
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    slice_backward_default = CallFunction(aten.slice_backward.default, mul_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default, _users=2)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, mul_Tensor_6, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_1)
+    mul_Tensor_7 = CallFunction(aten.mul.Tensor, mul_Tensor_5, slice_Tensor_1)
+    sum_dim_IntList = CallFunction(aten.sum.dim_IntList, mul_Tensor_7, Ignored(), True)
+    view_default = CallFunction(aten.view.default, sum_dim_IntList, Ignored())
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      add_Tensor,
+      None,
+      view_default
+    ])
+    return pattern
+
+def _p16():  # sliced_scaled [joint]
+    arg_gate_scale = KeywordArg('gate_scale')
+    arg_x = KeywordArg('x')
+    slice_Tensor = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor = CallFunction(aten.mul.Tensor, arg_gate_scale, slice_Tensor, _users=2)
+    silu_default = CallFunction(aten.silu.default, mul_Tensor, _users=2)
+    arg_up_scale = KeywordArg('up_scale')
+    slice_Tensor_1 = CallFunction(aten.slice.Tensor, arg_x, Ignored(), Ignored(), Ignored())
+    mul_Tensor_1 = CallFunction(aten.mul.Tensor, arg_up_scale, slice_Tensor_1, _users=2)
+    mul_Tensor_2 = CallFunction(aten.mul.Tensor, silu_default, mul_Tensor_1)
+    arg_tangents_1 = KeywordArg('tangents_1')
+    mul_Tensor_3 = CallFunction(aten.mul.Tensor, arg_tangents_1, mul_Tensor_1)
+    silu_backward_default = CallFunction(aten.silu_backward.default, mul_Tensor_3, mul_Tensor)
+    mul_Tensor_4 = CallFunction(aten.mul.Tensor, silu_backward_default, arg_gate_scale)
+    slice_backward_default = CallFunction(aten.slice_backward.default, mul_Tensor_4, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    mul_Tensor_5 = CallFunction(aten.mul.Tensor, arg_tangents_1, silu_default)
+    mul_Tensor_6 = CallFunction(aten.mul.Tensor, mul_Tensor_5, arg_up_scale)
+    slice_backward_default_1 = CallFunction(aten.slice_backward.default, mul_Tensor_6, Ignored(), Ignored(), Ignored(), Ignored(), Ignored())
+    add_Tensor = CallFunction(aten.add.Tensor, slice_backward_default, slice_backward_default_1)
+    pattern = MultiOutputPattern([mul_Tensor_2,
+      add_Tensor,
+      None,
+      None
+    ])
+    return pattern
+
 
 # (form key, kind, arguments traced as requiring grad, the (op, target)s a match
 #  starts from (one per spelling of the pattern's root: spellings.py), pattern builder)
 REGISTRATIONS = [
     ('chunked -> npu_swiglu @ float32', 'forward', (),
      (('call_function', 'aten.mul.Tensor'),), _p0),  # form 0
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'forward', (),
+     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 4
     ('chunked -> npu_swiglu @ float32', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p1),  # form 0
+     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 0
     ('sliced -> npu_swiglu @ float32', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p2),  # form 1
+     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 1
     ('chunked_sigmoid -> npu_swiglu @ float32', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p3),  # form 2
+     (('call_function', 'aten.mul.Tensor'),), _p4),  # form 2
     ('sliced_sigmoid -> npu_swiglu @ float32', 'joint', ('x',),
-     (('call_function', 'aten.mul.Tensor'),), _p4),  # form 3
+     (('call_function', 'aten.mul.Tensor'),), _p5),  # form 3
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x', 'gate_scale', 'up_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p6),  # form 4
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x', 'gate_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p7),  # form 4
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x', 'up_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p8),  # form 4
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('gate_scale', 'up_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p9),  # form 4
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p10),  # form 4
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('gate_scale',),
+     (('call_function', 'aten.mul.Tensor'),), _p11),  # form 4
+    ('chunked_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('up_scale',),
+     (('call_function', 'aten.mul.Tensor'),), _p12),  # form 4
+    ('sliced_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x', 'gate_scale', 'up_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p13),  # form 5
+    ('sliced_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x', 'gate_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p14),  # form 5
+    ('sliced_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x', 'up_scale'),
+     (('call_function', 'aten.mul.Tensor'),), _p15),  # form 5
+    ('sliced_scaled -> npu_swiglu_of_scaled_halves @ float32', 'joint', ('x',),
+     (('call_function', 'aten.mul.Tensor'),), _p16),  # form 5
 ]

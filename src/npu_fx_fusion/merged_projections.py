@@ -299,14 +299,30 @@ def _swiglu_pairs(linears: Sequence[Node]) -> list[tuple[Node, Node]]:
     linear in one pair at most."""
     pairs, taken = [], set()
     for gate in linears:
-        for silu in ([] if gate in taken else _silus_of(gate)):
+        silus = [] if gate in taken else [silu for g in _scaled_per_channel(gate) for silu in _silus_of(g)]
+        for silu in silus:
             up = next((other for other in linears if other is not gate and other not in taken
-                       and any(_is_product_of(user, silu, other) for user in silu.users)), None)
+                       and any(_is_product_of(user, silu, u) for user in silu.users
+                               for u in _scaled_per_channel(other))), None)
             if up is not None:
                 pairs.append((gate, up))
                 taken.update((gate, up))
                 break
     return pairs
+
+
+def _scaled_per_channel(node: Node) -> list[Node]:
+    """`node`, and its products by a per-channel tensor (nGPT's sw1 * gate, sw1 of shape (h,)): what
+    the swiglu pass still reads as a half of the merged output (patterns/swiglu.py, the scaled
+    forms)."""
+    def per_channel(factor: Any) -> bool:
+        value = factor.meta.get("example_value") if isinstance(factor, Node) else None
+        return (isinstance(value, torch.Tensor) and value.dim() > 0
+                and all(isinstance(size, int) and size == 1 for size in value.shape[:-1]))
+
+    return [node] + [user for user in node.users
+                     if dynamo_call(user, DYNAMO_PRODUCTS, "mul") and len(user.args) == 2 and node in user.args
+                     and per_channel(user.args[1] if user.args[0] is node else user.args[0])]
 
 
 def _silus_of(node: Node) -> list[Node]:
