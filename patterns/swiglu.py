@@ -198,6 +198,15 @@ def _reads_stacked_experts(projection):
     return meta is not None and meta.dim() == 3
 
 
+def _scaled_projection(node):
+    """The projection `node` is, or that `node` scales (a product of it by another factor), or None."""
+    if _is_projection(node):
+        return node
+    if is_call(node, aten.mul.Tensor):
+        return next((a for a in node.args[:2] if isinstance(a, torch.fx.Node) and _is_projection(a)), None)
+    return None
+
+
 def anchor(node):
     return is_call(node, aten.mul.Tensor) and _silu_and_other(node) is not None
 
@@ -223,6 +232,11 @@ def explain(mul):
                     "merged_projections merges nn.Linear weights "
                     "only (re-pointing stacked expert weights into one buffer would change their strides, and "
                     "dynamo would recompile), and concatenating them would add a copy of the experts per step")
+        scaled = [_scaled_projection(node) for node in (gate, up)]
+        if all(scaled) and (gate, up) != tuple(scaled):
+            return ("gate and up come from separate projections, scaled before they meet (nGPT's sw1 * w1(x)): "
+                    "npu_swiglu needs them as the two halves of one tensor, and merged_projections merges them "
+                    "only where each scale is one number or one per channel (its report says why it did not)")
         if _is_projection(gate) and _is_projection(up):
             return ("gate and up come from separate projections: npu_swiglu needs them as the two "
                     "halves of one tensor (one gate_up projection), and concatenating them would "

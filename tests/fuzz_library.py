@@ -287,7 +287,8 @@ ROPES = {
 
 
 # ---- SwiGLU ---------------------------------------------------------------------------------
-def _mlp_inputs(experts=False):
+def _mlp_inputs(experts=False, scales=None):
+    """scales: None, or nGPT's per-channel sw1 / sw3 ("channel": (H,)), or per-row ones ("row": (N, 1))."""
     def make(rng, gen, dtype):
         D, H = rng.choice([8, 16]), rng.choice([8, 16, 32])
         lead = [rng.randint(1, 3), rng.randint(1, 5)]
@@ -300,6 +301,8 @@ def _mlp_inputs(experts=False):
                 module.w3 = nn.Parameter(_randn(gen, E, D, H, scale=D ** -0.5).to(dtype))
                 module.w2 = nn.Parameter(_randn(gen, E, H, D, scale=H ** -0.5).to(dtype))
             return (x,), f"x {[E, lead[1], D]}, experts {E} x ({D}, {H})", init
+        if scales == "row":  # rows that differ: at least two of them
+            lead[1] = max(lead[1], 2)
         x = _randn(gen, *lead, D, scale=2.0).to(dtype)
 
         def init(module):
@@ -309,7 +312,11 @@ def _mlp_inputs(experts=False):
             with torch.no_grad():
                 for p in module.parameters():
                     p.copy_(_randn(gen, *p.shape, scale=p.shape[-1] ** -0.5))
-        return (x,), f"x {lead + [D]}, hidden {H}", init
+            if scales is not None:
+                shape = (H,) if scales == "channel" else (lead[1], 1)
+                module.sw1 = nn.Parameter((torch.rand(shape, generator=gen) + 0.5).to(dtype))
+                module.sw3 = nn.Parameter((torch.rand(shape, generator=gen) + 0.5).to(dtype))
+        return (x,), f"x {lead + [D]}, hidden {H}" + (f", {scales} scales" if scales else ""), init
     return make
 
 
@@ -333,6 +340,20 @@ MLPS = {
         "    x = x.type_as(self.w1)\n"
         "    return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2).to(dtype=og_dtype)",
         _mlp_inputs(experts=True), {}, kind="limit", limit=SEPARATE),
+    "olmo_core.NormalizedFeedForward": Spelling(
+        "olmo-core nn/feed_forward.py:253-256 (nGPT): silu(sw1 * w1(x)) * (sw3 * w3(x)), the two projections' "
+        "outputs scaled per channel before they meet", "swiglu",
+        "def forward(self, x):\n"
+        "    sw1 = self.sw1 * ((1.0 / 0.5) * 4.0)\n"
+        "    sw3 = self.sw3 * (1.0 / 0.5)\n"
+        "    return self.proj(F.silu(sw1 * self.fc_1(x)) * (sw3 * self.fc_2(x)))",
+        _mlp_inputs(scales="channel"), {"swiglu": 1}),
+    "olmo_core.NormalizedFeedForward_per_row": Spelling(
+        "nGPT's feed-forward with scales per token row instead of per channel: the concatenated scale would be "
+        "a full copy, so it stays unfused, saying why", "swiglu",
+        "def forward(self, x):\n"
+        "    return self.proj(F.silu(self.sw1 * self.fc_1(x)) * (self.sw3 * self.fc_2(x)))",
+        _mlp_inputs(scales="row"), {}, kind="limit", limit=r"varies along the rows|" + SEPARATE + ", scaled"),
     "litgpt.GemmaMLP": Spelling(
         "litgpt model.py:835: GeGLU, gelu(fc_1(x)) * fc_2(x): a look-alike (gelu, not silu)", "swiglu",
         "def forward(self, x):\n"

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '9cf6aca4df893253',
+KEY = {'torch': '2.13.0+cpu', 'sources': '400f22206cee0786',
        'backward': {'npu.npu_swiglu': True}}
 
 FORMS = {
