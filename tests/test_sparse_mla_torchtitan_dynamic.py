@@ -225,3 +225,35 @@ def test_the_same_variant_fuses_when_nothing_is_wrong(monkeypatch):
             assert_close_at_scale(out, ref, 8)
     assert len(graphs) == 1
     assert backend.report.counts["sparse_mla"] == 1, near_miss_reasons(backend.report, "sparse_mla")
+
+
+# ---- training: the joint graph under dynamic=True --------------------------------------------------
+class Projected(nn.Module):
+    """Derived (fp32) behind projections of one (B, S, 16) input, as the model's q / kv come from its
+    projections: under dynamic=True batch and length are symbolic, the heads and head dims fixed."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.derived = Derived(kind)
+        self.derived.inner.autocast = False
+        self.wq, self.wkv = nn.Linear(16, 4 * 512), nn.Linear(16, 512)
+        self.wqi, self.ww = nn.Linear(16, 16 * 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        indexer = [self.wqi(x).view(batch, seq, 16, 16), self.ww(x)] if self.kind == "csa" else []
+        return self.derived(self.wq(x).view(batch, seq, 4, 512), self.wkv(x), *indexer)
+
+
+@pytest.mark.parametrize("kind", ["swa", "hca", "csa"])
+def test_trains_through_sparse_flash_mla_grad_under_dynamic_shapes(kind, a2_limits_of_the_tiny_sizes, monkeypatch):
+    # (fp32: A2's dtype limit set aside; the gradients as tests/test_sparse_mla_torchtitan.py's, 16 ulp)
+    from v4_modules import fused_calls, train_and_compare
+
+    monkeypatch.setattr(sparse_mla, "unsupported", lambda *args, **kwargs: None)
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 16)
+    backend = train_and_compare(Projected(kind), [x], A2, {torch.float32: 16}, dynamic=True)
+    assert fused_calls(backend.graphs["backward"]).get("cann_ops_transformer.sparse_flash_mla_grad") == 1
+    assert near_miss_reasons(backend.report, "sparse_mla") == []
