@@ -257,3 +257,50 @@ def test_trains_through_sparse_flash_mla_grad_under_dynamic_shapes(kind, a2_limi
     backend = train_and_compare(Projected(kind), [x], A2, {torch.float32: 16}, dynamic=True)
     assert fused_calls(backend.graphs["backward"]).get("cann_ops_transformer.sparse_flash_mla_grad") == 1
     assert near_miss_reasons(backend.report, "sparse_mla") == []
+
+
+# ---- the whole tiny torchtitan-npu V4 (bf16) under dynamic=True, in a process of its own -----------
+def v4_model_fuses_its_three_attentions_for_every_length():
+    """(in_subprocess: the model needs torchtitan 0.2.2) Its three layers (SWA, CSA with LiCompute,
+    HCA), on A2 with the tiny sizes' kernel limits set aside (head dim 32, ratio 8, top-3): the three
+    attentions fuse, and a second length (32 tokens) compiles no attention graph again."""
+    from helpers import torchtitan_npu
+
+    sparse_mla.SMLA.limits.update(head_dim=32, cmp_ratios_a2_a3=(1, 4, 8, 128), csa_topk_a2_a3=(3, 512, 1024))
+    tiny = torchtitan_npu().build_third_party("torchtitan_npu", "deepseek_v4", dtype=torch.bfloat16)
+    backend = nff.get_npu_backend(fusion_config=A2)
+    fused_after_each_graph = []  # the run's report's count of sparse_mla sites, after each graph compiled
+
+    def counting(gm, example_inputs):
+        compiled_graph = backend(gm, example_inputs)
+        fused_after_each_graph.append(nff.last_report().counts.get("sparse_mla", 0))
+        return compiled_graph
+
+    def sites_fused():  # (each graph that fused adds its sites, whether or not the report is a new run's)
+        counts = [0, *fused_after_each_graph]
+        return sum(max(b - a, 0) for a, b in zip(counts, counts[1:]))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny.model, backend=counting, dynamic=True)
+    (ids,) = tiny.example_inputs
+    with torch.no_grad():
+        for tokens in (ids, torch.cat([ids, ids.flip(1)], dim=1)):
+            out, ref = compiled(tokens), tiny.model(tokens)
+            # bf16 through three layers, the fused attention rounding P once as the op does: within 2 %
+            # of the output's scale (measured 0.4 %)
+            assert (out.float() - ref.float()).abs().max() <= 2e-2 * ref.float().abs().max()
+            if tokens is ids:
+                assert sites_fused() == 3, fused_after_each_graph
+                graphs_at_16 = len(fused_after_each_graph)
+    # at 32 tokens the model compiles one graph more, with this pass or without it (13 -> 14 graphs
+    # either way: its MoE's expert loop breaks the graph on data, and another resume point is reached);
+    # no attention graph is compiled again for the length (the unit tests count one compile for two
+    # lengths), and the site of that new graph fuses too
+    assert len(fused_after_each_graph) - graphs_at_16 <= 1, fused_after_each_graph
+    assert [m.reason for m in nff.last_report().near_misses if m.pass_name == "sparse_mla"] == []
+
+
+def test_the_tiny_v4_model_fuses_its_three_attentions_for_every_length():
+    from helpers import in_subprocess
+
+    in_subprocess("test_sparse_mla_torchtitan_dynamic", "v4_model_fuses_its_three_attentions_for_every_length()")
