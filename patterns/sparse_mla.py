@@ -48,6 +48,15 @@ window indices are evaluated, its compressed ones must be where(k >= (t + 1) // 
 top-k's indices over the T blocks; the op then reads the model's own indices (re-based, -1 last).
 cmp_ratio is S // T, proven to be the model's m.
 
+Under dynamic shapes (symbolic S, B) torchtitan-npu's forms are proven for every size
+(_symbolic_torchtitan_reason): each index list / mask computed from sizes only is a formula of its
+indices and the size symbols (symbolic_values, scatter included), and the band, the thresholds
+w < (t + 1) // m, the padding lane S + T (a symbolic scalar the check proves: symbolic_scalars) and
+T = S // m are decided for all of them; sizes are compared by proofs, so an accepted site guards
+nothing. Only the convention without metadata (A2 / A3) fuses then: sparse_flash_mla_metadata takes
+the batch and sequence lengths as int attributes (METADATA_LIMIT). transformers' forms keep SYMBOLIC
+(their mask and position proofs evaluate at static sizes).
+
 Layouts: transformers keeps q as (B, H, S, D); the op takes BSND, and returns what
 transformers returns after its `transpose(1, 2).contiguous()`. Kernel limits the tiny
 models miss (D 512, H in {1, 2, ..., 128}, bf16 / fp16, A2/A3's m in {1, 4, 128} and CSA
@@ -70,14 +79,17 @@ canonical.gradient_copies_apart); the engine's joint-graph canonicalisation
 """
 import operator
 
+import sympy
 import torch
 import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, unsupported
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason, evaluate_constant, hides
-from npu_fx_fusion.matching import Form, FusionPass, is_call, tensor_meta
+from npu_fx_fusion.matching import (Form, FusionPass, formula_of, index_list_members, index_symbol, is_call, known_equal,
+                                    never, size_expr, tensor_meta)
 
 aten = torch.ops.aten
 cot = torch.ops.cann_ops_transformer
@@ -322,10 +334,24 @@ def _replacements(with_metadata):
     return sliding, hca, csa
 
 
+def _compress_ratio(seq_len, blocks):
+    """The op's cmp_ratio, an int: S // T, which the checks prove is the model's m
+    (torchtitan-npu requires S % m == 0). With symbolic sizes S // T is a SymInt, which an int
+    attribute would specialise (a guard pinning the compile to this size): m is then read at
+    this compile's sizes and taken only where the shape environment proves T = S // m for every
+    size, a proof that adds no guard (the check proved the same: _symbolic_torchtitan_reason)."""
+    if isinstance(seq_len, int) and isinstance(blocks, int):
+        return seq_len // blocks
+    ratio = optimization_hint(seq_len) // optimization_hint(blocks)
+    if ratio < 1 or not statically_known_true(blocks == seq_len // ratio):
+        raise RuntimeError(f"{blocks} compressed keys for {seq_len} tokens: not S // m for one m at every size")
+    return ratio
+
+
 def _torchtitan_smla(q, ori_kv, cmp_kv, sinks, scaling, indices, with_metadata):
     """(B, S, H, D) q, (B, S, D) keys, (B, T, D) compressed keys or None: the ratio is S // T,
     which the checks prove is the m of the model's thresholds (torchtitan-npu requires S % m == 0)."""
-    ratio = 1 if cmp_kv is None else q.shape[1] // cmp_kv.shape[1]
+    ratio = 1 if cmp_kv is None else _compress_ratio(q.shape[1], cmp_kv.shape[1])
     return _sparse_flash_mla(q.transpose(1, 2), ori_kv.unsqueeze(1), None if cmp_kv is None else cmp_kv.unsqueeze(1),
                              sinks, scaling, ratio, indices, with_metadata)
 
@@ -509,7 +535,7 @@ def check(site):
     # the metadata convention last: a site refused by the kernel's limits is reported with
     # them, not with the convention of the form that happened to be tried first
     if site.form.search in _TORCHTITAN:
-        return _torchtitan_reason(site) or _metadata_reason(site)
+        return _torchtitan_reason(site) or _metadata_reason(site) or _symbolic_metadata_reason(site)
     return _site_reason(site) or _metadata_reason(site)
 
 
@@ -517,8 +543,8 @@ def check(site):
 def _torchtitan_reason(site):
     q, kv, sinks = site["q"], site["ori_kv"], site["sinks"]
     cmp = site.args.get("cmp_kv")
-    if _symbolic(q):
-        return SYMBOLIC
+    if _symbolic(q) or _symbolic(kv) or _symbolic(cmp):
+        return _symbolic_torchtitan_reason(site)
     if q.dim() != 4 or kv.dim() != 3:
         return f"q {list(q.shape)} / kv {list(kv.shape)} are not (B, S, H, D) / (B, S, D)"
     batch, seq_len, heads, dim = q.shape
@@ -549,6 +575,261 @@ def _torchtitan_reason(site):
                 or "the compressed indices are a compile-time constant (HCA): the compressed form, whose op call "
                    "takes no indices, fuses the site")
     return reason or site.hardware_limits(_hardware_reasons(site, width, (heads, dim, ratio)))
+
+
+# ---- torchtitan-npu's forms under dynamic shapes: the same facts, proven for every size ----------
+# sparse_flash_mla_metadata's schema takes batch_size and max_seqlen_q / _ori_kv / _cmp_kv as int?
+# attributes: a symbolic size there would be specialised, the compile pinned to one size
+METADATA_LIMIT = ("symbolic sizes (dynamic shapes): sparse_flash_mla_metadata takes batch_size and max_seqlen_q / "
+                  "max_seqlen_ori_kv / max_seqlen_cmp_kv as int attributes, which would pin the compile to one size; "
+                  "only the convention without metadata (A2 / A3: FusionConfig(soc='Ascend910B')) fuses them")
+
+
+def _symbolic_metadata_reason(site):
+    """A metadata form (the convention _metadata_reason chose for the SoC) with symbolic sizes:
+    refused, the metadata op's limit."""
+    if site.form.replace in _WITH_METADATA and any(_symbolic(site.args.get(n)) for n in ("q", "ori_kv", "cmp_kv")):
+        return METADATA_LIMIT
+    return None
+
+
+def _symbolic_torchtitan_reason(site):
+    """_torchtitan_reason with symbolic sizes: sizes compared by proofs (known_equal), never with
+    `==` on a SymInt (a guard would pin the compile to this size); the index masks and lists read
+    as formulas of their indices and sizes (symbolic_values), each fact decided for every size."""
+    q, kv, sinks = site["q"], site["ori_kv"], site["sinks"]
+    cmp = site.args.get("cmp_kv")
+    if q.dim() != 4 or kv.dim() != 3:
+        return f"q {list(q.shape)} / kv {list(kv.shape)} are not (B, S, H, D) / (B, S, D)"
+    batch, seq_len, heads, dim = q.shape
+    if not all(known_equal(a, b) for a, b in zip(kv.shape, (batch, seq_len, dim))):
+        return f"kv {list(kv.shape)} is not one (key = value) head of the {seq_len} queries' tokens (for every size)"
+    if not (isinstance(heads, int) and isinstance(dim, int)):
+        return (f"{heads} heads of dim {dim}: symbolic, where sparse_flash_mla's kernel takes fixed head counts and "
+                "dims (its sinks one per head)")
+    if sinks.dim() != 1 or not known_equal(sinks.shape[0], heads):
+        return f"sinks {list(sinks.shape)}: the op takes one per query head ({heads})"
+    if site["scaling"] <= 0:
+        return f"scaling {site['scaling']} <= 0"
+    if kv.dtype != q.dtype or (cmp is not None and cmp.dtype != q.dtype):
+        return "q, kv and compressed kv differ in dtype: the op takes one"
+    if cmp is None:
+        return (_symbolic_index_mask_reason(site.arg_nodes["window_mask"], seq_len, None, None)
+                or site.hardware_limits(_hardware_reasons(site, None, (heads, dim, 1))))
+    if cmp.dim() != 3 or not known_equal(cmp.shape[0], batch) or not known_equal(cmp.shape[2], dim):
+        return f"compressed kv {list(cmp.shape)} is not (B, T, D)"
+    blocks = cmp.shape[1]
+    try:
+        ratio = _compress_ratio(seq_len, blocks)  # the replacement's cmp_ratio, proven T = S // m
+    except RuntimeError:
+        return (f"{blocks} compressed keys for {seq_len} tokens: T is not proven S // m for one ratio m at every "
+                "size (the op's cmp_ratio is an int)")
+    if site.form.search in _TT_COMPRESSED:
+        return (_symbolic_index_mask_reason(site.arg_nodes["index_mask"], seq_len, blocks, ratio)
+                or site.hardware_limits(_hardware_reasons(site, None, (heads, dim, ratio))))
+    reason, width = _symbolic_index_list_reason(site, seq_len, blocks, ratio)
+    if reason is None and width is None:
+        return (site.hardware_limits(_hardware_reasons(site, None, (heads, dim, ratio)))
+                or "the compressed indices are computed from sizes only (HCA): the compressed form, whose op call "
+                   "takes no indices, fuses the site")
+    return reason or site.hardware_limits(_hardware_reasons(site, width, (heads, dim, ratio)))
+
+
+def _band(query, key):
+    """Key `key` of the S window keys visible to query `query` (sympy): the op's band."""
+    return sympy.And(sympy.Le(key, query), sympy.Gt(key, query - WINDOW))
+
+
+def _threshold(query, ratio):
+    """(t + 1) // m as symbolic_values writes it (the same formula: its proofs read it as one unknown)."""
+    return sympy.floor((query + 1) / sympy.Integer(ratio))
+
+
+def _same_set(shown, expected, shape, node):
+    """shown and expected (bool formulas over shape's indices) agree at every index, for every size."""
+    return (never(sympy.And(shown, sympy.Not(expected)), shape, node)
+            and never(sympy.And(expected, sympy.Not(shown)), shape, node))
+
+
+def _symbolic_index_mask_reason(node, seq_len, blocks, ratio):
+    """_index_mask_reason for every size: the additive mask, a formula of its indices, is 0 exactly
+    at the band of the S keys and (blocks) at the compressed keys w < (t + 1) // m, and at most
+    -1e30 elsewhere."""
+    mask = tensor_meta(node)
+    keys = seq_len if blocks is None else seq_len + blocks
+    if mask is None or mask.dim() < 2 or not mask.is_floating_point() \
+            or not (known_equal(mask.shape[-2], seq_len) and known_equal(mask.shape[-1], keys)):
+        return f"the index mask is {getattr(mask, 'dtype', None)}{list(getattr(mask, 'shape', []))}, not an " \
+               f"additive (.., {seq_len}, {keys}) mask"
+    lists = _scattered_index_lists(node, seq_len, blocks)
+    if lists is not None:  # torchtitan-npu's spelling: its lists proven one by one (cheaper than the mask)
+        return _index_lists_reason(lists, seq_len, blocks, ratio)
+    shape = tuple(mask.shape)
+    value = formula_of(node, shape)
+    if value is None:
+        return ("the index mask is computed from graph inputs or in a way the symbolic proof does not follow, so the "
+                "keys it shows cannot be proven for every size")
+    t, j = index_symbol(len(shape) - 2), index_symbol(len(shape) - 1)
+    S = size_expr(seq_len)
+    shown = sympy.Eq(value, 0)
+    if not never(sympy.And(sympy.Not(shown), sympy.Gt(value, sympy.Float(-1e30))), shape, node):
+        return "the index mask holds values that neither show (0) nor hide (-inf, finfo.min) a key (for every size)"
+    window = sympy.And(sympy.Lt(j, S), shown)
+    if not _same_set(window, _band(t, j), shape, node):
+        return (f"the index mask does not show each query the {WINDOW}-key window the op's band is "
+                f"(ori_win_left {WINDOW - 1}, ori_win_right 0), not proven for every size")
+    if blocks is None:
+        return None
+    compressed = sympy.And(sympy.Ge(j, S), shown)
+    expected = sympy.And(sympy.Ge(j, S), sympy.Lt(j - S, _threshold(t, ratio)))
+    if not _same_set(compressed, expected, shape, node):
+        return (f"the index mask's compressed keys are not the blocks w < (t + 1) // {ratio} (cmp_mask_mode 3 at "
+                f"cmp_ratio S // T = {ratio}), not proven for every size")
+    return None
+
+
+def _scattered_index_lists(node, seq_len, blocks):
+    """The index lists of an index mask spelled as torchtitan-npu's SparseAttention spells it:
+    full((.., S, keys + 1), fill).scatter(-1, masked_fill(cat(lists).int(), < 0, keys), 0)[..., :-1]
+    with keys = S (+ T) and a fill that hides a key: its lists [window(, compressed)], or None
+    for any other spelling (then the mask is read as one formula)."""
+    keys = seq_len + (blocks or 0)
+    if not is_call(node, aten.slice.Tensor) or len(node.args) < 4 or node.args[2] != 0:
+        return None
+    scatter = node.args[0]
+    meta = tensor_meta(scatter)
+    end = node.args[3]
+    end = end.meta.get("val") if isinstance(end, torch.fx.Node) else end
+    if meta is None or node.args[1] not in (-1, meta.dim() - 1) or not isinstance(end, (int, torch.SymInt)) \
+            or not (end == -1 or known_equal(end, keys)):
+        return None
+    if not is_call(scatter, aten.scatter.value) or scatter.args[1] not in (-1, meta.dim() - 1) or scatter.args[3] != 0:
+        return None
+    base, index = scatter.args[0], scatter.args[2]
+    if not is_call(base, aten.full.default) or not isinstance(base.args[1], (int, float)) \
+            or not (base.args[1] == float("-inf") or base.args[1] <= -1e30):
+        return None
+    if not known_equal(meta.shape[-1], keys + 1):
+        return None
+    if is_call(index, aten.unsqueeze.default):
+        index = index.args[0]
+    index_meta = tensor_meta(index)
+    # (scatter writes the rows its index has: they must be every row of the mask)
+    if index_meta is None or meta.dim() != 4 or index_meta.dim() != 3 or meta.shape[1] != 1 \
+            or not (known_equal(meta.shape[0], index_meta.shape[0]) and known_equal(meta.shape[2], index_meta.shape[1])):
+        return None
+    if not is_call(index, aten.masked_fill.Scalar) or not is_call(index.args[1], aten.lt.Scalar) \
+            or index.args[1].args != (index.args[0], 0):
+        return None
+    lane = index.args[2]
+    lane = lane.meta.get("val") if isinstance(lane, torch.fx.Node) else lane
+    if not isinstance(lane, (int, torch.SymInt)) or not known_equal(lane, keys):
+        return None
+    ids = index.args[0]
+    while is_call(ids, aten._to_copy.default) and set(ids.kwargs) <= {"dtype"}:
+        ids = ids.args[0]
+    if blocks is None:
+        return [ids]
+    if not is_call(ids, aten.cat.default) or len(ids.args[0]) != 2 or (len(ids.args) > 1 and ids.args[1] not in (-1, 2)):
+        return None
+    return list(ids.args[0])
+
+
+def _index_lists_reason(lists, seq_len, blocks, ratio):
+    """The keys of a scattered index mask (_scattered_index_lists), proven list by list: the window
+    list's are the band, the compressed list's (HCA: from sizes only) the blocks w < (t + 1) // m."""
+    reason = _window_list_reason(lists[0], seq_len, blocks)
+    if reason or blocks is None:
+        return reason
+    reason, width = _symbolic_compressed_list_reason(lists[1], seq_len, blocks, ratio)
+    if reason is None and width is not None:
+        return ("the index mask's compressed keys are a top-k's picks (CSA): the indexed form, which reads them, "
+                "fuses the site")
+    return reason
+
+
+def _symbolic_index_list_reason(site, seq_len, blocks, ratio):
+    """_index_list_reason for every size: (reason, top-k width)."""
+    lane = site["padding_lane"]
+    if not known_equal(lane, seq_len + blocks):
+        return (f"the -1 slots go to column {lane}, not the padding lane {seq_len + blocks} the mask drops "
+                "(not proven for every size)"), None
+    if not hides(site["fill"]) or (site["fill"] != float("-inf") and site["fill"] > -1e30):
+        return f"the index mask's fill {site['fill']:g} does not hide a key as -inf does", None
+    reason = _window_list_reason(site.arg_nodes["window_idx"], seq_len, blocks)
+    if reason:
+        return reason, None
+    return _symbolic_compressed_list_reason(site.arg_nodes["compressed_idx"], seq_len, blocks, ratio)
+
+
+def _window_list_reason(node, seq_len, blocks):
+    """None if the index list `node` (.., S, W), computed from sizes only, lists exactly the band
+    of each query among all S + T keys and the padding lane, for every size; else why not."""
+    window = tensor_meta(node)
+    if window is None or window.is_floating_point() or window.dim() < 2 or not known_equal(window.shape[-2], seq_len):
+        return "the window indices are not a (S, W) index list"
+    members = index_list_members(node)
+    if members is None:
+        return ("the window indices are not computed from sizes only (torchtitan-npu computes them from aranges), so "
+                "the keys they list cannot be proven for every size")
+    rank = window.dim()
+    shape = (*window.shape[:-1], seq_len + (blocks or 0) + 1)  # every key and the padding lane
+    if not _same_set(members, _band(index_symbol(rank - 2), index_symbol(rank - 1)), shape, node):
+        return (f"the window indices do not list the {WINDOW}-key window the op's band is (ori_win_left "
+                f"{WINDOW - 1}, ori_win_right 0), not proven for every size")
+    return None
+
+
+def _symbolic_compressed_list_reason(node, seq_len, blocks, ratio):
+    """_compressed_list_reason for every size: where(k >= thr, -1, k + S), k a top-k's indices over
+    the T blocks, thr the formula (t + 1) // m; or (HCA) a list computed from sizes only, whose
+    members are the blocks w < (t + 1) // m (offset by S)."""
+    listed = index_list_members(node)
+    if listed is not None:  # HCA (GetCompressTopkIdxs, from aranges): the listed blocks, for every size
+        meta = tensor_meta(node)
+        rank = meta.dim()
+        t, j = index_symbol(rank - 2), index_symbol(rank - 1)
+        S = size_expr(seq_len)
+        shape = (*meta.shape[:-1], seq_len + blocks + 1)
+        expected = sympy.And(sympy.Ge(j, S), sympy.Lt(j - S, _threshold(t, ratio)))
+        if not _same_set(sympy.And(listed, sympy.Lt(j, S + size_expr(blocks))), expected, shape, node) \
+                or not never(sympy.And(listed, sympy.Lt(j, S)), shape, node):
+            return (f"the compressed indices do not list the blocks w < (t + 1) // {ratio} (cmp_mask_mode 3 at "
+                    f"cmp_ratio S // T = {ratio}), not proven for every size"), None
+        return None, None
+    what = ("the compressed indices are not where(k >= (t + 1) // m, -1, k + S) of a top-k's indices k over "
+            "the T blocks (torchtitan-npu's LiCompute)")
+    if not is_call(node, aten.where.self):
+        return what, None
+    cond, invalid, valid = node.args
+    with unset_fake_temporarily():
+        minus_one = evaluate_constant(invalid)
+        if minus_one is None or minus_one.numel() != 1 or int(minus_one) != -1:
+            return what + ": its masked slots are not -1", None
+    if not is_call(cond, aten.ge.Tensor) or not is_call(valid, aten.add.Tensor):
+        return what, None
+    picks, threshold = cond.args
+    offset = valid.args[1] if len(valid.args) > 1 else None
+    offset = offset.meta.get("val") if isinstance(offset, torch.fx.Node) else offset
+    if valid.args[0] is not picks or valid.kwargs or not isinstance(offset, (int, torch.SymInt)) \
+            or not known_equal(offset, seq_len):
+        return what + f": the listed blocks are not offset by the S = {seq_len} window keys", None
+    topk = picks.args[0] if is_call(picks, operator.getitem) and picks.args[1] == 1 else None
+    if not is_call(topk, aten.topk.default):
+        return what + ": the blocks are not a top-k's indices", None
+    scores = tensor_meta(topk.args[0])
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    if scores is None or dim not in (-1, scores.dim() - 1) or not known_equal(scores.shape[-1], blocks):
+        return what + f": the top-k does not rank the {blocks} compressed blocks", None
+    picks_shape = tuple(tensor_meta(picks).shape)
+    if len(picks_shape) < 2 or not known_equal(picks_shape[-2], seq_len):
+        return what + ": the threshold is not one per query", None
+    value = formula_of(threshold, picks_shape)
+    t = index_symbol(len(picks_shape) - 2)
+    if value is None or not never(sympy.Ne(value, _threshold(t, ratio)), picks_shape, threshold):
+        return (f"the compressed indices' threshold is not (t + 1) // {ratio} (cmp_mask_mode 3 at cmp_ratio "
+                f"S // T = {ratio}), not proven for every size"), None
+    return None, picks_shape[-1]
 
 
 def _visible_window(seq_len, keys):
@@ -742,9 +1023,11 @@ def anchor(node):
     return _sink_softmax(node)
 
 
-# the sliding mask is evaluated at compile time, the metadata op takes int sizes
-SYMBOLIC = ("DeepSeek-V4's attention with symbolic sizes (dynamic shapes): its masks are proven from static sizes "
-            "and the metadata ops take static ones")
+# transformers' forms: their sliding mask and positions are proven by evaluating them (constants.
+# band_mask_reason, arange_positions_reason), at static sizes only (torchtitan-npu's forms are
+# proven for every size: _symbolic_torchtitan_reason)
+SYMBOLIC = ("transformers' DeepSeek-V4 attention with symbolic sizes (dynamic shapes): its sliding mask and positions "
+            "are proven by evaluating them, at static sizes only")
 
 
 def _symbolic(value):
@@ -752,8 +1035,6 @@ def _symbolic(value):
 
 
 def explain(node):
-    if _symbolic(tensor_meta(node)):
-        return SYMBOLIC
     return ("an attention with sinks (softmax over cat([logits, sink])) in a form other than DeepSeek-V4's "
             "sliding / HCA / CSA attention (transformers' eager_attention_forward with repeat_kv of one kv head, "
             "its masks and, for CSA, the lightning indexer in the same graph; torchtitan-npu's SparseAttention: "
@@ -804,4 +1085,7 @@ PASS = FusionPass(
     verify_input=verify_input,
     differentiable=("query", "kv", "compressed_kv", "sinks", "q", "ori_kv", "cmp_kv"),
     prefilter=lambda graph: any(map(_sink_softmax, graph.find_nodes(op="call_function", target=aten._softmax.default))),
+    # torchtitan-npu's padding lane S + T: with symbolic sizes a SymInt, which the check proves
+    # equal to S + T for every size (_symbolic_index_list_reason); the replacement does not read it
+    symbolic_scalars=("padding_lane",),
 )

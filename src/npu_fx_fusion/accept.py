@@ -770,6 +770,8 @@ def _argument_kinds_differ(fusion_pass: FusionPass, site: Site) -> Reason:
         if not fusion_pass.is_scalar(name) and not isinstance(value, torch.Tensor):
             return f"{name} is {value!r}, not a tensor"
         if fusion_pass.is_scalar(name) and isinstance(site.arg_nodes.get(name), Node):
+            if isinstance(value, torch.SymInt) and name in fusion_pass.symbolic_scalars:
+                continue  # the pass's check proves it for every size (FusionPass.symbolic_scalars)
             if isinstance(value, (torch.SymInt, torch.SymFloat)):  # e.g. min(index_topk, S), S dynamic
                 constant = constant_on_a_size_range(value)
                 if constant is not None:

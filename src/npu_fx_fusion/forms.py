@@ -265,6 +265,12 @@ class FusionPass:
               a cast or an add the op does itself). It keeps every value, up to the op's own
               rounding where keep_intermediate_rounding is off, emits nothing the SoC or mode
               cannot run, and returns a note per change, which the report lists under the pass.
+    symbolic_scalars: scalar arguments that may be symbolic (a SymInt computed from the graph's
+              sizes under dynamic shapes) because the check proves their value for every size
+              itself (torchtitan-npu's padding lane S + T): the site keeps the SymInt (any
+              other symbolic scalar is a constant over a size range, guarded, or a refusal:
+              accept._argument_kinds_differ). The replacement must not take it as an int
+              attribute (that would pin the compile to one size).
     forward_forms_on_joint: for a pass without `differentiable` whose sites carry no
               gradient in the models (DeepSeek-V3.2's indexer runs under no_grad): its
               forward-only patterns also run on joint graphs, where its check sees the
@@ -285,7 +291,8 @@ class FusionPass:
                  forward_forms_on_joint: bool = False,
                  anchor_ops: Union[None, Sequence[Any], Callable[[], Sequence[Any]]] = None,
                  recognize: Optional[Callable[[torch.fx.Graph, bool], Sequence[Recognized]]] = None,
-                 finish: Optional[Callable[[torch.fx.Graph, FinishOptions], list[str]]] = None):
+                 finish: Optional[Callable[[torch.fx.Graph, FinishOptions], list[str]]] = None,
+                 symbolic_scalars: Sequence[str] = ()):
         self.name = name
         self.fused_op = fused_op
         self.example = dict(example)
@@ -305,6 +312,10 @@ class FusionPass:
         self.forward_forms_on_joint = forward_forms_on_joint
         self.recognize = recognize
         self.finish = finish
+        unknown = [n for n in symbolic_scalars if n not in example or callable(example[n])]
+        if unknown:
+            raise ValueError(f"{name}: symbolic_scalars {unknown} are not scalar arguments of its example")
+        self.symbolic_scalars = frozenset(symbolic_scalars)
         self._anchor_ops = anchor_ops
         self._forms_source = forms
         # Filled by the registration layer (registry.pattern_set) on first use: the traced

@@ -29,7 +29,8 @@ from .npu_ops.spec import dtype_argument
 from .npu_ops._groups import group_backend, group_size, hcom_of, no_communicator_reason
 from .regions import BackwardRegion, backward_nodes_by_seq, backward_region, enclosed_region, region_between
 # masks and index tensors computed from sizes (and one two-valued leaf), decided for every size
-from .symbolic_values import decided_nonnegative, formula_of, index_symbol, mask_mode_with_leaf, size_expr
+from .symbolic_values import (decided_nonnegative, formula_of, index_list_members, index_symbol, mask_mode_with_leaf,
+                              never, size_expr)
 from .spellings import sum_over_count
 # a region's function identified on random inputs against the fused call (Recognized sites)
 from .verify import same_function
@@ -37,7 +38,8 @@ from .verify import same_function
 __all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "BackwardRegion", "ChannelGather", "ChannelValue", "Expr", "Factor", "FinishOptions", "Form", "FusionPass",
            "MaskUse", "MaskedScores", "NotEvaluable", "Reason", "Recognized", "Site", "atom_sizes", "atoms_of",
            "backward_nodes_by_seq", "backward_region", "channel_gather", "channels_of", "constant_on_a_size_range", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
-           "decided_nonnegative", "formula_of", "index_symbol", "mask_mode_with_leaf", "size_expr",
+           "decided_nonnegative", "formula_of", "index_list_members", "index_symbol", "mask_mode_with_leaf", "never",
+           "size_expr",
            "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around", "same_shape",
            "rearrange", "rearrange_gradient", "region_between", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",

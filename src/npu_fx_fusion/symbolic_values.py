@@ -61,8 +61,17 @@ def _size(value: Any) -> Any:
     if isinstance(value, int):
         return sympy.Integer(value)
     if isinstance(value, torch.SymInt):
-        return value.node.expr
+        return _floors_of_sizes(value.node.expr)
     raise NotSymbolic(f"a size {value!r}")
+
+
+def _floors_of_sizes(expr: Any) -> Any:
+    """A size expression with torch's FloorDiv(a, b) as sympy's floor(a / b): the spelling the
+    formulas' own floors have ((t + 1) // m), so that the block count S // m of a shape and the
+    threshold floor(S / m) of its last query cancel."""
+    if not any(type(e).__name__ == "FloorDiv" for e in sympy.preorder_traversal(expr)):
+        return expr
+    return expr.replace(lambda e: type(e).__name__ == "FloorDiv", lambda e: sympy.floor(e.args[0] / e.args[1]))
 
 
 def _meta_shape(node: Node) -> tuple:
@@ -90,7 +99,7 @@ class _Evaluation:
             if isinstance(node, (int, float)):
                 return sympy.Integer(node) if isinstance(node, int) else _float(node)
             if isinstance(node, torch.SymInt):
-                return node.node.expr
+                return _floors_of_sizes(node.node.expr)
             raise NotSymbolic(f"an argument {node!r}")
         found = self.values.get(node)
         if found is None:
@@ -111,7 +120,7 @@ def _float(x: float) -> Any:
 def _evaluate(ev: _Evaluation, node: Node) -> Any:
     meta = node.meta.get("val")
     if isinstance(meta, torch.SymInt):
-        return meta.node.expr
+        return _floors_of_sizes(meta.node.expr)
     if node.op != "call_function":
         raise NotSymbolic(f"{node.name} is a graph input")
     name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
@@ -395,6 +404,107 @@ def _cumsum(ev, node, shape):
     return decided * (_IDX[d] + 1)
 
 
+def _clamp(ev, node, shape):
+    """clamp(x, lo, hi) as Max / Min (the comparisons below split them: _le)."""
+    x = _scalar_or(ev, node.args[0], shape)
+    name = getattr(node.target, "__name__", "")
+    if name.startswith("clamp_min"):
+        bounds = (node.args[1], None)
+    elif name.startswith("clamp_max"):
+        bounds = (None, node.args[1])
+    else:
+        bounds = (node.args[1] if len(node.args) > 1 else node.kwargs.get("min"),
+                  node.args[2] if len(node.args) > 2 else node.kwargs.get("max"))
+    lo, hi = (None if b is None else _scalar_or(ev, b, shape) for b in bounds)
+    if lo is not None:
+        x = _fold(sympy.Max, x, lo)
+    if hi is not None:
+        x = _fold(sympy.Min, x, hi)
+    return x
+
+
+def _repeat(ev, node, shape):
+    """repeat(x, counts) where each count is 1 or repeats a dim of size 1 (a new leading dim
+    included): a broadcast. A count > 1 of a longer dim would tile it (an index mod its size)."""
+    x = ev.value(node.args[0])
+    counts = list(node.args[1])
+    padded = (sympy.Integer(1),) * (len(counts) - len(x.shape)) + tuple(x.shape)
+    for size, count in zip(padded, counts):
+        if not (_is_one(size) or count == 1):
+            raise NotSymbolic(f"{node.name} tiles a dim")
+    lead = len(counts) - len(x.shape)  # (x's dims are the last of the padded shape)
+    expr = x.expr.xreplace({_IDX[d]: _IDX[d + lead] for d in range(len(x.shape))})
+    return _broadcast(Formula(padded, expr), shape)
+
+
+# one existence this module does not decide: a slot of an index list that holds a value
+# independent of its position, under a condition that depends on it ("some slot is -1").
+# It is sound to leave it open: a comparison that rules the value out (a padding lane
+# sliced away) decides the whole conjunction without it (_conjunction)
+_SOME_SLOT = sympy.Symbol("_some_slot")
+
+
+def listed(index: Formula, slot_count: Any, rank: int) -> Any:
+    """The bool formula, over the indices of a tensor of `rank` dims whose last is the key j,
+    of "some slot k < slot_count of index[..., k] holds j" (index: a Formula whose last dim is
+    the slots, its other dims those of the output's leading dims).
+
+    Each piece of the index's value is either linear in k with coefficient +-1 (then the slot
+    holding j is k = +-(j - rest), one at most: substituted, with 0 <= k < slot_count), or
+    independent of k (then j must be that value, and some slot must satisfy the piece's
+    condition: if that depends on k, it is left open as _SOME_SLOT)."""
+    k = sympy.Dummy("slot", integer=True, nonnegative=True)
+    j = _IDX[rank - 1]
+    expr = index.expr.xreplace({_IDX[len(index.shape) - 1]: k})
+    pieces = []
+    for value, cond in _leaves(sympy.piecewise_fold(expr)):
+        value = sympy.expand(value)
+        c = value.coeff(k)
+        rest = sympy.expand(value - c * k)
+        if rest.has(k):
+            raise NotSymbolic("an index slot's value is not linear in its position")
+        if c == 0:
+            some = _SOME_SLOT if cond.has(k) else sympy.And(cond, sympy.Lt(0, slot_count))
+            pieces.append(sympy.And(sympy.Eq(j, rest), some))
+        elif c in (1, -1):
+            slot = c * (j - rest)
+            pieces.append(sympy.And(cond.xreplace({k: slot}), sympy.Ge(slot, 0), sympy.Lt(slot, slot_count)))
+        else:
+            raise NotSymbolic("an index slot's value steps by more than 1")
+    return sympy.Or(*pieces)
+
+
+def _leaves(expr: Any, cond: Any = sympy.true) -> list:
+    """[(value, condition)] of a (nested) piecewise value: each piece under its condition and
+    the negation of the ones before it."""
+    if not isinstance(expr, sympy.Piecewise):
+        return [(expr, cond)]
+    out, previous = [], []
+    for value, c in expr.args:
+        c = _piecewise_bool(c) if isinstance(c, sympy.Piecewise) else c
+        here = sympy.And(cond, c, *[sympy.Not(p) for p in previous])
+        out += _leaves(sympy.piecewise_fold(value), here)
+        previous.append(c)
+    return out
+
+
+def _scatter(ev, node, shape):
+    """scatter(self, dim=-1, index, value) of a scalar value into a tensor: value where some
+    slot of the index row holds the column (listed), else self. The index's leading dims
+    must be self's (scatter leaves the rows past the index's extent as they are)."""
+    if "value" not in str(node.target) and not isinstance(node.args[3], (int, float)):
+        raise NotSymbolic("a scatter of a tensor")
+    rank = len(shape)
+    if node.args[1] % rank != rank - 1:
+        raise NotSymbolic("a scatter along a dim other than the last")
+    index = ev.value(node.args[2])
+    if len(index.shape) != rank or any(sympy.simplify(a - b) != 0 for a, b in zip(index.shape[:-1], shape[:-1])):
+        raise NotSymbolic("a scatter whose index rows are not the output's")
+    value = ev.value(node.args[3])
+    base = _scalar_or(ev, node.args[0], shape)
+    return sympy.Piecewise((value, listed(index, index.shape[-1], rank)), (base, True))
+
+
 _HANDLERS = {
     "arange": _arange, "full": _constant(1), "new_full": _constant(2), "full_like": _constant(1),
     "scalar_tensor": _constant(0), "ones": _fixed(sympy.Integer(1)), "new_ones": _fixed(sympy.Integer(1)),
@@ -412,7 +522,8 @@ _HANDLERS = {
     "view": _view_like, "_unsafe_view": _view_like, "reshape": _view_like, "squeeze": _squeeze,
     "unsqueeze": _unsqueeze, "expand": _expand, "permute": _permute, "transpose": _permute,
     "slice": _slice, "select": _select, "cat": _cat, "triu": _triangle(True), "tril": _triangle(False),
-    "index": _index, "cumsum": _cumsum,
+    "index": _index, "cumsum": _cumsum, "clamp": _clamp, "clamp_min": _clamp, "clamp_max": _clamp,
+    "repeat": _repeat, "scatter": _scatter,
     "clone": _same, "contiguous": _same, "alias": _same, "lift_fresh_copy": _same, "detach": _same,
 }
 
@@ -433,10 +544,19 @@ class _Box:
 
     def narrowed(self, symbol: Any, lo: Any = None, hi: Any = None) -> "_Box":
         ranges = dict(self.ranges)
-        old_lo, old_hi = ranges[symbol]
-        ranges[symbol] = (_max(old_lo, lo, self.lower) if lo is not None else old_lo,
-                          _min(old_hi, hi, self.lower) if hi is not None else old_hi)
+        old_lo, old_hi = ranges.get(symbol, (-sympy.oo, sympy.oo))
+        # a bound not provably tighter than the old one is left out (sound: the comparison that
+        # gave it stays a part of its conjunction): a Max in a range would undecide every
+        # comparison that reads it
+        new_lo = _max(old_lo, lo, self.lower) if lo is not None else old_lo
+        new_hi = _min(old_hi, hi, self.lower) if hi is not None else old_hi
+        ranges[symbol] = (old_lo if _has_extremum(new_lo) else new_lo, old_hi if _has_extremum(new_hi) else new_hi)
         return _Box(ranges, self.lower)
+
+
+def _has_extremum(expr: Any) -> bool:
+    """A Min or Max in expr (sympy's, or torch's own of the same names)."""
+    return any(type(e).__name__ in ("Min", "Max") for e in sympy.preorder_traversal(expr))
 
 
 def _nonnegative(expr: Any, lower: dict) -> bool:
@@ -447,6 +567,7 @@ def _nonnegative(expr: Any, lower: dict) -> bool:
         return bool(expr >= 0) if expr.is_comparable else False
     if expr.free_symbols & (set(_IDX) | set(_ROLE.values())):
         return False
+    expr = _size_quotients_as_unknowns(expr)
     substitution = {s: lower.get(s, 0) + sympy.Dummy(f"u_{s}", nonnegative=True) for s in expr.free_symbols}
     poly = sympy.expand(expr.xreplace(substitution))
     if poly.is_number:
@@ -457,6 +578,30 @@ def _nonnegative(expr: Any, lower: dict) -> bool:
         return False
     return all(c.is_comparable and c >= 0 for c in coefficients) and poly.xreplace(
         {v: 0 for v in poly.free_symbols}) >= 0
+
+
+def _size_quotients_as_unknowns(expr: Any) -> Any:
+    """expr with each quotient of sizes by a positive integer (S // 4: torch's FloorDiv, or
+    floor(S / 4)) as a fresh non-negative unknown: all _nonnegative needs of it (sizes are
+    non-negative), so that S + S // 4 - S >= 0 is decided."""
+    quotients = [q for q in expr.atoms(sympy.Function, sympy.floor)
+                 if type(q).__name__ in ("FloorDiv", "floor") and not q.free_symbols & (set(_IDX) | set(_ROLE.values()))]
+    mapping = {}
+    for q in quotients:
+        numerator, divisor = (q.args if type(q).__name__ == "FloorDiv" else sympy.fraction(sympy.together(q.args[0])))
+        if divisor.is_Integer and divisor > 0 and all(s.is_nonnegative for s in numerator.free_symbols) \
+                and _polynomial_nonnegative(numerator):
+            mapping[q] = sympy.Dummy("quotient", nonnegative=True)
+    return sympy.expand(expr.xreplace(mapping)) if mapping else expr
+
+
+def _polynomial_nonnegative(expr: Any) -> bool:
+    """A polynomial in non-negative sizes with non-negative coefficients."""
+    try:
+        return all(c >= 0 for c in sympy.Poly(sympy.expand(expr), *expr.free_symbols).coeffs()) if expr.free_symbols \
+            else bool(expr >= 0)
+    except sympy.PolynomialError:
+        return False
 
 
 def _max(a, b, lower):
@@ -473,10 +618,10 @@ def _min(a, b, lower):
 def _linear(expr: Any, box: _Box) -> Optional[tuple[dict, Any]]:
     """({index symbol: integer coefficient}, rest) of an expression linear in the box's
     indices, or None."""
-    expr = sympy.expand(expr)
+    expr = _with_floor_atoms(sympy.expand(expr))
     coefficients = {}
     rest = expr
-    for symbol in box.ranges:
+    for symbol in (*box.ranges, *(expr.free_symbols & _FLOOR_ATOM_SYMBOLS)):
         c = expr.coeff(symbol)
         if c != 0:
             if not c.is_Integer:
@@ -484,15 +629,56 @@ def _linear(expr: Any, box: _Box) -> Optional[tuple[dict, Any]]:
             coefficients[symbol] = int(c)
             rest = rest - c * symbol
     rest = sympy.expand(rest)
-    if rest.free_symbols & set(box.ranges):
+    if rest.free_symbols & (set(box.ranges) | _FLOOR_ATOM_SYMBOLS):
         return None
     return coefficients, rest
+
+
+# floor(f / m) of the indices (DeepSeek-V4's block threshold (t + 1) // m): an integer the
+# linear reasoning takes as one more unknown, the same symbol wherever the same floor occurs,
+# of unknown range. So `w < floor((t + 1) / 4)` and `w >= floor((t + 1) / 4)` bound one linear
+# form from both sides (_empty_linear_ranges), which is all a proof by this module asks of it
+_FLOOR_ATOMS: dict = {}
+_FLOOR_ATOM_SYMBOLS: set = set()
+
+
+def _floor_atom_range(atom: Any, box: _Box) -> tuple:
+    """The range of floor(a i + b) (a floor atom) over the box: floor is monotone, so with i's
+    range [lo, hi] it is [floor(a lo + b), floor(a hi + b)] for a > 0 (the other way for a < 0);
+    unbounded where the floor reads more than one index."""
+    inner = next((f.args[0] for f, symbol in _FLOOR_ATOMS.items() if symbol is atom), None)
+    if inner is None:
+        return -sympy.oo, sympy.oo
+    indices = [s for s in inner.free_symbols if s in box.ranges]
+    if len(indices) != 1:
+        return -sympy.oo, sympy.oo
+    (index,) = indices
+    slope = sympy.expand(inner).coeff(index)
+    if not slope.is_number or slope == 0 or sympy.expand(inner - slope * index).has(index):
+        return -sympy.oo, sympy.oo
+    lo, hi = box.ranges[index]
+    ends = (sympy.floor(inner.xreplace({index: lo})), sympy.floor(inner.xreplace({index: hi})))
+    return ends if slope > 0 else ends[::-1]
+
+
+def _with_floor_atoms(expr: Any) -> Any:
+    floors = [f for f in expr.atoms(sympy.floor) if f.free_symbols & (set(_IDX) | set(_ROLE.values()))]
+    if not floors:
+        return expr
+    mapping = {}
+    for f in floors:
+        atom = _FLOOR_ATOMS.get(f)
+        if atom is None:
+            atom = _FLOOR_ATOMS[f] = sympy.Dummy("floor", integer=True)
+            _FLOOR_ATOM_SYMBOLS.add(atom)
+        mapping[f] = atom
+    return sympy.expand(expr.xreplace(mapping))
 
 
 def _bounds(coefficients: dict, rest: Any, box: _Box) -> tuple[Any, Any]:
     lo = hi = rest
     for symbol, c in coefficients.items():
-        a, b = box.ranges[symbol]
+        a, b = box.ranges[symbol] if symbol in box.ranges else _floor_atom_range(symbol, box)
         lo, hi = (lo + c * a, hi + c * b) if c > 0 else (lo + c * b, hi + c * a)
     return lo, hi
 
@@ -514,7 +700,13 @@ def _atom(rel: Any, box: _Box) -> Any:
 
 
 def _le(d: Any, box: _Box) -> Any:
-    """d <= 0 (integers), decided where the box decides it."""
+    """d <= 0 (integers), decided where the box decides it. A Min or Max term is split into
+    the comparisons it stands for (r + Max(a, b) <= 0 iff r + a <= 0 and r + b <= 0; r + Min(a, b)
+    <= 0 iff either; a negated term the other way round): a window of Min(S, 128) slots, a
+    clamp(t - 127, 0) start."""
+    split = _split_min_max(sympy.expand(d))
+    if split is not None:
+        return _simplify(split, box)
     found = _linear(d, box)
     if found is None:
         return sympy.Le(sympy.expand(d), 0)
@@ -525,6 +717,21 @@ def _le(d: Any, box: _Box) -> Any:
     if _nonnegative(lo - 1, box.lower):
         return sympy.false
     return sympy.Le(sympy.expand(d), 0)
+
+
+def _split_min_max(d: Any) -> Any:
+    """d <= 0 with its first Min / Max term split (see _le), or None without one."""
+    terms = sympy.Add.make_args(d)
+    for term in terms:
+        coefficient, extremum = term.as_coeff_Mul()
+        kind = type(extremum).__name__  # (sympy's Min / Max, or torch's own: torch.utils._sympy.functions)
+        if kind not in ("Min", "Max") or coefficient not in (1, -1):
+            continue
+        rest = sympy.expand(d - term)
+        both = (kind == "Max") == (coefficient == 1)
+        parts = [sympy.Le(sympy.expand(rest + coefficient * a), 0) for a in extremum.args]
+        return sympy.And(*parts) if both else sympy.Or(*parts)
+    return None
 
 
 def _simplify(formula: Any, box: _Box, depth: int = 0) -> Any:
@@ -549,9 +756,16 @@ def _simplify(formula: Any, box: _Box, depth: int = 0) -> Any:
             return _simplify(sympy.And(*[sympy.Not(a) for a in inner.args]), box, depth + 1)
         raise NotSymbolic(f"a negation of {inner}")
     if isinstance(formula, sympy.Or):
-        parts = [_simplify(a, box, depth + 1) for a in formula.args]
+        parts, undecided = [], None
+        for a in formula.args:  # (a part this module cannot read does not matter beside a true one)
+            try:
+                parts.append(_simplify(a, box, depth + 1))
+            except NotSymbolic as exc:
+                undecided = exc
         if any(p == sympy.true for p in parts):
             return sympy.true
+        if undecided is not None:
+            raise undecided
         parts = [p for p in parts if p != sympy.false]
         return sympy.Or(*parts) if parts else sympy.false
     if isinstance(formula, sympy.And):
@@ -569,14 +783,21 @@ def _simplify(formula: Any, box: _Box, depth: int = 0) -> Any:
 def _conjunction(parts: list, box: _Box, depth: int) -> Any:
     """And of parts: narrow the box with one-index bounds, intersect the ranges of each
     linear form, substitute fixed indices, distribute over a small Or."""
+    initial = box
     for _ in range(8):
-        simplified = []
+        simplified, undecided = [], None
         for p in parts:
-            s = _simplify(p, box, depth + 1)
+            try:
+                s = _simplify(p, box, depth + 1)
+            except NotSymbolic as exc:  # (a part this module cannot read does not matter beside a false one)
+                undecided = exc
+                continue
             if s == sympy.false:
                 return sympy.false
             if s != sympy.true:
                 simplified += list(s.args) if isinstance(s, sympy.And) else [s]
+        if undecided is not None:
+            raise undecided
         narrowed = box
         for p in simplified:
             bound = _one_index_bound(p, narrowed)
@@ -585,6 +806,10 @@ def _conjunction(parts: list, box: _Box, depth: int) -> Any:
                 lo, hi = narrowed.ranges[bound[0]]
                 if _nonnegative(lo - hi - 1, box.lower):
                     return sympy.false
+        for p in simplified:
+            narrowed = _difference_narrowed(p, narrowed)
+            if narrowed is None:
+                return sympy.false
         if _empty_linear_ranges(simplified, narrowed):
             return sympy.false
         fixed = {s: lo for s, (lo, hi) in narrowed.ranges.items() if sympy.expand(hi - lo) == 0}
@@ -595,12 +820,31 @@ def _conjunction(parts: list, box: _Box, depth: int) -> Any:
             break
         box, parts = narrowed, simplified
     if not parts:
-        return sympy.true
-    ors = [p for p in parts if isinstance(p, sympy.Or)]
-    if ors and len(ors[0].args) <= 8:
-        rest = [p for p in parts if p is not ors[0]]
-        return _simplify(sympy.Or(*[sympy.And(a, *rest) for a in ors[0].args]), box, depth + 1)
-    return sympy.And(*parts)
+        found = sympy.true
+    else:
+        ors = [p for p in parts if isinstance(p, sympy.Or)]
+        if ors and len(ors[0].args) <= 8:
+            rest = [p for p in parts if p is not ors[0]]
+            found = _simplify(sympy.Or(*[sympy.And(a, *rest) for a in ors[0].args]), box, depth + 1)
+        else:
+            found = sympy.And(*parts)
+    if found == sympy.false:
+        return found
+    # an undecided (or true) answer holds in the narrowed box only: the ranges the parts narrowed
+    # go with it, so that a caller in the wider box (a negation, a disjunction) reads the same set
+    return sympy.And(found, *_narrowed_ranges(initial, box))
+
+
+def _narrowed_ranges(initial: _Box, box: _Box) -> list:
+    """The comparisons that narrow `initial`'s index ranges to `box`'s."""
+    bounds = []
+    for symbol, (lo, hi) in box.ranges.items():
+        old_lo, old_hi = initial.ranges.get(symbol, (None, None))
+        if lo != old_lo and lo != -sympy.oo:
+            bounds.append(sympy.Le(lo - symbol, 0))
+        if hi != old_hi and hi != sympy.oo:
+            bounds.append(sympy.Le(symbol - hi, 0))
+    return bounds
 
 
 def _one_index_bound(part: Any, box: _Box) -> Optional[tuple]:
@@ -616,6 +860,32 @@ def _one_index_bound(part: Any, box: _Box) -> Optional[tuple]:
     if c > 0:  # c i + r <= 0: i <= floor(-r / c)
         return symbol, None, -rest if c == 1 else sympy.floor(-rest / c)
     return symbol, rest if c == -1 else sympy.ceiling(rest / -c), None
+
+
+def _difference_narrowed(part: Any, box: _Box) -> Optional[_Box]:
+    """The box narrowed by a bound on the difference of two indices, x - y + c <= 0 (key j <= query
+    t): x <= hi(y) - c and y >= lo(x) + c, where that is provably tighter (a bound that is not
+    is left out: a Max in a bound would undecide the comparisons that read it); None if the
+    range it leaves is empty."""
+    if not isinstance(part, sympy.Le) or part.rhs != 0:
+        return box
+    found = _linear(part.lhs, box)
+    if found is None or len(found[0]) != 2 or sorted(found[0].values()) != [-1, 1]:
+        return box
+    x, y = sorted(found[0], key=lambda symbol: -found[0][symbol])
+    if x not in box.ranges or y not in box.ranges:
+        return box
+    c = found[1]
+    ranges = dict(box.ranges)
+    (x_lo, x_hi), (y_lo, y_hi) = ranges[x], ranges[y]
+    if _nonnegative(x_hi - (y_hi - c) - 1, box.lower):
+        x_hi = y_hi - c
+    if _nonnegative(x_lo + c - y_lo - 1, box.lower):
+        y_lo = x_lo + c
+    if _nonnegative(x_lo - x_hi - 1, box.lower) or _nonnegative(y_lo - y_hi - 1, box.lower):
+        return None
+    ranges[x], ranges[y] = (x_lo, x_hi), (y_lo, y_hi)
+    return _Box(ranges, box.lower)
 
 
 def _empty_linear_ranges(parts: list, box: _Box) -> bool:
@@ -802,6 +1072,31 @@ def formula_of(node: Node, shape: Sequence[Any]) -> Any:
         if not isinstance(value, Formula):
             return value
         return _broadcast(value, tuple(_size(s) for s in shape))
+    except Exception:  # noqa: BLE001 - not a formula: not proven
+        return None
+
+
+def never(formula: Any, shape: Sequence[Any], node: Node) -> bool:
+    """The bool `formula` over the indices of `shape` (index_symbol(d) for dim d) is False at
+    every index and for every size the shape env of `node` allows: a proof, not a sample.
+    Anything not decided (a formula this module cannot read) is not proven."""
+    try:
+        box = _Box.of(tuple(_size(s) for s in shape), _shape_env_lower_bounds([_Bounds(node)]))
+        return _simplify(formula, box) == sympy.false
+    except Exception:  # noqa: BLE001 - sympy failing on a formula proves nothing
+        return False
+
+
+def index_list_members(node: Node) -> Any:
+    """For an index list `node` computed from sizes only (its last dim the slots), the bool
+    formula over (its leading dims' indices, then a key j) of "some slot of the row
+    holds j" (what a scatter of the list into `keys` columns opens), or None."""
+    try:
+        lower = _shape_env_lower_bounds([_Bounds(node)])
+        value = _Evaluation(lower).value(node)
+        if not isinstance(value, Formula):
+            return None
+        return listed(value, value.shape[-1], len(value.shape))
     except Exception:  # noqa: BLE001 - not a formula: not proven
         return None
 
