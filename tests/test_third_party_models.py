@@ -418,16 +418,14 @@ TRAINING_STEP = {
         ("llama2_13B", "mha"), ("olmo2_100M", "mha"), ("olmo3_100M", "mha"),
         ("llama2_70B", "gqa"), ("olmo2_32B", "gqa"), ("olmo3_32B", "gqa"),
         ("qwen3_0_6B", "head_norm"), ("qwen3_14B", "head_norm"), ("gemma3_12B", "head_norm"))},
-    # nGPT: its norms are L2 norms (no site), its FeedForward scales w1 x and w3 x before the
-    # SwiGLU, so they are not one projection's halves; its RoPE rotates a q scaled by a learned
-    # vector, its tables read alike for each batch row of the rows the algebra tracks: the
-    # forward fuses after partitioning, the joint graph's backward of it is spread over several
-    # regions, and the backward graph's rotation of the gradient reads sin in an order views
-    # cannot gather
-    "olmo_core:ngpt_1B": ({("forward", "rope"): 4},
-                          _both({"swiglu": "the silu and the tensor it multiplies are not the two halves of one "
-                                           "tensor"}, 2)
-                          | {("joint", "rope", ROPE_SPREAD): 4, ("backward", "rope", ROPE_GRAD_SIN): 4}),
+    # nGPT: its norms are L2 norms (no site); its FeedForward scales w1 x and w3 x per channel before
+    # the SwiGLU: merged per step, the scaled halves fuse in the joint graph (swiglu's scaled
+    # forms); its RoPE rotates a q scaled by a learned vector, its tables read alike for each batch
+    # row of the rows the algebra tracks: the forward fuses after partitioning, the joint graph's
+    # backward of it is spread over several regions, and the backward graph's rotation of the
+    # gradient reads sin in an order views cannot gather
+    "olmo_core:ngpt_1B": ({("forward", "rope"): 4, ("joint", "swiglu"): 2, ("joint", "merged_projections"): 2},
+                          {("joint", "rope", ROPE_SPREAD): 4, ("backward", "rope", ROPE_GRAD_SIN): 4}),
 }
 
 
