@@ -351,12 +351,6 @@ ROPE_GRAD_SIN = "the sin table is read in an order plain views cannot gather"
 ROPE_TABLE_GATHER = "the cos table is read in an order plain views cannot gather"
 
 
-def _both(reason_of: dict, count: int) -> dict:
-    """The same site missed in the joint graph and again by the forward-only pass after it."""
-    return {("joint", p, r): count for p, r in reason_of.items()} | {("forward", p, r): count
-                                                                     for p, r in reason_of.items()}
-
-
 def _litgpt(spec: str) -> tuple[dict, dict]:
     """litgpt: every RoPE (apply_rope on q and k) fuses in the joint graph, forward and backward.
     Its RMSNorm squares as `x * x` (litgpt/model.py RMSNorm.forward), which the backend spells
