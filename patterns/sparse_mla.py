@@ -797,33 +797,13 @@ def _symbolic_compressed_list_reason(node, seq_len, blocks, ratio):
             return (f"the compressed indices do not list the blocks w < (t + 1) // {ratio} (cmp_mask_mode 3 at "
                     f"cmp_ratio S // T = {ratio}), not proven for every size"), None
         return None, None
-    what = ("the compressed indices are not where(k >= (t + 1) // m, -1, k + S) of a top-k's indices k over "
-            "the T blocks (torchtitan-npu's LiCompute)")
-    if not is_call(node, aten.where.self):
-        return what, None
-    cond, invalid, valid = node.args
-    with unset_fake_temporarily():
-        minus_one = evaluate_constant(invalid)
-        if minus_one is None or minus_one.numel() != 1 or int(minus_one) != -1:
-            return what + ": its masked slots are not -1", None
-    if not is_call(cond, aten.ge.Tensor) or not is_call(valid, aten.add.Tensor):
-        return what, None
-    picks, threshold = cond.args
-    offset = valid.args[1] if len(valid.args) > 1 else None
-    offset = offset.meta.get("val") if isinstance(offset, torch.fx.Node) else offset
-    if valid.args[0] is not picks or valid.kwargs or not isinstance(offset, (int, torch.SymInt)) \
-            or not known_equal(offset, seq_len):
-        return what + f": the listed blocks are not offset by the S = {seq_len} window keys", None
-    topk = picks.args[0] if is_call(picks, operator.getitem) and picks.args[1] == 1 else None
-    if not is_call(topk, aten.topk.default):
-        return what + ": the blocks are not a top-k's indices", None
-    scores = tensor_meta(topk.args[0])
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    if scores is None or dim not in (-1, scores.dim() - 1) or not known_equal(scores.shape[-1], blocks):
-        return what + f": the top-k does not rank the {blocks} compressed blocks", None
+    found = _listed_picks(node, seq_len, blocks)
+    if isinstance(found, str):
+        return found, None
+    picks, threshold = found
     picks_shape = tuple(tensor_meta(picks).shape)
     if len(picks_shape) < 2 or not known_equal(picks_shape[-2], seq_len):
-        return what + ": the threshold is not one per query", None
+        return _NOT_LISTED_PICKS + ": the threshold is not one per query", None
     value = formula_of(threshold, picks_shape)
     t = index_symbol(len(picks_shape) - 2)
     if value is None or not never(sympy.Ne(value, _threshold(t, ratio)), picks_shape, threshold):
@@ -907,6 +887,40 @@ def _index_list_reason(site, seq_len, blocks, ratio):
     return reason, width
 
 
+_NOT_LISTED_PICKS = ("the compressed indices are not where(k >= (t + 1) // m, -1, k + S) of a top-k's indices k "
+                     "over the T blocks (torchtitan-npu's LiCompute)")
+
+
+def _listed_picks(node, seq_len, blocks):
+    """(picks, threshold) of where(picks >= threshold, -1, picks + S), picks a top-k's indices over
+    the T compressed blocks (torchtitan-npu's LiCompute), or the reason `node` is not that; the
+    threshold is the callers' to prove (by value, or for every size)."""
+    what = _NOT_LISTED_PICKS
+    if not is_call(node, aten.where.self):
+        return what
+    cond, invalid, valid = node.args
+    with unset_fake_temporarily():
+        minus_one = evaluate_constant(invalid)
+        if minus_one is None or minus_one.numel() != 1 or int(minus_one) != -1:
+            return what + ": its masked slots are not -1"
+    if not is_call(cond, aten.ge.Tensor) or not is_call(valid, aten.add.Tensor):
+        return what
+    picks, threshold = cond.args
+    offset = valid.args[1] if len(valid.args) > 1 else None
+    offset = offset.meta.get("val") if isinstance(offset, torch.fx.Node) else offset
+    if valid.args[0] is not picks or valid.kwargs or not isinstance(offset, (int, torch.SymInt)) \
+            or not known_equal(offset, seq_len):
+        return what + f": the listed blocks are not offset by the S = {seq_len} window keys"
+    topk = picks.args[0] if is_call(picks, operator.getitem) and picks.args[1] == 1 else None
+    if not is_call(topk, aten.topk.default):
+        return what + ": the blocks are not a top-k's indices"
+    scores = tensor_meta(topk.args[0])
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    if scores is None or dim not in (-1, scores.dim() - 1) or not known_equal(scores.shape[-1], blocks):
+        return what + f": the top-k does not rank the {blocks} compressed blocks"
+    return picks, threshold
+
+
 def _compressed_list_reason(node, seq_len, blocks, ratio):
     """where(k >= thr, -1, k + S), k = topk(scores over T blocks).indices, thr = (t + 1) // m."""
     constant = evaluate_constant(node)
@@ -922,35 +936,19 @@ def _compressed_list_reason(node, seq_len, blocks, ratio):
             return (f"the compressed indices do not list the blocks w < (t + 1) // {ratio} (cmp_mask_mode 3 at "
                     f"cmp_ratio S // T = {ratio})"), None
         return None, None
-    what = ("the compressed indices are not where(k >= (t + 1) // m, -1, k + S) of a top-k's indices k over "
-            "the T blocks (torchtitan-npu's LiCompute)")
-    if not is_call(node, aten.where.self):
-        return what, None
-    cond, invalid, valid = node.args
-    minus_one = evaluate_constant(invalid)
-    if minus_one is None or minus_one.numel() != 1 or int(minus_one) != -1:
-        return what + ": its masked slots are not -1", None
-    if not is_call(cond, aten.ge.Tensor) or not is_call(valid, aten.add.Tensor):
-        return what, None
-    picks, threshold = cond.args
-    if valid.args[0] is not picks or len(valid.args) < 2 or valid.args[1] != seq_len or valid.kwargs:
-        return what + f": the listed blocks are not offset by the S = {seq_len} window keys", None
-    topk = picks.args[0] if is_call(picks, operator.getitem) and picks.args[1] == 1 else None
-    if not is_call(topk, aten.topk.default):
-        return what + ": the blocks are not a top-k's indices", None
-    scores = tensor_meta(topk.args[0])
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    if scores is None or dim not in (-1, scores.dim() - 1) or scores.shape[-1] != blocks:
-        return what + f": the top-k does not rank the {blocks} compressed blocks", None
+    found = _listed_picks(node, seq_len, blocks)
+    if isinstance(found, str):
+        return found, None
+    picks, threshold = found
     value = evaluate_constant(threshold)
     expected = (torch.arange(seq_len) + 1) // ratio
     if value is None or value.is_floating_point():
-        return what + ": the threshold is not a compile-time constant", None
+        return _NOT_LISTED_PICKS + ": the threshold is not a compile-time constant", None
     picks_shape = tensor_meta(picks).shape
     try:
         value = torch.broadcast_to(value, tuple(picks_shape))
     except RuntimeError:
-        return what + ": the threshold is not one per query", None
+        return _NOT_LISTED_PICKS + ": the threshold is not one per query", None
     if not bool((value == expected.view(seq_len, 1)).all()):
         return (f"the compressed indices' threshold is not (t + 1) // {ratio} (cmp_mask_mode 3 at cmp_ratio "
                 f"S // T = {ratio})"), None
