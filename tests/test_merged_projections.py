@@ -158,15 +158,11 @@ def test_a_bias_on_some_linears_only_is_a_near_miss():
     assert any("have a bias and others none" in r for r in near_miss_reasons(report, PASS))
 
 
-@pytest.mark.parametrize("dynamic", [None, True])
-def test_training_merges_a_swiglu_by_concatenating_its_weights_each_step(dynamic):
-    """In training each parameter keeps its own storage and gradient: q/k/v stay separate (a
-    near miss), gate/up merge through a torch.cat in the graph, so swiglu fuses, forward and
-    backward; the gradients equal eager's (fp32: the merged matmuls sum the same products,
-    in another blocking, 64 ulp of each gradient's largest element as test_training)."""
-    model, reference = _model().train(), _model().train()
+def _training_step_equals_eager(model, reference, dynamic):
+    """One compiled training step of `model` and one eager step of `reference` (the same weights):
+    outputs within 4 ulp at scale, every gradient within 64 (fp32: the merged matmuls sum the same
+    products in another blocking, as test_training). Returns the report."""
     x = torch.randn(2, 3, HIDDEN)
-    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
     backend = EmulationBackend(nff.FusionConfig())
     out = torch.compile(model, backend=backend, dynamic=dynamic)(x)
     out.pow(2).sum().backward()
@@ -175,8 +171,19 @@ def test_training_merges_a_swiglu_by_concatenating_its_weights_each_step(dynamic
     assert_close_at_scale(out, expected, 4)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert_close_at_scale(p.grad, q.grad, 64)
+    return backend.report
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_training_merges_a_swiglu_by_concatenating_its_weights_each_step(dynamic):
+    """In training each parameter keeps its own storage and gradient: q/k/v stay separate (a
+    near miss), gate/up merge through a torch.cat in the graph, so swiglu fuses, forward and
+    backward; the gradients equal eager's (fp32: the merged matmuls sum the same products,
+    in another blocking, 64 ulp of each gradient's largest element as test_training)."""
+    model = _model().train()
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    report = _training_step_equals_eager(model, _model().train(), dynamic)
     assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages  # nothing re-pointed
-    report = backend.report
     assert report.counts[PASS] == 1
     (site,) = [s for s in report.sites if s.pass_name == PASS]
     assert site.replaced and "concatenated in the graph on every step" in site.note
@@ -349,20 +356,11 @@ def test_training_merges_a_swiglu_scaled_per_channel(dynamic):
     """The scales stand between the linears and the silu-gated product: per channel, the merged
     output's halves scaled still fuse (the swiglu pass's scaled forms), so the pair merges; the
     gradients, the scales' included, equal eager's (64 ulp at scale, as above)."""
-    model, reference = _model(ScaledSwiGLU).train(), _model(ScaledSwiGLU).train()
-    x = torch.randn(2, 3, HIDDEN)
-    backend = EmulationBackend(nff.FusionConfig())
     torch._dynamo.reset()
-    out = torch.compile(model, backend=backend, dynamic=dynamic)(x)
-    out.pow(2).sum().backward()
-    expected = reference(x)
-    expected.pow(2).sum().backward()
-    assert_close_at_scale(out, expected, 4)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        assert_close_at_scale(p.grad, q.grad, 64)
-    assert backend.report.counts[PASS] == 1
-    assert backend.report.fused_ops.get("npu.npu_swiglu") == 1
-    assert backend.report.fused_ops.get("npu.npu_swiglu_backward") == 1
+    report = _training_step_equals_eager(_model(ScaledSwiGLU).train(), _model(ScaledSwiGLU).train(), dynamic)
+    assert report.counts[PASS] == 1
+    assert report.fused_ops.get("npu.npu_swiglu") == 1
+    assert report.fused_ops.get("npu.npu_swiglu_backward") == 1
 
 
 def test_training_keeps_a_swiglu_scaled_per_row_separate():
