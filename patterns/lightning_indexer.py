@@ -186,7 +186,10 @@ def _check_recognized(site):
         return ("the model rounds the indexer's scores to bf16/fp16 on the way, the op ranks fp32 scores "
                 "(FusionConfig.keep_intermediate_rounding keeps the code's roundings)")
     hardware = _hardware_reasons if replace.ratio is None else _compressed_hardware_reasons
-    reason = site.hardware_limits(hardware(site["query"], site["key"], site["weights"], site["index_topk"], site.soc))
+    broken = hardware(site["query"], site["key"], site["weights"], site["index_topk"], site.soc)
+    if replace.ratio is not None and getattr(replace, "trained", False):
+        broken += _compressed_backward_reasons(site["query"], site.soc)
+    reason = site.hardware_limits(broken)
     if reason is None and replace.guard is not None:
         # min(index_topk, S) is index_topk for every S >= index_topk: guarded as dynamo guards its own
         if not replace.guard():
@@ -226,6 +229,17 @@ def _compressed_hardware_reasons(query, key, weights, count, soc):
         if not 1 <= heads <= limits["max_query_heads"] else None,
         f"index top-k {count}: lightning_indexer takes 1..{limits['max_topk']} or one of {limits['large_topks']}"
         if count > limits["max_topk"] and count not in limits["large_topks"] else None,
+    ]
+
+
+def _compressed_backward_reasons(query, soc):
+    """In training, CompressedLightningIndexer's backward: npu_lightning_indexer_grad's limits, with the fp32
+    weights the compressed op takes."""
+    fp32_socs = INDEXER.limits["weights_fp32_socs"]
+    return [
+        unsupported(INDEXER.backward, soc, x=query),
+        f"in training: {INDEXER.backward} takes the compressed indexer's fp32 weights only on {', '.join(fp32_socs)}"
+        if soc not in fp32_socs else None,
     ]
 
 
@@ -613,13 +627,6 @@ def _recognized(topk, evaluation, joint, by_seq=None):
         return None
     trained = None
     if joint and any(is_backward(u) for n in nodes for u in n.users):
-        if ratio is not None:
-            return refuse("in training the indexer's scores get a gradient (its top-k values feed a loss, or its "
-                          "intermediates are saved for a backward): the joint replacement is npu_lightning_indexer's "
-                          "(npu_lightning_indexer_grad), and DeepSeek-V4's compressed mask is "
-                          "cann_ops_transformer.lightning_indexer's, which has no backward op of its own "
-                          "(torchtitan-npu differentiates it only inside the fused KL-loss op, "
-                          "sparse_lightning_indexer_grad_kl_loss)")
         trained = _trained(nodes, inputs, values, outputs, terms, by_seq)
         if isinstance(trained, str):
             # a reader the slot-order analysis refuses says more (a backward weighing the slots' gradients by
@@ -834,6 +841,39 @@ def _compressed_sizes_reason(ratio, queries, keys):
     return None
 
 
+def _training(*tensors):
+    """Whether autograd records this call (the joint replacement of an indexer whose values get a gradient)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class CompressedLightningIndexer(torch.autograd.Function):
+    """cann_ops_transformer.lightning_indexer (mask_mode 3, cmp_ratio m, return_value) with a backward: the
+    extension has none (it returns indices; torchtitan-npu trains V4's indexer through its fused KL-loss op).
+    The top-k values are v[i, s] = sum_h w[i, h] relu(q[i, h] . k[j]) at the listed blocks j = idx[i, s],
+    whatever mask chose them, so their gradient is npu_lightning_indexer_grad's over the same list: called
+    with sparse_mode 0, which skips only the -1 slots (its sparse_mode 3 would hide the compressed blocks
+    j > i + T - S that the compressed mask lets through). capabilities.py: the op's autograd_rule.
+    forward(q (B, S, N, D), k (B, T, 1, D), w fp32 (B, S, N), topk, cmp_residual_k, ratio)
+    -> int32 indices, fp32 values (B, S, 1, topk)."""
+
+    @staticmethod
+    def forward(ctx, q, k, w, topk, residual, ratio):
+        indices, values = torch.ops.cann_ops_transformer.lightning_indexer(
+            q, k, w, topk, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=ratio,
+            return_value=1)
+        ctx.save_for_backward(q, k, w, indices)
+        ctx.mark_non_differentiable(indices)
+        return indices, values
+
+    @staticmethod
+    def backward(ctx, grad_indices, grad_values):
+        q, k, w, indices = ctx.saved_tensors
+        # dy in the query's dtype, as npu_lightning_indexer's own values (and the model's bf16 scores) are
+        dq, dk, dw = torch.ops.npu.npu_lightning_indexer_grad(q, k, grad_values.to(q.dtype), indices, w,
+                                                              layout="BSND", sparse_mode=0)
+        return dq, dk, dw, None, None, None
+
+
 def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype, index_dtype, guard, ratio=None,
                             hidden_value=float("-inf")):
     """The fused call: npu_lightning_indexer (sparse_mode 3 / 0), or with a compress ratio (DeepSeek-V4's mask)
@@ -866,9 +906,12 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         else:
             # the op's full length T * ratio + residual is S: query i sees the blocks t < (i + 1) // ratio
             residual = torch.full((q.shape[0],), q.shape[1] - k.shape[1] * ratio, dtype=torch.int32, device=q.device)
-            indices, scores = torch.ops.cann_ops_transformer.lightning_indexer(
-                q, k, w, count, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3,
-                cmp_ratio=ratio, return_value=int(return_value))
+            if return_value and _training(q, k, w):
+                indices, scores = CompressedLightningIndexer.apply(q, k, w, count, residual, ratio)
+            else:
+                indices, scores = torch.ops.cann_ops_transformer.lightning_indexer(
+                    q, k, w, count, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3,
+                    cmp_ratio=ratio, return_value=int(return_value))
         indices = indices.squeeze(2)
         padded = indices < 0
         out = []

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'e6e4d8724c646624',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'a07aab2c6e2fe32c',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

@@ -141,12 +141,16 @@ def backward_nodes_by_seq(graph: torch.fx.Graph) -> dict:
     """{seq_nr: the joint graph's backward nodes autograd made for the forward op(s) of that
     seq_nr} (aot_autograd gives each backward node its forward op's seq_nr)."""
     by_seq: dict = {GRADIENT_SUMS: []}
+    forward_seqs = set()
     for node in graph.nodes:
         if node.op == "call_function" and is_backward(node):
             if node.meta.get("is_gradient_acc"):
                 by_seq[GRADIENT_SUMS].append(node)
             if node.meta.get("seq_nr") is not None:
                 by_seq.setdefault(node.meta["seq_nr"], []).append(node)
+        elif node.op == "call_function" and not _sizes_only(node):
+            forward_seqs.add(node.meta.get("seq_nr"))
+    by_seq[AUTOGRAD_ONLY] = {seq for seq in by_seq if isinstance(seq, int) and seq not in forward_seqs}
     return by_seq
 
 
@@ -154,6 +158,12 @@ def backward_nodes_by_seq(graph: torch.fx.Graph) -> dict:
 # graph order: a sum of two of a region's own gradients (a value it reads twice) carries the
 # seq_nr of whichever backward op ran when the second arrived, which may be none of its own
 GRADIENT_SUMS = "gradient sums"
+# backward_nodes_by_seq's entry for the seq_nrs of backward nodes no forward op of the graph carries:
+# autograd's own nodes for an in-place op on a view (relu_ of an einsum's output rebases the view's
+# history: its as_strided / copy-slices backward gets seq_nrs of its own, while functionalisation
+# replays the views under the in-place op's, and under dynamic shapes keeps some whose sizes alone
+# are read, under the seq_nr of the view autograd made): _add_autograd_only.
+AUTOGRAD_ONLY = "autograd-only seq_nrs"
 
 
 def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Union[Node, Sequence[Node]],
@@ -183,6 +193,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
         return "its forward ops carry no autograd sequence numbers (seq_nr), which find their backward"
     candidates = sorted(n for seq in seqs for n in by_seq.get(seq, ()))
     in_candidates = set(candidates)
+    _add_autograd_only(candidates, in_candidates, region, set(inputs) | set(constants), seqs, by_seq)
     for total in by_seq.get(GRADIENT_SUMS, ()):  # (graph order: a sum of sums follows them)
         if total not in in_candidates and all(a in in_candidates for a in total.all_input_nodes):
             candidates.append(total)
@@ -218,7 +229,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
         return "no backward nodes of its forward ops (no gradient flows through it)"
     in_region = set(region)
     escaping = next((n for n in region if n not in outputs for u in n.users
-                     if u not in in_region and u not in in_candidates and u.target not in SHAPE_ONLY_OPS), None)
+                     if u not in in_region and u not in in_candidates and not _sizes_only(u)), None)
     if escaping is not None:
         return f"its intermediate {escaping.name} is read outside it: its gradient would come from there too"
     gradients_in = set()
@@ -270,6 +281,41 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
         return (f"{node.name} ({node.target}) passes {passed_on.name}'s gradient on unchanged: no backward node "
                 "computes that part of it")
     return BackwardRegion(backward, output_gradients, gradients)
+
+
+_SIZE_READS = (*SHAPE_ONLY_OPS, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
+               torch.ops.aten.sym_storage_offset.default)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.as_strided.default)
+
+
+def _add_autograd_only(candidates: list, in_candidates: set, region: Sequence[Node], readable: set, seqs: set,
+                       by_seq: dict) -> None:
+    """Add to a region's backward candidates the backward nodes of autograd-only seq_nrs between its
+    first and last that read only its backward, its values and what it may read, and at least one
+    of the first two: relu_'s backward on a view, made under seq_nrs no forward op carries. (A
+    seq_nr is also left without a forward op where an earlier fusion replaced that op, so the
+    span alone does not make a node the region's.)"""
+    low, high = min(seqs), max(seqs)
+    own = set(region)
+    orphans = sorted(n for seq in by_seq.get(AUTOGRAD_ONLY, ()) if low < seq < high for n in by_seq.get(seq, ()))
+    for node in orphans:  # graph order: a node's operands come first
+        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if tensors and all(a in in_candidates or a in own or a in readable for a in tensors) \
+                and any(a in in_candidates or a in own for a in tensors):
+            candidates.append(node)
+            in_candidates.add(node)
+    candidates.sort()
+
+
+def _sizes_only(node: Node) -> bool:
+    """Whether only the sizes of what `node` reads are read: a size query, or a view whose readers
+    read only sizes, or none (under dynamic shapes functionalisation replays an in-place op's views,
+    and the graph keeps ones only a sym_size, or nothing, reads)."""
+    if node.target in _SIZE_READS:
+        return True
+    return node.target in _VIEWS and all(_sizes_only(u) for u in node.users)
 
 
 def _carrying_a_gradient(region: Sequence[Node], seeds: Sequence[Node]) -> set:

@@ -1893,12 +1893,15 @@ def _cann_lightning_indexer_fake(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens
                 'layout_q="BSND", str layout_k="BSND", int mask_mode=0, int cmp_ratio=1,int return_value=0) -> (Tensor,'
                 " Tensor)",
          fake=_cann_lightning_indexer_fake, samples=_cann_indexer_samples,
-         python_autograd="none in the extension (it returns indices)",
+         python_autograd="none in the extension (torchtitan-npu trains V4's indexer through its fused KL-loss op)",
          capability=OpCapability(
              dtypes=HALF_DTYPES,  # q and k; w fp32
              min_rank=3,
              max_rank=4,
-             backward=None,  # returns indices: no gradient
+             backward=None,  # none in the extension
+             # the values' gradient (lightning_indexer's recognised V4 indexer in training): the rule calls
+             # npu_lightning_indexer_grad (sparse_mode 0) over the op's listed blocks
+             autograd_rule="npu_fx_fusion.patterns.lightning_indexer.CompressedLightningIndexer",
              gradient_free=True,  # the CSA form uses its int32 indices only (return_value False)
              ge_converter=False,  # graph_convert_lightning_indexer.py: the metadata op only, and it raises
              socs=_A2_A3_950,
@@ -1908,6 +1911,7 @@ def _cann_lightning_indexer_fake(q, k, w, topk, *, cu_seqlens_q=None, cu_seqlens
                  "max_topk": 2048, "large_topks": (3072, 4096, 5120, 6144, 7168, 8192),
                  "mask_modes": (0, 3), "max_cmp_ratio": 128,
                  "weights_dtype": torch.float32,
+                 "backward_op": "npu.npu_lightning_indexer_grad",
              },
              doc="deepseek_v4.md 8.2 / COT docs/zh/lightning_indexer.md: 950, A2, A3; q (B, S1, N1, 128) / (T1, N1, "
              "128), k one head, w fp32 (B, S1, N1); topk 1..2048 (+ 3072..8192); mask_mode 3 with cmp_ratio and "
