@@ -49,7 +49,9 @@ are saved for the fused attention's backward (npu_sparse_flash_attention_grad), 
 only the joint graph shows: the forward-only forms also run there (forward_forms_on_joint).
 A recognised indexer whose top-k values get a gradient (torchtitan-npu's indexer loss) is
 replaced jointly with the backward autograd made of it: npu_lightning_indexer(return_value=True),
-whose autograd brings npu_lightning_indexer_grad (see "training: the joint replacement" below).
+whose autograd brings npu_lightning_indexer_grad (see "training: the joint replacement" below);
+DeepSeek-V4's compressed one through CompressedLightningIndexer, the COT op with
+npu_lightning_indexer_grad(sparse_mode=0) as its backward.
 """
 import heapq
 import operator
