@@ -65,8 +65,8 @@ from npu_fx_fusion.constants import MaskTerm, compressed_mask_ratio, mask_mode, 
 from npu_fx_fusion.matching import (MOVES, AxisEvaluation, Form, FusionPass, NotEvaluable, Recognized,
                                    backward_nodes_by_seq, backward_region, constant_on_a_size_range, first_refused_use,
                                    formula_of, index_symbol, is_backward, is_call, is_cast, known_equal,
-                                   read_masked_scores, rearrange, region_between, scale_and_rest, size_expr,
-                                   tensor_meta)
+                                   read_masked_scores, rearrange, records_gradient, region_between, scale_and_rest,
+                                   size_expr, tensor_meta)
 
 aten = torch.ops.aten
 INDEXER = CAPABILITIES["npu.npu_lightning_indexer"]
@@ -843,11 +843,6 @@ def _compressed_sizes_reason(ratio, queries, keys):
     return None
 
 
-def _training(*tensors):
-    """Whether autograd records this call (the joint replacement of an indexer whose values get a gradient)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 class CompressedLightningIndexer(torch.autograd.Function):
     """cann_ops_transformer.lightning_indexer (mask_mode 3, cmp_ratio m, return_value) with a backward: the
     extension has none (it returns indices; torchtitan-npu trains V4's indexer through its fused KL-loss op).
@@ -908,7 +903,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
         else:
             # the op's full length T * ratio + residual is S: query i sees the blocks t < (i + 1) // ratio
             residual = torch.full((q.shape[0],), q.shape[1] - k.shape[1] * ratio, dtype=torch.int32, device=q.device)
-            if return_value and _training(q, k, w):
+            if return_value and records_gradient(q, k, w):
                 indices, scores = CompressedLightningIndexer.apply(q, k, w, count, residual, ratio)
             else:
                 indices, scores = torch.ops.cann_ops_transformer.lightning_indexer(

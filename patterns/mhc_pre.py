@@ -44,8 +44,8 @@ import torch.nn.functional as F
 
 from npu_fx_fusion.capabilities import CAPABILITIES, only_on, unsupported
 from npu_fx_fusion.matching import (MOVES, RESHAPES, Form, FusionPass, Recognized, backward_nodes_by_seq,
-                                    backward_region, is_backward, is_call, is_cast, is_joint_graph, same_function,
-                                    tensor_meta)
+                                    backward_region, is_backward, is_call, is_cast, is_joint_graph, records_gradient,
+                                    same_function, tensor_meta)
 
 aten = torch.ops.aten
 PRE_SINKHORN = CAPABILITIES["cann_ops_transformer.mhc_pre_sinkhorn"]
@@ -84,12 +84,6 @@ def _hyper_connection(iterations):
 
 
 # ---- the fused calls ----------------------------------------------------------------------
-def _training(*tensors):
-    """Whether autograd records this call (the joint replacement), so the ops must save what
-    their backward reads (out_flag / outFlag)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 class MhcPreSinkhorn(torch.autograd.Function):
     """The extension's MhcPreSinkhornFunction (COT ops/mhc_pre_sinkhorn.py): the op with
     outFlag=True forward, mhc_pre_sinkhorn_backward backward; (hin, h_post, h_res) out.
@@ -120,7 +114,7 @@ def _mhc_pre_sinkhorn(iterations):
     def replace(hidden_streams, fn, base, scale, norm_eps, hc_eps):
         b, s, n, _ = hidden_streams.shape
         args = (hidden_streams, fn.float(), scale.float(), base.float(), n, iterations, hc_eps, norm_eps)
-        if _training(hidden_streams, fn, base, scale):
+        if records_gradient(hidden_streams, fn, base, scale):
             hin, h_post, h_res = MhcPreSinkhorn.apply(*args)
         else:
             hin, h_post, h_res = torch.ops.cann_ops_transformer.mhc_pre_sinkhorn(*args, False)[:3]
@@ -133,7 +127,8 @@ def _mhc_pre_sinkhorn(iterations):
 
 def _npu_mhc_pre_then_sinkhorn(iterations):
     def replace(hidden_streams, fn, base, scale, norm_eps, hc_eps):
-        out_flag = int(_training(hidden_streams, fn, base, scale))
+        # the joint replacement: the op saves what its backward reads (out_flag)
+        out_flag = int(records_gradient(hidden_streams, fn, base, scale))
         h_in, h_post, h_res, _, _, _ = torch.ops.npu.npu_mhc_pre(
             hidden_streams, fn.float(), scale.float(), base.float(), norm_eps=norm_eps, hc_eps=hc_eps,
             out_flag=out_flag)
@@ -482,7 +477,7 @@ def _identified(name, outputs, nodes, x, fn, leaves, sizes, norm_eps, hc_eps, it
     identify; else a near miss with the closest disagreement."""
     fused = [(_mhc_pre_sinkhorn(iterations), "cann_ops_transformer.mhc_pre_sinkhorn"),
              (_npu_mhc_pre_then_sinkhorn(iterations), "npu.npu_mhc_pre")]
-    n, d = tensor_meta(x).shape[2], tensor_meta(x).shape[3]
+    n = tensor_meta(x).shape[2]
     probed_elements = math.prod(_probe_size(size) for size in tensor_meta(x).shape)
     if probed_elements > PROBE_MAX_ELEMENTS:
         return [Recognized(name, outputs, nodes, reason=(

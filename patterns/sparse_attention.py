@@ -31,7 +31,7 @@ given they are refused.
 
 Training graphs: the pass also matches on the joint forward+backward graph (differentiable
 q, k, v); the joint replacement asks the op for its lse (return_softmax_lse=True, set only
-where autograd records the call: _training), which its autograd hands to
+where autograd records the call: records_gradient), which its autograd hands to
 npu_sparse_flash_attention_grad. Under max-autotune joint sites are refused
 (_training_reason). docs/passes/sparse_attention.md, "Training graphs".
 """
@@ -44,8 +44,8 @@ import torch
 from npu_fx_fusion.capabilities import CAPABILITIES, GE_MODES, not_lowerable, unsupported
 from npu_fx_fusion.constants import sparse_mode_of
 from npu_fx_fusion.matching import (Form, FusionPass, decided_nonnegative, formula_of, index_symbol, is_backward,
-                                   is_call, is_cast, is_training_graph, known_equal, mask_mode_with_leaf, sdpa_as_on_npu,
-                                   size_expr, tensor_meta)
+                                   is_call, is_cast, is_training_graph, known_equal, mask_mode_with_leaf, records_gradient,
+                                   sdpa_as_on_npu, size_expr, tensor_meta)
 
 aten = torch.ops.aten
 SFA = CAPABILITIES["npu.npu_sparse_flash_attention"]
@@ -199,16 +199,6 @@ def sdpa_fa_given_mask(query, key, value, mask, scale):
 
 
 # ---- the fused calls -----------------------------------------------------------------------
-def _training(*tensors):
-    """Whether autograd records this call: the replacement traced on a joint graph (its
-    differentiable inputs require grad), not on an inference or forward graph.
-
-    torch_npu differentiates npu_sparse_flash_attention from its softmax_max / softmax_sum,
-    which it returns only with return_softmax_lse=True, and that flag is for training only
-    (op-plugin docs): so the joint replacement sets it and the forward-only one does not."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _sparse_flash_attention(query, key, value, indices, scale_value, sparse_mode, bsnd_out=False):
     """(B, N, S, D) in, (B, N, S, Dv) out (bsnd_out: (B, S, N, Dv)); the op works in BSND.
     The math forms scale q and k by sqrt(scale) each, the FA forms pass the scale itself."""
@@ -222,7 +212,7 @@ def _sparse_flash_attention(query, key, value, indices, scale_value, sparse_mode
     sparse_indices = indices.to(torch.int32).unsqueeze(2).expand(-1, -1, heads_kv, -1)
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
         q, k, v, sparse_indices, scale_value, layout_query="BSND", layout_kv="BSND",
-        sparse_mode=sparse_mode, return_softmax_lse=_training(query, key, value), **rope)
+        sparse_mode=sparse_mode, return_softmax_lse=records_gradient(query, key, value), **rope)
     return out if bsnd_out else out.transpose(1, 2)
 
 
@@ -282,7 +272,7 @@ def _mla_sparse_flash_attention(q_nope, q_rope, kv, k_rope, indices, scale, spar
     out, _, _ = torch.ops.npu.npu_sparse_flash_attention(
         q_nope, kv.unsqueeze(2), kv.unsqueeze(2), indices.to(torch.int32).unsqueeze(2), scale,
         query_rope=q_rope, key_rope=k_rope.unsqueeze(2), layout_query="BSND", layout_kv="BSND",
-        sparse_mode=sparse_mode, return_softmax_lse=_training(q_nope, q_rope, kv, k_rope))
+        sparse_mode=sparse_mode, return_softmax_lse=records_gradient(q_nope, q_rope, kv, k_rope))
     return out
 
 

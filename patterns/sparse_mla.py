@@ -89,7 +89,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 
 from npu_fx_fusion.constants import arange_positions_reason, band_mask_reason, evaluate_constant, hides
 from npu_fx_fusion.matching import (Form, FusionPass, formula_of, index_list_members, index_symbol, is_call, known_equal,
-                                    never, size_expr, tensor_meta)
+                                    never, records_gradient, size_expr, tensor_meta)
 
 aten = torch.ops.aten
 cot = torch.ops.cann_ops_transformer
@@ -223,12 +223,6 @@ _TORCHTITAN = frozenset(search for searches in _TT_SEARCHES for search in search
 
 
 # ---- the fused calls -------------------------------------------------------------------------
-def _training(*tensors):
-    """Whether autograd records this call (the joint replacement): then the forward returns its
-    lse for sparse_flash_mla_grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 class SparseFlashMla(torch.autograd.Function):
     """sparse_flash_mla with the backward the extension leaves to its callers (torchtitan-npu's
     npu_smla): the forward keeps its lse, the backward calls sparse_flash_mla_grad (with its own
@@ -288,7 +282,7 @@ def _sparse_flash_mla(query, kv, compressed_kv, sinks, scaling, cmp_ratio, indic
             cmp_mask_mode=3, ori_win_left=WINDOW - 1, ori_win_right=0, layout_q="BSND", layout_kv="BSND",
             has_ori_kv=True, has_cmp_kv=cmp_kv is not None)
     sinks = sinks.float()
-    if _training(query, kv, compressed_kv, sinks):
+    if records_gradient(query, kv, compressed_kv, sinks):  # the forward returns its lse for the grad op
         return SparseFlashMla.apply(q, ori_kv, cmp_kv, indices, sinks, residual, metadata, options)
     out, _ = cot.sparse_flash_mla(q, ori_kv=ori_kv, cmp_kv=cmp_kv, cmp_sparse_indices=indices,
                                   cmp_residual_kv=residual, sinks=sinks, metadata=metadata, **options)

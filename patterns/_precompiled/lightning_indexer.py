@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'b6b4560540eba1ee',
+KEY = {'torch': '2.13.0+cpu', 'sources': '1f72d80b15761a36',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

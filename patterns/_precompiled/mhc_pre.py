@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'd97f43e1dbc777fb',
+KEY = {'torch': '2.13.0+cpu', 'sources': '137763bcd885c79f',
        'backward': {'cann_ops_transformer.mhc_pre_sinkhorn': True, 'npu.npu_mhc_pre': True, 'npu.npu_mhc_sinkhorn': True}}
 
 FORMS = {

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'ae44cfcd675c8344',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'b7b4a033d85dc55b',
        'backward': {'npu.npu_sparse_flash_attention': True}}
 
 FORMS = {

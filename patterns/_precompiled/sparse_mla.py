@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': 'db4e3489bb27ab92',
+KEY = {'torch': '2.13.0+cpu', 'sources': 'ad413c1de936cfaa',
        'backward': {'cann_ops_transformer.lightning_indexer': True, 'cann_ops_transformer.lightning_indexer_metadata': True, 'cann_ops_transformer.sparse_flash_mla': True, 'cann_ops_transformer.sparse_flash_mla_metadata': True}}
 
 FORMS = {

@@ -124,6 +124,13 @@ class Site:
         return None
 
 
+def records_gradient(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether autograd records a call on `tensors` (None skipped): inside a replacement,
+    whether it is traced jointly (its differentiable inputs require grad), so its fused ops
+    must return what their backward reads, rather than on an inference or forward graph."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def is_training_graph(graph: torch.fx.Graph) -> bool:
     """A graph of a training step: the joint forward+backward graph, or the forward or the
     backward graph aot_autograd partitioned from it. aot_autograd names a training graph's

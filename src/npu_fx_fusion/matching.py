@@ -15,7 +15,8 @@ from .canonical import is_backward, is_joint_graph, same_shape
 from .channel_algebra import (ChannelGather, ChannelValue, Factor, NotEvaluable, channel_gather, channels_of,
                               SHAPE_ONLY_OPS, evaluate_around, evaluate_slice, modelled, real_tensors, region_around,
                               single_terms)
-from .forms import FinishOptions, Form, FusionPass, Reason, Recognized, Site, is_training_graph, with_arguments
+from .forms import (FinishOptions, Form, FusionPass, Reason, Recognized, Site, is_training_graph, records_gradient,
+                    with_arguments)
 from .nodes import (MOVES, RESHAPES, constant_on_a_size_range, first_refused_use, hashable, is_call, is_cast, known_equal, normalized_dims, plain_cast, tensor_meta,
                     uneven_halves, users_outside)
 # F.scaled_dot_product_attention as torch_npu's kernel records it for a SoC (the emulation's
@@ -40,7 +41,7 @@ __all__ = ["MOVES", "RESHAPES", "SHAPE_ONLY_OPS", "AxisEvaluation", "BackwardReg
            "backward_nodes_by_seq", "backward_region", "channel_gather", "channels_of", "constant_on_a_size_range", "dtype_argument", "enclosed_region", "evaluate_around", "evaluate_slice", "first_refused_use",
            "decided_nonnegative", "formula_of", "index_list_members", "index_symbol", "mask_mode_with_leaf", "never",
            "size_expr",
-           "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph",
+           "group_backend", "group_size", "hashable", "hcom_of", "is_backward", "is_call", "is_cast", "is_joint_graph", "is_training_graph", "records_gradient",
            "known_equal", "modelled", "no_communicator_reason", "normalized_dims", "plain_cast", "read_masked_scores", "real_tensors", "region_around", "same_shape",
            "rearrange", "rearrange_gradient", "region_between", "scale_and_rest", "sdpa_as_on_npu", "strip_casts", "sum_over_count", "tensor_meta",
            "same_function", "single_terms", "uneven_halves", "users_outside", "with_arguments"]
