@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -331,21 +332,29 @@ def _contiguous_copy(graph: torch.fx.Graph, user: Node, arg: Node) -> Node:
     return copy
 
 
+# What an op returned for arguments of one static layout (_fake_result_key), process-wide:
+# every decoder layer calls it with the same ones, and so does every compile of the model.
+# Either new memory, kept as its layout (_Layout: no fake tensor of an earlier compile's fake
+# mode is kept alive), or a view of the op's first argument, kept as (shape, strides, offset).
+# torch's fake mode caches neither the ops registered outside torch (a fused attention's fake
+# kernel: ~2 ms the first time in a compile) nor composite ones (a reshape that copies an
+# expanded k / v: ~1 ms each), and running even a cached view costs ~0.3 ms through the
+# interpreter. A layout is a function of the op and its arguments' layouts alone.
+_RESULTS: dict = {}
+_RESULTS_KEPT = 4096  # a bound on what a long-lived process keeps; past it, start again
+
+
 def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_mode: Any) -> None:
     """Recompute meta["val"] of the users of `changed` (nodes whose values are new), and of
     theirs, while the values differ; a view that fails becomes a reshape."""
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
-    interpreter = FakeTensorProp(gm, mode=fake_mode)
+    interpreter = None  # made when a node first has to run (it walks the whole graph)
     pending = [(order[user], user) for node in changed if node.meta.pop(LAYOUT_CHANGED, False)
                for user in node.users]
     heapq.heapify(pending)
     done: set = set()
-    # what an op returned for arguments of one layout, where that is new memory: every decoder
-    # layer calls it with the same ones. torch's fake mode caches neither the ops registered
-    # outside torch nor composite ones (a reshape that copies an expanded k / v: ~1 ms each)
-    results: dict = {}
     with fake_mode:
         while pending:
             _, node = heapq.heappop(pending)
@@ -354,9 +363,14 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
             done.add(node)
             before = node.meta.get("val")
             key = _fake_result_key(node)
-            if key is not None and key in results:
-                node.meta["val"] = fake_copy(results[key], fake_mode)
+            known = _RESULTS.get(key) if key is not None else None
+            if known is not None and known[0] == "new":
+                node.meta["val"] = _from_layout(known[1], fake_mode)
+            elif known is not None:
+                node.meta["val"] = _fake_view(node.args[0].meta["val"], known[1], fake_mode)
             else:
+                if interpreter is None:
+                    interpreter = FakeTensorProp(gm, mode=fake_mode)
                 for arg in node.all_input_nodes:
                     interpreter.env[arg] = arg.meta.get("val")
                 if node.target is aten.view_as_complex.default and not _viewable_as_complex(node.args[0]):
@@ -376,13 +390,86 @@ def _propagate_changes(gm: torch.fx.GraphModule, changed: Sequence[Node], fake_m
                     interpreter.run_node(node)
                 # (keyed by the op as it now is: a view that failed is a reshape, and another view of
                 # those layouts must fail and become one too, not take the reshape's copy)
-                key = _fake_result_key(node)
-                if key is not None and _static_layout(node.meta.get("val")) \
-                        and _new_memory(node.meta.get("val"), node.all_input_nodes):
-                    results[key] = node.meta["val"]
+                _remember_result(node)
             if not same_layout(before, node.meta.get("val")):
                 for user in node.users:
                     heapq.heappush(pending, (order[user], user))
+
+
+def _remember_result(node: Node) -> None:
+    """Keep node's value in _RESULTS where its layout is static and it is new memory (only
+    those: a view's fake value must share its base's storage) or a plain view of its first
+    argument."""
+    key = _fake_result_key(node)
+    value = node.meta.get("val")
+    if key is None or not _static_layout(value):
+        return
+    if _new_memory(value, node.all_input_nodes):
+        known = ("new", _layout_of(value))
+    else:
+        view = _view_of_first_argument(node)
+        if view is None:
+            return
+        known = ("view", view)
+    if len(_RESULTS) >= _RESULTS_KEPT:
+        _RESULTS.clear()
+    _RESULTS[key] = known
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor's shape, strides, dtype and device: what fake_copy makes a fake tensor of."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _layout_of(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return type(value)(_layout_of(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return _Layout(tuple(value.shape), value.stride(), value.dtype, value.device)
+    return value
+
+
+def _from_layout(layout: Any, fake_mode: Any) -> Any:
+    """A new fake value of `layout` (_layout_of's) in `fake_mode`, as fake_copy makes one."""
+    if isinstance(layout, (list, tuple)):
+        return type(layout)(_from_layout(v, fake_mode) for v in layout)
+    if isinstance(layout, _Layout):
+        with in_kernel_invocation_manager(fake_mode):
+            meta = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype, device="meta")
+        return FakeTensor(fake_mode, meta, layout.device)
+    return layout
+
+
+def _view_of_first_argument(node: Node) -> Optional[tuple]:
+    """(shape, strides, offset) of node's value where it is a plain view of its first
+    argument's (a view op's one tensor output on that storage, no conjugate or negative bit,
+    no gradient); None otherwise."""
+    target, value = node.target, node.meta.get("val")
+    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], Node) else None
+    if not (isinstance(target, torch._ops.OpOverload) and target.is_view  # noqa: SLF001
+            and isinstance(value, FakeTensor) and isinstance(source, FakeTensor)):
+        return None
+    if value.is_conj() or value.is_neg() or value.requires_grad or value.dtype != source.dtype \
+            or value.device != source.device \
+            or value.untyped_storage()._cdata != source.untyped_storage()._cdata:  # noqa: SLF001
+        return None
+    return tuple(value.shape), value.stride(), value.storage_offset()
+
+
+def _fake_view(source: FakeTensor, view: tuple, fake_mode: Any) -> FakeTensor:
+    """A fake view of `source`'s storage of the layout `view` (_view_of_first_argument's), as
+    the fake mode makes a cached view op's output (FakeTensorMode._get_output_tensor_from_cache_entry)."""
+    shape, stride, offset = view
+    storage = source.untyped_storage()
+    with in_kernel_invocation_manager(fake_mode):
+        meta = torch.empty_strided(shape, stride, dtype=source.dtype, device="meta")
+        meta.set_(storage, offset, shape, stride)
+    return FakeTensor(fake_mode, meta, source.device)
 
 
 def _viewable_as_complex(arg: Any) -> bool:
@@ -404,8 +491,9 @@ def _fake_result_key(node: Node) -> Optional[tuple]:
     """(target, the layouts and values of its arguments) of an op's call when every size is
     static; None otherwise. An op's result layout is a function of these alone (fake values
     hold no data; a data-dependent size is symbolic, so no key); whether the result is new
-    memory or a view of an argument too, which is why only new memory is reused
-    (_new_memory: a view's fake value must share its base's storage)."""
+    memory or a view of an argument too: new memory is reused as a fresh fake tensor of its
+    layout, a view as a view of the argument's own storage (a view's fake value must share its
+    base's storage: _remember_result)."""
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):  # noqa: SLF001
         return None

@@ -69,24 +69,28 @@ def _ensure_tensor_meta(gm: torch.fx.GraphModule, example_inputs: Optional[Seque
 def _fake_values_of_one_mode(graph: torch.fx.Graph) -> bool:
     """Every node that computes a value has one, and its fake tensors share one mode."""
     modes: set = set()
-
-    def tensors(value: Any) -> Any:
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                yield from tensors(item)
-        elif isinstance(value, FakeTensor):
-            yield value
-
     for node in graph.nodes:
         if node.op in ("output", "get_attr"):
             continue
         value = node.meta.get("val")
-        if value is None:
-            if not _returns_nothing(node):
-                return False
-            continue
-        modes.update(id(tensor.fake_mode) for tensor in tensors(value))
+        # (a node's value is mostly one tensor: tested first, without a generator per node,
+        # a third of the time on a partitioned training graph)
+        if isinstance(value, FakeTensor):
+            modes.add(id(value.fake_mode))
+        elif isinstance(value, (list, tuple)):
+            modes.update(id(tensor.fake_mode) for tensor in _fake_tensors(value))
+        elif value is None and not _returns_nothing(node):
+            return False
     return len(modes) <= 1
+
+
+def _fake_tensors(values: Sequence[Any]) -> Any:
+    """The fake tensors in a (nested) list or tuple of values."""
+    for item in values:
+        if isinstance(item, FakeTensor):
+            yield item
+        elif isinstance(item, (list, tuple)):
+            yield from _fake_tensors(item)
 
 
 def _returns_nothing(node: torch.fx.Node) -> bool:
