@@ -510,8 +510,9 @@ def _fake_result_key(node: Node) -> Optional[tuple]:
         if isinstance(value, torch.Tensor):
             if not _static_layout(value):
                 raise _Unkeyable
+            # (the conjugate and negative bits too: a view of a conjugate view is one)
             return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype,
-                    value.device, value.requires_grad)
+                    value.device, value.requires_grad, value.is_conj(), value.is_neg())
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise _Unkeyable
         hash(value)
