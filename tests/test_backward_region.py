@@ -105,3 +105,46 @@ def test_a_constant_mask_the_backward_reads_and_a_top_ks_integer_output():
     assert isinstance(region, BackwardRegion), region
     assert region.output_gradients[1] is None and region.output_gradients[0] is not None
     assert set(region.gradients) == {x, w}
+
+
+def _in_place_relu_of_a_view(x, w):
+    """LiCompute's shape: an einsum's output (a view) relu'd in place, then weighted and summed."""
+    s = torch.einsum("bshd,btd->bsht", x, w)
+    return (s.relu_() * 2.0).sum(dim=2)
+
+
+def test_in_place_relu_on_a_view_brings_its_autograd_only_backward_nodes():
+    """relu_ on a view rebases its autograd history: its backward nodes carry seq_nrs no forward
+    op has. Between the region's first and last seq_nr, reading only its backward and values,
+    they are the region's."""
+    def fn(x, w):
+        return _in_place_relu_of_a_view(x, w).sum()
+
+    graph = _joint(fn, (2, 4, 3, 5), (2, 6, 5))
+    x, w = _node(graph, "primals_1"), _node(graph, "primals_2")
+    by_seq = backward_nodes_by_seq(graph)
+    forward = [n for n in graph.nodes if n.op == "call_function" and not n.meta.get("autograd_backward")]
+    summed = [n for n in forward if n.target is torch.ops.aten.sum.dim_IntList]
+    region = forward[:forward.index(summed[0]) + 1]
+    found = backward_region(region, [x, w], summed[0], by_seq)
+    assert isinstance(found, BackwardRegion), found
+    assert set(found.gradients) == {x, w}
+    own = {n.meta.get("seq_nr") for n in region}
+    assert any(n.meta.get("seq_nr") not in own for n in found.nodes)  # the autograd-only ones
+
+
+def test_autograd_only_nodes_of_other_code_in_the_regions_span_stay_outside():
+    """sin(x) * 2 with another relu_ of a view computed between its two ops: those autograd-only
+    seq_nrs lie in the region's span, but their nodes read none of its backward or values."""
+    def fn(x, v, w):
+        a = torch.sin(x)
+        other = _in_place_relu_of_a_view(v, w)
+        return (a * 2.0).sum() + other.sum()
+
+    graph = _joint(fn, (3,), (2, 4, 3, 5), (2, 6, 5))
+    x, sin, mul = _node(graph, "primals_1"), _node(graph, "sin"), _node(graph, "mul_1")
+    assert mul.args[0] is sin, mul.format_node()
+    found = backward_region([sin, mul], [x], mul, backward_nodes_by_seq(graph))
+    assert isinstance(found, BackwardRegion), found
+    own = {sin.meta["seq_nr"], mul.meta["seq_nr"]}
+    assert all(n.meta.get("seq_nr") in own for n in found.nodes), [(n.name, n.meta.get("seq_nr")) for n in found.nodes]
