@@ -178,8 +178,10 @@ def _check_recognized(site):
         # the joint replacement emits the op with return_value=True and, through its autograd, its grad op
         reason = not_lowerable(INDEXER.backward, site.mode or GE_MODES[0])
         if reason is not None:
-            reason = (f"training: {reason}, and the op's docs support return_value (which its backward needs) in "
-                      f"graph mode only on {', '.join(INDEXER.limits['return_value_graph_socs'])}")
+            reason = f"training: {reason}"
+            if replace.ratio is None:  # (the compressed op takes return_value in no graph mode: no GE converter)
+                reason += (", and the op's docs support return_value (which its backward needs) in graph mode only "
+                           f"on {', '.join(INDEXER.limits['return_value_graph_socs'])}")
             if site.mode in GE_MODES:
                 return reason
             if site.mode is None:
@@ -843,6 +845,14 @@ def _compressed_sizes_reason(ratio, queries, keys):
     return None
 
 
+def _compressed_indexer(q, k, w, topk, residual, ratio, return_value):
+    """cann_ops_transformer.lightning_indexer under DeepSeek-V4's compressed causal mask (mask_mode 3,
+    cmp_ratio, cmp_residual_k), BSND."""
+    return torch.ops.cann_ops_transformer.lightning_indexer(
+        q, k, w, topk, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=ratio,
+        return_value=int(return_value))
+
+
 class CompressedLightningIndexer(torch.autograd.Function):
     """cann_ops_transformer.lightning_indexer (mask_mode 3, cmp_ratio m, return_value) with a backward: the
     extension has none (it returns indices; torchtitan-npu trains V4's indexer through its fused KL-loss op).
@@ -855,9 +865,7 @@ class CompressedLightningIndexer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, w, topk, residual, ratio):
-        indices, values = torch.ops.cann_ops_transformer.lightning_indexer(
-            q, k, w, topk, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3, cmp_ratio=ratio,
-            return_value=1)
+        indices, values = _compressed_indexer(q, k, w, topk, residual, ratio, return_value=True)
         ctx.save_for_backward(q, k, w, indices)
         ctx.mark_non_differentiable(indices)
         return indices, values
@@ -906,9 +914,7 @@ def _recognized_replacement(read, count, sparse_mode, return_value, value_dtype,
             if return_value and records_gradient(q, k, w):
                 indices, scores = CompressedLightningIndexer.apply(q, k, w, count, residual, ratio)
             else:
-                indices, scores = torch.ops.cann_ops_transformer.lightning_indexer(
-                    q, k, w, count, cmp_residual_k=residual, layout_q="BSND", layout_k="BSND", mask_mode=3,
-                    cmp_ratio=ratio, return_value=int(return_value))
+                indices, scores = _compressed_indexer(q, k, w, count, residual, ratio, return_value)
         indices = indices.squeeze(2)
         padded = indices < 0
         out = []

@@ -11,7 +11,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 inf = float('inf')
 
-KEY = {'torch': '2.13.0+cpu', 'sources': '1f72d80b15761a36',
+KEY = {'torch': '2.13.0+cpu', 'sources': '9c64aafb9be11dc6',
        'backward': {'npu.npu_lightning_indexer': True}}
 
 FORMS = {

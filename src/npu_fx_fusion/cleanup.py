@@ -439,9 +439,7 @@ def _from_layout(layout: Any, fake_mode: Any) -> Any:
     if isinstance(layout, (list, tuple)):
         return type(layout)(_from_layout(v, fake_mode) for v in layout)
     if isinstance(layout, _Layout):
-        with in_kernel_invocation_manager(fake_mode):
-            meta = torch.empty_strided(layout.shape, layout.stride, dtype=layout.dtype, device="meta")
-        return FakeTensor(fake_mode, meta, layout.device)
+        return _fake_tensor(fake_mode, layout.shape, layout.stride, layout.dtype, layout.device)
     return layout
 
 
@@ -465,11 +463,7 @@ def _fake_view(source: FakeTensor, view: tuple, fake_mode: Any) -> FakeTensor:
     """A fake view of `source`'s storage of the layout `view` (_view_of_first_argument's), as
     the fake mode makes a cached view op's output (FakeTensorMode._get_output_tensor_from_cache_entry)."""
     shape, stride, offset = view
-    storage = source.untyped_storage()
-    with in_kernel_invocation_manager(fake_mode):
-        meta = torch.empty_strided(shape, stride, dtype=source.dtype, device="meta")
-        meta.set_(storage, offset, shape, stride)
-    return FakeTensor(fake_mode, meta, source.device)
+    return _fake_tensor(fake_mode, shape, stride, source.dtype, source.device, (source.untyped_storage(), offset))
 
 
 def _viewable_as_complex(arg: Any) -> bool:
@@ -557,7 +551,16 @@ def fake_copy(value: Any, fake_mode: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(fake_copy(v, fake_mode) for v in value)
     if isinstance(value, torch.Tensor):
-        with in_kernel_invocation_manager(fake_mode):
-            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-        return FakeTensor(fake_mode, meta, value.device)
+        return _fake_tensor(fake_mode, value.shape, value.stride(), value.dtype, value.device)
     return value
+
+
+def _fake_tensor(fake_mode: Any, shape: Sequence, stride: Sequence, dtype: torch.dtype, device: torch.device,
+                 on_storage: Optional[tuple] = None) -> FakeTensor:
+    """A fake tensor of this layout in `fake_mode`, made as the fake mode makes its cached outputs
+    (a meta tensor wrapped); `on_storage` (storage, offset): a view of that storage."""
+    with in_kernel_invocation_manager(fake_mode):
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if on_storage is not None:
+            meta.set_(on_storage[0], on_storage[1], shape, stride)
+    return FakeTensor(fake_mode, meta, device)

@@ -16,7 +16,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .canonical import is_backward
-from .nodes import SHAPE_ONLY_OPS, tensor_meta
+from .nodes import RESHAPES, SHAPE_ONLY_OPS, tensor_meta
 from .nodes import is_call as is_call_of
 
 Node = torch.fx.Node
@@ -285,8 +285,7 @@ def backward_region(nodes: Sequence[Node], inputs: Sequence[Node], outputs: Unio
 
 _SIZE_READS = (*SHAPE_ONLY_OPS, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default,
                torch.ops.aten.sym_storage_offset.default)
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
-          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
+_VIEWS = (*RESHAPES, torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.expand.default,
           torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.as_strided.default)
 
 
